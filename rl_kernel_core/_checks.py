@@ -1,0 +1,99 @@
+"""Argument checks shared by the public ops.
+
+Every failure raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, device,
+range, value) with a message that names the argument, what was expected and what was found.
+Nothing here casts or moves tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor(name: str, value: object, *, dtypes: Optional[Sequence[torch.dtype]] = None, ndim: Optional[int] = None, min_ndim: Optional[int] = None) -> torch.Tensor:
+    """Check that ``value`` is a tensor with an allowed dtype and rank; return it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {str(value.dtype).replace('torch.', '')}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
+    if min_ndim is not None and value.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims, got shape {tuple(value.shape)}")
+    return value
+
+
+def optional_tensor(name: str, value: object, **kwargs) -> Optional[torch.Tensor]:
+    """Like :func:`tensor`, but ``None`` passes through."""
+    return None if value is None else tensor(name, value, **kwargs)
+
+
+def same_device(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """Every tensor in ``others`` must live on ``reference``'s device."""
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(f"{name} must be on {reference_name}'s device {reference.device}, got {t.device}")
+
+
+def shape(name: str, t: torch.Tensor, expected: Sequence[int], expected_text: Optional[str] = None) -> None:
+    """``t`` must have exactly shape ``expected``."""
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {expected_text or tuple(expected)}, got {tuple(t.shape)}")
+
+
+def same_shape(reference_name: str, reference: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """Every tensor in ``others`` must have ``reference``'s shape."""
+    for name, t in others.items():
+        if t is not None and t.shape != reference.shape:
+            raise ValueError(f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, got {tuple(t.shape)}")
+
+
+def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every id in ``targets`` is in ``[0, vocab)`` or equals ``ignore_index``.
+
+    Costs one device→host sync; the public ops call it because an out-of-range id would
+    otherwise read out of bounds inside a kernel.
+    """
+    if targets.numel() == 0:
+        return
+    valid = targets != ignore_index
+    if not bool(valid.any()):
+        return
+    ids = targets[valid]
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}, got range [{lo}, {hi}]")
+
+
+def positive(name: str, value: float) -> float:
+    """A finite number > 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def non_negative(name: str, value: float) -> float:
+    """A finite number >= 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def choice(name: str, value: str, allowed: Sequence[str]) -> str:
+    """``value`` must be one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    return value

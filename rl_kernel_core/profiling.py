@@ -1,0 +1,192 @@
+"""Timed regions and per-step records shared by every adapter.
+
+Usage::
+
+    from rl_kernel_core import profiling
+    profiling.enable("steps.jsonl")          # or RL_KERNEL_PROFILE=steps.jsonl
+    with profiling.region("logprob"):
+        ...
+    record = profiling.step_end(tokens=n_tokens, reward=mean_reward)
+
+On GPU a region records two CUDA events and nothing else; the events are resolved in
+:func:`step_end`, so there is one synchronisation per step, not one per region. On CPU a region
+reads the wall clock. A region entered several times in a step accumulates. When profiling is
+off, :func:`region` returns one shared no-op context manager: no allocation, no clock read.
+
+Each step record holds ``step``, ``regions`` (name -> ms), ``tokens``, ``tokens_per_s`` (tokens
+over the ``step`` region, or over the wall time since the previous step_end when there is no
+``step`` region), ``peak_vram_gib`` (CUDA only, reset each step) and every extra field the
+caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare`` reads these files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+REGION_NAMES: tuple[str, ...] = (
+    "rollout", "old_logprob", "ref_logprob", "logprob", "ratio_kl", "loss",
+    "backward", "update", "weight_sync", "step",
+)
+
+_NULL = contextlib.nullcontext()
+
+
+class _State:
+    def __init__(self) -> None:
+        self.enabled = False
+        self.path: Optional[str] = None
+        self.step = 0
+        self.cpu_ms: dict[str, float] = {}
+        self.cuda_events: list[tuple[str, Any, Any]] = []
+        self.last_step_time = time.perf_counter()
+
+
+_state = _State()
+
+
+def enable(path: Optional[str] = None) -> None:
+    """Turn profiling on; step records are appended to ``path`` (JSONL) when given."""
+    _state.enabled = True
+    _state.path = path
+    _state.step = 0
+    _state.cpu_ms.clear()
+    _state.cuda_events.clear()
+    _state.last_step_time = time.perf_counter()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def disable() -> None:
+    """Turn profiling off and drop unfinished regions."""
+    _state.enabled = False
+    _state.cpu_ms.clear()
+    _state.cuda_events.clear()
+
+
+def is_enabled() -> bool:
+    """Whether regions are being timed."""
+    return _state.enabled
+
+
+def enable_from_env() -> bool:
+    """Enable when ``RL_KERNEL_PROFILE`` is set (its value is the JSONL path, or ``1`` for none)."""
+    value = os.environ.get("RL_KERNEL_PROFILE")
+    if value and not _state.enabled:
+        enable(None if value == "1" else value)
+    return _state.enabled
+
+
+@contextlib.contextmanager
+def _timed(name: str, device: Optional[torch.device]) -> Iterator[None]:
+    if device is not None and device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end.record()
+            _state.cuda_events.append((name, start, end))
+    else:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            _state.cpu_ms[name] = _state.cpu_ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+
+def region(name: str, device: Optional[torch.device | str] = None):
+    """Context manager timing ``name`` in the current step.
+
+    ``device``: where the work runs; CUDA events are used when it is a CUDA device (default: the
+    current CUDA device when CUDA is available, else the wall clock).
+    """
+    if not _state.enabled:
+        return _NULL
+    if device is None:
+        dev = torch.device("cuda") if torch.cuda.is_available() else None
+    else:
+        dev = torch.device(device)
+    return _timed(name, dev)
+
+
+def step_end(**fields: Any) -> Optional[dict[str, Any]]:
+    """Close the step: resolve its regions, write one JSONL record, return it (None when off)."""
+    if not _state.enabled:
+        return None
+    regions = dict(_state.cpu_ms)
+    if _state.cuda_events:
+        _state.cuda_events[-1][2].synchronize()
+        for name, start, end in _state.cuda_events:
+            regions[name] = regions.get(name, 0.0) + start.elapsed_time(end)
+    now = time.perf_counter()
+    record: dict[str, Any] = {"step": fields.pop("step", _state.step), "regions": regions}
+    tokens = fields.pop("tokens", None)
+    if tokens is not None:
+        tokens = int(tokens)
+        seconds = regions["step"] / 1e3 if "step" in regions else now - _state.last_step_time
+        record["tokens"] = tokens
+        record["tokens_per_s"] = tokens / seconds if seconds > 0 else None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        record["peak_vram_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    record.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
+    if _state.path:
+        with open(_state.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    _state.step += 1
+    _state.cpu_ms.clear()
+    _state.cuda_events.clear()
+    _state.last_step_time = now
+    return record
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Step records from a JSONL file written by :func:`step_end` (blank lines skipped)."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    # linear interpolation between closest ranks, as numpy's default
+    pos = (len(sorted_values) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize_values(values: Iterable[float]) -> dict[str, float]:
+    """``{"n", "mean", "p50", "p90", "p99"}`` of ``values`` (empty input gives ``{"n": 0}``)."""
+    vals = sorted(float(v) for v in values if v is not None)
+    if not vals:
+        return {"n": 0}
+    return {
+        "n": len(vals),
+        "mean": sum(vals) / len(vals),
+        "p50": _percentile(vals, 0.5),
+        "p90": _percentile(vals, 0.9),
+        "p99": _percentile(vals, 0.99),
+    }
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per-region ms and per-scalar-field statistics over step records.
+
+    Keys are ``region/<name>`` for regions and the field name for ``tokens_per_s``,
+    ``peak_vram_gib`` and any other numeric field.
+    """
+    series: dict[str, list[float]] = {}
+    for rec in records:
+        for name, ms in rec.get("regions", {}).items():
+            series.setdefault(f"region/{name}", []).append(ms)
+        for key, value in rec.items():
+            if key in ("step", "regions") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            series.setdefault(key, []).append(value)
+    return {key: summarize_values(vals) for key, vals in series.items()}
