@@ -1,0 +1,82 @@
+"""Benchmark plumbing shared by ``rl-kernel bench`` and the scripts in ``benchmarks/``.
+
+Timing: warm-up calls first (compilation, autotuning and allocator growth stay out of the
+numbers), then ``reps`` timed calls, each bracketed by CUDA events on GPU or the wall clock on
+CPU; the median is what we quote. Memory: the peak allocated during one call minus what was
+allocated before it (CUDA allocator statistics), i.e. extra memory over the inputs.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Hardware and software facts recorded with every benchmark result."""
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "device": str(device),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as exc:  # recorded, not hidden
+        info["triton"] = f"unavailable: {type(exc).__name__}: {exc}"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["sm_count"] = props.multi_processor_count
+        info["capability"] = f"{props.major}.{props.minor}"
+    return info
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, reps: int = 10) -> dict[str, float]:
+    """Median/min/max milliseconds of ``fn()`` over ``reps`` timed calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
+
+
+def peak_extra_gib(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Peak memory allocated during ``fn()`` beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del result
+    return (peak - before) / 2**30

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up and runs every test tier. Each tier has its own cached virtual environment built by
+# scripts/env.sh from requirements/TIER.txt:
+#   core  - CPU PyTorch + Triton interpreter: tests/ except the framework tiers below
+#   verl  - the real verl on CPU:            tests/verl   (when requirements/verl.txt exists)
+#   vllm  - the real vLLM CPU engine:        tests/vllm   (when requirements/vllm.txt exists)
+# Extra arguments are passed to every pytest call (e.g. -x, -k expr).
+# pytest's exit code 5 ("no tests collected") counts as a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+status=0
+run_tier() {
+  local tier=$1; shift
+  [ -f "requirements/$tier.txt" ] || { echo "== tier $tier: no requirements/$tier.txt, skipped"; return 0; }
+  echo "== tier $tier: preparing environment"
+  local env
+  env=$(scripts/env.sh "$tier") || { echo "== tier $tier: environment set-up FAILED"; status=1; return; }
+  echo "== tier $tier: python -m pytest $*"
+  "$env/bin/python" -m pytest "$@"
+  local rc=$?
+  if [ $rc -eq 5 ]; then echo "== tier $tier: pytest collected no tests: FAILED"; status=1
+  elif [ $rc -ne 0 ]; then echo "== tier $tier: FAILED (exit $rc)"; status=1
+  else echo "== tier $tier: passed"; fi
+}
+
+run_tier core tests -q --ignore=tests/verl --ignore=tests/vllm "$@"
+[ -d tests/verl ] && run_tier verl tests/verl -q "$@"
+[ -d tests/vllm ] && run_tier vllm tests/vllm -q "$@"
+exit $status
