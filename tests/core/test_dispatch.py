@@ -1,0 +1,86 @@
+"""Backend choice: explicit backends fail loudly with a reason, auto records what it skipped."""
+
+import logging
+
+import pytest
+import torch
+
+from rl_kernel_core import dispatch
+from rl_kernel_core.dispatch import BackendUnavailableError
+
+
+@pytest.fixture
+def toy_op():
+    name = "test_toy_op"
+    dispatch.register(name, "torch")(lambda x: ("torch", x))
+    dispatch.register(name, "triton", supports=lambda x: None if x > 0 else "x must be positive")(lambda x: ("triton", x))
+    yield name
+    for backend in dispatch.BACKENDS:
+        dispatch._impls.pop((name, backend), None)
+    dispatch._preference.pop(name, None)
+    dispatch._logged.difference_update({key for key in dispatch._logged if key[0] == name})
+
+
+def test_auto_on_cpu_picks_torch_and_records_why_others_were_skipped(toy_op, caplog):
+    with caplog.at_level(logging.INFO, logger="rl_kernel"):
+        impl = dispatch.select(toy_op, "auto", torch.device("cpu"), 1)
+    assert impl(1) == ("torch", 1)
+    decision = dispatch.explain(toy_op)
+    assert decision.backend == "torch" and decision.requested == "auto"
+    assert "native" in decision.skipped and "triton" in decision.skipped
+    assert "CUDA" in decision.skipped["triton"]
+    assert any(toy_op in r.getMessage() and "backend=torch" in r.getMessage() for r in caplog.records)
+
+
+def test_choice_is_logged_once(toy_op, caplog):
+    with caplog.at_level(logging.INFO, logger="rl_kernel"):
+        for _ in range(3):
+            dispatch.select(toy_op, "auto", torch.device("cpu"), 1)
+    assert sum(toy_op in r.getMessage() for r in caplog.records) == 1
+
+
+def test_explicit_backend_that_cannot_run_raises_with_reason(toy_op):
+    with pytest.raises(BackendUnavailableError, match="triton needs CUDA tensors"):
+        dispatch.select(toy_op, "triton", torch.device("cpu"), 1)
+    with pytest.raises(BackendUnavailableError, match="native"):
+        dispatch.select(toy_op, "native", torch.device("cpu"), 1)
+
+
+def test_interpreter_allows_explicit_triton_on_cpu_and_supports_is_consulted(toy_op, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.select(toy_op, "triton", torch.device("cpu"), 2)(2) == ("triton", 2)
+    with pytest.raises(BackendUnavailableError, match="x must be positive"):
+        dispatch.select(toy_op, "triton", torch.device("cpu"), -1)
+    # auto never picks the interpreter
+    assert dispatch.select(toy_op, "auto", torch.device("cpu"), 2)(2) == ("torch", 2)
+
+
+def test_env_default_and_bad_names(toy_op, monkeypatch):
+    monkeypatch.setenv("RL_KERNEL_BACKEND", "torch")
+    assert dispatch.default_backend() == "torch"
+    assert dispatch.select(toy_op, None, torch.device("cpu"), 1)(1) == ("torch", 1)
+    monkeypatch.setenv("RL_KERNEL_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="RL_KERNEL_BACKEND"):
+        dispatch.default_backend()
+    with pytest.raises(ValueError, match="backend"):
+        dispatch.select(toy_op, "fastest", torch.device("cpu"), 1)
+
+
+def test_missing_implementation_is_named(toy_op):
+    with pytest.raises(BackendUnavailableError, match="has no torch implementation"):
+        dispatch.select("test_unregistered_op", "torch", torch.device("cpu"))
+
+
+def test_preference_order(toy_op, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dispatch.set_preference(toy_op, ("torch", "triton"))
+    assert dispatch.select(toy_op, "auto", torch.device("cpu"), 1)(1) == ("torch", 1)
+    with pytest.raises(ValueError, match="order"):
+        dispatch.set_preference(toy_op, ("gpu",))
+
+
+def test_backend_status_names_native_reason():
+    status = dispatch.backend_status()
+    assert status["torch"] is None
+    if not torch.cuda.is_available():
+        assert status["native"] and ("CPU-only" in status["native"] or "CUDA" in status["native"])
