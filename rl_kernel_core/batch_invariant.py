@@ -1,13 +1,208 @@
-"""PLACEHOLDER: being written; replace whole file."""
-def batch_invariant(*args, **kwargs):
-    raise NotImplementedError
+"""Batch-invariant mode and the batch-invariant ops: ``bi_matmul``, ``bi_linear``,
+``bi_log_softmax``, ``bi_mean`` and ``rms_norm``.
 
-def is_batch_invariant(*args, **kwargs):
-    raise NotImplementedError
+*Batch-invariant* means: a row's result is bitwise the same whatever the number of rows N in the
+call and whatever the other rows hold (see ``BITWISE_INVARIANCES`` in
+:mod:`rl_kernel_core.contract`). Plain library kernels do not promise this: they choose blocking,
+split-K and thread partitions from the call's shape, so a rollout engine running a prompt in a
+batch of 7 and a trainer recomputing it in a batch of 300 get different bits.
 
-def rms_norm(*args, **kwargs):
-    raise NotImplementedError
+The mode: :func:`set_batch_invariant_mode` (a process-wide switch, like
+``torch.use_deterministic_algorithms``), :func:`batch_invariant` (a context manager that sets it and
+restores the previous value on exit) and :func:`is_batch_invariant`. rl-kernel ops that have a
+batch-invariant path read :func:`is_batch_invariant` and take that path while it is on. The ``bi_*``
+functions and :func:`rms_norm` here are batch-invariant whether the mode is on or not: they *are*
+that path, and the ops that honour the mode build on them.
 
-def set_batch_invariant_mode(*args, **kwargs):
-    raise NotImplementedError
+Backends: ``torch`` (the reference in :mod:`rl_kernel_core.reference.batch_invariant`, on CPU and
+GPU) is the semantics oracle; it makes every library call a fixed shape (row tiles padded to a
+constant size). The fast GPU kernels for this mode come in a later issue and must give the same
+invariance. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs). Inputs are
+made contiguous first, so strided inputs give the same bits as contiguous ones.
+"""
 
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from rl_kernel_core import _checks, dispatch
+from rl_kernel_core.reference import batch_invariant as _reference  # noqa: F401  (registers the torch backend)
+
+_enabled: bool = False
+
+
+def set_batch_invariant_mode(enabled: bool) -> bool:
+    """Turn batch-invariant mode on or off for the whole process; returns the previous setting."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    previous, _enabled = _enabled, enabled
+    return previous
+
+
+def is_batch_invariant() -> bool:
+    """Whether batch-invariant mode is on."""
+    return _enabled
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Context manager: batch-invariant mode is ``enabled`` inside, the previous setting after.
+
+    Example::
+
+        with rl_kernel_core.batch_invariant():
+            logprob = rl_kernel_core.linear_logprob(hidden, weight, targets)
+    """
+    previous = set_batch_invariant_mode(enabled)
+    try:
+        yield
+    finally:
+        set_batch_invariant_mode(previous)
+
+
+def _dims(name: str, dim: Union[int, Sequence[int]], ndim: int) -> list[int]:
+    """Normalise ``dim`` (an int or a sequence of ints) to sorted, unique, non-negative dims."""
+    raw = [dim] if isinstance(dim, int) and not isinstance(dim, bool) else dim
+    if not isinstance(raw, (list, tuple)) or not raw or any(not isinstance(d, int) or isinstance(d, bool) for d in raw):
+        raise TypeError(f"{name} must be an int or a non-empty sequence of ints, got {dim!r}")
+    out = []
+    for d in raw:
+        if not -ndim <= d < ndim:
+            raise ValueError(f"{name} must be in [{-ndim}, {ndim}) for a {ndim}-D input, got {d}")
+        out.append(d % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} must not repeat a dim, got {dim!r}")
+    return sorted(out)
+
+
+def bi_matmul(a: torch.Tensor, b: torch.Tensor, *, backend: Optional[str] = "auto") -> torch.Tensor:
+    """Batch-invariant ``a @ b``.
+
+    Args:
+        a: ``[..., K]`` float32/bfloat16/float16/float64; leading dims flatten to N rows.
+        b: ``[K, M]`` in ``a``'s dtype, on ``a``'s device.
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
+
+    Returns:
+        ``[..., M]`` in ``a``'s dtype; each row bitwise independent of N and of the other rows.
+    """
+    _checks.tensor("a", a, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    _checks.tensor("b", b, dtypes=(a.dtype,), ndim=2)
+    _checks.same_device("a", a, b=b)
+    k = a.shape[-1]
+    _checks.shape("b", b, (k, b.shape[1]), f"[K={k}, M]")
+    a2d = a.reshape(-1, k).contiguous()
+    b = b.contiguous()
+    impl = dispatch.select("bi_matmul", backend, a.device, a2d, b)
+    return impl(a2d, b).reshape(*a.shape[:-1], b.shape[1])
+
+
+def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, backend: Optional[str] = "auto") -> torch.Tensor:
+    """Batch-invariant ``torch.nn.functional.linear``: ``x @ weight.T + bias``.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16/float64; leading dims flatten to N rows.
+        weight: ``[M, K]`` in ``x``'s dtype. bias: ``[M]`` in ``x``'s dtype, or None.
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
+
+    Returns:
+        ``[..., M]`` in ``x``'s dtype; each row bitwise independent of N and of the other rows.
+    """
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    _checks.tensor("weight", weight, dtypes=(x.dtype,), ndim=2)
+    _checks.optional_tensor("bias", bias, dtypes=(x.dtype,), ndim=1)
+    _checks.same_device("x", x, weight=weight, bias=bias)
+    k = x.shape[-1]
+    _checks.shape("weight", weight, (weight.shape[0], k), f"[M, K={k}]")
+    if bias is not None:
+        _checks.shape("bias", bias, (weight.shape[0],), f"[M={weight.shape[0]}]")
+        bias = bias.contiguous()
+    x2d = x.reshape(-1, k).contiguous()
+    weight = weight.contiguous()
+    impl = dispatch.select("bi_linear", backend, x.device, x2d, weight, bias)
+    return impl(x2d, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def bi_log_softmax(x: torch.Tensor, dim: int = -1, *, backend: Optional[str] = "auto") -> torch.Tensor:
+    """Batch-invariant ``torch.log_softmax(x, dim)``.
+
+    Args:
+        x: float32/bfloat16/float16/float64 tensor, at least 1-D.
+        dim: the dim to normalise over; every other dim indexes independent rows.
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
+
+    Returns:
+        ``x``'s shape and dtype; accumulated in fp32 (fp64 for fp64 inputs). Each slice along
+        ``dim`` is bitwise independent of the sizes and values of the other dims.
+    """
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    (d,) = _dims("dim", dim, x.dim())
+    moved = x.movedim(d, -1)
+    rows = moved.reshape(-1, moved.shape[-1]).contiguous()
+    impl = dispatch.select("bi_log_softmax", backend, x.device, rows)
+    return impl(rows).reshape(moved.shape).movedim(-1, d)
+
+
+def bi_mean(x: torch.Tensor, dim: Union[int, Sequence[int]], keepdim: bool = False, *, backend: Optional[str] = "auto") -> torch.Tensor:
+    """Batch-invariant ``torch.mean(x, dim, keepdim)``.
+
+    Args:
+        x: float32/bfloat16/float16/float64 tensor, at least 1-D.
+        dim: an int or a non-empty sequence of ints: the dims to average over; every other dim
+            indexes independent rows.
+        keepdim: keep the reduced dims with size 1.
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
+
+    Returns:
+        The mean in ``x``'s dtype, accumulated in fp32 (fp64 for fp64 inputs); each output element is
+        bitwise independent of the sizes and values of the other (kept) dims. An empty reduction
+        gives NaN, as in torch.
+    """
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    if not isinstance(keepdim, bool):
+        raise TypeError(f"keepdim must be a bool, got {type(keepdim).__name__}")
+    dims = _dims("dim", dim, x.dim())
+    kept = [d for d in range(x.dim()) if d not in dims]
+    kept_shape = [x.shape[d] for d in kept]
+    rows = x.permute(kept + dims).reshape(math.prod(kept_shape), math.prod(x.shape[d] for d in dims)).contiguous()
+    impl = dispatch.select("bi_mean", backend, x.device, rows)
+    out = impl(rows).reshape(kept_shape)
+    if keepdim:
+        for d in dims:
+            out = out.unsqueeze(d)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: Optional[str] = "auto") -> torch.Tensor:
+    """RMSNorm: ``x * rsqrt(mean(x**2, -1) + eps) * weight``, batch-invariant in or out of the mode.
+
+    Args:
+        x: ``[..., H]`` float32/bfloat16/float16/float64; leading dims flatten to N rows; H >= 1.
+        weight: ``[H]`` float (any float dtype; it is upcast to the accumulation dtype).
+        eps: finite number >= 0 added to the mean square.
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
+
+    Returns:
+        ``x``'s shape and dtype. Computed in fp32 (fp64 for fp64 ``x``): the mean square, the
+        reciprocal square root and the product with ``weight`` all in that dtype, then one rounding
+        to ``x``'s dtype. (Hugging Face's Llama RMSNorm rounds to ``x``'s dtype before multiplying
+        by the weight; the two differ only by that extra rounding.) Each row's result is bitwise
+        independent of N and of the other rows. Differentiable in ``x`` and ``weight``.
+    """
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    _checks.tensor("weight", weight, dtypes=_checks.FLOAT_DTYPES, ndim=1)
+    _checks.same_device("x", x, weight=weight)
+    h = x.shape[-1]
+    if h == 0:
+        raise ValueError(f"x's last dim H must be >= 1, got shape {tuple(x.shape)}")
+    _checks.shape("weight", weight, (h,), f"[H={h}]")
+    eps = _checks.non_negative("eps", eps)
+    x2d = x.reshape(-1, h).contiguous()
+    weight = weight.contiguous()
+    impl = dispatch.select("rms_norm", backend, x.device, x2d, weight, eps)
+    return impl(x2d, weight, eps).reshape(x.shape)

@@ -1,4 +1,161 @@
-"""PLACEHOLDER: being written; replace whole file."""
-def sample(*args, **kwargs):
-    raise NotImplementedError
+"""Token sampling with vLLM's filters, per-row seeds that make a row's draw independent of its
+batch, and the log-prob a trainer recomputes.
 
+Public op: :func:`sample`. It validates its arguments, turns every parameter into a per-row tensor
+on ``logits``' device, draws per-row seeds from ``generator`` (or the global RNG) when none are
+given, returns empty results for B = 0 without calling a backend, and otherwise runs the
+implementation chosen by :func:`rl_kernel_core.dispatch.select`.
+
+Backend contract (what ``@dispatch.register("sample", backend)`` implementations receive)::
+
+    impl(logits, temperature, seeds, top_k, top_p, min_p) -> (tokens [B] int64, logprobs [B] fp32)
+
+    logits      [B, V]  float32 / bfloat16 / float16 / float64, B >= 1, V >= 1, contiguous
+    temperature [B]     float32, >= 0 (0: greedy)
+    seeds       [B]     int64
+    top_k       [B]     int64 in [1, V], or None (no top-k)
+    top_p       [B]     float64 in (0, 1], or None (no top-p)
+    min_p       [B]     float32 in [0, 1), or None (no min-p)
+
+The semantics every backend must reproduce are stated in :mod:`rl_kernel_core.reference.sampling`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from rl_kernel_core import _checks, dispatch
+from rl_kernel_core.reference import sampling as _reference  # noqa: F401  (registers the torch backend)
+
+Param = Union[int, float, torch.Tensor, None]
+
+
+def _row_param(name: str, value: Union[int, float, torch.Tensor], logits: torch.Tensor, dtypes: tuple[torch.dtype, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """A Python number or a ``[B]`` tensor as a ``[B]`` tensor of ``out_dtype`` on logits' device."""
+    b = logits.shape[0]
+    if isinstance(value, torch.Tensor):
+        _checks.tensor(name, value, dtypes=dtypes, ndim=1)
+        _checks.same_device("logits", logits, **{name: value})
+        _checks.shape(name, value, (b,), f"[B={b}]")
+        return value.to(out_dtype)
+    return torch.full((b,), value, dtype=out_dtype, device=logits.device)
+
+
+def _number(name: str, value: object, integer: bool) -> None:
+    kind = int if integer else (int, float)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        expected = "an int or an int64/int32 tensor [B]" if integer else "a number or a float tensor [B]"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+
+
+def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: float, lo_open: bool, hi_open: bool) -> None:
+    """Every value in the interval (NaN never is); a tensor costs one device->host sync."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 0:
+            return
+        both = torch.stack([value.min(), value.max()]).to(torch.float64).tolist()
+        low, high = both
+    else:
+        low = high = float(value)
+    ok = (low > lo if lo_open else low >= lo) and (high < hi if hi_open else high <= hi)
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        found = f"{low}" if not isinstance(value, torch.Tensor) else f"values in [{low}, {high}]"
+        raise ValueError(f"{name} must lie in {interval}, got {found}")
+
+
+def _validated(name: str, value: Param, logits: torch.Tensor, *, integer: bool, lo: float, hi: float, lo_open: bool, hi_open: bool, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``value`` checked (type, dtype, shape, device, range) and returned as a ``[B]`` tensor, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        _number(name, value, integer)
+    dtypes = _checks.INDEX_DTYPES if integer else _checks.FLOAT_DTYPES
+    t = _row_param(name, value, logits, dtypes, out_dtype)
+    _in_range(name, value, lo, hi, lo_open, hi_open)
+    return t
+
+
+def _seeds(seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], logits: torch.Tensor) -> torch.Tensor:
+    b = logits.shape[0]
+    if seeds is not None:
+        if generator is not None:
+            raise ValueError("generator must be None when seeds are given (the seeds alone decide the draw), got a torch.Generator")
+        _checks.tensor("seeds", seeds, dtypes=(torch.int64,), ndim=1)
+        _checks.same_device("logits", logits, seeds=seeds)
+        _checks.shape("seeds", seeds, (b,), f"[B={b}]")
+        return seeds
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != logits.device.type:
+            raise ValueError(f"generator must be on logits' device type {logits.device.type}, got {generator.device}")
+    info = torch.iinfo(torch.int64)
+    return torch.randint(info.min, info.max, (b,), generator=generator, device=logits.device, dtype=torch.int64)
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    top_k: Union[int, torch.Tensor, None] = None,
+    top_p: Union[float, torch.Tensor, None] = None,
+    min_p: Union[float, torch.Tensor, None] = None,
+    seeds: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+    backend: Optional[str] = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` and return it with its log-prob.
+
+    Filtering follows vLLM (V1 sampler and Model Runner V2): temperature, then min-p, then top-k,
+    then top-p, each on what the previous kept (top-k/top-p ties at the threshold are kept). The
+    exact definitions are in :mod:`rl_kernel_core.reference.sampling`.
+
+    Args:
+        logits: ``[B, V]`` float32/bfloat16/float16/float64 (upcast to fp32; fp64 is rounded to fp32).
+        temperature: a number >= 0 or a float tensor ``[B]``; a row with temperature 0 is greedy
+            (argmax of its logits, the first index among ties; filters do not apply).
+        top_k: None, an int >= 1 or an int64/int32 tensor ``[B]`` of values >= 1; a value >= V
+            keeps every token.
+        top_p: None, a number in (0, 1] or a float tensor ``[B]``; 1 keeps every token.
+        min_p: None, a number in [0, 1) or a float tensor ``[B]``; 0 keeps every token.
+        seeds: int64 ``[B]``, or None. With seeds, row ``b``'s token depends only on
+            ``logits[b]``, its parameters and ``seeds[b]`` (never on B, its position or the other
+            rows), bit for bit, and is the same on every device up to the last bit of a log; fold
+            the position into the seed when sampling a sequence step by step.
+        generator: used only without ``seeds``: one seed per row is drawn from it (or from the
+            global RNG of ``logits``' device when None), then sampling proceeds as with seeds.
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto), ``"native"``,
+            ``"triton"`` or ``"torch"``; see :mod:`rl_kernel_core.dispatch`.
+
+    Returns:
+        ``(tokens, logprobs)``: ``tokens`` int64 ``[B]``; ``logprobs`` fp32 ``[B]``, the sampled
+        token's log-prob under the FULL tempered distribution ``log_softmax(fp32(logits) / T)``
+        before any top-k/top-p/min-p filtering (what a trainer recomputes from the same logits);
+        greedy rows use ``T = 1``. Nothing is differentiable.
+
+    Raises:
+        TypeError: a wrong type or dtype (names the argument, expected and found).
+        ValueError: a wrong shape, device, value range, an empty vocab, or both ``seeds`` and
+            ``generator``. Tensor parameters are range-checked with one host sync each.
+        rl_kernel_core.BackendUnavailableError: an explicit ``backend`` cannot run these inputs.
+    """
+    _checks.tensor("logits", logits, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    b, v = logits.shape
+    if v == 0:
+        raise ValueError(f"logits must have at least one vocab column, got shape {tuple(logits.shape)}")
+    temp = _validated("temperature", temperature, logits, integer=False, lo=0.0, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.float32)
+    k = _validated("top_k", top_k, logits, integer=True, lo=1, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.int64)
+    p = _validated("top_p", top_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=True, hi_open=False, out_dtype=torch.float64)
+    mp = _validated("min_p", min_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=False, hi_open=True, out_dtype=torch.float32)
+    s = _seeds(seeds, generator, logits)
+    if b == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(0, dtype=torch.float32, device=logits.device)
+    logits = logits.contiguous()
+    if k is not None:
+        k = k.clamp(max=v)
+    impl = dispatch.select("sample", backend, logits.device, logits, temp, s, k, p, mp)
+    with torch.no_grad():
+        return impl(logits, temp, s, k, p, mp)

@@ -1,0 +1,118 @@
+"""Plain-PyTorch reference of ``sample`` (backend ``torch``): the semantics oracle.
+
+For one row with logits ``l [V]``, temperature ``T``, filters and a 64-bit ``seed``:
+
+1. Greedy rows (``T == 0``): ``token = argmax l`` (the first index among equal maxima).
+2. Otherwise ``x = fp32(l) / T`` (one IEEE division per element, in fp32).
+3. Filters, in vLLM's order (``vllm/v1/worker/gpu/sample/sampler.py`` and
+   ``vllm/v1/sample/sampler.py`` both apply temperature, then min-p, then top-k and top-p
+   together, top-k first), each acting on what the previous ones kept:
+
+   * min-p: keep ``x_i >= max x + log(min_p)``, i.e. ``p_i >= min_p * max p`` (fp32, as vLLM).
+   * top-k: keep ``x_i >= `` the k-th largest kept value (ties at the threshold are all kept).
+   * top-p: over the kept tokens renormalised (fp64), sorted by decreasing probability, keep the
+     shortest prefix whose mass reaches ``top_p`` (a token is kept when the mass strictly before
+     it is ``< top_p``; the most likely token always is), plus every token tying with its last
+     value, so the kept set does not depend on how a sort orders equal values.
+
+4. Draw: Gumbel-max, ``token = argmax over kept i of (x_i + g_i)`` with ``g_i = -log(-log u_i)``
+   in fp64, which samples exactly from ``softmax(x)`` restricted to the kept set. The uniforms
+   ``u_i`` come from a counter-based hash, not a stateful generator: SplitMix64 with state
+   ``mix64(seed)``, ``u_i = (top 52 bits of mix64(mix64(seed) + (i + 1) * 0x9E3779B97F4A7C15) + 0.5)
+   / 2**52`` in ``(0, 1)``, where ``mix64`` is SplitMix64's finaliser. So a row's draw depends on
+   its own logits, parameters and seed only, on every device (integer math is exact). Callers
+   that sample several positions of one sequence fold the position into the seed.
+5. ``logprob = log_softmax(x)[token]`` in fp32 over the full vocab before any filter, with
+   ``T = 1`` for greedy rows.
+
+Every row-wise step runs in fixed-shape row tiles
+(:func:`rl_kernel_core.reference.batch_invariant.row_tiled`), so the tokens and the log-prob bits
+of a row do not depend on the batch size or the row's position either.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rl_kernel_core import dispatch
+from rl_kernel_core.reference.batch_invariant import row_tiled
+
+
+def _signed(value: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GAMMA = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` on int64 is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (uint64 arithmetic mod 2**64 on the same bits)."""
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def uniforms(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` fp64 uniforms in ``(0, 1)``: entry ``[b, i]`` is a function of ``(seeds[b], i)`` only."""
+    ids = torch.arange(1, vocab + 1, device=seeds.device, dtype=torch.int64)
+    z = mix64(mix64(seeds)[:, None] + ids[None, :] * _GAMMA)
+    return (_shift_right(z, 12).to(torch.float64) + 0.5) * 2.0**-52
+
+
+def _keep_mask(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The kept-token mask ``[B, V]`` for tempered fp32 logits ``x`` (None: every token is kept)."""
+    keep = None
+    if min_p is not None:
+        keep = x >= x.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    if top_k is None and top_p is None:
+        return keep
+    masked = x if keep is None else x.masked_fill(~keep, float("-inf"))
+    vals = masked.sort(dim=-1, descending=True).values
+    threshold = torch.full_like(x[:, :1], float("-inf"))
+    if top_k is not None:
+        kth = vals.gather(1, (top_k.clamp(1, x.shape[1]) - 1)[:, None])
+        vals = vals.masked_fill(vals < kth, float("-inf"))
+        threshold = kth
+    if top_p is not None:
+        probs = torch.softmax(vals.to(torch.float64), dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs
+        count = ((before < top_p[:, None]) & torch.isfinite(vals)).sum(dim=-1).clamp(min=1)
+        last = vals.gather(1, (count - 1)[:, None])
+        last = last.masked_fill(top_p[:, None] >= 1.0, float("-inf"))
+        threshold = torch.maximum(threshold, last)
+    above = x >= threshold
+    return above if keep is None else keep & above
+
+
+def _sample_tile(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    greedy = temperature == 0
+    x = logits.to(torch.float32) / torch.where(greedy, 1.0, temperature)[:, None]
+    logprobs = torch.log_softmax(x, dim=-1)
+    score = x.to(torch.float64) - torch.log(-torch.log(uniforms(seeds, x.shape[1])))
+    keep = _keep_mask(x, top_k, top_p, min_p)
+    if keep is not None:
+        score = score.masked_fill(~keep, float("-inf"))
+    tokens = torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+@dispatch.register("sample", "torch")
+def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded sampling of ``logits [B, V]``; see the module docstring for the exact semantics."""
+    filters = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+    present = [name for name, value in filters.items() if value is not None]
+
+    def tile(lg: torch.Tensor, t: torch.Tensor, s: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _sample_tile(lg, t, s, **dict(zip(present, values)))
+
+    return row_tiled(tile, logits, temperature, seeds, *(filters[name] for name in present))

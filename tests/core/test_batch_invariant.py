@@ -1,0 +1,202 @@
+"""Batch-invariant mode and ops: the switch, bitwise invariance across N and row position,
+accuracy against fp64 formulas written here, gradients, strided/empty inputs, bad input.
+
+Invariance is asserted with torch.equal (bit for bit); accuracy with rl_kernel_core.contract. Ops
+whose output stays in a bf16/fp16 input dtype are rounded once to that dtype after the contract's
+fp32-accumulation error, so :func:`_assert_close_in_dtype` adds one unit in the last place of that
+dtype (``torch.finfo(dtype).eps * |expected|``) to the contract bound.
+"""
+
+import pytest
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core import contract
+from rl_kernel_core.batch_invariant import bi_linear, bi_log_softmax, bi_matmul, bi_mean
+from rl_kernel_core.dispatch import BackendUnavailableError, explain
+
+SIZES = (1, 7, 64, 300)
+LOW = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _assert_close_in_dtype(actual, expected, op_class, dtype, name):
+    tol = contract.tolerance(op_class, dtype)
+    a, e = actual.double(), expected.double()
+    bound = tol.atol + (tol.rtol + torch.finfo(dtype).eps) * e.abs()
+    err = (a - e).abs()
+    assert bool(torch.isfinite(a).all()), f"{name}: non-finite values"
+    assert bool((err <= bound).all()), f"{name}: worst error {float((err - bound).max()):.3g} above the {op_class}/{dtype} bound"
+
+
+def _assert_rows_invariant(fn, x, sizes=SIZES):
+    """fn on the first n rows equals the first n rows of fn on all rows, and on a row permutation."""
+    full = fn(x)
+    for n in sizes:
+        assert torch.equal(fn(x[:n]), full[:n]), f"rows changed at N={n}"
+    perm = torch.randperm(x.shape[0])
+    assert torch.equal(fn(x[perm]), full[perm]), "rows changed when moved to other positions"
+
+
+def test_mode_switch_and_context_manager():
+    rk.set_batch_invariant_mode(False)
+    assert rk.is_batch_invariant() is False
+    with rk.batch_invariant():
+        assert rk.is_batch_invariant() is True
+        with rk.batch_invariant(False):
+            assert rk.is_batch_invariant() is False
+        assert rk.is_batch_invariant() is True
+    assert rk.is_batch_invariant() is False
+    with pytest.raises(KeyError):
+        with rk.batch_invariant():
+            raise KeyError("inside")
+    assert rk.is_batch_invariant() is False
+    assert rk.set_batch_invariant_mode(True) is False
+    assert rk.set_batch_invariant_mode(False) is True
+    with pytest.raises(TypeError, match="enabled"):
+        rk.set_batch_invariant_mode(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bi_matmul_and_linear_rows_are_bitwise_invariant(seed, dtype):
+    k, m = 384, 1000
+    a = torch.randn(max(SIZES), k).to(dtype)
+    b = torch.randn(k, m).to(dtype)
+    w, bias = torch.randn(m, k).to(dtype), torch.randn(m).to(dtype)
+    _assert_rows_invariant(lambda t: bi_matmul(t, b), a)
+    _assert_rows_invariant(lambda t: bi_linear(t, w, bias), a)
+    with rk.batch_invariant():
+        assert torch.equal(bi_matmul(a[:7], b), bi_matmul(a, b)[:7])
+
+
+@pytest.mark.parametrize("width", [1000, 40000])
+def test_bi_log_softmax_mean_and_rms_norm_rows_are_bitwise_invariant(seed, width):
+    x = torch.randn(max(SIZES), width) * 3
+    weight = torch.randn(width)
+    _assert_rows_invariant(lambda t: bi_log_softmax(t), x)
+    _assert_rows_invariant(lambda t: bi_mean(t, -1), x)
+    _assert_rows_invariant(lambda t: rk.rms_norm(t, weight), x)
+    # the rows along another dim: slices over dim 0 of a [width, N] layout
+    xt = x.t().contiguous()
+    full = bi_mean(xt, 0)
+    for n in SIZES:
+        assert torch.equal(bi_mean(xt[:, :n], 0), full[:n])
+        assert torch.equal(bi_log_softmax(xt[:, :n], dim=0), bi_log_softmax(xt, dim=0)[:, :n])
+
+
+def test_rms_norm_leading_dims_and_mode_do_not_change_bits(seed):
+    h = 256
+    x = torch.randn(3, 50, h).to(torch.bfloat16)
+    weight = torch.randn(h)
+    flat = rk.rms_norm(x.reshape(-1, h), weight)
+    assert torch.equal(rk.rms_norm(x, weight).reshape(-1, h), flat)
+    with rk.batch_invariant():
+        assert torch.equal(rk.rms_norm(x, weight).reshape(-1, h), flat)
+    assert torch.equal(rk.rms_norm(x[1], weight), flat[50:100])
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_ops_match_fp64_formulas(seed, dtype):
+    n, k, m = 45, 200, 300
+    a, b = torch.randn(n, k).to(dtype), torch.randn(k, m).to(dtype)
+    w, bias = torch.randn(m, k).to(dtype), torch.randn(m).to(dtype)
+    _assert_close_in_dtype(bi_matmul(a, b), a.double() @ b.double(), "attention", dtype, "bi_matmul")
+    _assert_close_in_dtype(bi_linear(a, w, bias), a.double() @ w.double().t() + bias.double(), "attention", dtype, "bi_linear")
+    x = (torch.randn(4, n, m) * 3).to(dtype)
+    x64 = x.double()
+    lse = x64.exp().sum(dim=1, keepdim=True).log()
+    out = bi_log_softmax(x, dim=1)
+    assert out.dtype == dtype and out.shape == x.shape
+    _assert_close_in_dtype(out, x64 - lse, "logprob", dtype, "bi_log_softmax")
+    mean = bi_mean(x, (0, 2), keepdim=True)
+    assert mean.shape == (1, n, 1)
+    _assert_close_in_dtype(mean, x64.sum(dim=(0, 2), keepdim=True) / (4 * m), "reduction", dtype, "bi_mean")
+    weight = torch.randn(m)
+    eps = 1e-5
+    expected = x64 / (x64.pow(2).sum(dim=-1, keepdim=True) / m + eps).sqrt() * weight.double()
+    y = rk.rms_norm(x, weight, eps)
+    assert y.dtype == dtype and y.shape == x.shape
+    _assert_close_in_dtype(y, expected, "reduction", dtype, "rms_norm")
+
+
+def test_rms_norm_gradients(seed):
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda xx, ww: rk.rms_norm(xx, ww, 1e-6), (x, weight))
+    n, h = 37, 96
+    x32 = torch.randn(n, h, requires_grad=True)
+    w32 = torch.randn(h, requires_grad=True)
+    upstream = torch.randn(n, h)
+    gx, gw = torch.autograd.grad(rk.rms_norm(x32, w32), (x32, w32), upstream)
+    x64 = x32.detach().double().requires_grad_()
+    w64 = w32.detach().double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    ex, ew = torch.autograd.grad(y64, (x64, w64), upstream.double())
+    contract.assert_close(gx, ex, "gradient", torch.float32, name="dx")
+    contract.assert_close(gw, ew, "gradient", torch.float32, name="dweight")
+
+
+def test_strided_inputs_give_the_same_bits(seed):
+    storage = torch.randn(128, 70)
+    strided = storage.t()[:, 3:67]  # [70, 64], non-contiguous
+    dense = strided.contiguous()
+    weight = torch.randn(64)
+    b = torch.randn(64, 50)
+    assert torch.equal(rk.rms_norm(strided, weight), rk.rms_norm(dense, weight))
+    assert torch.equal(bi_matmul(strided, b), bi_matmul(dense, b))
+    assert torch.equal(bi_matmul(dense, b.t().contiguous().t()), bi_matmul(dense, b))
+    assert torch.equal(bi_log_softmax(strided), bi_log_softmax(dense))
+
+
+def test_empty_rows(seed):
+    assert rk.rms_norm(torch.randn(0, 16), torch.randn(16)).shape == (0, 16)
+    assert bi_matmul(torch.randn(2, 0, 8), torch.randn(8, 5)).shape == (2, 0, 5)
+    assert bi_mean(torch.randn(0, 4), -1).shape == (0,)
+
+
+def test_dispatch_records_torch_and_refuses_unavailable_backends(seed):
+    x, weight = torch.randn(4, 8), torch.randn(8)
+    rk.rms_norm(x, weight, backend="torch")
+    assert explain("rms_norm").backend == "torch"
+    bi_matmul(x, torch.randn(8, 3))
+    assert explain("bi_matmul").backend == "torch"
+    with pytest.raises(BackendUnavailableError, match="rms_norm"):
+        rk.rms_norm(x, weight, backend="triton")
+
+
+_BAD = [
+    ("rms_norm int x", lambda: rk.rms_norm(torch.ones(2, 4, dtype=torch.int64), torch.randn(4)), TypeError, "x"),
+    ("rms_norm empty H", lambda: rk.rms_norm(torch.randn(2, 0), torch.randn(0)), ValueError, "x"),
+    ("rms_norm weight shape", lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(5)), ValueError, "weight"),
+    ("rms_norm weight 2-D", lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(1, 4)), ValueError, "weight"),
+    ("rms_norm weight device", lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(4, device="meta")), ValueError, "weight"),
+    ("rms_norm eps", lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(4), eps=-1e-6), ValueError, "eps"),
+    ("bi_matmul K", lambda: bi_matmul(torch.randn(2, 4), torch.randn(5, 3)), ValueError, "b"),
+    ("bi_matmul dtype", lambda: bi_matmul(torch.randn(2, 4), torch.randn(4, 3, dtype=torch.float64)), TypeError, "b"),
+    ("bi_matmul 0-d", lambda: bi_matmul(torch.tensor(1.0), torch.randn(1, 3)), ValueError, "a"),
+    ("bi_linear bias", lambda: bi_linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4)), ValueError, "bias"),
+    ("bi_linear weight K", lambda: bi_linear(torch.randn(2, 4), torch.randn(3, 5)), ValueError, "weight"),
+    ("bi_log_softmax dim range", lambda: bi_log_softmax(torch.randn(2, 4), dim=2), ValueError, "dim"),
+    ("bi_log_softmax dim type", lambda: bi_log_softmax(torch.randn(2, 4), dim=1.0), TypeError, "dim"),
+    ("bi_mean repeated dim", lambda: bi_mean(torch.randn(2, 4), (1, -1)), ValueError, "dim"),
+    ("bi_mean keepdim", lambda: bi_mean(torch.randn(2, 4), 1, keepdim=1), TypeError, "keepdim"),
+]
+
+
+@pytest.mark.parametrize("case", _BAD, ids=[c[0] for c in _BAD])
+def test_bad_input_names_the_argument(case):
+    _, call, error, name = case
+    with pytest.raises(error, match=name):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rows_are_bitwise_invariant(seed, dtype):
+    k, m = 896, 4096
+    a = torch.randn(max(SIZES), k, device="cuda").to(dtype)
+    b = torch.randn(k, m, device="cuda").to(dtype)
+    weight = torch.randn(k, device="cuda")
+    _assert_rows_invariant(lambda t: bi_matmul(t, b), a)
+    _assert_rows_invariant(lambda t: rk.rms_norm(t, weight), a)
+    _assert_rows_invariant(lambda t: bi_log_softmax(t), a @ b)
+    _assert_rows_invariant(lambda t: bi_mean(t, -1), a)

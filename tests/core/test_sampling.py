@@ -1,0 +1,310 @@
+"""``sample``: log-probs, filters, greedy, seeded batch invariance, distribution, bad input.
+
+Expected values come from formulas written here independently (fp64 numpy for the allowed sets and
+the filtered distributions, a pure-Python SplitMix64 for the hash); tolerances come from
+rl_kernel_core.contract. Statistical checks use fixed sampler seeds and a bound of mean + 6 standard
+deviations of the statistic under the correct sampler, so they are deterministic for given logits
+and fail only for a real error.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core import contract
+from rl_kernel_core.dispatch import BackendUnavailableError, explain
+from rl_kernel_core.reference import sampling as ref
+
+SIGMAS = 6.0  # width of the statistical acceptance bounds, in standard deviations
+
+
+def _random_seeds(n: int) -> torch.Tensor:
+    info = torch.iinfo(torch.int64)
+    return torch.randint(info.min, info.max, (n,), dtype=torch.int64)
+
+
+def _splitmix_uniform(seed: int, i: int) -> float:
+    """Pure-Python SplitMix64 (uint64 arithmetic), the spec of ref.uniforms."""
+    mask = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    z = mix((mix(seed & mask) + (i + 1) * 0x9E3779B97F4A7C15) & mask)
+    return ((z >> 12) + 0.5) / 2.0**52
+
+
+def _allowed(logits_row: np.ndarray, t: float, top_k, top_p, min_p) -> tuple[np.ndarray, np.ndarray]:
+    """Independent fp64 spec: (allowed token ids, their renormalised probabilities)."""
+    z = logits_row.astype(np.float64) / t
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    idx = np.arange(p.size)
+    if min_p is not None:
+        idx = idx[p[idx] >= min_p * p.max()]
+    if top_k is not None:
+        kth = np.sort(p[idx])[::-1][min(top_k, idx.size) - 1]
+        idx = idx[p[idx] >= kth]
+    if top_p is not None and top_p < 1.0:
+        q = p[idx] / p[idx].sum()
+        mass, last = 0.0, None
+        for j in np.argsort(-q, kind="stable"):
+            if mass >= top_p:
+                break
+            mass += q[j]
+            last = q[j]
+        idx = idx[q >= last]
+    q = p[idx] / p[idx].sum()
+    return idx, q
+
+
+def _row_params(b: int, kind: str, v: int) -> dict:
+    """Random per-row (tensor) or scalar filter parameters for ``b`` rows."""
+    if kind == "scalars":
+        return {"temperature": 0.8, "top_k": int(torch.randint(2, v, ()).item()), "top_p": 0.7, "min_p": 0.05}
+    params = {"temperature": torch.rand(b) * 1.5 + 0.3}
+    if kind in ("top_k", "all"):
+        params["top_k"] = torch.randint(1, v + 5, (b,))
+    if kind in ("top_p", "all"):
+        params["top_p"] = torch.rand(b) * 0.95 + 0.05
+    if kind in ("min_p", "all"):
+        params["min_p"] = torch.rand(b) * 0.5
+    return params
+
+
+def _row_value(value, i: int):
+    if value is None:
+        return None
+    return value[i].item() if isinstance(value, torch.Tensor) else value
+
+
+def test_registered_and_dispatched_to_torch(seed):
+    logits = torch.randn(3, 11)
+    rk.sample(logits, seeds=_random_seeds(3), backend="torch")
+    assert explain("sample").backend == "torch"
+    with pytest.raises(BackendUnavailableError, match="sample"):
+        rk.sample(logits, seeds=_random_seeds(3), backend="triton")
+
+
+def test_hash_matches_pure_python_splitmix(seed):
+    seeds = torch.cat([_random_seeds(6), torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
+    u = ref.uniforms(seeds, 37)
+    for b, s in enumerate(seeds.tolist()):
+        expected = torch.tensor([_splitmix_uniform(s, i) for i in range(37)], dtype=torch.float64)
+        assert torch.equal(u[b], expected)
+    assert bool(((u > 0) & (u < 1)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logprobs_are_full_tempered_log_softmax_at_the_token(seed, dtype):
+    b, v = 96, 1000
+    logits = (torch.randn(b, v) * 3).to(dtype)
+    temperature = torch.rand(b) * 1.5 + 0.3
+    temperature[::7] = 0.0  # greedy rows: log-prob at temperature 1
+    tokens, logprobs = rk.sample(logits, temperature=temperature, top_k=50, top_p=0.9, min_p=0.01, seeds=_random_seeds(b))
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    t64 = torch.where(temperature == 0, 1.0, temperature).double()
+    full = torch.log_softmax(logits.double() / t64[:, None], dim=-1)
+    contract.assert_close(logprobs, full.gather(1, tokens[:, None]).squeeze(1), "logprob", dtype, name="logprobs")
+
+
+@pytest.mark.parametrize("kind", ["top_k", "top_p", "min_p", "all", "scalars"])
+def test_filters_never_sample_outside_the_allowed_set(seed, kind):
+    rows, draws, v = 192, 16, 48
+    logits = torch.randn(rows, v) * 2
+    params = _row_params(rows, kind, v)
+    rep = {k: (x.repeat_interleave(draws) if isinstance(x, torch.Tensor) else x) for k, x in params.items()}
+    tokens, _ = rk.sample(logits.repeat_interleave(draws, dim=0), seeds=_random_seeds(rows * draws), **rep)
+    tokens = tokens.view(rows, draws)
+    filtered_rows = 0
+    for r in range(rows):
+        t = _row_value(params["temperature"], r)
+        allowed, _ = _allowed(logits[r].numpy(), t, _row_value(params.get("top_k"), r), _row_value(params.get("top_p"), r), _row_value(params.get("min_p"), r))
+        filtered_rows += allowed.size < v
+        drawn = set(tokens[r].tolist())
+        assert drawn <= set(allowed.tolist()), f"row {r}: drew {sorted(drawn - set(allowed.tolist()))} outside the allowed set"
+    assert filtered_rows > rows // 2, "the filters removed tokens in too few rows for the test to mean anything"
+
+
+def test_greedy_rows_are_argmax(seed):
+    b, v = 64, 500
+    logits = torch.randn(b, v)
+    logits[5, [3, 400]] = logits[5].max() + 1.0  # a tie: the first index wins
+    tokens, _ = rk.sample(logits, temperature=0.0, top_k=3, top_p=0.5)
+    assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[5].item() == 3
+    temperature = torch.rand(b) + 0.5
+    temperature[::3] = 0.0
+    tokens, _ = rk.sample(logits, temperature=temperature, seeds=_random_seeds(b))
+    greedy = temperature == 0
+    assert torch.equal(tokens[greedy], logits.argmax(dim=-1)[greedy])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seeded_row_does_not_depend_on_batch_size_or_position(seed, dtype):
+    v, small = 3000, 7
+    logits = (torch.randn(small, v) * 2).to(dtype)
+    params = _row_params(small, "all", v)
+    seeds = _random_seeds(small)
+    tokens, logprobs = rk.sample(logits, seeds=seeds, **params)
+    for n in (1, 64, 300):
+        for r in range(small):
+            pos = int(torch.randint(n, ()))
+            big_logits = (torch.randn(n, v) * 2).to(dtype)
+            big_logits[pos] = logits[r]
+            big = _row_params(n, "all", v)
+            for k in big:
+                big[k][pos] = params[k][r]
+            big_seeds = _random_seeds(n)
+            big_seeds[pos] = seeds[r]
+            t_big, lp_big = rk.sample(big_logits, seeds=big_seeds, **big)
+            assert t_big[pos].item() == tokens[r].item(), f"N={n}, row {r} at {pos}: token changed"
+            assert torch.equal(lp_big[pos], logprobs[r]), f"N={n}, row {r} at {pos}: logprob bits changed"
+
+
+def test_same_seeds_repeat_and_different_seeds_differ(seed):
+    b, v = 256, 1000
+    logits = torch.randn(b, v)
+    seeds = _random_seeds(b)
+    first, lp_first = rk.sample(logits, seeds=seeds)
+    again, lp_again = rk.sample(logits, seeds=seeds)
+    assert torch.equal(first, again) and torch.equal(lp_first, lp_again)
+    other, _ = rk.sample(logits, seeds=seeds + 1)
+    # Under a correct sampler two independent draws of row b agree with probability sum_i p_bi^2.
+    collide = torch.softmax(logits.double(), dim=-1).pow(2).sum(dim=-1)
+    bound = collide.sum() + SIGMAS * (collide * (1 - collide)).sum().sqrt()
+    assert (first == other).sum().item() <= bound.item()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"temperature": 0.6, "top_k": 5},
+        {"temperature": 1.4, "top_p": 0.8, "min_p": 0.03},
+        {"temperature": 0.9, "top_k": 7, "top_p": 0.9, "min_p": 0.02},
+    ],
+    ids=["plain", "temp-topk", "temp-topp-minp", "all"],
+)
+@pytest.mark.parametrize("source", ["seeds", "generator"])
+def test_draw_frequencies_follow_the_filtered_distribution(seed, params, source):
+    v, draws = 12, 20000
+    row = torch.randn(v) * 1.5
+    logits = row.expand(draws, v)
+    if source == "seeds":
+        tokens, _ = rk.sample(logits, seeds=torch.arange(draws, dtype=torch.int64), **params)
+    else:
+        tokens, _ = rk.sample(logits, generator=torch.Generator().manual_seed(1234), **params)
+    allowed, q = _allowed(row.numpy(), params.get("temperature", 1.0), params.get("top_k"), params.get("top_p"), params.get("min_p"))
+    counts = torch.bincount(tokens, minlength=v).double().numpy()
+    outside = np.setdiff1d(np.nonzero(counts)[0], allowed)
+    assert outside.size == 0, f"drew tokens {outside.tolist()} outside the allowed set {allowed.tolist()}"
+    dof = allowed.size - 1
+    if dof == 0:
+        return
+    expected = q * draws
+    chi2 = float(((counts[allowed] - expected) ** 2 / expected).sum())
+    assert chi2 <= dof + SIGMAS * math.sqrt(2 * dof), f"chi-square {chi2:.1f} with {dof} dof: counts {counts[allowed]} vs expected {expected.round(1)}"
+
+
+def test_scalars_and_per_row_tensors_agree(seed):
+    b, v = 40, 300
+    logits = torch.randn(b, v)
+    seeds = _random_seeds(b)
+    scalar = rk.sample(logits, temperature=0.7, top_k=20, top_p=0.85, min_p=0.02, seeds=seeds)
+    per_row = rk.sample(
+        logits,
+        temperature=torch.full((b,), 0.7),
+        top_k=torch.full((b,), 20, dtype=torch.int32),
+        top_p=torch.full((b,), 0.85, dtype=torch.float64),
+        min_p=torch.full((b,), 0.02),
+        seeds=seeds,
+    )
+    assert torch.equal(scalar[0], per_row[0]) and torch.equal(scalar[1], per_row[1])
+
+
+def test_generator_and_global_rng_are_reproducible(seed):
+    b, v = 128, 500
+    logits = torch.randn(b, v)
+    a = rk.sample(logits, generator=torch.Generator().manual_seed(7))
+    c = rk.sample(logits, generator=torch.Generator().manual_seed(7))
+    d = rk.sample(logits, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a[0], c[0]) and not torch.equal(a[0], d[0])
+    torch.manual_seed(seed)
+    e = rk.sample(logits)
+    torch.manual_seed(seed)
+    f = rk.sample(logits)
+    assert torch.equal(e[0], f[0])
+
+
+def test_empty_batch_and_strided_logits(seed):
+    tokens, logprobs = rk.sample(torch.randn(0, 10), top_k=torch.empty(0, dtype=torch.int64))
+    assert tokens.shape == (0,) and tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    b, v = 33, 200
+    storage = torch.randn(v, b)
+    seeds = _random_seeds(b)
+    strided = rk.sample(storage.t(), temperature=0.9, top_p=0.9, seeds=seeds)
+    dense = rk.sample(storage.t().contiguous(), temperature=0.9, top_p=0.9, seeds=seeds)
+    assert torch.equal(strided[0], dense[0]) and torch.equal(strided[1], dense[1])
+
+
+def _bad_cases():
+    b, v = 4, 10
+    meta = torch.empty(b, device="meta")
+    return [
+        ("list logits", lambda lg: rk.sample([[0.0]]), TypeError, "logits"),
+        ("int logits", lambda lg: rk.sample(lg.long()), TypeError, "logits"),
+        ("1-D logits", lambda lg: rk.sample(lg[0]), ValueError, "logits"),
+        ("empty vocab", lambda lg: rk.sample(lg[:, :0]), ValueError, "logits"),
+        ("negative temperature", lambda lg: rk.sample(lg, temperature=-0.5), ValueError, "temperature"),
+        ("string temperature", lambda lg: rk.sample(lg, temperature="hot"), TypeError, "temperature"),
+        ("nan temperature row", lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, float("nan"), 1.0, 1.0])), ValueError, "temperature"),
+        ("temperature shape", lambda lg: rk.sample(lg, temperature=torch.ones(b + 1)), ValueError, "temperature"),
+        ("temperature device", lambda lg: rk.sample(lg, temperature=meta), ValueError, "temperature"),
+        ("top_k zero", lambda lg: rk.sample(lg, top_k=0), ValueError, "top_k"),
+        ("top_k float", lambda lg: rk.sample(lg, top_k=2.5), TypeError, "top_k"),
+        ("top_k float tensor", lambda lg: rk.sample(lg, top_k=torch.ones(b)), TypeError, "top_k"),
+        ("top_k zero row", lambda lg: rk.sample(lg, top_k=torch.tensor([1, 0, 2, 3])), ValueError, "top_k"),
+        ("top_p zero", lambda lg: rk.sample(lg, top_p=0.0), ValueError, "top_p"),
+        ("top_p above one", lambda lg: rk.sample(lg, top_p=1.5), ValueError, "top_p"),
+        ("top_p row", lambda lg: rk.sample(lg, top_p=torch.tensor([0.5, 0.0, 0.5, 0.5])), ValueError, "top_p"),
+        ("min_p one", lambda lg: rk.sample(lg, min_p=1.0), ValueError, "min_p"),
+        ("min_p negative", lambda lg: rk.sample(lg, min_p=-0.1), ValueError, "min_p"),
+        ("seeds int32", lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int32)), TypeError, "seeds"),
+        ("seeds shape", lambda lg: rk.sample(lg, seeds=torch.zeros(b + 1, dtype=torch.int64)), ValueError, "seeds"),
+        ("seeds device", lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int64, device="meta")), ValueError, "seeds"),
+        ("seeds and generator", lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int64), generator=torch.Generator()), ValueError, "generator"),
+        ("generator type", lambda lg: rk.sample(lg, generator=3), TypeError, "generator"),
+        ("backend name", lambda lg: rk.sample(lg, backend="cuda"), ValueError, "backend"),
+    ], (b, v)
+
+
+_CASES, _SHAPE = _bad_cases()
+
+
+@pytest.mark.parametrize("case", _CASES, ids=[c[0] for c in _CASES])
+def test_bad_input_names_the_argument(seed, case):
+    _, call, error, name = case
+    logits = torch.randn(*_SHAPE)
+    with pytest.raises(error, match=name):
+        call(logits)
+
+
+@pytest.mark.gpu
+def test_cuda_seeded_draws_match_cpu_and_are_batch_invariant(seed):
+    b, v = 64, 5000
+    logits = torch.randn(b, v) * 2
+    params = _row_params(b, "all", v)
+    seeds = _random_seeds(b)
+    cpu_tokens, cpu_lp = rk.sample(logits, seeds=seeds, **params)
+    cuda = {k: x.cuda() for k, x in params.items()}
+    tokens, lp = rk.sample(logits.cuda(), seeds=seeds.cuda(), **cuda)
+    assert torch.equal(tokens.cpu(), cpu_tokens)
+    contract.assert_close(lp, cpu_lp.double(), "logprob", torch.float32, name="cuda logprobs")
+    for n in (1, 7):
+        t_n, lp_n = rk.sample(logits[:n].cuda(), seeds=seeds[:n].cuda(), **{k: x[:n] for k, x in cuda.items()})
+        assert torch.equal(t_n, tokens[:n]) and torch.equal(lp_n, lp[:n])
