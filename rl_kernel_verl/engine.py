@@ -1,0 +1,278 @@
+"""Hooks on one switched-on verl engine instance (``FSDPEngineWithLMHead``).
+
+:func:`install` shadows five methods *on the instance* (verl's classes are never modified, so an
+engine whose model config has the switch off, in the same process, runs verl's code as is):
+
+* ``_build_module``: after verl builds the model, binds :func:`rl_kernel_verl.forward.causal_lm_forward`
+  to it (before FSDP wraps it).
+* ``forward_step``: per micro-batch, routes it to the rl-kernel path (verl's fused-kernel branch,
+  fed by our forward) when the adapter can serve it, and runs :func:`rl_kernel_verl.loss.ppo_loss`
+  in place of verl's ``ppo_loss``. A micro-batch it cannot serve (per-sample temperatures, Σπ²,
+  top-k distillation) runs verl's own path; that is logged once per reason and counted in the
+  metrics, and is an error in strict mode.
+* ``prepare_model_inputs``: passes the request (entropy or not) to the forward and, without
+  ``use_remove_padding``, the next-token labels verl's logits path uses.
+* ``train_batch`` / ``infer_batch``: close a profiling step and add the timings and the backends
+  used to the metrics verl returns (``update_actor``, ``compute_log_prob``, ``compute_ref_log_prob``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from rl_kernel_core import dispatch, profiling
+from rl_kernel_verl import forward, loss, targets
+
+logger = logging.getLogger("rl_kernel.verl")
+
+METRIC_PREFIX = "rl_kernel/"
+_OPS_BY_REGION = {"logprob": "linear_logprob", "loss": "policy_loss"}
+_RELIED_ON = ("prepare_model_outputs",)
+"""Methods not hooked but relied on (their fused-kernel branch); an engine overriding them is unsupported."""
+
+
+@dataclass
+class EngineState:
+    """What the adapter did to one engine: its hooks, loss and micro-batch routing."""
+
+    role: str
+    strict: bool
+    hooks: dict[str, str] = field(default_factory=dict)
+    forward: str = "model not built yet"
+    loss: str = "no loss seen yet"
+    served: int = 0
+    fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    call_fallbacks: int = 0
+    loss_cache: dict[int, tuple[Callable, Callable]] = field(default_factory=dict)
+
+
+_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning("rl_kernel_verl: %s", message)
+
+
+def _fallback(state: EngineState, reason: str) -> None:
+    if state.strict:
+        raise RuntimeError(f"rl_kernel_verl (strict): {reason}; this would run verl's own path")
+    _log_once(f"{reason}: running verl's own path for it")
+
+
+def unsupported_reason(engine: Any, engine_cls: type) -> Optional[str]:
+    """Why this engine cannot be hooked, or None."""
+    kind = type(engine)
+    if not isinstance(engine, engine_cls):
+        return f"engine {kind.__name__} is not an {engine_cls.__name__} (rl-kernel hooks verl's FSDP engine)"
+    for name in targets.ENGINE_METHODS + _RELIED_ON:
+        if getattr(kind, name) is not getattr(engine_cls, name):
+            return f"engine {kind.__name__} overrides {name}"
+    model_type = getattr(engine.model_config, "model_type", "language_model")
+    if model_type != "language_model":
+        return f"model_type={model_type!r} (rl-kernel serves language models)"
+    return None
+
+
+def install(engine: Any, *, strict: bool) -> bool:
+    """Hook ``engine`` (idempotent). Returns whether its hooks are live.
+
+    A missing verl target or an unsupported engine leaves the engine on verl's path with a
+    warning, or raises in strict mode.
+    """
+    if isinstance(engine.__dict__.get("_rl_kernel"), EngineState):
+        return True
+    try:
+        engine_cls = targets.resolve(targets.ENGINE_CLASS)
+        for path in (targets.VERL_PPO_LOSS, targets.PPO_OUTPUT, targets.PADDING, targets.METRIC, targets.AGGREGATION):
+            targets.resolve(path)
+        for name in targets.ENGINE_METHODS + _RELIED_ON:
+            targets.resolve(f"{targets.ENGINE_CLASS}.{name}")
+    except targets.TargetMissing as exc:
+        targets.missing(exc, strict=strict, consequence="this engine runs verl's own path")
+        return False
+    reason = unsupported_reason(engine, engine_cls)
+    if reason is not None:
+        if strict:
+            raise RuntimeError(f"rl_kernel_verl (strict): use_rl_kernel_backend is set but {reason}")
+        _log_once(f"use_rl_kernel_backend is set but {reason}; the rl-kernel backend is OFF for this engine")
+        return False
+    role = "ref" if getattr(engine.engine_config, "forward_only", False) else "actor"
+    state = EngineState(role=role, strict=strict)
+    engine._rl_kernel = state
+    for name, make in (
+        ("_build_module", _hook_build_module),
+        ("prepare_model_inputs", _hook_prepare_model_inputs),
+        ("forward_step", _hook_forward_step),
+        ("train_batch", _hook_train_batch),
+        ("infer_batch", _hook_infer_batch),
+    ):
+        setattr(engine, name, make(engine, state, getattr(engine, name)))
+        state.hooks[name] = "live"
+    _engines.add(engine)
+    if not profiling.is_enabled() and not profiling.enable_from_env():
+        profiling.enable(None)
+    logger.info("rl_kernel_verl: %s engine: log-probs from hidden states via linear_logprob, loss via policy_loss", role)
+    return True
+
+
+def _hook_build_module(engine: Any, state: EngineState, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _build_module():
+        module = original()
+        reason = forward.unsupported_reason(module)
+        if reason is None:
+            forward.install(module)
+            state.forward = "live"
+        else:
+            state.forward = reason
+            _fallback(state, f"use_rl_kernel_backend is set but {reason}")
+        return module
+
+    return _build_module
+
+
+def _route_reason(micro_batch: Any) -> Optional[str]:
+    """Why this micro-batch must take verl's own path, or None when rl-kernel serves it."""
+    tu = targets.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
+    if isinstance(micro_batch["temperature"], torch.Tensor):
+        return "per-sample temperature tensors"
+    for flag in ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only"):
+        if tu(data=micro_batch, key=flag, default=False):
+            return f"{flag}=True"
+    return None
+
+
+def _loss_for(state: EngineState, loss_function: Optional[Callable]) -> Optional[Callable]:
+    """rl-kernel's ``ppo_loss`` in place of verl's, when the actor config is one it implements."""
+    if loss_function is None:
+        return None
+    cached = state.loss_cache.get(id(loss_function))
+    if cached is not None and cached[0] is loss_function:
+        return cached[1]
+    verl_ppo_loss = targets.resolve(targets.VERL_PPO_LOSS)
+    replacement = loss_function
+    if isinstance(loss_function, functools.partial) and loss_function.func is verl_ppo_loss:
+        reason = loss.unsupported_reason(loss_function.keywords["config"])
+        if reason is None:
+            replacement = functools.partial(loss.ppo_loss, *loss_function.args, **loss_function.keywords)
+            state.loss = "rl_kernel ppo_loss"
+        else:
+            state.loss = f"verl ppo_loss: {reason}"
+            _fallback(state, f"actor loss with {reason}")
+    else:
+        name = getattr(getattr(loss_function, "func", loss_function), "__qualname__", repr(loss_function))
+        state.loss = f"verl {name} (not ppo_loss)"
+    state.loss_cache[id(loss_function)] = (loss_function, replacement)
+    return replacement
+
+
+def _hook_forward_step(engine: Any, state: EngineState, original: Callable) -> Callable:
+    assign = targets.resolve("verl.utils.tensordict_utils:assign_non_tensor")
+
+    @functools.wraps(original)
+    def forward_step(micro_batch, loss_function, forward_only):
+        reason = _route_reason(micro_batch)
+        if reason is None and state.forward != "live":
+            reason = f"model forward not hooked ({state.forward})"
+        if reason is None:
+            micro_batch = micro_batch.copy()
+            assign(micro_batch, use_fused_kernels=True, rl_kernel_route=True)
+            state.served += 1
+        else:
+            _fallback(state, reason)
+            state.fallbacks[reason] += 1
+            state.call_fallbacks += 1
+        return original(micro_batch, loss_function=_loss_for(state, loss_function), forward_only=forward_only)
+
+    return forward_step
+
+
+def _hook_prepare_model_inputs(engine: Any, state: EngineState, original: Callable) -> Callable:
+    get = targets.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
+
+    @functools.wraps(original)
+    def prepare_model_inputs(micro_batch):
+        model_inputs, output_args = original(micro_batch)
+        if get(data=micro_batch, key="rl_kernel_route", default=False):
+            model_inputs["rl_kernel"] = forward.Request(
+                return_entropy=bool(get(data=micro_batch, key="calculate_entropy", default=False))
+            )
+            if not get(data=micro_batch, key="use_remove_padding", default=True):
+                # verl's logits path labels token t with the next token of the *packed* batch;
+                # give the padded forward the same labels (only the last token of each sequence
+                # differs from rolling the padded rows, and it is never used by the loss).
+                rolled = torch.nested.nested_tensor_from_jagged(
+                    output_args["input_ids_rmpad_rolled"], micro_batch["input_ids"].offsets()
+                )
+                model_inputs["shift_labels"] = torch.nested.to_padded_tensor(
+                    rolled, padding=0, output_size=tuple(model_inputs["input_ids"].shape)
+                )
+        return model_inputs, output_args
+
+    return prepare_model_inputs
+
+
+def _add_metrics(state: EngineState, outputs: Any, pass_name: str) -> None:
+    record = profiling.step_end(rl_kernel_pass=pass_name, role=state.role)
+    fallbacks, state.call_fallbacks = state.call_fallbacks, 0
+    if not isinstance(outputs, dict) or not isinstance(outputs.get("metrics"), dict) or record is None:
+        return
+    metrics = outputs["metrics"]
+    for region, ms in record["regions"].items():
+        metrics[f"{METRIC_PREFIX}{region}_ms"] = float(ms)
+        op = _OPS_BY_REGION.get(region)
+        decision = dispatch.explain(op) if op else None
+        if decision is not None:
+            metrics[f"{METRIC_PREFIX}backend/{op}/{decision.backend}"] = 1.0
+    metrics[f"{METRIC_PREFIX}fallback_micro_batches"] = float(fallbacks)
+
+
+def _hook_train_batch(engine: Any, state: EngineState, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def train_batch(data, loss_function):
+        outputs = original(data, loss_function)
+        _add_metrics(state, outputs, "train")
+        return outputs
+
+    return train_batch
+
+
+def _hook_infer_batch(engine: Any, state: EngineState, original: Callable) -> Callable:
+    pass_name = "ref_logprob" if state.role == "ref" else "old_logprob"
+
+    @functools.wraps(original)
+    def infer_batch(data, loss_function=None):
+        with profiling.region(pass_name):
+            outputs = original(data, loss_function)
+        _add_metrics(state, outputs, pass_name)
+        return outputs
+
+    return infer_batch
+
+
+def engines_status() -> list[dict[str, Any]]:
+    """One entry per live switched-on engine: role, hooks, forward, loss, micro-batch routing."""
+    out = []
+    for engine in list(_engines):
+        state: EngineState = engine.__dict__["_rl_kernel"]
+        out.append({
+            "engine": f"{type(engine).__name__}@{id(engine):#x}",
+            "role": state.role,
+            "strict": state.strict,
+            "hooks": dict(state.hooks),
+            "forward": state.forward,
+            "loss": state.loss,
+            "micro_batches_served": state.served,
+            "micro_batches_on_verl_path": dict(state.fallbacks),
+        })
+    return out

@@ -1,0 +1,133 @@
+"""The causal-LM forward a switched-on engine's model runs: hidden states → ``linear_logprob``.
+
+It returns what verl's fused-kernel branch of ``FSDPEngineWithLMHead.prepare_model_outputs``
+reads (``CausalLMOutputForPPO`` with ``log_probs`` and ``entropy``), so verl keeps doing all the
+unpadding, sequence-parallel gathering and nesting; no ``[N, V]`` logits tensor is formed.
+
+The forward is bound to the model *instance* (the class is left alone). It only takes the
+rl-kernel path when the engine hook passes a :class:`Request` (the ``rl_kernel`` keyword);
+without one it calls the class's own forward, so a micro-batch the adapter does not serve runs
+exactly verl's code.
+
+LM head under FSDP: verl's FSDP2 wraps an untied ``lm_head`` as its own FSDP unit, so outside
+that unit's forward its weight is a sharded ``DTensor`` (verl issue 5633). Reading the weight
+directly would bypass FSDP's all-gather and its gradient reduce-scatter. The head computation is
+therefore run *as the head module's forward* (:func:`_run_as_forward`): FSDP unshards the weight
+before it, reshards after, and reduces the weight's gradient exactly as for a normal call (FSDP1
+and FSDP2, tied or untied). A weight that is still a ``DTensor`` inside that call (a tensor-
+parallel plan, not FSDP) is gathered with ``full_tensor()``, which is differentiable.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from rl_kernel_core import linear_logprob, profiling
+from rl_kernel_verl import targets
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the engine hook asks the forward for (passed as the ``rl_kernel`` keyword)."""
+
+    return_entropy: bool
+
+
+def unsupported_reason(module: torch.nn.Module) -> Optional[str]:
+    """Why this model cannot take the rl-kernel forward, or None when it can.
+
+    Supported: text causal LMs built as ``model`` (the decoder returning hidden states) plus a
+    linear ``lm_head`` (Qwen2/Qwen3/Llama/Mistral style). Vision-language models are not.
+    """
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "vision_config", None) is not None:
+        return f"{type(module).__name__} is a vision-language model"
+    head = getattr(module, "lm_head", None)
+    if not isinstance(getattr(module, "model", None), torch.nn.Module) or head is None:
+        return f"{type(module).__name__} has no .model/.lm_head pair"
+    if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
+        return f"{type(module).__name__}.lm_head has no 2-D weight"
+    return None
+
+
+def install(module: torch.nn.Module) -> None:
+    """Bind the rl-kernel forward to ``module`` (an instance attribute; idempotent)."""
+    if isinstance(module.__dict__.get("forward"), types.MethodType) and module.__dict__["forward"].__func__ is causal_lm_forward:
+        return
+    module.forward = types.MethodType(causal_lm_forward, module)
+
+
+def is_installed(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (or the module FSDP1 wraps) carries the rl-kernel forward."""
+    inner = getattr(module, "_fsdp_wrapped_module", module)
+    bound = inner.__dict__.get("forward")
+    return isinstance(bound, types.MethodType) and bound.__func__ is causal_lm_forward
+
+
+def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Request] = None, **kwargs: Any):
+    """Decoder → hidden states → per-token log-probs (and entropies) of the shifted labels.
+
+    Keyword arguments are those verl's fused branch passes: ``input_ids [B, T]`` (or ``[1, nnz]``
+    packed), ``attention_mask``, ``position_ids``, ``temperature`` (float), ``shift_labels``
+    (the next-token ids verl prepared; ``torch.roll(input_ids, -1)`` when absent). Returns
+    ``CausalLMOutputForPPO`` with ``log_probs`` and ``entropy`` of ``input_ids``' shape (fp32).
+    """
+    if rl_kernel is None:
+        return type(self).forward(self, *args, **kwargs)
+    if args:
+        raise TypeError("the rl-kernel forward takes keyword arguments only (verl passes them by name)")
+    output_type = targets.resolve(targets.PPO_OUTPUT)
+    input_ids = kwargs.pop("input_ids")
+    temperature = float(kwargs.pop("temperature", 1.0))
+    shift_labels = kwargs.pop("shift_labels", None)
+    for unused in ("labels", "return_dict", "use_cache", "logits_to_keep", "past_key_values"):
+        kwargs.pop(unused, None)
+    outputs = self.model(input_ids=input_ids, use_cache=False, **kwargs)
+    hidden = outputs[0]
+    labels = shift_labels if shift_labels is not None else torch.roll(input_ids, shifts=-1, dims=-1)
+    with profiling.region("logprob", hidden.device):
+        log_probs, entropy = _run_as_forward(self.lm_head, _head_logprob, hidden, labels, temperature, rl_kernel.return_entropy)
+    return output_type(log_probs=log_probs, entropy=entropy, hidden_states=getattr(outputs, "hidden_states", None))
+
+
+def _head_logprob(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool):
+    """The head's work inside its (FSDP-managed) forward: layout and dtype, then ``linear_logprob``."""
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if isinstance(weight, torch.distributed.tensor.DTensor):
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if isinstance(bias, torch.distributed.tensor.DTensor) else bias
+    device_type = hidden.device.type
+    # Under verl's mixed-precision autocast the logits path runs the head in the autocast dtype;
+    # take the same operands, then keep autocast away from linear_logprob's fp32 accumulation.
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = weight.dtype
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device_type, enabled=False):
+        out = linear_logprob(hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=return_entropy)
+    return out if return_entropy else (out, None)
+
+
+def _run_as_forward(head: torch.nn.Module, fn, *args):
+    """Call ``fn(inner, *args)`` as ``head``'s forward so FSDP's hooks wrap it like a real call.
+
+    ``inner`` is the module whose parameters ``fn`` reads: ``head`` itself (plain module or
+    FSDP2 ``fully_shard``), or the module an FSDP1 wrapper holds.
+    """
+    inner = getattr(head, "_fsdp_wrapped_module", head)
+    had_forward = "forward" in inner.__dict__
+    saved = inner.__dict__.get("forward")
+    inner.forward = types.MethodType(lambda mod, *a: fn(mod, *a), inner)
+    try:
+        return head(*args)
+    finally:
+        if had_forward:
+            inner.forward = saved
+        else:
+            del inner.forward

@@ -1,0 +1,93 @@
+"""The user switch: where it lives in verl's config, how it is read, and typo warnings.
+
+The switch is a key of the model config's free-form ``fused_kernel_options`` dict, which verl's
+Hydra schema leaves open (the actor, ref and model dataclasses reject unknown keys)::
+
+    +actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True
+
+The model config is shared by the actor and the reference policy, so the switch covers the
+actor update, the old-log-prob pass and the reference pass. ``rl_kernel_strict=True`` beside it
+(or ``RL_KERNEL_VERL_STRICT=1`` in the environment) turns every fallback into an error.
+
+A key that looks like the switch but is not it (``use_rl_kernel``, ``use_rl_kernel_backends``,
+the switch put in ``override_config``...) is reported with a loud warning: the backend stays off,
+and the warning says so, instead of silently running verl's path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from rl_kernel_verl import targets
+
+logger = logging.getLogger("rl_kernel.verl")
+
+SWITCH_KEY = "use_rl_kernel_backend"
+STRICT_KEY = "rl_kernel_strict"
+OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{SWITCH_KEY}=True"
+_OUR_KEYS = (SWITCH_KEY, STRICT_KEY)
+_VERL_KEYS = ("impl_backend",)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """What the config asks for: ``on`` (use the rl-kernel backend) and ``strict``."""
+
+    on: bool
+    strict: bool
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"fused_kernel_options.{name} must be true or false, got {value!r} ({type(value).__name__})")
+
+
+def _looks_like_ours(key: str) -> bool:
+    squashed = re.sub(r"[^a-z]", "", key.lower())
+    if "rlkernel" in squashed or "rlkernal" in squashed:
+        return True
+    return bool(difflib.get_close_matches(key, _OUR_KEYS, n=1, cutoff=0.75))
+
+
+def _warn(message: str) -> None:
+    logger.warning("rl_kernel_verl: %s", message)
+
+
+def read(model_config: Any) -> Switch:
+    """Read the switch from a verl model config (``HFModelConfig`` or a mapping).
+
+    Warns loudly about keys that resemble the switch but are not it, and about the switch placed
+    in ``override_config`` (where verl forwards it to the Hugging Face config and nothing reads
+    it). Raises ``ValueError`` when the switch holds something other than a boolean.
+    """
+    options: Optional[Mapping] = _get(model_config, "fused_kernel_options") or {}
+    on = _as_bool(SWITCH_KEY, options[SWITCH_KEY]) if SWITCH_KEY in options else False
+    strict = _as_bool(STRICT_KEY, options[STRICT_KEY]) if STRICT_KEY in options else False
+    for key in options:
+        if key not in _OUR_KEYS and key not in _VERL_KEYS and _looks_like_ours(str(key)):
+            _warn(
+                f"fused_kernel_options.{key} is not a key rl-kernel reads (did you mean {SWITCH_KEY}?); "
+                f"the rl-kernel backend is {'ON' if on else 'OFF'} for this model. The switch is: {OVERRIDE}"
+            )
+    override = _get(model_config, "override_config") or {}
+    nested = override.get("model_config", {}) if isinstance(override, Mapping) else {}
+    for where in (override, nested):
+        if isinstance(where, Mapping) and any(k in where for k in _OUR_KEYS):
+            _warn(
+                f"{SWITCH_KEY} was put in override_config, which verl copies into the Hugging Face config; "
+                f"rl-kernel does not read it there and the backend is {'ON' if on else 'OFF'}. The switch is: {OVERRIDE}"
+            )
+    return Switch(on=on, strict=strict or targets.env_strict())
+
+
+def _get(config: Any, key: str) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
