@@ -7,7 +7,8 @@ that serves its (already validated) inputs.
 
 Rules:
 
-* ``backend="auto"`` (the default; ``RL_KERNEL_BACKEND`` changes the default) takes the first
+* ``backend="auto"`` (the default; ``RL_KERNEL_BACKEND=<name>`` makes every ``auto`` mean that
+  backend, e.g. ``RL_KERNEL_BACKEND=torch`` forces the reference everywhere) takes the first
   backend in the op's preference order that is registered for the op, can run on the inputs'
   device and whose ``supports`` predicate accepts them. The choice is logged once per
   (op, backend, device type) and is readable afterwards through :func:`explain`.
@@ -100,6 +101,7 @@ def default_backend() -> str:
     return value
 
 
+@torch.compiler.assume_constant_result  # traced code (torch.compile) runs the import eagerly, once
 def _ensure_loaded(backend: str) -> Optional[str]:
     """Import the backend's module once; return the import failure as a reason, or None."""
     if backend == "torch" or backend in _loaded:
@@ -152,9 +154,11 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
     ``backend`` is ``None``/``"auto"`` or a name from :data:`BACKENDS`; ``args``/``kwargs`` are
     what the implementation will be called with (passed to ``supports``).
     """
-    requested = default_backend() if backend is None else str(backend).lower()
+    requested = "auto" if backend is None else str(backend).lower()
     if requested != "auto" and requested not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    if requested == "auto":
+        requested = default_backend()
     if requested != "auto":
         reason = unavailable_reason(op, requested, device, *args, explicit=True, **kwargs)
         if reason:
@@ -174,7 +178,7 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
 def _record(decision: Decision) -> None:
     _last[decision.op] = decision
     key = (decision.op, decision.backend, decision.device)
-    if key not in _logged:
+    if key not in _logged and not torch.compiler.is_compiling():  # logging would break the graph
         _logged.add(key)
         detail = "; ".join(f"{b}: {r}" for b, r in decision.skipped.items())
         logger.info(

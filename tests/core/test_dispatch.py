@@ -59,6 +59,9 @@ def test_env_default_and_bad_names(toy_op, monkeypatch):
     monkeypatch.setenv("RL_KERNEL_BACKEND", "torch")
     assert dispatch.default_backend() == "torch"
     assert dispatch.select(toy_op, None, torch.device("cpu"), 1)(1) == ("torch", 1)
+    monkeypatch.setenv("RL_KERNEL_BACKEND", "triton")
+    with pytest.raises(BackendUnavailableError, match="triton needs CUDA"):
+        dispatch.select(toy_op, "auto", torch.device("cpu"), 1)
     monkeypatch.setenv("RL_KERNEL_BACKEND", "cuda")
     with pytest.raises(ValueError, match="RL_KERNEL_BACKEND"):
         dispatch.default_backend()
