@@ -1,7 +1,214 @@
-"""PLACEHOLDER: being written; replace whole file."""
-def linear_logprob(*args, **kwargs):
-    raise NotImplementedError
+"""Per-token log-probs (and entropies) from hidden states or from logits.
 
-def logprob_from_logits(*args, **kwargs):
-    raise NotImplementedError
+Public ops: :func:`linear_logprob` and :func:`logprob_from_logits`. Each validates its arguments,
+flattens the leading dims to N rows (making the inputs contiguous, so strided inputs give the same
+bits as contiguous ones), returns empty results for N = 0 without calling a backend, and otherwise
+runs the implementation chosen by :func:`rl_kernel_core.dispatch.select`.
 
+Backend contract (what ``@dispatch.register(op, backend)`` implementations receive; arguments are
+already validated, tensors are on one device and contiguous except where noted):
+
+``"linear_logprob"``::
+
+    impl(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group)
+        -> (logprob [N], entropy [N] or None)
+
+    hidden  [N, D]        float32 / bfloat16 / float16 / float64, N >= 1
+    weight  [V_local, D]  hidden's dtype (this rank's contiguous vocab shard under tp_group)
+    targets [N]           int64 or int32 global ids, each in [0, V) or == ignore_index
+    bias    [V_local]     hidden's dtype, or None
+    temperature float > 0, ignore_index int, return_entropy bool,
+    tp_group  a torch.distributed ProcessGroup or None
+
+``"logprob_from_logits"``::
+
+    impl(logits, targets, temperature, ignore_index, return_entropy)
+        -> (logprob [N], entropy [N] or None)
+
+    logits  [N, V]  float32 / bfloat16 / float16 / float64, N >= 1, unit stride along V (rows
+                    may be strided: a view is passed as is, never copied to fp32 whole)
+    targets [N]     int64 or int32, each in [0, V) or == ignore_index
+
+Outputs are fp32 (fp64 when the inputs are fp64). The implementation owns autograd: it returns
+tensors attached to the graph (e.g. through a ``torch.autograd.Function``) whose gradients reach
+``hidden``, ``weight``, ``bias`` / ``logits`` in their own dtypes, through both outputs. Rows whose
+target equals ``ignore_index`` give 0 log-prob, 0 entropy and no gradient. ``entropy`` is ``None``
+exactly when ``return_entropy`` is False. ``dispatch.select`` passes the same arguments to a
+backend's ``supports`` predicate.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from rl_kernel_core import _checks, dispatch
+from rl_kernel_core.reference import logprob as _reference  # noqa: F401  (registers the torch backend)
+
+Result = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _scalars(temperature: float, ignore_index: int, return_entropy: bool) -> float:
+    temperature = _checks.positive("temperature", temperature)
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
+    return temperature
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty(shape: torch.Size, dtype: torch.dtype, *sources: Optional[torch.Tensor]) -> torch.Tensor:
+    """An empty result of ``shape`` attached to the graph of ``sources`` (so ``backward`` works)."""
+    out = torch.zeros(shape, dtype=dtype, device=sources[0].device)
+    for src in sources:
+        if src is not None:
+            out = out + src.reshape(-1)[:0].to(dtype).reshape(shape)
+    return out
+
+
+def _tp_world(tp_group) -> int:
+    if tp_group is None:
+        return 1
+    if not torch.distributed.is_available():
+        raise ValueError("tp_group needs torch.distributed, which this torch build lacks")
+    if not isinstance(tp_group, torch.distributed.ProcessGroup):
+        raise TypeError(f"tp_group must be a torch.distributed.ProcessGroup or None, got {type(tp_group).__name__}")
+    if not torch.distributed.is_initialized():
+        raise ValueError("tp_group needs an initialised torch.distributed default process group, found none")
+    return torch.distributed.get_world_size(tp_group)
+
+
+def _pack(logprob: torch.Tensor, entropy: Optional[torch.Tensor], shape: torch.Size, return_entropy: bool) -> Result:
+    logprob = logprob.reshape(shape)
+    return (logprob, entropy.reshape(shape)) if return_entropy else logprob
+
+
+def linear_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    backend: Optional[str] = "auto",
+) -> Result:
+    """Log-probability of ``targets`` (and entropy) under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    Never materialises the ``[N, V]`` logits: extra memory is bounded by a fixed chunk whatever N.
+
+    Args:
+        hidden: ``[..., D]`` float32/bfloat16/float16/float64 hidden states; leading dims flatten to N.
+        weight: ``[V_local, D]`` output-projection weight in ``hidden``'s dtype (the LM head). With
+            ``tp_group`` it is this rank's contiguous vocab shard: rank ``r`` owns global ids
+            ``[r * V_local, (r + 1) * V_local)``.
+        targets: ``[...]`` (``hidden``'s leading shape) int64/int32 global token ids in ``[0, V)``,
+            or ``ignore_index``.
+        bias: ``[V_local]`` in ``hidden``'s dtype, or None.
+        temperature: finite number > 0 dividing the logits.
+        ignore_index: rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
+        return_entropy: also return the entropy of the tempered distribution.
+        tp_group: vocab-parallel process group, or None. Every rank passes the same ``hidden`` and
+            ``targets`` and gets the same (replicated) results; upstream gradients must match too.
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto), ``"native"``,
+            ``"triton"`` or ``"torch"``; see :mod:`rl_kernel_core.dispatch`.
+
+    Returns:
+        ``logprob`` with ``targets``' shape, fp32 (fp64 for fp64 inputs); or ``(logprob, entropy)``
+        when ``return_entropy``. Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` through
+        both; gradients come back in the inputs' dtype.
+
+    Raises:
+        TypeError: a wrong type or dtype (names the argument, expected and found).
+        ValueError: a wrong shape, device, target id, temperature or an empty vocab/hidden dim.
+        rl_kernel_core.BackendUnavailableError: an explicit ``backend`` cannot run these inputs.
+    """
+    _checks.tensor("hidden", hidden, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    _checks.tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2)
+    _checks.optional_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1)
+    _checks.tensor("targets", targets, dtypes=_checks.INDEX_DTYPES)
+    _checks.same_device("hidden", hidden, weight=weight, bias=bias, targets=targets)
+    d = hidden.shape[-1]
+    if d == 0:
+        raise ValueError(f"hidden's last dim D must be >= 1, got shape {tuple(hidden.shape)}")
+    _checks.shape("weight", weight, (weight.shape[0], d), f"[V_local, D={d}]")
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight must hold at least one vocab row, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        _checks.shape("bias", bias, (weight.shape[0],), f"[V_local={weight.shape[0]}]")
+    _checks.shape("targets", targets, hidden.shape[:-1], f"hidden's leading shape {tuple(hidden.shape[:-1])}")
+    temperature = _scalars(temperature, ignore_index, return_entropy)
+    world = _tp_world(tp_group)
+    _checks.target_ids("targets", targets, weight.shape[0] * world, ignore_index)
+
+    if targets.numel() == 0:
+        out = _out_dtype(hidden.dtype)
+        return _pack(_empty(targets.shape, out, hidden, weight, bias), _empty(targets.shape, out, hidden, weight, bias), targets.shape, return_entropy)
+    h2d = hidden.reshape(-1, d).contiguous()
+    t1d = targets.reshape(-1).contiguous()
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    impl = dispatch.select("linear_logprob", backend, hidden.device, h2d, weight, t1d, bias, temperature, ignore_index, return_entropy, tp_group)
+    logprob, entropy = impl(h2d, weight, t1d, bias, temperature, ignore_index, return_entropy, tp_group)
+    return _pack(logprob, entropy, targets.shape, return_entropy)
+
+
+def logprob_from_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    backend: Optional[str] = "auto",
+) -> Result:
+    """Log-probability of ``targets`` (and entropy) under ``softmax(logits / temperature)``.
+
+    For logits a framework already holds: no fp32 copy of the whole ``logits`` is made (each
+    row-chunk is upcast on its own). Masked entries (``-inf``) are allowed: they carry
+    probability 0, add 0 to the entropy and get gradient 0.
+
+    Args:
+        logits: ``[..., V]`` float32/bfloat16/float16/float64; leading dims flatten to N.
+        targets: ``[...]`` (``logits``' leading shape) int64/int32 ids in ``[0, V)`` or ``ignore_index``.
+        temperature: finite number > 0 dividing the logits.
+        ignore_index: rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
+        return_entropy: also return the entropy of the tempered distribution.
+        backend: ``"auto"`` (or None), ``"native"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``logprob`` with ``targets``' shape, fp32 (fp64 for fp64 logits); or ``(logprob, entropy)``
+        when ``return_entropy``. Differentiable w.r.t. ``logits`` through both; the gradient comes
+        back in ``logits``' dtype.
+
+    Raises:
+        TypeError: a wrong type or dtype. ValueError: a wrong shape, device, target id or
+        temperature. rl_kernel_core.BackendUnavailableError: an explicit ``backend`` cannot run.
+    """
+    _checks.tensor("logits", logits, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    _checks.tensor("targets", targets, dtypes=_checks.INDEX_DTYPES)
+    _checks.same_device("logits", logits, targets=targets)
+    vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError(f"logits' last dim V must be >= 1, got shape {tuple(logits.shape)}")
+    _checks.shape("targets", targets, logits.shape[:-1], f"logits' leading shape {tuple(logits.shape[:-1])}")
+    temperature = _scalars(temperature, ignore_index, return_entropy)
+    _checks.target_ids("targets", targets, vocab, ignore_index)
+
+    if targets.numel() == 0:
+        out = _out_dtype(logits.dtype)
+        return _pack(_empty(targets.shape, out, logits), _empty(targets.shape, out, logits), targets.shape, return_entropy)
+    l2d = logits.reshape(-1, vocab)
+    if l2d.stride(-1) != 1:
+        l2d = l2d.contiguous()
+    t1d = targets.reshape(-1).contiguous()
+    impl = dispatch.select("logprob_from_logits", backend, logits.device, l2d, t1d, temperature, ignore_index, return_entropy)
+    logprob, entropy = impl(l2d, t1d, temperature, ignore_index, return_entropy)
+    return _pack(logprob, entropy, targets.shape, return_entropy)

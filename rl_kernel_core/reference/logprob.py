@@ -1,0 +1,315 @@
+"""Plain-PyTorch reference of ``linear_logprob`` and ``logprob_from_logits`` (backend ``torch``).
+
+The math, stated once. For one row with scaled logits ``z = (h @ W.T + b) / T`` over the vocab:
+
+* forward:  ``m = max z``, ``s = sum exp(z - m)``, ``lse = m + log s``,
+  ``logprob = z[t] - lse``, ``entropy = log s - sum exp(z - m) (z - m) / s``
+  (``= lse - sum p z``, computed shift-invariantly).
+* backward: with ``p = exp(z - lse)`` and upstream gradients ``g`` (log-prob) and ``e`` (entropy),
+  ``dL/dz = g (onehot(t) - p) - e p (log p + entropy)``
+  (``dH/dz_j = -p_j (z_j - sum_k p_k z_k)`` and ``z_j - sum_k p_k z_k = log p_j + H``);
+  ``dL/d(h W^T + b) = dL/dz / T``, then ``dh = dl @ W``, ``dW = dl^T @ h``, ``db = sum_rows dl``.
+
+Memory: tokens are processed in chunks of ``max(1, CHUNK_ELEMENTS // V)`` rows, so at most one
+chunk of ``[rows, V]`` logits (plus one same-sized work buffer) is alive at a time, whatever N.
+The forward saves only its inputs and two ``[N]`` row statistics (``lse``, ``entropy``); the
+backward recomputes each chunk's logits. Accumulation is fp32 (fp64 for fp64 inputs): each chunk
+is upcast on its own. For bf16/fp16 ``weight`` an fp32 copy of ``weight`` (``V x D``, independent of
+N) is made once per forward and once per backward, and the backward accumulates ``dW`` in fp32
+before casting it to ``weight``'s dtype. Gradients come back in their inputs' dtypes.
+
+Vocab parallel (``tp_group``): each rank computes ``(max, sum-exp, target logit, sum-exp * shifted
+logit)`` over its contiguous shard (rank ``r`` owns global ids ``[r V_local, (r+1) V_local)``), the
+``[4, N]`` statistics are all-gathered and merged in rank order (so every rank gets the same bits).
+The backward forms the local ``dL/dz``; ``dh`` is all-reduced (sum) over the group, ``dW`` and
+``db`` stay local. Upstream gradients must be the same on every rank (the outputs are replicated).
+
+Deterministic: the chunk size is a constant and every reduction runs in a fixed order, so the same
+inputs on the same machine give the same bits run to run. ``logprob_from_logits`` reduces each row
+on its own, so a row's bits do not depend on N. ``linear_logprob`` here is *not* batch-invariant:
+the BLAS library may pick a different kernel for a chunk with fewer rows (the last one, or a small
+N), which can change a row's low bits; the batch-invariant guarantee belongs to the GPU kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from rl_kernel_core import dispatch
+
+CHUNK_ELEMENTS: int = 1 << 22
+"""Logit elements per chunk (16 MiB in fp32): rows per chunk = ``max(1, CHUNK_ELEMENTS // V)``."""
+
+
+def rows_per_chunk(vocab: int) -> int:
+    """Token rows processed at once for a (local) vocab of ``vocab`` entries."""
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _local_targets(targets: torch.Tensor, ignore_index: int, offset: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid rows, rows whose target lies in this shard, shard-local ids clamped into range)."""
+    t = targets.long()
+    valid = t != ignore_index
+    local = t - offset
+    owned = valid & (local >= 0) & (local < vocab)
+    return valid, owned, torch.where(owned, local, torch.zeros_like(local))
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """Clamp -inf (masked logits) to the lowest finite value, in place, so that 0 * x stays 0."""
+    return x.clamp_(min=torch.finfo(x.dtype).min)
+
+
+def _chunk_stats(z: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, want_entropy: bool) -> torch.Tensor:
+    """Row statistics of scaled logits ``z`` [r, V] (overwritten): [4, r] = (m, s, z_t, a).
+
+    ``m = max z``, ``s = sum exp(z - m)``, ``z_t`` the target logit (0 where not owned),
+    ``a = sum exp(z - m) (z - m)`` (0 unless ``want_entropy``).
+    """
+    m = z.amax(dim=1)
+    zt = torch.where(owned, z.gather(1, local_t.unsqueeze(1)).squeeze(1), torch.zeros_like(m))
+    zs = z.sub_(m.unsqueeze(1))
+    if want_entropy:
+        e = torch.exp(zs)
+        s = e.sum(dim=1)
+        a = e.mul_(_finite(zs)).sum(dim=1)  # a -inf logit adds exp(-inf) * finite = 0, not nan
+    else:
+        s = zs.exp_().sum(dim=1)
+        a = torch.zeros_like(m)
+    return torch.stack((m, s, zt, a))
+
+
+def _finish(stats: torch.Tensor, valid: torch.Tensor, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(logprob, lse, entropy or None) from merged statistics [4, N]; ignored rows give 0."""
+    m, s, zt, a = stats.unbind(0)
+    log_s = torch.log(s)
+    lse = m + log_s
+    zero = torch.zeros_like(lse)
+    logprob = torch.where(valid, (zt - m) - log_s, zero)
+    entropy = torch.where(valid, log_s - a / s, zero) if want_entropy else None
+    return logprob, lse, entropy
+
+
+def _merge_ranks(gathered: list[torch.Tensor]) -> torch.Tensor:
+    """Merge per-rank statistics [4, N] (rank order) into global ones, same bits on every rank."""
+    m_all = torch.stack([g[0] for g in gathered])
+    big_m = m_all.amax(dim=0)
+    s = torch.zeros_like(big_m)
+    zt = torch.zeros_like(big_m)
+    a = torch.zeros_like(big_m)
+    for g in gathered:  # fixed rank order
+        m_r, s_r, zt_r, a_r = g.unbind(0)
+        shift = m_r - big_m
+        scale = torch.exp(shift)
+        s = s + s_r * scale
+        a = a + (a_r + shift * s_r) * scale
+        zt = zt + zt_r
+    return torch.stack((big_m, s, zt, a))
+
+
+def _chunk_grad(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    local_t: torch.Tensor,
+    owned: torch.Tensor,
+    g_lp: Optional[torch.Tensor],
+    g_ent: Optional[torch.Tensor],
+    temperature: float,
+) -> torch.Tensor:
+    """dL/d(unscaled logits) for one chunk, from scaled logits ``z`` [r, V] (overwritten).
+
+    ``g_lp``/``g_ent`` [r] are already zero on ignored rows.
+    """
+    logp = z.sub_(lse.unsqueeze(1))
+    p = torch.exp(logp)
+    ent_term = None
+    if g_ent is not None:  # -e p (log p + H), formed in the log p buffer
+        ent_term = _finite(logp).add_(entropy.unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))
+    if g_lp is None:
+        grad = ent_term
+    else:
+        grad = p.mul_(-g_lp.unsqueeze(1))
+        grad.scatter_add_(1, local_t.unsqueeze(1), torch.where(owned, g_lp, torch.zeros_like(g_lp)).unsqueeze(1))
+        if ent_term is not None:
+            grad.add_(ent_term)
+    return _scale(grad, temperature)
+
+
+def _upstream(g: Optional[torch.Tensor], valid: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    if g is None:
+        return None
+    return torch.where(valid, g.to(dtype), torch.zeros((), dtype=dtype, device=g.device))
+
+
+def _scale(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``z / temperature`` in place (dividing by 1 is exact, so it is skipped)."""
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def _scaled_logits(h: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor], temperature: float) -> torch.Tensor:
+    z = h @ w_t
+    if bias is not None:
+        z.add_(bias)
+    return _scale(z, temperature)
+
+
+def _shard(tp_group) -> tuple[int, int]:
+    """(rank, world size) of ``tp_group``, or (0, 1) without one."""
+    if tp_group is None:
+        return 0, 1
+    return torch.distributed.get_rank(tp_group), torch.distributed.get_world_size(tp_group)
+
+
+class _LinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group):
+        acc = _acc_dtype(hidden.dtype)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        rank, world = _shard(tp_group)
+        valid, owned, local_t = _local_targets(targets, ignore_index, rank * vocab, vocab)
+        w_t = weight.to(acc).t()
+        b = None if bias is None else bias.to(acc)
+        stats = torch.empty(4, n, dtype=acc, device=hidden.device)
+        step = rows_per_chunk(vocab)
+        for i in range(0, n, step):
+            z = _scaled_logits(hidden[i : i + step].to(acc), w_t, b, temperature)
+            stats[:, i : i + step] = _chunk_stats(z, local_t[i : i + step], owned[i : i + step], return_entropy)
+            del z
+        if world > 1:
+            gathered = [torch.empty_like(stats) for _ in range(world)]
+            torch.distributed.all_gather(gathered, stats, group=tp_group)
+            stats = _merge_ranks(gathered)
+        logprob, lse, entropy = _finish(stats, valid, return_entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.ignore_index, ctx.tp_group = temperature, ignore_index, tp_group
+        ctx.set_materialize_grads(False)
+        return logprob, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = lse.dtype
+        n, vocab = hidden.shape[0], weight.shape[0]
+        rank, world = _shard(ctx.tp_group)
+        valid, owned, local_t = _local_targets(targets, ctx.ignore_index, rank * vocab, vocab)
+        g_lp = _upstream(g_lp, valid, acc)
+        g_ent = _upstream(g_ent, valid, acc) if entropy is not None else None
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None, None, None, None
+        w = weight.to(acc)
+        b = None if bias is None else bias.to(acc)
+        dh = torch.zeros(n, hidden.shape[1], dtype=acc, device=hidden.device) if need_h else None
+        dw = torch.zeros(vocab, hidden.shape[1], dtype=acc, device=hidden.device) if need_w else None
+        db = torch.zeros(vocab, dtype=acc, device=hidden.device) if need_b else None
+        step = rows_per_chunk(vocab)
+        for i in range(0, n, step):
+            sl = slice(i, i + step)
+            h = hidden[sl].to(acc)
+            z = _scaled_logits(h, w.t(), b, ctx.temperature)
+            dl = _chunk_grad(
+                z, lse[sl], None if entropy is None else entropy[sl], local_t[sl], owned[sl],
+                None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], ctx.temperature,
+            )
+            if need_h:
+                torch.mm(dl, w, out=dh[sl])
+            if need_w:
+                dw.addmm_(dl.t(), h)
+            if need_b:
+                db.add_(dl.sum(dim=0))
+            del z, dl, h
+        if need_h and world > 1:
+            torch.distributed.all_reduce(dh, group=ctx.tp_group)
+        return (
+            None if dh is None else dh.to(hidden.dtype),
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype),
+            None, None, None, None, None,
+        )
+
+
+@dispatch.register("linear_logprob", "torch")
+def linear_logprob_torch(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    tp_group=None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Reference ``linear_logprob`` on validated, contiguous 2-D inputs: ``(logprob[N], entropy[N] or None)``.
+
+    ``hidden [N, D]``, ``weight [V_local, D]``, ``bias [V_local]`` or None (all one float dtype),
+    ``targets [N]`` int64/int32 global ids. Outputs are fp32 (fp64 for fp64 inputs).
+    """
+    return _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group)
+
+
+class _LogprobFromLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, ignore_index, return_entropy):
+        acc = _acc_dtype(logits.dtype)
+        n, vocab = logits.shape
+        valid, owned, local_t = _local_targets(targets, ignore_index, 0, vocab)
+        stats = torch.empty(4, n, dtype=acc, device=logits.device)
+        step = rows_per_chunk(vocab)
+        for i in range(0, n, step):
+            z = _scale(logits[i : i + step].to(acc, copy=True), temperature)
+            stats[:, i : i + step] = _chunk_stats(z, local_t[i : i + step], owned[i : i + step], return_entropy)
+            del z
+        logprob, lse, entropy = _finish(stats, valid, return_entropy)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.ignore_index = temperature, ignore_index
+        ctx.set_materialize_grads(False)
+        return logprob, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        acc = lse.dtype
+        n, vocab = logits.shape
+        valid, owned, local_t = _local_targets(targets, ctx.ignore_index, 0, vocab)
+        g_lp = _upstream(g_lp, valid, acc)
+        g_ent = _upstream(g_ent, valid, acc) if entropy is not None else None
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        step = rows_per_chunk(vocab)
+        for i in range(0, n, step):
+            sl = slice(i, i + step)
+            z = _scale(logits[sl].to(acc, copy=True), ctx.temperature)
+            dl = _chunk_grad(
+                z, lse[sl], None if entropy is None else entropy[sl], local_t[sl], owned[sl],
+                None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], ctx.temperature,
+            )
+            grad[sl].copy_(dl)
+            del z, dl
+        return grad, None, None, None, None
+
+
+@dispatch.register("logprob_from_logits", "torch")
+def logprob_from_logits_torch(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Reference ``logprob_from_logits`` on validated 2-D inputs: ``(logprob[N], entropy[N] or None)``.
+
+    ``logits [N, V]`` any float dtype, ``targets [N]`` int64/int32. Each row-chunk is upcast on its
+    own; the gradient w.r.t. ``logits`` comes back in ``logits``' dtype.
+    """
+    return _LogprobFromLogits.apply(logits, targets, temperature, ignore_index, return_entropy)
