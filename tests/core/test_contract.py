@@ -46,3 +46,12 @@ def test_unknown_keys_are_named():
         contract.tolerance("matmul", torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         contract.tolerance("logprob", torch.int32)
+
+
+def test_gradient_atol_scales_with_the_largest_reference_value():
+    expected = torch.tensor([1e-6, 50.0], dtype=torch.float64)
+    tol = contract.tolerance("gradient", torch.float32)
+    nudged = expected + torch.tensor([tol.atol * 40, 0.0], dtype=torch.float64)
+    contract.assert_close(nudged, expected, "gradient", torch.float32)
+    with pytest.raises(AssertionError):
+        contract.assert_close(nudged, expected, "logprob", torch.float32)
