@@ -117,8 +117,8 @@ def linear_logprob(
         return_entropy: also return the entropy of the tempered distribution.
         tp_group: vocab-parallel process group, or None. Every rank passes the same ``hidden`` and
             ``targets`` and gets the same (replicated) results; upstream gradients must match too.
-        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto), ``"native"``,
-            ``"triton"`` or ``"torch"``; see :mod:`rl_kernel_core.dispatch`.
+        backend: ``"auto"`` (or None; ``RL_KERNEL_BACKEND=<name>`` makes ``auto`` mean that
+            backend), ``"native"``, ``"triton"`` or ``"torch"``; see :mod:`rl_kernel_core.dispatch`.
 
     Returns:
         ``logprob`` with ``targets``' shape, fp32 (fp64 for fp64 inputs); or ``(logprob, entropy)``
@@ -181,7 +181,8 @@ def logprob_from_logits(
         temperature: finite number > 0 dividing the logits.
         ignore_index: rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
         return_entropy: also return the entropy of the tempered distribution.
-        backend: ``"auto"`` (or None), ``"native"``, ``"triton"`` or ``"torch"``.
+        backend: ``"auto"`` (or None; ``RL_KERNEL_BACKEND`` applies), ``"native"``, ``"triton"``
+            or ``"torch"``.
 
     Returns:
         ``logprob`` with ``targets``' shape, fp32 (fp64 for fp64 logits); or ``(logprob, entropy)``

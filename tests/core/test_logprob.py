@@ -362,7 +362,8 @@ def test_logprob_from_logits_rejects_bad_input(logits, targets, kwargs, error, n
 # ---------------------------------------------------------------- backend choice
 
 
-def test_backend_torch_is_recorded(seed):
+def test_backend_torch_is_recorded(seed, monkeypatch):
+    monkeypatch.delenv("RL_KERNEL_BACKEND", raising=False)
     hidden, weight, bias, targets = make_inputs()
     auto = rk.linear_logprob(hidden, weight, targets, bias=bias, backend="auto")
     assert dispatch.explain("linear_logprob").backend == "torch"  # CPU inputs: only torch runs them
