@@ -1,0 +1,41 @@
+"""rl-kernel hooks for vime (a slime fork: vLLM rollout, Megatron training).
+
+Switch: ``export VIME_RL_KERNEL=1`` with rl-kernel installed. The ``rl_kernel_vime.pth`` file
+installed beside the package then patches vime's log-prob, KL and policy-loss functions as
+their modules are imported (see :mod:`rl_kernel_vime.targets`), and times them into vime's step
+metrics (``perf/rl_kernel/<region>_ms``) and a JSONL step record. ``VIME_RL_KERNEL_OPS``,
+``VIME_RL_KERNEL_STRICT`` and ``VIME_RL_KERNEL_PROFILE`` refine it (:mod:`rl_kernel_vime.config`).
+Hook flags reach the same functions: :mod:`rl_kernel_vime.hooks`.
+
+Importing this package costs only the standard library; torch and rl_kernel_core load when a
+vime module is patched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rl_kernel_vime import fallback, registry, targets
+from rl_kernel_vime._bootstrap import activate, current_config
+
+__all__ = ["activate", "status"]
+
+
+def status() -> dict[str, Any]:
+    """Which hooks are live in this process and why the others are not.
+
+    Returns ``{"enabled", "ops", "strict", "profile_path", "targets": {key: state},
+    "not_replaced": {key: why}, "fallbacks": {op: {reason: count}}}``; a target whose module is
+    not imported yet shows ``"pending (module not imported)"``.
+    """
+    cfg = current_config()
+    states = registry.states()
+    return {
+        "enabled": bool(cfg and cfg.enabled),
+        "ops": sorted(cfg.ops) if cfg else [],
+        "strict": bool(cfg and cfg.strict),
+        "profile_path": cfg.profile_path if cfg else None,
+        "targets": {t.key: states.get(t.key, "pending (module not imported)" if cfg else "off") for t in targets.TARGETS},
+        "not_replaced": dict(targets.NOT_REPLACED),
+        "fallbacks": fallback.counts(),
+    }

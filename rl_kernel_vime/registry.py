@@ -1,0 +1,51 @@
+"""Which vime functions are replaced, their originals, and each target's state. Standard library only."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+_originals: dict[str, Callable] = {}
+_states: dict[str, str] = {}
+
+LIVE = "live"
+
+
+def set_original(key: str, original: Callable) -> None:
+    """Remember ``original`` as what target ``key`` (``"module:attr"``) held before patching."""
+    _originals.setdefault(key, original)
+
+
+def forget(key: str) -> None:
+    """Drop target ``key``'s original (after it was put back)."""
+    _originals.pop(key, None)
+
+
+def originals() -> dict[str, Callable]:
+    """``{key: original}`` of the targets patched now."""
+    return dict(_originals)
+
+
+def original(key: str) -> Callable:
+    """vime's own function for target ``key``: the saved original when patched, else the
+    module's current attribute (a hook used through a hook flag, with nothing patched)."""
+    if key in _originals:
+        return _originals[key]
+    module_name, _, attr = key.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"rl_kernel_vime needs vime's {key} to fall back to, and {module_name} cannot be imported: {exc}") from exc
+    if not hasattr(module, attr):
+        raise AttributeError(f"rl_kernel_vime needs vime's {key} to fall back to, and {module_name} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def set_state(key: str, state: str) -> None:
+    """Record target ``key``'s state: :data:`LIVE` or why it is not."""
+    _states[key] = state
+
+
+def states() -> dict[str, str]:
+    """``{key: state}`` of every target seen so far."""
+    return dict(_states)

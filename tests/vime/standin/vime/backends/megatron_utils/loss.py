@@ -1,0 +1,194 @@
+"""Contract stand-in for ``vime.backends.megatron_utils.loss`` (not vime; see the package docstring).
+
+Follows slime's ``slime/backends/megatron_utils/loss.py`` for one tensor- and one
+context-parallel rank. Parallel sizes are read from Megatron's argument names
+(``args.tensor_model_parallel_size``, ``args.context_parallel_size``) because the stand-in has no
+process groups; sizes above 1 raise ``NotImplementedError``, as do policy-loss features outside
+the PPO/GRPO path. ``calculate_log_probs_and_entropy``, ``compute_approx_kl`` and
+``compute_policy_loss`` are imported by name, as slime does.
+"""
+
+from argparse import Namespace
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+from vime.utils.misc import load_function
+from vime.utils.ppo_utils import calculate_log_probs_and_entropy, compute_approx_kl, compute_policy_loss
+
+_UNREPRODUCED_FLAGS = (
+    "use_opsm", "use_tis", "get_mismatch_metrics", "use_score_centering", "use_unbiased_kl", "allgather_cp",
+)
+
+
+def _single_rank(args: Namespace) -> None:
+    for name in ("tensor_model_parallel_size", "context_parallel_size"):
+        if getattr(args, name, 1) > 1:
+            raise NotImplementedError(f"contract stand-in: {name} > 1 is not reproduced (needs Megatron process groups)")
+
+
+def get_responses(
+    logits: torch.Tensor,
+    *,
+    args: Namespace,
+    unconcat_tokens: list[torch.Tensor],
+    total_lengths: list[int],
+    response_lengths: list[int],
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield each sample's response-aligned ``(logits [R, V], tokens [R])`` from packed ``logits [1, T, V]``."""
+    assert logits.dtype == torch.float32, f"{logits.dtype}"
+    assert len(logits.shape) == 3, f"{logits.shape}"
+    assert logits.size(0) == 1, f"{logits.shape}"
+    _single_rank(args)
+    logits = logits.squeeze(0)
+    if args.rollout_temperature != 1.0:
+        logits = logits.div(args.rollout_temperature)
+    end = 0
+    for tokens, total_length, response_length in zip(unconcat_tokens, total_lengths, response_lengths):
+        end += total_length
+        start = end - response_length
+        yield logits[start - 1 : end - 1], tokens[-response_length:]
+
+
+def get_log_probs_and_entropy(
+    logits: torch.Tensor,
+    *,
+    args: Namespace,
+    unconcat_tokens: list[torch.Tensor],
+    total_lengths: list[int],
+    response_lengths: list[int],
+    with_entropy: bool = False,
+    non_loss_data: bool = True,
+) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+    """Per-sample response log-probs (and entropies) from packed ``logits [1, T, V/TP]`` fp32.
+
+    Returns ``(torch.empty(0), {"log_probs": [R_i] tensors, "entropy": [R_i] tensors})``; the
+    ``entropy`` key only with ``with_entropy``.
+    """
+    assert non_loss_data
+    log_probs_list = []
+    entropy_list = []
+    for logits_chunk, tokens_chunk in get_responses(
+        logits, args=args, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
+    ):
+        log_prob, entropy = calculate_log_probs_and_entropy(
+            logits_chunk, tokens_chunk, None, with_entropy=with_entropy, chunk_size=args.log_probs_chunk_size
+        )
+        log_probs_list.append(log_prob.squeeze(-1))
+        entropy_list.append(entropy)
+    res = {"log_probs": log_probs_list}
+    if with_entropy:
+        res["entropy"] = entropy_list
+    return torch.empty((0,), device=logits.device), res
+
+
+def policy_loss_function(
+    args: Namespace,
+    batch: dict[str, Any],
+    logits: torch.Tensor,
+    sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO policy loss over packed responses and its metrics (slime's PPO path).
+
+    ``batch``: ``advantages``, ``log_probs`` (old policy), ``unconcat_tokens``,
+    ``response_lengths``, ``total_lengths``, ``loss_masks``, optionally ``ref_log_probs`` and
+    ``rollout_log_probs`` (per-sample lists). Returns ``(loss, metrics)``: metrics are detached
+    0-d tensors ``loss``, ``pg_loss``, ``entropy_loss``, ``pg_clipfrac``, ``ppo_kl``, then
+    ``train_rollout_logprob_abs_diff`` when rollout log-probs are present and ``kl_loss`` with
+    ``use_kl_loss``.
+    """
+    for flag in _UNREPRODUCED_FLAGS:
+        if getattr(args, flag, False):
+            raise NotImplementedError(f"contract stand-in: {flag} is not reproduced")
+    if args.advantage_estimator in ("gspo", "cispo") or getattr(args, "rollout_top_p", 1.0) != 1.0:
+        raise NotImplementedError("contract stand-in: only the PPO/GRPO policy loss is reproduced")
+
+    advantages = torch.cat(batch["advantages"], dim=0)
+    old_log_probs = batch["rollout_log_probs"] if args.use_rollout_logprobs else batch["log_probs"]
+
+    _, log_probs_and_entropy = get_log_probs_and_entropy(
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+        with_entropy=True,
+    )
+    log_probs = log_probs_and_entropy["log_probs"]
+    if not old_log_probs:
+        old_log_probs = [log_prob.detach() for log_prob in log_probs]
+    old_log_probs = torch.cat(old_log_probs, dim=0)
+    log_probs = torch.cat(log_probs, dim=0)
+    ppo_kl = old_log_probs - log_probs
+
+    pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, eps_clip_c=args.eps_clip_c)
+
+    pg_loss = sum_of_sample_mean(pg_loss)
+    pg_clipfrac = sum_of_sample_mean(pg_clipfrac)
+    ppo_kl = sum_of_sample_mean(ppo_kl)
+
+    entropy = torch.cat(log_probs_and_entropy["entropy"], dim=0)
+    entropy_loss = sum_of_sample_mean(entropy)
+    loss = pg_loss - args.entropy_coef * entropy_loss
+
+    if args.use_kl_loss:
+        ref_log_probs = torch.cat(batch["ref_log_probs"], dim=0)
+        kl = compute_approx_kl(log_probs, ref_log_probs, kl_loss_type=args.kl_loss_type)
+        kl_loss = sum_of_sample_mean(kl)
+        loss = loss + args.kl_loss_coef * kl_loss
+
+    if log_probs.numel() == 0:
+        loss += 0 * logits.sum()
+
+    train_rollout_logprob_abs_diff = None
+    if "rollout_log_probs" in batch and batch["rollout_log_probs"]:
+        rollout_log_probs = torch.cat(batch["rollout_log_probs"], dim=0)
+        log_probs_to_compare = log_probs if args.use_rollout_logprobs else old_log_probs
+        train_rollout_logprob_abs_diff = sum_of_sample_mean((log_probs_to_compare - rollout_log_probs).abs())
+
+    reported_loss = {
+        "loss": loss.clone().detach(),
+        "pg_loss": pg_loss.clone().detach(),
+        "entropy_loss": entropy_loss.clone().detach(),
+        "pg_clipfrac": pg_clipfrac.clone().detach(),
+        "ppo_kl": ppo_kl.clone().detach(),
+    }
+    if train_rollout_logprob_abs_diff is not None:
+        reported_loss["train_rollout_logprob_abs_diff"] = train_rollout_logprob_abs_diff.clone().detach()
+    if args.use_kl_loss:
+        reported_loss["kl_loss"] = kl_loss.clone().detach()
+    return loss, reported_loss
+
+
+def loss_function(
+    args: Namespace,
+    batch: dict[str, Any],
+    num_microbatches: int,
+    step_global_batch_size: int,
+    logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Dispatch on ``args.loss_type`` (``policy_loss`` or ``custom_loss`` through
+    ``args.custom_loss_function_path``) and rescale for gradient accumulation (one DP rank).
+
+    Returns ``(loss, normalizer, {"keys": [...], "values": tensor([denominator, *metrics])})``.
+    """
+    num_tokens = sum(torch.clamp_min(loss_mask.sum(), 1) for loss_mask in batch["loss_masks"])
+    sum_of_sample_mean = get_sum_of_sample_mean(
+        batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], args.calculate_per_token_loss
+    )
+    if args.loss_type == "policy_loss":
+        func = policy_loss_function
+    elif args.loss_type == "custom_loss":
+        func = load_function(args.custom_loss_function_path)
+    else:
+        raise ValueError(f"Unknown loss type: {args.loss_type}")
+    loss, log = func(args, batch, logits, sum_of_sample_mean)
+    if not args.calculate_per_token_loss:
+        loss = loss * num_microbatches / step_global_batch_size
+    return (
+        loss,
+        num_tokens if args.calculate_per_token_loss else torch.tensor(1, device=logits.device),
+        {"keys": list(log.keys()), "values": torch.stack([torch.as_tensor(num_tokens if args.calculate_per_token_loss else 0, dtype=torch.float32)] + [v.float() for v in log.values()])},
+    )

@@ -1,0 +1,1 @@
+"""Contract stand-in for ``vime.utils`` (see the package docstring: not vime)."""

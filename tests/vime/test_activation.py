@@ -1,0 +1,170 @@
+"""The switch, end to end: a fresh interpreter processes the packaged ``rl_kernel_vime.pth`` the
+way site-packages does (``site.addsitedir``), then imports the stand-in vime modules."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rl_kernel_vime
+
+PACKAGE_DIR = Path(rl_kernel_vime.__file__).parent
+STANDIN = Path(__file__).parent / "standin"
+
+PROBE = r"""
+import json, sys
+import vime.backends.megatron_utils.loss as loss
+import vime.backends.megatron_utils.model as model
+import vime.utils.ppo_utils as ppo
+
+
+def snapshot():
+    fns = {
+        "ppo.calculate_log_probs_and_entropy": ppo.calculate_log_probs_and_entropy,
+        "ppo.compute_approx_kl": ppo.compute_approx_kl,
+        "ppo.compute_policy_loss": ppo.compute_policy_loss,
+        "loss.calculate_log_probs_and_entropy": loss.calculate_log_probs_and_entropy,
+        "loss.compute_approx_kl": loss.compute_approx_kl,
+        "loss.get_log_probs_and_entropy": loss.get_log_probs_and_entropy,
+        "loss.policy_loss_function": loss.policy_loss_function,
+        "model.train_one_step": model.train_one_step,
+    }
+    out = {"owner": {k: f.__module__ for k, f in fns.items()},
+           "same_object_in_loss": loss.compute_approx_kl is ppo.compute_approx_kl,
+           "rl_kernel_modules": sorted(m for m in sys.modules if m.startswith("rl_kernel"))}
+    if "rl_kernel_vime" in sys.modules:
+        import rl_kernel_vime
+        out["status"] = rl_kernel_vime.status()
+    return out
+
+
+result = {"at_import": snapshot()}
+if LATE:  # the hook-flag route: --custom-megatron-init-path rl_kernel_vime.hooks.megatron_init
+    import argparse, rl_kernel_vime.hooks
+    rl_kernel_vime.hooks.megatron_init(argparse.Namespace())
+    result["after_megatron_init"] = snapshot()
+print("RESULT " + json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def site_dir(tmp_path_factory):
+    """A directory holding the packaged .pth, processed as a site directory by the probe."""
+    path = tmp_path_factory.mktemp("site")
+    shutil.copy(PACKAGE_DIR / "rl_kernel_vime.pth", path / "rl_kernel_vime.pth")
+    return path
+
+
+def _env(env_extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIME_RL_KERNEL", "RL_KERNEL_PROFILE"))}
+    env.update(env_extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(PACKAGE_DIR.parent)])
+    return env
+
+
+def _start(site_dir, env_extra, body):
+    code = f"import site; site.addsitedir({str(site_dir)!r})\n" + body
+    return subprocess.Popen([sys.executable, "-c", code], env=_env(env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+HEAVY = {  # each imports torch: started together, read by the tests below
+    "off_then_flag": ({"VIME_RL_KERNEL_OPS": "ratio_kl"}, True),  # the switch unset; OPS alone does nothing
+    "on": ({"VIME_RL_KERNEL": "1"}, False),
+}
+
+
+@pytest.fixture(scope="module")
+def probes(site_dir):
+    procs = {name: _start(site_dir, env, f"LATE = {late}\n" + PROBE) for name, (env, late) in HEAVY.items()}
+    outs = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        outs[name] = (proc.returncode, stdout, stderr)
+    return outs
+
+
+def _result(outcome):
+    returncode, stdout, stderr = outcome
+    assert returncode == 0, stderr
+    (line,) = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+REPLACED = [
+    "ppo.calculate_log_probs_and_entropy", "ppo.compute_approx_kl", "loss.calculate_log_probs_and_entropy",
+    "loss.compute_approx_kl", "loss.get_log_probs_and_entropy", "loss.policy_loss_function", "model.train_one_step",
+]
+
+
+def test_off_changes_nothing_and_imports_nothing(probes):
+    out = _result(probes["off_then_flag"])["at_import"]
+    assert out["rl_kernel_modules"] == []
+    assert all(owner.startswith("vime.") for owner in out["owner"].values())
+    assert out["same_object_in_loss"]
+
+
+@pytest.mark.parametrize("value, expected", [("0", []), ("1", ["rl_kernel_vime", "rl_kernel_vime._bootstrap", "rl_kernel_vime.config", "rl_kernel_vime.targets"])])
+def test_start_up_cost(site_dir, value, expected):
+    """At interpreter start the switch costs an environment lookup (off) or a few standard-library
+    modules (on): torch and rl_kernel_core load only when a vime module does."""
+    body = "import json, sys; print(json.dumps(sorted(m for m in sys.modules if m.startswith(('rl_kernel', 'torch')))))"
+    proc = _start(site_dir, {"VIME_RL_KERNEL": value}, body)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    loaded = json.loads(stdout.strip())
+    assert [m for m in loaded if m.startswith("torch") or m.startswith("rl_kernel_core")] == []
+    assert set(loaded) <= set(expected + ["rl_kernel_vime.fallback", "rl_kernel_vime.registry"])
+    assert bool(loaded) == (value == "1")
+
+
+def test_on_replaces_the_functions_as_vime_imports_them(probes):
+    out = _result(probes["on"])["at_import"]
+    for name in REPLACED:
+        assert out["owner"][name] == "rl_kernel_vime.hooks", name
+    assert out["owner"]["ppo.compute_policy_loss"] == "vime.utils.ppo_utils"  # not replaced: see targets.NOT_REPLACED
+    status = out["status"]
+    assert status["enabled"] and status["ops"] == ["grpo_loss", "logprob", "ratio_kl"]
+    assert set(status["targets"].values()) == {"live"}
+
+
+def test_ops_selects_and_late_activation_patches_loaded_modules(probes):
+    """VIME_RL_KERNEL_OPS=ratio_kl; the hook-flag route (activate() after vime is imported)."""
+    out = _result(probes["off_then_flag"])["after_megatron_init"]
+    assert out["owner"]["ppo.compute_approx_kl"] == out["owner"]["loss.compute_approx_kl"] == "rl_kernel_vime.hooks"
+    assert out["owner"]["loss.policy_loss_function"] == "vime.backends.megatron_utils.loss"
+    assert out["owner"]["model.train_one_step"] == "rl_kernel_vime.hooks"  # step timing is always on
+    assert out["status"]["targets"]["vime.backends.megatron_utils.loss:policy_loss_function"].startswith("off")
+
+
+def test_invalid_switch_fails_the_vime_import_loudly(site_dir):
+    proc = _start(site_dir, {"VIME_RL_KERNEL": "1", "VIME_RL_KERNEL_OPS": "logprob,lossy"}, "import vime.utils.ppo_utils")
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "ImportError" in stderr and "VIME_RL_KERNEL_OPS" in stderr and "lossy" in stderr
+
+
+def test_install_pth_command_writes_the_packaged_file(tmp_path):
+    from rl_kernel_vime.__main__ import main
+
+    assert main(["install-pth", "--site-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "rl_kernel_vime.pth").read_bytes() == (PACKAGE_DIR / "rl_kernel_vime.pth").read_bytes()
+    with pytest.raises(ValueError, match="site_dir"):
+        main(["install-pth", "--site-dir", str(tmp_path / "absent")])
+
+
+def test_status_command_imports_vime_and_reports(capsys):
+    from rl_kernel_vime.__main__ import main
+
+    assert main(["status"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["import_errors"] == {} and not out["enabled"]
+    assert set(out["targets"]) == {f"{m}:{a}" for m, a in [
+        ("vime.utils.ppo_utils", "calculate_log_probs_and_entropy"), ("vime.utils.ppo_utils", "compute_approx_kl"),
+        ("vime.backends.megatron_utils.loss", "get_log_probs_and_entropy"),
+        ("vime.backends.megatron_utils.loss", "policy_loss_function"), ("vime.backends.megatron_utils.model", "train_one_step"),
+    ]}
+    assert "vime.utils.ppo_utils:compute_policy_loss" in out["not_replaced"]

@@ -1,0 +1,45 @@
+"""Builders shared by the vime adapter tests: vime's arguments and a packed random micro-batch."""
+
+from argparse import Namespace
+
+import torch
+
+
+def make_args(**overrides) -> Namespace:
+    """vime's (slime's) arguments that the hooked functions read, with typical GRPO values."""
+    values = dict(
+        rollout_temperature=1.0, log_probs_chunk_size=-1, eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
+        entropy_coef=0.0, use_kl_loss=False, kl_loss_type="low_var_kl", kl_loss_coef=0.0, use_rollout_logprobs=False,
+        advantage_estimator="grpo", calculate_per_token_loss=False, loss_type="policy_loss",
+        custom_loss_function_path=None, tensor_model_parallel_size=1, context_parallel_size=1,
+    )
+    values.update(overrides)
+    return Namespace(**values)
+
+
+def make_batch(generator: torch.Generator, vocab: int = 17, num_samples: int = 4, pad: int = 2) -> tuple[torch.Tensor, dict]:
+    """A packed micro-batch: samples of different lengths, padding at the end, random masks.
+
+    Returns ``(logits [1, T, vocab] fp32 requiring grad, batch dict as vime's loss receives it)``.
+    """
+    totals = [int(n) for n in torch.randint(4, 12, (num_samples,), generator=generator)]
+    responses = [int(torch.randint(1, t, (1,), generator=generator)) for t in totals]
+    num_rows = sum(totals) + pad
+    logits = (3 * torch.randn(1, num_rows, vocab, generator=generator)).requires_grad_()
+
+    def per_sample(scale: float, shift: float) -> list[torch.Tensor]:
+        return [scale * torch.randn(r, generator=generator) + shift for r in responses]
+
+    masks = [(torch.rand(r, generator=generator) > 0.25).float() for r in responses]
+    masks[0][0] = 0.0  # at least one masked token
+    batch = {
+        "unconcat_tokens": [torch.randint(0, vocab, (t,), generator=generator) for t in totals],
+        "total_lengths": totals,
+        "response_lengths": responses,
+        "loss_masks": masks,
+        "advantages": per_sample(1.0, 0.0),
+        "log_probs": per_sample(0.5, -3.0),
+        "ref_log_probs": per_sample(0.5, -3.0),
+        "rollout_log_probs": per_sample(0.5, -3.0),
+    }
+    return logits, batch
