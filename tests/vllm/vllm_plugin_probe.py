@@ -1,0 +1,54 @@
+"""Load the plugin the way vLLM does, in a fresh process, and print what changed (a test subprocess).
+
+Usage: ``python vllm_plugin_probe.py SCENARIO`` with the switches in the environment. Prints one
+JSON object: for every target the plugin knows, whether the attribute is the same object after
+``vllm.plugins.load_general_plugins()`` (and after a second ``register()``), plus ``status()``.
+
+Scenarios: ``load`` (plain), ``moved`` (the V1 runner's target list gets a second, non-existent
+attribute, as if vLLM had moved part of the API; catches the strict-mode error and prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+
+def main(scenario: str) -> None:
+    # vLLM configures its log handler only when an engine starts; without an engine, show INFO here.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    import vllm.plugins
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    import rl_kernel_vllm
+    from rl_kernel_vllm import logprobs, patching
+
+    if scenario == "moved":
+        logprobs.RUNNERS["v1"] = logprobs.V1_TARGETS + ("vllm.v1.sample.sampler:Sampler.no_such_method",)
+    targets = [t for t in logprobs.WRAPPERS]
+    before = {t: patching.resolve(t)[2] for t in targets}
+    oot_before = dict(op_registry_oot)
+    error = None
+    try:
+        vllm.plugins.load_general_plugins()
+    except rl_kernel_vllm.TargetError as exc:
+        error = str(exc)
+    first = {t: patching.resolve(t)[2] for t in targets}
+    rl_kernel_vllm.register()
+    second = {t: patching.resolve(t)[2] for t in targets}
+    report = {
+        "error": error,
+        "status": rl_kernel_vllm.status(),
+        "unchanged": {t: first[t] is before[t] for t in targets},
+        "wraps_original": {t: getattr(first[t], patching.ORIGINAL_ATTR, None) is before[t] for t in targets},
+        "idempotent": {t: second[t] is first[t] for t in targets},
+        "oot_unchanged": {k: op_registry_oot.get(k) is v for k, v in oot_before.items()} == {k: True for k in oot_before}
+        and set(op_registry_oot) == set(oot_before),
+        "oot_added": sorted(set(op_registry_oot) - set(oot_before)),
+    }
+    print("PROBE " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
