@@ -1,10 +1,301 @@
-"""PLACEHOLDER: being written; replace whole file."""
-def fused_linear_policy_loss(*args, **kwargs):
-    raise NotImplementedError
+"""Ratio/KL, the PPO/GRPO policy loss, and the same loss straight from hidden states.
 
-def policy_loss(*args, **kwargs):
-    raise NotImplementedError
+Public ops: :func:`ratio_kl`, :func:`policy_loss`, :func:`fused_linear_policy_loss`. Each checks
+its arguments (errors name the argument, what was expected and what was found), normalises
+them, then runs the implementation :func:`rl_kernel_core.dispatch.select` picks. The formulas,
+clamps and aggregation modes are verl 0.9.1's; ``docs/semantics.md`` states them.
 
-def ratio_kl(*args, **kwargs):
-    raise NotImplementedError
+Backend implementation signatures (``dispatch.register(op, backend)``; every backend takes
+exactly these arguments, already validated):
 
+* ``"ratio_kl"``: ``fn(logprob, old_logprob, ref_logprob, kl_type) -> (ratio, kl)``. Tensors of
+  one shape (any rank, at least one element: empty inputs never reach a backend), float dtypes; ``ref_logprob`` is never None (the op passes
+  ``old_logprob`` when the caller gave none); ``kl_type`` is canonical: ``"k1"``, ``"abs"``,
+  ``"k2"``, ``"k3"``, ``"k1+"``, ``"abs+"`` or ``"k3+"``. Outputs fp32 (fp64 for fp64 inputs) of
+  the input shape, differentiable in ``logprob``.
+* ``"policy_loss"``: ``fn(logprob, old_logprob, advantages, mask, ref_logprob, entropy,
+  rollout_is_weights, *, clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef,
+  entropy_coef, loss_agg_mode) -> (loss, metrics)``. Tensors are ``[S, T]`` (S sequences of T
+  tokens, S·T >= 1: empty inputs never reach a backend), float dtypes; ``mask`` bool or float;
+  ``ref_logprob`` never None; ``entropy`` and ``rollout_is_weights`` may be None;
+  ``clip_ratio_c`` None (no dual clip) or > 1; ``kl_type`` canonical as above;
+  ``loss_agg_mode`` one of :data:`LOSS_AGG_MODES`. ``loss`` is a 0-d fp32 (fp64 for fp64
+  inputs) tensor differentiable in ``logprob`` and ``entropy``; ``metrics`` maps the names of
+  :data:`METRIC_NAMES` to detached 0-d tensors, computed without a host sync.
+* ``"fused_linear_policy_loss"``: ``fn(hidden, weight, targets, old_logprob, advantages, mask,
+  bias, ref_logprob, rollout_is_weights, *, temperature, ignore_index, clip_ratio_low,
+  clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode) -> (loss,
+  metrics)``. ``hidden [S, T, D]``, ``weight [V, D]``, ``targets [S, T]`` int (ids checked in
+  range), ``bias [V]`` or None (weight and bias in hidden's dtype), per-token tensors
+  ``[S, T]``, S·T >= 1; same outputs as ``policy_loss``,
+  with the entropy of the tempered softmax always computed (metric and ``entropy_coef`` term)
+  and tokens at ``ignore_index`` removed from the mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from rl_kernel_core import _checks, dispatch
+from rl_kernel_core.reference import policy_loss as _reference  # registers the torch backend
+
+KL_TYPES: dict[str, str] = {
+    "k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3",
+    "k1+": "k1+", "kl+": "k1+", "abs+": "abs+", "k2+": "k2", "mse+": "k2", "k3+": "k3+", "low_var_kl+": "k3+",
+}
+"""Accepted ``kl_type`` names (verl's spellings) → the canonical name backends receive.
+
+A ``+`` suffix keeps the estimator's value and takes k2's gradient (verl's straight-through
+variant); ``k2+`` is k2 itself.
+"""
+
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+METRIC_NAMES: tuple[str, ...] = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy")
+_MASK_DTYPES: tuple[torch.dtype, ...] = (torch.bool,) + _checks.FLOAT_DTYPES
+
+
+def _canonical_kl_type(kl_type: object) -> str:
+    if not isinstance(kl_type, str):
+        raise TypeError(f"kl_type must be a str, got {type(kl_type).__name__}")
+    if kl_type.rstrip("+") == "full":
+        raise ValueError(
+            "kl_type='full' needs both policies' full-vocabulary distributions (logits), which per-token "
+            f"log-probs do not carry (verl 0.9 does not implement it either); use one of {list(KL_TYPES)}"
+        )
+    return KL_TYPES[_checks.choice("kl_type", kl_type, list(KL_TYPES))]
+
+
+def _check_knobs(
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
+    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+) -> dict:
+    """Validate the loss knobs; return them as the keyword arguments implementations take."""
+    c = None
+    if clip_ratio_c is not None:
+        if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, (int, float)):
+            raise TypeError(f"clip_ratio_c must be None or a number, got {type(clip_ratio_c).__name__}")
+        if not 1.0 < clip_ratio_c < math.inf:
+            raise ValueError(f"clip_ratio_c must be None or a finite number > 1 (dual-clip lower bound), got {clip_ratio_c}")
+        c = float(clip_ratio_c)
+    return {
+        "clip_ratio_low": _checks.non_negative("clip_ratio_low", clip_ratio_low),
+        "clip_ratio_high": _checks.non_negative("clip_ratio_high", clip_ratio_high),
+        "clip_ratio_c": c,
+        "kl_type": _canonical_kl_type(kl_type),
+        "kl_coef": _checks.non_negative("kl_coef", kl_coef),
+        "entropy_coef": _checks.non_negative("entropy_coef", entropy_coef),
+        "loss_agg_mode": _checks.choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES),
+    }
+
+
+def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, required: dict, optional: dict) -> None:
+    """Per-token tensors: float dtypes (mask bool or float), ``ref``'s shape and device."""
+    for name, value in required.items():
+        _checks.tensor(name, value, dtypes=_checks.FLOAT_DTYPES)
+    for name, value in optional.items():
+        _checks.optional_tensor(name, value, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("mask", mask, dtypes=_MASK_DTYPES)
+    _checks.same_shape(ref_name, ref, mask=mask, **required, **optional)
+    _checks.same_device(ref_name, ref, mask=mask, **required, **optional)
+
+
+def _as_sequences(t: Optional[torch.Tensor], num_seqs: int, seq_len: int) -> Optional[torch.Tensor]:
+    return None if t is None else t.reshape(num_seqs, seq_len)
+
+
+def ratio_kl(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    ref_logprob: Optional[torch.Tensor] = None,
+    *,
+    kl_type: str = "low_var_kl",
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO ratio and KL estimate.
+
+    Args:
+        logprob: current policy's log-probs of the taken tokens, any shape, float dtype.
+        old_logprob: behaviour (old) policy's log-probs, same shape.
+        ref_logprob: reference policy's log-probs, same shape; None measures the KL against
+            ``old_logprob``.
+        kl_type: ``"k1"``/``"kl"`` (log-ratio), ``"abs"``, ``"k2"``/``"mse"`` (½ log-ratio²),
+            ``"k3"``/``"low_var_kl"`` (``x = clamp(ref - logprob, ±20)``,
+            ``clamp(eˣ - x - 1, ±10)``); a ``+`` suffix gives k2's gradient with the estimator's
+            value. ``"full"`` is rejected: it needs full-vocabulary logits.
+        backend: ``"auto"`` or a name from ``dispatch.BACKENDS``.
+
+    Returns:
+        ``(ratio, kl)``, fp32 (fp64 for fp64 inputs) of the input shape:
+        ``ratio = exp(clamp(logprob - old_logprob, -20, 20))``, ``kl`` as above; both
+        differentiable in ``logprob``.
+    """
+    _checks.tensor("logprob", logprob, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("old_logprob", old_logprob, dtypes=_checks.FLOAT_DTYPES)
+    _checks.optional_tensor("ref_logprob", ref_logprob, dtypes=_checks.FLOAT_DTYPES)
+    _checks.same_shape("logprob", logprob, old_logprob=old_logprob, ref_logprob=ref_logprob)
+    _checks.same_device("logprob", logprob, old_logprob=old_logprob, ref_logprob=ref_logprob)
+    kind = _canonical_kl_type(kl_type)
+    ref = old_logprob if ref_logprob is None else ref_logprob
+    if logprob.numel() == 0:
+        return _reference.ratio_kl(logprob, old_logprob, ref, kind)
+    fn = dispatch.select("ratio_kl", backend, logprob.device, logprob, old_logprob, ref, kind)
+    return fn(logprob, old_logprob, ref, kind)
+
+
+def policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logprob: Optional[torch.Tensor] = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+    kl_type: str = "low_var_kl",
+    kl_coef: float = 0.0,
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO clipped policy loss with dual clip, KL and entropy terms (verl's vanilla loss).
+
+    Shapes: every tensor is ``[..., T]``: leading dims index sequences, the last one tokens
+    (1-D input is one sequence). Float dtypes; ``mask`` bool or float (a float mask weighs
+    tokens, as in verl's ``masked_sum``; weights must be >= 0).
+
+    Per token, with ``r = exp(clamp(logprob - old_logprob, ±20))`` and ``A = advantages``::
+
+        pg = max(-A·r, -A·clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        pg = min(pg, -A·clip_ratio_c)  where A < 0            (dual clip, when clip_ratio_c)
+        pg = pg · rollout_is_weights                          (when given)
+
+    ``loss = agg(pg) + kl_coef·agg(kl) - entropy_coef·agg(entropy)``, where ``kl`` is
+    :func:`ratio_kl`'s estimate against ``ref_logprob`` (``old_logprob`` when None) and ``agg``
+    is ``loss_agg_mode``: ``token-mean`` (masked sum / mask sum), ``token-sum`` (masked sum),
+    ``seq-mean-token-sum`` (mean
+    over non-empty sequences of their masked sums), ``seq-mean-token-mean`` (mean over non-empty
+    sequences of their masked means), ``seq-mean-token-sum-norm`` (``seq-mean-token-sum`` / T).
+    An empty mask (or N = 0) gives 0, not verl's 0/0.
+
+    Args:
+        clip_ratio_low, clip_ratio_high: >= 0.
+        clip_ratio_c: None (no dual clip) or > 1.
+        kl_type: see :func:`ratio_kl`. kl_coef, entropy_coef: >= 0; ``entropy_coef`` > 0 needs
+            ``entropy``.
+        backend: ``"auto"`` or a name from ``dispatch.BACKENDS``.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` 0-d fp32 (fp64 for fp64 inputs), differentiable in
+        ``logprob`` and ``entropy``; ``metrics`` holds detached 0-d tensors (no host sync):
+        ``pg_loss`` (agg(pg)), ``pg_clipfrac`` (token-mean of ``-A·clip(r) > -A·r``),
+        ``pg_clipfrac_lower`` (token-mean of dual-clipped tokens; 0 without ``clip_ratio_c``),
+        ``ppo_kl`` (token-mean of ``-clamp(logprob - old_logprob, ±20)``), ``kl_loss``
+        (agg(kl)), ``entropy`` (agg(entropy); 0 without ``entropy``).
+    """
+    _checks.tensor("logprob", logprob, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    _check_token_tensors(
+        "logprob", logprob, mask, {"old_logprob": old_logprob, "advantages": advantages},
+        {"ref_logprob": ref_logprob, "entropy": entropy, "rollout_is_weights": rollout_is_weights},
+    )
+    knobs = _check_knobs(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
+    if entropy is None and knobs["entropy_coef"] != 0.0:
+        raise ValueError(f"entropy must be given when entropy_coef != 0, got entropy=None with entropy_coef={entropy_coef}")
+    seq_len = logprob.shape[-1]
+    num_seqs = math.prod(logprob.shape[:-1])
+    args = [
+        _as_sequences(t, num_seqs, seq_len)
+        for t in (logprob, old_logprob, advantages, mask, old_logprob if ref_logprob is None else ref_logprob, entropy, rollout_is_weights)
+    ]
+    if logprob.numel() == 0:
+        return _reference.policy_loss(*args, **knobs)
+    fn = dispatch.select("policy_loss", backend, logprob.device, *args, **knobs)
+    return fn(*args, **knobs)
+
+
+def fused_linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    ref_logprob: Optional[torch.Tensor] = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+    kl_type: str = "low_var_kl",
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`policy_loss` with ``logprob``/``entropy`` taken from hidden states.
+
+    Equals ``policy_loss(*linear_logprob(hidden, weight, targets, bias=bias,
+    temperature=temperature, ignore_index=ignore_index, return_entropy=True), ...)`` with tokens
+    at ``ignore_index`` removed from ``mask``; fast backends form the loss gradient in the pass
+    that forms the logits, never holding ``[N, V]`` logits.
+
+    Args:
+        hidden: ``[..., T, D]`` float (``[T, D]`` is one sequence).
+        weight: ``[V, D]`` in ``hidden``'s dtype, the LM head. bias: ``[V]`` in ``hidden``'s
+            dtype, or None.
+        targets: ``[..., T]`` int64/int32 token ids in ``[0, V)`` or ``ignore_index`` (checked:
+            one host sync).
+        old_logprob, advantages, mask, ref_logprob, rollout_is_weights: ``[..., T]`` as in
+            :func:`policy_loss`.
+        temperature: > 0; logits are divided by it.
+        Other knobs: as in :func:`policy_loss`; the entropy term uses the softmax's entropy.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`policy_loss`; ``loss`` is differentiable in ``hidden``,
+        ``weight`` and ``bias``.
+    """
+    _checks.tensor("hidden", hidden, dtypes=_checks.FLOAT_DTYPES, min_ndim=2)
+    _checks.tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2)
+    _checks.optional_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1)
+    _checks.tensor("targets", targets, dtypes=_checks.INDEX_DTYPES)
+    _checks.same_device("hidden", hidden, weight=weight, bias=bias, targets=targets)
+    dim = hidden.shape[-1]
+    vocab = weight.shape[0]
+    if dim == 0:
+        raise ValueError(f"hidden's last dim D must be >= 1, got shape {tuple(hidden.shape)}")
+    _checks.shape("weight", weight, (vocab, dim), f"[V, D={dim}]")
+    if vocab == 0:
+        raise ValueError(f"weight must hold at least one vocab row, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        _checks.shape("bias", bias, (vocab,), f"[V={vocab}]")
+    _checks.shape("targets", targets, hidden.shape[:-1], f"hidden's leading shape {tuple(hidden.shape[:-1])}")
+    _check_token_tensors(
+        "targets", targets, mask, {"old_logprob": old_logprob, "advantages": advantages},
+        {"ref_logprob": ref_logprob, "rollout_is_weights": rollout_is_weights},
+    )
+    temperature = _checks.positive("temperature", temperature)
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    knobs = _check_knobs(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
+    _checks.target_ids("targets", targets, vocab, ignore_index)
+    seq_len = targets.shape[-1]
+    num_seqs = math.prod(targets.shape[:-1])
+    per_token = [
+        _as_sequences(t, num_seqs, seq_len)
+        for t in (targets, old_logprob, advantages, mask)
+    ]
+    ref = _as_sequences(old_logprob if ref_logprob is None else ref_logprob, num_seqs, seq_len)
+    args = [hidden.reshape(num_seqs, seq_len, dim), weight, *per_token, bias, ref, _as_sequences(rollout_is_weights, num_seqs, seq_len)]
+    kwargs = {"temperature": temperature, "ignore_index": ignore_index, **knobs}
+    if targets.numel() == 0:
+        return _reference.fused_linear_policy_loss(*args, **kwargs)
+    fn = dispatch.select("fused_linear_policy_loss", backend, hidden.device, *args, **kwargs)
+    return fn(*args, **kwargs)

@@ -1,0 +1,72 @@
+"""Plain-PyTorch reference for group-relative advantages (GRPO, Dr.GRPO, RLOO).
+
+Inputs arrive validated by :mod:`rl_kernel_core.advantages`. Group statistics come from
+``torch.segment_reduce`` over rewards laid out group by group (a stable sort by group id when
+groups are given by index): every reduction has a fixed order and no float atomics, so results
+are bitwise reproducible. Arithmetic is fp64 whatever the rewards' dtype: ``r - mean`` of two
+close rewards, divided by their small std, loses digits in fp32 (N scalars cost nothing to
+upcast); the result is rounded to fp32 (kept fp64 for fp64 rewards).
+
+The formulas follow verl 0.9.1 ``compute_grpo_outcome_advantage`` and
+``compute_rloo_outcome_advantage``; ``docs/semantics.md`` states them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rl_kernel_core import dispatch
+
+
+def _group_stats(values: torch.Tensor, counts: torch.Tensor, group_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element group mean and unbiased std (two-pass) for ``values`` laid out group by group."""
+    n = counts.to(values.dtype)
+    mean = torch.segment_reduce(values, "sum", lengths=counts) / n
+    centered = values - mean[group_of]
+    sq = torch.segment_reduce(centered * centered, "sum", lengths=counts)
+    std = (sq / torch.where(n > 1, n - 1, torch.ones_like(n))).sqrt()
+    return mean[group_of], std[group_of]
+
+
+def _estimate(values: torch.Tensor, counts: torch.Tensor, group_of: torch.Tensor, estimator: str, norm_by_std: bool, eps: float) -> torch.Tensor:
+    mean, std = _group_stats(values, counts, group_of)
+    size = counts[group_of].to(values.dtype)
+    single = size == 1
+    if estimator == "rloo":
+        return torch.where(single, values, (values - mean) * size / torch.where(single, torch.ones_like(size), size - 1))
+    centered = values - torch.where(single, torch.zeros_like(mean), mean)
+    if estimator == "grpo" and norm_by_std:
+        return centered / (torch.where(single, torch.ones_like(std), std) + eps)
+    return centered
+
+
+@dispatch.register("group_advantages", "torch")
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: Optional[int],
+    group_index: Optional[torch.Tensor],
+    *,
+    estimator: str,
+    norm_by_std: bool,
+    eps: float,
+) -> torch.Tensor:
+    """Advantages ``[N]`` from rewards ``[N]``; exactly one of ``group_size``/``group_index`` is set."""
+    out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    values = rewards.detach().to(torch.float64)
+    if values.numel() == 0:
+        return values.new_empty(0, dtype=out_dtype)
+    device = values.device
+    if group_index is None:
+        num_groups = values.numel() // group_size
+        counts = torch.full((num_groups,), group_size, dtype=torch.int64, device=device)
+        group_of = torch.arange(num_groups, device=device).repeat_interleave(group_size)
+        return _estimate(values, counts, group_of, estimator, norm_by_std, eps).to(out_dtype)
+    order = torch.argsort(group_index, stable=True)
+    _, counts = torch.unique_consecutive(group_index[order], return_counts=True)
+    group_of = torch.arange(counts.numel(), device=device).repeat_interleave(counts)
+    sorted_adv = _estimate(values[order], counts, group_of, estimator, norm_by_std, eps)
+    out = torch.empty_like(sorted_adv)
+    out[order] = sorted_adv
+    return out.to(out_dtype)
