@@ -223,18 +223,25 @@ def _hook_prepare_model_inputs(engine: Any, state: EngineState, original: Callab
 
 
 def _add_metrics(state: EngineState, outputs: Any, pass_name: str) -> None:
+    """Close the profiling step; add ``rl_kernel/*`` timings, backends and fallbacks to the metrics.
+
+    Values follow verl's conventions for each path: a training step's metrics are per-micro-batch
+    lists (verl's worker flattens them over data-parallel ranks), an inference pass's are scalars.
+    """
     record = profiling.step_end(rl_kernel_pass=pass_name, role=state.role)
     fallbacks, state.call_fallbacks = state.call_fallbacks, 0
     if not isinstance(outputs, dict) or not isinstance(outputs.get("metrics"), dict) or record is None:
         return
-    metrics = outputs["metrics"]
+    values: dict[str, float] = {}
     for region, ms in record["regions"].items():
-        metrics[f"{METRIC_PREFIX}{region}_ms"] = float(ms)
+        values[f"{METRIC_PREFIX}{region}_ms"] = float(ms)
         op = _OPS_BY_REGION.get(region)
         decision = dispatch.explain(op) if op else None
         if decision is not None:
-            metrics[f"{METRIC_PREFIX}backend/{op}/{decision.backend}"] = 1.0
-    metrics[f"{METRIC_PREFIX}fallback_micro_batches"] = float(fallbacks)
+            values[f"{METRIC_PREFIX}backend/{op}/{decision.backend}"] = 1.0
+    values[f"{METRIC_PREFIX}fallback_micro_batches"] = float(fallbacks)
+    as_list = pass_name == "train"
+    outputs["metrics"].update({k: [v] if as_list else v for k, v in values.items()})
 
 
 def _hook_train_batch(engine: Any, state: EngineState, original: Callable) -> Callable:

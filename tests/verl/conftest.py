@@ -148,6 +148,19 @@ def process_group():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def unpinned_cpu_offload():
+    """verl gives forward-only (reference) FSDP2 engines ``CPUOffloadPolicy(pin_memory=True)``;
+    pinning host memory needs an accelerator, so on CPU the same policy is used unpinned."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from verl.workers.engine.fsdp import transformer_impl
+
+    verl_policy = transformer_impl.CPUOffloadPolicy
+    transformer_impl.CPUOffloadPolicy = lambda pin_memory=True: CPUOffloadPolicy(pin_memory=False)
+    yield
+    transformer_impl.CPUOffloadPolicy = verl_policy
+
+
 VOCAB = 96
 BASE_OVERRIDES = (
     "actor_rollout_ref.model.use_remove_padding=False",
@@ -169,6 +182,7 @@ BASE_OVERRIDES = (
     "actor_rollout_ref.actor.kl_loss_coef=0.1",
     "actor_rollout_ref.actor.entropy_coeff=0.01",
     "actor_rollout_ref.actor.clip_ratio_c=3.0",
+    "actor_rollout_ref.actor.optim.lr=0.0",  # gradients are compared; the weights stay as saved
 )
 SWITCH_ON = "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True"
 

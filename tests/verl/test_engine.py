@@ -12,11 +12,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from conftest import SWITCH_ON, random_rollout, to_engine_batch
 
 from rl_kernel_core.contract import assert_close
 
 FP32 = torch.float32
+DEFERRED_SYNC = "actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation=True"
+VARIANTS = {
+    # verl's FSDP2 keeps a tied head in the root unit
+    "fsdp2-tied": ("tied", "actor_rollout_ref.actor.strategy=fsdp2"),
+    # ... and wraps an untied head as its own unit, whose weight is a sharded DTensor outside its
+    # forward (verl issue 5633); gradient sync deferred across micro-batches (verl issue 7520).
+    # (verl's FSDP1 path cannot run on CPU: it syncs module states, which FSDP1 does on GPU only.)
+    "fsdp2-untied": ("untied", "actor_rollout_ref.actor.strategy=fsdp2", DEFERRED_SYNC),
+}
+
+
+def _workers(build_worker, variant: str, role: str = "actor"):
+    """(off, on): verl workers for ``variant`` built from the same weights, switch off and on."""
+    model, *overrides = VARIANTS[variant]
+    return build_worker(model, role, *overrides), build_worker(model, role, *overrides, SWITCH_ON)
 
 
 def _engine(worker):
@@ -26,16 +42,16 @@ def _engine(worker):
 def _infer(worker, rollout: dict, temperature: float, ref: bool = False):
     from verl.utils import tensordict_utils as tu
 
-    batch = to_engine_batch(rollout, calculate_entropy=not ref, compute_loss=False, temperature=temperature)
+    meta = {} if temperature is None else {"temperature": temperature}  # None: a per-sample tensor in rollout
+    batch = to_engine_batch(rollout, calculate_entropy=not ref, compute_loss=False, **meta)
     out = worker.compute_ref_log_prob(batch) if ref else worker.compute_log_prob(batch)
     entropy = None if ref else tu.get(out, "entropy").values()
     return tu.get(out, "log_probs").values(), entropy, tu.get(out, "metrics")
 
 
-@pytest.mark.parametrize("model", ["tied", "untied"])
-def test_old_log_prob_pass_matches_verl(build_worker, seed, model):
-    off = build_worker(model, "actor")
-    on = build_worker(model, "actor", SWITCH_ON)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_old_log_prob_pass_matches_verl(build_worker, seed, variant):
+    off, on = _workers(build_worker, variant)
     rollout = random_rollout(torch.Generator().manual_seed(seed))
     temperature = float(torch.empty(()).uniform_(0.5, 1.5))
 
@@ -51,7 +67,154 @@ def test_old_log_prob_pass_matches_verl(build_worker, seed, model):
     assert_close(ent_on, ent_off, "logprob", FP32, name="entropy")
     # the switched-on model returned per-token log-probs, never the [N, V] logits
     assert outputs and all(o.logits is None and o.log_probs is not None for o in outputs)
+    if variant == "fsdp2-untied":  # the case verl issue 5633 is about: the head's weight is a shard
+        assert isinstance(_engine(on).module.lm_head.weight, DTensor)
     assert {"rl_kernel/old_logprob_ms", "rl_kernel/logprob_ms"} <= metrics_on.keys()
     assert any(k.startswith("rl_kernel/backend/linear_logprob/") for k in metrics_on)
     assert metrics_on["rl_kernel/fallback_micro_batches"] == [0.0]
     assert not [k for k in metrics_off if k.startswith("rl_kernel/")]
+
+
+def _padded_response(nested: torch.Tensor, rollout: dict) -> torch.Tensor:
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    return no_padding_2_padding(nested, to_engine_batch(rollout))
+
+
+def _train(worker, rollout: dict, per_token: dict, temperature: float):
+    from verl.utils import tensordict_utils as tu
+
+    batch = to_engine_batch(
+        {**rollout, **per_token}, calculate_entropy=True, compute_loss=True, temperature=temperature,
+        global_batch_size=4, mini_batch_size=4, epochs=1, seed=1, dataloader_kwargs={"shuffle": False},
+    )
+    engine = _engine(worker)
+    grads = {}
+
+    def capture_then_step():  # verl zeroes the gradients when train mode exits: read them before the step
+        for name, p in engine.module.named_parameters():
+            grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        return type(engine).optimizer_step(engine)
+
+    engine.optimizer_step = capture_then_step
+    try:
+        metrics = tu.get(worker.update_actor(batch), "metrics")
+    finally:
+        del engine.optimizer_step
+    return metrics, grads
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_actor_update_matches_verl(build_worker, seed, variant):
+    """Loss, every loss metric, grad norm and every parameter's gradient after ``update_actor``."""
+    from verl.utils import tensordict_utils as tu
+
+    off, on = _workers(build_worker, variant)
+    g = torch.Generator().manual_seed(seed)
+    rollout = random_rollout(g)
+    temperature = float(torch.empty(()).uniform_(0.5, 1.5, generator=g))
+    # behaviour and reference log-probs near the current policy's, so that some tokens are
+    # clipped, some dual-clipped (ratio > clip_ratio_c with negative advantages) and the KL is small
+    current = _padded_response(tu.get(off.compute_log_prob(
+        to_engine_batch(rollout, calculate_entropy=False, compute_loss=False, temperature=temperature)), "log_probs"), rollout)
+    shift = 0.5 * torch.randn(current.shape, generator=g)
+    shift[0, :2] = -1.5
+    advantages = torch.randn(current.shape, generator=g)
+    advantages[0, :2] = -advantages[0, :2].abs()
+    per_token = {
+        "old_log_probs": current + shift,
+        "advantages": advantages,
+        "ref_log_prob": current + 0.2 * torch.randn(current.shape, generator=g),
+    }
+
+    metrics_on, grads_on = _train(on, rollout, per_token, temperature)
+    metrics_off, grads_off = _train(off, rollout, per_token, temperature)
+
+    compared = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy_loss",
+                "kl_loss", "kl_coef", "loss", "grad_norm"]
+    assert set(compared) <= metrics_off.keys() and set(compared) <= metrics_on.keys()
+    for key in compared:
+        assert_close(torch.tensor(metrics_on[key], dtype=torch.float64), torch.tensor(metrics_off[key], dtype=torch.float64),
+                     "reduction", FP32, name=key)
+    assert metrics_off["actor/pg_clipfrac"][0] > 0 and metrics_off["actor/pg_clipfrac_lower"][0] > 0
+    assert grads_on.keys() == grads_off.keys()
+    for name in grads_off:
+        assert_close(grads_on[name], grads_off[name], "gradient", FP32, name=f"grad {name}")
+    assert {"rl_kernel/logprob_ms", "rl_kernel/loss_ms"} <= metrics_on.keys()
+    assert any(k.startswith("rl_kernel/backend/policy_loss/") for k in metrics_on)
+    assert not [k for k in metrics_off if k.startswith("rl_kernel/")]
+
+
+def test_ref_log_prob_pass_matches_verl(build_worker, seed):
+    off, on = _workers(build_worker, "fsdp2-untied", role="ref")
+    rollout = random_rollout(torch.Generator().manual_seed(seed))
+    lp_on, _, metrics_on = _infer(on, rollout, 1.0, ref=True)
+    lp_off, _, metrics_off = _infer(off, rollout, 1.0, ref=True)
+    assert_close(lp_on, lp_off, "logprob", FP32, name="ref log_probs")
+    assert {"rl_kernel/ref_logprob_ms", "rl_kernel/logprob_ms"} <= metrics_on.keys()
+    assert not [k for k in metrics_off if k.startswith("rl_kernel/")]
+
+
+def test_switch_off_leaves_verl_untouched(build_worker, seed):
+    """With the switch off: no hook on the engine or its model; the worker keeps verl's loss."""
+    import rl_kernel_verl
+    from transformers import Qwen2ForCausalLM
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.utils import losses
+
+    from rl_kernel_verl import targets
+
+    off, on = _workers(build_worker, "fsdp2-untied")
+    _infer(off, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
+    engine = _engine(off)
+    hooked = set(targets.ENGINE_METHODS) | {"_rl_kernel"}
+    assert not hooked & vars(engine).keys()
+    assert "forward" not in vars(engine.module) and "forward" not in vars(engine.module.lm_head)
+    assert type(engine.module).forward is Qwen2ForCausalLM.forward
+    assert off.actor.loss_fn.func is losses.ppo_loss
+    # verl's classes are never modified, switch on or off: no method carries a wrapper
+    for name in targets.ENGINE_METHODS + ("prepare_model_outputs",):
+        assert not hasattr(getattr(FSDPEngineWithLMHead, name), "__wrapped__"), name
+    # the one wrapper in verl is the probe; it returns verl's factory's engine as built
+    factory = vars(EngineRegistry)["new"].__func__
+    assert factory.__rl_kernel_probe__ and not hasattr(factory.__wrapped_original__, "__rl_kernel_probe__")
+    assert type(engine) is FSDPEngineWithLMHead
+    listed = {e["engine"] for e in rl_kernel_verl.status()["engines"]}
+    assert f"FSDPEngineWithLMHead@{id(engine):#x}" not in listed
+    assert f"FSDPEngineWithLMHead@{id(_engine(on)):#x}" in listed
+    assert hooked <= vars(_engine(on)).keys()
+
+
+def test_status_reports_live_hooks(build_worker, seed):
+    import rl_kernel_verl
+
+    _, on = _workers(build_worker, "fsdp2-tied")
+    _infer(on, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
+    status = rl_kernel_verl.status()
+    assert status["probe"] == "live"
+    (entry,) = [e for e in status["engines"] if e["engine"] == f"FSDPEngineWithLMHead@{id(_engine(on)):#x}"]
+    assert entry["role"] == "actor" and entry["forward"] == "live"
+    assert set(entry["hooks"].values()) == {"live"}
+    assert entry["micro_batches_served"] > 0 and entry["micro_batches_on_verl_path"] == {}
+
+
+def test_per_sample_temperature_runs_verls_path(build_worker, seed):
+    """A micro-batch the adapter does not serve runs verl's own code (bitwise), counted in the metrics."""
+    off, on = _workers(build_worker, "fsdp2-tied")
+    rollout = random_rollout(torch.Generator().manual_seed(seed))
+    rollout["temperature"] = torch.empty(rollout["input_ids"].shape[0]).uniform_(0.5, 1.5)
+    lp_on, ent_on, metrics_on = _infer(on, rollout, None)
+    lp_off, ent_off, _ = _infer(off, rollout, None)
+    assert torch.equal(lp_on, lp_off) and torch.equal(ent_on, ent_off)
+    assert metrics_on["rl_kernel/fallback_micro_batches"] == [2.0]
+
+
+def test_strict_mode_refuses_the_fallback(build_worker, seed):
+    model, *overrides = VARIANTS["fsdp2-tied"]
+    strict = build_worker(model, "actor", *overrides, SWITCH_ON,
+                          "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_strict=True")
+    rollout = random_rollout(torch.Generator().manual_seed(seed))
+    rollout["temperature"] = torch.empty(rollout["input_ids"].shape[0]).uniform_(0.5, 1.5)
+    with pytest.raises(RuntimeError, match="strict.*per-sample temperature"):
+        _infer(strict, rollout, None)
