@@ -106,8 +106,8 @@ LOSS_CONFIGS = {
 }
 
 
-def _compare_policy_loss(gen, args, batch_edit=None, logprob_hook=False):
-    logits, batch = make_batch(gen)
+def _compare_policy_loss(gen, args, batch_edit=None, logprob_hook=False, device="cpu"):
+    logits, batch = make_batch(gen, device=device)
     if batch_edit:
         batch_edit(batch)
     reducer = cp_utils.get_sum_of_sample_mean(
@@ -135,6 +135,14 @@ def _compare_policy_loss(gen, args, batch_edit=None, logprob_hook=False):
 def test_policy_loss_function(gen, name, logprob_hook):
     """The loss hook alone (log-probs from vime's function), and with the logprob hook patched in."""
     metrics = _compare_policy_loss(gen, make_args(**LOSS_CONFIGS[name]), logprob_hook=logprob_hook)
+    assert "train_rollout_logprob_abs_diff" in metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+def test_policy_loss_function_cuda(gen, name):
+    """On CUDA the ops dispatch to their GPU backends; the hooks still match the stand-in."""
+    metrics = _compare_policy_loss(gen, make_args(**LOSS_CONFIGS[name]), logprob_hook=True, device="cuda")
     assert "train_rollout_logprob_abs_diff" in metrics
 
 

@@ -28,18 +28,18 @@ class TinyLM(torch.nn.Module):
         return self.embed[tokens] @ self.head.T
 
 
-def _batches(gen, n):
+def _batches(gen, n, device="cpu"):
     out = []
     for _ in range(n):
-        _, batch = make_batch(gen, vocab=VOCAB, pad=0)
+        _, batch = make_batch(gen, vocab=VOCAB, pad=0, device=device)
         batch["tokens"] = torch.cat(batch["unconcat_tokens"]).unsqueeze(0)
         out.append(batch)
     return out
 
 
-def _run_steps(model_state, batches, args, with_between_step_work):
+def _run_steps(model_state, batches, args, with_between_step_work, device="cpu"):
     """Two training steps of 2 micro-batches through whatever vime's functions are now."""
-    model = TinyLM(torch.Generator())
+    model = TinyLM(torch.Generator()).to(device)
     model.load_state_dict(model_state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     results = []
@@ -58,18 +58,19 @@ def _run_steps(model_state, batches, args, with_between_step_work):
     return results, model
 
 
-def test_step_metrics_and_jsonl_record(gen, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_metrics_and_jsonl_record(gen, tmp_path, device):
     args = make_args(entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.05, eps_clip_c=3.0)
     state = TinyLM(gen).state_dict()
-    batches = _batches(gen, 4)
-    want, model_want = _run_steps(state, batches, args, with_between_step_work=False)
+    batches = _batches(gen, 4, device)
+    want, model_want = _run_steps(state, batches, args, with_between_step_work=False, device=device)
 
     path = tmp_path / "steps.jsonl"
     cfg = config.Config(enabled=True, ops=frozenset(config.OPS), strict=False, profile_path=str(path))
     for name, module in ((targets.PPO_UTILS, ppo_utils), (targets.LOSS, vime_loss), (targets.MODEL, vime_model)):
         patch.apply_module(name, module, cfg)
     assert vime_model.train_one_step is hooks.train_one_step
-    got, model_got = _run_steps(state, batches, args, with_between_step_work=True)
+    got, model_got = _run_steps(state, batches, args, with_between_step_work=True, device=device)
 
     for (metrics_got, _), (metrics_want, _) in zip(got, want):
         perf = {k: v for k, v in metrics_got.items() if k.startswith("perf/rl_kernel/")}
@@ -87,6 +88,8 @@ def test_step_metrics_and_jsonl_record(gen, tmp_path):
         assert {"logprob", "old_logprob", "ratio_kl", "loss", "step"} <= set(record["regions"])
         assert set(record["backends"]) == {"logprob_from_logits", "ratio_kl", "policy_loss"}
         assert record["fallbacks"] == {}
+        if device == "cuda":
+            assert "peak_vram_gib" in record
 
 
 def test_no_step_metrics_without_the_step_hook(gen):

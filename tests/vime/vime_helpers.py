@@ -17,15 +17,18 @@ def make_args(**overrides) -> Namespace:
     return Namespace(**values)
 
 
-def make_batch(generator: torch.Generator, vocab: int = 17, num_samples: int = 4, pad: int = 2) -> tuple[torch.Tensor, dict]:
+def make_batch(
+    generator: torch.Generator, vocab: int = 17, num_samples: int = 4, pad: int = 2, device: str = "cpu"
+) -> tuple[torch.Tensor, dict]:
     """A packed micro-batch: samples of different lengths, padding at the end, random masks.
 
-    Returns ``(logits [1, T, vocab] fp32 requiring grad, batch dict as vime's loss receives it)``.
+    Returns ``(logits [1, T, vocab] fp32 requiring grad, batch dict as vime's loss receives it)``,
+    drawn on the CPU (the same values for every device) and placed on ``device``.
     """
     totals = [int(n) for n in torch.randint(4, 12, (num_samples,), generator=generator)]
     responses = [int(torch.randint(1, t, (1,), generator=generator)) for t in totals]
     num_rows = sum(totals) + pad
-    logits = (3 * torch.randn(1, num_rows, vocab, generator=generator)).requires_grad_()
+    logits = (3 * torch.randn(1, num_rows, vocab, generator=generator)).to(device).requires_grad_()
 
     def per_sample(scale: float, shift: float) -> list[torch.Tensor]:
         return [scale * torch.randn(r, generator=generator) + shift for r in responses]
@@ -42,4 +45,5 @@ def make_batch(generator: torch.Generator, vocab: int = 17, num_samples: int = 4
         "ref_log_probs": per_sample(0.5, -3.0),
         "rollout_log_probs": per_sample(0.5, -3.0),
     }
+    batch = {k: [t.to(device) for t in v] if k not in ("total_lengths", "response_lengths") else v for k, v in batch.items()}
     return logits, batch

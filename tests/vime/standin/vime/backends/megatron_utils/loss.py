@@ -190,5 +190,11 @@ def loss_function(
     return (
         loss,
         num_tokens if args.calculate_per_token_loss else torch.tensor(1, device=logits.device),
-        {"keys": list(log.keys()), "values": torch.stack([torch.as_tensor(num_tokens if args.calculate_per_token_loss else 0, dtype=torch.float32)] + [v.float() for v in log.values()])},
+        {
+            "keys": list(log.keys()),
+            "values": torch.stack(
+                [torch.as_tensor(num_tokens if args.calculate_per_token_loss else 0, dtype=torch.float32, device=logits.device)]
+                + [v.float() for v in log.values()]
+            ),
+        },
     )
