@@ -94,10 +94,10 @@ def calibrate_logprob_from_logits(backend: str, dtype: torch.dtype, regime: str,
 def calibrate_policy_loss(backend: str, dtype: torch.dtype, regime: str, device: torch.device, shape) -> dict:
     b, t = 64, 1024
     spread = {"unit": 0.3, "large": 30.0, "equal": 0.0}[regime]
-    logprob = -torch.rand(b, t, device=device) * 5
-    old = logprob + torch.randn(b, t, device=device) * spread
-    ref = logprob + torch.randn(b, t, device=device) * spread
-    adv = torch.randn(b, t, device=device)
+    logprob = (-torch.rand(b, t, device=device) * 5).to(dtype)
+    old = (logprob.float() + torch.randn(b, t, device=device) * spread).to(dtype)
+    ref = (logprob.float() + torch.randn(b, t, device=device) * spread).to(dtype)
+    adv = torch.randn(b, t, device=device).to(dtype)
     mask = torch.rand(b, t, device=device) > 0.2
     out = {}
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
@@ -107,13 +107,13 @@ def calibrate_policy_loss(backend: str, dtype: torch.dtype, regime: str, device:
                                      kl_coef=0.1, loss_agg_mode=mode, backend=be)
             (g,) = torch.autograd.grad(loss, (lp,))
             return loss, g
-        loss, g = run(logprob.to(dtype), backend)
-        rloss, rg = run(logprob.to(dtype).double(), "torch")
+        loss, g = run(logprob, backend)
+        rloss, rg = run(logprob.double(), "torch")
         out[f"loss[{mode}]"] = _fraction(loss, rloss, "reduction", dtype)
         out[f"grad[{mode}]"] = _fraction(g, rg, "gradient", dtype)
     for kind in ("k1", "abs", "k2", "low_var_kl"):
-        ratio, kl = rk.ratio_kl(logprob.to(dtype), old.to(dtype), ref.to(dtype), kl_type=kind, backend=backend)
-        rratio, rkl = rk.ratio_kl(logprob.to(dtype).double(), old.to(dtype).double(), ref.to(dtype).double(), kl_type=kind, backend="torch")
+        ratio, kl = rk.ratio_kl(logprob, old, ref, kl_type=kind, backend=backend)
+        rratio, rkl = rk.ratio_kl(logprob.double(), old.double(), ref.double(), kl_type=kind, backend="torch")
         out[f"ratio[{kind}]"] = _fraction(ratio, rratio, "elementwise", dtype)
         out[f"kl[{kind}]"] = _fraction(kl, rkl, "elementwise", dtype)
     return out
