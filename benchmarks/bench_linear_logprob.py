@@ -1,0 +1,438 @@
+"""Benchmark ``linear_logprob`` and ``fused_linear_policy_loss`` (triton backend) against the public baselines.
+
+Everything runs in one process on one GPU, on the same inputs (bf16 unless ``--dtype``):
+
+* ``linear_logprob`` forward+backward (upstream gradient non-uniform, as an RL loss sends) and
+  forward-only under ``torch.no_grad()``: ours; eager ``log_softmax((h @ W.T).float()).gather``;
+  eager in row chunks under activation checkpointing; Liger-Kernel
+  ``LigerFusedLinearCrossEntropyLoss(reduction="none")``; Cut-Cross-Entropy
+  ``linear_cross_entropy(..., reduction="none")``; the floor is one cuBLAS ``h @ W.T``.
+* ``fused_linear_policy_loss`` forward+backward (GRPO: token-mean, clip 0.2, no KL term) against
+  Liger's ``LigerFusedLinearGRPOLoss``; the floor is the three cuBLAS products logits, dh, dW.
+* accuracy: max |error| and ``||error|| / ||reference||`` of log-probs, dh and dW against an
+  fp64 reference, measured on the first ``--acc-rows`` rows of the same inputs (fp64 ``[N, V]``
+  logits at the full N would not fit), for ours and every baseline.
+* memory: peak allocation during one call beyond the inputs and beyond the returned outputs
+  (gradients), at N from 4096 to 131072.
+* batch invariance: a row's log-prob computed inside batches of different N, for eager
+  (cuBLAS) and ours; max |difference| (ours must be 0).
+* ``--part tiles``: the gemm-route tile shapes, forward-only, to choose ``TUNING.gemm_tiles``.
+
+Timings are medians of ``--reps`` CUDA-event-timed calls after ``--warmup`` calls. Results are
+appended to ``<out>/bench_linear_logprob.json`` after every measurement (a cut-off run keeps
+what it measured), with the GPU, versions and the command line.
+
+    python benchmarks/bench_linear_logprob.py --out benchmarks/results --part all
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core import bench
+from rl_kernel_core.triton import _linear_kernels as K
+
+DEV = torch.device("cuda")
+SHAPES = {  # name -> (N, D, V); "tiny" is a CPU smoke test of this script under TRITON_INTERPRET=1
+    "llama8b": (16384, 4096, 128256),
+    "qwen0.5b": (16384, 896, 151936),
+    "d2048": (16384, 2048, 128256),
+    "n1000": (1000, 4096, 128256),
+    "tiny": (96, 32, 500),
+}
+
+
+class Recorder:
+    """Collects result rows and rewrites the JSON after each one."""
+
+    def __init__(self, path: str, args: argparse.Namespace) -> None:
+        self.path = path
+        self.doc = {
+            "benchmark": "linear_logprob / fused_linear_policy_loss",
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "environment": bench.environment(DEV),
+            "tuning_defaults": _tuning_dict(K.TUNING),
+            "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows},
+            "notes": [],
+            "results": [],
+        }
+
+    def add(self, row: dict) -> None:
+        self.doc["results"].append(row)
+        self._flush()
+        print(json.dumps(row), flush=True)
+
+    def note(self, text: str) -> None:
+        self.doc["notes"].append(text)
+        self._flush()
+        print("NOTE", text, flush=True)
+
+    def _flush(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self.doc, f, indent=1)
+
+
+def _tuning_dict(t: K.Tuning) -> dict:
+    return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in dataclasses.asdict(t).items()}
+
+
+def _free() -> None:
+    gc.collect()
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(fn: Callable[[], object], args: argparse.Namespace, out_bytes: Callable[[object], int] = lambda r: 0) -> dict:
+    """Median ms, and peak GiB beyond what was allocated before (and beyond the outputs' bytes)."""
+    _free()
+    try:
+        timing = bench.time_ms(fn, DEV, warmup=args.warmup, reps=args.reps)
+        _free()
+        if DEV.type != "cuda":
+            return {"median_ms": round(timing["median_ms"], 3)}
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        kept = out_bytes(result)
+        del result
+        return {"median_ms": round(timing["median_ms"], 3), "min_ms": round(timing["min_ms"], 3),
+                "peak_extra_gib": round(peak / 2**30, 3), "peak_beyond_outputs_gib": round((peak - kept) / 2**30, 3)}
+    except torch.cuda.OutOfMemoryError as exc:
+        return {"error": f"OOM: {str(exc).splitlines()[0]}"}
+    finally:
+        _free()
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make(n: int, d: int, v: int, dtype: torch.dtype, seed: int = 0):
+    """Hidden/weight like an LM head (logit std about 3), targets with 5% ignored, upstream grad."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    hidden = torch.randn(n, d, device=DEV, generator=g).to(dtype)
+    weight = (torch.randn(v, d, device=DEV, generator=g) * (3.0 / math.sqrt(d))).to(dtype)
+    targets = torch.randint(0, v, (n,), device=DEV, generator=g)
+    targets[torch.rand(n, device=DEV, generator=g) < 0.05] = -100
+    g_lp = (torch.rand(n, device=DEV, generator=g) + 0.5) * torch.where(torch.rand(n, device=DEV, generator=g) < 0.5, -1.0, 1.0)
+    return hidden, weight, targets, g_lp
+
+
+# ----------------------------------------------------------------------------- methods: (h, W, t) -> logprob [N] fp32
+
+
+def ours(h, w, t):
+    return rk.linear_logprob(h, w, t, backend="triton")
+
+
+def eager(h, w, t):
+    logits = h @ w.T
+    logp = torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    keep = t != -100
+    return torch.where(keep, logp.gather(1, torch.where(keep, t, 0)[:, None])[:, 0], 0.0)
+
+
+def eager_chunked_ckpt(h, w, t, rows: int = 2048):
+    from torch.utils.checkpoint import checkpoint
+
+    return torch.cat([checkpoint(eager, h[i : i + rows], w, t[i : i + rows], use_reentrant=False) for i in range(0, h.shape[0], rows)])
+
+
+def liger(h, w, t):
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    return -LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, t)
+
+
+def cce(h, w, t):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return -linear_cross_entropy(h, w, t, reduction="none")
+
+
+METHODS = {"ours": ours, "eager": eager, "eager_chunked_ckpt": eager_chunked_ckpt, "liger_flce": liger, "cce": cce}
+
+
+def fwd_bwd(method, h, w, t, g_lp):
+    hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
+    lp = method(hl, wl, t)
+    dh, dw = torch.autograd.grad((lp.float() * g_lp).sum(), (hl, wl))
+    return lp.detach(), dh, dw
+
+
+def fwd_only(method, h, w, t):
+    with torch.no_grad():
+        return method(h, w, t)
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def part_floor(shape: str, n: int, d: int, v: int, dtype, args, rec: Recorder) -> float:
+    h, w, _, _ = make(n, d, v, dtype)
+    res = measure(lambda: h @ w.T, args)
+    rec.add({"part": "floor", "shape": shape, "N": n, "D": d, "V": v, "method": "cublas h@W.T", **res,
+             "tflops": round(2 * n * d * v / res["median_ms"] / 1e9, 1)})
+    return res["median_ms"]
+
+
+def _with_tuning(**overrides):
+    saved = K.TUNING
+    K.TUNING = dataclasses.replace(saved, **overrides)
+    return saved
+
+
+def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
+    h, w, t, g = make(n, d, v, dtype)
+    for name in methods:
+        for vname, over in (variants if name == "ours" else [("", {})]):
+            saved = _with_tuning(**over)
+            try:
+                label = name + (f"[{vname}]" if vname else "")
+                m = METHODS[name]
+                res_f = measure(lambda: fwd_only(m, h, w, t), args, out_bytes=_nbytes)
+                rec.add({"part": "forward", "shape": shape, "N": n, "D": d, "V": v, "method": label, **res_f,
+                         "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3)})
+                res_b = measure(lambda: fwd_bwd(m, h, w, t, g), args, out_bytes=lambda r: _nbytes(*r))
+                rec.add({"part": "fwd+bwd", "shape": shape, "N": n, "D": d, "V": v, "method": label, **res_b,
+                         "x_floor": round(res_b.get("median_ms", math.nan) / floor_ms, 3)})
+            except Exception as exc:
+                rec.add({"part": "logprob", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
+                traceback.print_exc()
+            finally:
+                K.TUNING = saved
+
+
+def _err(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    e = (got.double() - ref).abs()
+    return {"max_abs": float(e.max()), "rel_norm": float(e.norm() / ref.norm().clamp_min(1e-300))}
+
+
+def part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants):
+    """Errors against fp64 at ``acc_rows`` rows of the benchmark shape (same D, V)."""
+    rows = min(n, args.acc_rows)
+    h, w, t, g = make(rows, d, v, dtype, seed=1)
+    hl, wl = h.double().requires_grad_(), w.double().requires_grad_()
+    lp64 = eager(hl, wl, t)
+    dh64, dw64 = torch.autograd.grad((lp64 * g.double()).sum(), (hl, wl))
+    lp64 = lp64.detach()
+    del hl, wl
+    _free()
+    for name in methods:
+        for vname, over in (variants if name == "ours" else [("", {})]):
+            saved = _with_tuning(**over)
+            try:
+                lp, dh, dw = fwd_bwd(METHODS[name], h, w, t, g)
+                rec.add({"part": "accuracy", "shape": shape, "N": rows, "D": d, "V": v, "method": name + (f"[{vname}]" if vname else ""),
+                         "logprob": _err(lp, lp64), "dhidden": _err(dh, dh64), "dweight": _err(dw, dw64)})
+            except Exception as exc:
+                rec.add({"part": "accuracy", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
+            finally:
+                K.TUNING = saved
+                _free()
+
+
+def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
+    h, w, t, _ = make(n, d, v, dtype)
+    configs = [
+        K.TileConfig(128, 256, 64, 8, 8, 3), K.TileConfig(128, 256, 64, 8, 8, 4), K.TileConfig(128, 128, 64, 8, 4, 4),
+        K.TileConfig(128, 128, 64, 8, 8, 4), K.TileConfig(128, 128, 128, 8, 8, 3), K.TileConfig(256, 128, 64, 8, 8, 3),
+        K.TileConfig(64, 256, 64, 8, 4, 4),
+    ]
+    for cfg in configs:
+        saved = _with_tuning(gemm_tiles=cfg, fwd_route="gemm")
+        try:
+            res = measure(lambda: fwd_only(ours, h, w, t), args)
+            rec.add({"part": "tiles", "shape": shape, "N": n, "D": d, "V": v, "tiles": dataclasses.asdict(cfg), **res,
+                     "x_floor": round(res.get("median_ms", math.nan) / floor_ms, 3)})
+        except Exception as exc:
+            rec.add({"part": "tiles", "shape": shape, "tiles": dataclasses.asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            K.TUNING = saved
+
+
+def _loss_inputs(b: int, tl: int, d: int, v: int, dtype):
+    h, w, t, _ = make(b * tl, d, v, dtype, seed=2)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    old = -torch.rand(b, tl, device=DEV, generator=g) * 2.0 - 9.0  # around the log-probs of the random head
+    adv = torch.randn(b, device=DEV, generator=g)
+    mask = torch.rand(b, tl, device=DEV, generator=g) < 0.9
+    return h.view(b, tl, d), w, t.clamp_min(0).view(b, tl), old, adv, mask
+
+
+def ours_loss(h, w, t, old, adv, mask):
+    return rk.fused_linear_policy_loss(h, w, t, old, adv[:, None].expand_as(old), mask, loss_agg_mode="token-mean", backend="triton")[0]
+
+
+def liger_grpo(h, w, t, old, adv, mask):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    out = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.2)(
+        h, w, t, mask.long(), adv, old_per_token_logps=old
+    )
+    return out[0] if isinstance(out, tuple) else out
+
+
+def eager_loss(h, w, t, old, adv, mask):
+    b, tl, d = h.shape
+    lp = eager(h.reshape(-1, d), w, t.reshape(-1)).view(b, tl)
+    return rk.policy_loss(lp, old, adv[:, None].expand_as(old), mask, loss_agg_mode="token-mean", backend="torch")[0]
+
+
+LOSSES = {"ours": ours_loss, "liger_grpo": liger_grpo, "eager": eager_loss}
+
+
+def loss_fwd_bwd(fn, h, w, *rest):
+    hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = fn(hl, wl, *rest)
+    dh, dw = torch.autograd.grad(loss, (hl, wl))
+    return loss.detach(), dh, dw
+
+
+def part_loss(shape, b, tl, d, v, dtype, args, rec, methods, variants):
+    h, w, t, old, adv, mask = _loss_inputs(b, tl, d, v, dtype)
+    n = b * tl
+    hh = h.reshape(n, d)
+    dl = torch.randn(n, v, device=DEV).to(dtype)
+    floor = measure(lambda: (hh @ w.T, dl @ w, dl.T @ hh), args)["median_ms"]
+    del dl
+    rec.add({"part": "loss_floor", "shape": shape, "N": n, "D": d, "V": v, "method": "cublas logits+dh+dW", "median_ms": floor})
+    for name in methods:
+        for vname, over in (variants if name == "ours" else [("", {})]):
+            saved = _with_tuning(**over)
+            try:
+                res = measure(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), args, out_bytes=lambda r: _nbytes(*r))
+                rec.add({"part": "loss fwd+bwd", "shape": shape, "B": b, "T": tl, "N": n, "D": d, "V": v,
+                         "method": name + (f"[{vname}]" if vname else ""), **res, "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
+            except Exception as exc:
+                rec.add({"part": "loss fwd+bwd", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
+                traceback.print_exc()
+            finally:
+                K.TUNING = saved
+
+
+def part_loss_accuracy(d, v, dtype, args, rec, methods):
+    b, tl = (4, 512) if DEV.type == "cuda" else (2, 16)
+    h, w, t, old, adv, mask = _loss_inputs(b, tl, d, v, dtype)
+    ref = loss_fwd_bwd(eager_loss, h.double(), w.double(), t, old.double(), adv.double(), mask)
+    for name in methods:
+        try:
+            got = loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask)
+            rec.add({"part": "loss accuracy", "B": b, "T": tl, "D": d, "V": v, "method": name,
+                     "loss": _err(got[0].reshape(1), ref[0].reshape(1)), "dhidden": _err(got[1], ref[1]), "dweight": _err(got[2], ref[2])})
+        except Exception as exc:
+            rec.add({"part": "loss accuracy", "method": name, "error": f"{type(exc).__name__}: {exc}"})
+        _free()
+
+
+def part_memory(d, v, dtype, args, rec, sizes):
+    for n in sizes:
+        h, w, t, g = make(n, d, v, dtype)
+        for name in ("ours", "eager"):
+            res = measure(lambda: fwd_bwd(METHODS[name], h, w, t, g), argparse.Namespace(warmup=1, reps=2), out_bytes=lambda r: _nbytes(*r))
+            rec.add({"part": "memory fwd+bwd", "N": n, "D": d, "V": v, "method": name, **res})
+        del h, w, t, g
+        _free()
+
+
+def part_invariance(d, v, dtype, args, rec):
+    """A row's log-prob inside batches of N = 1, 7, 1000, 16384 (first rows shared)."""
+    h, w, t, _ = make(16384, d, v, dtype, seed=4)
+    for name in ("eager", "ours"):
+        with torch.no_grad():
+            full = METHODS[name](h, w, t)
+            worst = 0.0
+            for n in (1, 7, 1000):
+                part = METHODS[name](h[:n], w, t[:n])
+                worst = max(worst, float((part - full[:n]).abs().max()))
+        rec.add({"part": "batch invariance", "D": d, "V": v, "method": name, "Ns": [1, 7, 1000, 16384], "max_abs_diff": worst})
+        _free()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--part", default="all", help="comma list: tiles,logprob,accuracy,loss,memory,invariance or all")
+    p.add_argument("--shapes", default="llama8b,qwen0.5b,n1000,d2048")
+    p.add_argument("--methods", default="ours,eager,eager_chunked_ckpt,liger_flce,cce")
+    p.add_argument("--variants", default="", help="ours variants: name=field:value;field:value,... (TUNING overrides)")
+    p.add_argument("--memory-sizes", default="4096,16384,65536,131072")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--acc-rows", type=int, default=2048)
+    p.add_argument("--device", default="cuda", help="cuda; or cpu with TRITON_INTERPRET=1 and --shapes tiny (smoke test)")
+    args = p.parse_args()
+    global DEV
+    DEV = torch.device(args.device)
+    os.makedirs(args.out, exist_ok=True)
+    dtype = getattr(torch, args.dtype)
+    parts = set(args.part.split(",")) if args.part != "all" else {"logprob", "accuracy", "loss", "memory", "invariance"}
+    methods = [m for m in args.methods.split(",") if m]
+    variants = [("", {})] + [_parse_variant(s) for s in args.variants.split(",") if s]
+    rec = Recorder(os.path.join(args.out, "bench_linear_logprob.json"), args)
+    if DEV.type == "cuda":
+        rec.note(f"torch.mm(out_dtype=fp32): {K.fp32_logits_supported(DEV, torch.bfloat16)}; addmm(out_dtype=fp32, in place): {K._dtype_mm_supported('addmm')}")
+    t0 = time.time()
+    for shape in args.shapes.split(","):
+        n, d, v = SHAPES[shape]
+        floor = part_floor(shape, n, d, v, dtype, args, rec)
+        if "tiles" in parts:
+            part_tiles(shape, n, d, v, dtype, args, rec, floor)
+        if "logprob" in parts:
+            part_logprob(shape, n, d, v, dtype, args, rec, floor, methods, variants)
+        if "accuracy" in parts:
+            part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants)
+        if "loss" in parts and n in (16384, 96):
+            part_loss(shape, 32, n // 32, d, v, dtype, args, rec, [m for m in ("ours", "liger_grpo") if m == "ours" or "liger_flce" in methods], variants)
+            part_loss_accuracy(d, v, dtype, args, rec, [m for m in ("ours", "liger_grpo") if m == "ours" or "liger_flce" in methods])
+        print(f"-- {shape} done at {time.time() - t0:.0f}s", flush=True)
+    if "invariance" in parts and DEV.type == "cuda":
+        for d in (896, 2048):
+            part_invariance(d, 128256, dtype, args, rec)
+    if "memory" in parts and DEV.type == "cuda":
+        part_memory(4096, 128256, dtype, args, rec, [int(x) for x in args.memory_sizes.split(",")])
+    _table(rec.doc["results"])
+    return 0
+
+
+def _parse_variant(spec: str) -> tuple[str, dict]:
+    name, _, body = spec.partition("=")
+    over = {}
+    for item in body.split(";"):
+        key, _, val = item.partition(":")
+        field_type = {f.name: f.type for f in dataclasses.fields(K.Tuning)}[key]
+        over[key] = {"int": int, "bool": lambda s: s.lower() in ("1", "true"), "str": str}[field_type](val)
+    return name, over
+
+
+def _table(rows: list) -> None:
+    print(f"{'part':16} {'shape':9} {'method':34} {'ms':>9} {'x_floor':>8} {'GiB+':>7} {'GiB+out':>8}")
+    for r in rows:
+        if "median_ms" in r:
+            print(f"{r['part']:16} {str(r.get('shape', '')):9} {str(r.get('method', r.get('tiles', ''))):34.34} {r['median_ms']:9.2f} "
+                  f"{r.get('x_floor', r.get('x_floor3', '')):>8} {r.get('peak_extra_gib', ''):>7} {r.get('peak_beyond_outputs_gib', ''):>8}")
+        elif "error" in r:
+            print(f"{r['part']:16} {str(r.get('shape', '')):9} {str(r.get('method', '')):34.34} ERROR {r['error'][:80]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

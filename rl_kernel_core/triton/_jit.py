@@ -1,0 +1,92 @@
+"""Triton kernels that pick compiled or interpreted execution when they are launched.
+
+``triton.jit`` decides between the compiler and the CPU interpreter once, when the decorator
+runs (it reads ``TRITON_INTERPRET`` at import time). A kernel module imported before a test sets
+``TRITON_INTERPRET=1`` would then try to compile for a GPU that is not there, and one imported
+under the interpreter could never run compiled. :func:`launch_time_jit` defers the choice to each
+launch: ``kernel[grid](...)`` interprets when ``TRITON_INTERPRET=1`` is set at that moment and
+compiles otherwise. Both flavours are built lazily from the same Python function.
+
+Helpers: while an interpreted launch runs, every ``JITFunction`` it calls (``triton.language``'s
+own ``tl.max``, ``tl.sum``, ``tl.cdiv``... and any ``@triton.jit`` helper of the caller) is
+interpreted too, as it would have been had ``TRITON_INTERPRET=1`` been set before Triton was
+imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterator, Optional
+
+from triton.runtime.jit import JITFunction
+
+
+def interpreting() -> bool:
+    """True when ``TRITON_INTERPRET=1`` is set now."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_interpreted_helpers: dict = {}
+
+
+def _call_interpreted(self: JITFunction, *args, **kwargs):
+    """``JITFunction.__call__`` inside an interpreted launch: run the helper in the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    helper = _interpreted_helpers.get(self.fn)
+    if helper is None:
+        helper = _interpreted_helpers[self.fn] = InterpretedFunction(self.fn)
+    return helper(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _helpers_interpreted() -> Iterator[None]:
+    original = JITFunction.__call__
+    JITFunction.__call__ = _call_interpreted
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+
+
+class LaunchTimeKernel:
+    """A Triton kernel whose compiled/interpreted flavour is chosen at each ``kernel[grid]``."""
+
+    def __init__(self, fn: Callable, **jit_kwargs) -> None:
+        self.fn = fn
+        self._jit_kwargs = jit_kwargs
+        self._compiled: Optional[JITFunction] = None
+        self._interpreted = None
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def flavour(self):
+        """The JITFunction (compiled) or InterpretedFunction to launch right now."""
+        if interpreting():
+            if self._interpreted is None:
+                from triton.runtime.interpreter import InterpretedFunction
+
+                self._interpreted = InterpretedFunction(self.fn, **self._jit_kwargs)
+            return self._interpreted
+        if self._compiled is None:
+            self._compiled = JITFunction(self.fn, **self._jit_kwargs)
+        return self._compiled
+
+    def __getitem__(self, grid):
+        kernel = self.flavour()
+        if not interpreting():
+            return kernel[grid]
+
+        def launch(*args, **kwargs):
+            with _helpers_interpreted():
+                return kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def launch_time_jit(fn: Optional[Callable] = None, **jit_kwargs):
+    """Decorator: like ``triton.jit`` but the compile-or-interpret choice happens per launch."""
+    if fn is None:
+        return lambda f: LaunchTimeKernel(f, **jit_kwargs)
+    return LaunchTimeKernel(fn, **jit_kwargs)

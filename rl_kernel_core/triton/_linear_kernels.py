@@ -1,0 +1,531 @@
+"""Kernels and chunk drivers shared by the Triton ``linear_logprob`` and ``fused_linear_policy_loss``.
+
+The math (stated once; ``rl_kernel_core.reference.logprob`` states the same). For a row with
+scaled logits ``z = (h @ W.T + b) / T`` and target ``t``:
+
+* forward: per vocab tile ``j`` of ``BLOCK_N`` columns, ``m_j = max z``, ``s_j = sum exp(z - m_j)``,
+  ``a_j = sum exp(z - m_j) (z - m_j)``; merged over tiles in ascending order with
+  ``M = max m_j``, ``S = sum s_j e^(m_j - M)``, ``A = sum e^(m_j - M) (a_j + (m_j - M) s_j)``:
+  ``lse = M + log S``, ``logprob = z_t - lse``, ``entropy = log S - A / S``.
+* backward: ``p = exp(z - lse)``, ``dL/dz = g (onehot(t) - p) - e p (log p + entropy)`` for
+  upstream gradients ``g`` (log-prob) and ``e`` (entropy), ``dl = dL/dz / T`` is the gradient of
+  the raw logits; ``dh = dl @ W``, ``dW = dl^T @ h``, ``db = sum_rows dl``.
+
+One kernel, :func:`_logits_pass_kernel`, does every pass over a block of logits. Where the
+logits come from is a compile-time switch: ``FROM_LOGITS=False`` forms the tile with ``tl.dot``
+from ``hidden`` and ``weight`` (the logits never leave registers: the *gemm* route);
+``FROM_LOGITS=True`` reads an fp32 logits chunk that cuBLAS wrote (the *chunked* route). What it
+does with the tile is the other switch: ``GRAD=False`` writes the tile's ``(m_j, s_j, a_j)`` and,
+for the row whose target falls in the tile, ``z_t``; ``GRAD=True`` writes ``dl`` for the tile.
+:func:`_merge_kernel` then merges each row's tile statistics in a fixed order.
+
+Determinism and batch invariance: each output element of the tile product is one length-D dot
+product accumulated in a fixed ``BLOCK_K`` order; tile statistics are reduced by a fixed tree
+and merged in ascending tile order; no atomics anywhere. The tile shape depends only on the
+device kind and dtype, never on N, so a row's bits do not depend on N or on the other rows.
+cuBLAS products (chunked route, dh) always run on a fixed ``[chunk_rows, ...]`` shape, the last
+chunk zero-padded, because cuBLAS picks its algorithm (and split) from the shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_kernel_core.triton._jit import interpreting, launch_time_jit
+
+
+@launch_time_jit
+def _logits_pass_kernel(
+    x_ptr, w_ptr, b_ptr, tgt_ptr,
+    M, V, D,
+    stride_xm, stride_xk, stride_wv, stride_wk,
+    inv_temp, ignore_index,
+    pmax_ptr, psum_ptr, pent_ptr, ztgt_ptr, stride_pm,
+    lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr, stride_dm,
+    TILES_PER_PROG,
+    FROM_LOGITS: tl.constexpr, GRAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr,
+    IN_PLACE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One pass over the logits of rows ``[0, M)``.
+
+    Program ``pid`` owns ``BLOCK_M`` rows and ``TILES_PER_PROG`` consecutive vocab tiles, visited
+    in ascending order (``IN_PLACE`` needs whole rows per program: ``dl`` overwrites the fp32
+    logits it was computed from, as a 2-byte view whose row stride is the fp32 row's).
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(V, BLOCK_N)
+    num_pid_g = tl.cdiv(n_tiles, TILES_PER_PROG)
+    # grouped order: GROUP_M row blocks sweep the vocab together, so their weight tiles share L2
+    num_pid_in_group = GROUP_M * num_pid_g
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_g = (pid % num_pid_in_group) // group_size_m
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    if GRAD:
+        valid = row_ok & (tgt != ignore_index)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        glp = tl.where(valid, tl.load(glp_ptr + rows, mask=row_ok, other=0.0), 0.0)
+        if HAS_GENT:
+            ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+            gent = tl.where(valid, tl.load(gent_ptr + rows, mask=row_ok, other=0.0), 0.0)
+    rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)
+
+    t_start = pid_g * TILES_PER_PROG
+    t_end = tl.minimum(t_start + TILES_PER_PROG, n_tiles)
+    for t in range(t_start, t_end):
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < V
+        if FROM_LOGITS:
+            zr = tl.load(
+                x_ptr + rows_safe[:, None] * stride_xm + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+            ).to(tl.float32)
+            if IN_PLACE:
+                # every thread's loads of this tile land before any thread overwrites its bytes
+                tl.debug_barrier()
+        else:
+            cols_safe = tl.where(col_ok, cols, 0).to(tl.int64)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x_ptr + rows_safe[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            b_ptrs = w_ptr + cols_safe[None, :] * stride_wv + offs_k[:, None] * stride_wk
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, tl.cdiv(D, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_ok = offs_k < D - k * BLOCK_K
+                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                if UPCAST_DOT:  # the CPU interpreter multiplies 16-bit floats as integers; the upcast is exact
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+                a_ptrs += BLOCK_K * stride_xk
+                b_ptrs += BLOCK_K * stride_wk
+            zr = acc
+        if HAS_BIAS:
+            zr += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z = zr * inv_temp
+
+        if GRAD:
+            logp = z - lse[:, None]
+            p = tl.exp(logp)
+            onehot = cols[None, :] == tgt[:, None]
+            dz = tl.where(onehot, glp[:, None], 0.0) - glp[:, None] * p
+            if HAS_GENT:
+                dz -= gent[:, None] * p * (logp + ent[:, None])
+            dz = tl.where(valid[:, None], dz * inv_temp, 0.0)
+            out_ok = row_ok[:, None] & col_ok[None, :]
+            tl.store(dl_ptr + rows_safe[:, None] * stride_dm + cols[None, :], dz.to(dl_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            zm = tl.where(col_ok[None, :], z, float("-inf"))
+            m = tl.max(zm, axis=1)
+            e = tl.exp(zm - m[:, None])
+            s = tl.sum(e, axis=1)
+            a_stat = tl.sum(tl.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
+            p_off = rows_safe * stride_pm + t
+            tl.store(pmax_ptr + p_off, m, mask=row_ok)
+            tl.store(psum_ptr + p_off, s, mask=row_ok)
+            tl.store(pent_ptr + p_off, a_stat, mask=row_ok)
+            zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+            owns = (tgt >= t * BLOCK_N) & (tgt < t * BLOCK_N + BLOCK_N)
+            tl.store(ztgt_ptr + rows, zt, mask=row_ok & owns)
+
+
+@launch_time_jit
+def _merge_kernel(
+    pmax_ptr, psum_ptr, pent_ptr, ztgt_ptr, tgt_ptr,
+    lp_ptr, ent_ptr, lse_ptr,
+    M, n_tiles, stride_pm, ignore_index,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Merge each row's tile statistics in ascending tile order into logprob, entropy and lse."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
+    run_m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    run_s = tl.zeros((BLOCK_R,), tl.float32)
+    run_a = tl.zeros((BLOCK_R,), tl.float32)
+    for t0 in range(0, n_tiles, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        ok = row_ok[:, None] & (ts < n_tiles)[None, :]
+        off = rows[:, None] * stride_pm + ts[None, :]
+        tm = tl.load(pmax_ptr + off, mask=ok, other=float("-inf"))
+        tsum = tl.load(psum_ptr + off, mask=ok, other=0.0)
+        ta = tl.load(pent_ptr + off, mask=ok, other=0.0)
+        new_m = tl.maximum(run_m, tl.max(tm, axis=1))
+        new_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # only rows past M
+        f = tl.exp(tm - new_m[:, None])
+        blk_s = tl.sum(f * tsum, axis=1)
+        blk_a = tl.sum(tl.where(ok, f * (ta + (tm - new_m[:, None]) * tsum), 0.0), axis=1)
+        first = run_m == float("-inf")
+        g = tl.where(first, 0.0, tl.exp(run_m - new_m))
+        shift = tl.where(first, 0.0, run_m - new_m)
+        run_a = g * (run_a + shift * run_s) + blk_a
+        run_s = g * run_s + blk_s
+        run_m = new_m
+    log_s = tl.log(run_s)
+    lse = run_m + log_s
+    entropy = log_s - run_a / run_s
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (tgt != ignore_index)
+    zt = tl.load(ztgt_ptr + rows, mask=valid, other=0.0)
+    tl.store(lp_ptr + rows, tl.where(valid, zt - lse, 0.0), mask=row_ok)
+    tl.store(ent_ptr + rows, tl.where(valid, entropy, 0.0), mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape of :func:`_logits_pass_kernel`; part of the numerical result (fixed per device kind)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+_INTERPRETER_TILES = TileConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=1)
+_GPU_FP32_TILES = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
+_GPU_MEMORY_PASS_TILES = TileConfig(4, 1024, 16, group_m=1, num_warps=8, num_stages=1)
+
+
+@dataclass
+class Tuning:
+    """Measured choices (``docs/kernels_linear_logprob.md``); the benchmark overrides them.
+
+    ``fwd_route`` / ``bwd_route`` / ``loss_route``: ``"gemm"`` (a Triton ``tl.dot`` pass: the
+    logits stay in registers) or ``"chunked"`` (cuBLAS writes an fp32 logits chunk that one pass
+    reads). ``chunk_bytes``: the budget of the per-chunk work buffer (``dl``, or the fp32 logits
+    chunk that ``dl`` then overwrites). ``wgrad_fp32``: accumulate ``dW`` over token chunks in an
+    fp32 ``[V, D]`` buffer (``4 V D`` bytes while the backward runs) rather than in ``weight``'s
+    dtype (one rounding per chunk). ``gemm_tiles``: tile shape of the gemm route for 16-bit
+    inputs on a GPU.
+    """
+
+    fwd_route: str = "gemm"
+    bwd_route: str = "gemm"
+    loss_route: str = "chunked"
+    chunk_bytes: int = 512 * 2**20
+    wgrad_fp32: bool = True
+    gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3))
+
+    def tiles(self, dtype: torch.dtype, device: torch.device, from_logits: bool) -> TileConfig:
+        """The tile shape for a pass over ``dtype`` inputs on ``device``."""
+        if device.type != "cuda" or interpreting():
+            return _INTERPRETER_TILES
+        if from_logits:
+            return _GPU_MEMORY_PASS_TILES
+        return _GPU_FP32_TILES if dtype == torch.float32 else self.gemm_tiles
+
+
+TUNING = Tuning()
+STATS_BYTES = 128 * 2**20
+"""Budget of the tile-statistics buffers of the gemm-route forward (12 bytes per row and tile)."""
+_MERGE_BLOCK_R = 16
+_MERGE_BLOCK_T = 64
+
+
+def chunk_rows(vocab: int, elem_bytes: int) -> int:
+    """Fixed rows per chunk: the largest power of two in ``[16, 8192]`` whose ``[rows, vocab]``
+    buffer of ``elem_bytes``-byte elements fits in ``TUNING.chunk_bytes`` (16 when none does)."""
+    rows = max(16, TUNING.chunk_bytes // max(1, vocab * elem_bytes))
+    return int(min(8192, 2 ** int(math.log2(rows))))
+
+
+# --------------------------------------------------------------------------- GEMM helpers
+
+_DTYPE_MM_OK: dict[str, bool] = {}
+
+
+def _dtype_mm_supported(kind: str) -> bool:
+    """Whether this torch's CUDA ``mm`` / in-place ``addmm`` take ``out_dtype=float32`` for bf16 (probed once)."""
+    if kind not in _DTYPE_MM_OK:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")
+        acc = torch.ones(16, 16, dtype=torch.float32, device="cuda")
+        try:
+            if kind == "mm":
+                out = torch.mm(a, a, out_dtype=torch.float32)
+                ok = out.dtype == torch.float32 and bool((out == 16).all())
+            else:
+                torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+                ok = bool((acc == 17).all())
+        except (RuntimeError, TypeError):
+            ok = False
+        _DTYPE_MM_OK[kind] = ok
+    return _DTYPE_MM_OK[kind]
+
+
+def fp32_logits_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """The chunked route needs cuBLAS to write fp32 logits from 16-bit operands (``mm(out_dtype=)``)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return True
+    return _dtype_mm_supported("mm")
+
+
+def mm_fp32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[fp32] = a @ b`` with fp32 accumulation (cuBLAS ``out_dtype`` on CUDA, upcast on CPU)."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    elif a.device.type == "cuda":
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in ``acc``'s dtype with fp32 products, never a full-size temporary."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type != "cuda":
+        acc.addmm_(a.float(), b.float())
+    elif _dtype_mm_supported("addmm"):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # this torch lacks addmm(out_dtype=): fp32 products over row slices of at most 64 MiB
+        step = max(1, (64 * 2**20) // (4 * b.shape[1]))
+        for r in range(0, a.shape[0], step):
+            acc[r : r + step] += torch.mm(a[r : r + step].float(), b.float())
+
+
+# --------------------------------------------------------------------------- launches
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
+def _common_flags(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TileConfig) -> dict:
+    return dict(
+        HAS_BIAS=bias is not None, EVEN_K=weight.shape[1] % cfg.block_k == 0, IEEE=weight.dtype == torch.float32,
+        UPCAST_DOT=interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def launch_stats(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    rows: int, inv_temp: float, ignore_index: int, partials: torch.Tensor, ztgt: torch.Tensor,
+    from_logits: bool,
+) -> None:
+    """Tile statistics of ``rows`` rows into ``partials [3, >=rows, n_tiles]`` and ``ztgt [>=rows]``.
+
+    ``x`` is ``hidden [rows, D]`` (gemm route) or an fp32 logits chunk ``[>=rows, V]`` (chunked).
+    """
+    vocab, dim = weight.shape
+    cfg = TUNING.tiles(weight.dtype, weight.device, from_logits)
+    n_tiles = triton.cdiv(vocab, cfg.block_n)
+    grid = (triton.cdiv(rows, cfg.block_m) * n_tiles,)
+    dummy = _dummy(x.device)
+    _logits_pass_kernel[grid](
+        x, weight, bias if bias is not None else dummy, targets,
+        rows, vocab, dim,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        inv_temp, ignore_index,
+        partials[0], partials[1], partials[2], ztgt, partials.stride(1),
+        dummy, dummy, dummy, dummy, dummy, 0,
+        1,
+        FROM_LOGITS=from_logits, GRAD=False, HAS_GENT=False, IN_PLACE=False, **_common_flags(weight, bias, cfg),
+    )
+
+
+def launch_merge(
+    partials: torch.Tensor, ztgt: torch.Tensor, targets: torch.Tensor, rows: int, n_tiles: int,
+    ignore_index: int, lp: torch.Tensor, ent: torch.Tensor, lse: torch.Tensor,
+) -> None:
+    """Merge ``rows`` rows of tile statistics into ``lp``, ``ent``, ``lse`` (fp32 ``[rows]``)."""
+    grid = (triton.cdiv(rows, _MERGE_BLOCK_R),)
+    _merge_kernel[grid](
+        partials[0], partials[1], partials[2], ztgt, targets, lp, ent, lse,
+        rows, n_tiles, partials.stride(1), ignore_index,
+        BLOCK_R=_MERGE_BLOCK_R, BLOCK_T=_MERGE_BLOCK_T, num_warps=4,
+    )
+
+
+def launch_grad(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    rows: int, inv_temp: float, ignore_index: int,
+    lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    dl: torch.Tensor, from_logits: bool,
+) -> None:
+    """Write ``dl[:rows]`` (``[rows, V]``, ``dl``'s dtype) from recomputed or stored logits.
+
+    ``g_lp`` / ``g_ent`` are fp32 upstream gradients (``g_ent`` None: no entropy term; ``ent``
+    is then unused). With ``from_logits`` the pass reads the fp32 chunk ``x``; ``dl`` may alias
+    it (a 2-byte view with ``x``'s byte row stride, or ``x`` itself) and each program then
+    sweeps whole rows in ascending column order.
+    """
+    vocab, dim = weight.shape
+    cfg = TUNING.tiles(weight.dtype, weight.device, from_logits)
+    n_tiles = triton.cdiv(vocab, cfg.block_n)
+    in_place = from_logits and dl.data_ptr() == x.data_ptr()
+    per_prog = n_tiles if in_place else 1
+    grid = (triton.cdiv(rows, cfg.block_m) * triton.cdiv(n_tiles, per_prog),)
+    has_gent = g_ent is not None
+    dummy = _dummy(x.device)
+    _logits_pass_kernel[grid](
+        x, weight, bias if bias is not None else dummy, targets,
+        rows, vocab, dim,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        inv_temp, ignore_index,
+        dummy, dummy, dummy, dummy, 0,
+        lse, ent if has_gent else dummy, g_lp, g_ent if has_gent else dummy, dl, dl.stride(0),
+        per_prog,
+        FROM_LOGITS=from_logits, GRAD=True, HAS_GENT=has_gent, IN_PLACE=in_place, **_common_flags(weight, bias, cfg),
+    )
+
+
+# --------------------------------------------------------------------------- chunk drivers
+
+
+class ChunkBuffers:
+    """The fixed-size work buffers of one forward, backward or loss pass, reused for every chunk.
+
+    ``rows`` is the chunk height; ``partials``/``ztgt`` hold one chunk's tile statistics; on the
+    chunked route ``logits`` is the fp32 ``[rows, V]`` chunk and ``dl`` overwrites it in place;
+    on the gemm route ``dl`` (when needed) is its own ``[rows, V]`` buffer in ``hidden``'s dtype.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool) -> None:
+        vocab, dim = weight.shape
+        dev, dt = hidden.device, hidden.dtype
+        self.route = route
+        self.n_tiles = triton.cdiv(vocab, TUNING.tiles(dt, dev, route == "chunked").block_n)
+        self.logits = self.h_pad = self.dl = None
+        if route == "chunked":
+            self.rows = chunk_rows(vocab, 4)
+            self.logits = torch.empty(self.rows, vocab, dtype=torch.float32, device=dev)
+            self.h_pad = torch.empty(self.rows, dim, dtype=dt, device=dev)
+            self.dl = self.logits if dt == torch.float32 else self.logits.view(dt)[:, :vocab]
+        elif need_dl:
+            self.rows = chunk_rows(vocab, hidden.element_size())
+            self.dl = torch.empty(self.rows, vocab, dtype=dt, device=dev)
+        else:
+            self.rows = max(_MERGE_BLOCK_R, min(16384, STATS_BYTES // (12 * self.n_tiles)))
+        self.partials = torch.empty(3, self.rows, self.n_tiles, dtype=torch.float32, device=dev)
+        self.ztgt = torch.empty(self.rows, dtype=torch.float32, device=dev)
+
+    def source(self, hidden: torch.Tensor, weight: torch.Tensor, r0: int, n: int) -> torch.Tensor:
+        """What the pass reads for rows ``[r0, r0+n)``: hidden rows (gemm route) or their fp32
+        logits computed by cuBLAS on the fixed ``[rows, D]`` shape, zero-padded (chunked route)."""
+        if self.route != "chunked":
+            return hidden[r0 : r0 + n]
+        self.h_pad[:n].copy_(hidden[r0 : r0 + n])
+        if n < self.rows:
+            self.h_pad[n:].zero_()
+        mm_fp32_into(self.h_pad, weight.t(), self.logits)
+        return self.logits
+
+    def stats(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
+        inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: torch.Tensor, lse: torch.Tensor,
+    ) -> None:
+        """Tile statistics of ``n`` rows of ``x`` merged into ``lp``/``ent``/``lse`` (``[n]`` views)."""
+        launch_stats(x, weight, bias, targets, n, inv_temp, ignore_index, self.partials, self.ztgt, self.route == "chunked")
+        launch_merge(self.partials, self.ztgt, targets, n, self.n_tiles, ignore_index, lp, ent, lse)
+
+    def grad(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
+        inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
+        g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """``dl`` of ``n`` rows of ``x`` on the fixed ``[rows, V]`` shape (rows past ``n`` zero)."""
+        launch_grad(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, self.dl, self.route == "chunked")
+        if n < self.rows:
+            self.dl[n:].zero_()
+        return self.dl
+
+
+def forward_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    inv_temp: float, ignore_index: int, route: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprob, entropy, lse)``, fp32 ``[N]``; nothing ``[N, V]`` is ever held."""
+    n_rows = hidden.shape[0]
+    lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    ent = torch.empty_like(lp)
+    lse = torch.empty_like(lp)
+    buf = ChunkBuffers(hidden, weight, route, need_dl=False)
+    for r0 in range(0, n_rows, buf.rows):
+        n = min(buf.rows, n_rows - r0)
+        sl = slice(r0, r0 + n)
+        buf.stats(buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index, lp[sl], ent[sl], lse[sl])
+    return lp, ent, lse
+
+
+class GradSink:
+    """Consumes each chunk's ``dl``: ``dh`` rows, the ``dW`` accumulator and ``db``."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, need_h: bool, need_w: bool, need_b: bool) -> None:
+        self.hidden, self.weight = hidden, weight
+        self.dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+        acc_dtype = torch.float32 if TUNING.wgrad_fp32 else weight.dtype
+        self.dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        self._dh_tmp: Optional[torch.Tensor] = None
+
+    def add(self, dl: torch.Tensor, r0: int, n: int) -> None:
+        """Consume ``dl [rows, V]`` (rows past ``n`` zero) belonging to hidden rows ``[r0, r0+n)``."""
+        rows = dl.shape[0]
+        if self.dh is not None:
+            if n == rows:
+                torch.mm(dl, self.weight, out=self.dh[r0 : r0 + n])
+            else:  # the same [rows, D] product shape as every other chunk: a row's dh must not depend on N
+                if self._dh_tmp is None:
+                    self._dh_tmp = torch.empty(rows, self.weight.shape[1], dtype=self.dh.dtype, device=dl.device)
+                torch.mm(dl, self.weight, out=self._dh_tmp)
+                self.dh[r0 : r0 + n].copy_(self._dh_tmp[:n])
+        if self.dw is not None:
+            addmm_acc_(self.dw, dl[:n].t(), self.hidden[r0 : r0 + n])
+        if self.db is not None:
+            self.db += dl[:n].sum(dim=0, dtype=torch.float32)
+
+    def grads(self, scale: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
+        """``(dh, dW, db)`` in the inputs' dtypes (None where not needed), times ``scale`` if given."""
+        out = []
+        for g, like in ((self.dh, self.hidden), (self.dw, self.weight), (self.db, self.weight)):
+            if g is not None:
+                if scale is not None:
+                    g = g * scale.to(g.dtype)
+                g = g.to(like.dtype)
+            out.append(g)
+        return tuple(out)
+
+
+def backward_chunks(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    inv_temp: float, ignore_index: int, route: str, sink: GradSink,
+) -> None:
+    """Recompute each chunk's logits, form ``dl`` and hand it to ``sink``."""
+    n_rows = hidden.shape[0]
+    buf = ChunkBuffers(hidden, weight, route, need_dl=True)
+    for r0 in range(0, n_rows, buf.rows):
+        n = min(buf.rows, n_rows - r0)
+        sl = slice(r0, r0 + n)
+        dl = buf.grad(
+            buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
+            lse[sl], None if ent is None else ent[sl], g_lp[sl], None if g_ent is None else g_ent[sl],
+        )
+        sink.add(dl, r0, n)

@@ -1,0 +1,164 @@
+"""Triton ``fused_linear_policy_loss``: the PPO/GRPO loss from hidden states in three matrix products.
+
+The loss is linear in per-token terms: with ``w_i = d agg / d v_i`` the aggregation weight of
+token ``i`` (a function of the mask and ``loss_agg_mode`` only, known before any logit exists),
+
+    loss = sum_i w_i (pg_i + kl_coef kl_i - entropy_coef entropy_i)
+
+so ``d loss / d logprob_i`` and ``d loss / d entropy_i`` depend on token ``i``'s own log-prob and
+entropy and on ``w_i``, nothing global. The forward therefore runs, per fixed-size chunk of rows:
+
+1. the chunk's logits (``TUNING.loss_route``: ``"chunked"`` = one cuBLAS product into an fp32
+   ``[chunk, V]`` buffer; ``"gemm"`` = the Triton ``tl.dot`` pass);
+2. the tile-statistics pass and merge: the chunk's log-probs, entropies and ``lse``;
+3. the per-token loss gradients, from the reference loss itself (``token-sum`` with mask ``w``
+   over the chunk: the same formulas, clamps and tie rules as the reference, by construction);
+4. the gradient pass: ``dl = d loss / d logits`` written over the fp32 chunk in place (chunked)
+   or recomputed from ``hidden`` and ``weight`` (gemm: one more matrix product);
+5. ``dh = dl @ W`` (fixed shape) and ``dW += dl^T @ h``.
+
+Then the loss value and metrics come from the reference loss on the ``[N]`` log-probs and
+entropies. The backward only scales the stored ``dh``, ``dW``, ``db`` by the upstream gradient:
+on the chunked route the whole step costs three products (logits, dh, dW), not four.
+
+Memory: the chunk buffer (``TUNING.chunk_bytes``), ``dh`` (``hidden``'s size and dtype: the
+gradient), ``dW`` (with ``TUNING.wgrad_fp32`` accumulated in fp32, ``4 V D`` bytes during the
+forward, then cast to ``weight``'s dtype and kept until the backward).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from rl_kernel_core import dispatch
+from rl_kernel_core.reference import policy_loss as reference
+from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core.triton.linear_logprob import _route
+
+
+def aggregation_weights(mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """``d agg(v) / d v`` for verl's aggregation of ``[S, T]`` values under ``mask`` (fp32 ``[S, T]``, >= 0)."""
+    weight = mask.to(torch.float32)
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    with torch.enable_grad():
+        v = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
+        (w,) = torch.autograd.grad(reference.aggregate(v, weight, keep, loss_agg_mode), v)
+    return w
+
+
+def _token_grads(
+    lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor,
+    ref: torch.Tensor, rw: Optional[torch.Tensor], knobs: dict,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """fp32 ``(d loss / d logprob, d loss / d entropy or None)`` for one chunk of ``[n]`` tokens."""
+    with torch.enable_grad():
+        lp_leaf = lp.detach().clone().requires_grad_()
+        ent_leaf = ent.detach().clone().requires_grad_() if knobs["entropy_coef"] != 0.0 else None
+        loss, _ = reference.policy_loss(
+            lp_leaf[None], old[None], adv[None], w[None], ref[None],
+            None if ent_leaf is None else ent_leaf[None], None if rw is None else rw[None],
+            **{**knobs, "loss_agg_mode": "token-sum"},
+        )
+        leaves = [lp_leaf] if ent_leaf is None else [lp_leaf, ent_leaf]
+        grads = torch.autograd.grad(loss, leaves)
+    g_lp = grads[0].to(torch.float32).contiguous()
+    g_ent = grads[1].to(torch.float32).contiguous() if ent_leaf is not None else None
+    return g_lp, g_ent
+
+
+class _FusedLinearPolicyLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, temperature, ignore_index, knobs, out):
+        inv_temp = 1.0 / temperature
+        n_rows = hidden.shape[0]
+        shape = mask_eff.shape
+        w = aggregation_weights(mask_eff, knobs["loss_agg_mode"]).reshape(-1)
+        old1, adv1, ref1 = old.reshape(-1), adv.reshape(-1), ref.reshape(-1)
+        rw1 = None if rw is None else rw.reshape(-1)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        sink = K.GradSink(hidden, weight, need_h, need_w, need_b and bias is not None)
+        buf = K.ChunkBuffers(hidden, weight, _route("loss_route", hidden), need_dl=True)
+        lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty_like(lp)
+        lse = torch.empty_like(lp)
+        for r0 in range(0, n_rows, buf.rows):
+            n = min(buf.rows, n_rows - r0)
+            sl = slice(r0, r0 + n)
+            x = buf.source(hidden, weight, r0, n)
+            buf.stats(x, weight, bias, targets[sl], n, inv_temp, ignore_index, lp[sl], ent[sl], lse[sl])
+            g_lp, g_ent = _token_grads(lp[sl], ent[sl], old1[sl], adv1[sl], w[sl], ref1[sl], None if rw1 is None else rw1[sl], knobs)
+            dl = buf.grad(x, weight, bias, targets[sl], n, inv_temp, ignore_index, lse[sl], ent[sl], g_lp, g_ent)
+            sink.add(dl, r0, n)
+        del buf
+        loss, metrics = reference.policy_loss(lp.view(shape), old, adv, mask_eff, ref, ent.view(shape), rw, **knobs)
+        out["metrics"] = metrics
+        ctx.grads = sink.grads()
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_loss):
+        dh, dw, db = (None if g is None else g * g_loss.to(g.dtype) for g in ctx.grads)
+        ctx.grads = None
+        return (dh, dw, db) + (None,) * 10
+
+
+def _supports(hidden, weight, *args, **kwargs) -> Optional[str]:
+    if hidden.dtype == torch.float64:
+        return "the triton kernels accumulate in fp32; fp64 inputs need the torch backend"
+    return None
+
+
+@dispatch.register("fused_linear_policy_loss", "triton", supports=_supports)
+def fused_linear_policy_loss_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ref_logprob: torch.Tensor,
+    rollout_is_weights: Optional[torch.Tensor],
+    *,
+    temperature: float,
+    ignore_index: int,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: Optional[float],
+    kl_type: str,
+    kl_coef: float,
+    entropy_coef: float,
+    loss_agg_mode: str,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO/GRPO loss of :func:`rl_kernel_core.policy_loss` from ``hidden [S, T, D]`` and ``weight [V, D]``.
+
+    Validated inputs (see :mod:`rl_kernel_core.policy_loss`): 16-bit or fp32 ``hidden``/
+    ``weight``/``bias``, ``targets [S, T]`` in ``[0, V)`` or ``ignore_index`` (such tokens leave
+    the mask), per-token ``[S, T]`` float tensors, ``mask`` bool or float. Returns ``(loss,
+    metrics)``: ``loss`` 0-d fp32, differentiable in ``hidden``, ``weight`` and ``bias`` (its
+    gradient is formed during the forward); ``metrics`` detached 0-d tensors.
+    """
+    num_seqs, seq_len, dim = hidden.shape
+    h2d = hidden.reshape(num_seqs * seq_len, dim)
+    t1d = targets.reshape(-1)
+    scored = targets != ignore_index
+    mask_eff = mask & scored if mask.dtype == torch.bool else mask * scored
+    knobs = dict(
+        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
+        kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef, loss_agg_mode=loss_agg_mode,
+    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if not needs_grad:
+        lp, ent, _ = K.forward_stats(h2d, weight, bias, t1d, 1.0 / temperature, ignore_index, _route("fwd_route", h2d))
+        shape = targets.shape
+        return reference.policy_loss(lp.view(shape), old_logprob, advantages, mask_eff, ref_logprob, ent.view(shape), rollout_is_weights, **knobs)
+    out: dict = {}
+    loss = _FusedLinearPolicyLoss.apply(
+        h2d, weight, bias, t1d, old_logprob, advantages, mask_eff, ref_logprob, rollout_is_weights,
+        temperature, ignore_index, knobs, out,
+    )
+    return loss, out["metrics"]

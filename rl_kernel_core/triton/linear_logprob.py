@@ -1,0 +1,100 @@
+"""Triton ``linear_logprob``: log-probs and entropies from hidden states, never holding ``[N, V]``.
+
+The math and the kernels live in :mod:`rl_kernel_core.triton._linear_kernels`; this module is
+the autograd wrapper and the backend registration.
+
+* forward (``TUNING.fwd_route``): one pass per chunk of rows forms each ``[BLOCK_M, BLOCK_N]``
+  logits tile (``tl.dot`` on the gemm route, a cuBLAS fp32 chunk on the chunked route) and
+  reduces it to tile statistics, merged per row in a fixed order into ``logprob``, ``entropy``
+  and ``lse``. Only ``lse`` and ``entropy`` (``[N]`` fp32) are saved for the backward.
+* no-grad forward (``torch.no_grad()`` or no input requiring grad: the old/ref log-prob passes):
+  the same kernels, no autograd node and nothing saved.
+* backward (``TUNING.bwd_route``): per fixed-size chunk of rows, recompute the logits and write
+  ``dl = dL/d logits`` in the pass (one buffer ``[chunk, V]``), then cuBLAS ``dh = dl @ W``
+  (fixed shape) and ``dW += dl^T @ h``: four matrix products with the forward in all.
+
+Deterministic and batch invariant as the kernel module states; extra memory is the chunk buffer
+plus, with ``TUNING.wgrad_fp32``, the fp32 ``dW`` accumulator while the backward runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from rl_kernel_core import dispatch
+from rl_kernel_core.triton import _linear_kernels as K
+
+
+def _route(kind: str, hidden: torch.Tensor) -> str:
+    route = getattr(K.TUNING, kind)
+    if route == "chunked" and not K.fp32_logits_supported(hidden.device, hidden.dtype):
+        return "gemm"
+    return route
+
+
+def _fp32_rows(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if g is None else g.to(torch.float32).contiguous()
+
+
+class _LinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index):
+        inv_temp = 1.0 / temperature
+        lp, ent, lse = K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, _route("fwd_route", hidden))
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.inv_temp, ctx.ignore_index = inv_temp, ignore_index
+        ctx.set_materialize_grads(False)
+        return lp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if (g_lp is None and g_ent is None) or not (need_h or need_w or need_b):
+            return None, None, None, None, None, None
+        g_lp = _fp32_rows(g_lp) if g_lp is not None else torch.zeros_like(lse)
+        sink = K.GradSink(hidden, weight, need_h, need_w, need_b and bias is not None)
+        K.backward_chunks(
+            hidden, weight, bias, targets, lse, ent, g_lp, _fp32_rows(g_ent),
+            ctx.inv_temp, ctx.ignore_index, _route("bwd_route", hidden), sink,
+        )
+        dh, dw, db = sink.grads()
+        return dh, dw, db, None, None, None
+
+
+def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:
+    if tp_group is not None:
+        return "vocab-parallel linear_logprob (tp_group) is not implemented in the triton backend yet"
+    if hidden.dtype == torch.float64:
+        return "the triton kernels accumulate in fp32; fp64 inputs need the torch backend"
+    return None
+
+
+@dispatch.register("linear_logprob", "triton", supports=_supports)
+def linear_logprob_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    tp_group: Optional[object],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Validated ``hidden [N, D]``, ``weight [V, D]``, ``targets [N]`` → ``(logprob [N], entropy [N] or None)``, fp32.
+
+    16-bit or fp32 ``hidden``/``weight``/``bias`` (one dtype), int64/int32 ``targets`` in
+    ``[0, V)`` or ``ignore_index`` (0 log-prob, 0 entropy, no gradient). Differentiable in
+    ``hidden``, ``weight`` and ``bias`` through both outputs when grad mode is on and one of
+    them requires grad; otherwise runs forward-only and saves nothing.
+    """
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if needs_grad:
+        lp, ent = _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index)
+    else:
+        lp, ent, _ = K.forward_stats(hidden, weight, bias, targets, 1.0 / temperature, ignore_index, _route("fwd_route", hidden))
+    return lp, (ent if return_entropy else None)

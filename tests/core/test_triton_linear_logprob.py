@@ -1,0 +1,308 @@
+"""Triton ``linear_logprob`` and ``fused_linear_policy_loss`` against fp64 formulas written here.
+
+Every case runs twice: on CPU under the Triton interpreter (``TRITON_INTERPRET=1`` set per test:
+the kernels pick interpreted or compiled execution at launch time) with small odd shapes, and on
+CUDA (``gpu`` marker) with realistic ones. Both kernel routes (``gemm``: ``tl.dot`` tiles in
+registers; ``chunked``: an fp32 logits chunk from cuBLAS) run where the case depends on them.
+Tolerances come from ``rl_kernel_core.contract``; invariances are asserted bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core import dispatch
+from rl_kernel_core.contract import assert_close
+from rl_kernel_core.policy_loss import KL_TYPES
+from rl_kernel_core.reference import policy_loss as reference_loss
+from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core.triton.linear_logprob import linear_logprob_triton
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
+
+ROUTES = ("gemm", "chunked")
+# (N prime, D not a multiple of the K tile, V not a multiple of the vocab tile)
+CPU_SHAPE = dict(n=37, d=40, v=300)
+GPU_SHAPES = [dict(n=1031, d=896, v=151936), dict(n=257, d=4096, v=128256)]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request, monkeypatch):
+    """``cpu`` runs the kernels in the Triton interpreter; ``cuda`` compiles them."""
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return torch.device(request.param)
+
+
+@pytest.fixture(params=ROUTES)
+def route(request, monkeypatch):
+    """Run the forward, backward and loss on one kernel route."""
+    monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, fwd_route=request.param, bwd_route=request.param, loss_route=request.param))
+    return request.param
+
+
+def small_chunks(monkeypatch, rows: int, vocab: int) -> None:
+    """Make the backward/loss chunk ``rows`` rows so the cases cross chunk boundaries and padding."""
+    monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, chunk_bytes=rows * vocab * 4))
+
+
+def shapes(device):
+    return [CPU_SHAPE] if device.type == "cpu" else GPU_SHAPES
+
+
+def make_inputs(device, n, d, v, dtype, bias=True, scale=3.0, ignore_frac=0.2):
+    """Random hidden/weight/bias/targets, logit std about ``scale``; some rows at ignore_index.
+
+    Above a logit std of 3 the magnitude is split evenly between hidden and weight (as large
+    logits arise in a real model), not loaded onto one of them.
+    """
+    h_scale = max(1.0, (scale / 3.0) ** 0.5)
+    hidden = (torch.randn(n, d, device=device) * h_scale).to(dtype)
+    weight = (torch.randn(v, d, device=device) * (scale / h_scale / d**0.5)).to(dtype)
+    b = torch.randn(v, device=device).to(dtype) if bias else None
+    targets = torch.randint(0, v, (n,), device=device)
+    drop = torch.rand(n, device=device) < ignore_frac
+    drop[0], drop[1] = True, False
+    targets[drop] = -100
+    return hidden, weight, b, targets
+
+
+def oracle(hidden, weight, bias, targets, temperature):
+    """fp64 log p(target) and entropy of softmax((h W^T + b) / T); ignored rows 0."""
+    logits = hidden.double() @ weight.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    keep = targets != -100
+    lp = logp.gather(-1, torch.where(keep, targets, 0).unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
+
+
+def leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+
+
+def upstream(n, device):
+    """Non-uniform upstream gradient, never zero, mixed signs (what an RL loss sends)."""
+    sign = torch.where(torch.rand(n, device=device) < 0.5, -1.0, 1.0)
+    return ((torch.rand(n, device=device) + 0.5) * sign).double()
+
+
+def oracle_grads(hidden, weight, bias, targets, temperature, g_lp, g_ent):
+    h, w, b = leaves(hidden.double(), weight.double(), None if bias is None else bias.double())
+    lp, ent = oracle(h, w, b, targets, temperature)
+    loss = (lp * g_lp).sum() + (ent * g_ent).sum()
+    return torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None])
+
+
+def run(hidden, weight, bias, targets, temperature, g_lp=None, g_ent=None):
+    """Values and (when upstream gradients are given) gradients through the public op."""
+    h, w, b = leaves(hidden, weight, bias)
+    lp, ent = rk.linear_logprob(h, w, targets, bias=b, temperature=temperature, return_entropy=True, backend="triton")
+    if g_lp is None:
+        return lp, ent, ()
+    grads = torch.autograd.grad((lp * g_lp.float()).sum() + (ent * g_ent.float()).sum(), [x for x in (h, w, b) if x is not None])
+    return lp, ent, grads
+
+
+# ------------------------------------------------------------------------- linear_logprob
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.7, True)])
+def test_values_and_gradients_match_fp64(seed, device, route, monkeypatch, dtype, temperature, with_bias):
+    for shape in shapes(device):
+        small_chunks(monkeypatch, 16 if device.type == "cpu" else 512, shape["v"])
+        hidden, weight, bias, targets = make_inputs(device, **shape, dtype=dtype, bias=with_bias)
+        g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
+        lp, ent, grads = run(hidden, weight, bias, targets, temperature, g_lp, g_ent)
+        ref_lp, ref_ent = oracle(hidden, weight, bias, targets, temperature)
+        assert lp.dtype == ent.dtype == torch.float32
+        assert_close(lp, ref_lp, "logprob", dtype, f"logprob {shape}")
+        assert_close(ent, ref_ent, "logprob", dtype, f"entropy {shape}")
+        ignored = targets == -100
+        assert torch.all(lp[ignored] == 0) and torch.all(ent[ignored] == 0)
+        want = oracle_grads(hidden, weight, bias, targets, temperature, g_lp, g_ent)
+        for name, got, ref in zip(("hidden", "weight", "bias"), grads, want):
+            assert got.dtype == dtype
+            assert_close(got, ref, "gradient", dtype, f"d{name} {shape}")
+        assert torch.all(grads[0][ignored] == 0)
+
+
+def test_fp16_and_logprob_only_gradient(seed, device):
+    shape = shapes(device)[0]
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.float16)
+    g_lp = upstream(shape["n"], device)
+    h, w, b = leaves(hidden, weight, bias)
+    lp = rk.linear_logprob(h, w, targets, bias=b, temperature=0.7, backend="triton")
+    grads = torch.autograd.grad((lp * g_lp.float()).sum(), (h, w, b))
+    assert_close(lp, oracle(hidden, weight, bias, targets, 0.7)[0], "logprob", torch.float16, "logprob")
+    want = oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, torch.zeros_like(g_lp))
+    for name, got, ref in zip(("hidden", "weight", "bias"), grads, want):
+        assert_close(got, ref, "gradient", torch.float16, f"d{name}")
+
+
+@pytest.mark.parametrize("case", ["large", "equal"])
+def test_extreme_logits(seed, device, route, case):
+    """Logits of magnitude ~100, and all-equal logits (log p = -log V, entropy = log V)."""
+    shape = shapes(device)[0]
+    # D >= 256: the logits' magnitude is spread over many products, as in a model, so that the
+    # bf16 rounding of the logit gradient (times |W| or |h|) stays what it is in practice
+    n, d, v = shape["n"], max(256, shape["d"]), shape["v"]
+    hidden, weight, _, targets = make_inputs(device, n, d, v, torch.bfloat16, bias=False, scale=33.0)
+    if case == "equal":
+        weight = (torch.randn(1, d, device=device) * (3.0 / d**0.5)).to(torch.bfloat16).expand(v, d).contiguous()
+    g_lp, g_ent = upstream(n, device), upstream(n, device)
+    lp, ent, grads = run(hidden, weight, None, targets, 1.0, g_lp, g_ent)
+    ref_lp, ref_ent = oracle(hidden, weight, None, targets, 1.0)
+    if case == "large":
+        logits = hidden.double() @ weight.double().T
+        assert logits.abs().max() > 100
+    else:
+        kept = targets != -100
+        assert torch.allclose(ref_lp[kept], torch.full_like(ref_lp[kept], -torch.log(torch.tensor(float(v))).item()))
+    assert_close(lp, ref_lp, "logprob", torch.bfloat16, "logprob")
+    assert_close(ent, ref_ent, "logprob", torch.bfloat16, "entropy")
+    for name, got, ref in zip(("hidden", "weight"), grads, oracle_grads(hidden, weight, None, targets, 1.0, g_lp, g_ent)):
+        assert_close(got, ref, "gradient", torch.bfloat16, f"d{name}")
+
+
+def test_noncontiguous_inputs_same_bits(seed, device, route):
+    """The impl takes strided views as they are: same bits as contiguous copies."""
+    shape = shapes(device)[0]
+    n, d, v = shape["n"], shape["d"], shape["v"]
+    hidden, weight, bias, targets = make_inputs(device, n, d, v, torch.bfloat16)
+    wide = torch.randn(n, 2 * d, device=device).to(torch.bfloat16)
+    wide[:, ::2] = hidden
+    hidden_nc = wide[:, ::2]
+    # a column-major weight changes cuBLAS's transpose flags (and kernel) on the chunked route;
+    # the public op hands backends a contiguous weight, so only the gemm route reads it strided
+    weight_nc = weight.T.contiguous().T if route == "gemm" else weight
+    assert not hidden_nc.is_contiguous()
+    for h, w in ((hidden, weight), (hidden_nc, weight_nc)):
+        out = linear_logprob_triton(h, w, targets, bias, 0.9, -100, True, None)
+        if h is hidden:
+            first = out
+    assert torch.equal(first[0], out[0]) and torch.equal(first[1], out[1])
+
+
+def test_deterministic_and_batch_invariant(seed, device, route, monkeypatch):
+    """Bitwise: two runs agree, and a row's value and dh do not depend on N or on the other rows."""
+    shape = shapes(device)[0]
+    rows = 16 if device.type == "cpu" else 512
+    small_chunks(monkeypatch, rows, shape["v"])
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.bfloat16)
+    g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
+    full = run(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
+    again = run(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
+    for a, b in zip(full[:2] + tuple(full[2]), again[:2] + tuple(again[2])):
+        assert torch.equal(a, b)
+    # the first rows alone, with other rows after them, and a single row
+    other = make_inputs(device, **shape, dtype=torch.bfloat16)
+    for m in (1, rows + 3):
+        m = min(m, shape["n"] - 1)
+        h2 = torch.cat([hidden[:m], other[0][: shape["n"] - m]])
+        t2 = torch.cat([targets[:m], other[3][: shape["n"] - m]])
+        for take in (m, shape["n"]):
+            part = run(h2[:take], weight, bias, t2[:take], 0.8, g_lp[:take], g_ent[:take])
+            assert torch.equal(part[0][:m], full[0][:m]), f"logprob rows, N={take}"
+            assert torch.equal(part[1][:m], full[1][:m]), f"entropy rows, N={take}"
+            assert torch.equal(part[2][0][:m], full[2][0][:m]), f"dhidden rows, N={take}"
+
+
+def test_no_grad_forward_saves_nothing(seed, device, route):
+    shape = shapes(device)[0]
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.bfloat16)
+    h, w, b = leaves(hidden, weight, bias)
+    with_grad, _ = linear_logprob_triton(h, w, targets, b, 0.7, -100, False, None)
+    assert with_grad.grad_fn is not None
+    with torch.no_grad():
+        lp, ent = linear_logprob_triton(h, w, targets, b, 0.7, -100, False, None)
+    assert ent is None and lp.grad_fn is None and not lp.requires_grad
+    assert torch.equal(lp, with_grad.detach())
+
+
+def test_triton_backend_refuses_what_it_cannot_run():
+    hidden = torch.randn(3, 8, dtype=torch.float64)
+    weight = torch.randn(10, 8, dtype=torch.float64)
+    reason = dispatch.unavailable_reason("linear_logprob", "triton", torch.device("cuda"), hidden, weight, torch.zeros(3, dtype=torch.long), None, 1.0, -100, False, None)
+    assert "fp64" in reason
+    reason = dispatch.unavailable_reason("linear_logprob", "triton", torch.device("cuda"), hidden.float(), weight.float(), torch.zeros(3, dtype=torch.long), None, 1.0, -100, False, object())
+    assert "tp_group" in reason
+
+
+# ------------------------------------------------------------------------- fused_linear_policy_loss
+
+
+def loss_oracle(hidden, weight, bias, targets, old, adv, mask, ref, rw, temperature, knobs):
+    """fp64: the log-probs and entropies of the oracle fed to the reference loss formula."""
+    h, w, b = leaves(hidden.double(), weight.double(), None if bias is None else bias.double())
+    s, t, d = hidden.shape
+    lp, ent = oracle(h.reshape(-1, d), w, b, targets.reshape(-1), temperature)
+    scored = targets != -100
+    mask = mask & scored if mask.dtype == torch.bool else mask.double() * scored
+    knobs = {**knobs, "kl_type": KL_TYPES[knobs["kl_type"]]}
+    loss, metrics = reference_loss.policy_loss(
+        lp.view(s, t), old.double(), adv.double(), mask, ref.double(), ent.view(s, t), None if rw is None else rw.double(), **knobs
+    )
+    grads = torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None])
+    return loss, metrics, grads
+
+
+@pytest.mark.parametrize(
+    "mode,float_mask,with_rw,kl_type",
+    [("token-mean", False, False, "low_var_kl"), ("seq-mean-token-mean", True, True, "k1"), ("seq-mean-token-sum-norm", False, True, "k3+")],
+)
+def test_fused_linear_policy_loss_matches_fp64(seed, device, route, monkeypatch, mode, float_mask, with_rw, kl_type):
+    shape = shapes(device)[0]
+    s = 3 if device.type == "cpu" else 8
+    t = shape["n"] // s
+    small_chunks(monkeypatch, 16 if device.type == "cpu" else 512, shape["v"])
+    hidden, weight, bias, targets = make_inputs(device, s * t, shape["d"], shape["v"], torch.bfloat16)
+    hidden, targets = hidden.view(s, t, -1), targets.view(s, t)
+    old = torch.randn(s, t, device=device) * 0.5 - 4.0
+    adv = torch.randn(s, t, device=device)
+    ref = torch.randn(s, t, device=device) * 0.5 - 4.0
+    mask = torch.rand(s, t, device=device) if float_mask else torch.rand(s, t, device=device) < 0.8
+    rw = torch.rand(s, t, device=device) + 0.5 if with_rw else None
+    knobs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, kl_type=kl_type, kl_coef=0.05, entropy_coef=0.01, loss_agg_mode=mode)
+    h, w, b = leaves(hidden, weight, bias)
+    loss, metrics = rk.fused_linear_policy_loss(
+        h, w, targets, old, adv, mask, bias=b, temperature=0.7, ref_logprob=ref, rollout_is_weights=rw, backend="triton", **knobs
+    )
+    upstream_scale = 1.5
+    grads = torch.autograd.grad(loss * upstream_scale, (h, w, b))
+    want_loss, want_metrics, want_grads = loss_oracle(hidden, weight, bias, targets, old, adv, mask, ref, rw, 0.7, knobs)
+    assert_close(loss, want_loss, "reduction", torch.bfloat16, "loss")
+    for name in want_metrics:
+        assert_close(metrics[name], want_metrics[name], "reduction", torch.bfloat16, name)
+    for name, got, ref_grad in zip(("hidden", "weight", "bias"), grads, want_grads):
+        assert got.dtype == torch.bfloat16
+        assert_close(got, ref_grad * upstream_scale, "gradient", torch.bfloat16, f"d{name}")
+
+
+def test_fused_loss_no_grad_and_determinism(seed, device, route):
+    shape = shapes(device)[0]
+    s, t = 2, shape["n"] // 2
+    hidden, weight, _, targets = make_inputs(device, s * t, shape["d"], shape["v"], torch.bfloat16, bias=False)
+    hidden, targets = hidden.view(s, t, -1), targets.view(s, t)
+    old, adv = torch.randn(s, t, device=device) - 4.0, torch.randn(s, t, device=device)
+    mask = torch.rand(s, t, device=device) < 0.9
+    runs = []
+    for _ in range(2):
+        h, w = leaves(hidden, weight)
+        loss, _ = rk.fused_linear_policy_loss(h, w, targets, old, adv, mask, entropy_coef=0.01, backend="triton")
+        runs.append((loss, *torch.autograd.grad(loss, (h, w))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        loss_ng, _ = rk.fused_linear_policy_loss(hidden, weight, targets, old, adv, mask, entropy_coef=0.01, backend="triton")
+    assert loss_ng.grad_fn is None
+    assert_close(loss_ng, runs[0][0], "reduction", torch.float32, "no-grad loss")
