@@ -1,0 +1,109 @@
+"""Loading by verl, the switch as verl's Hydra config carries it, typo warnings, missing targets."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+import types
+
+import pytest
+from conftest import LOADED_BY_VERL, SWITCH_ON, compose_config
+
+
+def test_verl_loads_the_plugin_on_import():
+    (ep,) = [ep for ep in importlib.metadata.entry_points(group="verl.plugins") if ep.name == "rl_kernel"]
+    assert ep.value == "rl_kernel_verl:register"
+    assert LOADED_BY_VERL  # `import verl` imported rl_kernel_verl before this test module did
+
+
+def test_register_is_idempotent():
+    import rl_kernel_verl
+    from rl_kernel_verl import probe
+    from verl.workers.engine.base import EngineRegistry
+
+    rl_kernel_verl.register()
+    rl_kernel_verl.register()
+    factory = vars(EngineRegistry)["new"].__func__
+    assert factory.__rl_kernel_probe__
+    original = factory.__wrapped_original__
+    assert not hasattr(original, "__rl_kernel_probe__") and original.__code__.co_filename.endswith("verl/workers/engine/base.py")
+    assert sum(isinstance(f, probe._Finder) for f in sys.meta_path) <= 1
+    assert rl_kernel_verl.status()["probe"] == "live"
+
+
+def _model_config(model_dirs, *overrides):
+    from verl.utils.config import omega_conf_to_dataclass
+
+    return omega_conf_to_dataclass(compose_config(model_dirs["tied"], *overrides).actor_rollout_ref.model)
+
+
+def test_switch_read_from_verls_model_config(model_dirs, caplog):
+    from rl_kernel_verl import switch
+
+    with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
+        assert switch.read(_model_config(model_dirs, SWITCH_ON)).on
+        off = switch.read(_model_config(model_dirs))
+    assert not off.on and not off.strict
+    assert not caplog.records
+    strict = switch.read(_model_config(model_dirs, SWITCH_ON, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_strict=True"))
+    assert strict.on and strict.strict
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel=True", "fused_kernel_options.use_rl_kernel is not a key"),
+        ("+actor_rollout_ref.model.fused_kernel_options.use_rl_kernels_backend=True", "did you mean use_rl_kernel_backend"),
+        ("+actor_rollout_ref.model.fused_kernel_options.rl_kernel=True", "the rl-kernel backend is OFF"),
+        ("+actor_rollout_ref.model.override_config.use_rl_kernel_backend=True", "was put in override_config"),
+    ],
+)
+def test_lookalike_keys_warn_loudly_and_leave_it_off(model_dirs, caplog, override, says):
+    from rl_kernel_verl import switch
+
+    with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
+        assert not switch.read(_model_config(model_dirs, override)).on
+    assert any(says in r.getMessage() and switch.OVERRIDE in r.getMessage() for r in caplog.records)
+
+
+def test_non_boolean_switch_is_an_error(model_dirs):
+    from rl_kernel_verl import switch
+
+    with pytest.raises(ValueError, match="use_rl_kernel_backend must be true or false, got 'yes'"):
+        switch.read(_model_config(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=yes"))
+
+
+@pytest.mark.parametrize("node", ["actor", "model"])
+def test_switch_on_a_dataclass_node_is_rejected_by_verl(model_dirs, node):
+    """``+actor_rollout_ref.{actor,model}.use_rl_kernel_backend`` composes, but verl's config
+    dataclasses reject the key when the worker builds its config: loud, never silently off."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    config = compose_config(model_dirs["tied"], f"+actor_rollout_ref.{node}.use_rl_kernel_backend=True")
+    with pytest.raises(Exception, match="use_rl_kernel_backend"):
+        omega_conf_to_dataclass(config.actor_rollout_ref[node])
+
+
+def test_missing_target_is_a_logged_no_op_or_a_strict_error(monkeypatch, caplog):
+    from rl_kernel_verl import engine, targets
+
+    monkeypatch.setattr(targets, "ENGINE_CLASS", "verl.workers.engine.fsdp.transformer_impl:NoSuchEngine")
+    stand_in = types.SimpleNamespace(model_config=None, engine_config=None)
+    with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
+        assert engine.install(stand_in, strict=False) is False
+    assert any("has no attribute 'NoSuchEngine'" in r.getMessage() and "verl's own path" in r.getMessage() for r in caplog.records)
+    assert not vars(stand_in).keys() - {"model_config", "engine_config"}
+    with pytest.raises(targets.TargetMissing, match="NoSuchEngine"):
+        engine.install(stand_in, strict=True)
+
+
+def test_engine_rl_kernel_cannot_serve_stays_on_verl(caplog):
+    from rl_kernel_verl import engine
+
+    stand_in = types.SimpleNamespace(model_config=types.SimpleNamespace(model_type="language_model"))
+    with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
+        assert engine.install(stand_in, strict=False) is False
+    assert any("is not an FSDPEngineWithLMHead" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="strict.*is not an FSDPEngineWithLMHead"):
+        engine.install(stand_in, strict=True)
