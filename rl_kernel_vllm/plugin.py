@@ -11,10 +11,11 @@ hooks are live. A second call in the same process changes nothing.
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 from typing import Any, Callable
 
-from rl_kernel_vllm import logprobs, patching, switches
+from rl_kernel_vllm import patching, switches
 from rl_kernel_vllm._log import logger
 
 
@@ -67,26 +68,42 @@ def _install_runner_families(
     return results, live, problems
 
 
-def _install_logprobs() -> dict[str, Any]:
+def install_logprobs() -> dict[str, Any]:
+    """Hook (a): patch every model-runner family of :mod:`rl_kernel_vllm.logprobs` found in this vLLM."""
+    from rl_kernel_vllm import logprobs
+
     results, live, problems = _install_runner_families(logprobs.RUNNERS, logprobs.WRAPPERS)
     if not live:
         problems.append("no model-runner target found: " + "; ".join(results.values()))
     return {"live": bool(live), "runners": live, "targets": results, "problems": problems}
 
 
-def _not_available(hook: str) -> Callable[[], dict[str, Any]]:
-    def install() -> dict[str, Any]:
-        return {"live": False, "targets": {}, "problems": [f"{hook}: not implemented in this rl-kernel release"]}
+def install_batch_invariant() -> dict[str, Any]:
+    """Hook (d): rl-kernel's batch-invariant mode on in this process."""
+    import rl_kernel_core
 
-    return install
+    rl_kernel_core.set_batch_invariant_mode(True)
+    return {"live": True, "targets": {"rl_kernel_core.set_batch_invariant_mode": "True"}, "problems": []}
 
 
-HOOKS: dict[str, Callable[[], dict[str, Any]]] = {
-    "logprobs": _install_logprobs,
-    "lm_head": _not_available("lm_head"),
-    "sampler": _not_available("sampler"),
-    "batch_invariant": _not_available("batch_invariant"),
+def install_sampler() -> dict[str, Any]:
+    """Hook (c): not implemented in this release; wanting it is reported (an error in strict mode)."""
+    return {"live": False, "targets": {}, "problems": ["sampler: not implemented in this rl-kernel release"]}
+
+
+# hook -> "module:function" returning its status entry; imported only when the hook is wanted, so
+# with the plugin off nothing beyond the switch reader is imported.
+HOOKS: dict[str, str] = {
+    "logprobs": "rl_kernel_vllm.plugin:install_logprobs",
+    "lm_head": "rl_kernel_vllm.lm_head:install",
+    "sampler": "rl_kernel_vllm.plugin:install_sampler",
+    "batch_invariant": "rl_kernel_vllm.plugin:install_batch_invariant",
 }
+
+
+def _installer(spec: str) -> Callable[[], dict[str, Any]]:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def register() -> None:
@@ -108,11 +125,11 @@ def register() -> None:
         return
     status["vllm_version"] = _vllm_version()
     problems: list[str] = []
-    for hook, install in HOOKS.items():
+    for hook, spec in HOOKS.items():
         if not sw.wanted(hook):
             status["hooks"][hook] = {"live": False, "wanted": False}
             continue
-        result = install()
+        result = _installer(spec)()
         result["wanted"] = True
         status["hooks"][hook] = result
         problems.extend(result["problems"])
@@ -125,7 +142,7 @@ def register() -> None:
         logger.warning("rl_kernel_vllm: %s", problem)
     if problems and sw.strict:
         raise TargetError(
-            "RL_KERNEL_VLLM_STRICT=1 and vLLM " + status["vllm_version"] + " lacks targets: " + " | ".join(problems)
+            "RL_KERNEL_VLLM_STRICT=1 and hooks could not be installed on vLLM " + status["vllm_version"] + ": " + " | ".join(problems)
         )
 
 

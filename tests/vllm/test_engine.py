@@ -1,7 +1,7 @@
 """End to end with a real vLLM engine on CPU: the log-probs it returns, with the plugin on and off.
 
-Two engines run (each in its own subprocess, at the same time): one with ``RL_KERNEL_VLLM=1``,
-one without. Both serve the same seeded requests (mixed temperatures, greedy, top-k/top-p,
+Two engines run (each in its own subprocess, at the same time): one with ``RL_KERNEL_VLLM=1``
+and every implemented hook on (log-probs, LM head, batch-invariant mode), one without. Both serve the same seeded requests (mixed temperatures, greedy, top-k/top-p,
 penalties, top-k log-probs) in one batch. The trainer's side is recomputed here the way a trainer
 does it: the ``transformers`` model's final-norm hidden states of prompt + completion, through
 the LM head weight, by ``rl_kernel_core.linear_logprob`` at the request's temperature.
@@ -43,7 +43,7 @@ def _engine_env(plugin_on: bool) -> dict[str, str]:
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="INFO")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     if plugin_on:
-        env["RL_KERNEL_VLLM"] = "1"
+        env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_LM_HEAD="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1")
     return env
 
 
@@ -135,11 +135,17 @@ def test_plugin_live_in_engine_core_and_worker(runs):
         assert worker["pid"] != driver
         status = worker["status"]
         assert status["registered"] and status["enabled"]
-        assert status["hooks"]["logprobs"]["live"] and "v1" in status["hooks"]["logprobs"]["runners"]
+        assert {h for h, info in status["hooks"].items() if info["live"]} == {"logprobs", "lm_head", "batch_invariant"}
+        assert "v1" in status["hooks"]["logprobs"]["runners"]
         assert worker["sampler_forward_patched"]
         assert worker["runner_sampler_type"] == "vllm.v1.sample.sampler.Sampler"
+        assert worker["logits_processor_types"] == ["rl_kernel_vllm.lm_head._make_class.<locals>.RLKernelLogitsProcessor"]
+        assert worker["batch_invariant_mode"] is True
     # The engine core is not reachable by collective_rpc; its own log line names its pid.
-    core = re.findall(r"\(EngineCore[^)]*pid=(\d+)\).*rl_kernel_vllm \(pid (\d+), vllm [^)]*\): live hooks: logprobs", report["log"])
+    core = re.findall(
+        r"\(EngineCore[^)]*pid=(\d+)\).*rl_kernel_vllm \(pid (\d+), vllm [^)]*\): live hooks: logprobs, lm_head, batch_invariant",
+        report["log"],
+    )
     assert core and all(a == b and int(a) != driver for a, b in core), report["log"][-3000:]
 
 
@@ -148,6 +154,8 @@ def test_plugin_off_leaves_worker_untouched(runs):
         assert worker["status"]["registered"], "vLLM did not call the plugin's register()"
         assert not worker["status"]["enabled"]
         assert not worker["sampler_forward_patched"]
+        assert worker["logits_processor_types"] == ["vllm.model_executor.layers.logits_processor.LogitsProcessor"]
+        assert not worker["rl_kernel_core_imported"], "the plugin imported rl_kernel_core while off"
     assert "live hooks" not in runs["off"]["log"]
 
 

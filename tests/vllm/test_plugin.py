@@ -116,3 +116,23 @@ def test_resolve_names_what_is_missing():
         patching.resolve("vllm.v1.sample.sampler:Sampler.no_such_method")
     with pytest.raises(ValueError, match="package.module:Attr.path"):
         patching.resolve("vllm.v1.sample.sampler.Sampler.forward")
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_unimplemented_sampler_hook_is_reported(monkeypatch, strict):
+    # In this process, without touching vLLM: only the (unimplemented) sampler hook is wanted.
+    from rl_kernel_vllm import plugin
+
+    monkeypatch.setattr(plugin, "_status", {})
+    for name in ("RL_KERNEL_VLLM", "RL_KERNEL_VLLM_SAMPLER"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("RL_KERNEL_VLLM_LOGPROBS", "0")
+    monkeypatch.setenv("RL_KERNEL_VLLM_STRICT", "1" if strict else "0")
+    if strict:
+        with pytest.raises(plugin.TargetError, match="sampler: not implemented"):
+            plugin.register()
+    else:
+        plugin.register()
+    hooks = plugin.status()["hooks"]
+    assert hooks["sampler"]["wanted"] and not hooks["sampler"]["live"]
+    assert not any(info["live"] for info in hooks.values())

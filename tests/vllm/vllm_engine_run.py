@@ -20,18 +20,32 @@ import sys
 import time
 
 
+def _qualname(obj) -> str:
+    return type(obj).__module__ + "." + type(obj).__qualname__
+
+
 def worker_report(worker) -> dict:
-    """Runs inside each vLLM worker process: the plugin's status and the live sampler attribute."""
+    """Runs inside each vLLM worker process: the plugin's status and the live vLLM objects."""
+    core_imported = "rl_kernel_core" in sys.modules  # before this function imports anything of ours
     import rl_kernel_vllm
     from rl_kernel_vllm import patching
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.sample.sampler import Sampler
 
-    return {
+    model = worker.model_runner.get_model()
+    report = {
         "pid": os.getpid(),
         "status": rl_kernel_vllm.status(),
+        "rl_kernel_core_imported": core_imported,
         "sampler_forward_patched": patching.is_patched(Sampler.__dict__["forward"]),
-        "runner_sampler_type": type(worker.model_runner.sampler).__module__ + "." + type(worker.model_runner.sampler).__name__,
+        "runner_sampler_type": _qualname(worker.model_runner.sampler),
+        "logits_processor_types": sorted({_qualname(m) for m in model.modules() if isinstance(m, LogitsProcessor)}),
     }
+    if core_imported:
+        import rl_kernel_core
+
+        report["batch_invariant_mode"] = rl_kernel_core.is_batch_invariant()
+    return report
 
 
 def main(spec_path: str, out_path: str) -> None:

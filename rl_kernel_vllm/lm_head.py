@@ -1,0 +1,78 @@
+"""Hook (b): the LM head (hidden states -> logits) through rl-kernel's batch-invariant fp32 path.
+
+vLLM's ``LogitsProcessor`` is a ``PluggableLayer``: a class registered with
+``LogitsProcessor.register_oot`` (keyed by the class name ``"LogitsProcessor"``) is instantiated
+in its place when the model is built, which is after general plugins load. Our subclass overrides
+only ``_apply_head`` (the projection ``hidden @ lm_head.weight.T + bias``) with
+:func:`rl_kernel_core.batch_invariant.bi_linear` on fp32 operands, so the logits are fp32 and each
+row's bits do not depend on how many requests share the step. Everything else stays vLLM's:
+the tensor-parallel gather, vocab-padding removal, soft-cap and scale, and the vocab-parallel
+argmax/top-k helpers (which call ``_apply_head`` too).
+
+A quantized LM head is left to vLLM (logged once). With a bf16/fp16 model the weight is upcast on
+every step (a ``[V, D]`` fp32 copy), like vLLM's own ``head_dtype=float32`` path off CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_kernel_core.batch_invariant import bi_linear
+from rl_kernel_vllm import patching
+from rl_kernel_vllm._log import log_once
+
+TARGETS: tuple[str, ...] = (
+    "vllm.model_executor.layers.logits_processor:LogitsProcessor._apply_head",
+    "vllm.model_executor.custom_op:PluggableLayer.register_oot",
+    "vllm.model_executor.custom_op:op_registry_oot",
+)
+REGISTRY_KEY = "LogitsProcessor"
+
+
+def _make_class() -> type:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    class RLKernelLogitsProcessor(LogitsProcessor):
+        """vLLM's ``LogitsProcessor`` with the head projection computed by ``bi_linear`` in fp32."""
+
+        def _apply_head(self, lm_head: Any, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None) -> torch.Tensor:
+            """``[N, V_local]`` fp32 logits of ``hidden_states [N, D]`` through ``lm_head.weight [V_local, D]``."""
+            if not isinstance(lm_head.quant_method, (UnquantizedEmbeddingMethod, UnquantizedLinearMethod)):
+                log_once("lm_head:quantized", "rl_kernel_vllm: quantized lm_head (%s) left to vLLM", type(lm_head.quant_method).__name__)
+                return super()._apply_head(lm_head, hidden_states, embedding_bias)
+            bias = None if embedding_bias is None else embedding_bias.float()
+            return bi_linear(hidden_states.float(), lm_head.weight.float(), bias)
+
+    return RLKernelLogitsProcessor
+
+
+def install() -> dict[str, Any]:
+    """Register the subclass for ``LogitsProcessor`` (once per process); the hook's status entry."""
+    results: dict[str, str] = {}
+    problems: list[str] = []
+    for target in TARGETS:
+        try:
+            patching.resolve(target)
+            results[target] = "present"
+        except patching.TargetMissing as exc:
+            results[target] = f"missing: {exc}"
+            problems.append(str(exc))
+    if problems:
+        return {"live": False, "targets": results, "problems": problems}
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    current = op_registry_oot.get(REGISTRY_KEY)
+    if current is None:
+        LogitsProcessor.register_oot(_make_class())
+        results["register_oot"] = "registered"
+    elif getattr(current, "__qualname__", "").endswith("RLKernelLogitsProcessor") and current.__module__ == __name__:
+        results["register_oot"] = "already registered"
+    else:
+        problems.append(f"another plugin registered {current.__module__}.{current.__qualname__} for {REGISTRY_KEY}")
+        return {"live": False, "targets": results, "problems": problems}
+    return {"live": True, "targets": results, "problems": problems}

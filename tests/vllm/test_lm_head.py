@@ -1,0 +1,65 @@
+"""The LM-head hook's ``LogitsProcessor`` subclass, built on vLLM's real class (in this process).
+
+The subclass is instantiated directly (not through ``register_oot``, which would change this
+process's vLLM for the other tests); the engine test covers the registration path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_kernel_core import contract
+
+pytest.importorskip("vllm.model_executor.layers.logits_processor")
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: E402
+
+from rl_kernel_vllm import lm_head  # noqa: E402
+
+VOCAB, HIDDEN = 61, 48
+
+
+class _Head:
+    """What ``_apply_head`` reads from vLLM's ``VocabParallelEmbedding``: ``weight`` and ``quant_method``."""
+
+    def __init__(self, weight: torch.Tensor, quant_method) -> None:
+        self.weight = weight
+        self.quant_method = quant_method
+
+
+@pytest.fixture(scope="module")
+def processor():
+    with set_current_vllm_config(VllmConfig()):
+        return lm_head._make_class()(VOCAB)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_head_is_fp32_and_matches_reference(processor, dtype, with_bias, seed):
+    head = _Head(torch.randn(VOCAB, HIDDEN).to(dtype), UnquantizedEmbeddingMethod())
+    hidden = torch.randn(9, HIDDEN).to(dtype)
+    bias = torch.randn(VOCAB).to(dtype) if with_bias else None
+    logits = processor._apply_head(head, hidden, bias)
+    assert logits.dtype == torch.float32 and logits.shape == (9, VOCAB)
+    want = hidden.double() @ head.weight.double().T + (0 if bias is None else bias.double())
+    # The operands are upcast exactly and multiplied in fp32: the fp32 bound applies to bf16 inputs too.
+    contract.assert_close(logits, want, "attention", torch.float32, name=f"lm_head {dtype}")
+
+
+def test_head_rows_do_not_depend_on_the_batch(processor, seed):
+    head = _Head(torch.randn(VOCAB, HIDDEN), UnquantizedEmbeddingMethod())
+    hidden = torch.randn(37, HIDDEN)
+    batch = processor._apply_head(head, hidden, None)
+    for i in (0, 5, 36):
+        assert torch.equal(processor._apply_head(head, hidden[i : i + 1], None)[0], batch[i]), f"row {i}"
+
+
+def test_quantized_head_is_left_to_vllm(processor, seed):
+    class OtherMethod:
+        def apply(self, layer, x, bias=None):
+            return torch.full((x.shape[0], VOCAB), 7.0)
+
+    head = _Head(torch.randn(VOCAB, HIDDEN), OtherMethod())
+    out = processor._apply_head(head, torch.randn(3, HIDDEN), None)
+    assert torch.equal(out, torch.full((3, VOCAB), 7.0))
