@@ -1,135 +1,21 @@
-"""The real verl 0.9.1 FSDP engine on CPU, in this one process, for the verl adapter tests.
-
-Set-up (all before verl picks its platform):
-
-* ``VERL_PLATFORM=cpu`` with a CPU platform registered in verl's ``PlatformRegistry`` (verl ships
-  CUDA/NPU/ROCm ones), and ``VERL_ENGINE_DEVICE=cuda`` so ``EngineRegistry`` hands out the FSDP
-  engine verl registers for CUDA;
-* one gloo process group of world size 1;
-* tiny random Qwen2 models (tied and untied embeddings) built from a config with transformers and
-  saved to a temporary directory: no hub download, no tokenizer (``load_tokenizer=False``);
-* verl's own Hydra config (``ppo_trainer``) composed with overrides: fp32, sdpa attention, no
-  remove-padding, no torch.compile.
-
-Workers are verl's ``ActorRolloutRefWorker`` (role ``actor`` or ``ref``) called directly, so the
-path is verl's: ``init_model`` → ``TrainingWorker`` → ``EngineRegistry.new`` → ``FSDPEngineWithLMHead``,
-and ``compute_log_prob`` / ``compute_ref_log_prob`` / ``update_actor`` → ``infer_batch`` /
-``train_batch``. Built workers are cached for the session (building one takes a few seconds).
-"""
+"""pytest set-up for the verl tier: verl on CPU (see ``verl_cpu``), one gloo process group,
+the tiny models and a session cache of built workers (building one takes a few seconds)."""
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import os
 import socket
-import sys
-import types
 
 import pytest
+import torch.distributed as dist
 
-os.environ["VERL_PLATFORM"] = "cpu"
-os.environ["VERL_ENGINE_DEVICE"] = "cuda"
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
-
-verl = pytest.importorskip(
-    "verl", reason="the verl tier runs in its own environment: $(scripts/env.sh verl)/bin/python -m pytest tests/verl"
-)
-# verl's loader imports the verl.plugins entry points at the end of `import verl`; nothing in
-# this file imported rl_kernel_verl before, so this records whether verl loaded the plugin.
-LOADED_BY_VERL = "rl_kernel_verl" in sys.modules
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from verl.plugin.platform import PlatformBase, PlatformRegistry  # noqa: E402
-
-
-def _cpu_device_module() -> types.SimpleNamespace:
-    zero = lambda *a, **k: 0  # noqa: E731
-    nothing = lambda *a, **k: None  # noqa: E731
-    return types.SimpleNamespace(
-        is_available=lambda: True, device_count=lambda: 1, current_device=lambda: "cpu", set_device=nothing,
-        synchronize=nothing, empty_cache=nothing, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
-        max_memory_allocated=zero, max_memory_reserved=zero, memory_allocated=zero, memory_reserved=zero,
-        reset_peak_memory_stats=nothing, mem_get_info=lambda *a, **k: (0, 0), get_device_name=lambda *a, **k: "CPU",
-    )
-
-
-@PlatformRegistry.register(platform="cpu")
-class PlatformCPU(PlatformBase):
-    """verl platform for CPU tensors: device ``cpu``, gloo collectives, no profiler."""
-
-    _module = _cpu_device_module()
-
-    @property
-    def device_name(self) -> str:
-        return "cpu"
-
-    @property
-    def vendor_name(self) -> str:
-        return "cpu"
-
-    @property
-    def device_module(self):
-        return self._module
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_device(self):
-        return "cpu"
-
-    def device_count(self) -> int:
-        return 1
-
-    def set_device(self, device_index) -> None:
-        pass
-
-    def synchronize(self, device_index=None) -> None:
-        pass
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings: str) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-    def get_device_capability(self, device_index: int = 0):
-        return None, None
-
-    def communication_backend_name(self) -> str:
-        return "gloo"
-
-    def visible_devices_envvar(self) -> str:
-        return "CUDA_VISIBLE_DEVICES"
-
-    @contextlib.contextmanager
-    def nvtx_range(self, msg: str):
-        yield
-
-    def profiler_start(self) -> None:
-        pass
-
-    def profiler_stop(self) -> None:
-        pass
-
-    def ray_resource_name(self) -> str:
-        return "CPU"
-
-    def ray_noset_envvars(self) -> list[str]:
-        return []
-
-    def is_ipc_supported(self) -> bool:
-        return False
-
-    def cudart(self):
-        return None
+_spec = importlib.util.find_spec("verl")
+if _spec is None or _spec.origin is None:  # not installed (this directory is a namespace package "verl")
+    # the tier runs in its own environment: $(scripts/env.sh verl)/bin/python -m pytest tests/verl
+    collect_ignore_glob = ["*.py"]
+else:
+    import verl_cpu  # noqa: F401  (sets verl up on CPU before anything else imports verl)
 
 
 def _free_port() -> int:
@@ -150,123 +36,36 @@ def process_group():
 
 @pytest.fixture(scope="session", autouse=True)
 def unpinned_cpu_offload():
-    """verl gives forward-only (reference) FSDP2 engines ``CPUOffloadPolicy(pin_memory=True)``;
-    pinning host memory needs an accelerator, so on CPU the same policy is used unpinned."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-    from verl.workers.engine.fsdp import transformer_impl
+    """See :func:`verl_cpu.use_unpinned_cpu_offload`."""
+    import verl_cpu
 
-    verl_policy = transformer_impl.CPUOffloadPolicy
-    transformer_impl.CPUOffloadPolicy = lambda pin_memory=True: CPUOffloadPolicy(pin_memory=False)
+    restore = verl_cpu.use_unpinned_cpu_offload()
     yield
-    transformer_impl.CPUOffloadPolicy = verl_policy
-
-
-VOCAB = 96
-BASE_OVERRIDES = (
-    "actor_rollout_ref.model.use_remove_padding=False",
-    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-    "+actor_rollout_ref.model.load_tokenizer=False",
-    "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-    "actor_rollout_ref.actor.strategy=fsdp2",
-    "actor_rollout_ref.actor.use_torch_compile=False",
-    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
-    "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
-    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-    "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.n=1",
-    "actor_rollout_ref.actor.use_kl_loss=True",
-    "actor_rollout_ref.actor.kl_loss_coef=0.1",
-    "actor_rollout_ref.actor.entropy_coeff=0.01",
-    "actor_rollout_ref.actor.clip_ratio_c=3.0",
-    "actor_rollout_ref.actor.optim.lr=0.0",  # gradients are compared; the weights stay as saved
-)
-SWITCH_ON = "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True"
+    restore()
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    """``{"tied": path, "untied": path}``: tiny random Qwen2 causal LMs saved with transformers."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """``{"tied": path, "untied": path}``: tiny random Qwen2 causal LMs."""
+    import verl_cpu
 
-    dirs = {}
-    for name, tied in (("tied", True), ("untied", False)):
-        config = Qwen2Config(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tied, architectures=["Qwen2ForCausalLM"],
-        )
-        model = Qwen2ForCausalLM(config)
-        with torch.no_grad():  # spread the head so log-probs and their gradients are not all alike
-            model.lm_head.weight.normal_(0.0, 0.5)
-        path = tmp_path_factory.mktemp(f"qwen2_{name}")
-        model.save_pretrained(path)
-        dirs[name] = str(path)
-    return dirs
-
-
-def compose_config(model_dir: str, *overrides: str):
-    """verl's ``ppo_trainer`` Hydra config with the CPU test overrides and ``overrides``."""
-    from hydra import compose, initialize_config_dir
-    import verl.trainer.config as trainer_config
-
-    with initialize_config_dir(config_dir=os.path.dirname(trainer_config.__file__), version_base=None):
-        return compose(
-            config_name="ppo_trainer",
-            overrides=[f"actor_rollout_ref.model.path={model_dir}", *BASE_OVERRIDES, *overrides],
-        )
+    return {
+        name: verl_cpu.save_tiny_qwen2(str(tmp_path_factory.mktemp(f"qwen2_{name}")), tied=name == "tied")
+        for name in ("tied", "untied")
+    }
 
 
 @pytest.fixture(scope="session")
 def build_worker(model_dirs):
     """``build_worker(model, role, *overrides)``: an initialised verl worker, cached per arguments."""
-    from verl.workers.engine_workers import ActorRolloutRefWorker
+    import verl_cpu
 
     cache = {}
 
     def build(model: str, role: str, *overrides: str):
         key = (model, role, overrides)
         if key not in cache:
-            config = compose_config(model_dirs[model], *overrides)
-            worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role=role)
-            worker.init_model()
-            cache[key] = worker
+            cache[key] = verl_cpu.build_worker(model_dirs[model], role, *overrides)
         return cache[key]
 
     return build
-
-
-def random_rollout(generator: torch.Generator, batch: int = 4, prompt: int = 5, response: int = 6) -> dict:
-    """A padded rollout batch as verl's trainer holds it: left-padded prompts, right-padded responses.
-
-    Lengths and token ids are random (every prompt and response non-empty).
-    """
-    prompt_len = torch.randint(1, prompt + 1, (batch,), generator=generator)
-    response_len = torch.randint(1, response + 1, (batch,), generator=generator)
-    response_len[0] = response  # at least one full-length response
-    prompt_mask = (torch.arange(prompt)[None] >= (prompt - prompt_len)[:, None]).long()
-    response_mask = (torch.arange(response)[None] < response_len[:, None]).long()
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    prompts = torch.randint(0, VOCAB, (batch, prompt), generator=generator) * prompt_mask
-    responses = torch.randint(0, VOCAB, (batch, response), generator=generator) * response_mask
-    return {
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "prompts": prompts,
-        "responses": responses,
-    }
-
-
-def to_engine_batch(tensors: dict, **meta):
-    """verl's no-padding TensorDict for a worker call (``left_right_2_no_padding``) plus ``meta``."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    td = tu.get_tensordict({k: v.clone() for k, v in tensors.items()})
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, **meta)
-    return td

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-from conftest import SWITCH_ON, random_rollout, to_engine_batch
+from verl_cpu import SWITCH_ON, engine_of, random_rollout, to_engine_batch
 
 from rl_kernel_core.contract import assert_close
 
@@ -26,6 +26,10 @@ VARIANTS = {
     # forward (verl issue 5633); gradient sync deferred across micro-batches (verl issue 7520).
     # (verl's FSDP1 path cannot run on CPU: it syncs module states, which FSDP1 does on GPU only.)
     "fsdp2-untied": ("untied", "actor_rollout_ref.actor.strategy=fsdp2", DEFERRED_SYNC),
+    # verl's default layout: sequences packed into one row, labels rolled by verl (shift_labels).
+    # sdpa on CPU attends across the packed sequences; both sides run the same backbone, so the
+    # comparison still isolates the head and the loss
+    "fsdp2-untied-packed": ("untied", "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.model.use_remove_padding=True"),
 }
 
 
@@ -33,10 +37,6 @@ def _workers(build_worker, variant: str, role: str = "actor"):
     """(off, on): verl workers for ``variant`` built from the same weights, switch off and on."""
     model, *overrides = VARIANTS[variant]
     return build_worker(model, role, *overrides), build_worker(model, role, *overrides, SWITCH_ON)
-
-
-def _engine(worker):
-    return worker.actor.engine if worker.actor is not None else worker.ref.engine
 
 
 def _infer(worker, rollout: dict, temperature: float, ref: bool = False):
@@ -56,7 +56,7 @@ def test_old_log_prob_pass_matches_verl(build_worker, seed, variant):
     temperature = float(torch.empty(()).uniform_(0.5, 1.5))
 
     outputs = []
-    hook = _engine(on).module.register_forward_hook(lambda mod, args, out: outputs.append(out))
+    hook = engine_of(on).module.register_forward_hook(lambda mod, args, out: outputs.append(out))
     try:
         lp_on, ent_on, metrics_on = _infer(on, rollout, temperature)
     finally:
@@ -68,7 +68,7 @@ def test_old_log_prob_pass_matches_verl(build_worker, seed, variant):
     # the switched-on model returned per-token log-probs, never the [N, V] logits
     assert outputs and all(o.logits is None and o.log_probs is not None for o in outputs)
     if variant == "fsdp2-untied":  # the case verl issue 5633 is about: the head's weight is a shard
-        assert isinstance(_engine(on).module.lm_head.weight, DTensor)
+        assert isinstance(engine_of(on).module.lm_head.weight, DTensor)
     assert {"rl_kernel/old_logprob_ms", "rl_kernel/logprob_ms"} <= metrics_on.keys()
     assert any(k.startswith("rl_kernel/backend/linear_logprob/") for k in metrics_on)
     assert metrics_on["rl_kernel/fallback_micro_batches"] == [0.0]
@@ -88,7 +88,7 @@ def _train(worker, rollout: dict, per_token: dict, temperature: float):
         {**rollout, **per_token}, calculate_entropy=True, compute_loss=True, temperature=temperature,
         global_batch_size=4, mini_batch_size=4, epochs=1, seed=1, dataloader_kwargs={"shuffle": False},
     )
-    engine = _engine(worker)
+    engine = engine_of(worker)
     grads = {}
 
     def capture_then_step():  # verl zeroes the gradients when train mode exits: read them before the step
@@ -167,7 +167,7 @@ def test_switch_off_leaves_verl_untouched(build_worker, seed):
 
     off, on = _workers(build_worker, "fsdp2-untied")
     _infer(off, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
-    engine = _engine(off)
+    engine = engine_of(off)
     hooked = set(targets.ENGINE_METHODS) | {"_rl_kernel"}
     assert not hooked & vars(engine).keys()
     assert "forward" not in vars(engine.module) and "forward" not in vars(engine.module.lm_head)
@@ -182,8 +182,8 @@ def test_switch_off_leaves_verl_untouched(build_worker, seed):
     assert type(engine) is FSDPEngineWithLMHead
     listed = {e["engine"] for e in rl_kernel_verl.status()["engines"]}
     assert f"FSDPEngineWithLMHead@{id(engine):#x}" not in listed
-    assert f"FSDPEngineWithLMHead@{id(_engine(on)):#x}" in listed
-    assert hooked <= vars(_engine(on)).keys()
+    assert f"FSDPEngineWithLMHead@{id(engine_of(on)):#x}" in listed
+    assert hooked <= vars(engine_of(on)).keys()
 
 
 def test_status_reports_live_hooks(build_worker, seed):
@@ -193,7 +193,7 @@ def test_status_reports_live_hooks(build_worker, seed):
     _infer(on, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
     status = rl_kernel_verl.status()
     assert status["probe"] == "live"
-    (entry,) = [e for e in status["engines"] if e["engine"] == f"FSDPEngineWithLMHead@{id(_engine(on)):#x}"]
+    (entry,) = [e for e in status["engines"] if e["engine"] == f"FSDPEngineWithLMHead@{id(engine_of(on)):#x}"]
     assert entry["role"] == "actor" and entry["forward"] == "live"
     assert set(entry["hooks"].values()) == {"live"}
     assert entry["micro_batches_served"] > 0 and entry["micro_batches_on_verl_path"] == {}

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import compose_config, random_rollout, to_engine_batch
+from verl_cpu import compose_config, random_rollout, to_engine_batch
 
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.policy_loss import LOSS_AGG_MODES

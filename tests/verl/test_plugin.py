@@ -8,7 +8,7 @@ import sys
 import types
 
 import pytest
-from conftest import LOADED_BY_VERL, SWITCH_ON, compose_config
+from verl_cpu import LOADED_BY_VERL, SWITCH_ON, compose_config
 
 
 def test_verl_loads_the_plugin_on_import():

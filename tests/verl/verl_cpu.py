@@ -1,0 +1,248 @@
+"""verl 0.9.1's real FSDP engine on CPU: the set-up the verl adapter tests share.
+
+Imported by ``conftest.py`` (pytest) and by ``fsdp2_two_ranks.py`` (a ``torch.distributed.run``
+script), before anything picks verl's device platform:
+
+* ``VERL_PLATFORM=cpu`` with a CPU platform registered in verl's ``PlatformRegistry`` (verl ships
+  CUDA/NPU/ROCm ones), and ``VERL_ENGINE_DEVICE=cuda`` so ``EngineRegistry`` hands out the FSDP
+  engine verl registers for CUDA;
+* tiny random Qwen2 models (tied and untied embeddings) built from a config with transformers and
+  saved to a directory: no hub download, no tokenizer (``load_tokenizer=False``);
+* verl's own Hydra config (``ppo_trainer``) composed with overrides: fp32, sdpa attention, no
+  remove-padding, no torch.compile.
+
+Workers are verl's ``ActorRolloutRefWorker`` (role ``actor`` or ``ref``) called directly, so the
+path is verl's: ``init_model`` → ``TrainingWorker`` → ``EngineRegistry.new`` → ``FSDPEngineWithLMHead``,
+and ``compute_log_prob`` / ``compute_ref_log_prob`` / ``update_actor`` → ``infer_batch`` /
+``train_batch``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+
+os.environ["VERL_PLATFORM"] = "cpu"
+os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
+
+import verl  # noqa: E402,F401
+
+# verl's loader imports the verl.plugins entry points at the end of `import verl`; nothing before
+# this line imported rl_kernel_verl, so this records whether verl loaded the plugin.
+LOADED_BY_VERL = "rl_kernel_verl" in sys.modules
+
+import torch  # noqa: E402
+from verl.plugin.platform import PlatformBase, PlatformRegistry  # noqa: E402
+
+
+def _cpu_device_module() -> types.SimpleNamespace:
+    zero = lambda *a, **k: 0  # noqa: E731
+    nothing = lambda *a, **k: None  # noqa: E731
+    return types.SimpleNamespace(
+        is_available=lambda: True, device_count=lambda: 1, current_device=lambda: "cpu", set_device=nothing,
+        synchronize=nothing, empty_cache=nothing, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
+        max_memory_allocated=zero, max_memory_reserved=zero, memory_allocated=zero, memory_reserved=zero,
+        reset_peak_memory_stats=nothing, mem_get_info=lambda *a, **k: (0, 0), get_device_name=lambda *a, **k: "CPU",
+    )
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformBase):
+    """verl platform for CPU tensors: device ``cpu``, gloo collectives, no profiler."""
+
+    _module = _cpu_device_module()
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self):
+        return self._module
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self):
+        return "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index) -> None:
+        pass
+
+    def synchronize(self, device_index=None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextlib.contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        pass
+
+    def profiler_stop(self) -> None:
+        pass
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self):
+        return None
+
+
+def use_unpinned_cpu_offload():
+    """verl gives forward-only (reference) FSDP2 engines ``CPUOffloadPolicy(pin_memory=True)``;
+    pinning host memory needs an accelerator, so on CPU the same policy is used unpinned.
+    Returns a function that restores verl's."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from verl.workers.engine.fsdp import transformer_impl
+
+    verl_policy = transformer_impl.CPUOffloadPolicy
+    transformer_impl.CPUOffloadPolicy = lambda pin_memory=True: CPUOffloadPolicy(pin_memory=False)
+
+    def restore() -> None:
+        transformer_impl.CPUOffloadPolicy = verl_policy
+
+    return restore
+
+
+VOCAB = 96
+BASE_OVERRIDES = (
+    "actor_rollout_ref.model.use_remove_padding=False",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "+actor_rollout_ref.model.load_tokenizer=False",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.actor.use_torch_compile=False",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+    "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+    "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.n=1",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.1",
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+    "actor_rollout_ref.actor.clip_ratio_c=3.0",
+    "actor_rollout_ref.actor.optim.lr=0.0",  # gradients are compared; the weights stay as saved
+)
+SWITCH_ON = "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True"
+
+
+def save_tiny_qwen2(path: str, *, tied: bool, seed: int = 0) -> str:
+    """A tiny random Qwen2 causal LM (vocab 96, hidden 64, 2 layers) saved to ``path``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tied, architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # spread the head so log-probs and their gradients are not all alike
+        model.lm_head.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def compose_config(model_dir: str, *overrides: str):
+    """verl's ``ppo_trainer`` Hydra config with the CPU test overrides, then ``overrides`` (which win)."""
+    from hydra import compose, initialize_config_dir
+    import verl.trainer.config as trainer_config
+
+    def key(override: str) -> str:
+        return override.split("=", 1)[0].lstrip("+~")
+
+    replaced = {key(o) for o in overrides}
+    base = [o for o in BASE_OVERRIDES if key(o) not in replaced]
+    with initialize_config_dir(config_dir=os.path.dirname(trainer_config.__file__), version_base=None):
+        return compose(config_name="ppo_trainer", overrides=[f"actor_rollout_ref.model.path={model_dir}", *base, *overrides])
+
+
+def build_worker(model_dir: str, role: str, *overrides: str):
+    """An initialised verl ``ActorRolloutRefWorker`` for ``role`` on the model in ``model_dir``."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    config = compose_config(model_dir, *overrides)
+    worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role=role)
+    worker.init_model()
+    return worker
+
+
+def engine_of(worker):
+    """The verl engine inside a worker (actor's, else ref's)."""
+    return worker.actor.engine if worker.actor is not None else worker.ref.engine
+
+
+def random_rollout(generator: torch.Generator, batch: int = 4, prompt: int = 5, response: int = 6) -> dict:
+    """A padded rollout batch as verl's trainer holds it: left-padded prompts, right-padded responses.
+
+    Lengths and token ids are random (every prompt and response non-empty).
+    """
+    prompt_len = torch.randint(1, prompt + 1, (batch,), generator=generator)
+    response_len = torch.randint(1, response + 1, (batch,), generator=generator)
+    response_len[0] = response  # at least one full-length response
+    prompt_mask = (torch.arange(prompt)[None] >= (prompt - prompt_len)[:, None]).long()
+    response_mask = (torch.arange(response)[None] < response_len[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    prompts = torch.randint(0, VOCAB, (batch, prompt), generator=generator) * prompt_mask
+    responses = torch.randint(0, VOCAB, (batch, response), generator=generator) * response_mask
+    return {
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "prompts": prompts,
+        "responses": responses,
+    }
+
+
+def to_engine_batch(tensors: dict, **meta):
+    """verl's no-padding TensorDict for a worker call (``left_right_2_no_padding``) plus ``meta``."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = tu.get_tensordict({k: v.clone() for k, v in tensors.items()})
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, **meta)
+    return td
