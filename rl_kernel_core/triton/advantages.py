@@ -1,0 +1,105 @@
+"""Triton kernel for ``group_advantages``: GRPO / Dr.GRPO / RLOO advantages, deterministic.
+
+Semantics are :mod:`rl_kernel_core.reference.advantages`'s (verl 0.9.1), in fp32: per group of
+``n`` rewards, ``mean`` and the unbiased ``std`` (two passes: the sum, then the sum of squared
+deviations from the mean); ``grpo``: ``(r - mean) / (std + eps)`` (or ``r - mean`` without std
+normalisation); ``dr_grpo``: ``r - mean``; ``rloo``: ``(r - mean) · n / (n - 1)``; a group of
+one gets mean 0 and std 1 (``rloo``: ``r``).
+
+One program owns one group and reads it in blocks of ``BLOCK`` in a fixed order (a tree sum
+inside a block, blocks in sequence), so every member sees the same statistics and results are
+bitwise equal run to run. Groups given by size are contiguous runs (grid = number of groups);
+groups given by index are laid out by a stable sort of the ids, each position learns its group's
+``[start, end)`` from ``searchsorted`` on the sorted ids (no host sync), and the program at a
+group's first position does the work (grid = N; the others return at once).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_kernel_core.triton._jit import launch_time_jit
+
+ESTIMATOR_CODES: dict[str, int] = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
+_MAX_BLOCK = 1024
+
+
+@launch_time_jit
+def _group_advantages_kernel(
+    rewards_ptr, order_ptr, starts_ptr, ends_ptr, out_ptr, group_size, eps,
+    BY_INDEX: tl.constexpr, ESTIMATOR: tl.constexpr, NORM_BY_STD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    if BY_INDEX:
+        start = tl.load(starts_ptr + pid)
+        end = tl.load(ends_ptr + pid)
+        is_head = start == pid
+    else:
+        start = pid * group_size
+        end = start + group_size
+        is_head = pid >= 0
+    if is_head:
+        lanes = tl.arange(0, BLOCK)
+        total = 0.0
+        for q0 in range(start, end, BLOCK):
+            q = q0 + lanes
+            ok = q < end
+            src = tl.load(order_ptr + q, mask=ok, other=0) if BY_INDEX else q
+            total += tl.sum(tl.load(rewards_ptr + src, mask=ok, other=0.0).to(tl.float32), axis=0)
+        n = (end - start).to(tl.float32)
+        mean = total / n
+        sq = 0.0
+        for q0 in range(start, end, BLOCK):
+            q = q0 + lanes
+            ok = q < end
+            src = tl.load(order_ptr + q, mask=ok, other=0) if BY_INDEX else q
+            c = tl.load(rewards_ptr + src, mask=ok, other=0.0).to(tl.float32) - mean
+            sq += tl.sum(tl.where(ok, c * c, 0.0), axis=0)
+        single = n == 1.0
+        std = tl.sqrt(sq / tl.where(single, 1.0, n - 1.0))
+        for q0 in range(start, end, BLOCK):
+            q = q0 + lanes
+            ok = q < end
+            src = tl.load(order_ptr + q, mask=ok, other=0) if BY_INDEX else q
+            r = tl.load(rewards_ptr + src, mask=ok, other=0.0).to(tl.float32)
+            if ESTIMATOR == 2:
+                adv = tl.where(single, r, (r - mean) * n / tl.where(single, 1.0, n - 1.0))
+            else:
+                adv = r - tl.where(single, 0.0, mean)
+                if ESTIMATOR == 0 and NORM_BY_STD:
+                    adv = adv / (tl.where(single, 1.0, std) + eps)
+            tl.store(out_ptr + src, adv, mask=ok)
+
+
+def group_advantages_fwd(
+    rewards: torch.Tensor, group_size: Optional[int], group_index: Optional[torch.Tensor],
+    estimator: str, norm_by_std: bool, eps: float,
+) -> torch.Tensor:
+    """Advantages ``[N]`` fp32 from rewards ``[N]`` (fp32/bf16/fp16); one of ``group_size``/``group_index`` is set."""
+    values = rewards.detach().contiguous()
+    n = values.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=values.device)
+    if n == 0:
+        return out
+    if group_index is None:
+        grid = n // group_size
+        block = min(_MAX_BLOCK, triton.next_power_of_2(group_size))
+        order = starts = ends = values  # unused by the contiguous variant
+    else:
+        order = torch.argsort(group_index, stable=True)
+        ids = group_index[order].contiguous()
+        starts = torch.searchsorted(ids, ids, right=False)
+        ends = torch.searchsorted(ids, ids, right=True)
+        grid = n
+        block = _MAX_BLOCK if n > _MAX_BLOCK else triton.next_power_of_2(max(n, 16))
+        group_size = 0
+    _group_advantages_kernel[(grid,)](
+        values, order, starts, ends, out, group_size, eps,
+        BY_INDEX=group_index is not None, ESTIMATOR=ESTIMATOR_CODES[estimator], NORM_BY_STD=norm_by_std,
+        BLOCK=block, num_warps=4,
+    )
+    return out

@@ -1,0 +1,314 @@
+"""The Triton loss kernels as ``torch.library`` custom ops, and their registration as the ``triton`` backend.
+
+Each op pairs a forward and a backward custom op (``rl_kernel::triton_*``) with a fake
+implementation (shapes and dtypes only), so ``torch.compile(fullgraph=True)`` traces through them
+without graph breaks, and ``register_autograd`` ties them together, so AOTAutograd sees the
+backward too. The ops accept CUDA tensors, and CPU tensors when the Triton interpreter is on
+(``TRITON_INTERPRET=1`` before Triton kernels are defined); :mod:`rl_kernel_core.dispatch`
+decides which device may reach them.
+
+Registered backend implementations (signatures in :mod:`rl_kernel_core.logprob` and
+:mod:`rl_kernel_core.policy_loss`): ``logprob_from_logits``, ``ratio_kl``, ``policy_loss``. Each
+``supports`` predicate names what the kernels do not serve: fp64 inputs (the kernels compute in
+fp32; the torch backend keeps fp64) and gradients the kernels do not form.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rl_kernel_core import dispatch
+from rl_kernel_core.policy_loss import METRIC_NAMES
+from rl_kernel_core.triton import advantages as _adv
+from rl_kernel_core.triton import logprob_from_logits as _lp
+from rl_kernel_core.triton import policy_loss as _pl
+
+Tensor = torch.Tensor
+_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fp64_reason(**tensors: Optional[Tensor]) -> Optional[str]:
+    for name, t in tensors.items():
+        if t is not None and t.dtype not in _FAST_DTYPES:
+            return f"{name} is {str(t.dtype).replace('torch.', '')}; the triton kernels compute in fp32 for fp32/bf16/fp16 inputs (use backend='torch')"
+    return None
+
+
+def _grad_reason(**tensors: Optional[Tensor]) -> Optional[str]:
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            return f"{name} requires grad; the triton kernels differentiate only the documented inputs (use backend='torch')"
+    return None
+
+
+# ---------------------------------------------------------------- logprob_from_logits
+
+
+@torch.library.custom_op("rl_kernel::triton_logprob_from_logits", mutates_args=())
+def logprob_from_logits_op(
+    logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logprob [N], entropy [N] or [0], lse [N])``, fp32; see :func:`..logprob_from_logits.logprob_fwd`."""
+    return _lp.logprob_fwd(logits, targets, temperature, ignore_index, return_entropy)
+
+
+@logprob_from_logits_op.register_fake
+def _(logits, targets, temperature, ignore_index, return_entropy):
+    n = logits.shape[0]
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return logits.new_empty(n, **f32), logits.new_empty(n if return_entropy else 0, **f32), logits.new_empty(n, **f32)
+
+
+@torch.library.custom_op("rl_kernel::triton_logprob_from_logits_backward", mutates_args=())
+def logprob_from_logits_backward_op(
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
+    grad_logprob: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, ignore_index: int,
+) -> Tensor:
+    """``d/d logits`` ``[N, V]`` in the logits' dtype; see :func:`..logprob_from_logits.logprob_bwd`."""
+    return _lp.logprob_bwd(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index)
+
+
+@logprob_from_logits_backward_op.register_fake
+def _(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _logprob_setup(ctx, inputs, output):
+    logits, targets, temperature, ignore_index, _return_entropy = inputs
+    _logprob, entropy, lse = output
+    ctx.save_for_backward(logits, targets, lse, entropy)
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _logprob_backward(ctx, grad_logprob, grad_entropy, _grad_lse):
+    logits, targets, lse, entropy = ctx.saved_tensors
+    if not ctx.needs_input_grad[0] or (grad_logprob is None and grad_entropy is None):
+        return None, None, None, None, None
+    if entropy.numel() == 0:
+        grad_entropy = None
+    grad = logprob_from_logits_backward_op(
+        logits, targets, lse, entropy, grad_logprob, grad_entropy, ctx.temperature, ctx.ignore_index
+    )
+    return grad, None, None, None, None
+
+
+logprob_from_logits_op.register_autograd(_logprob_backward, setup_context=_logprob_setup)
+
+
+def _logprob_supports(logits, targets, temperature, ignore_index, return_entropy) -> Optional[str]:
+    reason = _fp64_reason(logits=logits)
+    if reason is None and logits.dim() == 2 and logits.shape[1] > 1 and logits.stride(1) != 1:
+        reason = f"logits must have unit stride along V, got strides {tuple(logits.stride())}"
+    return reason
+
+
+@dispatch.register("logprob_from_logits", "triton", supports=_logprob_supports)
+def logprob_from_logits(
+    logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Backend implementation: ``(logprob [N] fp32, entropy [N] fp32 or None)``, differentiable in ``logits``."""
+    logprob, entropy, _lse = logprob_from_logits_op(logits, targets, float(temperature), int(ignore_index), bool(return_entropy))
+    return logprob, (entropy if return_entropy else None)
+
+
+# ---------------------------------------------------------------- ratio_kl
+
+
+@torch.library.custom_op("rl_kernel::triton_ratio_kl", mutates_args=())
+def ratio_kl_op(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
+    """``(ratio, kl)`` fp32 of the input shape; see :func:`..policy_loss.ratio_kl_fwd`."""
+    return _pl.ratio_kl_fwd(logprob, old_logprob, ref_logprob, kl_type)
+
+
+@ratio_kl_op.register_fake
+def _(logprob, old_logprob, ref_logprob, kl_type):
+    return (logprob.new_empty(logprob.shape, dtype=torch.float32), logprob.new_empty(logprob.shape, dtype=torch.float32))
+
+
+@torch.library.custom_op("rl_kernel::triton_ratio_kl_backward", mutates_args=())
+def ratio_kl_backward_op(
+    logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
+    grad_ratio: Optional[Tensor], grad_kl: Optional[Tensor], kl_type: str,
+) -> Tensor:
+    """``d/d logprob`` in ``logprob``'s dtype; see :func:`..policy_loss.ratio_kl_bwd`."""
+    return _pl.ratio_kl_bwd(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, kl_type)
+
+
+@ratio_kl_backward_op.register_fake
+def _(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, kl_type):
+    return torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device)
+
+
+def _ratio_kl_setup(ctx, inputs, output):
+    logprob, old_logprob, ref_logprob, kl_type = inputs
+    ctx.save_for_backward(logprob, old_logprob, ref_logprob)
+    ctx.kl_type = kl_type
+    ctx.set_materialize_grads(False)
+
+
+def _ratio_kl_backward(ctx, grad_ratio, grad_kl):
+    logprob, old_logprob, ref_logprob = ctx.saved_tensors
+    if not ctx.needs_input_grad[0] or (grad_ratio is None and grad_kl is None):
+        return None, None, None, None
+    return ratio_kl_backward_op(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, ctx.kl_type), None, None, None
+
+
+ratio_kl_op.register_autograd(_ratio_kl_backward, setup_context=_ratio_kl_setup)
+
+
+def _ratio_kl_supports(logprob, old_logprob, ref_logprob, kl_type) -> Optional[str]:
+    if kl_type.rstrip("+") not in _pl.KL_CODES:
+        return f"kl_type={kl_type!r} has no triton kernel"
+    return _fp64_reason(logprob=logprob, old_logprob=old_logprob, ref_logprob=ref_logprob) or _grad_reason(
+        old_logprob=old_logprob, ref_logprob=ref_logprob
+    )
+
+
+@dispatch.register("ratio_kl", "triton", supports=_ratio_kl_supports)
+def ratio_kl(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
+    """Backend implementation: ``(ratio, kl)`` fp32, differentiable in ``logprob``."""
+    return ratio_kl_op(logprob, old_logprob, ref_logprob, kl_type)
+
+
+# ---------------------------------------------------------------- policy_loss
+
+
+@torch.library.custom_op("rl_kernel::triton_policy_loss", mutates_args=())
+def policy_loss_op(
+    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
+    entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor],
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
+    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss [], metrics [6], seq_weight [S], totals [2])``; see :func:`..policy_loss.policy_loss_fwd`."""
+    return _pl.policy_loss_fwd(
+        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
+    )
+
+
+@policy_loss_op.register_fake
+def _(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *knobs):
+    f32 = dict(dtype=torch.float32)
+    return (
+        logprob.new_empty((), **f32), logprob.new_empty(6, **f32),
+        logprob.new_empty(logprob.shape[0], **f32), logprob.new_empty(2, **f32),
+    )
+
+
+@torch.library.custom_op("rl_kernel::triton_policy_loss_backward", mutates_args=())
+def policy_loss_backward_op(
+    grad_loss: Tensor, logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
+    rollout_is_weights: Optional[Tensor], seq_weight: Tensor, totals: Tensor,
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
+    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+    need_logprob_grad: bool, entropy_dtype: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor]:
+    """``(d loss / d logprob, d loss / d entropy)``; a gradient not asked for is an empty ``[0]`` tensor."""
+    grad_lp, grad_ent = _pl.policy_loss_bwd(
+        grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals,
+        entropy_dtype, clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef,
+        loss_agg_mode, need_logprob_grad,
+    )
+    empty = logprob.new_empty(0)
+    return (empty if grad_lp is None else grad_lp), (empty.clone() if grad_ent is None else grad_ent)
+
+
+@policy_loss_backward_op.register_fake
+def _(grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals,
+      clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
+      need_logprob_grad, entropy_dtype):
+    grad_lp = logprob.new_empty(logprob.shape if need_logprob_grad else (0,))
+    grad_ent = logprob.new_empty(logprob.shape, dtype=entropy_dtype) if entropy_dtype is not None else logprob.new_empty(0)
+    return grad_lp, grad_ent
+
+
+_KNOBS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_type", "kl_coef", "entropy_coef", "loss_agg_mode")
+
+
+def _policy_loss_setup(ctx, inputs, output):
+    logprob, old_logprob, advantages, mask, ref_logprob, entropy, weights = inputs[:7]
+    _loss, metrics, seq_weight, totals = output
+    ctx.save_for_backward(logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals)
+    ctx.knobs = dict(zip(_KNOBS, inputs[7:]))
+    ctx.entropy_dtype = None if entropy is None else entropy.dtype
+    ctx.mark_non_differentiable(metrics, seq_weight, totals)
+    ctx.set_materialize_grads(False)
+
+
+def _policy_loss_backward(ctx, grad_loss, _g_metrics, _g_seq_weight, _g_totals):
+    logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals = ctx.saved_tensors
+    need_lp = ctx.needs_input_grad[0]
+    want_ent = ctx.needs_input_grad[5] and ctx.knobs["entropy_coef"] != 0.0
+    if grad_loss is None or not (need_lp or want_ent):
+        return (None,) * 14
+    grad_lp, grad_ent = policy_loss_backward_op(
+        grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals,
+        *ctx.knobs.values(), need_lp, ctx.entropy_dtype if want_ent else None,
+    )
+    return (grad_lp if need_lp else None, None, None, None, None, grad_ent if want_ent else None) + (None,) * 8
+
+
+policy_loss_op.register_autograd(_policy_loss_backward, setup_context=_policy_loss_setup)
+
+
+def _policy_loss_supports(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, **knobs) -> Optional[str]:
+    floats = dict(logprob=logprob, old_logprob=old_logprob, advantages=advantages, ref_logprob=ref_logprob,
+                  entropy=entropy, rollout_is_weights=rollout_is_weights)
+    if mask.dtype != torch.bool:
+        floats["mask"] = mask
+    if knobs["loss_agg_mode"] not in _pl.AGG_CODES:
+        return f"loss_agg_mode={knobs['loss_agg_mode']!r} has no triton kernel"
+    if knobs["kl_type"].rstrip("+") not in _pl.KL_CODES:
+        return f"kl_type={knobs['kl_type']!r} has no triton kernel"
+    return _fp64_reason(**floats) or _grad_reason(
+        old_logprob=old_logprob, advantages=advantages, mask=mask, ref_logprob=ref_logprob, rollout_is_weights=rollout_is_weights
+    )
+
+
+@dispatch.register("policy_loss", "triton", supports=_policy_loss_supports)
+def policy_loss(
+    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
+    entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor], *,
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
+    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Backend implementation over ``[S, T]`` tensors: ``(loss, metrics)``, differentiable in ``logprob`` and ``entropy``."""
+    loss, metrics, _seq_weight, _totals = policy_loss_op(
+        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
+    )
+    return loss, {name: metrics[i] for i, name in enumerate(METRIC_NAMES)}
+
+
+# ---------------------------------------------------------------- group_advantages
+
+
+@torch.library.custom_op("rl_kernel::triton_group_advantages", mutates_args=())
+def group_advantages_op(
+    rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], estimator: str, norm_by_std: bool, eps: float
+) -> Tensor:
+    """Advantages ``[N]`` fp32; see :func:`..advantages.group_advantages_fwd`."""
+    return _adv.group_advantages_fwd(rewards, group_size, group_index, estimator, norm_by_std, eps)
+
+
+@group_advantages_op.register_fake
+def _(rewards, group_size, group_index, estimator, norm_by_std, eps):
+    return rewards.new_empty(rewards.shape, dtype=torch.float32)
+
+
+def _group_advantages_supports(rewards, group_size, group_index, **kwargs) -> Optional[str]:
+    return _fp64_reason(rewards=rewards)
+
+
+@dispatch.register("group_advantages", "triton", supports=_group_advantages_supports)
+def group_advantages(
+    rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], *, estimator: str, norm_by_std: bool, eps: float
+) -> Tensor:
+    """Backend implementation: advantages ``[N]`` fp32, not differentiable."""
+    return group_advantages_op(rewards.detach(), group_size, group_index, estimator, norm_by_std, eps)

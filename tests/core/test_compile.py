@@ -1,0 +1,177 @@
+"""Compilation: torch.compile(fullgraph=True) over a small RL loss step, and the Triton kernels
+compiled for an H100 (sm_90) by Triton's own compiler, here on CPU.
+
+``fullgraph=True`` turns any graph break into an error, so these tests fail if an op (its
+argument checks, the dispatch, the backend call) cannot be traced. The step chains
+``group_advantages`` -> ``logprob_from_logits`` -> ``ratio_kl`` -> ``policy_loss`` and is checked
+against the same step run eagerly (values, metrics and the logits gradient, within the contract).
+
+On CPU the step runs the reference (``torch``) backend under the ``aot_eager`` compiler (Dynamo
+and AOTAutograd, without Inductor's slow C++ build). On a GPU it runs the Triton custom ops
+under Inductor. The Triton custom ops are also compiled on CPU under the interpreter, in
+tests/core/test_triton_losses.py.
+
+``test_triton_kernels_compile_for_sm90`` runs Triton's full pipeline (TTIR, TTGIR, LLVM IR, PTX,
+cubin through the ``ptxas`` shipped with Triton) for every loss kernel and every compile-time
+branch, so a kernel that only the interpreter accepts fails on the CPU machine, not first on the
+GPU. It needs Triton's jit library compiled, not interpreted: in a process where Triton was
+imported under ``TRITON_INTERPRET=1`` it runs in a child process without it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core.contract import assert_close
+from rl_kernel_core.policy_loss import METRIC_NAMES
+
+GROUP = 4
+
+
+def make_batch(device, dtype, seqs=8, seq_len=16, vocab=128):
+    logits = (torch.randn(seqs, seq_len, vocab) * 3).to(dtype).to(device)
+    targets = torch.randint(0, vocab, (seqs, seq_len))
+    targets[:, -3:] = -100  # padding
+    old = torch.log_softmax(torch.randn(seqs, seq_len, vocab), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    ref = old + 0.1 * torch.randn(seqs, seq_len)
+    rewards = torch.randn(seqs)
+    mask = (targets != -100) & (torch.rand(seqs, seq_len) < 0.9)
+    return logits, targets.to(device), old.to(device), ref.to(device), rewards.to(device), mask.to(device)
+
+
+def loss_step(backend):
+    def step(logits, targets, old, ref, rewards, mask):
+        advantages = rk.group_advantages(rewards, group_size=GROUP, backend=backend)
+        logprob, entropy = rk.logprob_from_logits(logits, targets, temperature=0.9, return_entropy=True, backend=backend)
+        ratio, kl = rk.ratio_kl(logprob, old, ref, kl_type="low_var_kl", backend=backend)
+        loss, metrics = rk.policy_loss(
+            logprob, old, advantages[:, None].expand_as(logprob), mask, ref_logprob=ref, clip_ratio_c=3.0,
+            kl_coef=0.05, entropy=entropy, entropy_coef=0.01, loss_agg_mode="seq-mean-token-mean", backend=backend,
+        )
+        return loss + 0.1 * (ratio * kl * mask).mean(), metrics
+
+    return step
+
+
+def run(fn, batch):
+    logits = batch[0].detach().clone().requires_grad_()
+    loss, metrics = fn(logits, *batch[1:])
+    loss.backward()
+    return loss.detach(), metrics, logits.grad
+
+
+def check_compiled_equals_eager(backend, compiler, device, dtype):
+    batch = make_batch(device, dtype)
+    step = loss_step(backend)
+    compiled = torch.compile(step, fullgraph=True, backend=compiler)
+    eager_loss, eager_metrics, eager_grad = run(step, batch)
+    for _ in range(2):  # the second call reuses the compiled graph
+        loss, metrics, grad = run(compiled, batch)
+        assert_close(loss, eager_loss.double(), "reduction", dtype, "compiled loss")
+        for name in METRIC_NAMES:
+            assert_close(metrics[name], eager_metrics[name].double(), "reduction", dtype, f"compiled {name}")
+        assert grad.dtype == dtype
+        assert_close(grad, eager_grad.double(), "gradient", dtype, "compiled d logits")
+
+
+def test_compiled_loss_step_fullgraph_reference_cpu(seed):
+    torch._dynamo.reset()
+    check_compiled_equals_eager("torch", "aot_eager", "cpu", torch.float32)
+
+
+def test_compiled_step_checks_target_ids_on_device(seed):
+    """Under compile the target-id check is a device-side assert: no graph break, still an error."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, t: rk.logprob_from_logits(x, t, backend="torch"), fullgraph=True, backend="aot_eager")
+    logits = torch.randn(4, 10)
+    assert_close(fn(logits, torch.tensor([1, 2, 3, -100])), rk.logprob_from_logits(logits, torch.tensor([1, 2, 3, -100]), backend="torch").double(), "logprob", torch.float32)
+    with pytest.raises(RuntimeError, match=r"targets ids must be in \[0, 10\)"):
+        fn(logits, torch.tensor([1, 2, 30, 4]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_loss_step_fullgraph_triton_gpu(seed, dtype):
+    torch._dynamo.reset()
+    check_compiled_equals_eager("triton", "inductor", "cuda", dtype)
+
+
+# ---------------------------------------------------------------- Triton kernels for sm_90
+
+
+def _sm90_cases() -> list:
+    """(kernel, argument types that are not i32 / *fp32, constexprs, num_warps) covering every branch."""
+    from rl_kernel_core.triton import advantages as adv
+    from rl_kernel_core.triton import logprob_from_logits as lpl
+    from rl_kernel_core.triton import policy_loss as pl
+
+    f32 = "fp32"
+    cases = []
+    for entropy in (True, False):
+        cases.append((lpl._logprob_fwd_kernel, dict(logits_ptr="*bf16", targets_ptr="*i64", stride_ln="i64", inv_temp=f32),
+                      dict(WITH_ENTROPY=entropy, BLOCK_V=4096), 8))
+    for g_lp, g_ent in ((True, False), (False, True)):
+        cases.append((lpl._logprob_bwd_kernel, dict(logits_ptr="*bf16", targets_ptr="*i32", grad_logits_ptr="*bf16", inv_temp=f32),
+                      dict(WITH_LOGPROB_GRAD=g_lp, WITH_ENTROPY_GRAD=g_ent, BLOCK_V=4096), 8))
+    for backward, kl, plus in [(b, k, False) for b in (False, True) for k in range(4)] + [(True, 3, True)]:
+        cases.append((pl._ratio_kl_kernel, dict(lp_ptr="*bf16"),
+                      dict(KL=kl, KL_PLUS=plus, BACKWARD=backward, HAS_G_RATIO=True, HAS_G_KL=True, BLOCK=1024), 4))
+    knobs = dict(clip_lo=f32, clip_hi=f32, clip_c=f32, kl_coef=f32, entropy_coef=f32, mask_ptr="*u8", lp_ptr="*bf16")
+    for backward, agg, dual, kl, plus, add_kl in [
+        (False, 0, True, 3, False, True), (False, 1, False, 1, False, False), (True, 0, True, 3, False, True),
+        (True, 1, False, 0, False, True), (True, 2, True, 1, False, True), (True, 3, True, 3, True, True), (True, 4, False, 2, False, False),
+    ]:
+        cases.append((pl._policy_loss_tokens_kernel, knobs, dict(
+            BACKWARD=backward, AGG=agg, DUAL=dual, KL=kl, KL_PLUS=plus, ADD_KL=add_kl, NEED_REF=(not backward) or add_kl,
+            HAS_ENT=True, HAS_W=True, GRAD_LP=True, GRAD_ENT=True, BLOCK_T=1024), 4))
+    for agg, block_s, block_nb in [(0, 1024, 1), (1, 128, 8), (2, 128, 8), (3, 1, 128), (4, 1024, 1)]:
+        cases.append((pl._policy_loss_finish_kernel, dict(kl_coef=f32, entropy_coef=f32),
+                      dict(AGG=agg, ADD_KL=True, ADD_ENT=True, BLOCK_S=block_s, BLOCK_NB=block_nb), 4))
+    for by_index, estimator, norm in [(False, 0, True), (True, 0, True), (True, 1, False), (False, 2, True)]:
+        cases.append((adv._group_advantages_kernel, dict(order_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64", group_size="i64", eps=f32),
+                      dict(BY_INDEX=by_index, ESTIMATOR=estimator, NORM_BY_STD=norm, BLOCK=1024), 4))
+    return cases
+
+
+def compile_for_sm90() -> list[str]:
+    """Compile every case to a cubin for sm_90; return the failures (empty when all compile)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    failures = []
+    for kernel, types, constexprs, num_warps in _sm90_cases():
+        fn = kernel.flavour()
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in fn.arg_names}
+        try:
+            out = triton_compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+            if not out.asm.get("cubin"):
+                failures.append(f"{kernel.__name__} {constexprs}: no cubin")
+        except Exception as exc:
+            failures.append(f"{kernel.__name__} {constexprs}: {type(exc).__name__}: {exc}")
+    return failures
+
+
+def _triton_interpreted_here() -> bool:
+    if "triton.language" not in sys.modules:
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(sys.modules["triton.language"].sum, InterpretedFunction)
+
+
+def test_triton_kernels_compile_for_sm90():
+    if not _triton_interpreted_here():
+        failures = compile_for_sm90()
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        code = "import test_compile as t; import sys; f = t.compile_for_sm90(); print('\\n'.join(f)); sys.exit(1 if f else 0)"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=600)
+        failures = [] if proc.returncode == 0 else [proc.stdout[-6000:] + proc.stderr[-3000:]]
+    assert not failures, "\n".join(failures)
