@@ -61,9 +61,14 @@ def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) 
     """Every id in ``targets`` is in ``[0, vocab)`` or equals ``ignore_index``.
 
     Costs one device→host sync; the public ops call it because an out-of-range id would
-    otherwise read out of bounds inside a kernel.
+    otherwise read out of bounds inside a kernel. Under ``torch.compile`` the check is a
+    device-side assert instead (no sync, no graph break), failing at run time.
     """
     if targets.numel() == 0:
+        return
+    if torch.compiler.is_compiling():
+        ok = ((targets >= 0) & (targets < vocab)) | (targets == ignore_index)
+        torch._assert_async(ok.all(), f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}")
         return
     valid = targets != ignore_index
     if not bool(valid.any()):
