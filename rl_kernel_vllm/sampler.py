@@ -1,0 +1,91 @@
+"""Hook (c): vLLM's V1 sampler draws tokens with :func:`rl_kernel_core.sample` and per-row seeds.
+
+Target: ``vllm.v1.sample.sampler:Sampler.sample(self, logits, sampling_metadata, ...)``, which
+receives the fp32 logits after vLLM's non-argmax-invariant processing (allowed-token mask, bad
+words, min-tokens, logit bias, penalties) and before temperature. The replacement passes them,
+with each row's temperature (greedy rows as 0), top-k, top-p and min-p, to ``sample``.
+
+Seeds: a request with ``SamplingParams.seed`` has its own ``torch.Generator`` in vLLM; each step
+draws one 62-bit seed from it (:func:`row_seeds`), so a row's token depends only on its logits,
+parameters, request seed and step, never on the batch it shares or its position there, and
+``rl_kernel_core.sample`` reproduces it offline from the same seed. Unseeded rows draw their seed
+from the global RNG, as vLLM's own unseeded sampling does.
+
+Left to vLLM (logged once): batches that must return *processed* log-probs or logits (vLLM builds
+those from its own filtered logits), and batches with argmax-invariant logits processors other
+than vLLM's min-p (custom processors whose effect ``sample`` cannot reproduce). Model Runner V2 is
+not covered.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+
+import rl_kernel_core
+from rl_kernel_vllm._log import log_once
+
+TARGETS: tuple[str, ...] = ("vllm.v1.sample.sampler:Sampler.sample",)
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS
+SEED_BOUND = 2**62
+
+
+def row_seeds(num_rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """``[num_rows]`` int64 seeds for one step: one draw from row ``i``'s generator when it has one
+    (its request was seeded), else from the global RNG."""
+    seeds = torch.randint(0, SEED_BOUND, (num_rows,), dtype=torch.int64)
+    for i, gen in generators.items():
+        seeds[i] = int(torch.randint(0, SEED_BOUND, (1,), generator=gen, device=gen.device))
+    return seeds.to(device)
+
+
+def _min_p(logitsprocs: Any) -> tuple[bool, Optional[torch.Tensor]]:
+    """``(supported, min_p [N] or None)`` from vLLM's argmax-invariant processors."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    min_p = None
+    for proc in logitsprocs.argmax_invariant:
+        if not isinstance(proc, MinPLogitsProcessor):
+            return False, None
+        if proc.min_p_count:
+            min_p = proc.min_p.reshape(-1).to(torch.float32)
+    return True, min_p
+
+
+def wrap_v1_sample(original: Callable) -> Callable:
+    """Wrap V1 ``Sampler.sample``: returns ``(tokens, None)`` from ``rl_kernel_core.sample``."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def sample(self, *args: Any, **kwargs: Any):
+        bound = signature.bind(self, *args, **kwargs)
+        logits = bound.arguments["logits"]
+        meta = bound.arguments["sampling_metadata"]
+        mode = bound.arguments.get("logprobs_mode_override") or self.logprobs_mode
+        wants_values = meta.max_num_logprobs is not None or bool(meta.logprob_token_ids)
+        if wants_values and mode.startswith("processed"):
+            log_once("sampler:processed", "rl_kernel_vllm: logprobs_mode=%s batches are sampled by vLLM", mode)
+            return original(self, *args, **kwargs)
+        supported, min_p = _min_p(meta.logitsprocs)
+        if not supported:
+            log_once("sampler:logitsprocs", "rl_kernel_vllm: batches with custom argmax-invariant logits processors are sampled by vLLM")
+            return original(self, *args, **kwargs)
+        n = logits.shape[0]
+        if meta.temperature is None:
+            temperature = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        else:
+            temperature = torch.where(meta.temperature < GREEDY_EPS, 0.0, meta.temperature).to(torch.float32)
+        tokens, _ = rl_kernel_core.sample(
+            logits,
+            temperature=temperature,
+            top_k=meta.top_k,
+            top_p=meta.top_p,
+            min_p=min_p,
+            seeds=row_seeds(n, meta.generators, logits.device),
+        )
+        return tokens, None
+
+    return sample
