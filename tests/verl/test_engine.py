@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
-from verl_cpu import SWITCH_ON, engine_of, random_rollout, to_engine_batch
+from verl_cpu import SWITCH_ON, engine_of, infer, policy_inputs, random_rollout, update_actor
 
 from rl_kernel_core.contract import assert_close
 
@@ -39,16 +39,6 @@ def _workers(build_worker, variant: str, role: str = "actor"):
     return build_worker(model, role, *overrides), build_worker(model, role, *overrides, SWITCH_ON)
 
 
-def _infer(worker, rollout: dict, temperature: float, ref: bool = False):
-    from verl.utils import tensordict_utils as tu
-
-    meta = {} if temperature is None else {"temperature": temperature}  # None: a per-sample tensor in rollout
-    batch = to_engine_batch(rollout, calculate_entropy=not ref, compute_loss=False, **meta)
-    out = worker.compute_ref_log_prob(batch) if ref else worker.compute_log_prob(batch)
-    entropy = None if ref else tu.get(out, "entropy").values()
-    return tu.get(out, "log_probs").values(), entropy, tu.get(out, "metrics")
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_old_log_prob_pass_matches_verl(build_worker, seed, variant):
     off, on = _workers(build_worker, variant)
@@ -58,10 +48,10 @@ def test_old_log_prob_pass_matches_verl(build_worker, seed, variant):
     outputs = []
     hook = engine_of(on).module.register_forward_hook(lambda mod, args, out: outputs.append(out))
     try:
-        lp_on, ent_on, metrics_on = _infer(on, rollout, temperature)
+        lp_on, ent_on, metrics_on = infer(on, rollout, temperature)
     finally:
         hook.remove()
-    lp_off, ent_off, metrics_off = _infer(off, rollout, temperature)
+    lp_off, ent_off, metrics_off = infer(off, rollout, temperature)
 
     assert_close(lp_on, lp_off, "logprob", FP32, name="log_probs")
     assert_close(ent_on, ent_off, "logprob", FP32, name="entropy")
@@ -75,60 +65,17 @@ def test_old_log_prob_pass_matches_verl(build_worker, seed, variant):
     assert not [k for k in metrics_off if k.startswith("rl_kernel/")]
 
 
-def _padded_response(nested: torch.Tensor, rollout: dict) -> torch.Tensor:
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    return no_padding_2_padding(nested, to_engine_batch(rollout))
-
-
-def _train(worker, rollout: dict, per_token: dict, temperature: float):
-    from verl.utils import tensordict_utils as tu
-
-    batch = to_engine_batch(
-        {**rollout, **per_token}, calculate_entropy=True, compute_loss=True, temperature=temperature,
-        global_batch_size=4, mini_batch_size=4, epochs=1, seed=1, dataloader_kwargs={"shuffle": False},
-    )
-    engine = engine_of(worker)
-    grads = {}
-
-    def capture_then_step():  # verl zeroes the gradients when train mode exits: read them before the step
-        for name, p in engine.module.named_parameters():
-            grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-        return type(engine).optimizer_step(engine)
-
-    engine.optimizer_step = capture_then_step
-    try:
-        metrics = tu.get(worker.update_actor(batch), "metrics")
-    finally:
-        del engine.optimizer_step
-    return metrics, grads
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_actor_update_matches_verl(build_worker, seed, variant):
     """Loss, every loss metric, grad norm and every parameter's gradient after ``update_actor``."""
-    from verl.utils import tensordict_utils as tu
-
     off, on = _workers(build_worker, variant)
     g = torch.Generator().manual_seed(seed)
     rollout = random_rollout(g)
     temperature = float(torch.empty(()).uniform_(0.5, 1.5, generator=g))
-    # behaviour and reference log-probs near the current policy's, so that some tokens are
-    # clipped, some dual-clipped (ratio > clip_ratio_c with negative advantages) and the KL is small
-    current = _padded_response(tu.get(off.compute_log_prob(
-        to_engine_batch(rollout, calculate_entropy=False, compute_loss=False, temperature=temperature)), "log_probs"), rollout)
-    shift = 0.5 * torch.randn(current.shape, generator=g)
-    shift[0, :2] = -1.5
-    advantages = torch.randn(current.shape, generator=g)
-    advantages[0, :2] = -advantages[0, :2].abs()
-    per_token = {
-        "old_log_probs": current + shift,
-        "advantages": advantages,
-        "ref_log_prob": current + 0.2 * torch.randn(current.shape, generator=g),
-    }
+    per_token = policy_inputs(off, rollout, temperature, g)
 
-    metrics_on, grads_on = _train(on, rollout, per_token, temperature)
-    metrics_off, grads_off = _train(off, rollout, per_token, temperature)
+    metrics_on, grads_on = update_actor(on, rollout, per_token, temperature)
+    metrics_off, grads_off = update_actor(off, rollout, per_token, temperature)
 
     compared = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy_loss",
                 "kl_loss", "kl_coef", "loss", "grad_norm"]
@@ -148,8 +95,8 @@ def test_actor_update_matches_verl(build_worker, seed, variant):
 def test_ref_log_prob_pass_matches_verl(build_worker, seed):
     off, on = _workers(build_worker, "fsdp2-untied", role="ref")
     rollout = random_rollout(torch.Generator().manual_seed(seed))
-    lp_on, _, metrics_on = _infer(on, rollout, 1.0, ref=True)
-    lp_off, _, metrics_off = _infer(off, rollout, 1.0, ref=True)
+    lp_on, _, metrics_on = infer(on, rollout, 1.0, ref=True)
+    lp_off, _, metrics_off = infer(off, rollout, 1.0, ref=True)
     assert_close(lp_on, lp_off, "logprob", FP32, name="ref log_probs")
     assert {"rl_kernel/ref_logprob_ms", "rl_kernel/logprob_ms"} <= metrics_on.keys()
     assert not [k for k in metrics_off if k.startswith("rl_kernel/")]
@@ -166,7 +113,7 @@ def test_switch_off_leaves_verl_untouched(build_worker, seed):
     from rl_kernel_verl import targets
 
     off, on = _workers(build_worker, "fsdp2-untied")
-    _infer(off, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
+    infer(off, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
     engine = engine_of(off)
     hooked = set(targets.ENGINE_METHODS) | {"_rl_kernel"}
     assert not hooked & vars(engine).keys()
@@ -190,7 +137,7 @@ def test_status_reports_live_hooks(build_worker, seed):
     import rl_kernel_verl
 
     _, on = _workers(build_worker, "fsdp2-tied")
-    _infer(on, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
+    infer(on, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
     status = rl_kernel_verl.status()
     assert status["probe"] == "live"
     (entry,) = [e for e in status["engines"] if e["engine"] == f"FSDPEngineWithLMHead@{id(engine_of(on)):#x}"]
@@ -204,8 +151,8 @@ def test_per_sample_temperature_runs_verls_path(build_worker, seed):
     off, on = _workers(build_worker, "fsdp2-tied")
     rollout = random_rollout(torch.Generator().manual_seed(seed))
     rollout["temperature"] = torch.empty(rollout["input_ids"].shape[0]).uniform_(0.5, 1.5)
-    lp_on, ent_on, metrics_on = _infer(on, rollout, None)
-    lp_off, ent_off, _ = _infer(off, rollout, None)
+    lp_on, ent_on, metrics_on = infer(on, rollout, None)
+    lp_off, ent_off, _ = infer(off, rollout, None)
     assert torch.equal(lp_on, lp_off) and torch.equal(ent_on, ent_off)
     assert metrics_on["rl_kernel/fallback_micro_batches"] == [2.0]
 
@@ -217,4 +164,4 @@ def test_strict_mode_refuses_the_fallback(build_worker, seed):
     rollout = random_rollout(torch.Generator().manual_seed(seed))
     rollout["temperature"] = torch.empty(rollout["input_ids"].shape[0]).uniform_(0.5, 1.5)
     with pytest.raises(RuntimeError, match="strict.*per-sample temperature"):
-        _infer(strict, rollout, None)
+        infer(strict, rollout, None)

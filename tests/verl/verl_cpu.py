@@ -246,3 +246,71 @@ def to_engine_batch(tensors: dict, **meta):
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(td, **meta)
     return td
+
+
+def infer(worker, rollout: dict, temperature, ref: bool = False):
+    """``compute_log_prob`` (or ``compute_ref_log_prob``) on ``rollout``.
+
+    ``temperature``: a float, or None when ``rollout`` carries a per-sample ``temperature`` tensor.
+    Returns ``(log_probs, entropy or None, metrics)``, the per-token values packed over prompt +
+    response as verl returns them.
+    """
+    from verl.utils import tensordict_utils as tu
+
+    meta = {} if temperature is None else {"temperature": temperature}
+    batch = to_engine_batch(rollout, calculate_entropy=not ref, compute_loss=False, **meta)
+    out = worker.compute_ref_log_prob(batch) if ref else worker.compute_log_prob(batch)
+    entropy = None if ref else tu.get(out, "entropy").values()
+    return tu.get(out, "log_probs").values(), entropy, tu.get(out, "metrics")
+
+
+def policy_inputs(worker, rollout: dict, temperature: float, generator: torch.Generator) -> dict:
+    """``old_log_probs``, ``advantages``, ``ref_log_prob`` ``[bsz, response_len]`` for ``rollout``.
+
+    Near the worker's current log-probs, so that some tokens are clipped, some dual-clipped
+    (ratio e^1.5 > clip_ratio_c with negative advantages) and the KL is small.
+    """
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    batch = to_engine_batch(rollout, calculate_entropy=False, compute_loss=False, temperature=temperature)
+    current = no_padding_2_padding(tu.get(worker.compute_log_prob(batch), "log_probs"), to_engine_batch(rollout))
+    shift = 0.5 * torch.randn(current.shape, generator=generator)
+    shift[0, :2] = -1.5
+    advantages = torch.randn(current.shape, generator=generator)
+    advantages[0, :2] = -advantages[0, :2].abs()
+    return {
+        "old_log_probs": current + shift,
+        "advantages": advantages,
+        "ref_log_prob": current + 0.2 * torch.randn(current.shape, generator=generator),
+    }
+
+
+def update_actor(worker, rollout: dict, per_token: dict, temperature: float, world_size: int = 1):
+    """One ``update_actor`` (one mini-batch, one optimizer step) on this rank's ``rollout``.
+
+    Returns ``(metrics, grads)``: verl's metrics and every parameter's full gradient as it was
+    before the optimizer step (verl zeroes gradients when train mode exits).
+    """
+    from torch.distributed.tensor import DTensor
+    from verl.utils import tensordict_utils as tu
+
+    global_batch = rollout["input_ids"].shape[0] * world_size
+    batch = to_engine_batch(
+        {**rollout, **per_token}, calculate_entropy=True, compute_loss=True, temperature=temperature,
+        global_batch_size=global_batch, mini_batch_size=global_batch, epochs=1, seed=1, dataloader_kwargs={"shuffle": False},
+    )
+    engine = engine_of(worker)
+    grads = {}
+
+    def capture_then_step():
+        for name, p in engine.module.named_parameters():
+            grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        return type(engine).optimizer_step(engine)
+
+    engine.optimizer_step = capture_then_step
+    try:
+        metrics = tu.get(worker.update_actor(batch), "metrics")
+    finally:
+        del engine.optimizer_step
+    return metrics, grads
