@@ -165,3 +165,31 @@ def test_strict_mode_refuses_the_fallback(build_worker, seed):
     rollout["temperature"] = torch.empty(rollout["input_ids"].shape[0]).uniform_(0.5, 1.5)
     with pytest.raises(RuntimeError, match="strict.*per-sample temperature"):
         infer(strict, rollout, None)
+
+
+def test_bf16_autocast_head_within_contract(build_worker, seed):
+    """verl's bf16 mixed precision (FSDP2 bf16 params, CPU autocast): the rl-kernel head takes the
+    bf16 operands verl's logits path would, and its log-probs/entropies meet the bf16 contract
+    against an fp64 reference on those same operands (fp32 accumulation survives autocast)."""
+    model, *overrides = VARIANTS["fsdp2-untied"]
+    bf16 = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:bf16,reduce_dtype:fp32,buffer_dtype:fp32}"
+    on = build_worker(model, "actor", *overrides, bf16, SWITCH_ON)
+    head = engine_of(on).module.lm_head
+    seen = []
+
+    def record(mod, args, out):
+        hidden, labels, temperature, _ = args
+        # FSDP2 stores the shard in fp32 and computes with its bf16 cast (param_dtype)
+        seen.append((hidden.detach(), labels, temperature, mod.weight.full_tensor().detach().to(torch.bfloat16), out))
+
+    hook = head.register_forward_hook(record)
+    try:
+        infer(on, random_rollout(torch.Generator().manual_seed(seed)), 0.9)
+    finally:
+        hook.remove()
+    assert seen
+    for hidden, labels, temperature, weight, (log_probs, entropy) in seen:
+        assert hidden.dtype == weight.dtype == torch.bfloat16 and log_probs.dtype == torch.float32
+        logp = torch.log_softmax(hidden.double() @ weight.double().T / temperature, dim=-1)
+        assert_close(log_probs, logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), "logprob", torch.bfloat16, name="log_probs")
+        assert_close(entropy, -(logp.exp() * logp).sum(-1), "logprob", torch.bfloat16, name="entropy")
