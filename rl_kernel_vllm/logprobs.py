@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -93,7 +94,7 @@ def _replace_values(tensors: Any, logits: torch.Tensor, temperatures: Sequence[f
 
 def _end_step(rows: int) -> None:
     # One record per engine step in which the hook ran (RL_KERNEL_PROFILE in the worker's env).
-    profiling.step_end(tokens=rows, source="vllm.sampler")
+    profiling.step_end(tokens=rows, source="vllm.sampler", pid=os.getpid())
 
 
 # --- V1 model runner: vllm/v1/sample/sampler.py -----------------------------------------------

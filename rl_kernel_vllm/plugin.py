@@ -138,6 +138,9 @@ def register() -> None:
         result["wanted"] = True
         status["hooks"][hook] = result
         problems.extend(result["problems"])
+    from rl_kernel_core import profiling
+
+    status["profile"] = profiling.enable_from_env()
     _status.update(status)
     live = [hook for hook, info in status["hooks"].items() if info["live"]]
     logger.info(
@@ -156,7 +159,8 @@ def status() -> dict[str, Any]:
 
     Keys: ``registered`` (bool), and after registration ``enabled``, ``strict``, ``pid``,
     ``hooks`` (hook name -> ``{"wanted", "live", "targets": {target: result}, "problems"}``)
-    and, when enabled, ``vllm_version``. ``status()["hooks"]["logprobs"]["runners"]`` lists the
+    and, when enabled, ``vllm_version`` and ``profile`` (whether ``RL_KERNEL_PROFILE`` turned
+    step records on in this process). ``status()["hooks"]["logprobs"]["runners"]`` lists the
     model-runner families (``"v1"``, ``"v2"``) patched.
     """
     out = copy.deepcopy(_status)

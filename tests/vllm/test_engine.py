@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import vllm_tiny_model
-from rl_kernel_core import contract, linear_logprob
+from rl_kernel_core import contract, linear_logprob, profiling
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 420
@@ -38,9 +38,10 @@ REQUESTS = (
 TOL = contract.tolerance("logprob", torch.float32)
 
 
-def _engine_env(plugin_on: bool) -> dict[str, str]:
+def _engine_env(plugin_on: bool, profile: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="INFO")
+    env["RL_KERNEL_PROFILE"] = str(profile)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     if plugin_on:
         env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_LM_HEAD="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1")
@@ -68,7 +69,8 @@ def runs(tmp_path_factory):
     for name, on in (("on", True), ("off", False)):
         log = open(root / f"{name}.log", "w")
         cmd = [sys.executable, str(HERE / "vllm_engine_run.py"), str(spec), str(root / f"{name}.json")]
-        procs[name] = (subprocess.Popen(cmd, env=_engine_env(on), stdout=log, stderr=subprocess.STDOUT, cwd=root), log)
+        env = _engine_env(on, root / f"{name}_steps.jsonl")
+        procs[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root), log)
     reports = {}
     for name, (proc, log) in procs.items():
         try:
@@ -82,6 +84,8 @@ def runs(tmp_path_factory):
             pytest.fail(f"engine {name} exited with {rc}; log tail:\n{text[-4000:]}")
         report = json.loads((root / f"{name}.json").read_text())
         report["log"] = text
+        steps = root / f"{name}_steps.jsonl"
+        report["steps"] = profiling.read_jsonl(str(steps)) if steps.exists() else None
         reports[name] = report
         print(f"engine {name}: {report['seconds']}")
     reports["requests"] = requests
@@ -190,3 +194,16 @@ def test_off_returns_vllms_raw_pre_temperature_logprobs(runs):
             assert _outside(got, trained).any(), f"T={temperature}: vLLM's raw values fall within the contract of the trainer's"
     print(f"max |vLLM raw - trainer| by temperature: {gaps}")
     assert len(gaps) == 4
+
+
+def test_step_records_only_when_on(runs):
+    # RL_KERNEL_PROFILE is set for both engines; only the plugin writes records, and only when on.
+    assert runs["off"]["steps"] is None
+    steps = runs["on"]["steps"]
+    worker_pids = {w["pid"] for w in runs["on"]["workers"]}
+    assert steps and len(steps) >= MAX_TOKENS  # one record per engine step that returned log-probs
+    for record in steps:
+        assert set(record["regions"]) == {"logprob"} and record["regions"]["logprob"] >= 0
+        assert 1 <= record["tokens"] <= len(REQUESTS)
+        assert record["source"] == "vllm.sampler" and record["pid"] in worker_pids
+    assert sum(r["tokens"] for r in steps) == MAX_TOKENS * len(REQUESTS)
