@@ -72,23 +72,22 @@ def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Req
     """Decoder → hidden states → per-token log-probs (and entropies) of the shifted labels.
 
     Keyword arguments are those verl's fused branch passes: ``input_ids [B, T]`` (or ``[1, nnz]``
-    packed), ``attention_mask``, ``position_ids``, ``temperature`` (float), ``shift_labels``
-    (the next-token ids verl prepared; ``torch.roll(input_ids, -1)`` when absent). Returns
-    ``CausalLMOutputForPPO`` with ``log_probs`` and ``entropy`` of ``input_ids``' shape (fp32).
+    packed), ``attention_mask``, ``position_ids``, ``temperature`` (float) and ``shift_labels``
+    (int ``[B, T]``: the next-token id of every position, as verl's logits path labels them; the
+    engine hook always supplies them). Returns ``CausalLMOutputForPPO`` with fp32 ``log_probs``
+    and ``entropy`` (None unless requested) of ``input_ids``' shape.
     """
     if rl_kernel is None:
         return type(self).forward(self, *args, **kwargs)
     if args:
         raise TypeError("the rl-kernel forward takes keyword arguments only (verl passes them by name)")
     output_type = targets.resolve(targets.PPO_OUTPUT)
-    input_ids = kwargs.pop("input_ids")
+    labels = kwargs.pop("shift_labels")
     temperature = float(kwargs.pop("temperature", 1.0))
-    shift_labels = kwargs.pop("shift_labels", None)
-    for unused in ("labels", "return_dict", "use_cache", "logits_to_keep", "past_key_values"):
+    for unused in ("return_dict", "use_cache"):
         kwargs.pop(unused, None)
-    outputs = self.model(input_ids=input_ids, use_cache=False, **kwargs)
+    outputs = self.model(use_cache=False, **kwargs)
     hidden = outputs[0]
-    labels = shift_labels if shift_labels is not None else torch.roll(input_ids, shifts=-1, dims=-1)
     with profiling.region("logprob", hidden.device):
         log_probs, entropy = _run_as_forward(self.lm_head, _head_logprob, hidden, labels, temperature, rl_kernel.return_entropy)
     return output_type(log_probs=log_probs, entropy=entropy, hidden_states=getattr(outputs, "hidden_states", None))

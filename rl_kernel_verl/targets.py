@@ -56,12 +56,9 @@ def resolve(path: str) -> Any:
         raise TargetMissing(f"rl_kernel_verl: target {path}: cannot import {module_name} ({exc})") from exc
     walked = module_name
     for attr in attrs.split(".") if attrs else ():
-        if attr in getattr(obj, "__dict__", {}):
-            obj = obj.__dict__[attr] if isinstance(obj, type) else getattr(obj, attr)
-        elif hasattr(obj, attr):
-            obj = getattr(obj, attr)
-        else:
+        if not hasattr(obj, attr):
             raise TargetMissing(f"rl_kernel_verl: target {path}: {walked} has no attribute {attr!r} (is this verl 0.9.x?)")
+        obj = getattr(obj, attr)
         walked = f"{walked}.{attr}"
     return obj
 

@@ -1,8 +1,9 @@
 """verl's FSDP2 engine on two gloo ranks, untied head sharded across them (``fsdp2_two_ranks.py``).
 
 Runs the script under ``torch.distributed.run`` in fresh processes. Reading the sharded head
-weight with a plain ``full_tensor()`` (instead of through the head's FSDP forward) gives a
-wrong head gradient here (the gradient norm differs by ~4e-4 relative), which this catches.
+weight with a plain ``full_tensor()`` (instead of through the head's FSDP forward) bypasses
+FSDP's gradient reduction for the head; here that shows as a gradient norm off by ~4e-4
+relative, outside the contract, which this test catches.
 """
 
 from __future__ import annotations
