@@ -8,8 +8,8 @@ engine whose model config has the switch off, in the same process, runs verl's c
 * ``forward_step``: per micro-batch, routes it to the rl-kernel path (verl's fused-kernel branch,
   fed by our forward) when the adapter can serve it, and runs :func:`rl_kernel_verl.loss.ppo_loss`
   in place of verl's ``ppo_loss``. A micro-batch it cannot serve (per-sample temperatures, Σπ²,
-  top-k distillation) runs verl's own path; that is logged once per reason and counted in the
-  metrics, and is an error in strict mode.
+  top-k distillation) runs verl's own code, log-probs and loss; that is logged once per reason
+  and counted in the metrics, and is an error in strict mode.
 * ``prepare_model_inputs``: passes the request (entropy or not) to the forward and, without
   ``use_remove_padding``, the next-token labels verl's logits path uses.
 * ``train_batch`` / ``infer_batch``: close a profiling step and add the timings and the backends
@@ -116,7 +116,7 @@ def install(engine: Any, *, strict: bool) -> bool:
         ("train_batch", _hook_train_batch),
         ("infer_batch", _hook_infer_batch),
     ):
-        setattr(engine, name, make(engine, state, getattr(engine, name)))
+        setattr(engine, name, make(state, getattr(engine, name)))
         state.hooks[name] = "live"
     _engines.add(engine)
     if not profiling.is_enabled() and not profiling.enable_from_env():
@@ -125,7 +125,7 @@ def install(engine: Any, *, strict: bool) -> bool:
     return True
 
 
-def _hook_build_module(engine: Any, state: EngineState, original: Callable) -> Callable:
+def _hook_build_module(state: EngineState, original: Callable) -> Callable:
     @functools.wraps(original)
     def _build_module():
         module = original()
@@ -143,11 +143,11 @@ def _hook_build_module(engine: Any, state: EngineState, original: Callable) -> C
 
 def _route_reason(micro_batch: Any) -> Optional[str]:
     """Why this micro-batch must take verl's own path, or None when rl-kernel serves it."""
-    tu = targets.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
+    get = targets.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
     if isinstance(micro_batch["temperature"], torch.Tensor):
         return "per-sample temperature tensors"
     for flag in ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only"):
-        if tu(data=micro_batch, key=flag, default=False):
+        if get(data=micro_batch, key=flag, default=False):
             return f"{flag}=True"
     return None
 
@@ -176,7 +176,7 @@ def _loss_for(state: EngineState, loss_function: Optional[Callable]) -> Optional
     return replacement
 
 
-def _hook_forward_step(engine: Any, state: EngineState, original: Callable) -> Callable:
+def _hook_forward_step(state: EngineState, original: Callable) -> Callable:
     assign = targets.resolve("verl.utils.tensordict_utils:assign_non_tensor")
 
     @functools.wraps(original)
@@ -184,20 +184,20 @@ def _hook_forward_step(engine: Any, state: EngineState, original: Callable) -> C
         reason = _route_reason(micro_batch)
         if reason is None and state.forward != "live":
             reason = f"model forward not hooked ({state.forward})"
-        if reason is None:
-            micro_batch = micro_batch.copy()
-            assign(micro_batch, use_fused_kernels=True, rl_kernel_route=True)
-            state.served += 1
-        else:
+        if reason is not None:  # the whole micro-batch (log-probs and loss) runs verl's code
             _fallback(state, reason)
             state.fallbacks[reason] += 1
             state.call_fallbacks += 1
+            return original(micro_batch, loss_function=loss_function, forward_only=forward_only)
+        micro_batch = micro_batch.copy()
+        assign(micro_batch, use_fused_kernels=True, rl_kernel_route=True)
+        state.served += 1
         return original(micro_batch, loss_function=_loss_for(state, loss_function), forward_only=forward_only)
 
     return forward_step
 
 
-def _hook_prepare_model_inputs(engine: Any, state: EngineState, original: Callable) -> Callable:
+def _hook_prepare_model_inputs(state: EngineState, original: Callable) -> Callable:
     get = targets.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
 
     @functools.wraps(original)
@@ -244,7 +244,7 @@ def _add_metrics(state: EngineState, outputs: Any, pass_name: str) -> None:
     outputs["metrics"].update({k: [v] if as_list else v for k, v in values.items()})
 
 
-def _hook_train_batch(engine: Any, state: EngineState, original: Callable) -> Callable:
+def _hook_train_batch(state: EngineState, original: Callable) -> Callable:
     @functools.wraps(original)
     def train_batch(data, loss_function):
         outputs = original(data, loss_function)
@@ -254,7 +254,7 @@ def _hook_train_batch(engine: Any, state: EngineState, original: Callable) -> Ca
     return train_batch
 
 
-def _hook_infer_batch(engine: Any, state: EngineState, original: Callable) -> Callable:
+def _hook_infer_batch(state: EngineState, original: Callable) -> Callable:
     pass_name = "ref_logprob" if state.role == "ref" else "old_logprob"
 
     @functools.wraps(original)
