@@ -13,9 +13,11 @@ LM head under FSDP: verl's FSDP2 wraps an untied ``lm_head`` as its own FSDP uni
 that unit's forward its weight is a sharded ``DTensor`` (verl issue 5633). Reading the weight
 directly would bypass FSDP's all-gather and its gradient reduce-scatter. The head computation is
 therefore run *as the head module's forward* (:func:`_run_as_forward`): FSDP unshards the weight
-before it, reshards after, and reduces the weight's gradient exactly as for a normal call (FSDP1
-and FSDP2, tied or untied). A weight that is still a ``DTensor`` inside that call (a tensor-
-parallel plan, not FSDP) is gathered with ``full_tensor()``, which is differentiable.
+before it, reshards after, and reduces the weight's gradient exactly as for a normal call (FSDP2,
+tied or untied, tested on one and two ranks; an FSDP1-wrapped head is called through its wrapper
+the same way, untested because verl's FSDP1 path does not run on CPU). A weight that is still a
+``DTensor`` inside that call (a tensor-parallel plan, not FSDP) is gathered with
+``full_tensor()``, which is differentiable.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rl_kernel_core import linear_logprob, profiling
 from rl_kernel_verl import targets
@@ -61,13 +64,6 @@ def install(module: torch.nn.Module) -> None:
     module.forward = types.MethodType(causal_lm_forward, module)
 
 
-def is_installed(module: torch.nn.Module) -> bool:
-    """Whether ``module`` (or the module FSDP1 wraps) carries the rl-kernel forward."""
-    inner = getattr(module, "_fsdp_wrapped_module", module)
-    bound = inner.__dict__.get("forward")
-    return isinstance(bound, types.MethodType) and bound.__func__ is causal_lm_forward
-
-
 def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Request] = None, **kwargs: Any):
     """Decoder → hidden states → per-token log-probs (and entropies) of the shifted labels.
 
@@ -96,9 +92,9 @@ def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Req
 def _head_logprob(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool):
     """The head's work inside its (FSDP-managed) forward: layout and dtype, then ``linear_logprob``."""
     weight, bias = head.weight, getattr(head, "bias", None)
-    if isinstance(weight, torch.distributed.tensor.DTensor):
+    if isinstance(weight, DTensor):
         weight = weight.full_tensor()
-        bias = bias.full_tensor() if isinstance(bias, torch.distributed.tensor.DTensor) else bias
+        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
     device_type = hidden.device.type
     # Under verl's mixed-precision autocast the logits path runs the head in the autocast dtype;
     # take the same operands, then keep autocast away from linear_logprob's fp32 accumulation.
