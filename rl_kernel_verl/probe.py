@@ -103,6 +103,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return None
         spec.loader = _Loader(spec.loader, self.hook)
+        if self in sys.meta_path:  # one module, once: step out of every later import
+            sys.meta_path.remove(self)
         return spec
 
 

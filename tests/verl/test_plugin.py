@@ -28,7 +28,7 @@ def test_register_is_idempotent():
     assert factory.__rl_kernel_probe__
     original = factory.__wrapped_original__
     assert not hasattr(original, "__rl_kernel_probe__") and original.__code__.co_filename.endswith("verl/workers/engine/base.py")
-    assert sum(isinstance(f, probe._Finder) for f in sys.meta_path) <= 1
+    assert not [f for f in sys.meta_path if isinstance(f, probe._Finder)]  # it fired and stepped out
     assert rl_kernel_verl.status()["probe"] == "live"
 
 
