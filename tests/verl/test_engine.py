@@ -102,9 +102,11 @@ def test_ref_log_prob_pass_matches_verl(build_worker, seed):
     assert not [k for k in metrics_off if k.startswith("rl_kernel/")]
 
 
-def test_switch_off_leaves_verl_untouched(build_worker, seed):
-    """With the switch off: no hook on the engine or its model; the worker keeps verl's loss."""
+def test_switch_off_leaves_verl_untouched(build_worker, model_dirs, seed):
+    """With the switch off: no hook on the engine or its model; the worker keeps verl's loss; and
+    its results are bitwise those of a worker built with the plugin's probe taken out."""
     import rl_kernel_verl
+    import verl_cpu
     from transformers import Qwen2ForCausalLM
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -113,7 +115,17 @@ def test_switch_off_leaves_verl_untouched(build_worker, seed):
     from rl_kernel_verl import targets
 
     off, on = _workers(build_worker, "fsdp2-untied")
-    infer(off, random_rollout(torch.Generator().manual_seed(seed)), 1.0)
+    rollout = random_rollout(torch.Generator().manual_seed(seed))
+    lp_off, ent_off, _ = infer(off, rollout, 0.8)
+    probe = vars(EngineRegistry)["new"]
+    EngineRegistry.new = classmethod(probe.__func__.__wrapped_original__)
+    try:
+        model, *overrides = VARIANTS["fsdp2-untied"]
+        plain = verl_cpu.build_worker(model_dirs[model], "actor", *overrides)
+    finally:
+        EngineRegistry.new = probe
+    lp_plain, ent_plain, _ = infer(plain, rollout, 0.8)
+    assert torch.equal(lp_off, lp_plain) and torch.equal(ent_off, ent_plain)
     engine = engine_of(off)
     hooked = set(targets.ENGINE_METHODS) | {"_rl_kernel"}
     assert not hooked & vars(engine).keys()
