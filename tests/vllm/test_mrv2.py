@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory, request):
+def probe(tmp_path_factory):
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     print(f"seed={seed}")
     out = tmp_path_factory.mktemp("mrv2") / "out.pt"
