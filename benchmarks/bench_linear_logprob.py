@@ -209,7 +209,9 @@ def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
                 label = name + (f"[{vname}]" if vname else "")
                 m = METHODS[name]
                 res_f = measure(lambda: fwd_only(m, h, w, t), args, out_bytes=_nbytes)
-                rec.add({"part": "forward", "shape": shape, "N": n, "D": d, "V": v, "method": label, **res_f,
+                routes = {"fwd": K.TUNING.route("fwd", h), "fwd_with_entropy": K.TUNING.route("fwd", h, True),
+                          "bwd": K.TUNING.route("bwd", h), "loss": K.TUNING.route("loss", h)} if name == "ours" else None
+                rec.add({"part": "forward", "shape": shape, "N": n, "D": d, "V": v, "method": label, "routes": routes, **res_f,
                          "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3)})
                 res_b = measure(lambda: fwd_bwd(m, h, w, t, g), args, out_bytes=lambda r: _nbytes(*r))
                 rec.add({"part": "fwd+bwd", "shape": shape, "N": n, "D": d, "V": v, "method": label, **res_b,
@@ -253,9 +255,8 @@ def part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants):
 def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
     h, w, t, _ = make(n, d, v, dtype)
     configs = [
-        K.TileConfig(128, 256, 64, 8, 8, 3), K.TileConfig(128, 256, 64, 8, 8, 4), K.TileConfig(128, 128, 64, 8, 4, 4),
-        K.TileConfig(128, 128, 64, 8, 8, 4), K.TileConfig(128, 128, 128, 8, 8, 3), K.TileConfig(256, 128, 64, 8, 8, 3),
-        K.TileConfig(64, 256, 64, 8, 4, 4),
+        K.TileConfig(128, 256, 64, 8, 8, 3), K.TileConfig(128, 256, 64, 8, 8, 4), K.TileConfig(256, 128, 64, 8, 8, 3),
+        K.TileConfig(128, 256, 64, 16, 8, 3), K.TileConfig(128, 128, 64, 8, 4, 3),
     ]
     for cfg in configs:
         saved = _with_tuning(gemm_tiles=cfg, fwd_route="gemm")
@@ -321,7 +322,8 @@ def part_loss(shape, b, tl, d, v, dtype, args, rec, methods, variants):
             try:
                 res = measure(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), args, out_bytes=lambda r: _nbytes(*r))
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "B": b, "T": tl, "N": n, "D": d, "V": v,
-                         "method": name + (f"[{vname}]" if vname else ""), **res, "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
+                         "method": name + (f"[{vname}]" if vname else ""),
+                         "route": K.TUNING.route("loss", hh) if name == "ours" else None, **res, "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
             except Exception as exc:
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()
@@ -392,6 +394,11 @@ def main() -> int:
     if DEV.type == "cuda":
         rec.note(f"torch.mm(out_dtype=fp32): {K.fp32_logits_supported(DEV, torch.bfloat16)}; addmm(out_dtype=fp32, in place): {K._dtype_mm_supported('addmm')}")
     t0 = time.time()
+    if "invariance" in parts and DEV.type == "cuda":
+        for d in (896, 2048):
+            part_invariance(d, 128256, dtype, args, rec)
+    if "memory" in parts and DEV.type == "cuda":
+        part_memory(4096, 128256, dtype, args, rec, [int(x) for x in args.memory_sizes.split(",")])
     for shape in args.shapes.split(","):
         n, d, v = SHAPES[shape]
         floor = part_floor(shape, n, d, v, dtype, args, rec)
@@ -402,14 +409,11 @@ def main() -> int:
         if "accuracy" in parts:
             part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants)
         if "loss" in parts and n in (16384, 96):
-            part_loss(shape, 32, n // 32, d, v, dtype, args, rec, [m for m in ("ours", "liger_grpo") if m == "ours" or "liger_flce" in methods], variants)
-            part_loss_accuracy(d, v, dtype, args, rec, [m for m in ("ours", "liger_grpo") if m == "ours" or "liger_flce" in methods])
+            # Liger's GRPO loss compiles per shape (torch.compile): measured on the first shape only
+            loss_methods = ["ours"] + (["liger_grpo"] if "liger_flce" in methods and shape == args.shapes.split(",")[0] else [])
+            part_loss(shape, 32, n // 32, d, v, dtype, args, rec, loss_methods, variants)
+            part_loss_accuracy(d, v, dtype, args, rec, loss_methods)
         print(f"-- {shape} done at {time.time() - t0:.0f}s", flush=True)
-    if "invariance" in parts and DEV.type == "cuda":
-        for d in (896, 2048):
-            part_invariance(d, 128256, dtype, args, rec)
-    if "memory" in parts and DEV.type == "cuda":
-        part_memory(4096, 128256, dtype, args, rec, [int(x) for x in args.memory_sizes.split(",")])
     _table(rec.doc["results"])
     return 0
 

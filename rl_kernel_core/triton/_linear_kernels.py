@@ -30,6 +30,7 @@ chunk zero-padded, because cuBLAS picks its algorithm (and split) from the shape
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,7 +51,7 @@ def _logits_pass_kernel(
     lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr, stride_dm,
     TILES_PER_PROG,
     FROM_LOGITS: tl.constexpr, GRAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr,
-    IN_PLACE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WANT_ENT: tl.constexpr, IN_PLACE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One pass over the logits of rows ``[0, M)``.
@@ -139,11 +140,12 @@ def _logits_pass_kernel(
             m = tl.max(zm, axis=1)
             e = tl.exp(zm - m[:, None])
             s = tl.sum(e, axis=1)
-            a_stat = tl.sum(tl.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
             p_off = rows_safe * stride_pm + t
             tl.store(pmax_ptr + p_off, m, mask=row_ok)
             tl.store(psum_ptr + p_off, s, mask=row_ok)
-            tl.store(pent_ptr + p_off, a_stat, mask=row_ok)
+            if WANT_ENT:
+                a_stat = tl.sum(tl.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
+                tl.store(pent_ptr + p_off, a_stat, mask=row_ok)
             zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
             owns = (tgt >= t * BLOCK_N) & (tgt < t * BLOCK_N + BLOCK_N)
             tl.store(ztgt_ptr + rows, zt, mask=row_ok & owns)
@@ -154,9 +156,10 @@ def _merge_kernel(
     pmax_ptr, psum_ptr, pent_ptr, ztgt_ptr, tgt_ptr,
     lp_ptr, ent_ptr, lse_ptr,
     M, n_tiles, stride_pm, ignore_index,
-    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    WANT_ENT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Merge each row's tile statistics in ascending tile order into logprob, entropy and lse."""
+    """Merge each row's tile statistics in ascending tile order into logprob, lse and (when
+    ``WANT_ENT``) entropy."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
     run_m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
@@ -168,26 +171,28 @@ def _merge_kernel(
         off = rows[:, None] * stride_pm + ts[None, :]
         tm = tl.load(pmax_ptr + off, mask=ok, other=float("-inf"))
         tsum = tl.load(psum_ptr + off, mask=ok, other=0.0)
-        ta = tl.load(pent_ptr + off, mask=ok, other=0.0)
         new_m = tl.maximum(run_m, tl.max(tm, axis=1))
         new_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # only rows past M
         f = tl.exp(tm - new_m[:, None])
         blk_s = tl.sum(f * tsum, axis=1)
-        blk_a = tl.sum(tl.where(ok, f * (ta + (tm - new_m[:, None]) * tsum), 0.0), axis=1)
         first = run_m == float("-inf")
         g = tl.where(first, 0.0, tl.exp(run_m - new_m))
-        shift = tl.where(first, 0.0, run_m - new_m)
-        run_a = g * (run_a + shift * run_s) + blk_a
+        if WANT_ENT:
+            ta = tl.load(pent_ptr + off, mask=ok, other=0.0)
+            blk_a = tl.sum(tl.where(ok, f * (ta + (tm - new_m[:, None]) * tsum), 0.0), axis=1)
+            shift = tl.where(first, 0.0, run_m - new_m)
+            run_a = g * (run_a + shift * run_s) + blk_a
         run_s = g * run_s + blk_s
         run_m = new_m
     log_s = tl.log(run_s)
     lse = run_m + log_s
-    entropy = log_s - run_a / run_s
+    entropy = log_s - run_a / run_s  # unused (and constant-folded away) without WANT_ENT
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index)
     valid = row_ok & (tgt != ignore_index)
     zt = tl.load(ztgt_ptr + rows, mask=valid, other=0.0)
     tl.store(lp_ptr + rows, tl.where(valid, zt - lse, 0.0), mask=row_ok)
-    tl.store(ent_ptr + rows, tl.where(valid, entropy, 0.0), mask=row_ok)
+    if WANT_ENT:
+        tl.store(ent_ptr + rows, tl.where(valid, entropy, 0.0), mask=row_ok)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
 
 
@@ -208,27 +213,30 @@ class TileConfig:
 
 _INTERPRETER_TILES = TileConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=1)
 _GPU_FP32_TILES = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
-_GPU_MEMORY_PASS_TILES = TileConfig(4, 1024, 16, group_m=1, num_warps=8, num_stages=1)
+_GPU_MEMORY_PASS_TILES = TileConfig(1, 2048, 16, group_m=1, num_warps=8, num_stages=1)
 
 
 @dataclass
 class Tuning:
-    """Measured choices (``docs/kernels_linear_logprob.md``); the benchmark overrides them.
+    """Choices measured on an H100 (``docs/kernels_linear_logprob.md``); the benchmark overrides them.
 
-    ``fwd_route`` / ``bwd_route`` / ``loss_route``: ``"gemm"`` (a Triton ``tl.dot`` pass: the
-    logits stay in registers) or ``"chunked"`` (cuBLAS writes an fp32 logits chunk that one pass
-    reads). ``chunk_bytes``: the budget of the per-chunk work buffer (``dl``, or the fp32 logits
-    chunk that ``dl`` then overwrites). ``wgrad_fp32``: accumulate ``dW`` over token chunks in an
-    fp32 ``[V, D]`` buffer (``4 V D`` bytes while the backward runs) rather than in ``weight``'s
-    dtype (one rounding per chunk). ``gemm_tiles``: tile shape of the gemm route for 16-bit
-    inputs on a GPU.
+    Routes: ``"gemm"`` (a Triton ``tl.dot`` pass: the logits stay in registers) or ``"chunked"``
+    (cuBLAS writes an fp32 logits chunk that one pass reads). ``fwd_route="auto"`` takes gemm
+    when the entropy is not wanted (the old/ref log-prob passes) and chunked when it is (the
+    extra tile statistic slows the gemm pass more than the chunk's round trip costs).
+    ``chunk_bytes``: the budget of the per-chunk work buffer (``dl``, or the fp32 logits chunk
+    that ``dl`` then overwrites). ``wgrad_fp32``: accumulate ``dW`` over token chunks in an fp32
+    ``[V, D]`` buffer (``4 V D`` extra bytes while the gradient is formed, and slower) instead of
+    in ``weight``'s dtype (one rounding per chunk); off by default, on with
+    ``RL_KERNEL_WGRAD_FP32=1``. ``gemm_tiles``: the gemm route's tile shape for 16-bit inputs on
+    a GPU.
     """
 
-    fwd_route: str = "gemm"
+    fwd_route: str = "auto"
     bwd_route: str = "gemm"
     loss_route: str = "chunked"
-    chunk_bytes: int = 512 * 2**20
-    wgrad_fp32: bool = True
+    chunk_bytes: int = 448 * 2**20
+    wgrad_fp32: bool = field(default_factory=lambda: os.environ.get("RL_KERNEL_WGRAD_FP32", "0") == "1")
     gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3))
 
     def tiles(self, dtype: torch.dtype, device: torch.device, from_logits: bool) -> TileConfig:
@@ -239,6 +247,19 @@ class Tuning:
             return _GPU_MEMORY_PASS_TILES
         return _GPU_FP32_TILES if dtype == torch.float32 else self.gemm_tiles
 
+    def route(self, kind: str, hidden: torch.Tensor, want_entropy: bool = False) -> str:
+        """``"gemm"`` or ``"chunked"`` for pass ``kind`` (``fwd``, ``bwd``, ``loss``) over ``hidden``.
+
+        The chunked route needs cuBLAS to write fp32 logits from 16-bit operands; where this
+        torch cannot, the gemm route runs.
+        """
+        route = getattr(self, f"{kind}_route")
+        if route == "auto":
+            route = "chunked" if want_entropy else "gemm"
+        if route == "chunked" and not fp32_logits_supported(hidden.device, hidden.dtype):
+            return "gemm"
+        return route
+
 
 TUNING = Tuning()
 STATS_BYTES = 128 * 2**20
@@ -248,10 +269,13 @@ _MERGE_BLOCK_T = 64
 
 
 def chunk_rows(vocab: int, elem_bytes: int) -> int:
-    """Fixed rows per chunk: the largest power of two in ``[16, 8192]`` whose ``[rows, vocab]``
-    buffer of ``elem_bytes``-byte elements fits in ``TUNING.chunk_bytes`` (16 when none does)."""
-    rows = max(16, TUNING.chunk_bytes // max(1, vocab * elem_bytes))
-    return int(min(8192, 2 ** int(math.log2(rows))))
+    """Fixed rows per chunk (a function of the vocab and dtype only, never of N): as many rows,
+    in multiples of 128 up to 8192 (powers of two from 16 below 128), as fit a ``[rows, vocab]``
+    buffer of ``elem_bytes``-byte elements in ``TUNING.chunk_bytes``."""
+    rows = TUNING.chunk_bytes // max(1, vocab * elem_bytes)
+    if rows >= 128:
+        return int(min(8192, rows // 128 * 128))
+    return int(2 ** int(math.log2(max(16, rows))))
 
 
 # --------------------------------------------------------------------------- GEMM helpers
@@ -327,9 +351,10 @@ def _common_flags(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TileC
 def launch_stats(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     rows: int, inv_temp: float, ignore_index: int, partials: torch.Tensor, ztgt: torch.Tensor,
-    from_logits: bool,
+    from_logits: bool, want_entropy: bool,
 ) -> None:
-    """Tile statistics of ``rows`` rows into ``partials [3, >=rows, n_tiles]`` and ``ztgt [>=rows]``.
+    """Tile statistics of ``rows`` rows into ``partials [3, >=rows, n_tiles]`` and ``ztgt [>=rows]``
+    (``partials[2]``, the entropy statistic, only with ``want_entropy``).
 
     ``x`` is ``hidden [rows, D]`` (gemm route) or an fp32 logits chunk ``[>=rows, V]`` (chunked).
     """
@@ -346,20 +371,20 @@ def launch_stats(
         partials[0], partials[1], partials[2], ztgt, partials.stride(1),
         dummy, dummy, dummy, dummy, dummy, 0,
         1,
-        FROM_LOGITS=from_logits, GRAD=False, HAS_GENT=False, IN_PLACE=False, **_common_flags(weight, bias, cfg),
+        FROM_LOGITS=from_logits, GRAD=False, HAS_GENT=False, WANT_ENT=want_entropy, IN_PLACE=False, **_common_flags(weight, bias, cfg),
     )
 
 
 def launch_merge(
     partials: torch.Tensor, ztgt: torch.Tensor, targets: torch.Tensor, rows: int, n_tiles: int,
-    ignore_index: int, lp: torch.Tensor, ent: torch.Tensor, lse: torch.Tensor,
+    ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
 ) -> None:
-    """Merge ``rows`` rows of tile statistics into ``lp``, ``ent``, ``lse`` (fp32 ``[rows]``)."""
+    """Merge ``rows`` rows of tile statistics into ``lp``, ``lse`` and, unless None, ``ent`` (fp32 ``[rows]``)."""
     grid = (triton.cdiv(rows, _MERGE_BLOCK_R),)
     _merge_kernel[grid](
-        partials[0], partials[1], partials[2], ztgt, targets, lp, ent, lse,
+        partials[0], partials[1], partials[2], ztgt, targets, lp, lp if ent is None else ent, lse,
         rows, n_tiles, partials.stride(1), ignore_index,
-        BLOCK_R=_MERGE_BLOCK_R, BLOCK_T=_MERGE_BLOCK_T, num_warps=4,
+        WANT_ENT=ent is not None, BLOCK_R=_MERGE_BLOCK_R, BLOCK_T=_MERGE_BLOCK_T, num_warps=4,
     )
 
 
@@ -392,7 +417,7 @@ def launch_grad(
         dummy, dummy, dummy, dummy, 0,
         lse, ent if has_gent else dummy, g_lp, g_ent if has_gent else dummy, dl, dl.stride(0),
         per_prog,
-        FROM_LOGITS=from_logits, GRAD=True, HAS_GENT=has_gent, IN_PLACE=in_place, **_common_flags(weight, bias, cfg),
+        FROM_LOGITS=from_logits, GRAD=True, HAS_GENT=has_gent, WANT_ENT=False, IN_PLACE=in_place, **_common_flags(weight, bias, cfg),
     )
 
 
@@ -439,10 +464,10 @@ class ChunkBuffers:
 
     def stats(
         self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
-        inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: torch.Tensor, lse: torch.Tensor,
+        inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
     ) -> None:
-        """Tile statistics of ``n`` rows of ``x`` merged into ``lp``/``ent``/``lse`` (``[n]`` views)."""
-        launch_stats(x, weight, bias, targets, n, inv_temp, ignore_index, self.partials, self.ztgt, self.route == "chunked")
+        """Tile statistics of ``n`` rows of ``x`` merged into ``lp``/``ent``/``lse`` (``[n]`` views; ``ent`` may be None)."""
+        launch_stats(x, weight, bias, targets, n, inv_temp, ignore_index, self.partials, self.ztgt, self.route == "chunked", ent is not None)
         launch_merge(self.partials, self.ztgt, targets, n, self.n_tiles, ignore_index, lp, ent, lse)
 
     def grad(
@@ -459,18 +484,21 @@ class ChunkBuffers:
 
 def forward_stats(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_temp: float, ignore_index: int, route: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logprob, entropy, lse)``, fp32 ``[N]``; nothing ``[N, V]`` is ever held."""
+    inv_temp: float, ignore_index: int, route: str, want_entropy: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(logprob, entropy or None, lse)``, fp32 ``[N]``; nothing ``[N, V]`` is ever held."""
     n_rows = hidden.shape[0]
     lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    ent = torch.empty_like(lp)
+    ent = torch.empty_like(lp) if want_entropy else None
     lse = torch.empty_like(lp)
     buf = ChunkBuffers(hidden, weight, route, need_dl=False)
     for r0 in range(0, n_rows, buf.rows):
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
-        buf.stats(buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index, lp[sl], ent[sl], lse[sl])
+        buf.stats(
+            buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
+            lp[sl], None if ent is None else ent[sl], lse[sl],
+        )
     return lp, ent, lse
 
 

@@ -11,8 +11,10 @@ entropy and on ``w_i``, nothing global. The forward therefore runs, per fixed-si
 1. the chunk's logits (``TUNING.loss_route``: ``"chunked"`` = one cuBLAS product into an fp32
    ``[chunk, V]`` buffer; ``"gemm"`` = the Triton ``tl.dot`` pass);
 2. the tile-statistics pass and merge: the chunk's log-probs, entropies and ``lse``;
-3. the per-token loss gradients, from the reference loss itself (``token-sum`` with mask ``w``
-   over the chunk: the same formulas, clamps and tie rules as the reference, by construction);
+3. the per-token loss gradients: one launch of the Triton policy-loss backward kernel
+   (:func:`rl_kernel_core.triton.policy_loss.policy_loss_bwd`) in ``token-sum`` mode with the
+   chunk's ``w`` as a float mask, which is exactly ``d loss / d logprob`` and ``d loss /
+   d entropy`` (the reference's formulas, clamps and tie rules);
 4. the gradient pass: ``dl = d loss / d logits`` written over the fp32 chunk in place (chunked)
    or recomputed from ``hidden`` and ``weight`` (gemm: one more matrix product);
 5. ``dh = dl @ W`` (fixed shape) and ``dW += dl^T @ h``.
@@ -21,9 +23,9 @@ Then the loss value and metrics come from the reference loss on the ``[N]`` log-
 entropies. The backward only scales the stored ``dh``, ``dW``, ``db`` by the upstream gradient:
 on the chunked route the whole step costs three products (logits, dh, dW), not four.
 
-Memory: the chunk buffer (``TUNING.chunk_bytes``), ``dh`` (``hidden``'s size and dtype: the
-gradient), ``dW`` (with ``TUNING.wgrad_fp32`` accumulated in fp32, ``4 V D`` bytes during the
-forward, then cast to ``weight``'s dtype and kept until the backward).
+Memory: the chunk buffer (``TUNING.chunk_bytes``), ``dh`` and ``dW`` in the inputs' dtypes
+(the gradients, kept from the forward until the backward; with ``TUNING.wgrad_fp32`` ``dW`` is
+accumulated in fp32, ``4 V D`` bytes, during the forward).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch.autograd.function import once_differentiable
 from rl_kernel_core import dispatch
 from rl_kernel_core.reference import policy_loss as reference
 from rl_kernel_core.triton import _linear_kernels as K
-from rl_kernel_core.triton.linear_logprob import _route
+from rl_kernel_core.triton.policy_loss import policy_loss_bwd
 
 
 def aggregation_weights(mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
@@ -51,22 +53,20 @@ def aggregation_weights(mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
 
 def _token_grads(
     lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor,
-    ref: torch.Tensor, rw: Optional[torch.Tensor], knobs: dict,
+    ref: torch.Tensor, rw: Optional[torch.Tensor], knobs: dict, one: torch.Tensor,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """fp32 ``(d loss / d logprob, d loss / d entropy or None)`` for one chunk of ``[n]`` tokens."""
-    with torch.enable_grad():
-        lp_leaf = lp.detach().clone().requires_grad_()
-        ent_leaf = ent.detach().clone().requires_grad_() if knobs["entropy_coef"] != 0.0 else None
-        loss, _ = reference.policy_loss(
-            lp_leaf[None], old[None], adv[None], w[None], ref[None],
-            None if ent_leaf is None else ent_leaf[None], None if rw is None else rw[None],
-            **{**knobs, "loss_agg_mode": "token-sum"},
-        )
-        leaves = [lp_leaf] if ent_leaf is None else [lp_leaf, ent_leaf]
-        grads = torch.autograd.grad(loss, leaves)
-    g_lp = grads[0].to(torch.float32).contiguous()
-    g_ent = grads[1].to(torch.float32).contiguous() if ent_leaf is not None else None
-    return g_lp, g_ent
+    """fp32 ``(d loss / d logprob, d loss / d entropy or None)`` for one chunk of ``[n]`` tokens.
+
+    ``loss = sum_i w_i term_i`` is the ``token-sum`` aggregation with float mask ``w``; ``one``
+    is the 0-d upstream gradient 1.
+    """
+    want_ent = knobs["entropy_coef"] != 0.0
+    g_lp, g_ent = policy_loss_bwd(
+        one, lp[None], old[None], adv[None], w[None], ref[None], None if rw is None else rw[None], one, one,
+        torch.float32 if want_ent else None, knobs["clip_ratio_low"], knobs["clip_ratio_high"], knobs["clip_ratio_c"],
+        knobs["kl_type"], knobs["kl_coef"], knobs["entropy_coef"], "token-sum", True,
+    )
+    return g_lp[0], None if g_ent is None else g_ent[0]
 
 
 class _FusedLinearPolicyLoss(torch.autograd.Function):
@@ -80,7 +80,8 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         rw1 = None if rw is None else rw.reshape(-1)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         sink = K.GradSink(hidden, weight, need_h, need_w, need_b and bias is not None)
-        buf = K.ChunkBuffers(hidden, weight, _route("loss_route", hidden), need_dl=True)
+        buf = K.ChunkBuffers(hidden, weight, K.TUNING.route("loss", hidden), need_dl=True)
+        one = torch.ones((), dtype=torch.float32, device=hidden.device)
         lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         ent = torch.empty_like(lp)
         lse = torch.empty_like(lp)
@@ -89,7 +90,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             sl = slice(r0, r0 + n)
             x = buf.source(hidden, weight, r0, n)
             buf.stats(x, weight, bias, targets[sl], n, inv_temp, ignore_index, lp[sl], ent[sl], lse[sl])
-            g_lp, g_ent = _token_grads(lp[sl], ent[sl], old1[sl], adv1[sl], w[sl], ref1[sl], None if rw1 is None else rw1[sl], knobs)
+            g_lp, g_ent = _token_grads(lp[sl], ent[sl], old1[sl], adv1[sl], w[sl], ref1[sl], None if rw1 is None else rw1[sl], knobs, one)
             dl = buf.grad(x, weight, bias, targets[sl], n, inv_temp, ignore_index, lse[sl], ent[sl], g_lp, g_ent)
             sink.add(dl, r0, n)
         del buf
@@ -101,7 +102,13 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_loss):
-        dh, dw, db = (None if g is None else g * g_loss.to(g.dtype) for g in ctx.grads)
+        if ctx.grads is None:
+            raise RuntimeError(
+                "fused_linear_policy_loss (triton) forms its gradient in the forward and hands it to one "
+                "backward; for a second backward through the same graph, call the loss again"
+            )
+        # scaled in place: the stored gradients are this node's own buffers, used once
+        dh, dw, db = (None if g is None else g.mul_(g_loss.to(g.dtype)) for g in ctx.grads)
         ctx.grads = None
         return (dh, dw, db) + (None,) * 10
 
@@ -153,7 +160,7 @@ def fused_linear_policy_loss_triton(
     )
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not needs_grad:
-        lp, ent, _ = K.forward_stats(h2d, weight, bias, t1d, 1.0 / temperature, ignore_index, _route("fwd_route", h2d))
+        lp, ent, _ = K.forward_stats(h2d, weight, bias, t1d, 1.0 / temperature, ignore_index, K.TUNING.route("fwd", h2d, True), True)
         shape = targets.shape
         return reference.policy_loss(lp.view(shape), old_logprob, advantages, mask_eff, ref_logprob, ent.view(shape), rollout_is_weights, **knobs)
     out: dict = {}

@@ -28,42 +28,35 @@ from rl_kernel_core import dispatch
 from rl_kernel_core.triton import _linear_kernels as K
 
 
-def _route(kind: str, hidden: torch.Tensor) -> str:
-    route = getattr(K.TUNING, kind)
-    if route == "chunked" and not K.fp32_logits_supported(hidden.device, hidden.dtype):
-        return "gemm"
-    return route
-
-
 def _fp32_rows(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if g is None else g.to(torch.float32).contiguous()
 
 
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index):
+    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, return_entropy):
         inv_temp = 1.0 / temperature
-        lp, ent, lse = K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, _route("fwd_route", hidden))
+        lp, ent, lse = K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, K.TUNING.route("fwd", hidden, return_entropy), return_entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.inv_temp, ctx.ignore_index = inv_temp, ignore_index
         ctx.set_materialize_grads(False)
-        return lp, ent
+        return (lp, ent) if return_entropy else lp
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent=None):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_lp is None and g_ent is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         g_lp = _fp32_rows(g_lp) if g_lp is not None else torch.zeros_like(lse)
         sink = K.GradSink(hidden, weight, need_h, need_w, need_b and bias is not None)
         K.backward_chunks(
             hidden, weight, bias, targets, lse, ent, g_lp, _fp32_rows(g_ent),
-            ctx.inv_temp, ctx.ignore_index, _route("bwd_route", hidden), sink,
+            ctx.inv_temp, ctx.ignore_index, K.TUNING.route("bwd", hidden), sink,
         )
         dh, dw, db = sink.grads()
-        return dh, dw, db, None, None, None
+        return dh, dw, db, None, None, None, None
 
 
 def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:
@@ -94,7 +87,7 @@ def linear_logprob_triton(
     """
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if needs_grad:
-        lp, ent = _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index)
-    else:
-        lp, ent, _ = K.forward_stats(hidden, weight, bias, targets, 1.0 / temperature, ignore_index, _route("fwd_route", hidden))
-    return lp, (ent if return_entropy else None)
+        out = _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index, return_entropy)
+        return out if return_entropy else (out, None)
+    lp, ent, _ = K.forward_stats(hidden, weight, bias, targets, 1.0 / temperature, ignore_index, K.TUNING.route("fwd", hidden, return_entropy), return_entropy)
+    return lp, ent
