@@ -237,7 +237,7 @@ class Tuning:
     loss_route: str = "chunked"
     chunk_bytes: int = 448 * 2**20
     wgrad_fp32: bool = field(default_factory=lambda: os.environ.get("RL_KERNEL_WGRAD_FP32", "0") == "1")
-    gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3))
+    gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3))
 
     def tiles(self, dtype: torch.dtype, device: torch.device, from_logits: bool) -> TileConfig:
         """The tile shape for a pass over ``dtype`` inputs on ``device``."""
