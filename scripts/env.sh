@@ -10,7 +10,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 req="$root/requirements/$tier.txt"
 post="$root/requirements/$tier.post.sh"
 [ -f "$req" ] || { echo "no requirement list $req" >&2; exit 2; }
-key=$(cat "$req" "$post" 2>/dev/null | sha256sum | cut -c1-12)
+key=$( { cat "$req"; [ ! -f "$post" ] || cat "$post"; } | sha256sum | cut -c1-12)
 cache=${RL_KERNEL_ENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rl-kernel/envs}
 env="$cache/$tier-$key"
 if [ ! -f "$env/.complete" ]; then
