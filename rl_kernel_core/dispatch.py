@@ -167,6 +167,8 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
         return _impls[(op, requested)].fn
     skipped: dict[str, str] = {}
     for candidate in _preference.get(op, _DEFAULT_PREFERENCE):
+        _ensure_loaded(candidate)  # a backend's import may set the order (measured per GPU), read below
+    for candidate in _preference.get(op, _DEFAULT_PREFERENCE):
         reason = unavailable_reason(op, candidate, device, *args, explicit=False, **kwargs)
         if reason is None:
             _record(Decision(op, "auto", candidate, device.type, skipped))

@@ -1,41 +1,142 @@
 """Build and load the CUDA extension compiled from ``native/csrc``; say why when it can't.
 
-Importing this module loads the extension (JIT-compiled with ``torch.utils.cpp_extension`` into
-``$RL_KERNEL_CACHE`` or ``~/.cache/rl-kernel/native`` on first use) and imports the modules
-that register its ops with :mod:`rl_kernel_core.dispatch`. When it cannot (no CUDA device, a
-CPU-only PyTorch, no sources in this checkout, a compiler error), the import raises
-``ImportError`` whose message is the reason; dispatch records that reason, ``rl-kernel info``
-prints it, and an explicit ``backend="native"`` raises it.
+Importing this module loads the extension, JIT-compiling it with ``torch.utils.cpp_extension``
+(ninja, nvcc) on first use into :func:`build_dir` under ``$RL_KERNEL_CACHE`` or
+``~/.cache/rl-kernel/native``; later imports reuse that build, and a changed source is rebuilt.
+It then imports :mod:`rl_kernel_core.native_ops`, which registers the native implementations
+with :mod:`rl_kernel_core.dispatch`. When it cannot (a CPU-only PyTorch, no CUDA device, no nvcc
+or ninja, no sources in this installation, a compiler error), the import raises ``ImportError``
+whose message is the reason (for a compiler error, the tail of the compiler's output); dispatch
+records it, ``rl-kernel info`` prints it, and an explicit ``backend="native"`` raises it.
+
+Ahead of time (a Docker build step, or before a multi-process job so no rank builds at start):
+``python -m rl_kernel_core.native build`` compiles into the same cache and exits non-zero with
+the reason when it cannot. It needs the toolchain, not a GPU: set ``TORCH_CUDA_ARCH_LIST``
+(e.g. ``9.0``) where no device is visible. Concurrent builds of one cache directory wait on
+``torch.utils.cpp_extension``'s lock file.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Optional, Sequence
 
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "native" / "csrc"
+EXTENSION_NAME = "rl_kernel_native"
+_ERROR_TAIL_CHARS = 4000
 
 
 def cache_dir() -> Path:
-    """Where JIT builds of the extension are kept."""
+    """Where JIT builds of the extension are kept (``$RL_KERNEL_CACHE`` or ``~/.cache/rl-kernel/native``)."""
     return Path(os.environ.get("RL_KERNEL_CACHE", Path.home() / ".cache" / "rl-kernel" / "native"))
 
 
-def unavailable_reason() -> str | None:
-    """Why the native extension cannot be built here, or None when a build can be attempted."""
+def build_dir() -> Path:
+    """This environment's build folder in :func:`cache_dir`: one per PyTorch, CUDA and Python version."""
+    tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_dir() / tag.replace("+", "_")
+
+
+def sources() -> list[Path]:
+    """The extension's sources: every ``*.cu`` and ``*.cpp`` in ``native/csrc``."""
+    if not SOURCE_DIR.is_dir():
+        return []
+    return sorted(SOURCE_DIR.glob("*.cu")) + sorted(SOURCE_DIR.glob("*.cpp"))
+
+
+def _cpu_only_reason() -> Optional[str]:
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         return f"PyTorch {torch.__version__} is a CPU-only build"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    sources = sorted(SOURCE_DIR.glob("*.cu")) if SOURCE_DIR.is_dir() else []
-    if not sources:
-        return "no CUDA sources (*.cu) in native/csrc of this installation"
     return None
 
+
+def toolchain_reason() -> Optional[str]:
+    """Why the extension cannot be compiled here (PyTorch build, nvcc, ninja, sources), or None."""
+    if _cpu_only_reason():
+        return _cpu_only_reason()
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is None:
+        return "nvcc was not found (set CUDA_HOME to a CUDA toolkit, or put nvcc on PATH)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja was not found (pip install ninja): torch.utils.cpp_extension needs it to build"
+    if not any(p.suffix == ".cu" for p in sources()):
+        return f"no CUDA sources (*.cu) in {SOURCE_DIR.name}/ of this installation"
+    return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native extension cannot be built and used here, or None when a build can be attempted."""
+    if _cpu_only_reason():
+        return _cpu_only_reason()
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return toolchain_reason()
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached build of) the extension and return it.
+
+    Raises:
+        RuntimeError: the build failed; the message ends with the tail of the compiler output.
+    """
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(p) for p in sources()],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"],
+            build_directory=str(out),
+            verbose=verbose,
+        )
+    except Exception as exc:
+        text = str(exc)
+        tail = text if len(text) <= _ERROR_TAIL_CHARS else "..." + text[-_ERROR_TAIL_CHARS:]
+        raise RuntimeError(f"building the native extension in {out} failed ({type(exc).__name__}): {tail}") from exc
+
+
+def _main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build", help="compile the extension ahead of time into the cache")
+    p.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
+    sub.add_parser("where", help="print the build folder")
+    args = parser.parse_args(argv)
+    if args.command == "where":
+        print(build_dir())
+        return 0
+    reason = toolchain_reason()
+    if reason:
+        print(f"rl-kernel native: cannot build: {reason}", file=sys.stderr)
+        return 1
+    try:
+        module = build(verbose=args.verbose)
+    except RuntimeError as exc:
+        print(f"rl-kernel native: {exc}", file=sys.stderr)
+        return 1
+    print(f"rl-kernel native: built {module.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
 
 _reason = unavailable_reason()
 if _reason is not None:
     raise ImportError(_reason)
-raise ImportError("the native extension has no ops registered in this version")
+try:
+    EXTENSION: ModuleType = build()
+except RuntimeError as _exc:
+    raise ImportError(str(_exc)) from None
+
+from rl_kernel_core import native_ops  # noqa: E402,F401  (registers the native backend)

@@ -15,10 +15,12 @@ fp32; the torch backend keeps fp64) and gradients the kernels do not form.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
+from rl_kernel_core import _custom_ops as glue
 from rl_kernel_core import dispatch
 from rl_kernel_core.policy_loss import METRIC_NAMES
 from rl_kernel_core.triton import advantages as _adv
@@ -26,21 +28,8 @@ from rl_kernel_core.triton import logprob_from_logits as _lp
 from rl_kernel_core.triton import policy_loss as _pl
 
 Tensor = torch.Tensor
-_FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fp64_reason(**tensors: Optional[Tensor]) -> Optional[str]:
-    for name, t in tensors.items():
-        if t is not None and t.dtype not in _FAST_DTYPES:
-            return f"{name} is {str(t.dtype).replace('torch.', '')}; the triton kernels compute in fp32 for fp32/bf16/fp16 inputs (use backend='torch')"
-    return None
-
-
-def _grad_reason(**tensors: Optional[Tensor]) -> Optional[str]:
-    for name, t in tensors.items():
-        if t is not None and t.requires_grad:
-            return f"{name} requires grad; the triton kernels differentiate only the documented inputs (use backend='torch')"
-    return None
+_fp64_reason = functools.partial(glue.fp64_reason, "triton")
+_grad_reason = functools.partial(glue.grad_reason, "triton")
 
 
 # ---------------------------------------------------------------- logprob_from_logits
@@ -54,11 +43,7 @@ def logprob_from_logits_op(
     return _lp.logprob_fwd(logits, targets, temperature, ignore_index, return_entropy)
 
 
-@logprob_from_logits_op.register_fake
-def _(logits, targets, temperature, ignore_index, return_entropy):
-    n = logits.shape[0]
-    f32 = dict(dtype=torch.float32, device=logits.device)
-    return logits.new_empty(n, **f32), logits.new_empty(n if return_entropy else 0, **f32), logits.new_empty(n, **f32)
+logprob_from_logits_op.register_fake(glue.logprob_fake)
 
 
 @torch.library.custom_op("rl_kernel::triton_logprob_from_logits_backward", mutates_args=())
@@ -70,34 +55,8 @@ def logprob_from_logits_backward_op(
     return _lp.logprob_bwd(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index)
 
 
-@logprob_from_logits_backward_op.register_fake
-def _(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-
-
-def _logprob_setup(ctx, inputs, output):
-    logits, targets, temperature, ignore_index, _return_entropy = inputs
-    _logprob, entropy, lse = output
-    ctx.save_for_backward(logits, targets, lse, entropy)
-    ctx.temperature = temperature
-    ctx.ignore_index = ignore_index
-    ctx.mark_non_differentiable(lse)
-    ctx.set_materialize_grads(False)
-
-
-def _logprob_backward(ctx, grad_logprob, grad_entropy, _grad_lse):
-    logits, targets, lse, entropy = ctx.saved_tensors
-    if not ctx.needs_input_grad[0] or (grad_logprob is None and grad_entropy is None):
-        return None, None, None, None, None
-    if entropy.numel() == 0:
-        grad_entropy = None
-    grad = logprob_from_logits_backward_op(
-        logits, targets, lse, entropy, grad_logprob, grad_entropy, ctx.temperature, ctx.ignore_index
-    )
-    return grad, None, None, None, None
-
-
-logprob_from_logits_op.register_autograd(_logprob_backward, setup_context=_logprob_setup)
+logprob_from_logits_backward_op.register_fake(glue.logprob_backward_fake)
+logprob_from_logits_op.register_autograd(glue.logprob_backward(logprob_from_logits_backward_op), setup_context=glue.logprob_setup)
 
 
 def _logprob_supports(logits, targets, temperature, ignore_index, return_entropy) -> Optional[str]:
@@ -125,9 +84,7 @@ def ratio_kl_op(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_ty
     return _pl.ratio_kl_fwd(logprob, old_logprob, ref_logprob, kl_type)
 
 
-@ratio_kl_op.register_fake
-def _(logprob, old_logprob, ref_logprob, kl_type):
-    return (logprob.new_empty(logprob.shape, dtype=torch.float32), logprob.new_empty(logprob.shape, dtype=torch.float32))
+ratio_kl_op.register_fake(glue.ratio_kl_fake)
 
 
 @torch.library.custom_op("rl_kernel::triton_ratio_kl_backward", mutates_args=())
@@ -139,26 +96,8 @@ def ratio_kl_backward_op(
     return _pl.ratio_kl_bwd(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, kl_type)
 
 
-@ratio_kl_backward_op.register_fake
-def _(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, kl_type):
-    return torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device)
-
-
-def _ratio_kl_setup(ctx, inputs, output):
-    logprob, old_logprob, ref_logprob, kl_type = inputs
-    ctx.save_for_backward(logprob, old_logprob, ref_logprob)
-    ctx.kl_type = kl_type
-    ctx.set_materialize_grads(False)
-
-
-def _ratio_kl_backward(ctx, grad_ratio, grad_kl):
-    logprob, old_logprob, ref_logprob = ctx.saved_tensors
-    if not ctx.needs_input_grad[0] or (grad_ratio is None and grad_kl is None):
-        return None, None, None, None
-    return ratio_kl_backward_op(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, ctx.kl_type), None, None, None
-
-
-ratio_kl_op.register_autograd(_ratio_kl_backward, setup_context=_ratio_kl_setup)
+ratio_kl_backward_op.register_fake(glue.ratio_kl_backward_fake)
+ratio_kl_op.register_autograd(glue.ratio_kl_backward(ratio_kl_backward_op), setup_context=glue.ratio_kl_setup)
 
 
 def _ratio_kl_supports(logprob, old_logprob, ref_logprob, kl_type) -> Optional[str]:
@@ -192,13 +131,7 @@ def policy_loss_op(
     )
 
 
-@policy_loss_op.register_fake
-def _(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *knobs):
-    f32 = dict(dtype=torch.float32)
-    return (
-        logprob.new_empty((), **f32), logprob.new_empty(6, **f32),
-        logprob.new_empty(logprob.shape[0], **f32), logprob.new_empty(2, **f32),
-    )
+policy_loss_op.register_fake(glue.policy_loss_fake)
 
 
 @torch.library.custom_op("rl_kernel::triton_policy_loss_backward", mutates_args=())
@@ -219,42 +152,8 @@ def policy_loss_backward_op(
     return (empty if grad_lp is None else grad_lp), (empty.clone() if grad_ent is None else grad_ent)
 
 
-@policy_loss_backward_op.register_fake
-def _(grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals,
-      clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
-      need_logprob_grad, entropy_dtype):
-    grad_lp = logprob.new_empty(logprob.shape if need_logprob_grad else (0,))
-    grad_ent = logprob.new_empty(logprob.shape, dtype=entropy_dtype) if entropy_dtype is not None else logprob.new_empty(0)
-    return grad_lp, grad_ent
-
-
-_KNOBS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_type", "kl_coef", "entropy_coef", "loss_agg_mode")
-
-
-def _policy_loss_setup(ctx, inputs, output):
-    logprob, old_logprob, advantages, mask, ref_logprob, entropy, weights = inputs[:7]
-    _loss, metrics, seq_weight, totals = output
-    ctx.save_for_backward(logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals)
-    ctx.knobs = dict(zip(_KNOBS, inputs[7:]))
-    ctx.entropy_dtype = None if entropy is None else entropy.dtype
-    ctx.mark_non_differentiable(metrics, seq_weight, totals)
-    ctx.set_materialize_grads(False)
-
-
-def _policy_loss_backward(ctx, grad_loss, _g_metrics, _g_seq_weight, _g_totals):
-    logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals = ctx.saved_tensors
-    need_lp = ctx.needs_input_grad[0]
-    want_ent = ctx.needs_input_grad[5] and ctx.knobs["entropy_coef"] != 0.0
-    if grad_loss is None or not (need_lp or want_ent):
-        return (None,) * 14
-    grad_lp, grad_ent = policy_loss_backward_op(
-        grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals,
-        *ctx.knobs.values(), need_lp, ctx.entropy_dtype if want_ent else None,
-    )
-    return (grad_lp if need_lp else None, None, None, None, None, grad_ent if want_ent else None) + (None,) * 8
-
-
-policy_loss_op.register_autograd(_policy_loss_backward, setup_context=_policy_loss_setup)
+policy_loss_backward_op.register_fake(glue.policy_loss_backward_fake)
+policy_loss_op.register_autograd(glue.policy_loss_backward(policy_loss_backward_op), setup_context=glue.policy_loss_setup)
 
 
 def _policy_loss_supports(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, **knobs) -> Optional[str]:
@@ -297,9 +196,7 @@ def group_advantages_op(
     return _adv.group_advantages_fwd(rewards, group_size, group_index, estimator, norm_by_std, eps)
 
 
-@group_advantages_op.register_fake
-def _(rewards, group_size, group_index, estimator, norm_by_std, eps):
-    return rewards.new_empty(rewards.shape, dtype=torch.float32)
+group_advantages_op.register_fake(glue.group_advantages_fake)
 
 
 def _group_advantages_supports(rewards, group_size, group_index, **kwargs) -> Optional[str]:

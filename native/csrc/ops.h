@@ -1,0 +1,60 @@
+// Host entry points of the rl-kernel native extension (bound to Python in bindings.cpp).
+//
+// Arguments arrive validated by rl_kernel_core (shapes, dtypes, target ids); these functions
+// check only what would make a kernel read or write out of bounds. Every launch goes to the
+// current stream of the inputs' device; nothing synchronises with the host.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace rlk {
+
+// logprob_from_logits. logits [N, V] fp32/bf16/fp16 with unit stride along V (rows may be
+// strided), targets [N] int64/int32. Returns {logprob [N], entropy [N] or [0], lse [N]}, fp32;
+// rows at ignore_index give 0 (lse 0) and are not read.
+std::vector<at::Tensor> logprob_fwd(const at::Tensor& logits, const at::Tensor& targets, double temperature,
+                                    int64_t ignore_index, bool with_entropy);
+
+// d/d logits [N, V] (contiguous, logits' dtype) of sum(g_lp * logprob + g_ent * entropy), the
+// softmax recomputed from logits and the saved lse. grad_logprob / grad_entropy: [N] fp32 (any
+// stride, e.g. expanded) or None.
+at::Tensor logprob_bwd(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                       const at::Tensor& entropy, const std::optional<at::Tensor>& grad_logprob,
+                       const std::optional<at::Tensor>& grad_entropy, double temperature, int64_t ignore_index);
+
+// ratio_kl. kl_code: 0 k1, 1 abs, 2 k2, 3 k3; kl_plus: k2's gradient with the base value.
+std::vector<at::Tensor> ratio_kl_fwd(const at::Tensor& logprob, const at::Tensor& old_logprob,
+                                     const at::Tensor& ref_logprob, int64_t kl_code);
+at::Tensor ratio_kl_bwd(const at::Tensor& logprob, const at::Tensor& old_logprob, const at::Tensor& ref_logprob,
+                        const std::optional<at::Tensor>& grad_ratio, const std::optional<at::Tensor>& grad_kl,
+                        int64_t kl_code, bool kl_plus);
+
+// policy_loss over [S, T] tensors. agg: 0 token-mean, 1 seq-mean-token-sum, 2 seq-mean-token-mean,
+// 3 seq-mean-token-sum-norm, 4 token-sum. Returns {loss [], metrics [6], seq_weight [S], totals [2]}.
+std::vector<at::Tensor> policy_loss_fwd(const at::Tensor& logprob, const at::Tensor& old_logprob,
+                                        const at::Tensor& advantages, const at::Tensor& mask,
+                                        const at::Tensor& ref_logprob, const std::optional<at::Tensor>& entropy,
+                                        const std::optional<at::Tensor>& rollout_is_weights, double clip_ratio_low,
+                                        double clip_ratio_high, std::optional<double> clip_ratio_c, int64_t kl_code,
+                                        double kl_coef, double entropy_coef, int64_t agg);
+
+// Writes d loss / d logprob into grad_logprob and d loss / d entropy into grad_entropy (either may
+// be None: not wanted); both [S, T] contiguous, in the dtype the caller allocated.
+void policy_loss_bwd(const at::Tensor& grad_loss, const at::Tensor& logprob, const at::Tensor& old_logprob,
+                     const at::Tensor& advantages, const at::Tensor& mask, const at::Tensor& ref_logprob,
+                     const std::optional<at::Tensor>& rollout_is_weights, const at::Tensor& seq_weight,
+                     const at::Tensor& totals, double clip_ratio_low, double clip_ratio_high,
+                     std::optional<double> clip_ratio_c, int64_t kl_code, bool kl_plus, double kl_coef,
+                     double entropy_coef, int64_t agg, const std::optional<at::Tensor>& grad_logprob,
+                     const std::optional<at::Tensor>& grad_entropy);
+
+// group_advantages. Exactly one of group_size / group_index. estimator: 0 grpo, 1 dr_grpo, 2 rloo.
+// Returns [N] fp32 (fp64 for fp64 rewards), computed in fp64.
+at::Tensor group_advantages(const at::Tensor& rewards, std::optional<int64_t> group_size,
+                            const std::optional<at::Tensor>& group_index, int64_t estimator, bool norm_by_std,
+                            double eps);
+
+}  // namespace rlk

@@ -1,0 +1,174 @@
+"""Backend-independent halves of the loss custom ops, shared by the ``triton`` and ``native`` backends.
+
+Each fast backend defines its own ``torch.library`` custom ops (``rl_kernel::<backend>_*``) with
+the same schemas: ``logprob_from_logits`` → ``(logprob [N], entropy [N] or [0], lse [N])`` and its
+backward → ``d logits``; ``ratio_kl`` → ``(ratio, kl)`` and its backward → ``d logprob``;
+``policy_loss`` → ``(loss [], metrics [6], seq_weight [S], totals [2])`` and its backward →
+``(d logprob or [0], d entropy or [0])``; ``group_advantages`` → ``[N]``. What does not depend on
+the kernels lives here: the fake (meta) implementations, the autograd glue
+(``setup_context`` and the backward, given the backend's backward op), and the reasons a
+backend's ``supports`` predicate gives for inputs the fp32 kernels do not serve.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+Tensor = torch.Tensor
+FAST_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+POLICY_LOSS_KNOBS: tuple[str, ...] = (
+    "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_type", "kl_coef", "entropy_coef", "loss_agg_mode",
+)
+
+
+# ---------------------------------------------------------------- supports reasons
+
+
+def fp64_reason(backend: str, **tensors: Optional[Tensor]) -> Optional[str]:
+    """Why ``backend``'s fp32 kernels refuse these tensors (the first one not fp32/bf16/fp16), or None."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype not in FAST_DTYPES:
+            return f"{name} is {str(t.dtype).replace('torch.', '')}; the {backend} kernels compute in fp32 for fp32/bf16/fp16 inputs (use backend='torch')"
+    return None
+
+
+def grad_reason(backend: str, **tensors: Optional[Tensor]) -> Optional[str]:
+    """Why ``backend`` refuses these tensors (the first one that requires grad: its kernels do not form that gradient), or None."""
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            return f"{name} requires grad; the {backend} kernels differentiate only the documented inputs (use backend='torch')"
+    return None
+
+
+# ---------------------------------------------------------------- logprob_from_logits
+
+
+def logprob_fake(logits, targets, temperature, ignore_index, return_entropy):
+    """Fake forward: ``(logprob [N], entropy [N] or [0], lse [N])`` fp32."""
+    n = logits.shape[0]
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return logits.new_empty(n, **f32), logits.new_empty(n if return_entropy else 0, **f32), logits.new_empty(n, **f32)
+
+
+def logprob_backward_fake(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index):
+    """Fake backward: ``d logits`` of the logits' shape and dtype."""
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def logprob_setup(ctx, inputs, output) -> None:
+    """``setup_context`` of the forward op: save the logits, targets, lse and entropy."""
+    logits, targets, temperature, ignore_index, _return_entropy = inputs
+    _logprob, entropy, lse = output
+    ctx.save_for_backward(logits, targets, lse, entropy)
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def logprob_backward(backward_op: Callable) -> Callable:
+    """The autograd backward of a forward op whose backward custom op is ``backward_op``."""
+
+    def backward(ctx, grad_logprob, grad_entropy, _grad_lse):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        if not ctx.needs_input_grad[0] or (grad_logprob is None and grad_entropy is None):
+            return None, None, None, None, None
+        if entropy.numel() == 0:
+            grad_entropy = None
+        grad = backward_op(logits, targets, lse, entropy, grad_logprob, grad_entropy, ctx.temperature, ctx.ignore_index)
+        return grad, None, None, None, None
+
+    return backward
+
+
+# ---------------------------------------------------------------- ratio_kl
+
+
+def ratio_kl_fake(logprob, old_logprob, ref_logprob, kl_type):
+    """Fake forward: ``(ratio, kl)`` fp32 of the input shape."""
+    return logprob.new_empty(logprob.shape, dtype=torch.float32), logprob.new_empty(logprob.shape, dtype=torch.float32)
+
+
+def ratio_kl_backward_fake(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, kl_type):
+    """Fake backward: ``d logprob`` of logprob's shape and dtype."""
+    return torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device)
+
+
+def ratio_kl_setup(ctx, inputs, output) -> None:
+    """``setup_context`` of the forward op: save the three log-prob tensors."""
+    logprob, old_logprob, ref_logprob, kl_type = inputs
+    ctx.save_for_backward(logprob, old_logprob, ref_logprob)
+    ctx.kl_type = kl_type
+    ctx.set_materialize_grads(False)
+
+
+def ratio_kl_backward(backward_op: Callable) -> Callable:
+    """The autograd backward of a forward op whose backward custom op is ``backward_op``."""
+
+    def backward(ctx, grad_ratio, grad_kl):
+        logprob, old_logprob, ref_logprob = ctx.saved_tensors
+        if not ctx.needs_input_grad[0] or (grad_ratio is None and grad_kl is None):
+            return None, None, None, None
+        return backward_op(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, ctx.kl_type), None, None, None
+
+    return backward
+
+
+# ---------------------------------------------------------------- policy_loss
+
+
+def policy_loss_fake(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *knobs):
+    """Fake forward: ``(loss [], metrics [6], seq_weight [S], totals [2])`` fp32."""
+    f32 = dict(dtype=torch.float32)
+    return (
+        logprob.new_empty((), **f32), logprob.new_empty(6, **f32),
+        logprob.new_empty(logprob.shape[0], **f32), logprob.new_empty(2, **f32),
+    )
+
+
+def policy_loss_backward_fake(grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights,
+                              seq_weight, totals, clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef,
+                              entropy_coef, loss_agg_mode, need_logprob_grad, entropy_dtype):
+    """Fake backward: ``(d logprob or [0], d entropy or [0])``."""
+    grad_lp = logprob.new_empty(logprob.shape if need_logprob_grad else (0,))
+    grad_ent = logprob.new_empty(logprob.shape, dtype=entropy_dtype) if entropy_dtype is not None else logprob.new_empty(0)
+    return grad_lp, grad_ent
+
+
+def policy_loss_setup(ctx, inputs, output) -> None:
+    """``setup_context`` of the forward op: save what the backward recomputes the token terms from."""
+    logprob, old_logprob, advantages, mask, ref_logprob, entropy, weights = inputs[:7]
+    _loss, metrics, seq_weight, totals = output
+    ctx.save_for_backward(logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals)
+    ctx.knobs = dict(zip(POLICY_LOSS_KNOBS, inputs[7:]))
+    ctx.entropy_dtype = None if entropy is None else entropy.dtype
+    ctx.mark_non_differentiable(metrics, seq_weight, totals)
+    ctx.set_materialize_grads(False)
+
+
+def policy_loss_backward(backward_op: Callable) -> Callable:
+    """The autograd backward of a forward op whose backward custom op is ``backward_op``."""
+
+    def backward(ctx, grad_loss, _g_metrics, _g_seq_weight, _g_totals):
+        logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals = ctx.saved_tensors
+        need_lp = ctx.needs_input_grad[0]
+        want_ent = ctx.needs_input_grad[5] and ctx.knobs["entropy_coef"] != 0.0
+        if grad_loss is None or not (need_lp or want_ent):
+            return (None,) * 14
+        grad_lp, grad_ent = backward_op(
+            grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals,
+            *ctx.knobs.values(), need_lp, ctx.entropy_dtype if want_ent else None,
+        )
+        return (grad_lp if need_lp else None, None, None, None, None, grad_ent if want_ent else None) + (None,) * 8
+
+    return backward
+
+
+# ---------------------------------------------------------------- group_advantages
+
+
+def group_advantages_fake(rewards, group_size, group_index, estimator, norm_by_std, eps):
+    """Fake forward: advantages ``[N]``, fp64 for fp64 rewards, else fp32."""
+    return rewards.new_empty(rewards.shape, dtype=torch.float64 if rewards.dtype == torch.float64 else torch.float32)

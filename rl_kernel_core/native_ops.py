@@ -1,0 +1,245 @@
+"""The native CUDA kernels as ``torch.library`` custom ops, and their registration as the ``native`` backend.
+
+Imported by :mod:`rl_kernel_core.native` once the extension is built (importing this module
+first builds it the same way). Each op pairs a forward and a backward custom op
+(``rl_kernel::native_*``) with the schemas of the Triton ones; the fake implementations and the
+autograd glue are shared with them (:mod:`rl_kernel_core._custom_ops`), so
+``torch.compile(fullgraph=True)`` traces through these ops and AOTAutograd sees their backward.
+
+Registered backend implementations (signatures in :mod:`rl_kernel_core.logprob`,
+:mod:`rl_kernel_core.policy_loss` and :mod:`rl_kernel_core.advantages`): ``logprob_from_logits``,
+``ratio_kl``, ``policy_loss``, ``group_advantages``. The kernels (``native/csrc``) compute in fp32
+(``group_advantages`` in fp64, as the reference) and reduce in a fixed order without float
+atomics: results are bitwise equal run to run. ``supports`` refuses fp64 log-probs/logits (use
+``backend="torch"``) and gradients the kernels do not form.
+
+``auto``: :data:`MEASURED_PREFERENCE` holds, per GPU architecture (compute capability), the
+backend order each op's ``auto`` follows, from the native-vs-Triton timings recorded in
+``benchmarks/results/bench_native_h100.json``; on an architecture not in it, dispatch's default
+order (native first) applies.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from rl_kernel_core import _custom_ops as glue
+from rl_kernel_core import dispatch
+from rl_kernel_core.native import EXTENSION as _ext
+from rl_kernel_core.policy_loss import METRIC_NAMES
+
+Tensor = torch.Tensor
+_fp64_reason = functools.partial(glue.fp64_reason, "native")
+_grad_reason = functools.partial(glue.grad_reason, "native")
+
+# codes of the C++ entry points (native/csrc/ops.h)
+KL_CODES: dict[str, int] = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
+AGG_CODES: dict[str, int] = {
+    "token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum-norm": 3, "token-sum": 4,
+}
+ESTIMATOR_CODES: dict[str, int] = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
+
+MEASURED_PREFERENCE: dict[str, dict[str, tuple[str, ...]]] = {
+    # H100 (sm_90), benchmarks/results/bench_native_h100.json: logprob_from_logits fwd+bwd (N=8192,
+    # V=151936, bf16) native 2.90 ms / triton 3.31 ms; policy_loss fwd+bwd (1M tokens, CUDA graph)
+    # native 32.3 us / triton 23.6 us; ratio_kl fwd+bwd (1M, CUDA graph) native 52.6 us / triton
+    # 47.0 us; group_advantages (64k rewards by index) native 0.33 ms / triton 0.46 ms
+    "9.0": {
+        "logprob_from_logits": ("native", "triton", "torch"),
+        "policy_loss": ("triton", "native", "torch"),
+        "ratio_kl": ("triton", "native", "torch"),
+        "group_advantages": ("native", "triton", "torch"),
+    },
+}
+"""``{compute capability: {op: auto order}}``: the faster of native and triton first, as measured by ``benchmarks/bench_native.py``."""
+
+
+def _kl(kl_type: str) -> tuple[int, bool]:
+    """``(base estimator code, straight-through k2 gradient)`` for a canonical ``kl_type``."""
+    plus = kl_type.endswith("+")
+    return KL_CODES[kl_type.rstrip("+")], plus
+
+
+# ---------------------------------------------------------------- logprob_from_logits
+
+
+@torch.library.custom_op("rl_kernel::native_logprob_from_logits", mutates_args=())
+def logprob_from_logits_op(
+    logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logprob [N], entropy [N] or [0], lse [N])`` fp32 from ``logits [N, V]`` (one read; see ``native/csrc/logprob.cu``)."""
+    logprob, entropy, lse = _ext.logprob_fwd(logits, targets, temperature, ignore_index, return_entropy)
+    return logprob, entropy, lse
+
+
+@torch.library.custom_op("rl_kernel::native_logprob_from_logits_backward", mutates_args=())
+def logprob_from_logits_backward_op(
+    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
+    grad_logprob: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, ignore_index: int,
+) -> Tensor:
+    """``d/d logits`` ``[N, V]`` in the logits' dtype, the softmax recomputed from ``logits`` and ``lse``."""
+    return _ext.logprob_bwd(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index)
+
+
+logprob_from_logits_op.register_fake(glue.logprob_fake)
+logprob_from_logits_backward_op.register_fake(glue.logprob_backward_fake)
+logprob_from_logits_op.register_autograd(glue.logprob_backward(logprob_from_logits_backward_op), setup_context=glue.logprob_setup)
+
+
+def _logprob_supports(logits, targets, temperature, ignore_index, return_entropy) -> Optional[str]:
+    reason = _fp64_reason(logits=logits)
+    if reason is None and logits.shape[1] > 1 and logits.stride(1) != 1:
+        reason = f"logits must have unit stride along V, got strides {tuple(logits.stride())}"
+    return reason
+
+
+@dispatch.register("logprob_from_logits", "native", supports=_logprob_supports)
+def logprob_from_logits(
+    logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Backend implementation: ``(logprob [N] fp32, entropy [N] fp32 or None)``, differentiable in ``logits``."""
+    logprob, entropy, _lse = logprob_from_logits_op(logits, targets, float(temperature), int(ignore_index), bool(return_entropy))
+    return logprob, (entropy if return_entropy else None)
+
+
+# ---------------------------------------------------------------- ratio_kl
+
+
+@torch.library.custom_op("rl_kernel::native_ratio_kl", mutates_args=())
+def ratio_kl_op(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
+    """``(ratio, kl)`` fp32 of the input shape."""
+    ratio, kl = _ext.ratio_kl_fwd(logprob, old_logprob, ref_logprob, _kl(kl_type)[0])
+    return ratio, kl
+
+
+@torch.library.custom_op("rl_kernel::native_ratio_kl_backward", mutates_args=())
+def ratio_kl_backward_op(
+    logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
+    grad_ratio: Optional[Tensor], grad_kl: Optional[Tensor], kl_type: str,
+) -> Tensor:
+    """``d/d logprob`` of ``sum(grad_ratio·ratio + grad_kl·kl)`` in ``logprob``'s dtype (None counts as 0)."""
+    code, plus = _kl(kl_type)
+    return _ext.ratio_kl_bwd(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, code, plus)
+
+
+ratio_kl_op.register_fake(glue.ratio_kl_fake)
+ratio_kl_backward_op.register_fake(glue.ratio_kl_backward_fake)
+ratio_kl_op.register_autograd(glue.ratio_kl_backward(ratio_kl_backward_op), setup_context=glue.ratio_kl_setup)
+
+
+def _ratio_kl_supports(logprob, old_logprob, ref_logprob, kl_type) -> Optional[str]:
+    return _fp64_reason(logprob=logprob, old_logprob=old_logprob, ref_logprob=ref_logprob) or _grad_reason(
+        old_logprob=old_logprob, ref_logprob=ref_logprob
+    )
+
+
+@dispatch.register("ratio_kl", "native", supports=_ratio_kl_supports)
+def ratio_kl(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
+    """Backend implementation: ``(ratio, kl)`` fp32, differentiable in ``logprob``."""
+    return ratio_kl_op(logprob, old_logprob, ref_logprob, kl_type)
+
+
+# ---------------------------------------------------------------- policy_loss
+
+
+@torch.library.custom_op("rl_kernel::native_policy_loss", mutates_args=())
+def policy_loss_op(
+    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
+    entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor],
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
+    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss [], metrics [6], seq_weight [S], totals [2])`` fp32 over ``[S, T]`` tensors; metrics in :data:`METRIC_NAMES` order."""
+    loss, metrics, seq_weight, totals = _ext.policy_loss_fwd(
+        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, _kl(kl_type)[0], kl_coef, entropy_coef, AGG_CODES[loss_agg_mode],
+    )
+    return loss, metrics, seq_weight, totals
+
+
+@torch.library.custom_op("rl_kernel::native_policy_loss_backward", mutates_args=())
+def policy_loss_backward_op(
+    grad_loss: Tensor, logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
+    rollout_is_weights: Optional[Tensor], seq_weight: Tensor, totals: Tensor,
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
+    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+    need_logprob_grad: bool, entropy_dtype: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor]:
+    """``(d loss / d logprob, d loss / d entropy)`` in logprob's / ``entropy_dtype``; one not asked for is an empty ``[0]`` tensor."""
+    grad_lp = torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device) if need_logprob_grad else None
+    grad_ent = torch.empty(logprob.shape, dtype=entropy_dtype, device=logprob.device) if entropy_dtype is not None else None
+    code, plus = _kl(kl_type)
+    _ext.policy_loss_bwd(
+        grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals,
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, code, plus, kl_coef, entropy_coef, AGG_CODES[loss_agg_mode],
+        grad_lp, grad_ent,
+    )
+    empty = logprob.new_empty(0)
+    return (empty if grad_lp is None else grad_lp), (empty.clone() if grad_ent is None else grad_ent)
+
+
+policy_loss_op.register_fake(glue.policy_loss_fake)
+policy_loss_backward_op.register_fake(glue.policy_loss_backward_fake)
+policy_loss_op.register_autograd(glue.policy_loss_backward(policy_loss_backward_op), setup_context=glue.policy_loss_setup)
+
+
+def _policy_loss_supports(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, **knobs) -> Optional[str]:
+    floats = dict(logprob=logprob, old_logprob=old_logprob, advantages=advantages, ref_logprob=ref_logprob,
+                  entropy=entropy, rollout_is_weights=rollout_is_weights)
+    if mask.dtype != torch.bool:
+        floats["mask"] = mask
+    return _fp64_reason(**floats) or _grad_reason(
+        old_logprob=old_logprob, advantages=advantages, mask=mask, ref_logprob=ref_logprob, rollout_is_weights=rollout_is_weights
+    )
+
+
+@dispatch.register("policy_loss", "native", supports=_policy_loss_supports)
+def policy_loss(
+    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
+    entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor], *,
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
+    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Backend implementation over ``[S, T]`` tensors: ``(loss, metrics)``, differentiable in ``logprob`` and ``entropy``."""
+    loss, metrics, _seq_weight, _totals = policy_loss_op(
+        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
+    )
+    return loss, {name: metrics[i] for i, name in enumerate(METRIC_NAMES)}
+
+
+# ---------------------------------------------------------------- group_advantages
+
+
+@torch.library.custom_op("rl_kernel::native_group_advantages", mutates_args=())
+def group_advantages_op(
+    rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], estimator: str, norm_by_std: bool, eps: float
+) -> Tensor:
+    """Advantages ``[N]`` (fp32; fp64 for fp64 rewards), group statistics in fp64."""
+    return _ext.group_advantages(rewards, group_size, group_index, ESTIMATOR_CODES[estimator], norm_by_std, eps)
+
+
+group_advantages_op.register_fake(glue.group_advantages_fake)
+
+
+@dispatch.register("group_advantages", "native")
+def group_advantages(
+    rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], *, estimator: str, norm_by_std: bool, eps: float
+) -> Tensor:
+    """Backend implementation: advantages ``[N]``, not differentiable."""
+    return group_advantages_op(rewards.detach(), group_size, group_index, estimator, norm_by_std, eps)
+
+
+# ---------------------------------------------------------------- auto order on this GPU
+
+
+def _apply_measured_preference() -> None:
+    major, minor = torch.cuda.get_device_capability()
+    for op, order in MEASURED_PREFERENCE.get(f"{major}.{minor}", {}).items():
+        dispatch.set_preference(op, order)
+
+
+_apply_measured_preference()
