@@ -268,6 +268,12 @@ _MERGE_BLOCK_R = 16
 _MERGE_BLOCK_T = 64
 
 
+def stats_rows(n_tiles: int) -> int:
+    """Rows per chunk of the gemm-route forward (a function of the tile count only, never of N):
+    as many as fit ``n_tiles`` tiles of statistics in :data:`STATS_BYTES`, from 16 to 16384."""
+    return max(_MERGE_BLOCK_R, min(16384, STATS_BYTES // (12 * n_tiles)))
+
+
 def chunk_rows(vocab: int, elem_bytes: int) -> int:
     """Fixed rows per chunk (a function of the vocab and dtype only, never of N): as many rows,
     in multiples of 128 up to 8192 (powers of two from 16 below 128), as fit a ``[rows, vocab]``
@@ -447,7 +453,7 @@ class ChunkBuffers:
             self.rows = chunk_rows(vocab, hidden.element_size())
             self.dl = torch.empty(self.rows, vocab, dtype=dt, device=dev)
         else:
-            self.rows = max(_MERGE_BLOCK_R, min(16384, STATS_BYTES // (12 * self.n_tiles)))
+            self.rows = stats_rows(self.n_tiles)
         self.partials = torch.empty(3, self.rows, self.n_tiles, dtype=torch.float32, device=dev)
         self.ztgt = torch.empty(self.rows, dtype=torch.float32, device=dev)
 

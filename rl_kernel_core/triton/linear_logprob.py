@@ -15,6 +15,9 @@ the autograd wrapper and the backend registration.
 
 Deterministic and batch invariant as the kernel module states; extra memory is the chunk buffer
 plus, with ``TUNING.wgrad_fp32``, the fp32 ``dW`` accumulator while the backward runs.
+
+Vocab parallel (``tp_group``): :mod:`rl_kernel_core.triton._vocab_parallel` (forward bitwise equal
+for every TP size; ``dh`` summed over the group, ``dW``/``db`` shards local).
 """
 
 from __future__ import annotations
@@ -26,19 +29,27 @@ from torch.autograd.function import once_differentiable
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core.triton import _vocab_parallel as VP
 
 
 def _fp32_rows(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if g is None else g.to(torch.float32).contiguous()
 
 
+def _forward(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group):
+    """``(logprob, entropy or None, lse)``: single-process (``tp_group`` None) or vocab-parallel."""
+    if tp_group is None:
+        return K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, K.TUNING.route("fwd", hidden, return_entropy), return_entropy)
+    return VP.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group)
+
+
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, return_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group):
         inv_temp = 1.0 / temperature
-        lp, ent, lse = K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, K.TUNING.route("fwd", hidden, return_entropy), return_entropy)
+        lp, ent, lse = _forward(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.inv_temp, ctx.ignore_index = inv_temp, ignore_index
+        ctx.inv_temp, ctx.ignore_index, ctx.tp_group = inv_temp, ignore_index, tp_group
         ctx.set_materialize_grads(False)
         return (lp, ent) if return_entropy else lp
 
@@ -48,22 +59,29 @@ class _LinearLogprob(torch.autograd.Function):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_lp is None and g_ent is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         g_lp = _fp32_rows(g_lp) if g_lp is not None else torch.zeros_like(lse)
-        sink = K.GradSink(hidden, weight, need_h, need_w, need_b and bias is not None)
+        need_b = need_b and bias is not None
+        group, ignore_index = ctx.tp_group, ctx.ignore_index
+        if group is None:
+            sink = K.GradSink(hidden, weight, need_h, need_w, need_b)
+        else:  # this rank's shard: shard-local target ids, dh summed over the group
+            sink = VP.ShardGradSink(hidden, weight, need_h, need_w, need_b, group)
+            rank = torch.distributed.get_rank(group)
+            targets, ignore_index = VP.local_targets(targets, ignore_index, rank, weight.shape[0]), VP.IGNORED
         K.backward_chunks(
             hidden, weight, bias, targets, lse, ent, g_lp, _fp32_rows(g_ent),
-            ctx.inv_temp, ctx.ignore_index, K.TUNING.route("bwd", hidden), sink,
+            ctx.inv_temp, ignore_index, K.TUNING.route("bwd", hidden), sink,
         )
         dh, dw, db = sink.grads()
-        return dh, dw, db, None, None, None, None
+        return dh, dw, db, None, None, None, None, None
 
 
 def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:
-    if tp_group is not None:
-        return "vocab-parallel linear_logprob (tp_group) is not implemented in the triton backend yet"
     if hidden.dtype == torch.float64:
         return "the triton kernels accumulate in fp32; fp64 inputs need the torch backend"
+    if tp_group is not None:
+        return VP.shard_reason(weight)
     return None
 
 
@@ -76,7 +94,7 @@ def linear_logprob_triton(
     temperature: float,
     ignore_index: int,
     return_entropy: bool,
-    tp_group: Optional[object],
+    tp_group: Optional["torch.distributed.ProcessGroup"],
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Validated ``hidden [N, D]``, ``weight [V, D]``, ``targets [N]`` → ``(logprob [N], entropy [N] or None)``, fp32.
 
@@ -84,10 +102,16 @@ def linear_logprob_triton(
     ``[0, V)`` or ``ignore_index`` (0 log-prob, 0 entropy, no gradient). Differentiable in
     ``hidden``, ``weight`` and ``bias`` through both outputs when grad mode is on and one of
     them requires grad; otherwise runs forward-only and saves nothing.
+
+    With ``tp_group`` (a ``torch.distributed.ProcessGroup``), ``weight [V_local, D]`` and ``bias
+    [V_local]`` are this rank's contiguous vocab shard, ``V_local`` a multiple of the gemm-route
+    vocab tile, ``targets`` global ids in ``[0, P V_local)``; every rank passes the same
+    ``hidden``/``targets`` and upstream gradients. Outputs are replicated and bitwise the same
+    for every TP size; ``dh`` is summed over the group, ``dW``/``db`` are this rank's shards.
     """
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if needs_grad:
-        out = _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index, return_entropy)
+        out = _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group)
         return out if return_entropy else (out, None)
-    lp, ent, _ = K.forward_stats(hidden, weight, bias, targets, 1.0 / temperature, ignore_index, K.TUNING.route("fwd", hidden, return_entropy), return_entropy)
+    lp, ent, _ = _forward(hidden, weight, bias, targets, 1.0 / temperature, ignore_index, return_entropy, tp_group)
     return lp, ent
