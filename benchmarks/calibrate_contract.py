@@ -160,7 +160,10 @@ def main() -> None:
                     except dispatch.BackendUnavailableError as exc:
                         result = {"unavailable": str(exc)}
                     rows.append({"op": op, "backend": backend, "dtype": dname, "regime": regime, "results": result})
-                    worst = max((r["worst_fraction"] for r in result.values() if isinstance(r, dict)), default=float("nan"))
+                    if "unavailable" in result:
+                        print(f"{op:<22}{backend:<8}{dname:<6}{regime:<7} not run: {result['unavailable']}", flush=True)
+                        continue
+                    worst = max(r["worst_fraction"] for r in result.values())
                     print(f"{op:<22}{backend:<8}{dname:<6}{regime:<7} worst fraction of bound {worst:8.4f}", flush=True)
     payload = {"command": " ".join(sys.argv), "shape_NDV": shape, "environment": bench.environment(device), "rows": rows}
     if args.out:
