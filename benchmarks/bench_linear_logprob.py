@@ -36,7 +36,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -61,7 +61,7 @@ class Recorder:
         self.path = path
         self.doc = {
             "benchmark": "linear_logprob / fused_linear_policy_loss",
-            "command": _command_line(),
+            "command": bench.command_line(),
             "environment": bench.environment(DEV),
             "tuning_defaults": _tuning_dict(K.TUNING),
             "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows},
@@ -82,17 +82,6 @@ class Recorder:
     def _flush(self) -> None:
         with open(self.path, "w") as f:
             json.dump(self.doc, f, indent=1)
-
-
-def _command_line() -> str:
-    """This run's command line, with the output folder (a machine path) written as ``<out>``."""
-    argv = list(sys.argv)
-    for i, arg in enumerate(argv):
-        if arg == "--out" and i + 1 < len(argv):
-            argv[i + 1] = "<out>"
-        elif arg.startswith("--out="):
-            argv[i] = "--out=<out>"
-    return " ".join([os.path.basename(sys.executable)] + argv)
 
 
 def _tuning_dict(t: K.Tuning) -> dict:

@@ -255,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(0)
     env = bench.environment(device)
     bandwidth = copy_bandwidth_gbs(args, device)
-    result = {"benchmark": "bench_losses", "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    result = {"benchmark": "bench_losses", "command": bench.command_line(),
               "environment": env, "copy_bandwidth": bandwidth, "warmup": args.warmup, "reps": args.reps}
     if args.only in (None, "logprob"):
         result["logprob_from_logits"] = bench_logprob(args, device, bandwidth["gbs"])

@@ -35,7 +35,6 @@ import rl_kernel_core as rk
 from rl_kernel_core import bench, dispatch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_linear_logprob import _command_line  # noqa: E402
 from bench_losses import _fp64_logprob, _graph_ms, _max_err, copy_bandwidth_gbs  # noqa: E402
 
 FAST = ("native", "triton")
@@ -211,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = bench.environment(device)
     env["native"] = dispatch.backend_status()["native"] or "available"
     bandwidth = copy_bandwidth_gbs(args, device)
-    result = {"benchmark": "bench_native", "command": _command_line(),
+    result = {"benchmark": "bench_native", "command": bench.command_line(),
               "environment": env, "copy_bandwidth": bandwidth, "warmup": args.warmup, "reps": args.reps}
     result["logprob_from_logits"] = bench_logprob(args, device, bandwidth["gbs"])
     torch.cuda.empty_cache()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Callable
 
 import torch
@@ -165,7 +164,7 @@ def main() -> None:
                         continue
                     worst = max(r["worst_fraction"] for r in result.values())
                     print(f"{op:<22}{backend:<8}{dname:<6}{regime:<7} worst fraction of bound {worst:8.4f}", flush=True)
-    payload = {"command": " ".join(sys.argv), "shape_NDV": shape, "environment": bench.environment(device), "rows": rows}
+    payload = {"command": bench.command_line(), "shape_NDV": shape, "environment": bench.environment(device), "rows": rows}
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=1)

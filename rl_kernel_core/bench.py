@@ -8,6 +8,7 @@ allocated before it (CUDA allocator statistics), i.e. extra memory over the inpu
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -15,6 +16,17 @@ import time
 from typing import Any, Callable
 
 import torch
+
+
+def command_line() -> str:
+    """This run's command line, with the output path (a machine path) written as ``<out>``."""
+    argv = list(sys.argv)
+    for i, arg in enumerate(argv):
+        if arg == "--out" and i + 1 < len(argv):
+            argv[i + 1] = "<out>"
+        elif arg.startswith("--out="):
+            argv[i] = "--out=<out>"
+    return " ".join([os.path.basename(sys.executable)] + argv)
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def _bench(args: argparse.Namespace) -> int:
     decision = dispatch.explain("linear_logprob")
     result = {
         "op": "linear_logprob forward+backward",
-        "command": " ".join(sys.argv),
+        "command": bench.command_line(),
         "shape": {"N": n, "D": d, "V": v},
         "dtype": args.dtype,
         "backend": decision.backend if decision else None,
