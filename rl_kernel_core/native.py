@@ -27,7 +27,13 @@ from typing import Optional, Sequence
 
 import torch
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "native" / "csrc"
+# A checkout (or editable install) builds from the repository's native/csrc; a wheel carries a
+# copy inside the package (setup.py puts it there).
+_PACKAGE_DIR = Path(__file__).resolve().parent
+SOURCE_DIR = next(
+    (d for d in (_PACKAGE_DIR.parent / "native" / "csrc", _PACKAGE_DIR / "native_csrc") if d.is_dir()),
+    _PACKAGE_DIR.parent / "native" / "csrc",
+)
 EXTENSION_NAME = "rl_kernel_native"
 _ERROR_TAIL_CHARS = 4000
 
@@ -67,7 +73,7 @@ def toolchain_reason() -> Optional[str]:
     if not cpp_extension.is_ninja_available():
         return "ninja was not found (pip install ninja): torch.utils.cpp_extension needs it to build"
     if not any(p.suffix == ".cu" for p in sources()):
-        return f"no CUDA sources (*.cu) in {SOURCE_DIR.name}/ of this installation"
+        return "no CUDA sources (*.cu) in native/csrc of this installation"
     return None
 
 
