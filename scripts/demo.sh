@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 env=$(scripts/env.sh core)
 "$env/bin/rl-kernel" info
 "$env/bin/python" recipes/demo_step.py "$@"
-"$env/bin/rl-kernel" bench -N 4096 -D 256 -V 32000
+"$env/bin/rl-kernel" bench -N 2048 -D 256 -V 32000 --warmup 1 --reps 3
