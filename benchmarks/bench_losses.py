@@ -47,9 +47,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], object], device: torch.device, args: argparse.Namespace) -> dict:
+def _timed(fn: Callable[[], object], device: torch.device, args: argparse.Namespace, graph: bool = False) -> dict:
+    """Launched time and extra peak memory of ``fn``; with ``graph``, also its CUDA-graph replay time (``cuda_graph``)."""
     out = bench.time_ms(fn, device, warmup=args.warmup, reps=args.reps)
     out["peak_extra_gib"] = bench.peak_extra_gib(fn, device)
+    if graph:
+        out["cuda_graph"] = _graph_ms(fn, device, args)
     return out
 
 
@@ -192,8 +195,7 @@ def bench_policy_loss(args: argparse.Namespace, device: torch.device, bandwidth_
     rows = {}
     for name, backend in (("ours", "triton"), ("eager_reference", "torch")):
         fn = make(backend)
-        rows[name] = _timed(fn, device, args)
-        rows[name]["cuda_graph"] = _graph_ms(fn, device, args)
+        rows[name] = _timed(fn, device, args, graph=True)
         rows[name]["x_bytes_floor"] = rows[name]["median_ms"] / floor_ms
         if "median_ms" in rows[name]["cuda_graph"]:
             rows[name]["cuda_graph"]["x_bytes_floor"] = rows[name]["cuda_graph"]["median_ms"] / floor_ms
@@ -235,16 +237,31 @@ def copy_bandwidth_gbs(args: argparse.Namespace, device: torch.device) -> dict:
     return {"bytes_moved": moved, **timing, "gbs": moved / (timing["median_ms"] * 1e-3) / 1e9}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The options every loss benchmark takes: ``--out``, the shapes, ``--warmup`` and ``--reps``."""
     parser.add_argument("--out", required=True, help="directory for the JSON result")
-    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu under TRITON_INTERPRET=1 as a smoke test")
     parser.add_argument("--n", type=int, default=8192, help="logits rows")
     parser.add_argument("--v", type=int, default=151936, help="vocabulary size")
     parser.add_argument("--seqs", type=int, default=2048, help="policy_loss sequences")
     parser.add_argument("--seq-len", type=int, default=512, help="policy_loss tokens per sequence")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
+
+
+def write_result(result: dict, out: str, filename: str) -> None:
+    """Write ``result`` as indented JSON to ``<out>/<filename>`` (creating ``out``) and print it."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, filename)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu under TRITON_INTERPRET=1 as a smoke test")
     parser.add_argument("--only", choices=("logprob", "policy_loss"), help="run one of the two benchmarks")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -263,13 +280,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch.cuda.empty_cache()
     if args.only in (None, "policy_loss"):
         result["policy_loss"] = bench_policy_loss(args, device, bandwidth["gbs"])
-    os.makedirs(args.out, exist_ok=True)
-    tag = env.get("gpu", device.type).replace(" ", "_")
-    path = os.path.join(args.out, f"bench_losses_{tag}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(result, args.out, f"bench_losses_{env.get('gpu', device.type).replace(' ', '_')}.json")
     return 0
 
 

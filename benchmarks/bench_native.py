@@ -24,7 +24,6 @@ a backward) goes first in ``auto_order``: that is the order ``rl_kernel_core.nat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Callable, Optional
@@ -35,17 +34,9 @@ import rl_kernel_core as rk
 from rl_kernel_core import bench, dispatch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_losses import _fp64_logprob, _graph_ms, _max_err, copy_bandwidth_gbs  # noqa: E402
+from bench_losses import _fp64_logprob, _max_err, _timed, add_common_args, copy_bandwidth_gbs, write_result  # noqa: E402
 
 FAST = ("native", "triton")
-
-
-def _timed(fn: Callable[[], object], device: torch.device, args: argparse.Namespace, graph: bool = False) -> dict:
-    out = bench.time_ms(fn, device, warmup=args.warmup, reps=args.reps)
-    out["peak_extra_gib"] = bench.peak_extra_gib(fn, device)
-    if graph:
-        out["cuda_graph"] = _graph_ms(fn, device, args)
-    return out
 
 
 def _best_ms(row: dict) -> float:
@@ -195,13 +186,7 @@ def bench_group_advantages(args: argparse.Namespace, device: torch.device) -> di
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="directory for the JSON result")
-    parser.add_argument("--n", type=int, default=8192, help="logits rows")
-    parser.add_argument("--v", type=int, default=151936, help="vocabulary size")
-    parser.add_argument("--seqs", type=int, default=2048, help="policy_loss sequences")
-    parser.add_argument("--seq-len", type=int, default=512, help="policy_loss tokens per sequence")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=20)
+    add_common_args(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -220,12 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     result["measured_preference"] = {f"{major}.{minor}": {op: result[op]["auto_order"] for op in
                                                            ("logprob_from_logits", "policy_loss", "ratio_kl", "group_advantages")}}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"bench_native_{env.get('gpu', 'cuda').replace(' ', '_')}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(result, args.out, f"bench_native_{env.get('gpu', 'cuda').replace(' ', '_')}.json")
     return 0
 
 
