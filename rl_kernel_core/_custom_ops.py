@@ -6,15 +6,19 @@ backward → ``d logits``; ``ratio_kl`` → ``(ratio, kl)`` and its backward →
 ``policy_loss`` → ``(loss [], metrics [6], seq_weight [S], totals [2])`` and its backward →
 ``(d logprob or [0], d entropy or [0])``; ``group_advantages`` → ``[N]``. What does not depend on
 the kernels lives here: the fake (meta) implementations, the autograd glue
-(``setup_context`` and the backward, given the backend's backward op), and the reasons a
-backend's ``supports`` predicate gives for inputs the fp32 kernels do not serve.
+(``setup_context`` and the backward, given the backend's backward op), the ``supports``
+predicates (the reasons a backend gives for inputs its fp32 kernels do not serve) and the
+backend implementations that :func:`rl_kernel_core.dispatch.register` registers, given the
+backend's forward op.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 import torch
+
+from rl_kernel_core.policy_loss import METRIC_NAMES
 
 Tensor = torch.Tensor
 FAST_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,6 +47,32 @@ def grad_reason(backend: str, **tensors: Optional[Tensor]) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- logprob_from_logits
+
+
+def logprob_supports(backend: str) -> Callable[..., Optional[str]]:
+    """``backend``'s ``supports`` predicate for ``logprob_from_logits``: fp32/bf16/fp16 logits with unit stride along V."""
+
+    def supports(logits, targets, temperature, ignore_index, return_entropy) -> Optional[str]:
+        reason = fp64_reason(backend, logits=logits)
+        if reason is None and logits.dim() == 2 and logits.shape[1] > 1 and logits.stride(1) != 1:
+            reason = f"logits must have unit stride along V, got strides {tuple(logits.stride())}"
+        return reason
+
+    return supports
+
+
+def logprob_impl(forward_op: Callable) -> Callable[..., tuple[Tensor, Optional[Tensor]]]:
+    """The backend implementation of ``logprob_from_logits`` over the custom op ``forward_op``."""
+
+    def logprob_from_logits(
+        logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Backend implementation: ``(logprob [N] fp32, entropy [N] fp32 or None)``, differentiable in ``logits``."""
+        logprob, entropy, _lse = forward_op(logits, targets, float(temperature), int(ignore_index), bool(return_entropy))
+        return logprob, (entropy if return_entropy else None)
+
+    return logprob_from_logits
+
 
 
 def logprob_fake(logits, targets, temperature, ignore_index, return_entropy):
@@ -86,6 +116,41 @@ def logprob_backward(backward_op: Callable) -> Callable:
 # ---------------------------------------------------------------- ratio_kl
 
 
+def _kl_type_reason(backend: str, kl_type: str, kl_types: Optional[Collection[str]]) -> Optional[str]:
+    """Why ``backend`` refuses ``kl_type`` (its base estimator is not in ``kl_types``; None: all served), or None."""
+    if kl_types is not None and kl_type.rstrip("+") not in kl_types:
+        return f"kl_type={kl_type!r} has no {backend} kernel"
+    return None
+
+
+def ratio_kl_supports(backend: str, kl_types: Optional[Collection[str]] = None) -> Callable[..., Optional[str]]:
+    """``backend``'s ``supports`` predicate for ``ratio_kl``.
+
+    Refuses a ``kl_type`` whose base estimator (without ``+``) is not in ``kl_types`` (None: no
+    such check), fp64 log-probs, and ``old_logprob``/``ref_logprob`` that require grad.
+    """
+
+    def supports(logprob, old_logprob, ref_logprob, kl_type) -> Optional[str]:
+        return (
+            _kl_type_reason(backend, kl_type, kl_types)
+            or fp64_reason(backend, logprob=logprob, old_logprob=old_logprob, ref_logprob=ref_logprob)
+            or grad_reason(backend, old_logprob=old_logprob, ref_logprob=ref_logprob)
+        )
+
+    return supports
+
+
+def ratio_kl_impl(forward_op: Callable) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The backend implementation of ``ratio_kl`` over the custom op ``forward_op``."""
+
+    def ratio_kl(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
+        """Backend implementation: ``(ratio, kl)`` fp32, differentiable in ``logprob``."""
+        return forward_op(logprob, old_logprob, ref_logprob, kl_type)
+
+    return ratio_kl
+
+
+
 def ratio_kl_fake(logprob, old_logprob, ref_logprob, kl_type):
     """Fake forward: ``(ratio, kl)`` fp32 of the input shape."""
     return logprob.new_empty(logprob.shape, dtype=torch.float32), logprob.new_empty(logprob.shape, dtype=torch.float32)
@@ -117,6 +182,51 @@ def ratio_kl_backward(backward_op: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------- policy_loss
+
+
+def policy_loss_supports(
+    backend: str, kl_types: Optional[Collection[str]] = None, agg_modes: Optional[Collection[str]] = None
+) -> Callable[..., Optional[str]]:
+    """``backend``'s ``supports`` predicate for ``policy_loss``.
+
+    Refuses a ``loss_agg_mode`` not in ``agg_modes`` and a ``kl_type`` whose base estimator is not
+    in ``kl_types`` (None: no such check), fp64 float inputs (a bool ``mask`` is fine), and any
+    input but ``logprob`` and ``entropy`` that requires grad.
+    """
+
+    def supports(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, **knobs) -> Optional[str]:
+        floats = dict(logprob=logprob, old_logprob=old_logprob, advantages=advantages, ref_logprob=ref_logprob,
+                      entropy=entropy, rollout_is_weights=rollout_is_weights)
+        if mask.dtype != torch.bool:
+            floats["mask"] = mask
+        if agg_modes is not None and knobs["loss_agg_mode"] not in agg_modes:
+            return f"loss_agg_mode={knobs['loss_agg_mode']!r} has no {backend} kernel"
+        return _kl_type_reason(backend, knobs["kl_type"], kl_types) or fp64_reason(backend, **floats) or grad_reason(
+            backend, old_logprob=old_logprob, advantages=advantages, mask=mask, ref_logprob=ref_logprob,
+            rollout_is_weights=rollout_is_weights,
+        )
+
+    return supports
+
+
+def policy_loss_impl(forward_op: Callable) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
+    """The backend implementation of ``policy_loss`` over the custom op ``forward_op``."""
+
+    def policy_loss(
+        logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
+        entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor], *,
+        clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
+        kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Backend implementation over ``[S, T]`` tensors: ``(loss, metrics)``, differentiable in ``logprob`` and ``entropy``."""
+        loss, metrics, _seq_weight, _totals = forward_op(
+            logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
+            clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
+        )
+        return loss, {name: metrics[i] for i, name in enumerate(METRIC_NAMES)}
+
+    return policy_loss
+
 
 
 def policy_loss_fake(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *knobs):
@@ -172,3 +282,15 @@ def policy_loss_backward(backward_op: Callable) -> Callable:
 def group_advantages_fake(rewards, group_size, group_index, estimator, norm_by_std, eps):
     """Fake forward: advantages ``[N]``, fp64 for fp64 rewards, else fp32."""
     return rewards.new_empty(rewards.shape, dtype=torch.float64 if rewards.dtype == torch.float64 else torch.float32)
+
+
+def group_advantages_impl(forward_op: Callable) -> Callable[..., Tensor]:
+    """The backend implementation of ``group_advantages`` over the custom op ``forward_op``."""
+
+    def group_advantages(
+        rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], *, estimator: str, norm_by_std: bool, eps: float
+    ) -> Tensor:
+        """Backend implementation: advantages ``[N]`` in ``forward_op``'s dtype (see its fake), not differentiable."""
+        return forward_op(rewards.detach(), group_size, group_index, estimator, norm_by_std, eps)
+
+    return group_advantages

@@ -21,7 +21,6 @@ order (native first) applies.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -29,11 +28,8 @@ import torch
 from rl_kernel_core import _custom_ops as glue
 from rl_kernel_core import dispatch
 from rl_kernel_core.native import EXTENSION as _ext
-from rl_kernel_core.policy_loss import METRIC_NAMES
 
 Tensor = torch.Tensor
-_fp64_reason = functools.partial(glue.fp64_reason, "native")
-_grad_reason = functools.partial(glue.grad_reason, "native")
 
 # codes of the C++ entry points (native/csrc/ops.h)
 KL_CODES: dict[str, int] = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
@@ -89,20 +85,9 @@ logprob_from_logits_backward_op.register_fake(glue.logprob_backward_fake)
 logprob_from_logits_op.register_autograd(glue.logprob_backward(logprob_from_logits_backward_op), setup_context=glue.logprob_setup)
 
 
-def _logprob_supports(logits, targets, temperature, ignore_index, return_entropy) -> Optional[str]:
-    reason = _fp64_reason(logits=logits)
-    if reason is None and logits.shape[1] > 1 and logits.stride(1) != 1:
-        reason = f"logits must have unit stride along V, got strides {tuple(logits.stride())}"
-    return reason
-
-
-@dispatch.register("logprob_from_logits", "native", supports=_logprob_supports)
-def logprob_from_logits(
-    logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
-) -> tuple[Tensor, Optional[Tensor]]:
-    """Backend implementation: ``(logprob [N] fp32, entropy [N] fp32 or None)``, differentiable in ``logits``."""
-    logprob, entropy, _lse = logprob_from_logits_op(logits, targets, float(temperature), int(ignore_index), bool(return_entropy))
-    return logprob, (entropy if return_entropy else None)
+logprob_from_logits = dispatch.register("logprob_from_logits", "native", supports=glue.logprob_supports("native"))(
+    glue.logprob_impl(logprob_from_logits_op)
+)
 
 
 # ---------------------------------------------------------------- ratio_kl
@@ -130,16 +115,7 @@ ratio_kl_backward_op.register_fake(glue.ratio_kl_backward_fake)
 ratio_kl_op.register_autograd(glue.ratio_kl_backward(ratio_kl_backward_op), setup_context=glue.ratio_kl_setup)
 
 
-def _ratio_kl_supports(logprob, old_logprob, ref_logprob, kl_type) -> Optional[str]:
-    return _fp64_reason(logprob=logprob, old_logprob=old_logprob, ref_logprob=ref_logprob) or _grad_reason(
-        old_logprob=old_logprob, ref_logprob=ref_logprob
-    )
-
-
-@dispatch.register("ratio_kl", "native", supports=_ratio_kl_supports)
-def ratio_kl(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
-    """Backend implementation: ``(ratio, kl)`` fp32, differentiable in ``logprob``."""
-    return ratio_kl_op(logprob, old_logprob, ref_logprob, kl_type)
+ratio_kl = dispatch.register("ratio_kl", "native", supports=glue.ratio_kl_supports("native"))(glue.ratio_kl_impl(ratio_kl_op))
 
 
 # ---------------------------------------------------------------- policy_loss
@@ -152,7 +128,7 @@ def policy_loss_op(
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
     kl_coef: float, entropy_coef: float, loss_agg_mode: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(loss [], metrics [6], seq_weight [S], totals [2])`` fp32 over ``[S, T]`` tensors; metrics in :data:`METRIC_NAMES` order."""
+    """``(loss [], metrics [6], seq_weight [S], totals [2])`` fp32 over ``[S, T]`` tensors; metrics in :data:`rl_kernel_core.policy_loss.METRIC_NAMES` order."""
     loss, metrics, seq_weight, totals = _ext.policy_loss_fwd(
         logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
         clip_ratio_low, clip_ratio_high, clip_ratio_c, _kl(kl_type)[0], kl_coef, entropy_coef, AGG_CODES[loss_agg_mode],
@@ -186,29 +162,9 @@ policy_loss_backward_op.register_fake(glue.policy_loss_backward_fake)
 policy_loss_op.register_autograd(glue.policy_loss_backward(policy_loss_backward_op), setup_context=glue.policy_loss_setup)
 
 
-def _policy_loss_supports(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, **knobs) -> Optional[str]:
-    floats = dict(logprob=logprob, old_logprob=old_logprob, advantages=advantages, ref_logprob=ref_logprob,
-                  entropy=entropy, rollout_is_weights=rollout_is_weights)
-    if mask.dtype != torch.bool:
-        floats["mask"] = mask
-    return _fp64_reason(**floats) or _grad_reason(
-        old_logprob=old_logprob, advantages=advantages, mask=mask, ref_logprob=ref_logprob, rollout_is_weights=rollout_is_weights
-    )
-
-
-@dispatch.register("policy_loss", "native", supports=_policy_loss_supports)
-def policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
-    entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor], *,
-    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
-    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Backend implementation over ``[S, T]`` tensors: ``(loss, metrics)``, differentiable in ``logprob`` and ``entropy``."""
-    loss, metrics, _seq_weight, _totals = policy_loss_op(
-        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
-    )
-    return loss, {name: metrics[i] for i, name in enumerate(METRIC_NAMES)}
+policy_loss = dispatch.register(
+    "policy_loss", "native", supports=glue.policy_loss_supports("native")
+)(glue.policy_loss_impl(policy_loss_op))
 
 
 # ---------------------------------------------------------------- group_advantages
@@ -225,12 +181,7 @@ def group_advantages_op(
 group_advantages_op.register_fake(glue.group_advantages_fake)
 
 
-@dispatch.register("group_advantages", "native")
-def group_advantages(
-    rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], *, estimator: str, norm_by_std: bool, eps: float
-) -> Tensor:
-    """Backend implementation: advantages ``[N]``, not differentiable."""
-    return group_advantages_op(rewards.detach(), group_size, group_index, estimator, norm_by_std, eps)
+group_advantages = dispatch.register("group_advantages", "native")(glue.group_advantages_impl(group_advantages_op))
 
 
 # ---------------------------------------------------------------- auto order on this GPU

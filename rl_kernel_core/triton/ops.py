@@ -15,21 +15,17 @@ fp32; the torch backend keeps fp64) and gradients the kernels do not form.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
 from rl_kernel_core import _custom_ops as glue
 from rl_kernel_core import dispatch
-from rl_kernel_core.policy_loss import METRIC_NAMES
 from rl_kernel_core.triton import advantages as _adv
 from rl_kernel_core.triton import logprob_from_logits as _lp
 from rl_kernel_core.triton import policy_loss as _pl
 
 Tensor = torch.Tensor
-_fp64_reason = functools.partial(glue.fp64_reason, "triton")
-_grad_reason = functools.partial(glue.grad_reason, "triton")
 
 
 # ---------------------------------------------------------------- logprob_from_logits
@@ -59,20 +55,9 @@ logprob_from_logits_backward_op.register_fake(glue.logprob_backward_fake)
 logprob_from_logits_op.register_autograd(glue.logprob_backward(logprob_from_logits_backward_op), setup_context=glue.logprob_setup)
 
 
-def _logprob_supports(logits, targets, temperature, ignore_index, return_entropy) -> Optional[str]:
-    reason = _fp64_reason(logits=logits)
-    if reason is None and logits.dim() == 2 and logits.shape[1] > 1 and logits.stride(1) != 1:
-        reason = f"logits must have unit stride along V, got strides {tuple(logits.stride())}"
-    return reason
-
-
-@dispatch.register("logprob_from_logits", "triton", supports=_logprob_supports)
-def logprob_from_logits(
-    logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
-) -> tuple[Tensor, Optional[Tensor]]:
-    """Backend implementation: ``(logprob [N] fp32, entropy [N] fp32 or None)``, differentiable in ``logits``."""
-    logprob, entropy, _lse = logprob_from_logits_op(logits, targets, float(temperature), int(ignore_index), bool(return_entropy))
-    return logprob, (entropy if return_entropy else None)
+logprob_from_logits = dispatch.register("logprob_from_logits", "triton", supports=glue.logprob_supports("triton"))(
+    glue.logprob_impl(logprob_from_logits_op)
+)
 
 
 # ---------------------------------------------------------------- ratio_kl
@@ -100,18 +85,9 @@ ratio_kl_backward_op.register_fake(glue.ratio_kl_backward_fake)
 ratio_kl_op.register_autograd(glue.ratio_kl_backward(ratio_kl_backward_op), setup_context=glue.ratio_kl_setup)
 
 
-def _ratio_kl_supports(logprob, old_logprob, ref_logprob, kl_type) -> Optional[str]:
-    if kl_type.rstrip("+") not in _pl.KL_CODES:
-        return f"kl_type={kl_type!r} has no triton kernel"
-    return _fp64_reason(logprob=logprob, old_logprob=old_logprob, ref_logprob=ref_logprob) or _grad_reason(
-        old_logprob=old_logprob, ref_logprob=ref_logprob
-    )
-
-
-@dispatch.register("ratio_kl", "triton", supports=_ratio_kl_supports)
-def ratio_kl(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
-    """Backend implementation: ``(ratio, kl)`` fp32, differentiable in ``logprob``."""
-    return ratio_kl_op(logprob, old_logprob, ref_logprob, kl_type)
+ratio_kl = dispatch.register("ratio_kl", "triton", supports=glue.ratio_kl_supports("triton", kl_types=_pl.KL_CODES))(
+    glue.ratio_kl_impl(ratio_kl_op)
+)
 
 
 # ---------------------------------------------------------------- policy_loss
@@ -156,33 +132,9 @@ policy_loss_backward_op.register_fake(glue.policy_loss_backward_fake)
 policy_loss_op.register_autograd(glue.policy_loss_backward(policy_loss_backward_op), setup_context=glue.policy_loss_setup)
 
 
-def _policy_loss_supports(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, **knobs) -> Optional[str]:
-    floats = dict(logprob=logprob, old_logprob=old_logprob, advantages=advantages, ref_logprob=ref_logprob,
-                  entropy=entropy, rollout_is_weights=rollout_is_weights)
-    if mask.dtype != torch.bool:
-        floats["mask"] = mask
-    if knobs["loss_agg_mode"] not in _pl.AGG_CODES:
-        return f"loss_agg_mode={knobs['loss_agg_mode']!r} has no triton kernel"
-    if knobs["kl_type"].rstrip("+") not in _pl.KL_CODES:
-        return f"kl_type={knobs['kl_type']!r} has no triton kernel"
-    return _fp64_reason(**floats) or _grad_reason(
-        old_logprob=old_logprob, advantages=advantages, mask=mask, ref_logprob=ref_logprob, rollout_is_weights=rollout_is_weights
-    )
-
-
-@dispatch.register("policy_loss", "triton", supports=_policy_loss_supports)
-def policy_loss(
-    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
-    entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor], *,
-    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
-    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Backend implementation over ``[S, T]`` tensors: ``(loss, metrics)``, differentiable in ``logprob`` and ``entropy``."""
-    loss, metrics, _seq_weight, _totals = policy_loss_op(
-        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
-    )
-    return loss, {name: metrics[i] for i, name in enumerate(METRIC_NAMES)}
+policy_loss = dispatch.register(
+    "policy_loss", "triton", supports=glue.policy_loss_supports("triton", kl_types=_pl.KL_CODES, agg_modes=_pl.AGG_CODES)
+)(glue.policy_loss_impl(policy_loss_op))
 
 
 # ---------------------------------------------------------------- group_advantages
@@ -200,12 +152,9 @@ group_advantages_op.register_fake(glue.group_advantages_fake)
 
 
 def _group_advantages_supports(rewards, group_size, group_index, **kwargs) -> Optional[str]:
-    return _fp64_reason(rewards=rewards)
+    return glue.fp64_reason("triton", rewards=rewards)
 
 
-@dispatch.register("group_advantages", "triton", supports=_group_advantages_supports)
-def group_advantages(
-    rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], *, estimator: str, norm_by_std: bool, eps: float
-) -> Tensor:
-    """Backend implementation: advantages ``[N]`` fp32, not differentiable."""
-    return group_advantages_op(rewards.detach(), group_size, group_index, estimator, norm_by_std, eps)
+group_advantages = dispatch.register("group_advantages", "triton", supports=_group_advantages_supports)(
+    glue.group_advantages_impl(group_advantages_op)
+)
