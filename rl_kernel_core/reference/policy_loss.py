@@ -167,6 +167,12 @@ def policy_loss(
     return loss, {name: value.detach() for name, value in metrics.items()}
 
 
+def scored_mask(mask: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``mask`` (bool or float ``[S, T]``, kept in its dtype) with the tokens whose ``targets`` equal ``ignore_index`` removed."""
+    scored = targets != ignore_index
+    return mask & scored if mask.dtype == torch.bool else mask * scored
+
+
 @dispatch.register("fused_linear_policy_loss", "torch")
 def fused_linear_policy_loss(
     hidden: torch.Tensor,
@@ -197,10 +203,8 @@ def fused_linear_policy_loss(
         hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
         return_entropy=True, backend="torch",
     )
-    scored = targets != ignore_index
-    mask = mask & scored if mask.dtype == torch.bool else mask * scored
     return policy_loss(
-        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
+        logprob, old_logprob, advantages, scored_mask(mask, targets, ignore_index), ref_logprob, entropy, rollout_is_weights,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
         kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef, loss_agg_mode=loss_agg_mode,
     )

@@ -152,8 +152,7 @@ def fused_linear_policy_loss_triton(
     num_seqs, seq_len, dim = hidden.shape
     h2d = hidden.reshape(num_seqs * seq_len, dim)
     t1d = targets.reshape(-1)
-    scored = targets != ignore_index
-    mask_eff = mask & scored if mask.dtype == torch.bool else mask * scored
+    mask_eff = reference.scored_mask(mask, targets, ignore_index)
     knobs = dict(
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
         kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef, loss_agg_mode=loss_agg_mode,
