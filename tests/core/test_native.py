@@ -26,9 +26,10 @@ import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.policy_loss import METRIC_NAMES
+import test_triton_losses as triton_cases
 from test_triton_losses import (
-    AGG_MODES, KL_TYPES, LOSS_DEFAULTS, advantages_oracle, clamp, kl_oracle, logprob_oracle, make_logits, make_tokens,
-    policy_loss_oracle, run_policy_loss, upstream,
+    AGG_MODES, KL_TYPES, advantages_oracle, clamp, kl_oracle, logprob_oracle, make_logits, make_tokens, run_policy_loss,
+    upstream,
 )
 
 NATIVE = "native"
@@ -98,24 +99,7 @@ def test_sources_are_warp_size_agnostic_and_hipify_friendly():
 
 def check_logprob(logits, targets, temperature=1.0, with_entropy=True, ignore_index=-100, oracle=logprob_oracle):
     """Values and logits-gradient of the native backend against the fp64 oracle (non-uniform upstream)."""
-    x = logits.detach().clone().requires_grad_()
-    out = rk.logprob_from_logits(x, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=with_entropy, backend=NATIVE)
-    lp, ent = out if with_entropy else (out, None)
-    x64 = logits.detach().double().requires_grad_()
-    lp64, ent64 = oracle(x64, targets, temperature, ignore_index)
-    assert lp.dtype == torch.float32 and lp.shape == targets.shape
-    assert_close(lp, lp64, "logprob", logits.dtype, "logprob")
-    g_lp = upstream(lp.shape, lp.device)
-    loss, loss64 = (lp * g_lp.float()).sum(), (lp64 * g_lp).sum()
-    if with_entropy:
-        assert_close(ent, ent64, "logprob", logits.dtype, "entropy")
-        g_ent = upstream(ent.shape, ent.device)
-        loss, loss64 = loss + (ent * g_ent.float()).sum(), loss64 + (ent64 * g_ent).sum()
-    loss.backward()
-    loss64.backward()
-    assert x.grad.dtype == logits.dtype and x.grad.shape == logits.shape
-    assert_close(x.grad, x64.grad, "gradient", logits.dtype, "d logits")
-    return lp, ent, x.grad
+    return triton_cases.check_logprob(logits, targets, temperature, with_entropy, ignore_index, oracle, backend=NATIVE)
 
 
 @gpu
@@ -303,35 +287,7 @@ def test_ratio_kl_one_output_default_ref_and_refusals(seed):
 
 def check_policy_loss(t, **kw):
     """Native policy_loss: loss, metrics and gradients against the fp64 oracle and the reference backend."""
-    o = {**LOSS_DEFAULTS, **kw}
-    g = upstream((), t["lp"].device)
-    loss, metrics, g_lp, g_ent = run_policy_loss(t, NATIVE, g, **kw)
-    dt = t["lp"].dtype
-    d = {k: v.detach().double().requires_grad_(k in ("lp", "ent")) for k, v in t.items()}
-    loss64, metrics64 = policy_loss_oracle(
-        d["lp"], d["old"], d["adv"], d["mask"].double(), d["ref"] if o["ref"] else d["old"],
-        d["ent"] if o["ent"] else None, d["is_w"] if o["is_w"] else None, lo=o["lo"], hi=o["hi"], c=o["c"],
-        kl_type=o["kl_type"], kl_coef=o["kl_coef"], ent_coef=o["ent_coef"] if o["ent"] else 0.0, mode=o["mode"],
-    )
-    assert loss.shape == () and loss.dtype == torch.float32
-    assert_close(loss, loss64, "reduction", dt, "loss")
-    assert set(metrics) == set(METRIC_NAMES)
-    for name in METRIC_NAMES:
-        m = metrics[name]
-        assert m.shape == () and m.dtype == torch.float32 and not m.requires_grad and m.device == loss.device, name
-        assert_close(m, metrics64[name], "reduction", dt, name)
-    (loss64 * g).backward()
-    assert g_lp.dtype == dt
-    assert_close(g_lp, d["lp"].grad, "gradient", dt, "d logprob")
-    if o["ent"]:
-        assert g_ent.dtype == dt
-        assert_close(g_ent, d["ent"].grad, "gradient", dt, "d entropy")
-    ref_loss, ref_metrics, ref_g_lp, _ = run_policy_loss(t, "torch", g, **kw)
-    assert_close(loss, ref_loss.double(), "reduction", dt, "loss vs reference")
-    for name in METRIC_NAMES:
-        assert_close(metrics[name], ref_metrics[name].double(), "reduction", dt, f"{name} vs reference")
-    assert_close(g_lp, ref_g_lp.double(), "gradient", dt, "d logprob vs reference")
-    return loss, metrics, g_lp, g_ent
+    return triton_cases.check_policy_loss(t, NATIVE, **kw)
 
 
 @gpu

@@ -91,13 +91,13 @@ def make_logits(n, v, dtype, device, scale=4.0, ignore_frac=0.2):
     return logits, targets.to(device)
 
 
-def check_logprob(logits, targets, temperature=1.0, with_entropy=True, ignore_index=-100):
-    """Values and logits-gradient of the triton backend against the fp64 oracle."""
+def check_logprob(logits, targets, temperature=1.0, with_entropy=True, ignore_index=-100, oracle=logprob_oracle, backend="triton"):
+    """Values and logits-gradient of ``backend`` against the fp64 ``oracle`` (non-uniform upstream)."""
     x = logits.detach().clone().requires_grad_()
-    out = rk.logprob_from_logits(x, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=with_entropy, backend="triton")
+    out = rk.logprob_from_logits(x, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=with_entropy, backend=backend)
     lp, ent = out if with_entropy else (out, None)
     x64 = logits.detach().double().requires_grad_()
-    lp64, ent64 = logprob_oracle(x64, targets, temperature, ignore_index)
+    lp64, ent64 = oracle(x64, targets, temperature, ignore_index)
     assert lp.dtype == torch.float32 and lp.shape == targets.shape
     assert_close(lp, lp64, "logprob", logits.dtype, "logprob")
     g_lp = upstream(lp.shape, lp.device)
@@ -318,11 +318,11 @@ def run_policy_loss(t, backend, g, **kw):
     return loss.detach(), metrics, lp.grad, (entropy.grad if o["ent"] else None)
 
 
-def check_policy_loss(t, **kw):
-    """Triton policy_loss: loss, metrics and gradients against the fp64 oracle and the reference backend."""
+def check_policy_loss(t, backend="triton", **kw):
+    """``backend``'s policy_loss: loss, metrics and gradients against the fp64 oracle and the reference backend."""
     o = {**LOSS_DEFAULTS, **kw}
     g = upstream((), t["lp"].device)
-    loss, metrics, g_lp, g_ent = run_policy_loss(t, "triton", g, **kw)
+    loss, metrics, g_lp, g_ent = run_policy_loss(t, backend, g, **kw)
     dt = t["lp"].dtype
     d = {k: v.detach().double().requires_grad_(k in ("lp", "ent")) for k, v in t.items()}
     loss64, metrics64 = policy_loss_oracle(
@@ -341,6 +341,7 @@ def check_policy_loss(t, **kw):
     assert g_lp.dtype == dt
     assert_close(g_lp, d["lp"].grad, "gradient", dt, "d logprob")
     if o["ent"]:
+        assert g_ent.dtype == dt
         assert_close(g_ent, d["ent"].grad, "gradient", dt, "d entropy")
     ref_loss, ref_metrics, ref_g_lp, _ = run_policy_loss(t, "torch", g, **kw)
     assert_close(loss, ref_loss.double(), "reduction", dt, "loss vs reference")
