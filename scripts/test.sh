@@ -4,6 +4,8 @@
 #   core  - CPU PyTorch + Triton interpreter: tests/ except the framework tiers below
 #   verl  - the real verl on CPU:            tests/verl   (when requirements/verl.txt exists)
 #   vllm  - the real vLLM CPU engine:        tests/vllm   (when requirements/vllm.txt exists)
+#   vllm-gpu - the vLLM GPU release, imported on CPU: its Model Runner V2 targets and the
+#              plugin's loading contract (tests/vllm/test_mrv2.py, test_plugin.py)
 # Extra arguments are passed to every pytest call (e.g. -x, -k expr).
 # pytest's exit code 5 ("no tests collected") counts as a failure.
 set -uo pipefail
