@@ -8,7 +8,10 @@ autograd glue are shared with them (:mod:`rl_kernel_core._custom_ops`), so
 
 Registered backend implementations (signatures in :mod:`rl_kernel_core.logprob`,
 :mod:`rl_kernel_core.policy_loss` and :mod:`rl_kernel_core.advantages`): ``logprob_from_logits``,
-``ratio_kl``, ``policy_loss``, ``group_advantages``. The kernels (``native/csrc``) compute in fp32
+``ratio_kl``, ``policy_loss``, ``group_advantages``, and ``linear_logprob``, whose chunk driver,
+autograd node and cuBLAS products are the Triton backend's chunked route
+(:mod:`rl_kernel_core.triton.linear_logprob`) with the per-chunk pass replaced by the CUDA one
+(:class:`NativeChunkBuffers`). The kernels (``native/csrc``) compute in fp32
 (``group_advantages`` in fp64, as the reference) and reduce in a fixed order without float
 atomics: results are bitwise equal run to run. ``supports`` refuses fp64 log-probs/logits (use
 ``backend="torch"``) and gradients the kernels do not form.
@@ -28,6 +31,8 @@ import torch
 from rl_kernel_core import _custom_ops as glue
 from rl_kernel_core import dispatch
 from rl_kernel_core.native import EXTENSION as _ext
+from rl_kernel_core.triton import _linear_kernels as LK
+from rl_kernel_core.triton import linear_logprob as triton_linear
 
 Tensor = torch.Tensor
 
@@ -184,10 +189,78 @@ group_advantages_op.register_fake(glue.group_advantages_fake)
 group_advantages = dispatch.register("group_advantages", "native")(glue.group_advantages_impl(group_advantages_op))
 
 
+# ---------------------------------------------------------------- linear_logprob
+
+
+class NativeChunkBuffers(LK.ChunkBuffers):
+    """The chunked route's buffers (cuBLAS fp32 logits per fixed-size chunk of rows) with the CUDA
+    per-chunk pass of ``native/csrc/linear_logprob.cu``: one block per row computes LSE, target
+    logit and entropy, or overwrites the fp32 logits with ``dl`` in place."""
+
+    @staticmethod
+    def route_for(kind: str, hidden: Tensor, want_entropy: bool = False) -> str:
+        """Always ``"chunked"``: the CUDA pass reads the cuBLAS logits chunk."""
+        return "chunked"
+
+    def stats(
+        self, x: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, n: int,
+        inv_temp: float, ignore_index: int, lp: Tensor, ent: Optional[Tensor], lse: Tensor,
+    ) -> None:
+        """``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]``) of the first ``n`` rows of the logits chunk ``x``."""
+        _ext.linear_chunk_stats(x, bias, targets, inv_temp, ignore_index, lp, ent, lse)
+
+    def grad_pass(
+        self, x: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, n: int,
+        inv_temp: float, ignore_index: int, lse: Tensor, ent: Optional[Tensor],
+        g_lp: Tensor, g_ent: Optional[Tensor],
+    ) -> None:
+        """``self.dl[:n]`` (in place over the logits chunk ``x``) from the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``."""
+        _ext.linear_chunk_grad(x, self.dl, bias, targets, lse, None if g_ent is None else ent, g_lp, g_ent, inv_temp, ignore_index)
+
+
+def _linear_logprob_supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:
+    reason = glue.fp64_reason("native", hidden=hidden)
+    if reason is None and tp_group is not None:
+        reason = "the native linear_logprob is single-process; tp_group (vocab parallel) needs backend='triton' or 'torch'"
+    if reason is None and hidden.is_cuda and not LK.fp32_logits_supported(hidden.device, hidden.dtype):
+        reason = f"this torch's cuBLAS mm cannot write fp32 logits from {str(hidden.dtype).replace('torch.', '')} operands (mm(out_dtype=)), which the native chunk pass reads"
+    return reason
+
+
+@dispatch.register("linear_logprob", "native", supports=_linear_logprob_supports)
+def linear_logprob(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Optional[Tensor],
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    tp_group: Optional["torch.distributed.ProcessGroup"],
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Validated CUDA ``hidden [N, D]``, ``weight [V, D]``, ``targets [N]`` → ``(logprob [N], entropy [N] or None)``, fp32.
+
+    16-bit or fp32 ``hidden``/``weight``/``bias`` (one dtype); ``targets`` in ``[0, V)`` or
+    ``ignore_index`` (0 log-prob, 0 entropy, no gradient). Per fixed-size chunk of rows (a function
+    of V only), cuBLAS writes fp32 logits and one CUDA pass forms the statistics or, in the
+    backward, the logit gradient in place; then ``dh = dl W`` and ``dW += dl^T h`` (cuBLAS).
+    Differentiable in ``hidden``, ``weight`` and ``bias`` when grad mode is on and one requires
+    grad; otherwise forward-only, nothing saved. Deterministic; a row's log-prob, entropy and
+    ``dh`` do not depend on N or on the other rows. ``tp_group`` must be None (``supports``).
+    """
+    return triton_linear.run_chunked(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group, NativeChunkBuffers)
+
+
 # ---------------------------------------------------------------- auto order on this GPU
 
 
+UNMEASURED_PREFERENCE: dict[str, tuple[str, ...]] = {"linear_logprob": ("triton", "native", "torch")}
+"""``{op: auto order}`` on every architecture until ``MEASURED_PREFERENCE`` has a measurement of the op there."""
+
+
 def _apply_measured_preference() -> None:
+    for op, order in UNMEASURED_PREFERENCE.items():
+        dispatch.set_preference(op, order)
     major, minor = torch.cuda.get_device_capability()
     for op, order in MEASURED_PREFERENCE.get(f"{major}.{minor}", {}).items():
         dispatch.set_preference(op, order)

@@ -51,6 +51,21 @@ void policy_loss_bwd(const at::Tensor& grad_loss, const at::Tensor& logprob, con
                      double entropy_coef, int64_t agg, const std::optional<at::Tensor>& grad_logprob,
                      const std::optional<at::Tensor>& grad_entropy);
 
+// The per-chunk pass of linear_logprob over an fp32 logits chunk [rows, V] (unit stride along V)
+// that cuBLAS wrote, raw = h @ W^T; z = (raw + bias) * inv_temp. Only the first n = targets.size(0)
+// rows are read. stats writes logprob, lse and (unless None) entropy, each a contiguous fp32 [n]
+// tensor (ignore_index rows: 0). grad writes dl[:n] (fp32/bf16/fp16, unit stride along V; it may
+// overwrite the logits in place when its rows start where theirs do) = d/d raw of
+// sum(grad_logprob * logprob + grad_entropy * entropy), from the saved lse (and entropy when
+// grad_entropy is given); ignore_index rows get 0. bias: contiguous [V] of any float dtype, or None.
+void linear_chunk_stats(const at::Tensor& logits, const std::optional<at::Tensor>& bias, const at::Tensor& targets,
+                        double inv_temp, int64_t ignore_index, at::Tensor logprob,
+                        const std::optional<at::Tensor>& entropy, at::Tensor lse);
+void linear_chunk_grad(const at::Tensor& logits, at::Tensor dl, const std::optional<at::Tensor>& bias,
+                       const at::Tensor& targets, const at::Tensor& lse, const std::optional<at::Tensor>& entropy,
+                       const at::Tensor& grad_logprob, const std::optional<at::Tensor>& grad_entropy, double inv_temp,
+                       int64_t ignore_index);
+
 // group_advantages. Exactly one of group_size / group_index. estimator: 0 grpo, 1 dr_grpo, 2 rloo.
 // Returns [N] fp32 (fp64 for fp64 rewards), computed in fp64.
 at::Tensor group_advantages(const at::Tensor& rewards, std::optional<int64_t> group_size,

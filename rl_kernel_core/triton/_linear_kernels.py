@@ -436,6 +436,10 @@ class ChunkBuffers:
     ``rows`` is the chunk height; ``partials``/``ztgt`` hold one chunk's tile statistics; on the
     chunked route ``logits`` is the fp32 ``[rows, V]`` chunk and ``dl`` overwrites it in place;
     on the gemm route ``dl`` (when needed) is its own ``[rows, V]`` buffer in ``hidden``'s dtype.
+
+    The per-chunk passes are :meth:`stats` and :meth:`grad_pass` (Triton kernels here); a
+    subclass may replace them (the native backend's CUDA pass does) and inherits the chunking,
+    the padding and the buffers; :meth:`route_for` names the route its passes need.
     """
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool) -> None:
@@ -482,22 +486,37 @@ class ChunkBuffers:
         g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
     ) -> torch.Tensor:
         """``dl`` of ``n`` rows of ``x`` on the fixed ``[rows, V]`` shape (rows past ``n`` zero)."""
-        launch_grad(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, self.dl, self.route == "chunked")
+        self.grad_pass(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent)
         if n < self.rows:
             self.dl[n:].zero_()
         return self.dl
 
+    def grad_pass(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
+        inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
+        g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    ) -> None:
+        """Write ``self.dl[:n]`` from ``n`` rows of ``x`` (arguments as :meth:`grad`)."""
+        launch_grad(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, self.dl, self.route == "chunked")
+
+    @staticmethod
+    def route_for(kind: str, hidden: torch.Tensor, want_entropy: bool = False) -> str:
+        """The route of pass ``kind`` (``fwd``, ``bwd``) over ``hidden``: :meth:`Tuning.route`."""
+        return TUNING.route(kind, hidden, want_entropy)
+
 
 def forward_stats(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_temp: float, ignore_index: int, route: str, want_entropy: bool,
+    inv_temp: float, ignore_index: int, route: str, want_entropy: bool, buffers: type[ChunkBuffers] = ChunkBuffers,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """``(logprob, entropy or None, lse)``, fp32 ``[N]``; nothing ``[N, V]`` is ever held."""
+    """``(logprob, entropy or None, lse)``, fp32 ``[N]``; nothing ``[N, V]`` is ever held.
+
+    ``buffers``: the :class:`ChunkBuffers` class whose per-chunk passes run."""
     n_rows = hidden.shape[0]
     lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     ent = torch.empty_like(lp) if want_entropy else None
     lse = torch.empty_like(lp)
-    buf = ChunkBuffers(hidden, weight, route, need_dl=False)
+    buf = buffers(hidden, weight, route, need_dl=False)
     for r0 in range(0, n_rows, buf.rows):
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
@@ -550,11 +569,11 @@ class GradSink:
 def backward_chunks(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-    inv_temp: float, ignore_index: int, route: str, sink: GradSink,
+    inv_temp: float, ignore_index: int, route: str, sink: GradSink, buffers: type[ChunkBuffers] = ChunkBuffers,
 ) -> None:
-    """Recompute each chunk's logits, form ``dl`` and hand it to ``sink``."""
+    """Recompute each chunk's logits, form ``dl`` (``buffers``' pass) and hand it to ``sink``."""
     n_rows = hidden.shape[0]
-    buf = ChunkBuffers(hidden, weight, route, need_dl=True)
+    buf = buffers(hidden, weight, route, need_dl=True)
     for r0 in range(0, n_rows, buf.rows):
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)

@@ -36,20 +36,21 @@ def _fp32_rows(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if g is None else g.to(torch.float32).contiguous()
 
 
-def _forward(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group):
+def _forward(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group, buffers):
     """``(logprob, entropy or None, lse)``: single-process (``tp_group`` None) or vocab-parallel."""
     if tp_group is None:
-        return K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, K.TUNING.route("fwd", hidden, return_entropy), return_entropy)
+        route = buffers.route_for("fwd", hidden, return_entropy)
+        return K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, route, return_entropy, buffers)
     return VP.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group)
 
 
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group):
+    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, buffers):
         inv_temp = 1.0 / temperature
-        lp, ent, lse = _forward(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group)
+        lp, ent, lse = _forward(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group, buffers)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.inv_temp, ctx.ignore_index, ctx.tp_group = inv_temp, ignore_index, tp_group
+        ctx.inv_temp, ctx.ignore_index, ctx.tp_group, ctx.buffers = inv_temp, ignore_index, tp_group, buffers
         ctx.set_materialize_grads(False)
         return (lp, ent) if return_entropy else lp
 
@@ -59,7 +60,7 @@ class _LinearLogprob(torch.autograd.Function):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_lp is None and g_ent is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         g_lp = _fp32_rows(g_lp) if g_lp is not None else torch.zeros_like(lse)
         need_b = need_b and bias is not None
         group, ignore_index = ctx.tp_group, ctx.ignore_index
@@ -71,10 +72,10 @@ class _LinearLogprob(torch.autograd.Function):
             targets, ignore_index = VP.local_targets(targets, ignore_index, rank, weight.shape[0]), VP.IGNORED
         K.backward_chunks(
             hidden, weight, bias, targets, lse, ent, g_lp, _fp32_rows(g_ent),
-            ctx.inv_temp, ignore_index, K.TUNING.route("bwd", hidden), sink,
+            ctx.inv_temp, ignore_index, ctx.buffers.route_for("bwd", hidden), sink, ctx.buffers,
         )
         dh, dw, db = sink.grads()
-        return dh, dw, db, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None
 
 
 def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:
@@ -109,9 +110,27 @@ def linear_logprob_triton(
     ``hidden``/``targets`` and upstream gradients. Outputs are replicated and bitwise the same
     for every TP size; ``dh`` is summed over the group, ``dW``/``db`` are this rank's shards.
     """
+    return run_chunked(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group, K.ChunkBuffers)
+
+
+def run_chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    tp_group: Optional["torch.distributed.ProcessGroup"],
+    buffers: type[K.ChunkBuffers],
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`linear_logprob_triton` with the per-chunk passes of ``buffers`` (a
+    :class:`~rl_kernel_core.triton._linear_kernels.ChunkBuffers` class; the native backend passes
+    its CUDA pass): forward-only without grad, else an autograd node whose backward runs the same
+    chunk driver. ``tp_group`` is served by the Triton passes only."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if needs_grad:
-        out = _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group)
+        out = _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, buffers)
         return out if return_entropy else (out, None)
-    lp, ent, _ = _forward(hidden, weight, bias, targets, 1.0 / temperature, ignore_index, return_entropy, tp_group)
+    lp, ent, _ = _forward(hidden, weight, bias, targets, 1.0 / temperature, ignore_index, return_entropy, tp_group, buffers)
     return lp, ent

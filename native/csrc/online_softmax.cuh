@@ -1,0 +1,103 @@
+// Online softmax statistics shared by the row kernels of the rl-kernel native extension
+// (logprob.cu: logprob_from_logits; linear_logprob.cu: the per-chunk pass of linear_logprob).
+//
+// A thread's state over the scaled logits it has seen: m the running max, s = sum exp(z - m) and
+// u = sum exp(z - m) (z - m); moving to a larger max m' rescales by a = exp(m - m'): s' = a s,
+// u' = a (u + (m - m') s). lse = m + log s and entropy = log s - u / s once merged.
+#pragma once
+
+#include "common.cuh"
+
+namespace rlk {
+namespace {
+
+template <typename T>
+constexpr int kVec = 16 / int(sizeof(T));  // elements per 16-byte group
+
+// Fold K scaled logits into a thread's (m, s, u).
+template <bool ENT, int K>
+__device__ __forceinline__ void absorb(const float (&z)[K], float& m, float& s, float& u) {
+  float mx = z[0];
+#pragma unroll
+  for (int k = 1; k < K; ++k) mx = fmaxf(mx, z[k]);
+  if (mx > m) {
+    if (s > 0.f) {
+      const float d = m - mx;
+      const float a = __expf(d);
+      if (ENT) u = a * (u + d * s);
+      s *= a;
+    }
+    m = mx;
+  }
+  if (m == -INFINITY) return;  // nothing but masked entries so far
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const float d = z[k] - m;
+    const float e = __expf(d);
+    s += e;
+    if (ENT) u += e > 0.f ? e * d : 0.f;
+  }
+}
+
+// (m, s, u) <- merge of (m, s, u) and (m2, s2, u2); an empty state has s == 0.
+template <bool ENT>
+__device__ __forceinline__ void merge(float& m, float& s, float& u, float m2, float s2, float u2) {
+  if (s2 == 0.f) return;
+  if (s == 0.f) {
+    m = m2; s = s2; u = u2;
+    return;
+  }
+  const float mx = fmaxf(m, m2);
+  const float d1 = m - mx, d2 = m2 - mx;
+  const float a = expf(d1), b = expf(d2);
+  if (ENT) u = a * (u + d1 * s) + b * (u2 + d2 * s2);
+  s = a * s + b * s2;
+  m = mx;
+}
+
+// Group i (VEC elements from x + i * VEC): one 16-byte load when ALIGNED, else element by element.
+template <typename T, int VEC, bool ALIGNED>
+__device__ __forceinline__ Vec<T, VEC> load_group(const T* x, int64_t i) {
+  if constexpr (ALIGNED) {
+    return reinterpret_cast<const Vec<T, VEC>*>(x)[i];
+  } else {
+    Vec<T, VEC> r;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) r.v[k] = x[i * VEC + k];
+    return r;
+  }
+}
+
+template <typename T, int VEC, bool ALIGNED>
+__device__ __forceinline__ void store_group(T* out, int64_t i, const Vec<T, VEC>& g) {
+  if constexpr (ALIGNED) {
+    reinterpret_cast<Vec<T, VEC>*>(out)[i] = g;
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[i * VEC + k] = g.v[k];
+  }
+}
+
+// d loss / d raw logit of one entry (raw: before the 1/T scaling), the softmax recomputed from lse:
+// p = exp(raw / T - lse), dz = g_lp (onehot - p) - g_ent p (log p + entropy), returned as dz / T.
+template <bool GLP, bool GENT>
+__device__ __forceinline__ float dlogit(float raw, int64_t col, int64_t tgt, float inv_temp, float lse, float ent,
+                                        float g_lp, float g_ent) {
+  const float log_p = raw * inv_temp - lse;
+  const float p = __expf(log_p);
+  float dz = 0.f;
+  if (GLP) dz = (col == tgt ? g_lp : 0.f) - g_lp * p;
+  if (GENT) dz -= p > 0.f ? g_ent * p * (log_p + ent) : 0.f;
+  return dz * inv_temp;
+}
+
+// Whether every listed row (start pointer, row stride in elements) allows 16-byte accesses.
+template <typename T>
+bool aligned_rows(std::initializer_list<std::pair<const void*, int64_t>> rows) {
+  bool ok = true;
+  for (const auto& r : rows) ok = ok && reinterpret_cast<uintptr_t>(r.first) % 16 == 0 && r.second % kVec<T> == 0;
+  return ok;
+}
+
+}  // namespace
+}  // namespace rlk
