@@ -19,6 +19,7 @@ the reason when it cannot. It needs the toolchain, not a GPU: set ``TORCH_CUDA_A
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -96,12 +97,16 @@ def build(verbose: bool = False) -> ModuleType:
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
+    # torch rebuilds a JIT extension when its sources or flags change, not its headers: the
+    # headers' digest goes into the flags so that editing a .cuh/.h also triggers a rebuild.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.*h")))).hexdigest()[:16]
+    headers_flag = f"-DRL_KERNEL_HEADERS_DIGEST={digest}"
     try:
         return cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(p) for p in sources()],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3"],
+            extra_cflags=["-O3", headers_flag],
+            extra_cuda_cflags=["-O3", headers_flag],
             build_directory=str(out),
             verbose=verbose,
         )
