@@ -64,7 +64,7 @@ class Recorder:
             "command": bench.command_line(),
             "environment": bench.environment(DEV),
             "tuning_defaults": _tuning_dict(K.TUNING),
-            "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows},
+            "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows, "inputs": args.inputs},
             "notes": [],
             "results": [],
         }
@@ -118,6 +118,25 @@ def measure(fn: Callable[[], object], args: argparse.Namespace, out_bytes: Calla
         _free()
 
 
+def paired_ratio(fn: Callable[[], object], floor_fn: Callable[[], object], args: argparse.Namespace) -> dict:
+    """``fn`` and ``floor_fn`` timed alternately (``--reps`` pairs after warm-up), so clock and
+    power drift over the run hit both alike: median of each and median of the per-pair ratios."""
+    for _ in range(max(1, args.warmup)):
+        fn(), floor_fn()
+    ours_ms, floor_ms = [], []
+    for _ in range(args.reps):
+        for f, acc in ((fn, ours_ms), (floor_fn, floor_ms)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            f()
+            end.record()
+            torch.cuda.synchronize()
+            acc.append(start.elapsed_time(end))
+    ratios = sorted(a / b for a, b in zip(ours_ms, floor_ms))
+    return {"paired_ms": round(sorted(ours_ms)[len(ours_ms) // 2], 3), "paired_floor_ms": round(sorted(floor_ms)[len(floor_ms) // 2], 3),
+            "paired_x_floor": round(ratios[len(ratios) // 2], 3)}
+
+
 def _nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
@@ -125,12 +144,27 @@ def _nbytes(*ts) -> int:
 # ----------------------------------------------------------------------------- inputs
 
 
+INPUTS = "flat"
+"""Input regime (``--inputs``): ``flat``: Gaussian logits of std 3 (entropy about 7 nats, every
+vocab block holds probabilities above 2.4e-4); ``peaked``: like a trained LM sampling its own
+tokens: each row has one preferred token about 14 nats above Gaussian logits of std 1 (entropy
+about 1 nat), 70% of targets are that token. Time of exact methods does not depend on it;
+gradient-filtering methods (Cut-Cross-Entropy skips blocks whose |dz| < 2.4e-4) do."""
+
+
 def make(n: int, d: int, v: int, dtype: torch.dtype, seed: int = 0):
-    """Hidden/weight like an LM head (logit std about 3), targets with 5% ignored, upstream grad."""
+    """Hidden/weight of an LM head in the :data:`INPUTS` regime, targets with 5% ignored, upstream grad."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    hidden = torch.randn(n, d, device=DEV, generator=g).to(dtype)
-    weight = (torch.randn(v, d, device=DEV, generator=g) * (3.0 / math.sqrt(d))).to(dtype)
+    hidden = torch.randn(n, d, device=DEV, generator=g)
+    weight = torch.randn(v, d, device=DEV, generator=g) * ((3.0 if INPUTS == "flat" else 1.0) / math.sqrt(d))
     targets = torch.randint(0, v, (n,), device=DEV, generator=g)
+    if INPUTS == "peaked":
+        preferred = torch.randint(0, v, (n,), device=DEV, generator=g)
+        wp = weight[preferred]
+        hidden += 14.0 * wp / (wp * wp).sum(1, keepdim=True)
+        targets = torch.where(torch.rand(n, device=DEV, generator=g) < 0.7, preferred, targets)
+        del wp
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
     targets[torch.rand(n, device=DEV, generator=g) < 0.05] = -100
     g_lp = (torch.rand(n, device=DEV, generator=g) + 0.5) * torch.where(torch.rand(n, device=DEV, generator=g) < 0.5, -1.0, 1.0)
     return hidden, weight, targets, g_lp
@@ -162,13 +196,18 @@ def liger(h, w, t):
     return -LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, t)
 
 
-def cce(h, w, t):
+def cce(h, w, t, filter_eps="auto"):
     from cut_cross_entropy import linear_cross_entropy
 
-    return -linear_cross_entropy(h, w, t, reduction="none")
+    return -linear_cross_entropy(h, w, t, reduction="none", filter_eps=filter_eps)
 
 
-METHODS = {"ours": ours, "eager": eager, "eager_chunked_ckpt": eager_chunked_ckpt, "liger_flce": liger, "cce": cce}
+def cce_exact(h, w, t):
+    """CCE with its gradient filter off (every block of the backward computed)."""
+    return cce(h, w, t, filter_eps=None)
+
+
+METHODS = {"ours": ours, "eager": eager, "eager_chunked_ckpt": eager_chunked_ckpt, "liger_flce": liger, "cce": cce, "cce_exact": cce_exact}
 
 
 def fwd_bwd(method, h, w, t, g_lp):
@@ -210,6 +249,8 @@ def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
                 label = name + (f"[{vname}]" if vname else "")
                 m = METHODS[name]
                 res_f = measure(lambda: fwd_only(m, h, w, t), args, out_bytes=_nbytes)
+                if DEV.type == "cuda":
+                    res_f.update(paired_ratio(lambda: fwd_only(m, h, w, t), lambda: h @ w.T, args))
                 routes = {"fwd": K.TUNING.route("fwd", h), "fwd_with_entropy": K.TUNING.route("fwd", h, True),
                           "bwd": K.TUNING.route("bwd", h), "loss": K.TUNING.route("loss", h)} if name == "ours" else None
                 rec.add({"part": "forward", "shape": shape, "N": n, "D": d, "V": v, "method": label, "routes": routes, **res_f,
@@ -255,16 +296,20 @@ def part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants):
 
 def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
     h, w, t, _ = make(n, d, v, dtype)
+    T = K.TileConfig
     configs = [
-        K.TileConfig(128, 256, 64, 8, 8, 3), K.TileConfig(128, 256, 64, 8, 8, 4), K.TileConfig(256, 128, 64, 8, 8, 3),
-        K.TileConfig(128, 256, 64, 16, 8, 3), K.TileConfig(128, 128, 64, 8, 4, 3),
+        T(128, 256, 64, 16, 8, 3), T(128, 256, 64, 16, 8, 3, tma=True),
+        T(128, 256, 64, 16, 8, 3, persistent=True), T(128, 256, 64, 16, 8, 3, tma=True, persistent=True),
+        T(128, 256, 64, 16, 8, 4, tma=True, persistent=True), T(128, 256, 64, 8, 8, 3, tma=True, persistent=True),
+        T(256, 128, 64, 16, 8, 3, tma=True, persistent=True), T(128, 256, 64, 16, 8, 4, persistent=True),
     ]
     for cfg in configs:
         saved = _with_tuning(gemm_tiles=cfg, fwd_route="gemm")
         try:
             res = measure(lambda: fwd_only(ours, h, w, t), args)
+            paired = paired_ratio(lambda: fwd_only(ours, h, w, t), lambda: h @ w.T, args) if DEV.type == "cuda" else {}
             rec.add({"part": "tiles", "shape": shape, "N": n, "D": d, "V": v, "tiles": dataclasses.asdict(cfg), **res,
-                     "x_floor": round(res.get("median_ms", math.nan) / floor_ms, 3)})
+                     "x_floor": round(res.get("median_ms", math.nan) / floor_ms, 3), **paired})
         except Exception as exc:
             rec.add({"part": "tiles", "shape": shape, "tiles": dataclasses.asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
         finally:
@@ -383,9 +428,11 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--acc-rows", type=int, default=2048)
     p.add_argument("--device", default="cuda", help="cuda; or cpu with TRITON_INTERPRET=1 and --shapes tiny (smoke test)")
+    p.add_argument("--inputs", default="flat", choices=("flat", "peaked"), help="input regime (see INPUTS)")
     args = p.parse_args()
-    global DEV
+    global DEV, INPUTS
     DEV = torch.device(args.device)
+    INPUTS = args.inputs
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     parts = set(args.part.split(",")) if args.part != "all" else {"logprob", "accuracy", "loss", "memory", "invariance"}
@@ -422,10 +469,17 @@ def main() -> int:
 def _parse_variant(spec: str) -> tuple[str, dict]:
     name, _, body = spec.partition("=")
     over = {}
+    convert = {"int": int, "bool": lambda s: s.lower() in ("1", "true"), "str": str}
     for item in body.split(";"):
         key, _, val = item.partition(":")
+        if "." in key:  # one field of a tile shape, e.g. gemm_tiles.tma:true
+            tiles, sub = key.split(".", 1)
+            base = over.get(tiles, getattr(K.TUNING, tiles))
+            sub_type = {f.name: f.type for f in dataclasses.fields(K.TileConfig)}[sub]
+            over[tiles] = dataclasses.replace(base, **{sub: convert[sub_type](val)})
+            continue
         field_type = {f.name: f.type for f in dataclasses.fields(K.Tuning)}[key]
-        over[key] = {"int": int, "bool": lambda s: s.lower() in ("1", "true"), "str": str}[field_type](val)
+        over[key] = convert[field_type](val)
     return name, over
 
 

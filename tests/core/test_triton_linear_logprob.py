@@ -47,6 +47,14 @@ def route(request, monkeypatch):
     return request.param
 
 
+TILE_VARIANTS = {  # the gemm route's loads and launch: pointer or TMA loads, one program per tile or persistent
+    "pointer": dict(tma=False, persistent=False),
+    "tma": dict(tma=True, persistent=False),
+    "tma_persistent": dict(tma=True, persistent=True),
+    "pointer_persistent": dict(tma=False, persistent=True),
+}
+
+
 def small_chunks(monkeypatch, rows: int, vocab: int) -> None:
     """Make the backward/loss chunk ``rows`` rows so the cases cross chunk boundaries and padding."""
     monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, chunk_bytes=rows * vocab * 4))
@@ -218,6 +226,30 @@ def test_deterministic_and_batch_invariant(seed, device, route, monkeypatch):
             assert torch.equal(part[0][:m], full[0][:m]), f"logprob rows, N={take}"
             assert torch.equal(part[1][:m], full[1][:m]), f"entropy rows, N={take}"
             assert torch.equal(part[2][0][:m], full[2][0][:m]), f"dhidden rows, N={take}"
+
+
+def test_tile_variants_agree(seed, device, monkeypatch):
+    """Pointer or TMA loads, one program per tile or a persistent walk: the same tiles and the same
+    K order, so the same bits under the interpreter; on a GPU within the contract of each other
+    (the default variant is the one the other GPU tests check against fp64)."""
+    shape = shapes(device)[0]
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.bfloat16)
+    g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
+    outs = {}
+    for name, fields in TILE_VARIANTS.items():
+        tiles = dataclasses.replace(K.TUNING.gemm_tiles, **fields)
+        grad_tiles = dataclasses.replace(K.TUNING.gemm_grad_tiles, **fields)
+        monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, fwd_route="gemm", bwd_route="gemm", gemm_tiles=tiles, gemm_grad_tiles=grad_tiles))
+        lp, ent, grads = run(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
+        outs[name] = (lp, ent) + tuple(grads)
+    labels = ("logprob", "entropy", "dhidden", "dweight", "dbias")
+    for name, out in outs.items():
+        for label, got, want in zip(labels, out, outs["pointer"]):
+            if device.type == "cpu":
+                assert torch.equal(got, want), f"{name}: {label}"
+            else:
+                kind = "logprob" if label in ("logprob", "entropy") else "gradient"
+                assert_close(got, want, kind, torch.bfloat16, f"{name}: {label}")
 
 
 def test_no_grad_forward_saves_nothing(seed, device, route):
