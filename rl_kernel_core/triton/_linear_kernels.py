@@ -16,8 +16,10 @@ logits come from is a compile-time switch: ``FROM_LOGITS=False`` forms the tile 
 from ``hidden`` and ``weight`` (the logits never leave registers: the *gemm* route);
 ``FROM_LOGITS=True`` reads an fp32 logits chunk that cuBLAS wrote (the *chunked* route). What it
 does with the tile is the other switch: ``GRAD=False`` writes the tile's ``(m_j, s_j, a_j)`` and,
-for the row whose target falls in the tile, ``z_t``; ``GRAD=True`` writes ``dl`` for the tile.
-:func:`_merge_kernel` then merges each row's tile statistics in a fixed order.
+on the chunked route, for the row whose target falls in the tile, ``z_t``; ``GRAD=True`` writes
+``dl`` for the tile. On the gemm route :func:`_target_logit_kernel` forms ``z_t`` as one dot
+product per row (a compare-select-sum over every tile element would cost the register-bound
+epilogue more). :func:`_merge_kernel` then merges each row's tile statistics in a fixed order.
 
 Determinism and batch invariance: each output element of the tile product is one length-D dot
 product accumulated in a fixed ``BLOCK_K`` order; tile statistics are reduced by a fixed tree
@@ -156,9 +158,36 @@ def _logits_pass_kernel(
                 if WANT_ENT:
                     a_stat = tl.sum(tl.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
                     tl.store(pent_ptr + p_off, a_stat, mask=row_ok)
-                zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
-                owns = (tgt >= t * BLOCK_N) & (tgt < t * BLOCK_N + BLOCK_N)
-                tl.store(ztgt_ptr + rows, zt, mask=row_ok & owns)
+                if FROM_LOGITS:  # the gemm route takes z_t from _target_logit_kernel instead
+                    zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+                    owns = (tgt >= t * BLOCK_N) & (tgt < t * BLOCK_N + BLOCK_N)
+                    tl.store(ztgt_ptr + rows, zt, mask=row_ok & owns)
+
+
+@launch_time_jit
+def _target_logit_kernel(
+    x_ptr, w_ptr, b_ptr, tgt_ptr, out_ptr, M, D,
+    stride_xm, stride_xk, stride_wv, stride_wk, inv_temp, ignore_index,
+    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``out[r] = (h_r . W[t_r] + b[t_r]) * inv_temp`` for rows whose target is not
+    ``ignore_index`` (others untouched): fp32 products summed over fixed ``BLOCK_D`` slices in
+    ascending order, so a row's value depends on that row alone."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    tgt = tl.load(tgt_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
+    ok = (rows < M) & (tgt != ignore_index)
+    rows_safe = tl.where(ok, rows, 0).to(tl.int64)
+    tgt_safe = tl.where(ok, tgt, 0)
+    acc = tl.zeros((BLOCK_R,), tl.float32)
+    for k0 in range(0, D, BLOCK_D):
+        ks = k0 + tl.arange(0, BLOCK_D)
+        k_ok = ok[:, None] & (ks < D)[None, :]
+        h = tl.load(x_ptr + rows_safe[:, None] * stride_xm + ks[None, :] * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + tgt_safe[:, None] * stride_wv + ks[None, :] * stride_wk, mask=k_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(h * w, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + tgt_safe, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, acc * inv_temp, mask=ok)
 
 
 @launch_time_jit
@@ -289,6 +318,8 @@ TUNING = Tuning()
 STATS_BYTES = 128 * 2**20
 """Budget of the tile-statistics buffers of the gemm-route forward (12 bytes per row and tile)."""
 _MERGE_BLOCK_R = 16
+_TARGET_BLOCK_R = 16
+_TARGET_BLOCK_D = 128
 _MERGE_BLOCK_T = 64
 
 
@@ -437,6 +468,12 @@ def launch_stats(
         1, grid[0],
         FROM_LOGITS=from_logits, GRAD=False, HAS_GENT=False, WANT_ENT=want_entropy, IN_PLACE=False, **_common_flags(weight, bias, cfg, tma),
     )
+    if not from_logits:
+        _target_logit_kernel[(triton.cdiv(rows, _TARGET_BLOCK_R),)](
+            x, weight, bias if bias is not None else dummy, targets, ztgt, rows, dim,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), inv_temp, ignore_index,
+            HAS_BIAS=bias is not None, BLOCK_R=_TARGET_BLOCK_R, BLOCK_D=_TARGET_BLOCK_D, num_warps=4,
+        )
 
 
 def launch_merge(
