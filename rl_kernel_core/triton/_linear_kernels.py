@@ -249,8 +249,8 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = False
-    """Load the gemm route's operands through TMA tensor descriptors (16-bit inputs whose layout
-    TMA accepts, :func:`tma_eligible`); other inputs take pointer loads with the same tiles."""
+    """Load the gemm route's operands through TMA tensor descriptors where
+    :func:`tma_supported` (others take pointer loads with the same tiles)."""
     persistent: bool = False
     """Launch one program per SM that walks the tiles (flattened loop nest: the next tile's
     loads overlap this tile's epilogue) instead of one program per tile. The tile partition and
@@ -400,28 +400,34 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device)
 
 
-def tma_eligible(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can address these 2-D operands: 16-bit, unit last stride, 16-byte
-    aligned base and row stride, on a GPU of compute capability 9.0+ (or in the interpreter)."""
-    for t in tensors:
-        if t.dtype not in (torch.bfloat16, torch.float16) or t.stride(1) != 1:
-            return False
-        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return False
-    dev = tensors[0].device
+def tma_supported(dtype: torch.dtype, dim: int, device: torch.device) -> bool:
+    """Whether the gemm route can take TMA loads for ``[*, dim]`` operands of ``dtype`` on
+    ``device``: 16-bit, rows a multiple of 16 bytes, compute capability 9.0+ (or the interpreter).
+    A function of the dtype, D and device only, so every row of a given head takes the same path."""
+    if dtype not in (torch.bfloat16, torch.float16) or (dim * 2) % 16:
+        return False
     if interpreting():
         return True
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy when its strides or base address do not suit a TMA descriptor
+    (strided views then give the same bits as contiguous tensors; the public ops pass contiguous
+    tensors, so only direct backend calls with views copy)."""
+    if t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _gemm_operands(x: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, from_logits: bool) -> tuple[object, object, bool]:
     """``(x, weight, tma)``: tensor descriptors of the tile blocks when ``cfg.tma`` applies, else the tensors."""
-    if from_logits or not cfg.tma or not tma_eligible(x, weight):
+    if from_logits or not cfg.tma or not tma_supported(weight.dtype, weight.shape[1], weight.device):
         return x, weight, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return (TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
-            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), True)
+    return (TensorDescriptor.from_tensor(_tma_layout(x), [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(_tma_layout(weight), [cfg.block_n, cfg.block_k]), True)
 
 
 def _grid(work: int, cfg: TileConfig, device: torch.device, from_logits: bool) -> tuple[int]:

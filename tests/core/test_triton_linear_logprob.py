@@ -186,7 +186,8 @@ def test_extreme_logits(seed, device, route, case):
 
 
 def test_noncontiguous_inputs_same_bits(seed, device, route):
-    """The impl takes strided views as they are: same bits as contiguous copies."""
+    """Strided views give the same bits as contiguous copies (pointer loads read them as they are;
+    the TMA path copies a view it cannot address)."""
     shape = shapes(device)[0]
     n, d, v = shape["n"], shape["d"], shape["v"]
     hidden, weight, bias, targets = make_inputs(device, n, d, v, torch.bfloat16)
