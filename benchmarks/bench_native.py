@@ -12,6 +12,10 @@ What it measures (every implementation in the same run, on the same inputs):
   and both gradients written once at the copy bandwidth.
 * ``ratio_kl`` forward+backward over the same tokens and ``group_advantages`` over 64k rewards in
   groups of 16 (by size, and by index), native, triton and eager.
+* ``linear_logprob`` at ``--linear-shape`` (default N=16384, D=4096, V=128256, bf16): native and
+  triton forward without grad (log-probs only: the old/ref passes) and forward+backward with
+  entropy; the order follows the time of one RL step's share, two no-grad forwards plus one
+  forward+backward.
 
 Errors are max |value - fp64 reference| on the same inputs. For each op the faster of native and
 Triton (CUDA-graph time where capture worked, else launched time; forward+backward where there is
@@ -184,9 +188,43 @@ def bench_group_advantages(args: argparse.Namespace, device: torch.device) -> di
             "auto_order": _order(rows, "by_index"), "auto_order_rule": "faster by index (the layout-free case)"}
 
 
+def bench_linear_logprob(args: argparse.Namespace, device: torch.device) -> dict:
+    n, d, v = (int(x) for x in args.linear_shape.split(","))
+    hidden = torch.randn(n, d, device=device).to(torch.bfloat16)
+    weight = (torch.randn(v, d, device=device) * (3.0 / d**0.5)).to(torch.bfloat16)
+    targets = torch.randint(0, v, (n,), device=device)
+    g_lp = torch.rand(n, device=device) + 0.5  # non-uniform upstream gradients
+    g_ent = torch.rand(n, device=device) * 0.1
+
+    def fwd(backend: str):
+        def run():
+            with torch.no_grad():
+                return rk.linear_logprob(hidden, weight, targets, backend=backend)
+        return run
+
+    def fwd_bwd(backend: str):
+        def run():
+            h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+            lp, ent = rk.linear_logprob(h, w, targets, return_entropy=True, backend=backend)
+            return torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
+        return run
+
+    rows = {"cublas_logits_floor": _timed(lambda: hidden @ weight.T, device, args)}
+    for b in FAST:
+        rows[f"{b}_fwd_no_grad"] = _timed(fwd(b), device, args)
+        rows[f"{b}_fwd_bwd_entropy"] = _timed(fwd_bwd(b), device, args)
+        rows[f"{b}_rl_step"] = {"median_ms": 2 * rows[f"{b}_fwd_no_grad"]["median_ms"] + rows[f"{b}_fwd_bwd_entropy"]["median_ms"]}
+    rows_ref = min(n, 1024)
+    lp64 = torch.log_softmax(hidden[:rows_ref].double() @ weight.double().T, dim=-1).gather(-1, targets[:rows_ref, None])[:, 0]
+    errs = {b: _max_err([(fwd(b)()[:rows_ref], lp64)]) for b in FAST}
+    return {"shape": {"N": n, "D": d, "V": v}, "dtype": "bfloat16", "results": rows, "max_abs_err_logprob_vs_fp64_first_rows": errs,
+            "auto_order": _order(rows, "rl_step"), "auto_order_rule": "faster 2 x forward without grad + 1 x forward+backward with entropy"}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
+    parser.add_argument("--linear-shape", default="16384,4096,128256", help="N,D,V of the linear_logprob measurement")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -202,9 +240,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     result["policy_loss"] = bench_policy_loss(args, device, bandwidth["gbs"])
     result["ratio_kl"] = bench_ratio_kl(args, device)
     result["group_advantages"] = bench_group_advantages(args, device)
+    torch.cuda.empty_cache()
+    result["linear_logprob"] = bench_linear_logprob(args, device)
     major, minor = torch.cuda.get_device_capability(device)
     result["measured_preference"] = {f"{major}.{minor}": {op: result[op]["auto_order"] for op in
-                                                           ("logprob_from_logits", "policy_loss", "ratio_kl", "group_advantages")}}
+                                                           ("logprob_from_logits", "policy_loss", "ratio_kl", "group_advantages", "linear_logprob")}}
     write_result(result, args.out, f"bench_native_{env.get('gpu', 'cuda').replace(' ', '_')}.json")
     return 0
 
