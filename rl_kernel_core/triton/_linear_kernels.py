@@ -314,13 +314,12 @@ class Tuning:
 
 
 TUNING = Tuning()
-
 STATS_BYTES = 128 * 2**20
 """Budget of the tile-statistics buffers of the gemm-route forward (12 bytes per row and tile)."""
 _MERGE_BLOCK_R = 16
+_MERGE_BLOCK_T = 64
 _TARGET_BLOCK_R = 16
 _TARGET_BLOCK_D = 128
-_MERGE_BLOCK_T = 64
 
 
 def stats_rows(n_tiles: int) -> int:
@@ -505,8 +504,8 @@ def launch_grad(
 
     ``g_lp`` / ``g_ent`` are fp32 upstream gradients (``g_ent`` None: no entropy term; ``ent``
     is then unused). With ``from_logits`` the pass reads the fp32 chunk ``x``; ``dl`` may alias
-    it (a 2-byte view with ``x``'s byte row stride, or ``x`` itself) and each program then
-    sweeps whole rows in ascending column order.
+    it: ``x`` itself (fp32 inputs), or a 2-byte view with ``x``'s byte row stride, for which each
+    program then sweeps whole rows in ascending column order.
     """
     vocab, dim = weight.shape
     cfg = TUNING.tiles(weight.dtype, weight.device, from_logits, grad=True)
