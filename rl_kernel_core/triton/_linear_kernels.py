@@ -279,7 +279,9 @@ class Tuning:
     ``RL_KERNEL_WGRAD_FP32=1``. ``gemm_tiles`` / ``gemm_grad_tiles``: the gemm route's tile shape
     for 16-bit inputs on a GPU in the statistics pass / the gradient pass. The statistics pass
     takes TMA loads and a persistent launch; the gradient pass, which stores a 16-bit ``dl``
-    tile, measured slower with them (1.98 against 1.55 ms per 1536-row chunk at D=896).
+    tile, measured slower with them (one timing of the pass alone on an H100, not committed:
+    1.98 against 1.55 ms per 1536-row chunk at D=896; ``bench_linear_logprob.py --variants
+    "tmagrad=gemm_grad_tiles.tma:true;gemm_grad_tiles.persistent:true"`` measures it end to end).
     """
 
     fwd_route: str = "auto"
