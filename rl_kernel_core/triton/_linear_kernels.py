@@ -412,11 +412,14 @@ def tma_supported(dtype: torch.dtype, dim: int, device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _tma_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy when its strides or base address do not suit a TMA descriptor
-    (strided views then give the same bits as contiguous tensors; the public ops pass contiguous
-    tensors, so only direct backend calls with views copy)."""
-    if t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0:
+def canonical_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy when it is strided or its base is not 16-byte aligned.
+
+    Triton specializes a kernel on unit strides and aligned pointers, and the register layout it
+    then picks sets the order of in-kernel reductions; TMA descriptors need this layout too. The
+    chunk drivers' entry points pass ``hidden`` and ``weight`` through it, so a strided view gives
+    the bits of its contiguous copy (the public ops already pass contiguous tensors: no copy)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -427,8 +430,8 @@ def _gemm_operands(x: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, from_
         return x, weight, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return (TensorDescriptor.from_tensor(_tma_layout(x), [cfg.block_m, cfg.block_k]),
-            TensorDescriptor.from_tensor(_tma_layout(weight), [cfg.block_n, cfg.block_k]), True)
+    return (TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), True)
 
 
 def _grid(work: int, cfg: TileConfig, device: torch.device, from_logits: bool) -> tuple[int]:

@@ -150,7 +150,8 @@ def fused_linear_policy_loss_triton(
     gradient is formed during the forward); ``metrics`` detached 0-d tensors.
     """
     num_seqs, seq_len, dim = hidden.shape
-    h2d = hidden.reshape(num_seqs * seq_len, dim)
+    h2d = K.canonical_layout(hidden.reshape(num_seqs * seq_len, dim))
+    weight = K.canonical_layout(weight)
     t1d = targets.reshape(-1)
     mask_eff = reference.scored_mask(mask, targets, ignore_index)
     knobs = dict(

@@ -128,6 +128,7 @@ def run_chunked(
     :class:`~rl_kernel_core.triton._linear_kernels.ChunkBuffers` class; the native backend passes
     its CUDA pass): forward-only without grad, else an autograd node whose backward runs the same
     chunk driver. ``tp_group`` is served by the Triton passes only."""
+    hidden, weight = K.canonical_layout(hidden), K.canonical_layout(weight)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if needs_grad:
         out = _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, buffers)
