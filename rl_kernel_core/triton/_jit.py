@@ -8,9 +8,10 @@ launch: ``kernel[grid](...)`` interprets when ``TRITON_INTERPRET=1`` is set at t
 compiles otherwise. Both flavours are built lazily from the same Python function.
 
 Helpers: while an interpreted launch runs, every ``JITFunction`` it calls (``triton.language``'s
-own ``tl.max``, ``tl.sum``, ``tl.cdiv``... and any ``@triton.jit`` helper of the caller) is
+own ``tl.max``, ``tl.sum``, ``tl.cdiv``... and any :func:`helper_jit` helper of the caller) is
 interpreted too, as it would have been had ``TRITON_INTERPRET=1`` been set before Triton was
-imported.
+imported. Our own device functions use :func:`helper_jit` rather than ``triton.jit``, which
+would bind them to the interpreter for good when imported under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ class LaunchTimeKernel:
                 return kernel[grid](*args, **kwargs)
 
         return launch
+
+
+def helper_jit(fn: Callable) -> JITFunction:
+    """Decorator for a device function called from :func:`launch_time_jit` kernels: always a
+    ``JITFunction`` (inlined when the caller compiles, interpreted when the caller is)."""
+    return JITFunction(fn)
 
 
 def launch_time_jit(fn: Optional[Callable] = None, **jit_kwargs):

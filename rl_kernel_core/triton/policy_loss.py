@@ -26,9 +26,8 @@ for the surrogate means the unclipped branch carries it whenever ``-A·r >= -A·
    ``d loss / d entropy`` per token from the recomputed terms, the sequence's aggregation scale
    and the upstream gradient, read from device memory.
 
-The kernels are self-contained (no nested ``@triton.jit`` calls) so that
-:func:`rl_kernel_core.triton._jit.launch_time_jit` can pick compiled or interpreted execution at
-each launch. The reduction order depends only on ``(S, T)`` and the block sizes, so results are bitwise equal
+The KL estimators' values and gradients are device functions (``_kl_value``, ``_kl_grad``)
+shared by both ops' kernels. The reduction order depends only on ``(S, T)`` and the block sizes, so results are bitwise equal
 run to run.
 """
 
@@ -40,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl_kernel_core.triton._jit import launch_time_jit
+from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 from rl_kernel_core.reference.policy_loss import LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP
 
 # the reference's clamps, as compile-time constants of the kernels
@@ -53,6 +52,35 @@ AGG_CODES: dict[str, int] = {
 }
 _NUM_PARTIALS = 7
 _ELEMENTWISE_BLOCK = 1024
+
+
+@helper_jit
+def _kl_value(d_ref, k3, KL: tl.constexpr):
+    """The estimator's value from ``d_ref = logprob - ref`` and ``k3 = eˣ - x - 1`` (x clamped)."""
+    if KL == 0:
+        kl = d_ref
+    elif KL == 1:
+        kl = tl.abs(d_ref)
+    elif KL == 2:
+        kl = 0.5 * d_ref * d_ref
+    else:
+        kl = tl.minimum(tl.maximum(k3, -_KLC), _KLC)
+    return kl
+
+
+@helper_jit
+def _kl_grad(d_ref, ex, k3, KL: tl.constexpr, KL_PLUS: tl.constexpr):
+    """``d kl / d logprob`` (``ex = eˣ``); the ``+`` variants take k2's gradient ``d_ref``."""
+    if KL_PLUS or KL == 2:
+        dkl = d_ref
+    elif KL == 0:
+        dkl = tl.full(d_ref.shape, 1.0, tl.float32)
+    elif KL == 1:
+        dkl = tl.where(d_ref > 0, 1.0, tl.where(d_ref < 0, -1.0, 0.0))
+    else:
+        passes = (k3 >= -_KLC) & (k3 <= _KLC) & (d_ref >= -_LRC) & (d_ref <= _LRC)
+        dkl = tl.where(passes, 1.0 - ex, 0.0)
+    return dkl
 
 
 def kl_code(kl_type: str) -> tuple[int, bool]:
@@ -79,14 +107,7 @@ def _ratio_kl_kernel(
     ex = tl.exp(x)
     k3 = ex - x - 1.0
     if not BACKWARD:
-        if KL == 0:
-            kl = d_ref
-        elif KL == 1:
-            kl = tl.abs(d_ref)
-        elif KL == 2:
-            kl = 0.5 * d_ref * d_ref
-        else:
-            kl = tl.minimum(tl.maximum(k3, -_KLC), _KLC)
+        kl = _kl_value(d_ref, k3, KL)
         tl.store(ratio_ptr + offs, ratio, mask=valid)
         tl.store(kl_ptr + offs, kl, mask=valid)
     else:
@@ -95,16 +116,7 @@ def _ratio_kl_kernel(
             g_ratio = tl.load(g_ratio_ptr + offs, mask=valid, other=0.0).to(tl.float32)
             grad += tl.where((d_old >= -_LRC) & (d_old <= _LRC), g_ratio * ratio, 0.0)
         if HAS_G_KL:
-            if KL_PLUS or KL == 2:
-                dkl = d_ref
-            elif KL == 0:
-                dkl = tl.full([BLOCK], 1.0, tl.float32)
-            elif KL == 1:
-                dkl = tl.where(d_ref > 0, 1.0, tl.where(d_ref < 0, -1.0, 0.0))
-            else:
-                passes = (k3 >= -_KLC) & (k3 <= _KLC) & (d_ref >= -_LRC) & (d_ref <= _LRC)
-                dkl = tl.where(passes, 1.0 - ex, 0.0)
-            grad += tl.load(g_kl_ptr + offs, mask=valid, other=0.0).to(tl.float32) * dkl
+            grad += tl.load(g_kl_ptr + offs, mask=valid, other=0.0).to(tl.float32) * _kl_grad(d_ref, ex, k3, KL, KL_PLUS)
         tl.store(grad_ptr + offs, grad, mask=valid)
 
 
@@ -156,14 +168,7 @@ def _policy_loss_tokens_kernel(
         ex = tl.exp(x)
         k3 = ex - x - 1.0
     if not BACKWARD:
-        if KL == 0:
-            kl = d_ref
-        elif KL == 1:
-            kl = tl.abs(d_ref)
-        elif KL == 2:
-            kl = 0.5 * d_ref * d_ref
-        else:
-            kl = tl.minimum(tl.maximum(k3, -_KLC), _KLC)
+        kl = _kl_value(d_ref, k3, KL)
         out = partials_ptr + seq * NB + blk
         stride_q = S * NB
         tl.store(out, tl.sum(tl.where(keep, pg, 0.0) * m, axis=0))
@@ -196,16 +201,7 @@ def _policy_loss_tokens_kernel(
         tok_scale = tl.where(keep, m * scale, 0.0)
         if GRAD_LP:
             if ADD_KL:
-                if KL_PLUS or KL == 2:
-                    dkl = d_ref
-                elif KL == 0:
-                    dkl = tl.full([BLOCK_T], 1.0, tl.float32)
-                elif KL == 1:
-                    dkl = tl.where(d_ref > 0, 1.0, tl.where(d_ref < 0, -1.0, 0.0))
-                else:
-                    passes = (k3 >= -_KLC) & (k3 <= _KLC) & (d_ref >= -_LRC) & (d_ref <= _LRC)
-                    dkl = tl.where(passes, 1.0 - ex, 0.0)
-                dpg = dpg + kl_coef * dkl
+                dpg = dpg + kl_coef * _kl_grad(d_ref, ex, k3, KL, KL_PLUS)
             tl.store(grad_lp_ptr + offs, tl.where(keep, tok_scale * dpg, 0.0), mask=valid)
         if GRAD_ENT:
             tl.store(grad_ent_ptr + offs, -entropy_coef * tok_scale, mask=valid)
