@@ -67,20 +67,7 @@ __global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(
     const float z[1] = {biased<BIAS>(x[j], bias, bias_code, j) * inv_temp};
     absorb<ENT>(z, m, s, u);
   }
-  sh_m[tid] = m;
-  sh_s[tid] = s;
-  sh_u[tid] = u;
-  __syncthreads();
-  for (int stride = kStatsThreads / 2; stride > 0; stride >>= 1) {
-    if (tid < stride) {
-      float m1 = sh_m[tid], s1 = sh_s[tid], u1 = sh_u[tid];
-      merge<ENT>(m1, s1, u1, sh_m[tid + stride], sh_s[tid + stride], sh_u[tid + stride]);
-      sh_m[tid] = m1;
-      sh_s[tid] = s1;
-      sh_u[tid] = u1;
-    }
-    __syncthreads();
-  }
+  block_merge<ENT, kStatsThreads>(m, s, u, sh_m, sh_s, sh_u);
   if (tid == 0) {
     const float log_s = logf(sh_s[0]);
     const float lse = sh_m[0] + log_s;

@@ -55,6 +55,27 @@ __device__ __forceinline__ void merge(float& m, float& s, float& u, float m2, fl
   m = mx;
 }
 
+// Merge the THREADS threads' states by a fixed shared-memory tree (the same pairs in the same
+// order for every row): afterwards sh_m[0], sh_s[0], sh_u[0] hold the block's state.
+template <bool ENT, int THREADS>
+__device__ __forceinline__ void block_merge(float m, float s, float u, float* sh_m, float* sh_s, float* sh_u) {
+  const int tid = threadIdx.x;
+  sh_m[tid] = m;
+  sh_s[tid] = s;
+  sh_u[tid] = u;
+  __syncthreads();
+  for (int stride = THREADS / 2; stride > 0; stride >>= 1) {
+    if (tid < stride) {
+      float m1 = sh_m[tid], s1 = sh_s[tid], u1 = sh_u[tid];
+      merge<ENT>(m1, s1, u1, sh_m[tid + stride], sh_s[tid + stride], sh_u[tid + stride]);
+      sh_m[tid] = m1;
+      sh_s[tid] = s1;
+      sh_u[tid] = u1;
+    }
+    __syncthreads();
+  }
+}
+
 // Group i (VEC elements from x + i * VEC): one 16-byte load when ALIGNED, else element by element.
 template <typename T, int VEC, bool ALIGNED>
 __device__ __forceinline__ Vec<T, VEC> load_group(const T* x, int64_t i) {
