@@ -60,23 +60,23 @@ def same_shape(reference_name: str, reference: torch.Tensor, **others: Optional[
 def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Every id in ``targets`` is in ``[0, vocab)`` or equals ``ignore_index``.
 
-    Costs one device→host sync; the public ops call it because an out-of-range id would
-    otherwise read out of bounds inside a kernel. Under ``torch.compile`` the check is a
-    device-side assert instead (no sync, no graph break), failing at run time.
+    Costs one device→host sync (a single flag; the range for the message is read only when the
+    check fails); the public ops call it because an out-of-range id would otherwise read out of
+    bounds inside a kernel. Under ``torch.compile`` the check is a device-side assert instead (no
+    sync, no graph break), failing at run time.
     """
     if targets.numel() == 0:
         return
+    bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
     if torch.compiler.is_compiling():
-        ok = ((targets >= 0) & (targets < vocab)) | (targets == ignore_index)
-        torch._assert_async(ok.all(), f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}")
+        torch._assert_async(~bad.any(), f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}")
         return
-    valid = targets != ignore_index
-    if not bool(valid.any()):
-        return
-    ids = targets[valid]
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}, got range [{lo}, {hi}]")
+    if bool(bad.any()):
+        ids = targets[bad]
+        raise ValueError(
+            f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}, "
+            f"got {ids.numel()} outside it, in [{int(ids.min())}, {int(ids.max())}]"
+        )
 
 
 def positive(name: str, value: float) -> float:

@@ -336,8 +336,8 @@ def test_linear_logprob_rejects_bad_input(overrides, error, names):
 
 
 def test_out_of_range_message_names_range():
-    with pytest.raises(ValueError, match=r"targets ids must be in \[0, 10\).*got range \[0, 12\]"):
-        _call(targets=torch.tensor([[0, 12, 3], [1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"targets ids must be in \[0, 10\).*got 2 outside it, in \[-3, 12\]"):
+        _call(targets=torch.tensor([[0, 12, 3], [-3, 2, -100]]))
 
 
 @pytest.mark.parametrize(
