@@ -32,10 +32,16 @@ import triton.language as tl
 from rl_kernel_core.triton._jit import launch_time_jit
 
 _MAX_BLOCK_V = 4096
+FWD_TILE: tuple[int, int] = (4096, 4)
+"""The forward's ``(largest BLOCK_V, num_warps)``, one for both entropy settings so a row's
+log-prob has the same bits with and without entropy (the old/ref passes skip the entropy, the
+training pass asks for it; on-policy ratios must then be exactly 1). The fastest over the sum
+of both settings in ``benchmarks/sweep_logprob_from_logits.py`` on an H100 (N=8192, V=151936,
+bf16; ``benchmarks/results/sweep_logprob_from_logits_h100.json``)."""
 
 
-def _block_v(vocab: int) -> int:
-    return min(_MAX_BLOCK_V, triton.next_power_of_2(max(vocab, 16)))
+def _block_v(vocab: int, largest: int = _MAX_BLOCK_V) -> int:
+    return min(largest, triton.next_power_of_2(max(vocab, 16)))
 
 
 @launch_time_jit
@@ -113,7 +119,8 @@ def _logprob_bwd_kernel(
 
 
 def logprob_fwd(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int, with_entropy: bool
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int, with_entropy: bool,
+    tile: tuple[int, int] = FWD_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward pass.
 
@@ -123,6 +130,7 @@ def logprob_fwd(
         temperature: the logits are divided by it.
         ignore_index: rows with this target give 0 and are not read.
         with_entropy: also compute the entropy of each row's tempered distribution.
+        tile: ``(largest BLOCK_V, num_warps)``; :data:`FWD_TILE` unless a tuning sweep asks.
 
     Returns:
         ``(logprob [N] fp32, entropy [N] fp32 or [0] when not requested, lse [N] fp32)``; ``lse``
@@ -140,7 +148,7 @@ def logprob_fwd(
         targets, targets.stride(0),
         logprob, entropy if with_entropy else logprob, lse,
         vocab, 1.0 / temperature, ignore_index,
-        WITH_ENTROPY=with_entropy, BLOCK_V=_block_v(vocab), num_warps=8,
+        WITH_ENTROPY=with_entropy, BLOCK_V=_block_v(vocab, tile[0]), num_warps=tile[1],
     )
     return logprob, entropy, lse
 

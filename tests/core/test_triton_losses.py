@@ -192,6 +192,9 @@ def test_logprob_deterministic_and_row_independent(seed):
     first, second = run(logits, targets), run(logits, targets)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+    # the old/ref passes skip the entropy and the gradient: the same log-prob bits (ratio exactly 1)
+    with torch.no_grad():
+        assert torch.equal(rk.logprob_from_logits(logits, targets, temperature=0.7, backend="triton"), first[0])
     # a row's bits do not depend on N or on the other rows
     sub = run(logits[3:5].flip(0), targets[3:5].flip(0), torch.tensor([4, 3], device=DEVICE))
     for a, b in zip(sub, first):
