@@ -15,10 +15,8 @@ import argparse
 import json
 import os
 import sys
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_linear_logprob as B  # noqa: E402
@@ -43,24 +41,6 @@ def _case_fn(case: str, shape: str, dtype: torch.dtype):
     return fwd_bwd
 
 
-def kernel_table(fn, warmup: int) -> tuple[float, list[dict]]:
-    """Device ms of one ``fn()`` call, and its kernels grouped by name (most time first)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    groups: dict = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            groups[ev.name][0] += ev.device_time_total / 1e3
-            groups[ev.name][1] += 1
-    rows = [{"kernel": k, "ms": round(ms, 3), "launches": c} for k, (ms, c) in groups.items()]
-    rows.sort(key=lambda r: -r["ms"])
-    return round(sum(r["ms"] for r in rows), 3), rows
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -80,7 +60,7 @@ def main() -> int:
         n, d, v = B.SHAPES[shape]
         h = torch.randn(n, d, device=dev).to(dtype)
         w = torch.randn(v, d, device=dev).to(dtype)
-        floor_ms, _ = kernel_table(lambda: h @ w.T, max(3, args.warmup))
+        floor_ms, _ = bench.kernel_table(lambda: h @ w.T, max(3, args.warmup))
         del h, w
         doc["results"].append({"shape": shape, "case": "floor", "N": n, "D": d, "V": v, "device_ms": floor_ms})
         print(f"== {shape}: cuBLAS h@W.T {floor_ms:.2f} ms")
@@ -88,7 +68,7 @@ def main() -> int:
             for vname, over in variants:
                 saved = B._with_tuning(**over)
                 try:
-                    total, rows = kernel_table(_case_fn(case, shape, dtype), args.warmup)
+                    total, rows = bench.kernel_table(_case_fn(case, shape, dtype), args.warmup)
                 finally:
                     B.K.TUNING = saved
                 label = case + (f"[{vname}]" if vname else "")

@@ -13,6 +13,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -92,3 +93,24 @@ def peak_extra_gib(fn: Callable[[], Any], device: torch.device) -> float | None:
     peak = torch.cuda.max_memory_allocated(device)
     del result
     return (peak - before) / 2**30
+
+
+def kernel_table(fn: Callable[[], Any], warmup: int) -> tuple[float, list[dict]]:
+    """Device ms of one ``fn()`` call (the sum of its CUDA kernels under ``torch.profiler``, after
+    ``warmup`` calls), and its kernels grouped by name, most time first (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    groups: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            groups[ev.name][0] += ev.device_time_total / 1e3
+            groups[ev.name][1] += 1
+    rows = [{"kernel": k, "ms": round(ms, 3), "launches": c} for k, (ms, c) in groups.items()]
+    rows.sort(key=lambda r: -r["ms"])
+    return round(sum(r["ms"] for r in rows), 3), rows

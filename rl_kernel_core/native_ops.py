@@ -45,14 +45,17 @@ ESTIMATOR_CODES: dict[str, int] = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
 
 MEASURED_PREFERENCE: dict[str, dict[str, tuple[str, ...]]] = {
     # H100 (sm_90), benchmarks/results/bench_native_h100.json: logprob_from_logits fwd+bwd (N=8192,
-    # V=151936, bf16) native 2.90 ms / triton 3.31 ms; policy_loss fwd+bwd (1M tokens, CUDA graph)
-    # native 32.3 us / triton 23.6 us; ratio_kl fwd+bwd (1M, CUDA graph) native 52.6 us / triton
-    # 47.0 us; group_advantages (64k rewards by index) native 0.33 ms / triton 0.46 ms
+    # V=151936, bf16) native 3.08 ms / triton 3.13 ms; policy_loss fwd+bwd (1M tokens, CUDA graph)
+    # native 40.2 us / triton 29.3 us; ratio_kl fwd+bwd (1M, CUDA graph) native 55.6 us / triton
+    # 48.4 us; group_advantages (64k rewards by index) native 0.288 ms / triton 0.290 ms;
+    # linear_logprob (N=16384, D=4096, V=128256: 2 no-grad forwards + 1 fwd+bwd with entropy)
+    # native 194.1 ms / triton 177.4 ms
     "9.0": {
         "logprob_from_logits": ("native", "triton", "torch"),
         "policy_loss": ("triton", "native", "torch"),
         "ratio_kl": ("triton", "native", "torch"),
         "group_advantages": ("native", "triton", "torch"),
+        "linear_logprob": ("triton", "native", "torch"),
     },
 }
 """``{compute capability: {op: auto order}}``: the faster of native and triton first, as measured by ``benchmarks/bench_native.py``."""
