@@ -5,11 +5,11 @@ the same schemas: ``logprob_from_logits`` → ``(logprob [N], entropy [N] or [0]
 backward → ``d logits``; ``ratio_kl`` → ``(ratio, kl)`` and its backward → ``d logprob``;
 ``policy_loss`` → ``(loss [], metrics [6], seq_weight [S], totals [2])`` and its backward →
 ``(d logprob or [0], d entropy or [0])``; ``group_advantages`` → ``[N]``. What does not depend on
-the kernels lives here: the fake (meta) implementations, the autograd glue
-(``setup_context`` and the backward, given the backend's backward op), the ``supports``
-predicates (the reasons a backend gives for inputs its fp32 kernels do not serve) and the
-backend implementations that :func:`rl_kernel_core.dispatch.register` registers, given the
-backend's forward op.
+the kernels lives here: :func:`define_differentiable_op` (the op pair, and the eager path that
+skips the dispatcher), the fake (meta) implementations, the autograd glue (``setup_context`` and
+the backward, given the backend's backward), the ``supports`` predicates (the reasons a backend
+gives for inputs its fp32 kernels do not serve) and the backend implementations that
+:func:`rl_kernel_core.dispatch.register` registers, given the backend's forward.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable, Collection, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from rl_kernel_core.policy_loss import METRIC_NAMES
 
@@ -25,6 +26,48 @@ FAST_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.flo
 POLICY_LOSS_KNOBS: tuple[str, ...] = (
     "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_type", "kl_coef", "entropy_coef", "loss_agg_mode",
 )
+
+
+# ---------------------------------------------------------------- op definition
+
+
+def define_differentiable_op(
+    name: str, forward_fn: Callable, forward_fake: Callable, backward_fn: Callable, backward_fake: Callable,
+    setup: Callable, make_backward: Callable[[Callable], Callable],
+) -> Callable:
+    """Define the custom ops ``rl_kernel::<name>`` over ``forward_fn`` and ``rl_kernel::<name>_backward``
+    over ``backward_fn`` (with these fakes, and autograd from ``setup`` and
+    ``make_backward(backward op)``), and return what a backend implementation calls.
+
+    The returned callable takes ``forward_fn``'s arguments. While ``torch.compile`` traces, it
+    calls the custom op, so graphs see the op, its fake and its backward. In eager it applies a
+    ``torch.autograd.Function`` over the same Python bodies, ``setup`` and backward: the same
+    kernels, without the dispatcher's custom-op layers, which at RL sizes cost more host time per
+    call than the kernels take on the GPU (``benchmarks/profile_host.py``). Either way the
+    backward is not itself differentiable.
+    """
+    forward_op = torch.library.custom_op(f"rl_kernel::{name}", forward_fn, mutates_args=())
+    backward_op = torch.library.custom_op(f"rl_kernel::{name}_backward", backward_fn, mutates_args=())
+    forward_op.register_fake(forward_fake)
+    backward_op.register_fake(backward_fake)
+    forward_op.register_autograd(make_backward(backward_op), setup_context=setup)
+    eager_backward = once_differentiable(make_backward(backward_fn))
+
+    class Eager(torch.autograd.Function):
+        # ctx in forward rather than a setup_context staticmethod: with the latter, apply() binds
+        # the arguments through inspect.signature on every call
+        @staticmethod
+        def forward(ctx, *args):
+            out = forward_fn(*args)
+            setup(ctx, args, out)
+            return out
+
+        backward = staticmethod(eager_backward)
+
+    def call(*args):
+        return forward_op(*args) if torch.compiler.is_compiling() else Eager.apply(*args)
+
+    return call
 
 
 # ---------------------------------------------------------------- supports reasons
@@ -62,7 +105,7 @@ def logprob_supports(backend: str) -> Callable[..., Optional[str]]:
 
 
 def logprob_impl(forward_op: Callable) -> Callable[..., tuple[Tensor, Optional[Tensor]]]:
-    """The backend implementation of ``logprob_from_logits`` over the custom op ``forward_op``."""
+    """The backend implementation of ``logprob_from_logits`` over ``forward_op`` (see :func:`define_differentiable_op`)."""
 
     def logprob_from_logits(
         logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
@@ -99,7 +142,7 @@ def logprob_setup(ctx, inputs, output) -> None:
 
 
 def logprob_backward(backward_op: Callable) -> Callable:
-    """The autograd backward of a forward op whose backward custom op is ``backward_op``."""
+    """The autograd backward of a forward op whose backward is ``backward_op`` (the custom op, or its Python body in eager)."""
 
     def backward(ctx, grad_logprob, grad_entropy, _grad_lse):
         logits, targets, lse, entropy = ctx.saved_tensors
@@ -141,7 +184,7 @@ def ratio_kl_supports(backend: str, kl_types: Optional[Collection[str]] = None) 
 
 
 def ratio_kl_impl(forward_op: Callable) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The backend implementation of ``ratio_kl`` over the custom op ``forward_op``."""
+    """The backend implementation of ``ratio_kl`` over ``forward_op`` (see :func:`define_differentiable_op`)."""
 
     def ratio_kl(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
         """Backend implementation: ``(ratio, kl)`` fp32, differentiable in ``logprob``."""
@@ -170,7 +213,7 @@ def ratio_kl_setup(ctx, inputs, output) -> None:
 
 
 def ratio_kl_backward(backward_op: Callable) -> Callable:
-    """The autograd backward of a forward op whose backward custom op is ``backward_op``."""
+    """The autograd backward of a forward op whose backward is ``backward_op`` (the custom op, or its Python body in eager)."""
 
     def backward(ctx, grad_ratio, grad_kl):
         logprob, old_logprob, ref_logprob = ctx.saved_tensors
@@ -210,7 +253,7 @@ def policy_loss_supports(
 
 
 def policy_loss_impl(forward_op: Callable) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
-    """The backend implementation of ``policy_loss`` over the custom op ``forward_op``."""
+    """The backend implementation of ``policy_loss`` over ``forward_op`` (see :func:`define_differentiable_op`)."""
 
     def policy_loss(
         logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
@@ -259,7 +302,7 @@ def policy_loss_setup(ctx, inputs, output) -> None:
 
 
 def policy_loss_backward(backward_op: Callable) -> Callable:
-    """The autograd backward of a forward op whose backward custom op is ``backward_op``."""
+    """The autograd backward of a forward op whose backward is ``backward_op`` (the custom op, or its Python body in eager)."""
 
     def backward(ctx, grad_loss, _g_metrics, _g_seq_weight, _g_totals):
         logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals = ctx.saved_tensors

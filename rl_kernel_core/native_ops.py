@@ -45,11 +45,11 @@ ESTIMATOR_CODES: dict[str, int] = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
 
 MEASURED_PREFERENCE: dict[str, dict[str, tuple[str, ...]]] = {
     # H100 (sm_90), benchmarks/results/bench_native_h100.json: logprob_from_logits fwd+bwd (N=8192,
-    # V=151936, bf16) native 3.08 ms / triton 3.13 ms; policy_loss fwd+bwd (1M tokens, CUDA graph)
-    # native 40.2 us / triton 29.3 us; ratio_kl fwd+bwd (1M, CUDA graph) native 55.6 us / triton
-    # 48.4 us; group_advantages (64k rewards by index) native 0.288 ms / triton 0.290 ms;
+    # V=151936, bf16) native 2.79 ms / triton 3.11 ms; policy_loss fwd+bwd (1M tokens, CUDA graph)
+    # native 32.8 us / triton 23.3 us; ratio_kl fwd+bwd (1M, CUDA graph) native 51.9 us / triton
+    # 47.5 us; group_advantages (64k rewards by index) native 0.28 ms / triton 0.49 ms;
     # linear_logprob (N=16384, D=4096, V=128256: 2 no-grad forwards + 1 fwd+bwd with entropy)
-    # native 194.1 ms / triton 177.4 ms
+    # native 192.5 ms / triton 178.5 ms
     "9.0": {
         "logprob_from_logits": ("native", "triton", "torch"),
         "policy_loss": ("triton", "native", "torch"),
@@ -70,8 +70,7 @@ def _kl(kl_type: str) -> tuple[int, bool]:
 # ---------------------------------------------------------------- logprob_from_logits
 
 
-@torch.library.custom_op("rl_kernel::native_logprob_from_logits", mutates_args=())
-def logprob_from_logits_op(
+def _logprob_from_logits_fwd(
     logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(logprob [N], entropy [N] or [0], lse [N])`` fp32 from ``logits [N, V]`` (one read; see ``native/csrc/logprob.cu``)."""
@@ -79,8 +78,7 @@ def logprob_from_logits_op(
     return logprob, entropy, lse
 
 
-@torch.library.custom_op("rl_kernel::native_logprob_from_logits_backward", mutates_args=())
-def logprob_from_logits_backward_op(
+def _logprob_from_logits_bwd(
     logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
     grad_logprob: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, ignore_index: int,
 ) -> Tensor:
@@ -88,28 +86,27 @@ def logprob_from_logits_backward_op(
     return _ext.logprob_bwd(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index)
 
 
-logprob_from_logits_op.register_fake(glue.logprob_fake)
-logprob_from_logits_backward_op.register_fake(glue.logprob_backward_fake)
-logprob_from_logits_op.register_autograd(glue.logprob_backward(logprob_from_logits_backward_op), setup_context=glue.logprob_setup)
+_logprob_from_logits_op = glue.define_differentiable_op(
+    "native_logprob_from_logits", _logprob_from_logits_fwd, glue.logprob_fake,
+    _logprob_from_logits_bwd, glue.logprob_backward_fake, glue.logprob_setup, glue.logprob_backward,
+)
 
 
 logprob_from_logits = dispatch.register("logprob_from_logits", "native", supports=glue.logprob_supports("native"))(
-    glue.logprob_impl(logprob_from_logits_op)
+    glue.logprob_impl(_logprob_from_logits_op)
 )
 
 
 # ---------------------------------------------------------------- ratio_kl
 
 
-@torch.library.custom_op("rl_kernel::native_ratio_kl", mutates_args=())
-def ratio_kl_op(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
+def _ratio_kl_fwd(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
     """``(ratio, kl)`` fp32 of the input shape."""
     ratio, kl = _ext.ratio_kl_fwd(logprob, old_logprob, ref_logprob, _kl(kl_type)[0])
     return ratio, kl
 
 
-@torch.library.custom_op("rl_kernel::native_ratio_kl_backward", mutates_args=())
-def ratio_kl_backward_op(
+def _ratio_kl_bwd(
     logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
     grad_ratio: Optional[Tensor], grad_kl: Optional[Tensor], kl_type: str,
 ) -> Tensor:
@@ -118,19 +115,19 @@ def ratio_kl_backward_op(
     return _ext.ratio_kl_bwd(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, code, plus)
 
 
-ratio_kl_op.register_fake(glue.ratio_kl_fake)
-ratio_kl_backward_op.register_fake(glue.ratio_kl_backward_fake)
-ratio_kl_op.register_autograd(glue.ratio_kl_backward(ratio_kl_backward_op), setup_context=glue.ratio_kl_setup)
+_ratio_kl_op = glue.define_differentiable_op(
+    "native_ratio_kl", _ratio_kl_fwd, glue.ratio_kl_fake, _ratio_kl_bwd, glue.ratio_kl_backward_fake,
+    glue.ratio_kl_setup, glue.ratio_kl_backward,
+)
 
 
-ratio_kl = dispatch.register("ratio_kl", "native", supports=glue.ratio_kl_supports("native"))(glue.ratio_kl_impl(ratio_kl_op))
+ratio_kl = dispatch.register("ratio_kl", "native", supports=glue.ratio_kl_supports("native"))(glue.ratio_kl_impl(_ratio_kl_op))
 
 
 # ---------------------------------------------------------------- policy_loss
 
 
-@torch.library.custom_op("rl_kernel::native_policy_loss", mutates_args=())
-def policy_loss_op(
+def _policy_loss_fwd(
     logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
     entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor],
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
@@ -144,8 +141,7 @@ def policy_loss_op(
     return loss, metrics, seq_weight, totals
 
 
-@torch.library.custom_op("rl_kernel::native_policy_loss_backward", mutates_args=())
-def policy_loss_backward_op(
+def _policy_loss_bwd(
     grad_loss: Tensor, logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
     rollout_is_weights: Optional[Tensor], seq_weight: Tensor, totals: Tensor,
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
@@ -165,14 +161,15 @@ def policy_loss_backward_op(
     return (empty if grad_lp is None else grad_lp), (empty.clone() if grad_ent is None else grad_ent)
 
 
-policy_loss_op.register_fake(glue.policy_loss_fake)
-policy_loss_backward_op.register_fake(glue.policy_loss_backward_fake)
-policy_loss_op.register_autograd(glue.policy_loss_backward(policy_loss_backward_op), setup_context=glue.policy_loss_setup)
+_policy_loss_op = glue.define_differentiable_op(
+    "native_policy_loss", _policy_loss_fwd, glue.policy_loss_fake, _policy_loss_bwd, glue.policy_loss_backward_fake,
+    glue.policy_loss_setup, glue.policy_loss_backward,
+)
 
 
 policy_loss = dispatch.register(
     "policy_loss", "native", supports=glue.policy_loss_supports("native")
-)(glue.policy_loss_impl(policy_loss_op))
+)(glue.policy_loss_impl(_policy_loss_op))
 
 
 # ---------------------------------------------------------------- group_advantages

@@ -3,7 +3,8 @@
 Each op pairs a forward and a backward custom op (``rl_kernel::triton_*``) with a fake
 implementation (shapes and dtypes only), so ``torch.compile(fullgraph=True)`` traces through them
 without graph breaks, and ``register_autograd`` ties them together, so AOTAutograd sees the
-backward too. The ops accept CUDA tensors, and CPU tensors when the Triton interpreter is on
+backward too; in eager the same bodies run as a ``torch.autograd.Function``
+(:func:`rl_kernel_core._custom_ops.define_differentiable_op`). The ops accept CUDA tensors, and CPU tensors when the Triton interpreter is on
 (``TRITON_INTERPRET=1`` before Triton kernels are defined); :mod:`rl_kernel_core.dispatch`
 decides which device may reach them.
 
@@ -31,19 +32,14 @@ Tensor = torch.Tensor
 # ---------------------------------------------------------------- logprob_from_logits
 
 
-@torch.library.custom_op("rl_kernel::triton_logprob_from_logits", mutates_args=())
-def logprob_from_logits_op(
+def _logprob_from_logits_fwd(
     logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(logprob [N], entropy [N] or [0], lse [N])``, fp32; see :func:`..logprob_from_logits.logprob_fwd`."""
     return _lp.logprob_fwd(logits, targets, temperature, ignore_index, return_entropy)
 
 
-logprob_from_logits_op.register_fake(glue.logprob_fake)
-
-
-@torch.library.custom_op("rl_kernel::triton_logprob_from_logits_backward", mutates_args=())
-def logprob_from_logits_backward_op(
+def _logprob_from_logits_bwd(
     logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
     grad_logprob: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, ignore_index: int,
 ) -> Tensor:
@@ -51,29 +47,26 @@ def logprob_from_logits_backward_op(
     return _lp.logprob_bwd(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index)
 
 
-logprob_from_logits_backward_op.register_fake(glue.logprob_backward_fake)
-logprob_from_logits_op.register_autograd(glue.logprob_backward(logprob_from_logits_backward_op), setup_context=glue.logprob_setup)
+_logprob_from_logits_op = glue.define_differentiable_op(
+    "triton_logprob_from_logits", _logprob_from_logits_fwd, glue.logprob_fake,
+    _logprob_from_logits_bwd, glue.logprob_backward_fake, glue.logprob_setup, glue.logprob_backward,
+)
 
 
 logprob_from_logits = dispatch.register("logprob_from_logits", "triton", supports=glue.logprob_supports("triton"))(
-    glue.logprob_impl(logprob_from_logits_op)
+    glue.logprob_impl(_logprob_from_logits_op)
 )
 
 
 # ---------------------------------------------------------------- ratio_kl
 
 
-@torch.library.custom_op("rl_kernel::triton_ratio_kl", mutates_args=())
-def ratio_kl_op(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
+def _ratio_kl_fwd(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor, kl_type: str) -> tuple[Tensor, Tensor]:
     """``(ratio, kl)`` fp32 of the input shape; see :func:`..policy_loss.ratio_kl_fwd`."""
     return _pl.ratio_kl_fwd(logprob, old_logprob, ref_logprob, kl_type)
 
 
-ratio_kl_op.register_fake(glue.ratio_kl_fake)
-
-
-@torch.library.custom_op("rl_kernel::triton_ratio_kl_backward", mutates_args=())
-def ratio_kl_backward_op(
+def _ratio_kl_bwd(
     logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
     grad_ratio: Optional[Tensor], grad_kl: Optional[Tensor], kl_type: str,
 ) -> Tensor:
@@ -81,20 +74,21 @@ def ratio_kl_backward_op(
     return _pl.ratio_kl_bwd(logprob, old_logprob, ref_logprob, grad_ratio, grad_kl, kl_type)
 
 
-ratio_kl_backward_op.register_fake(glue.ratio_kl_backward_fake)
-ratio_kl_op.register_autograd(glue.ratio_kl_backward(ratio_kl_backward_op), setup_context=glue.ratio_kl_setup)
+_ratio_kl_op = glue.define_differentiable_op(
+    "triton_ratio_kl", _ratio_kl_fwd, glue.ratio_kl_fake, _ratio_kl_bwd, glue.ratio_kl_backward_fake,
+    glue.ratio_kl_setup, glue.ratio_kl_backward,
+)
 
 
 ratio_kl = dispatch.register("ratio_kl", "triton", supports=glue.ratio_kl_supports("triton", kl_types=_pl.KL_CODES))(
-    glue.ratio_kl_impl(ratio_kl_op)
+    glue.ratio_kl_impl(_ratio_kl_op)
 )
 
 
 # ---------------------------------------------------------------- policy_loss
 
 
-@torch.library.custom_op("rl_kernel::triton_policy_loss", mutates_args=())
-def policy_loss_op(
+def _policy_loss_fwd(
     logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
     entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor],
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
@@ -107,11 +101,7 @@ def policy_loss_op(
     )
 
 
-policy_loss_op.register_fake(glue.policy_loss_fake)
-
-
-@torch.library.custom_op("rl_kernel::triton_policy_loss_backward", mutates_args=())
-def policy_loss_backward_op(
+def _policy_loss_bwd(
     grad_loss: Tensor, logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
     rollout_is_weights: Optional[Tensor], seq_weight: Tensor, totals: Tensor,
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
@@ -128,13 +118,15 @@ def policy_loss_backward_op(
     return (empty if grad_lp is None else grad_lp), (empty.clone() if grad_ent is None else grad_ent)
 
 
-policy_loss_backward_op.register_fake(glue.policy_loss_backward_fake)
-policy_loss_op.register_autograd(glue.policy_loss_backward(policy_loss_backward_op), setup_context=glue.policy_loss_setup)
+_policy_loss_op = glue.define_differentiable_op(
+    "triton_policy_loss", _policy_loss_fwd, glue.policy_loss_fake, _policy_loss_bwd, glue.policy_loss_backward_fake,
+    glue.policy_loss_setup, glue.policy_loss_backward,
+)
 
 
 policy_loss = dispatch.register(
     "policy_loss", "triton", supports=glue.policy_loss_supports("triton", kl_types=_pl.KL_CODES, agg_modes=_pl.AGG_CODES)
-)(glue.policy_loss_impl(policy_loss_op))
+)(glue.policy_loss_impl(_policy_loss_op))
 
 
 # ---------------------------------------------------------------- group_advantages
