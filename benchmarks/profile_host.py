@@ -13,8 +13,12 @@ two for each case, in one process:
   only; a CUDA graph cannot capture the public ops, whose target-id check syncs with the host),
   with ``x_floor``, its ratio to the case's floor: the bytes it must move (the logits read once;
   forward+backward: read twice and the gradient written; the policy loss's inputs read and its
-  gradient written) at the copy bandwidth measured here. The profiler runs last, after every timing: once
-  it has run it stays attached and slows later launches.
+  gradient written) at the copy bandwidth measured here. The profiler runs last, after every
+  timing: once it has run it stays attached and slows later launches.
+
+Besides the public ops, ``policy_loss_op_fwd_bwd[<backend>, custom op | eager path]`` calls the
+backend's op layer directly, both ways (the ``torch.library`` custom op that ``torch.compile``
+traces, and the ``torch.autograd.Function`` eager calls take), on the same arguments.
 
     python benchmarks/profile_host.py --out benchmarks/results
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import json
 import os
@@ -68,6 +73,10 @@ def _short_paths(line: str) -> str:
     return re.sub(r"\S*/site-packages/", "site-packages/", line.replace(_REPO, ""))
 
 
+OP_MODULES = {"triton": "rl_kernel_core.triton.ops", "native": "rl_kernel_core.native_ops"}
+"""The modules whose ``_policy_loss_op`` is the eager path of each fast backend's policy loss."""
+
+
 def cases(args: argparse.Namespace, bandwidth_gbs: float) -> dict[str, tuple[Callable[[], object], float]]:
     """``{name: (call, floor ms)}``: ``logprob_from_logits`` (no grad, and forward+backward) and
     ``policy_loss`` forward+backward, per backend."""
@@ -104,6 +113,15 @@ def cases(args: argparse.Namespace, bandwidth_gbs: float) -> dict[str, tuple[Cal
         # forward+backward: the logits read twice and their gradient written once
         out[f"logprob_from_logits_fwd_bwd[{backend}]"] = (lfl_fwd_bwd, 3 * read_once_ms)
         out[f"policy_loss_fwd_bwd[{backend}]"] = (loss_fwd_bwd, loss_floor_ms)
+        if backend in OP_MODULES:  # the op layer alone: the custom op against the eager path
+            module = importlib.import_module(OP_MODULES[backend])
+            args = (lp, old, adv, mask, ref, None, None, 0.2, 0.2, 3.0, "k3", 0.05, 0.0, "token-mean")
+            for label, op in (("custom op", getattr(torch.ops.rl_kernel, f"{backend}_policy_loss")),
+                              ("eager path", module._policy_loss_op)):
+                def op_fwd_bwd(op=op):
+                    return torch.autograd.grad(op(*args)[0], (lp,))
+
+                out[f"policy_loss_op_fwd_bwd[{backend}, {label}]"] = (op_fwd_bwd, loss_floor_ms)
     return out
 
 
