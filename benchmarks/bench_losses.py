@@ -100,6 +100,21 @@ def _max_err(pairs) -> float:
     return max(float((a.double() - b).abs().max()) for a, b in pairs)
 
 
+def eager_logprob(logits: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, g_lp: torch.Tensor) -> tuple[Callable, Callable]:
+    """The eager baseline ``log_softmax(logits.float()).gather``: ``(forward without grad on
+    logits, forward+backward on x -> d x)`` with the upstream gradient ``g_lp``."""
+
+    def fwd():
+        with torch.no_grad():
+            return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+
+    def fwd_bwd():
+        lp = torch.log_softmax(x.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+        return torch.autograd.grad((lp * g_lp).sum(), (x,))[0]
+
+    return fwd, fwd_bwd
+
+
 def bench_logprob(args: argparse.Namespace, device: torch.device, bandwidth_gbs: float) -> dict:
     n, v = args.n, args.v
     logits = (torch.randn(n, v, device=device) * 3).to(torch.bfloat16)
@@ -122,13 +137,7 @@ def bench_logprob(args: argparse.Namespace, device: torch.device, bandwidth_gbs:
         lp, ent = rk.logprob_from_logits(x, targets, return_entropy=True, backend="triton")
         return torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (x,))[0]
 
-    def eager_fwd():
-        with torch.no_grad():
-            return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
-
-    def eager_fwd_bwd():
-        lp = torch.log_softmax(x.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
-        return torch.autograd.grad((lp * g_lp).sum(), (x,))[0]
+    eager_fwd, eager_fwd_bwd = eager_logprob(logits, x, targets, g_lp)
 
     def chunked_bf16_fwd():
         with torch.no_grad():

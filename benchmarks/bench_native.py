@@ -38,7 +38,9 @@ import rl_kernel_core as rk
 from rl_kernel_core import bench, dispatch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_losses import _fp64_logprob, _max_err, _timed, add_common_args, copy_bandwidth_gbs, write_result  # noqa: E402
+from bench_losses import (  # noqa: E402
+    _fp64_logprob, _max_err, _timed, add_common_args, copy_bandwidth_gbs, eager_logprob, write_result,
+)
 
 FAST = ("native", "triton")
 
@@ -75,13 +77,7 @@ def bench_logprob(args: argparse.Namespace, device: torch.device, bandwidth_gbs:
             return torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (x,))[0]
         return run
 
-    def eager_fwd():
-        with torch.no_grad():
-            return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
-
-    def eager_fwd_bwd():
-        lp = torch.log_softmax(x.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
-        return torch.autograd.grad((lp * g_lp).sum(), (x,))[0]
+    eager_fwd, eager_fwd_bwd = eager_logprob(logits, x, targets, g_lp)
 
     impls = {"eager_fwd_no_grad": eager_fwd, "eager_fwd_bwd": eager_fwd_bwd}
     for b in FAST:
