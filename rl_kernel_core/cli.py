@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from rl_kernel_core import bench, dispatch, profiling
+from rl_kernel_core import bench, dispatch, report
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -89,33 +89,27 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def compare_table(off: list[dict[str, Any]], on: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows of (metric, off stats, on stats, on/off ratio of means) for two step-record lists."""
-    s_off, s_on = profiling.summarize(off), profiling.summarize(on)
-    rows = []
-    for key in sorted(set(s_off) | set(s_on)):
-        a, b = s_off.get(key, {"n": 0}), s_on.get(key, {"n": 0})
-        ratio = b["mean"] / a["mean"] if a.get("n") and b.get("n") and a["mean"] else None
-        rows.append({"metric": key, "off": a, "on": b, "on_over_off": ratio})
-    return rows
-
-
 def _compare(args: argparse.Namespace) -> int:
-    off, on = profiling.read_jsonl(args.off), profiling.read_jsonl(args.on)
-    rows = compare_table(off, on)
+    try:
+        if args.out:
+            path = report.write_report(args.off, args.on, args.out)
+        off, on = report.read_step_log(args.off), report.read_step_log(args.on)
+    except report.StepLogError as exc:
+        print(f"rl-kernel compare: error: {exc}", file=sys.stderr)
+        return 2
+    rows = report.compare_table(off, on)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows, indent=2, allow_nan=False))
         return 0
-    print(f"OFF: {args.off} ({len(off)} steps)   ON: {args.on} ({len(on)} steps)")
-    header = f"{'metric':<24}" + "".join(f"{f'{side} {stat}':>12}" for side in ("off", "on") for stat in ("mean", "p50", "p90", "p99")) + f"{'on/off':>10}"
-    print(header)
-    for row in rows:
-        cells = "".join(_fmt(row[side].get(stat)) .rjust(12) for side in ("off", "on") for stat in ("mean", "p50", "p90", "p99"))
-        print(f"{row['metric']:<24}{cells}{_fmt(row['on_over_off']).rjust(10)}")
+    print(f"OFF: {off.path} ({off.steps} steps)   ON: {on.path} ({on.steps} steps)")
+    for log, side in ((off, "OFF"), (on, "ON")):
+        if log.oom:
+            print(f"{side}: out of memory at step {log.oom[0]}: {log.oom[1]}")
+        if log.skipped_partial:
+            print(f"{side}: skipped an unterminated last line (interrupted run)")
+    print(report.text_table(rows))
+    if args.out:
+        print(f"report: {path}")
     return 0
 
 
@@ -140,10 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("compare", help="compare two step-record JSONL files (flag off vs on)")
-    p.add_argument("off")
-    p.add_argument("on")
-    p.add_argument("--json", action="store_true", help="print JSON rows")
+    p = sub.add_parser("compare", help="compare two step logs (flag off vs on): table, or a report with plots")
+    p.add_argument("off", help="step log (JSONL) of the run with the flag off")
+    p.add_argument("on", help="step log (JSONL) of the run with the flag on")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--out", default=None, help="write report.md, comparison.json and PNG plots into this directory")
     p.set_defaults(func=_compare)
     return parser
 

@@ -16,7 +16,8 @@ off, :func:`region` returns one shared no-op context manager: no allocation, no 
 Each step record holds ``step``, ``regions`` (name -> ms), ``tokens``, ``tokens_per_s`` (tokens
 over the ``step`` region, or over the wall time since the previous step_end when there is no
 ``step`` region), ``peak_vram_gib`` (CUDA only, reset each step) and every extra field the
-caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare`` reads these files.
+caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare``
+(:mod:`rl_kernel_core.report`) reads these files.
 """
 
 from __future__ import annotations
@@ -147,12 +148,6 @@ def step_end(**fields: Any) -> Optional[dict[str, Any]]:
     return record
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Step records from a JSONL file written by :func:`step_end` (blank lines skipped)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _percentile(sorted_values: list[float], q: float) -> float:
     # linear interpolation between closest ranks, as numpy's default
     pos = (len(sorted_values) - 1) * q
@@ -173,20 +168,3 @@ def summarize_values(values: Iterable[float]) -> dict[str, float]:
         "p90": _percentile(vals, 0.9),
         "p99": _percentile(vals, 0.99),
     }
-
-
-def summarize(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per-region ms and per-scalar-field statistics over step records.
-
-    Keys are ``region/<name>`` for regions and the field name for ``tokens_per_s``,
-    ``peak_vram_gib`` and any other numeric field.
-    """
-    series: dict[str, list[float]] = {}
-    for rec in records:
-        for name, ms in rec.get("regions", {}).items():
-            series.setdefault(f"region/{name}", []).append(ms)
-        for key, value in rec.items():
-            if key in ("step", "regions") or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            series.setdefault(key, []).append(value)
-    return {key: summarize_values(vals) for key, vals in series.items()}

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-from rl_kernel_core import cli, profiling
 
 
 def _run(*args):
@@ -35,19 +34,24 @@ def test_bench_writes_json(tmp_path):
     assert "ratio rl_kernel/eager" in text
 
 
-def _write(path, step_ms, tps):
-    with open(path, "w") as f:
-        for i, (ms, t) in enumerate(zip(step_ms, tps)):
-            f.write(json.dumps({"step": i, "regions": {"step": ms, "logprob": ms / 2}, "tokens_per_s": t, "peak_vram_gib": 1.0}) + "\n")
-
-
-def test_compare_table_and_ratio(tmp_path):
+def test_compare_prints_table_json_and_report(tmp_path):
     off, on = tmp_path / "off.jsonl", tmp_path / "on.jsonl"
-    _write(off, [100.0, 110.0, 90.0], [1000.0, 900.0, 1100.0])
-    _write(on, [50.0, 55.0, 45.0], [2000.0, 1800.0, 2200.0])
-    rows = {r["metric"]: r for r in cli.compare_table(profiling.read_jsonl(str(off)), profiling.read_jsonl(str(on)))}
-    assert rows["region/step"]["on_over_off"] == 0.5
-    assert rows["tokens_per_s"]["on_over_off"] == 2.0
-    assert rows["region/logprob"]["off"]["p50"] == 50.0
+    for path, scale in ((off, 1.0), (on, 0.5)):
+        with open(path, "w") as f:
+            for i, ms in enumerate([100.0, 110.0, 90.0]):
+                f.write(json.dumps({"step": i, "regions": {"step": ms * scale}, "tokens_per_s": 1000.0 / scale}) + "\n")
     text = _run("compare", str(off), str(on))
-    assert "region/step" in text and "tokens_per_s" in text and "peak_vram_gib" in text and "0.500" in text
+    assert "region/step" in text and "tokens_per_s" in text and "0.5" in text
+    rows = {r["metric"]: r for r in json.loads(_run("compare", str(off), str(on), "--json"))}
+    assert rows["region/step"]["on_over_off"] == 0.5 and rows["tokens_per_s"]["on_over_off"] == 2.0
+    _run("compare", str(off), str(on), "--out", str(tmp_path / "report"))
+    assert (tmp_path / "report" / "report.md").is_file() and (tmp_path / "report" / "step_time.png").is_file()
+
+
+def test_compare_bad_file_is_one_line_error(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"step": 0, "regions": {"step": 1.0}}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "compare", str(tmp_path / "missing.jsonl"), str(good)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"rl-kernel compare: error: {tmp_path / 'missing.jsonl'}: no such file"]

@@ -85,7 +85,7 @@ def runs(tmp_path_factory):
         report = json.loads((root / f"{name}.json").read_text())
         report["log"] = text
         steps = root / f"{name}_steps.jsonl"
-        report["steps"] = profiling.read_jsonl(str(steps)) if steps.exists() else None
+        report["steps"] = [json.loads(line) for line in steps.read_text().splitlines()] if steps.exists() else None
         reports[name] = report
         print(f"engine {name}: {report['seconds']}")
     reports["requests"] = requests

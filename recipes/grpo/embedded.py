@@ -1,0 +1,452 @@
+"""The embedded GRPO engine: one process, a ``transformers`` causal LM, rollout with a KV cache.
+
+One step: sample ``prompts_per_step`` problems, generate ``group_size`` responses each (left-padded
+prompts, incremental decoding over a KV cache, each sampled token's log-prob kept), score them
+with the GSM8K scorer, compute group advantages, recompute old (and reference) log-probs without
+grad, then one policy update over micro-batches with gradient accumulation (clipped loss, KL and
+entropy terms) and AdamW.
+
+The two log-prob/loss paths the recipe compares:
+
+* ``off`` is what a user writes with plain PyTorch/transformers: the model's full logits,
+  ``log_softmax(logits.float()).gather``, entropy from the logits, the clipped loss in eager ops.
+* ``on`` is rl-kernel: log-probs and entropy from the final hidden states and the LM head with
+  :func:`rl_kernel_core.linear_logprob` (no ``[tokens, vocab]`` logits),
+  :func:`rl_kernel_core.policy_loss` and :func:`rl_kernel_core.group_advantages`.
+
+The sampler is a separate choice (``torch`` or ``rl-kernel``), the same in both runs, so the first
+step's samples are identical off and on. Every step writes one profiler record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core import profiling
+
+from . import scoring
+from .data import Problem
+
+_SEED_MOD = 2**62
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Hyperparameters of one embedded GRPO run (the same for the off and on runs)."""
+
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch: int = 16
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    reward_method: str = "flexible"
+    format_score: float = 0.1
+    sampler: str = "torch"
+    gradient_checkpointing: bool = False
+    seed: int = 0
+
+
+@dataclass
+class Rollout:
+    """A batch of generated sequences: ``[S, P]`` left-padded prompts and ``[S, R]`` responses."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprob: torch.Tensor
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """Response tokens with ``-100`` where the sequence had already ended."""
+        return self.response_ids.masked_fill(self.response_mask == 0, -100)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for a left-padded attention mask (0 at each row's first real token)."""
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+def torch_sampler(generator: torch.Generator, temperature: float) -> Callable:
+    """Plain PyTorch sampling from the tempered softmax; returns (tokens, log-probs)."""
+
+    def draw(logits: torch.Tensor, row_seeds: torch.Tensor, position: int):
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+    return draw
+
+
+def rl_kernel_sampler(temperature: float) -> Callable:
+    """``rl_kernel_core.sample`` with a seed per (row, position): draws independent of the batch."""
+
+    def draw(logits: torch.Tensor, row_seeds: torch.Tensor, position: int):
+        seeds = (row_seeds * 1_000_003 + position) % _SEED_MOD
+        return rk.sample(logits.float(), temperature=temperature, seeds=seeds)
+
+    return draw
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+             eos_id: int, draw: Callable, row_seeds: torch.Tensor) -> Rollout:
+    """Incremental decoding over a KV cache from left-padded prompts ``[S, P]``.
+
+    Each row stops after its first ``eos_id`` (which is kept as its last response token);
+    ``rollout_logprob`` holds each sampled token's log-prob as the sampler computed it.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    pos = positions(prompt_mask)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    s = prompt_ids.shape[0]
+    alive = torch.ones(s, dtype=torch.bool, device=prompt_ids.device)
+    mask, tokens, logprobs, masks = prompt_mask, [], [], []
+    next_pos = pos[:, -1:] + 1
+    for t in range(max_new_tokens):
+        tok, lp = draw(out.logits[:, -1], row_seeds, t)
+        tok = torch.where(alive, tok, torch.full_like(tok, eos_id))
+        tokens.append(tok)
+        logprobs.append(torch.where(alive, lp.float(), torch.zeros_like(lp, dtype=torch.float32)))
+        masks.append(alive.to(prompt_mask.dtype))
+        alive = alive & (tok != eos_id)
+        if t + 1 == max_new_tokens or not bool(alive.any()):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                    past_key_values=cache, use_cache=True)
+        next_pos = next_pos + 1
+    return Rollout(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(masks, 1),
+                   torch.stack(logprobs, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the two log-prob / loss paths
+
+
+def plain_head_logprob(logits, targets, temperature, with_entropy):
+    """``log_softmax(logits.float()).gather`` and entropy from the logits ``[..., R, V]`` (off path)."""
+    logits = logits.float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
+    lp = lp.masked_fill(targets == -100, 0.0)
+    if not with_entropy:
+        return lp, None
+    entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    return lp, entropy
+
+
+def rl_kernel_head_logprob(hidden, head, targets, temperature, with_entropy):
+    """:func:`rl_kernel_core.linear_logprob` on hidden states ``[..., R, D]`` and the LM head (on path)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        # the dtype autocast gives the LM head's matmul on the off path
+        hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
+    weight = head.weight.to(hidden.dtype)
+    bias = None if head.bias is None else head.bias.to(hidden.dtype)
+    out = rk.linear_logprob(hidden, weight, targets, bias=bias, temperature=temperature,
+                            return_entropy=with_entropy)
+    return out if with_entropy else (out, None)
+
+
+def plain_logprob(model, input_ids, attention_mask, targets, temperature, with_entropy):
+    """The model's full logits, then :func:`plain_head_logprob` on the response positions."""
+    r = targets.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=positions(attention_mask)).logits
+    return plain_head_logprob(logits[:, -r - 1:-1], targets, temperature, with_entropy)
+
+
+def rl_kernel_logprob(model, input_ids, attention_mask, targets, temperature, with_entropy):
+    """The decoder's final hidden states, then :func:`rl_kernel_head_logprob` (no logits)."""
+    r = targets.shape[1]
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=positions(attention_mask)).last_hidden_state
+    return rl_kernel_head_logprob(hidden[:, -r - 1:-1], model.get_output_embeddings(), targets,
+                                  temperature, with_entropy)
+
+
+def plain_group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages in eager PyTorch: (r - group mean) / (group std + eps)."""
+    g = rewards.view(-1, group_size)
+    return ((g - g.mean(-1, keepdim=True)) / (g.std(-1, keepdim=True) + eps)).view(-1)
+
+
+def plain_policy_loss(lp, old_lp, adv, mask, *, ref_lp, entropy, cfg: GRPOConfig, scale: float):
+    """The clipped surrogate with dual clip, low-variance KL and entropy terms in eager ops.
+
+    Token-mean over ``mask``, multiplied by ``scale`` (this micro-batch's share of the tokens).
+    Returns the scaled loss and detached metrics named as :func:`rl_kernel_core.policy_loss`'s.
+    """
+    m = mask.float()
+    count = m.sum().clamp_min(1.0)
+
+    def mean(x):
+        return (x * m).sum() / count
+
+    with profiling.region("ratio_kl"):
+        log_ratio = (lp - old_lp).clamp(-20.0, 20.0)
+        ratio = log_ratio.exp()
+        kl = None
+        if ref_lp is not None:
+            d = ref_lp - lp
+            kl = (d.exp() - d - 1).clamp(-10.0, 10.0)
+    with profiling.region("loss"):
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+        pg = torch.maximum(pg1, pg2)
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
+        loss = mean(pg)
+        metrics = {"pg_loss": loss.detach(), "pg_clipfrac": mean((pg2 > pg1).float()).detach(),
+                   "ppo_kl": mean(-log_ratio).detach()}
+        if kl is not None:
+            kl_loss = mean(kl)
+            loss = loss + cfg.kl_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        if entropy is not None:
+            ent = mean(entropy)
+            loss = loss - cfg.entropy_coef * ent
+            metrics["entropy"] = ent.detach()
+    return loss * scale, metrics
+
+
+def rl_kernel_policy_loss(lp, old_lp, adv, mask, *, ref_lp, entropy, cfg: GRPOConfig, scale: float):
+    """The same loss through :func:`rl_kernel_core.policy_loss` (ratio, KL and loss fused)."""
+    with profiling.region("loss"):
+        loss, metrics = rk.policy_loss(
+            lp, old_lp, adv, mask, ref_logprob=ref_lp, clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+            kl_type="low_var_kl", kl_coef=cfg.kl_coef if ref_lp is not None else 0.0,
+            entropy=entropy, entropy_coef=cfg.entropy_coef, loss_agg_mode="token-mean")
+    return loss * scale, metrics
+
+
+@dataclass(frozen=True)
+class Path_:
+    """One side of the comparison: how log-probs, advantages and the loss are computed."""
+
+    name: str
+    logprob: Callable
+    advantages: Callable
+    loss: Callable
+
+
+OFF = Path_("off", plain_logprob, plain_group_advantages, plain_policy_loss)
+ON = Path_("on", rl_kernel_logprob,
+           lambda rewards, g: rk.group_advantages(rewards, group_size=g, estimator="grpo"),
+           rl_kernel_policy_loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+class Engine:
+    """Holds the policy, the optional frozen reference, the optimizer and the tokenized prompts."""
+
+    def __init__(self, model_dir: Path, cfg: GRPOConfig, side: Path_, device: torch.device):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg, self.side, self.device = cfg, side, device
+        torch.manual_seed(cfg.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.config.use_cache = True
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                         else contextlib.nullcontext())
+        if cfg.sampler == "torch":
+            gen = torch.Generator(device=device)
+            gen.manual_seed(cfg.seed)
+            self.draw = torch_sampler(gen, cfg.temperature)
+        elif cfg.sampler == "rl-kernel":
+            self.draw = rl_kernel_sampler(cfg.temperature)
+        else:
+            raise ValueError(f"sampler must be 'torch' or 'rl-kernel', got {cfg.sampler!r}")
+
+    def prompt_text(self, problem: Problem) -> str:
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}],
+                                                      tokenize=False, add_generation_prompt=True)
+        return problem.prompt + "\n"
+
+    def _batches(self, n: int):
+        mb = self.cfg.micro_batch
+        return [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
+
+    @torch.no_grad()
+    def _recompute(self, model, ro: Rollout) -> torch.Tensor:
+        ids, attn, targets = ro.input_ids, ro.attention_mask, ro.targets
+        parts = []
+        for sl in self._batches(ids.shape[0]):
+            with self.autocast:
+                lp, _ = self.side.logprob(model, ids[sl], attn[sl], targets[sl], self.cfg.temperature, False)
+            parts.append(lp.float())
+        return torch.cat(parts)
+
+    def step(self, step: int, problems: list[Problem]) -> dict:
+        """One GRPO step on ``problems``; returns the step's fields (the profiler adds timings)."""
+        cfg, side, dev = self.cfg, self.side, self.device
+        g = cfg.group_size
+        texts = [self.prompt_text(p) for p in problems for _ in range(g)]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                             max_length=cfg.max_prompt_tokens, add_special_tokens=False)
+        prompt_ids, prompt_mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
+        s = prompt_ids.shape[0]
+        row_seeds = torch.tensor([(cfg.seed * 1_000_003 + step) * 100_003 + i for i in range(s)],
+                                 dtype=torch.int64, device=dev) % _SEED_MOD
+
+        self.model.eval()
+        with profiling.region("rollout"), self.autocast:
+            ro = generate(self.model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
+                          eos_id=self.tokenizer.eos_token_id, draw=self.draw, row_seeds=row_seeds)
+        responses = self.tokenizer.batch_decode(
+            [row[m.bool()].tolist() for row, m in zip(ro.response_ids.cpu(), ro.response_mask.cpu())],
+            skip_special_tokens=True)
+        scores = [scoring.compute_score(text, p.ground_truth, cfg.reward_method, cfg.format_score)
+                  for text, p in zip(responses, (p for p in problems for _ in range(g)))]
+        rewards = torch.tensor(scores, dtype=torch.float32, device=dev)
+        advantages = side.advantages(rewards, g)
+
+        with profiling.region("old_logprob"):
+            old_lp = self._recompute(self.model, ro)
+        ref_lp = None
+        if self.ref is not None:
+            with profiling.region("ref_logprob"):
+                ref_lp = self._recompute(self.ref, ro)
+
+        self.model.train()
+        mask = ro.response_mask.bool()
+        total = mask.sum().clamp_min(1)
+        ids, attn, targets = ro.input_ids, ro.attention_mask, ro.targets
+        metric_sums: dict[str, float] = {}
+        first = {}
+        for i, sl in enumerate(self._batches(s)):
+            scale = float(mask[sl].sum() / total)
+            adv = advantages[sl, None].expand_as(targets[sl]).float()
+            with profiling.region("logprob"), self.autocast:
+                lp, entropy = side.logprob(self.model, ids[sl], attn[sl], targets[sl], cfg.temperature, True)
+            loss, metrics = side.loss(lp, old_lp[sl], adv, mask[sl], entropy=entropy, cfg=cfg, scale=scale,
+                                      ref_lp=None if ref_lp is None else ref_lp[sl])
+            with profiling.region("backward"):
+                loss.backward()
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * scale
+            metric_sums["loss"] = metric_sums.get("loss", 0.0) + float(loss.detach())
+            if step == 0:
+                first.setdefault("logprob", []).append(lp.detach().float().cpu())
+                first.setdefault("entropy", []).append(entropy.detach().float().cpu())
+        with profiling.region("update"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        n_resp = int(total)
+        diff = (ro.rollout_logprob - old_lp).abs()[mask]
+        fields = {
+            "tokens": int(ro.attention_mask.sum()),
+            "response_tokens": n_resp,
+            "response_length": n_resp / s,
+            "reward": float(rewards.mean()),
+            "accuracy": float((rewards == 1.0).float().mean()),
+            "logprob_diff": float(diff.mean()) if diff.numel() else 0.0,
+            "logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
+            "grad_norm": float(grad_norm),
+            **metric_sums,
+        }
+        if self.ref is None:
+            fields.pop("kl_loss", None)
+        else:
+            fields["kl"] = fields["kl_loss"]
+        if step == 0:
+            fields["_first_step"] = {
+                "response_ids": ro.response_ids.cpu(), "response_mask": ro.response_mask.cpu(),
+                "old_logprob": old_lp.cpu(), "rollout_logprob": ro.rollout_logprob.cpu(),
+                "logprob": torch.cat(first["logprob"]), "entropy": torch.cat(first["entropy"]),
+                "loss": fields["loss"],
+            }
+        return fields
+
+
+def problem_schedule(problems: list[Problem], cfg: GRPOConfig) -> list[list[Problem]]:
+    """The problems of each step: a seeded shuffle, the same for the off and on runs."""
+    order = list(range(len(problems)))
+    random.Random(cfg.seed).shuffle(order)
+    need = cfg.steps * cfg.prompts_per_step
+    order = (order * (need // max(len(order), 1) + 1))[:need]
+    return [[problems[i] for i in order[k * cfg.prompts_per_step:(k + 1) * cfg.prompts_per_step]]
+            for k in range(cfg.steps)]
+
+
+def run(model_dir: Path, problems: list[Problem], cfg: GRPOConfig, side: Path_, log_path: Path,
+        device: torch.device, progress: bool = True) -> dict:
+    """Train ``cfg.steps`` GRPO steps, one profiler record per step appended to ``log_path``.
+
+    A CUDA out-of-memory error ends the run early; it is recorded as a step with ``"oom": true``
+    and the error text, and the function returns normally. Returns ``{"steps", "oom",
+    "first_step"}`` where ``first_step`` holds step 0's tensors (samples, log-probs, entropy, loss).
+    """
+    from tqdm.auto import tqdm
+
+    engine = Engine(model_dir, cfg, side, device)
+    profiling.enable(str(log_path))
+    first_step: Optional[dict] = None
+    oom: Optional[str] = None
+    bar = tqdm(problem_schedule(problems, cfg), desc=f"GRPO [{side.name}]", unit="step", disable=not progress)
+    try:
+        for step, batch in enumerate(bar):
+            try:
+                with profiling.region("step"):
+                    fields = engine.step(step, batch)
+            except torch.OutOfMemoryError as exc:
+                oom = str(exc).splitlines()[0]
+                engine.optimizer.zero_grad(set_to_none=True)
+                profiling.step_end(step=step, oom=True, error=oom, backend=side.name)
+                break
+            first_step = fields.pop("_first_step", first_step)
+            record = profiling.step_end(step=step, backend=side.name, **fields)
+            bar.set_postfix(reward=f"{record['reward']:.3f}", step_ms=f"{record['regions']['step']:.0f}")
+    finally:
+        profiling.disable()
+        bar.close()
+    return {"steps": cfg.steps, "oom": oom, "first_step": first_step}

@@ -1,0 +1,212 @@
+"""GRPO on GSM8K, twice (rl-kernel off, then on), and a report comparing the two runs.
+
+Run through ``recipes/grpo_gsm8k.sh`` (which prepares the environment) or directly with a Python
+that has rl-kernel, transformers, matplotlib and tqdm: ``python recipes/grpo_gsm8k.py --help``.
+Writes into ``--out``: ``off.jsonl``/``on.jsonl`` (one profiler record per step, flushed every
+step), ``off.meta.json``/``on.meta.json`` (hardware, versions, command line, resolved config, git
+commit), ``first_step.json`` (off vs on on the identical first-step samples) and ``report.md``
+with its PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from grpo import data as gsm8k
+from grpo import embedded
+from grpo.model import PRESETS, build_local_model
+from rl_kernel_core import bench, contract, dispatch, report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# preset -> defaults of the run (every one overridable on the command line)
+PRESET_RUNS = {
+    "tiny": dict(steps=40, prompts_per_step=8, group_size=8, max_new_tokens=8, micro_batch=32,
+                 lr=1e-2, temperature=1.0, kl_coef=0.0, gradient_checkpointing=False,
+                 max_prompt_tokens=160),
+    "qwen3-0.6b": dict(steps=8, prompts_per_step=16, group_size=8, max_new_tokens=256, micro_batch=32,
+                       lr=1e-5, temperature=1.0, kl_coef=1e-3, gradient_checkpointing=True,
+                       max_prompt_tokens=256),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="recipes/grpo_gsm8k.sh",
+        description="GRPO on GSM8K with rl-kernel off and on, then a comparison report "
+                    "(step time per module, tokens/s, peak memory, reward, train/rollout log-prob drift).")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="model shape and run defaults: tiny (2-core CPU, minutes) or qwen3-0.6b (one GPU)")
+    p.add_argument("--model", default=None,
+                   help="HF model path or directory (default: a local model of the preset's shape, random weights)")
+    p.add_argument("--data", default=None,
+                   help="GSM8K directory (train.jsonl/test.jsonl or parquet) or 'synthetic'; "
+                        "default: $GSM8K_DIR, else the hub (openai/gsm8k)")
+    p.add_argument("--engine", choices=("auto", "embedded", "verl"), default="auto",
+                   help="auto: verl when verl, vLLM and a GPU are all present, else embedded")
+    p.add_argument("--out", default=None, help="output directory (default: runs/grpo_gsm8k-<time>)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--sampler", choices=("torch", "rl-kernel"), default="torch",
+                   help="rollout sampler, the same in both runs")
+    p.add_argument("--sides", default="off,on", help="which runs to make (default: off,on)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N training problems")
+    p.add_argument("--reward-method", choices=("strict", "flexible"), default="flexible",
+                   help="GSM8K answer extraction, as verl's scorer (default flexible)")
+    p.add_argument("--format-score", type=float, default=0.1,
+                   help="reward for an extracted but wrong answer (verl's format_score)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for field in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch", "max_prompt_tokens"):
+        p.add_argument("--" + field.replace("_", "-"), type=int, default=None, help="override the preset")
+    for field in ("lr", "temperature", "kl_coef", "entropy_coef"):
+        p.add_argument("--" + field.replace("_", "-"), type=float, default=None, help="override the preset")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="override the preset")
+    args = p.parse_args(argv)
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not args.sides or any(s not in ("off", "on") for s in args.sides):
+        p.error(f"--sides must list off and/or on, got {','.join(args.sides)!r}")
+    return args
+
+
+def resolve_engine(requested: str, device: torch.device) -> tuple[str, str]:
+    """The engine to run and why (``auto`` takes verl only when verl, vLLM and a GPU are present)."""
+    if requested != "auto":
+        return requested, "requested with --engine"
+    missing = [name for name in ("verl", "vllm") if _importable(name) is False]
+    if device.type != "cuda":
+        missing.append("a GPU")
+    if missing:
+        return "embedded", f"auto: embedded (no {', '.join(missing)})"
+    return "verl", "auto: verl (verl, vLLM and a GPU are present)"
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
+
+
+def first_step_check(off: dict, on: dict, dtype: torch.dtype) -> dict:
+    """Off vs on on step 0: same samples, then log-prob/entropy/loss agreement within the contract.
+
+    Each side is within the contract's bound of the exact value, so their difference is held to
+    twice the bound of the off values.
+    """
+    same_samples = bool(torch.equal(off["response_ids"], on["response_ids"])
+                        and torch.equal(off["response_mask"], on["response_mask"]))
+    result = {"identical_samples": same_samples, "dtype": contract.dtype_key(dtype)}
+    if not same_samples:
+        return result
+    mask = off["response_mask"].bool()
+    for name, op_class in (("old_logprob", "logprob"), ("logprob", "logprob"), ("entropy", "logprob")):
+        a, b = off[name][mask].double(), on[name][mask].double()
+        diff = (a - b).abs()
+        bound = 2 * contract.error_bound(a, op_class, dtype)
+        result[name] = {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+                        "within_contract": bool((diff <= bound).all()), "worst_bound_fraction": float((diff / bound).max())}
+    tol = contract.tolerance("reduction", dtype)
+    loss_diff = abs(off["loss"] - on["loss"])
+    result["loss"] = {"off": off["loss"], "on": on["loss"], "abs_diff": loss_diff,
+                      "within_contract": loss_diff <= 2 * (tol.atol + tol.rtol * abs(off["loss"]))}
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(args.out or ROOT / "runs" / time.strftime("grpo_gsm8k-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    engine, why = resolve_engine(args.engine, device)
+    print(f"[grpo_gsm8k] engine: {engine} ({why}); device: {device}; output: {out}", flush=True)
+
+    try:
+        problems, source = gsm8k.load_problems(args.data, "train", args.limit, args.seed)
+    except gsm8k.DataUnavailableError as exc:
+        print(f"[grpo_gsm8k] error: {exc}", file=sys.stderr)
+        return 2
+    print(f"[grpo_gsm8k] data: {source}", flush=True)
+
+    if args.model:
+        model_dir, model_desc = Path(args.model), args.model
+    else:
+        texts = [p.question + " " + p.answer for p in problems[:4000]] + [gsm8k.INSTRUCTION]
+        model_dir = build_local_model(args.preset, ROOT / "runs" / "models", texts, seed=args.seed)
+        model_desc = f"local {args.preset} (Qwen3-style, random weights, tokenizer trained on the data): {model_dir.name}"
+    print(f"[grpo_gsm8k] model: {model_desc}", flush=True)
+
+    overrides = {k: getattr(args, k) for k in PRESET_RUNS[args.preset] if getattr(args, k, None) is not None}
+    if args.entropy_coef is not None:
+        overrides["entropy_coef"] = args.entropy_coef
+    cfg = embedded.GRPOConfig(**{**PRESET_RUNS[args.preset], **overrides, "sampler": args.sampler,
+                                 "reward_method": args.reward_method, "format_score": args.format_score,
+                                 "seed": args.seed})
+    meta_common = {
+        "command": bench.command_line(), "engine": engine, "engine_choice": why, "preset": args.preset,
+        "model": model_desc, "data": source, "git_commit": git_commit(),
+        "config": dataclasses.asdict(cfg), "environment": bench.environment(device),
+    }
+    if engine == "verl":
+        from grpo import verl_engine
+
+        for side in args.sides:
+            verl_engine.run_verl(dataclasses.asdict(cfg), out / side, side == "on", model_dir, problems)
+        return 0
+
+    first = {}
+    for side in args.sides:
+        log = out / f"{side}.jsonl"
+        log.unlink(missing_ok=True)
+        path = embedded.OFF if side == "off" else embedded.ON
+        result = embedded.run(model_dir, problems, cfg, path, log, device, progress=not args.no_progress)
+        first[side] = result["first_step"]
+        meta = {**meta_common, "side": side, "oom": result["oom"],
+                "backends": {op: d.backend for op, d in dispatch.explain().items()} if side == "on" else "plain PyTorch"}
+        (out / f"{side}.meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        if result["oom"]:
+            print(f"[grpo_gsm8k] {side}: out of memory, run stopped: {result['oom']}", flush=True)
+
+    if len(args.sides) < 2:
+        return 0
+    sections = []
+    if first.get("off") and first.get("on"):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        check = first_step_check(first["off"], first["on"], dtype)
+        (out / "first_step.json").write_text(json.dumps(check, indent=2))
+        sections.append(("First step, off vs on", report.first_step_markdown(check)))
+    sections.append(("Run", "\n".join([
+        f"- engine: {engine} ({why})", f"- data: {source}", f"- model: {model_desc}",
+        f"- sampler: {cfg.sampler} (the same in both runs)",
+        f"- reward: GSM8K scorer, {cfg.reward_method} extraction, format score {cfg.format_score}",
+    ])))
+    path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on",
+                               sections=sections)
+    print(f"[grpo_gsm8k] report: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Compare two step logs (flag off vs on): statistics, a Markdown report and PNG plots.
+
+A step log is the JSONL that :func:`rl_kernel_core.profiling.step_end` writes (from the recipe or
+any adapter): one JSON object per line with ``step``, ``regions`` (name -> ms) and numeric fields
+(``tokens_per_s``, ``peak_vram_gib``, ``reward``, ``logprob_diff``, ``kl``, ``loss``, ...). Files
+are read one line at a time and only numeric series are kept. A malformed line is an error naming
+the file and line, except an unterminated last line (a run interrupted mid-write), which is
+skipped and counted. NaN and infinite values count as missing. A record with ``"oom": true``
+marks a run that ran out of memory at that step.
+
+An optional ``<log>.meta.json`` beside a log (hardware, versions, command line, resolved config,
+git commit) is included in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from rl_kernel_core.profiling import summarize_values
+
+# per-module breakdown order (the profiler's shared region names)
+MODULES = ("rollout", "old_logprob", "ref_logprob", "logprob", "ratio_kl", "loss", "backward", "update", "weight_sync")
+
+# metrics shown first in the headline table, in this order
+HEADLINE = ("region/step", "tokens_per_s", "peak_vram_gib", "reward", "accuracy", "logprob_diff", "kl", "loss", "entropy")
+
+_PLOTS = (  # file, metric keys, y label
+    ("step_time.png", ("region/step",), "step time (ms)"),
+    ("reward.png", ("reward",), "mean reward"),
+    ("logprob_diff.png", ("logprob_diff",), "mean |rollout - train log-prob|"),
+    ("kl.png", ("kl",), "KL to reference (low_var_kl)"),
+    ("loss.png", ("loss",), "loss"),
+    ("peak_vram.png", ("peak_vram_gib",), "peak VRAM (GiB)"),
+    ("tokens_per_s.png", ("tokens_per_s",), "tokens/s"),
+)
+
+
+class StepLogError(ValueError):
+    """A step log that cannot be read; the message names the file and, where known, the line."""
+
+
+@dataclass
+class StepLog:
+    """The numeric content of one step log.
+
+    ``series`` maps ``region/<name>`` and every numeric field to ``[(step, value), ...]``;
+    ``oom`` holds ``(step, error text)`` when the run ran out of memory; ``skipped_partial`` is 1
+    when an unterminated last line was skipped.
+    """
+
+    path: Path
+    steps: int = 0
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    oom: Optional[tuple[int, str]] = None
+    skipped_partial: int = 0
+    meta: Optional[dict[str, Any]] = None
+
+    def values(self, key: str) -> list[float]:
+        return [v for _, v in self.series.get(key, ())]
+
+
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _add(log: StepLog, key: str, step: int, value: Any) -> None:
+    number = _number(value)
+    if number is not None:
+        log.series.setdefault(key, []).append((step, number))
+
+
+def read_step_log(path: str | Path) -> StepLog:
+    """Read a step log line by line (see the module docstring for what counts as malformed)."""
+    path = Path(path)
+    if not path.exists():
+        raise StepLogError(f"{path}: no such file")
+    if not path.is_file():
+        raise StepLogError(f"{path}: not a regular file")
+    log = StepLog(path)
+    with open(path, "rb") as f:
+        pending: Optional[tuple[int, bytes]] = None
+        for lineno, raw in enumerate(f, 1):
+            if pending is not None:
+                _parse_line(log, *pending)
+            pending = (lineno, raw)
+        if pending is not None:
+            lineno, raw = pending
+            if raw.endswith(b"\n"):
+                _parse_line(log, lineno, raw)
+            else:
+                try:
+                    _parse_line(log, lineno, raw)
+                except StepLogError:
+                    log.skipped_partial = 1
+    meta_path = path.with_name(path.stem + ".meta.json")
+    if meta_path.is_file():
+        try:
+            log.meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise StepLogError(f"{meta_path}: not a JSON object ({exc})") from None
+    return log
+
+
+def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
+    where = f"{log.path}:{lineno}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StepLogError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():
+        return
+    try:
+        record = json.loads(text)
+    except RecursionError:
+        raise StepLogError(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:
+        raise StepLogError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise StepLogError(f"{where}: expected a JSON object (a step record), got {type(record).__name__}")
+    step = record.get("step", log.steps)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise StepLogError(f"{where}: 'step' must be an integer, got {step!r}")
+    regions = record.get("regions") or {}
+    if not isinstance(regions, dict):
+        raise StepLogError(f"{where}: 'regions' must be an object of name -> ms, got {type(regions).__name__}")
+    if record.get("oom"):
+        log.oom = (step, str(record.get("error", "out of memory")))
+        return
+    log.steps += 1
+    for name, ms in regions.items():
+        _add(log, f"region/{name}", step, ms)
+    for key, value in record.items():
+        if key not in ("step", "regions"):
+            _add(log, key, step, value)
+
+
+def compare_table(off: StepLog, on: StepLog) -> list[dict[str, Any]]:
+    """Rows ``{"metric", "off", "on", "on_over_off"}``: statistics of every series in either log.
+
+    ``off``/``on`` are :func:`rl_kernel_core.profiling.summarize_values` dicts; the ratio is of
+    means (None where either side lacks the metric or the off mean is 0). Headline metrics first.
+    """
+    keys = set(off.series) | set(on.series)
+    ordered = [k for k in HEADLINE if k in keys] + sorted(keys - set(HEADLINE))
+    rows = []
+    for key in ordered:
+        a, b = summarize_values(off.values(key)), summarize_values(on.values(key))
+        ratio = b["mean"] / a["mean"] if a["n"] and b["n"] and a["mean"] else None
+        rows.append({"metric": key, "off": a, "on": b, "on_over_off": ratio})
+    return rows
+
+
+def _fmt(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+
+
+def text_table(rows: list[dict[str, Any]]) -> str:
+    """The comparison rows as a fixed-width text table."""
+    head = f"{'metric':<26}" + "".join(f"{f'{s} {q}':>11}" for s in ("off", "on") for q in ("mean", "p50", "p90", "p99")) + f"{'on/off':>9}"
+    lines = [head]
+    for row in rows:
+        cells = "".join(_fmt(row[s].get(q)).rjust(11) for s in ("off", "on") for q in ("mean", "p50", "p90", "p99"))
+        lines.append(f"{row['metric']:<26}{cells}{_fmt(row['on_over_off']).rjust(9)}")
+    return "\n".join(lines)
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _smooth(values: list[float], alpha: float = 0.3) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else alpha * v + (1 - alpha) * acc
+        out.append(acc)
+    return out
+
+
+def write_plots(off: StepLog, on: StepLog, out_dir: Path) -> list[tuple[str, str]]:
+    """PNG plots of each series both logs share over steps, and the per-module bars.
+
+    Returns ``[(file name, caption)]`` of the plots written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, keys, label in _PLOTS:
+        key = keys[0]
+        if key not in off.series and key not in on.series:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for log, side, color in ((off, "off", "tab:blue"), (on, "on", "tab:orange")):
+            points = log.series.get(key, [])
+            if not points:
+                continue
+            steps, vals = zip(*points)
+            if key == "reward":
+                ax.plot(steps, vals, color=color, alpha=0.35, lw=1, label=f"{side} (raw)")
+                ax.plot(steps, _smooth(list(vals)), color=color, lw=2, label=f"{side} (smoothed)")
+            else:
+                ax.plot(steps, vals, color=color, marker=".", lw=1.5, label=side)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append((name, label))
+
+    modules = [m for m in MODULES if f"region/{m}" in off.series or f"region/{m}" in on.series]
+    if modules:
+        fig, ax = plt.subplots(figsize=(8, 3.8))
+        width = 0.4
+        for i, (log, side, color) in enumerate(((off, "off", "tab:blue"), (on, "on", "tab:orange"))):
+            means = [summarize_values(log.values(f"region/{m}")).get("mean", 0.0) for m in modules]
+            ax.bar([x + (i - 0.5) * width for x in range(len(modules))], means, width, label=side, color=color)
+        ax.set_xticks(range(len(modules)), modules, rotation=20, fontsize=8)
+        ax.set_ylabel("mean ms per step")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "modules.png", dpi=110)
+        plt.close(fig)
+        written.append(("modules.png", "per-module time per step (mean ms)"))
+    return written
+
+
+def first_step_markdown(check: dict[str, Any]) -> str:
+    """Markdown for the recipe's first-step check (off vs on on identical samples)."""
+    if not check.get("identical_samples"):
+        return "The first step's samples differ between the runs, so their log-probs are not compared."
+    rows = [[name, _fmt(v["max_abs_diff"]), _fmt(v["mean_abs_diff"]), _fmt(v["worst_bound_fraction"]),
+             "yes" if v["within_contract"] else "**no**"]
+            for name, v in check.items() if isinstance(v, dict) and "max_abs_diff" in v]
+    loss = check.get("loss")
+    text = ("The first step's samples are identical in both runs; on them the two paths give "
+            f"(inputs {check['dtype']}; bound: twice the numerical contract's bound, each side being within it of the exact value):\n\n")
+    text += _md_table(["value", "max abs diff", "mean abs diff", "worst diff / bound", "within contract"], rows)
+    if loss:
+        text += (f"\n\nLoss: off {loss['off']:.8g}, on {loss['on']:.8g}, |diff| {loss['abs_diff']:.3g} "
+                 f"({'within' if loss['within_contract'] else '**outside**'} the contract).")
+    return text
+
+
+def _meta_markdown(off: StepLog, on: StepLog) -> str:
+    parts = []
+    for log, side in ((off, "off"), (on, "on")):
+        if not log.meta:
+            continue
+        meta = dict(log.meta)
+        env = meta.pop("environment", {})
+        config = meta.pop("config", None)
+        lines = [f"**{side}** ({log.path.name})", ""]
+        lines += [f"- {k}: `{v}`" for k, v in meta.items()]
+        lines += [f"- {k}: `{v}`" for k, v in env.items()]
+        if config is not None:
+            lines += ["", "Resolved config:", "", "```json", json.dumps(config, indent=1), "```"]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else "No metadata files (`<log>.meta.json`) beside the logs."
+
+
+def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path, *,
+                 title: str = "rl-kernel off vs on", sections: Sequence[tuple[str, str]] = ()) -> Path:
+    """Write ``report.md``, ``comparison.json`` and the PNG plots for two step logs into ``out_dir``.
+
+    ``sections``: extra ``(heading, markdown)`` pairs placed after the summary. Returns the
+    report's path.
+    """
+    off, on = read_step_log(off_path), read_step_log(on_path)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = compare_table(off, on)
+    plots = write_plots(off, on, out_dir)
+
+    lines = [f"# {title}", "", f"- off: `{off.path}` ({off.steps} steps)", f"- on: `{on.path}` ({on.steps} steps)"]
+    for log, side in ((off, "off"), (on, "on")):
+        if log.oom:
+            lines.append(f"- **{side} ran out of memory at step {log.oom[0]}** (caught and recorded): `{log.oom[1]}`")
+        if log.skipped_partial:
+            lines.append(f"- {side}: an unterminated last line was skipped (interrupted run)")
+    lines += ["", "## Summary", "", "Statistics over steps; on/off is the ratio of the means.", ""]
+    lines.append(_md_table(["metric", "off mean", "off p50", "off p90", "off p99", "on mean", "on p50", "on p90", "on p99", "on/off"],
+                           [[r["metric"]] + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("mean", "p50", "p90", "p99")]
+                            + [_fmt(r["on_over_off"])] for r in rows if r["metric"] in HEADLINE]))
+    modules = [r for r in rows if r["metric"].removeprefix("region/") in MODULES and r["metric"].startswith("region/")]
+    if modules:
+        modules.sort(key=lambda r: MODULES.index(r["metric"].removeprefix("region/")))
+        lines += ["", "## Per-module time (ms per step)", ""]
+        lines.append(_md_table(["module", "off mean", "on mean", "on/off"],
+                               [[r["metric"].removeprefix("region/"), _fmt(r["off"].get("mean")), _fmt(r["on"].get("mean")),
+                                 _fmt(r["on_over_off"])] for r in modules]))
+    for heading, body in sections:
+        lines += ["", f"## {heading}", "", body]
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{caption}]({name})" for name, caption in plots]
+    lines += ["", "## All metrics", "", "```", text_table(rows), "```", "", "## Environment and configuration", "",
+              _meta_markdown(off, on), ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    summary = {"off": str(off.path), "on": str(on.path), "steps": {"off": off.steps, "on": on.steps},
+               "oom": {"off": off.oom, "on": on.oom}, "rows": rows}
+    (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, allow_nan=False), encoding="utf-8")
+    return path

@@ -1,0 +1,132 @@
+"""recipes/grpo_gsm8k.sh end to end on the tiny preset (embedded engine, CPU), and its helpers."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+sys.path.insert(0, str(ROOT / "recipes"))
+
+from grpo import data, scoring  # noqa: E402
+
+STEPS = 3
+
+
+def _run_recipe(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = ["bash", str(ROOT / "recipes" / "grpo_gsm8k.sh"), "--preset", "tiny", "--steps", str(STEPS),
+           "--prompts-per-step", "4", "--group-size", "4", "--out", str(out), "--no-progress", *extra]
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def gsm8k_run(tmp_path_factory):
+    if not (GSM8K / "train.jsonl").is_file():
+        pytest.skip(f"GSM8K data not found at {GSM8K}")
+    out = tmp_path_factory.mktemp("grpo")
+    proc = _run_recipe(out, "--data", str(GSM8K), "--limit", "64")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_recipe_writes_logs_report_and_plots(gsm8k_run):
+    out, proc = gsm8k_run
+    for name in ("off.jsonl", "on.jsonl", "off.meta.json", "on.meta.json", "first_step.json", "report.md",
+                 "comparison.json", "step_time.png", "reward.png", "modules.png", "logprob_diff.png", "loss.png"):
+        assert (out / name).is_file(), name
+        assert (out / name).stat().st_size > 0, name
+    assert "engine: embedded" in proc.stdout
+    off, on = _records(out / "off.jsonl"), _records(out / "on.jsonl")
+    assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(STEPS))
+    assert {r["backend"] for r in off} == {"off"} and {r["backend"] for r in on} == {"on"}
+    for rec in off + on:
+        assert set(rec["regions"]) >= {"rollout", "old_logprob", "logprob", "loss", "backward", "update", "step"}
+        assert 0.0 <= rec["reward"] <= 1.0
+    meta = json.loads((out / "on.meta.json").read_text())
+    assert meta["config"]["steps"] == STEPS and meta["git_commit"] and meta["command"]
+    assert meta["backends"]["linear_logprob"] == "torch"  # CPU, auto
+
+
+def test_first_step_is_identical_off_and_on_within_contract(gsm8k_run):
+    out, _ = gsm8k_run
+    off, on = _records(out / "off.jsonl")[0], _records(out / "on.jsonl")[0]
+    # the same samples: the same tokens, reward and rollout log-prob drift statistics
+    assert off["tokens"] == on["tokens"] and off["response_tokens"] == on["response_tokens"]
+    assert off["reward"] == on["reward"]
+    check = json.loads((out / "first_step.json").read_text())
+    assert check["identical_samples"] is True
+    for name in ("old_logprob", "logprob", "entropy", "loss"):
+        assert check[name]["within_contract"] is True, (name, check[name])
+    # rollout (KV-cache decoding) and training (full forward) log-probs agree on CPU fp32
+    assert off["logprob_diff_max"] < 1e-4 and on["logprob_diff_max"] < 1e-4
+
+
+def test_report_numbers_match_the_logs(gsm8k_run):
+    out, _ = gsm8k_run
+    rows = {r["metric"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
+    for side in ("off", "on"):
+        recs = _records(out / f"{side}.jsonl")
+        for key, values in (("reward", [r["reward"] for r in recs]),
+                            ("region/step", [r["regions"]["step"] for r in recs]),
+                            ("tokens_per_s", [r["tokens_per_s"] for r in recs])):
+            assert rows[key][side]["n"] == STEPS
+            assert rows[key][side]["mean"] == pytest.approx(statistics.fmean(values), rel=1e-12)
+    assert rows["region/step"]["on_over_off"] == pytest.approx(rows["region/step"]["on"]["mean"] / rows["region/step"]["off"]["mean"])
+    text = (out / "report.md").read_text()
+    assert "## Per-module time" in text and "## First step, off vs on" in text and "![mean reward](reward.png)" in text
+    assert "synthetic" not in text  # real GSM8K here
+
+
+def test_synthetic_data_is_announced(tmp_path):
+    proc = _run_recipe(tmp_path, "--data", "synthetic", "--sides", "on")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data: synthetic GSM8K-format arithmetic" in proc.stdout
+    assert len(_records(tmp_path / "on.jsonl")) == STEPS
+
+
+def test_no_data_source_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("GSM8K_DIR", raising=False)
+    with pytest.raises(data.DataUnavailableError, match="--data DIR.*GSM8K_DIR.*hub"):
+        data.load_problems(None)  # `datasets` is not installed in this tier: the hub is unreachable
+    with pytest.raises(data.DataUnavailableError, match="not a directory"):
+        data.load_problems(str(tmp_path / "nope"))
+    with pytest.raises(data.DataUnavailableError, match="neither train.jsonl nor"):
+        data.load_problems(str(tmp_path))
+
+
+def test_gsm8k_dir_and_synthetic_problems(monkeypatch):
+    if not (GSM8K / "train.jsonl").is_file():
+        pytest.skip(f"GSM8K data not found at {GSM8K}")
+    monkeypatch.setenv("GSM8K_DIR", str(GSM8K))
+    problems, where = data.load_problems(None, "test", limit=5)
+    assert len(problems) == 5 and "GSM8K_DIR" in where
+    assert all(scoring.compute_score(p.answer, p.ground_truth) == 1.0 for p in problems)
+    for p in data.synthetic_problems(50, seed=1):
+        assert scoring.compute_score(p.answer, p.ground_truth) == 1.0
+        assert 0 <= int(p.ground_truth) <= 20
+
+
+@pytest.mark.parametrize("text,truth,method,expected", [
+    ("so the answer is #### 72", "72", "strict", 1.0),
+    ("#### 1,234", "1234", "strict", 1.0),
+    ("#### 5 then #### 7", "7", "strict", 1.0),
+    ("the answer is 72", "72", "strict", 0.0),
+    ("the answer is 72", "72", "flexible", 1.0),
+    ("we get 3 and then 5.", "72", "flexible", 0.1),
+    ("no digits here .", "72", "flexible", 0.0),
+    ("x" * 400 + "#### 9", "9", "strict", 1.0),
+    ("#### 9" + "x" * 400, "9", "strict", 0.0),  # outside the last 300 characters
+])
+def test_scorer_follows_verl(text, truth, method, expected):
+    assert scoring.compute_score(text, truth, method, format_score=0.1) == expected
