@@ -92,12 +92,12 @@ def _bench(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     try:
         if args.out:
-            path = report.write_report(args.off, args.on, args.out)
+            path = report.write_report(args.off, args.on, args.out, warmup_steps=args.warmup_steps)
         off, on = report.read_step_log(args.off), report.read_step_log(args.on)
     except report.StepLogError as exc:
         print(f"rl-kernel compare: error: {exc}", file=sys.stderr)
         return 2
-    rows = report.compare_table(off, on)
+    rows = report.compare_table(off, on, args.warmup_steps)
     if args.json:
         print(json.dumps(rows, indent=2, allow_nan=False))
         return 0
@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("on", help="step log (JSONL) of the run with the flag on")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default=None, help="write report.md, comparison.json and PNG plots into this directory")
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="leave each log's first N steps out of the timing statistics (default 1)")
     p.set_defaults(func=_compare)
     return parser
 

@@ -141,17 +141,25 @@ def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
             _add(log, key, step, value)
 
 
-def compare_table(off: StepLog, on: StepLog) -> list[dict[str, Any]]:
+def is_timing(key: str) -> bool:
+    """Whether a series is a timing (regions and throughput), which warm-up steps distort."""
+    return key.startswith("region/") or key == "tokens_per_s"
+
+
+def compare_table(off: StepLog, on: StepLog, warmup_steps: int = 0) -> list[dict[str, Any]]:
     """Rows ``{"metric", "off", "on", "on_over_off"}``: statistics of every series in either log.
 
     ``off``/``on`` are :func:`rl_kernel_core.profiling.summarize_values` dicts; the ratio is of
-    means (None where either side lacks the metric or the off mean is 0). Headline metrics first.
+    means (None where either side lacks the metric or the off mean is 0). Timing series leave out
+    each log's first ``warmup_steps`` steps (compilation, autotuning and allocator growth land
+    there); other series keep every step. Headline metrics first.
     """
     keys = set(off.series) | set(on.series)
     ordered = [k for k in HEADLINE if k in keys] + sorted(keys - set(HEADLINE))
     rows = []
     for key in ordered:
-        a, b = summarize_values(off.values(key)), summarize_values(on.values(key))
+        skip = warmup_steps if is_timing(key) else 0
+        a, b = summarize_values(off.values(key)[skip:]), summarize_values(on.values(key)[skip:])
         ratio = b["mean"] / a["mean"] if a["n"] and b["n"] and a["mean"] else None
         rows.append({"metric": key, "off": a, "on": b, "on_over_off": ratio})
     return rows
@@ -275,16 +283,18 @@ def _meta_markdown(off: StepLog, on: StepLog) -> str:
 
 
 def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path, *,
-                 title: str = "rl-kernel off vs on", sections: Sequence[tuple[str, str]] = ()) -> Path:
+                 title: str = "rl-kernel off vs on", sections: Sequence[tuple[str, str]] = (),
+                 warmup_steps: int = 1) -> Path:
     """Write ``report.md``, ``comparison.json`` and the PNG plots for two step logs into ``out_dir``.
 
-    ``sections``: extra ``(heading, markdown)`` pairs placed after the summary. Returns the
-    report's path.
+    ``sections``: extra ``(heading, markdown)`` pairs placed after the summary;
+    ``warmup_steps``: leading steps left out of the timing statistics (see :func:`compare_table`;
+    the plots show every step). Returns the report's path.
     """
     off, on = read_step_log(off_path), read_step_log(on_path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = compare_table(off, on)
+    rows = compare_table(off, on, warmup_steps)
     plots = write_plots(off, on, out_dir)
 
     lines = [f"# {title}", "", f"- off: `{off.path}` ({off.steps} steps)", f"- on: `{on.path}` ({on.steps} steps)"]
@@ -293,7 +303,9 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
             lines.append(f"- **{side} ran out of memory at step {log.oom[0]}** (caught and recorded): `{log.oom[1]}`")
         if log.skipped_partial:
             lines.append(f"- {side}: an unterminated last line was skipped (interrupted run)")
-    lines += ["", "## Summary", "", "Statistics over steps; on/off is the ratio of the means.", ""]
+    warm = (f" Timings (step and module times, tokens/s) leave out the first {warmup_steps} step(s) of each run "
+            "(compilation, autotuning, allocator growth); the plots show every step." if warmup_steps else "")
+    lines += ["", "## Summary", "", f"Statistics over steps; on/off is the ratio of the means.{warm}", ""]
     lines.append(_md_table(["metric", "off mean", "off p50", "off p90", "off p99", "on mean", "on p50", "on p90", "on p99", "on/off"],
                            [[r["metric"]] + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("mean", "p50", "p90", "p99")]
                             + [_fmt(r["on_over_off"])] for r in rows if r["metric"] in HEADLINE]))
@@ -314,6 +326,7 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
     path = out_dir / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     summary = {"off": str(off.path), "on": str(on.path), "steps": {"off": off.steps, "on": on.steps},
+               "timing_warmup_steps": warmup_steps,
                "oom": {"off": off.oom, "on": on.oom}, "rows": rows}
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, allow_nan=False), encoding="utf-8")
     return path
