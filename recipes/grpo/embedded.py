@@ -276,10 +276,11 @@ ON = Path_("on", rl_kernel_logprob,
 class Engine:
     """Holds the policy, the optional frozen reference, the optimizer and the tokenized prompts."""
 
-    def __init__(self, model_dir: Path, cfg: GRPOConfig, side: Path_, device: torch.device):
+    def __init__(self, model_dir: Path, cfg: GRPOConfig, side: Path_, device: torch.device,
+                 cross_check: Optional[Path_] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.cfg, self.side, self.device = cfg, side, device
+        self.cfg, self.side, self.device, self.cross_check = cfg, side, device, cross_check
         torch.manual_seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
@@ -315,14 +316,26 @@ class Engine:
         return [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
 
     @torch.no_grad()
-    def _recompute(self, model, ro: Rollout) -> torch.Tensor:
+    def _recompute(self, model, ro: Rollout, side: Path_, with_entropy: bool = False):
         ids, attn, targets = ro.input_ids, ro.attention_mask, ro.targets
-        parts = []
+        lps, ents = [], []
         for sl in self._batches(ids.shape[0]):
             with self.autocast:
-                lp, _ = self.side.logprob(model, ids[sl], attn[sl], targets[sl], self.cfg.temperature, False)
-            parts.append(lp.float())
-        return torch.cat(parts)
+                lp, ent = side.logprob(model, ids[sl], attn[sl], targets[sl], self.cfg.temperature, with_entropy)
+            lps.append(lp.float())
+            ents.append(None if ent is None else ent.float())
+        return (torch.cat(lps), torch.cat(ents)) if with_entropy else torch.cat(lps)
+
+    @torch.no_grad()
+    def _evaluate(self, side: Path_, ro: Rollout, advantages: torch.Tensor) -> dict:
+        """``side``'s old log-probs, log-probs, entropy and loss on ``ro`` without a update."""
+        old_lp = self._recompute(self.model, ro, side)
+        ref_lp = None if self.ref is None else self._recompute(self.ref, ro, side)
+        lp, entropy = self._recompute(self.model, ro, side, with_entropy=True)
+        mask = ro.response_mask.bool()
+        adv = advantages[:, None].expand_as(lp).float()
+        loss, _ = side.loss(lp, old_lp, adv, mask, ref_lp=ref_lp, entropy=entropy, cfg=self.cfg, scale=1.0)
+        return {"old_logprob": old_lp.cpu(), "logprob": lp.cpu(), "entropy": entropy.cpu(), "loss": float(loss)}
 
     def step(self, step: int, problems: list[Problem]) -> dict:
         """One GRPO step on ``problems``; returns the step's fields (the profiler adds timings)."""
@@ -349,11 +362,14 @@ class Engine:
         advantages = side.advantages(rewards, g)
 
         with profiling.region("old_logprob"):
-            old_lp = self._recompute(self.model, ro)
+            old_lp = self._recompute(self.model, ro, side)
         ref_lp = None
         if self.ref is not None:
             with profiling.region("ref_logprob"):
-                ref_lp = self._recompute(self.ref, ro)
+                ref_lp = self._recompute(self.ref, ro, side)
+
+        # step 0 only: the other side's values on these samples and weights (untimed comparison)
+        cross = self._evaluate(self.cross_check, ro, advantages) if step == 0 and self.cross_check else None
 
         self.model.train()
         mask = ro.response_mask.bool()
@@ -405,6 +421,8 @@ class Engine:
                 "logprob": torch.cat(first["logprob"]), "entropy": torch.cat(first["entropy"]),
                 "loss": fields["loss"],
             }
+            if cross is not None:
+                fields["_first_step"]["cross_check"] = cross
         return fields
 
 
@@ -419,8 +437,11 @@ def problem_schedule(problems: list[Problem], cfg: GRPOConfig) -> list[list[Prob
 
 
 def run(model_dir: Path, problems: list[Problem], cfg: GRPOConfig, side: Path_, log_path: Path,
-        device: torch.device, progress: bool = True) -> dict:
+        device: torch.device, progress: bool = True, cross_check: Optional[Path_] = None) -> dict:
     """Train ``cfg.steps`` GRPO steps, one profiler record per step appended to ``log_path``.
+
+    With ``cross_check`` (the other side), step 0 also evaluates that side's old log-probs,
+    log-probs, entropy and loss on the same samples and weights, under ``first_step["cross_check"]``.
 
     A CUDA out-of-memory error ends the run early; it is recorded as a step with ``"oom": true``
     and the error text, and the function returns normally. Returns ``{"steps", "oom",
@@ -428,7 +449,7 @@ def run(model_dir: Path, problems: list[Problem], cfg: GRPOConfig, side: Path_, 
     """
     from tqdm.auto import tqdm
 
-    engine = Engine(model_dir, cfg, side, device)
+    engine = Engine(model_dir, cfg, side, device, cross_check)
     profiling.enable(str(log_path))
     first_step: Optional[dict] = None
     oom: Optional[str] = None
