@@ -195,8 +195,9 @@ def _smooth(values: list[float], alpha: float = 0.3) -> list[float]:
     return out
 
 
-def write_plots(off: StepLog, on: StepLog, out_dir: Path) -> list[tuple[str, str]]:
-    """PNG plots of each series both logs share over steps, and the per-module bars.
+def write_plots(off: StepLog, on: StepLog, out_dir: Path, warmup_steps: int = 0) -> list[tuple[str, str]]:
+    """PNG plots of each series over steps (every step), and the per-module bars (means without
+    the first ``warmup_steps`` steps, as in :func:`compare_table`).
 
     Returns ``[(file name, caption)]`` of the plots written.
     """
@@ -235,7 +236,7 @@ def write_plots(off: StepLog, on: StepLog, out_dir: Path) -> list[tuple[str, str
         fig, ax = plt.subplots(figsize=(8, 3.8))
         width = 0.4
         for i, (log, side, color) in enumerate(((off, "off", "tab:blue"), (on, "on", "tab:orange"))):
-            means = [summarize_values(log.values(f"region/{m}")).get("mean", 0.0) for m in modules]
+            means = [summarize_values(log.values(f"region/{m}")[warmup_steps:]).get("mean", 0.0) for m in modules]
             ax.bar([x + (i - 0.5) * width for x in range(len(modules))], means, width, label=side, color=color)
         ax.set_xticks(range(len(modules)), modules, rotation=20, fontsize=8)
         ax.set_ylabel("mean ms per step")
@@ -298,7 +299,7 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = compare_table(off, on, warmup_steps)
-    plots = write_plots(off, on, out_dir)
+    plots = write_plots(off, on, out_dir, warmup_steps)
 
     lines = [f"# {title}", "", f"- off: `{off.path}` ({off.steps} steps)", f"- on: `{on.path}` ({on.steps} steps)"]
     for log, side in ((off, "off"), (on, "on")):
