@@ -33,7 +33,7 @@ PRESET_RUNS = {
     "tiny": dict(steps=60, prompts_per_step=16, group_size=8, max_new_tokens=8, micro_batch=32,
                  lr=1e-2, temperature=1.0, kl_coef=0.0, gradient_checkpointing=False,
                  max_prompt_tokens=160),
-    "qwen3-0.6b": dict(steps=8, prompts_per_step=16, group_size=8, max_new_tokens=256, micro_batch=32,
+    "qwen3-0.6b": dict(steps=12, prompts_per_step=16, group_size=8, max_new_tokens=256, micro_batch=32,
                        lr=1e-5, temperature=1.0, kl_coef=1e-3, gradient_checkpointing=True,
                        max_prompt_tokens=256),
 }

@@ -2,7 +2,9 @@
 
 A step log is the JSONL that :func:`rl_kernel_core.profiling.step_end` writes (from the recipe or
 any adapter): one JSON object per line with ``step``, ``regions`` (name -> ms) and numeric fields
-(``tokens_per_s``, ``peak_vram_gib``, ``reward``, ``logprob_diff``, ``kl``, ``loss``, ...). Files
+(``tokens_per_s``, ``peak_vram_gib``, ``reward``, ``logprob_diff``, ``kl``, ``loss``, ...); the
+reader adds ``region/actor_update``, the per-step sum of the policy-update regions
+(:data:`ACTOR_REGIONS`). Files
 are read one line at a time and only numeric series are kept. A malformed line is an error naming
 the file and line, except an unterminated last line (a run interrupted mid-write), which is
 skipped and counted. NaN and infinite values count as missing. A record with ``"oom": true``
@@ -25,8 +27,12 @@ from rl_kernel_core.profiling import summarize_values
 # per-module breakdown order (the profiler's shared region names)
 MODULES = ("rollout", "old_logprob", "ref_logprob", "logprob", "ratio_kl", "loss", "backward", "update", "weight_sync")
 
+# the regions of one policy update (verl's update_actor): summed per step into ACTOR_UPDATE
+ACTOR_REGIONS = ("logprob", "ratio_kl", "loss", "backward", "update")
+ACTOR_UPDATE = "region/actor_update"
+
 # metrics shown first in the headline table, in this order
-HEADLINE = ("region/step", "tokens_per_s", "peak_vram_gib", "reward", "accuracy", "logprob_diff", "kl", "loss", "entropy")
+HEADLINE = ("region/step", ACTOR_UPDATE, "region/old_logprob", "tokens_per_s", "peak_vram_gib", "reward", "accuracy", "logprob_diff", "kl", "loss", "entropy")
 
 _PLOTS = (  # file, metric keys, y label
     ("step_time.png", ("region/step",), "step time (ms)"),
@@ -136,6 +142,9 @@ def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
     log.steps += 1
     for name, ms in regions.items():
         _add(log, f"region/{name}", step, ms)
+    actor = [_number(regions.get(name)) for name in ACTOR_REGIONS if name in regions]
+    if actor and None not in actor:
+        _add(log, ACTOR_UPDATE, step, sum(actor))
     for key, value in record.items():
         if key not in ("step", "regions"):
             _add(log, key, step, value)
