@@ -260,6 +260,8 @@ def write_plots(off: StepLog, on: StepLog, out_dir: Path, warmup_steps: int = 0)
 
 def first_step_markdown(check: dict[str, Any]) -> str:
     """Markdown for the recipe's first-step check (both paths on the on run's step-0 samples)."""
+    if "error" in check:
+        return f"The off path could not be evaluated on the on run's step-0 samples: {check['error']}"
     rows = [[name, _fmt(v["max_abs_diff"]), _fmt(v["mean_abs_diff"]), _fmt(v["worst_bound_fraction"]),
              "yes" if v["within_contract"] else "**no**"]
             for name, v in check.items() if isinstance(v, dict) and "max_abs_diff" in v]

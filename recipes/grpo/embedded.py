@@ -368,8 +368,14 @@ class Engine:
             with profiling.region("ref_logprob"):
                 ref_lp = self._recompute(self.ref, ro, side)
 
-        # step 0 only: the other side's values on these samples and weights (untimed comparison)
-        cross = self._evaluate(self.cross_check, ro, advantages) if step == 0 and self.cross_check else None
+        # step 0 only: the other side's values on these samples and weights (a comparison; the
+        # off side may not fit a micro-batch the on side fits, which is then recorded)
+        cross = None
+        if step == 0 and self.cross_check is not None:
+            try:
+                cross = self._evaluate(self.cross_check, ro, advantages)
+            except torch.OutOfMemoryError as exc:
+                cross = {"error": f"{self.cross_check.name} path out of memory: {str(exc).splitlines()[0]}"}
 
         self.model.train()
         mask = ro.response_mask.bool()
