@@ -97,6 +97,13 @@ def _importable(name: str) -> bool:
 
 
 def git_commit() -> str:
+    """The checkout's commit (``+uncommitted`` when the tree differs from it).
+
+    ``RL_KERNEL_GIT_COMMIT``, when set, is taken instead: for copies of the tree whose ``.git``
+    is missing or not the tree's own.
+    """
+    if os.environ.get("RL_KERNEL_GIT_COMMIT"):
+        return os.environ["RL_KERNEL_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=10)
@@ -162,7 +169,7 @@ def main(argv=None) -> int:
                                  "reward_method": args.reward_method, "format_score": args.format_score,
                                  "seed": args.seed})
     meta_common = {
-        "command": bench.command_line(), "engine": engine, "engine_choice": why, "preset": args.preset,
+        "command": " ".join(["bash recipes/grpo_gsm8k.sh", *bench.command_line().split(" ")[2:]]), "engine": engine, "engine_choice": why, "preset": args.preset,
         "model": model_desc, "data": source, "git_commit": git_commit(),
         "config": dataclasses.asdict(cfg), "environment": bench.environment(device),
     }

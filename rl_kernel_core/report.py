@@ -297,6 +297,14 @@ def _meta_markdown(off: StepLog, on: StepLog) -> str:
     return "\n\n".join(parts) if parts else "No metadata files (`<log>.meta.json`) beside the logs."
 
 
+def _relative(path: Path, base: Path) -> str:
+    """``path`` relative to the report's directory when it lies inside it (reports travel)."""
+    try:
+        return str(path.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(path)
+
+
 def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path, *,
                  title: str = "rl-kernel off vs on", sections: Sequence[tuple[str, str]] = (),
                  warmup_steps: int = 1) -> Path:
@@ -312,7 +320,8 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
     rows = compare_table(off, on, warmup_steps)
     plots = write_plots(off, on, out_dir, warmup_steps)
 
-    lines = [f"# {title}", "", f"- off: `{off.path}` ({off.steps} steps)", f"- on: `{on.path}` ({on.steps} steps)"]
+    names = {side: _relative(log.path, out_dir) for log, side in ((off, "off"), (on, "on"))}
+    lines = [f"# {title}", "", f"- off: `{names['off']}` ({off.steps} steps)", f"- on: `{names['on']}` ({on.steps} steps)"]
     for log, side in ((off, "off"), (on, "on")):
         if log.oom:
             lines.append(f"- **{side} ran out of memory at step {log.oom[0]}** (caught and recorded): `{log.oom[1]}`")
@@ -340,7 +349,7 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
               _meta_markdown(off, on), ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
-    summary = {"off": str(off.path), "on": str(on.path), "steps": {"off": off.steps, "on": on.steps},
+    summary = {"off": names["off"], "on": names["on"], "steps": {"off": off.steps, "on": on.steps},
                "timing_warmup_steps": warmup_steps,
                "oom": {"off": off.oom, "on": on.oom}, "rows": rows}
     (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, allow_nan=False), encoding="utf-8")
