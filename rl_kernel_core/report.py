@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -53,20 +54,20 @@ class StepLogError(ValueError):
 class StepLog:
     """The numeric content of one step log.
 
-    ``series`` maps ``region/<name>`` and every numeric field to ``[(step, value), ...]``;
+    ``series`` maps ``region/<name>`` and every numeric field to its ``(steps, values)`` arrays;
     ``oom`` holds ``(step, error text)`` when the run ran out of memory; ``skipped_partial`` is 1
     when an unterminated last line was skipped.
     """
 
     path: Path
     steps: int = 0
-    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    series: dict[str, tuple[array, array]] = field(default_factory=dict)
     oom: Optional[tuple[int, str]] = None
     skipped_partial: int = 0
     meta: Optional[dict[str, Any]] = None
 
     def values(self, key: str) -> list[float]:
-        return [v for _, v in self.series.get(key, ())]
+        return list(self.series[key][1]) if key in self.series else []
 
 
 def _number(value: Any) -> Optional[float]:
@@ -79,7 +80,9 @@ def _number(value: Any) -> Optional[float]:
 def _add(log: StepLog, key: str, step: int, value: Any) -> None:
     number = _number(value)
     if number is not None:
-        log.series.setdefault(key, []).append((step, number))
+        steps, values = log.series.setdefault(key, (array("q"), array("d")))
+        steps.append(step)
+        values.append(number)
 
 
 def read_step_log(path: str | Path) -> StepLog:
@@ -222,10 +225,9 @@ def write_plots(off: StepLog, on: StepLog, out_dir: Path, warmup_steps: int = 0)
             continue
         fig, ax = plt.subplots(figsize=(7, 3.6))
         for log, side, color in ((off, "off", "tab:blue"), (on, "on", "tab:orange")):
-            points = log.series.get(key, [])
-            if not points:
+            if key not in log.series:
                 continue
-            steps, vals = zip(*points)
+            steps, vals = log.series[key]
             if key == "reward":
                 ax.plot(steps, vals, color=color, alpha=0.35, lw=1, label=f"{side} (raw)")
                 ax.plot(steps, _smooth(list(vals)), color=color, lw=2, label=f"{side} (smoothed)")

@@ -1,0 +1,91 @@
+"""rl_kernel_core.report: reading step logs (malformed input named by file and line), the
+comparison statistics, and the report with its plots."""
+
+import json
+import math
+
+import pytest
+
+from rl_kernel_core import report
+
+
+def _log(path, records, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return path
+
+
+def _rec(step, ms=10.0, **extra):
+    return {"step": step, "regions": {"step": ms, "logprob": ms / 4, "loss": 1.0, "backward": ms / 2, "update": 0.5}, **extra}
+
+
+def test_statistics_and_actor_update(tmp_path):
+    off = report.read_step_log(_log(tmp_path / "off.jsonl", [_rec(i, 100.0 + i, reward=0.1 * i) for i in range(5)]))
+    on = report.read_step_log(_log(tmp_path / "on.jsonl", [_rec(i, 50.0 + i, reward=0.1 * i) for i in range(5)]))
+    rows = {r["metric"]: r for r in report.compare_table(off, on, warmup_steps=1)}
+    assert rows["region/step"]["off"]["n"] == 4 and rows["region/step"]["off"]["mean"] == pytest.approx(102.5)
+    assert rows["reward"]["off"]["n"] == 5  # warm-up steps leave only timings
+    # actor update = logprob + loss + backward + update per step
+    assert rows["region/actor_update"]["off"]["mean"] == pytest.approx(102.5 / 4 + 1.0 + 102.5 / 2 + 0.5)
+    assert rows["region/step"]["on_over_off"] == pytest.approx(52.5 / 102.5)
+    assert list(rows)[:2] == ["region/step", "region/actor_update"]
+
+
+def test_partial_last_line_is_skipped_and_counted(tmp_path):
+    path = _log(tmp_path / "run.jsonl", [_rec(0), _rec(1)], tail='{"step": 2, "regions": {"st')
+    log = report.read_step_log(path)
+    assert log.steps == 2 and log.skipped_partial == 1
+    # a complete last record without a final newline is read
+    log = report.read_step_log(_log(tmp_path / "b.jsonl", [_rec(0)], tail=json.dumps(_rec(1))))
+    assert log.steps == 2 and log.skipped_partial == 0
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"step": 0}\n{"step": 1, "regi\n{"step": 2}\n', r"bad.jsonl:2: not valid JSON"),
+    ('[1, 2]\n', r"bad.jsonl:1: expected a JSON object \(a step record\), got list"),
+    ('{"step": "x"}\n', r"bad.jsonl:1: 'step' must be an integer"),
+    ('{"step": 0, "regions": [1]}\n', r"bad.jsonl:1: 'regions' must be an object"),
+    ("[" * 100000 + "\n", r"bad.jsonl:1: (JSON nested too deeply|not valid JSON)"),
+])
+def test_malformed_lines_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(report.StepLogError, match=message):
+        report.read_step_log(path)
+
+
+def test_invalid_utf8_missing_file_and_directory(tmp_path):
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(json.dumps(_rec(0)).encode() + b"\n\xff\xfe\n")
+    with pytest.raises(report.StepLogError, match=r"bin.jsonl:2: not UTF-8"):
+        report.read_step_log(path)
+    with pytest.raises(report.StepLogError, match="no such file"):
+        report.read_step_log(tmp_path / "missing.jsonl")
+    with pytest.raises(report.StepLogError, match="not a regular file"):
+        report.read_step_log(tmp_path)
+
+
+def test_null_regions_nan_and_oom(tmp_path):
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"step": 0, "regions": null, "reward": NaN, "loss": Infinity, "kl": 0.5}\n'
+                    '{"step": 1, "oom": true, "error": "CUDA out of memory"}\n')
+    log = report.read_step_log(path)
+    assert log.steps == 1 and "reward" not in log.series and "loss" not in log.series
+    assert log.values("kl") == [0.5]
+    assert log.oom == (1, "CUDA out of memory")
+
+
+def test_report_files_and_valid_json(tmp_path):
+    off = _log(tmp_path / "off.jsonl", [_rec(i, reward=0.1, kl=float("nan")) for i in range(3)])
+    on = _log(tmp_path / "on.jsonl", [_rec(i, reward=0.2) for i in range(2)] + [{"step": 2, "oom": True, "error": "boom"}])
+    (tmp_path / "on.meta.json").write_text(json.dumps({"command": "x", "environment": {"gpu": "G"}, "config": {"steps": 3}}))
+    out = tmp_path / "rep"
+    path = report.write_report(off, on, out, title="T", sections=[("Extra", "body")])
+    text = path.read_text()
+    assert text.startswith("# T") and "## Extra\n\nbody" in text and "on ran out of memory at step 2" in text
+    assert "- off: `" in text and str(tmp_path) in text  # logs outside the report dir keep their path
+    assert "Resolved config" in text and "- gpu: `G`" in text
+    for name in ("step_time.png", "reward.png", "modules.png"):
+        assert (out / name).stat().st_size > 1000
+    doc = json.loads((out / "comparison.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert doc["oom"]["on"] == [2, "boom"]
+    assert all(v is None or math.isfinite(v) for r in doc["rows"] for v in [r["on_over_off"]])
