@@ -90,6 +90,7 @@ _WORKER = textwrap.dedent(
             )
         results.append(per_size)
     torch.save(results, out)
+    dist.barrier()  # no rank tears gloo down while its peer still talks to it
     dist.destroy_process_group()
     """
 )

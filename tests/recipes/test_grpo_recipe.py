@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,7 +23,8 @@ STEPS = 3
 def _run_recipe(out: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = ["bash", str(ROOT / "recipes" / "grpo_gsm8k.sh"), "--preset", "tiny", "--steps", str(STEPS),
            "--prompts-per-step", "4", "--group-size", "4", "--out", str(out), "--no-progress", *extra]
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    # the interpreter running the tests is the recipe's python3, so the recipe never builds another
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
 
 
