@@ -12,7 +12,8 @@ records it, ``rl-kernel info`` prints it, and an explicit ``backend="native"`` r
 Ahead of time (a Docker build step, or before a multi-process job so no rank builds at start):
 ``python -m rl_kernel_core.native build`` compiles into the same cache and exits non-zero with
 the reason when it cannot. It needs the toolchain, not a GPU: set ``TORCH_CUDA_ARCH_LIST``
-(e.g. ``9.0``) where no device is visible. Concurrent builds of one cache directory wait on
+(e.g. ``9.0``) where no device is visible. ``python -m rl_kernel_core.native check`` compiles
+every source for sm_90 without linking, even with a CPU-only PyTorch (CI runs it). Concurrent builds of one cache directory wait on
 ``torch.utils.cpp_extension``'s lock file.
 """
 
@@ -116,13 +117,75 @@ def build(verbose: bool = False) -> ModuleType:
         raise RuntimeError(f"building the native extension in {out} failed ({type(exc).__name__}): {tail}") from exc
 
 
+def _compile_command(source: Path, obj: Path, arch: str, include_dirs: Sequence[Path]) -> list[str]:
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{d}" for d in (*include_dirs, *cpp_extension.include_paths(), sysconfig.get_paths()["include"])]
+    defines = [f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    if source.suffix == ".cu":
+        nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else "nvcc"
+        return [nvcc, "-c", f"-arch=sm_{arch}", "-std=c++17", *cpp_extension.COMMON_NVCC_FLAGS,
+                *defines, *includes, str(source), "-o", str(obj)]
+    return [os.environ.get("CXX", "c++"), "-c", "-fPIC", "-std=c++17", *defines, *includes, str(source), "-o", str(obj)]
+
+
+def check(arch: str = "90", jobs: int = 2) -> list[str]:
+    """Compile every source to an object file for ``sm_<arch>`` without linking or loading it.
+
+    Needs nvcc and a C++ compiler, no GPU and no CUDA build of PyTorch: with a CPU-only PyTorch
+    the one header its build does not generate (``c10/cuda/impl/cuda_cmake_macros.h``) is
+    supplied. Returns one error message per source that failed (compiler output tail); empty
+    when all compiled.
+    """
+    import shutil
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.utils import cpp_extension
+
+    if shutil.which("nvcc") is None and cpp_extension.CUDA_HOME is None:
+        return ["nvcc was not found (set CUDA_HOME to a CUDA toolkit, or put nvcc on PATH)"]
+    if not sources():
+        return [f"no sources in {SOURCE_DIR}"]
+    with tempfile.TemporaryDirectory(prefix="rl-kernel-native-check-") as tmp:
+        shim = Path(tmp) / "include"
+        macros = "c10/cuda/impl/cuda_cmake_macros.h"
+        if not any((Path(d) / macros).is_file() for d in cpp_extension.include_paths()):
+            (shim / macros).parent.mkdir(parents=True)
+            (shim / macros).write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+
+        def compile_one(src: Path) -> Optional[str]:
+            cmd = _compile_command(src, Path(tmp) / f"{src.name}.o", arch, [shim])
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode == 0:
+                return None
+            out = (proc.stdout + proc.stderr)[-_ERROR_TAIL_CHARS:]
+            return f"{src.name}: exit {proc.returncode}: {out}"
+
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            return [e for e in pool.map(compile_one, sources()) if e]
+
+
 def _main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="compile the extension ahead of time into the cache")
     p.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
     sub.add_parser("where", help="print the build folder")
+    p = sub.add_parser("check", help="compile every source for one GPU architecture without a GPU (no link, nothing loaded)")
+    p.add_argument("--arch", default="90", help="compute capability without the dot (default 90: H100/H200)")
+    p.add_argument("--jobs", type=int, default=2, help="sources compiled at once")
     args = parser.parse_args(argv)
+    if args.command == "check":
+        errors = check(args.arch, args.jobs)
+        for e in errors:
+            print(f"rl-kernel native check: {e}", file=sys.stderr)
+        if not errors:
+            print(f"rl-kernel native check: {len(sources())} sources compiled for sm_{args.arch}")
+        return 1 if errors else 0
     if args.command == "where":
         print(build_dir())
         return 0

@@ -1,4 +1,6 @@
-"""Shared pytest set-up: the ``gpu`` marker skips cleanly without CUDA."""
+"""Shared pytest set-up: the ``gpu`` marker skips cleanly without CUDA; the ``seed`` fixture."""
+
+import os
 
 import pytest
 import torch
@@ -15,8 +17,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed():
-    """A fresh random seed per test (printed on failure through the test id's output)."""
-    s = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(torch.seed() % 2**31)))
+    """A fresh random seed per test, or ``$RL_KERNEL_TEST_SEED`` when set (printed on failure)."""
+    pinned = os.environ.get("RL_KERNEL_TEST_SEED")
+    if pinned is not None:
+        try:
+            s = int(pinned)
+        except ValueError:
+            raise pytest.UsageError(f"RL_KERNEL_TEST_SEED must be an integer, got {pinned!r}") from None
+    else:
+        s = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(torch.seed() % 2**31)))
     torch.manual_seed(s)
-    print(f"seed={s}")
+    print(f"seed={s} (rerun with RL_KERNEL_TEST_SEED={s})")
     return s
