@@ -12,7 +12,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract
-from rl_kernel_core.batch_invariant import bi_linear, bi_log_softmax, bi_matmul, bi_mean
+from rl_kernel_core.invariance import bi_linear, bi_log_softmax, bi_matmul, bi_mean
 from rl_kernel_core.dispatch import BackendUnavailableError, explain
 
 SIZES = (1, 7, 64, 300)
@@ -202,3 +202,4 @@ def test_cuda_rows_are_bitwise_invariant(seed, dtype):
     _assert_rows_invariant(lambda t: rk.rms_norm(t, weight), a)
     _assert_rows_invariant(lambda t: bi_log_softmax(t), a @ b)
     _assert_rows_invariant(lambda t: bi_mean(t, -1), a)
+
