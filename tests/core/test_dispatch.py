@@ -75,9 +75,15 @@ def test_missing_implementation_is_named(toy_op):
 
 
 def test_preference_order(toy_op, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # both backends runnable on CPU here, so only the order decides which one auto takes
+    monkeypatch.setattr(dispatch, "_device_reason", lambda backend, device, explicit: None)
+    dispatch.set_preference(toy_op, ("triton", "torch"))
+    assert dispatch.select(toy_op, "auto", torch.device("cpu"), 1)(1) == ("triton", 1)
     dispatch.set_preference(toy_op, ("torch", "triton"))
     assert dispatch.select(toy_op, "auto", torch.device("cpu"), 1)(1) == ("torch", 1)
+    assert dispatch.select(toy_op, "auto", torch.device("cpu"), -1)(-1) == ("torch", -1)
+    dispatch.set_preference(toy_op, ("triton", "torch"))
+    assert dispatch.select(toy_op, "auto", torch.device("cpu"), -1)(-1) == ("torch", -1)  # triton refuses x <= 0
     with pytest.raises(ValueError, match="order"):
         dispatch.set_preference(toy_op, ("gpu",))
 
