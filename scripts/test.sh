@@ -2,7 +2,7 @@
 # Sets up and runs every test tier. Each tier has its own cached virtual environment built by
 # scripts/env.sh from requirements/TIER.txt:
 #   core  - CPU PyTorch + Triton interpreter: tests/ except the framework tiers below
-#   verl  - the real verl on CPU:            tests/verl   (when requirements/verl.txt exists)
+#   verl  - the real verl on CPU:            tests/verl and the core tests' verl parity checks
 #   vllm  - the real vLLM CPU engine:        tests/vllm   (when requirements/vllm.txt exists)
 #   vllm-gpu - the vLLM GPU release, imported on CPU: its Model Runner V2 targets and the
 #              plugin's loading contract (tests/vllm/test_mrv2.py, test_plugin.py)
@@ -27,7 +27,10 @@ run_tier() {
 }
 
 run_tier core tests -q --ignore=tests/verl --ignore=tests/vllm "$@"
-[ -d tests/verl ] && run_tier verl tests/verl -q "$@"
+# the core tests' parity checks against verl's own estimators and loss run here, where verl is installed
+[ -d tests/verl ] && run_tier verl tests/verl -q \
+  tests/core/test_advantages.py::test_matches_verl_core_algos_when_installed \
+  tests/core/test_policy_loss.py::test_matches_verl_core_algos_when_installed "$@"
 [ -d tests/vllm ] && run_tier vllm tests/vllm -q "$@"
 [ -d tests/vllm ] && run_tier vllm-gpu tests/vllm/test_mrv2.py tests/vllm/test_plugin.py -q "$@"
 exit $status
