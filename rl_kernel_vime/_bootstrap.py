@@ -135,8 +135,3 @@ def install_from_env() -> None:
 def current_config() -> Optional[config.Config]:
     """The configuration the hooks run with (None until activated)."""
     return _state.config
-
-
-def config_error() -> Optional[config.ConfigError]:
-    """The invalid switch seen at start-up, if any."""
-    return _state.error

@@ -52,11 +52,3 @@ NOT_REPLACED: dict[str, str] = {
     ),
 }
 """Functions of the documented interface left alone, and why."""
-
-
-def by_key(key: str) -> Target:
-    """The target named ``"module:attr"``."""
-    for target in TARGETS:
-        if target.key == key:
-            return target
-    raise KeyError(f"no vime target {key!r}; known: {[t.key for t in TARGETS]}")
