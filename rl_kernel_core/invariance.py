@@ -16,8 +16,7 @@ that path, and the ops that honour the mode build on them.
 
 Backends: ``torch`` (the reference in :mod:`rl_kernel_core.reference.batch_invariant`, on CPU and
 GPU) is the semantics oracle; it makes every library call a fixed shape (row tiles padded to a
-constant size). The fast GPU kernels for this mode come in a later issue and must give the same
-invariance. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs). Inputs are
+constant size), on a GPU too: this mode has no faster GPU kernel. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs). Inputs are
 made contiguous first, so strided inputs give the same bits as contiguous ones.
 """
 

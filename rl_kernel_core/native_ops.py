@@ -19,7 +19,7 @@ atomics: results are bitwise equal run to run. ``supports`` refuses fp64 log-pro
 ``auto``: :data:`MEASURED_PREFERENCE` holds, per GPU architecture (compute capability), the
 backend order each op's ``auto`` follows, from the native-vs-Triton timings recorded in
 ``benchmarks/results/bench_native_h100.json``; on an architecture not in it, dispatch's default
-order (native first) applies.
+order (native first) applies, except for the ops in :data:`UNMEASURED_PREFERENCE` (Triton first).
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ The fix used here: :func:`row_tiled` feeds every kernel fixed-shape tiles of :da
 whatever N is. A row's result then depends only on the row, the other operands (weights) and its
 position inside its tile, and a fixed-shape GEMM or row-wise reduction computes every row of one
 call with the same reduction order. The tests check this bit for bit (rows at other positions and
-batch sizes N = 1, 7, 64, 300); it is the property, not any particular kernel, that later GPU
-kernels must reproduce. The cost is up to ``ROW_TILE - 1`` padded rows of work per call: this path
-is the oracle and the CPU path, and the fast GPU kernels for this mode come in a later issue.
+batch sizes N = 1, 7, 64, 300); it is the property, not any particular kernel, that a GPU kernel
+for this mode must reproduce. The cost is up to ``ROW_TILE - 1`` padded rows of work per call.
 
 Accumulation: fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 inputs (GEMMs accumulate as the
 library does for the input dtype, which is fp32 for bf16/fp16 in PyTorch). Outputs keep the input
