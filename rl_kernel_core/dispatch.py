@@ -7,10 +7,12 @@ that serves its (already validated) inputs.
 
 Rules:
 
-* ``backend="auto"`` (the default; ``RL_KERNEL_BACKEND=<name>`` makes every ``auto`` mean that
-  backend, e.g. ``RL_KERNEL_BACKEND=torch`` forces the reference everywhere) takes the first
-  backend in the op's preference order that is registered for the op, can run on the inputs'
-  device and whose ``supports`` predicate accepts them. The choice is logged once per
+* ``backend="auto"`` (the default) takes the first backend in the op's preference order that
+  declares the op (:data:`SERVES`), can run on the inputs' device and whose ``supports`` predicate
+  accepts them; backends that do not declare the op are never imported for it.
+  ``RL_KERNEL_BACKEND=<name>`` makes ``auto`` mean that backend for every op it declares (e.g.
+  ``RL_KERNEL_BACKEND=torch`` forces the reference everywhere); an op it does not declare takes the
+  ``auto`` order, and the decision records why. The choice is logged once per
   (op, backend, device type) and is readable afterwards through :func:`explain`.
 * An explicitly named backend that cannot run raises :class:`BackendUnavailableError` naming
   why (no GPU, Triton import error, compiler output, op not implemented there). There is no
@@ -35,6 +37,14 @@ logger = logging.getLogger("rl_kernel")
 BACKENDS: tuple[str, ...] = ("native", "triton", "torch")
 _DEFAULT_PREFERENCE: tuple[str, ...] = ("native", "triton", "torch")
 _BACKEND_MODULES = {"triton": "rl_kernel_core.triton", "native": "rl_kernel_core.native"}
+SERVES: dict[str, frozenset[str]] = {
+    "triton": frozenset({"linear_logprob", "logprob_from_logits", "ratio_kl", "policy_loss",
+                         "fused_linear_policy_loss", "group_advantages"}),
+    "native": frozenset({"linear_logprob", "logprob_from_logits", "ratio_kl", "policy_loss", "group_advantages"}),
+}
+"""The ops each fast backend serves, declared so that choosing a backend never imports (or, for
+``native``, compiles) one that has no implementation of the op; ``torch`` serves every op.
+:func:`register` refuses an implementation its backend does not declare."""
 
 Supports = Callable[..., Optional[str]]
 
@@ -77,12 +87,19 @@ def register(op: str, backend: str, *, supports: Optional[Supports] = None) -> C
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not serves(backend, op):
+        raise ValueError(f"{backend} does not declare {op} in dispatch.SERVES; add it there to register it")
 
     def deco(fn: Callable) -> Callable:
         _impls[(op, backend)] = _Impl(fn, supports)
         return fn
 
     return deco
+
+
+def serves(backend: str, op: str) -> bool:
+    """Whether ``backend`` declares an implementation of ``op`` (nothing is imported to answer)."""
+    return backend == "torch" or op in SERVES.get(backend, frozenset())
 
 
 def set_preference(op: str, order: tuple[str, ...]) -> None:
@@ -134,6 +151,8 @@ def _device_reason(backend: str, device: torch.device, explicit: bool) -> Option
 
 def unavailable_reason(op: str, backend: str, device: torch.device, *args, explicit: bool = True, **kwargs) -> Optional[str]:
     """Why ``backend`` cannot run ``op`` on these inputs, or None when it can."""
+    if not serves(backend, op):
+        return f"{op} has no {backend} implementation"
     reason = _ensure_loaded(backend)
     if reason:
         return reason
@@ -157,18 +176,25 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
     requested = "auto" if backend is None else str(backend).lower()
     if requested != "auto" and requested not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    skipped: dict[str, str] = {}
     if requested == "auto":
-        requested = default_backend()
+        preferred = default_backend()
+        if serves(preferred, op) or preferred == "auto":
+            requested = preferred
+        else:  # RL_KERNEL_BACKEND is a preference: an op its backend lacks goes to auto, logged
+            skipped[preferred] = f"RL_KERNEL_BACKEND={preferred}, which has no {op} implementation"
     if requested != "auto":
         reason = unavailable_reason(op, requested, device, *args, explicit=True, **kwargs)
         if reason:
             raise BackendUnavailableError(f"{op}: backend={requested!r} cannot run: {reason}")
         _record(Decision(op, requested, requested, device.type))
         return _impls[(op, requested)].fn
-    skipped: dict[str, str] = {}
     for candidate in _preference.get(op, _DEFAULT_PREFERENCE):
-        _ensure_loaded(candidate)  # a backend's import may set the order (measured per GPU), read below
+        if serves(candidate, op):
+            _ensure_loaded(candidate)  # a backend's import may set the order (measured per GPU), read below
     for candidate in _preference.get(op, _DEFAULT_PREFERENCE):
+        if candidate in skipped:
+            continue
         reason = unavailable_reason(op, candidate, device, *args, explicit=False, **kwargs)
         if reason is None:
             _record(Decision(op, "auto", candidate, device.type, skipped))

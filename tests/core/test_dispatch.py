@@ -10,8 +10,9 @@ from rl_kernel_core.dispatch import BackendUnavailableError
 
 
 @pytest.fixture
-def toy_op():
+def toy_op(monkeypatch):
     name = "test_toy_op"
+    monkeypatch.setitem(dispatch.SERVES, "triton", dispatch.SERVES["triton"] | {name})
     dispatch.register(name, "torch")(lambda x: ("torch", x))
     dispatch.register(name, "triton", supports=lambda x: None if x > 0 else "x must be positive")(lambda x: ("triton", x))
     yield name
@@ -93,3 +94,57 @@ def test_backend_status_names_native_reason():
     assert status["torch"] is None
     if not torch.cuda.is_available():
         assert status["native"] and ("CPU-only" in status["native"] or "CUDA" in status["native"])
+
+
+def test_backends_that_do_not_declare_an_op_are_never_loaded_for_it(monkeypatch):
+    name = "test_torch_only_op"
+    dispatch.register(name, "torch")(lambda x: ("torch", x))
+    loaded = []
+    monkeypatch.setattr(dispatch, "_ensure_loaded", lambda backend: None if backend == "torch" else loaded.append(backend))
+    try:
+        assert dispatch.select(name, "auto", torch.device("cuda"), 1)(1) == ("torch", 1)
+        assert loaded == []
+        assert dispatch.explain(name).skipped == {"native": f"{name} has no native implementation",
+                                                  "triton": f"{name} has no triton implementation"}
+        with pytest.raises(BackendUnavailableError, match="has no native implementation"):
+            dispatch.select(name, "native", torch.device("cuda"), 1)
+        assert loaded == []
+    finally:
+        dispatch._impls.pop((name, "torch"), None)
+
+
+def test_registering_an_undeclared_op_is_refused():
+    with pytest.raises(ValueError, match="SERVES"):
+        dispatch.register("test_undeclared_op", "triton")
+
+
+def test_env_backend_is_a_preference_for_ops_it_does_not_serve(toy_op, monkeypatch, caplog):
+    name = "test_torch_only_op"
+    dispatch.register(name, "torch")(lambda x: ("torch", x))
+    monkeypatch.setenv("RL_KERNEL_BACKEND", "native")
+    try:
+        with caplog.at_level(logging.INFO, logger="rl_kernel"):
+            assert dispatch.select(name, None, torch.device("cpu"), 1)(1) == ("torch", 1)
+        assert "RL_KERNEL_BACKEND=native" in dispatch.explain(name).skipped["native"]
+        assert any("RL_KERNEL_BACKEND=native" in r.getMessage() for r in caplog.records)
+        with pytest.raises(BackendUnavailableError, match="native"):  # an explicit backend stays strict
+            dispatch.select(name, "native", torch.device("cpu"), 1)
+    finally:
+        dispatch._impls.pop((name, "torch"), None)
+        dispatch._logged.difference_update({key for key in dispatch._logged if key[0] == name})
+
+
+def test_triton_registers_exactly_what_it_declares():
+    pytest.importorskip("triton")
+    import rl_kernel_core.triton  # noqa: F401
+
+    registered = {op for (op, backend) in dispatch._impls if backend == "triton" and not op.startswith("test_")}
+    assert registered == dispatch.SERVES["triton"]
+
+
+@pytest.mark.gpu
+def test_native_registers_exactly_what_it_declares():
+    import rl_kernel_core.native  # noqa: F401
+
+    registered = {op for (op, backend) in dispatch._impls if backend == "native" and not op.startswith("test_")}
+    assert registered == dispatch.SERVES["native"]
