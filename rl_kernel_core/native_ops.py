@@ -30,6 +30,7 @@ import torch
 
 from rl_kernel_core import _custom_ops as glue
 from rl_kernel_core import dispatch
+from rl_kernel_core.loss_codes import AGG_CODES, ESTIMATOR_CODES, KL_CODES
 from rl_kernel_core.native import EXTENSION as _ext
 from rl_kernel_core.triton import _linear_kernels as LK
 from rl_kernel_core.triton import linear_logprob as triton_linear
@@ -37,11 +38,6 @@ from rl_kernel_core.triton import linear_logprob as triton_linear
 Tensor = torch.Tensor
 
 # codes of the C++ entry points (native/csrc/ops.h)
-KL_CODES: dict[str, int] = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
-AGG_CODES: dict[str, int] = {
-    "token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum-norm": 3, "token-sum": 4,
-}
-ESTIMATOR_CODES: dict[str, int] = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
 
 MEASURED_PREFERENCE: dict[str, dict[str, tuple[str, ...]]] = {
     # H100 (sm_90), benchmarks/results/bench_native_h100.json: logprob_from_logits fwd+bwd (N=8192,

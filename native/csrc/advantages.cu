@@ -10,6 +10,7 @@
 // are laid out by a stable sort of the ids; every position learns its group's [start, end) from a
 // binary search of the sorted ids (no host sync), and the block at a group's first position does
 // the work (grid = N; the others return at once).
+#include "codes.h"
 #include "common.cuh"
 #include "ops.h"
 
@@ -52,11 +53,11 @@ __global__ void __launch_bounds__(kAdvThreads) group_advantages_kernel(
     const int64_t i = src(q);
     const double r = load_f64(rewards, rewards_t, i);
     double adv;
-    if (estimator == 2) {
+    if (estimator == kRloo) {
       adv = single ? r : (r - mean) * n / (n - 1.0);
     } else {
       adv = r - (single ? 0.0 : mean);
-      if (estimator == 0 && norm_by_std) adv = adv / ((single ? 1.0 : stdev) + eps);
+      if (estimator == kGrpo && norm_by_std) adv = adv / ((single ? 1.0 : stdev) + eps);
     }
     if (out_t == kF64) static_cast<double*>(out)[i] = adv;
     else static_cast<float*>(out)[i] = static_cast<float>(adv);
@@ -72,7 +73,7 @@ at::Tensor group_advantages(const at::Tensor& rewards, std::optional<int64_t> gr
   TORCH_CHECK(rewards.dim() == 1, "rl_kernel native: rewards must be [N], got ", rewards.sizes());
   TORCH_CHECK(group_size.has_value() != group_index.has_value(),
               "rl_kernel native: exactly one of group_size and group_index");
-  TORCH_CHECK(estimator >= 0 && estimator <= 2, "rl_kernel native: estimator code must be in [0, 2], got ", estimator);
+  TORCH_CHECK(estimator >= kGrpo && estimator <= kRloo, "rl_kernel native: estimator code must be in [0, 2], got ", estimator);
   const c10::cuda::CUDAGuard guard(rewards.device());
   const int64_t n = rewards.size(0);
   const at::Tensor values = rewards.contiguous();

@@ -17,6 +17,7 @@
 // weight and the 2 totals the backward needs, all on the device; (3) the backward recomputes each
 // token's terms and scales them by its sequence's aggregation weight and the upstream gradient,
 // read from device memory. Results are bitwise equal run to run.
+#include "codes.h"
 #include "common.cuh"
 #include "ops.h"
 
@@ -33,8 +34,6 @@ constexpr int kTokPerThread = 4;
 constexpr int64_t kTokBlock = int64_t(kTokThreads) * kTokPerThread;
 constexpr int kFinThreads = 512;
 constexpr int kPartials = 7;
-
-enum Agg : int { kTokenMean = 0, kSeqMeanTokenSum = 1, kSeqMeanTokenMean = 2, kSeqMeanTokenSumNorm = 3, kTokenSum = 4 };
 
 // How the per-token kernels read their tensors: kAnyTypes through each tensor's type code; the
 // other two are the common layouts, read directly (so loads are not serialised behind a branch):
@@ -75,17 +74,17 @@ __device__ __forceinline__ K3 k3_terms(float d_ref) {
 
 __device__ __forceinline__ float kl_value(int kl, float d_ref, const K3& t) {
   switch (kl) {
-    case 0: return d_ref;
-    case 1: return fabsf(d_ref);
-    case 2: return 0.5f * d_ref * d_ref;
+    case kK1: return d_ref;
+    case kAbs: return fabsf(d_ref);
+    case kK2: return 0.5f * d_ref * d_ref;
     default: return clampf(t.k3, -kLowVarKlClamp, kLowVarKlClamp);
   }
 }
 
 __device__ __forceinline__ float kl_grad(int kl, bool plus, float d_ref, const K3& t) {
-  if (plus || kl == 2) return d_ref;
-  if (kl == 0) return 1.f;
-  if (kl == 1) return d_ref > 0.f ? 1.f : (d_ref < 0.f ? -1.f : 0.f);
+  if (plus || kl == kK2) return d_ref;
+  if (kl == kK1) return 1.f;
+  if (kl == kAbs) return d_ref > 0.f ? 1.f : (d_ref < 0.f ? -1.f : 0.f);
   const bool passes = t.k3 >= -kLowVarKlClamp && t.k3 <= kLowVarKlClamp && d_ref >= -kLogRatioClamp &&
                       d_ref <= kLogRatioClamp;
   return passes ? 1.f - t.ex : 0.f;

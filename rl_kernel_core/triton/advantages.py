@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core.loss_codes import ESTIMATOR_CODES
 from rl_kernel_core.triton._jit import launch_time_jit
 
-ESTIMATOR_CODES: dict[str, int] = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
 _MAX_BLOCK = 1024
 
 

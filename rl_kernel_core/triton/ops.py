@@ -22,6 +22,7 @@ import torch
 
 from rl_kernel_core import _custom_ops as glue
 from rl_kernel_core import dispatch
+from rl_kernel_core.loss_codes import AGG_CODES, KL_CODES
 from rl_kernel_core.triton import advantages as _adv
 from rl_kernel_core.triton import logprob_from_logits as _lp
 from rl_kernel_core.triton import policy_loss as _pl
@@ -80,7 +81,7 @@ _ratio_kl_op = glue.define_differentiable_op(
 )
 
 
-ratio_kl = dispatch.register("ratio_kl", "triton", supports=glue.ratio_kl_supports("triton", kl_types=_pl.KL_CODES))(
+ratio_kl = dispatch.register("ratio_kl", "triton", supports=glue.ratio_kl_supports("triton", kl_types=KL_CODES))(
     glue.ratio_kl_impl(_ratio_kl_op)
 )
 
@@ -125,7 +126,7 @@ _policy_loss_op = glue.define_differentiable_op(
 
 
 policy_loss = dispatch.register(
-    "policy_loss", "triton", supports=glue.policy_loss_supports("triton", kl_types=_pl.KL_CODES, agg_modes=_pl.AGG_CODES)
+    "policy_loss", "triton", supports=glue.policy_loss_supports("triton", kl_types=KL_CODES, agg_modes=AGG_CODES)
 )(glue.policy_loss_impl(_policy_loss_op))
 
 

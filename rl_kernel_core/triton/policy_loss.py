@@ -40,16 +40,13 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
+from rl_kernel_core.loss_codes import AGG_CODES, KL_CODES
 from rl_kernel_core.reference.policy_loss import LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP
 
 # the reference's clamps, as compile-time constants of the kernels
 _LRC: tl.constexpr = tl.constexpr(LOG_RATIO_CLAMP)
 _KLC: tl.constexpr = tl.constexpr(LOW_VAR_KL_CLAMP)
 
-KL_CODES: dict[str, int] = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
-AGG_CODES: dict[str, int] = {
-    "token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum-norm": 3, "token-sum": 4,
-}
 _NUM_PARTIALS = 7
 _ELEMENTWISE_BLOCK = 1024
 

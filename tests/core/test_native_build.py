@@ -1,12 +1,16 @@
-"""The native sources compile for sm_90 on a machine without a GPU (nvcc and a C++ compiler only)."""
+"""The native sources compile for sm_90 without a GPU, and declare the loss codes the Python side uses."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from rl_kernel_core import loss_codes
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH")
@@ -15,3 +19,19 @@ def test_native_sources_compile_for_sm90():
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "sources compiled for sm_90" in proc.stdout
+
+
+def _enum(text: str, name: str) -> dict[str, int]:
+    body = re.search(rf"enum {name} : int \{{([^}}]*)\}};", text).group(1)
+    return {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
+
+
+def test_native_codes_match_python():
+    text = (Path(__file__).resolve().parents[2] / "native" / "csrc" / "codes.h").read_text()
+    kl = {"kK1": "k1", "kAbs": "abs", "kK2": "k2", "kK3": "k3"}
+    assert {kl[k]: v for k, v in _enum(text, "KlCode").items()} == loss_codes.KL_CODES
+    agg = {"kTokenMean": "token-mean", "kSeqMeanTokenSum": "seq-mean-token-sum", "kSeqMeanTokenMean": "seq-mean-token-mean",
+           "kSeqMeanTokenSumNorm": "seq-mean-token-sum-norm", "kTokenSum": "token-sum"}
+    assert {agg[k]: v for k, v in _enum(text, "Agg").items()} == loss_codes.AGG_CODES
+    est = {"kGrpo": "grpo", "kDrGrpo": "dr_grpo", "kRloo": "rloo"}
+    assert {est[k]: v for k, v in _enum(text, "EstimatorCode").items()} == loss_codes.ESTIMATOR_CODES
