@@ -19,12 +19,8 @@ def _info(args: argparse.Namespace) -> int:
 
     env["rl_kernel"] = rl_kernel_core.__version__
     env["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    status = dispatch.backend_status()
-    backends = {
-        name: ("available" if reason is None else f"unavailable: {reason}")
-        for name, reason in status.items()
-    }
-    if status.get("triton") is None and device.type != "cuda":
+    backends = dispatch.backend_report()
+    if backends["triton"] == "available" and device.type != "cuda":
         backends["triton"] = "imports, but runs only on CUDA tensors (or under TRITON_INTERPRET=1 when named explicitly)"
     env["backends"] = backends
     env["default_backend"] = dispatch.default_backend()

@@ -224,5 +224,22 @@ def explain(op: Optional[str] = None) -> dict[str, Decision] | Optional[Decision
 
 
 def backend_status() -> dict[str, Optional[str]]:
-    """Each backend's import status: None when it loaded, else the reason it did not."""
+    """Each backend's import status: None when it loaded, else the reason it did not. Loads every
+    backend (building the native extension if need be); :func:`backend_report` does not."""
     return {b: _ensure_loaded(b) for b in BACKENDS}
+
+
+def backend_report() -> dict[str, str]:
+    """One line per backend for ``rl-kernel info``, building nothing: a loaded backend's status,
+    Triton's import status, and for a native backend not loaded yet
+    :func:`rl_kernel_core.native_build.status`."""
+    report = {}
+    for backend in BACKENDS:
+        if backend == "native" and backend not in _loaded:
+            from rl_kernel_core import native_build
+
+            report[backend] = native_build.status()
+            continue
+        reason = _ensure_loaded(backend)
+        report[backend] = "available" if reason is None else f"unavailable: {reason}"
+    return report

@@ -35,3 +35,23 @@ def test_native_codes_match_python():
     assert {agg[k]: v for k, v in _enum(text, "Agg").items()} == loss_codes.AGG_CODES
     est = {"kGrpo": "grpo", "kDrGrpo": "dr_grpo", "kRloo": "rloo"}
     assert {est[k]: v for k, v in _enum(text, "EstimatorCode").items()} == loss_codes.ESTIMATOR_CODES
+
+
+def test_info_builds_and_loads_nothing():
+    code = ("import sys; from rl_kernel_core import cli; cli.main(['info']); "
+            "assert 'rl_kernel_core.native' not in sys.modules, 'info imported the native backend'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "native" in proc.stdout
+
+
+def test_status_says_not_built_yet_then_built(monkeypatch, tmp_path):
+    from rl_kernel_core import native_build
+
+    monkeypatch.setenv("RL_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "unavailable_reason", lambda: None)
+    assert native_build.status().startswith("not built yet")
+    assert "python -m rl_kernel_core.native build" in native_build.status()
+    native_build.build_dir().mkdir(parents=True)
+    (native_build.build_dir() / f"{native_build.EXTENSION_NAME}.so").write_bytes(b"")
+    assert native_build.status().startswith("built (")

@@ -1,0 +1,221 @@
+"""Compile the CUDA extension from ``native/csrc`` and say whether it can be, without loading it.
+
+JIT builds go to :func:`build_dir` under ``$RL_KERNEL_CACHE`` or ``~/.cache/rl-kernel/native``
+(``torch.utils.cpp_extension``: ninja, nvcc); a changed source or header is rebuilt. Nothing here
+compiles at import: :mod:`rl_kernel_core.native` calls :func:`build` when it is imported, which
+dispatch does on the first call of an op the native backend serves. ``rl-kernel info`` reads
+:func:`status`, which never builds.
+
+Command line (``python -m rl_kernel_core.native`` runs the same):
+
+- ``build [--verbose]``: compile ahead of time (a Docker build step, or before a multi-process
+  job so no rank builds at start) into the same cache; exits non-zero with the reason when it
+  cannot. It needs the toolchain, not a GPU: set ``TORCH_CUDA_ARCH_LIST`` (e.g. ``9.0``) where no
+  device is visible. Concurrent builds of one cache directory wait on ``torch.utils.cpp_extension``'s
+  lock file.
+- ``check [--arch 90] [--jobs 2]``: compile every source for one architecture without linking,
+  even with a CPU-only PyTorch (CI runs it).
+- ``where``: print the build folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Optional, Sequence
+
+import torch
+
+# A checkout (or editable install) builds from the repository's native/csrc; a wheel carries a
+# copy inside the package (setup.py puts it there).
+_PACKAGE_DIR = Path(__file__).resolve().parent
+SOURCE_DIR = next(
+    (d for d in (_PACKAGE_DIR.parent / "native" / "csrc", _PACKAGE_DIR / "native_csrc") if d.is_dir()),
+    _PACKAGE_DIR.parent / "native" / "csrc",
+)
+EXTENSION_NAME = "rl_kernel_native"
+_ERROR_TAIL_CHARS = 4000
+
+
+def cache_dir() -> Path:
+    """Where JIT builds of the extension are kept (``$RL_KERNEL_CACHE`` or ``~/.cache/rl-kernel/native``)."""
+    return Path(os.environ.get("RL_KERNEL_CACHE", Path.home() / ".cache" / "rl-kernel" / "native"))
+
+
+def build_dir() -> Path:
+    """This environment's build folder in :func:`cache_dir`: one per PyTorch, CUDA and Python version."""
+    tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_dir() / tag.replace("+", "_")
+
+
+def sources() -> list[Path]:
+    """The extension's sources: every ``*.cu`` and ``*.cpp`` in ``native/csrc``."""
+    if not SOURCE_DIR.is_dir():
+        return []
+    return sorted(SOURCE_DIR.glob("*.cu")) + sorted(SOURCE_DIR.glob("*.cpp"))
+
+
+def _cpu_only_reason() -> Optional[str]:
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"PyTorch {torch.__version__} is a CPU-only build"
+    return None
+
+
+def toolchain_reason() -> Optional[str]:
+    """Why the extension cannot be compiled here (PyTorch build, nvcc, ninja, sources), or None."""
+    if _cpu_only_reason():
+        return _cpu_only_reason()
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is None:
+        return "nvcc was not found (set CUDA_HOME to a CUDA toolkit, or put nvcc on PATH)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja was not found (pip install ninja): torch.utils.cpp_extension needs it to build"
+    if not any(p.suffix == ".cu" for p in sources()):
+        return "no CUDA sources (*.cu) in native/csrc of this installation"
+    return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native extension cannot be built and used here, or None when a build can be attempted."""
+    if _cpu_only_reason():
+        return _cpu_only_reason()
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return toolchain_reason()
+
+
+def status() -> str:
+    """One line on the extension here, without building or loading it: why it cannot be used, or
+    whether a build is cached (a cached build whose sources changed is rebuilt on first use)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return f"unavailable: {reason}"
+    built = build_dir() / f"{EXTENSION_NAME}.so"
+    if built.is_file():
+        return f"built ({built}); loads on the first call of a native op"
+    return ("not built yet: it compiles on the first call of a native op (minutes), "
+            "or ahead of time with 'python -m rl_kernel_core.native build'")
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached build of) the extension and return it.
+
+    Raises:
+        RuntimeError: the build failed; the message ends with the tail of the compiler output.
+    """
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    # torch rebuilds a JIT extension when its sources or flags change, not its headers: the
+    # headers' digest goes into the flags so that editing a .cuh/.h also triggers a rebuild.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.*h")))).hexdigest()[:16]
+    headers_flag = f"-DRL_KERNEL_HEADERS_DIGEST={digest}"
+    try:
+        return cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(p) for p in sources()],
+            extra_cflags=["-O3", headers_flag],
+            extra_cuda_cflags=["-O3", headers_flag],
+            build_directory=str(out),
+            verbose=verbose,
+        )
+    except Exception as exc:
+        text = str(exc)
+        tail = text if len(text) <= _ERROR_TAIL_CHARS else "..." + text[-_ERROR_TAIL_CHARS:]
+        raise RuntimeError(f"building the native extension in {out} failed ({type(exc).__name__}): {tail}") from exc
+
+
+def _compile_command(source: Path, obj: Path, arch: str, include_dirs: Sequence[Path]) -> list[str]:
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{d}" for d in (*include_dirs, *cpp_extension.include_paths(), sysconfig.get_paths()["include"])]
+    defines = [f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    if source.suffix == ".cu":
+        nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else "nvcc"
+        return [nvcc, "-c", f"-arch=sm_{arch}", "-std=c++17", *cpp_extension.COMMON_NVCC_FLAGS,
+                *defines, *includes, str(source), "-o", str(obj)]
+    return [os.environ.get("CXX", "c++"), "-c", "-fPIC", "-std=c++17", *defines, *includes, str(source), "-o", str(obj)]
+
+
+def check(arch: str = "90", jobs: int = 2) -> list[str]:
+    """Compile every source to an object file for ``sm_<arch>`` without linking or loading it.
+
+    Needs nvcc and a C++ compiler, no GPU and no CUDA build of PyTorch: with a CPU-only PyTorch
+    the one header its build does not generate (``c10/cuda/impl/cuda_cmake_macros.h``) is
+    supplied. Returns one error message per source that failed (compiler output tail); empty
+    when all compiled.
+    """
+    import shutil
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.utils import cpp_extension
+
+    if shutil.which("nvcc") is None and cpp_extension.CUDA_HOME is None:
+        return ["nvcc was not found (set CUDA_HOME to a CUDA toolkit, or put nvcc on PATH)"]
+    if not sources():
+        return [f"no sources in {SOURCE_DIR}"]
+    with tempfile.TemporaryDirectory(prefix="rl-kernel-native-check-") as tmp:
+        shim = Path(tmp) / "include"
+        macros = "c10/cuda/impl/cuda_cmake_macros.h"
+        if not any((Path(d) / macros).is_file() for d in cpp_extension.include_paths()):
+            (shim / macros).parent.mkdir(parents=True)
+            (shim / macros).write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+
+        def compile_one(src: Path) -> Optional[str]:
+            cmd = _compile_command(src, Path(tmp) / f"{src.name}.o", arch, [shim])
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode == 0:
+                return None
+            out = (proc.stdout + proc.stderr)[-_ERROR_TAIL_CHARS:]
+            return f"{src.name}: exit {proc.returncode}: {out}"
+
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            return [e for e in pool.map(compile_one, sources()) if e]
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("build", help="compile the extension ahead of time into the cache")
+    p.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
+    sub.add_parser("where", help="print the build folder")
+    p = sub.add_parser("check", help="compile every source for one GPU architecture without a GPU (no link, nothing loaded)")
+    p.add_argument("--arch", default="90", help="compute capability without the dot (default 90: H100/H200)")
+    p.add_argument("--jobs", type=int, default=2, help="sources compiled at once")
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        errors = check(args.arch, args.jobs)
+        for e in errors:
+            print(f"rl-kernel native check: {e}", file=sys.stderr)
+        if not errors:
+            print(f"rl-kernel native check: {len(sources())} sources compiled for sm_{args.arch}")
+        return 1 if errors else 0
+    if args.command == "where":
+        print(build_dir())
+        return 0
+    reason = toolchain_reason()
+    if reason:
+        print(f"rl-kernel native: cannot build: {reason}", file=sys.stderr)
+        return 1
+    try:
+        module = build(verbose=args.verbose)
+    except RuntimeError as exc:
+        print(f"rl-kernel native: {exc}", file=sys.stderr)
+        return 1
+    print(f"rl-kernel native: built {module.__file__}")
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
