@@ -142,21 +142,24 @@ def _logits_pass_kernel(
                 p = tl.exp(logp)
                 onehot = cols[None, :] == tgt[:, None]
                 dz = tl.where(onehot, glp[:, None], 0.0) - glp[:, None] * p
-                if HAS_GENT:
-                    dz -= gent[:, None] * p * (logp + ent[:, None])
+                if HAS_GENT:  # p = 0 (a -inf logit) contributes 0, not 0 * -inf
+                    dz -= tl.where(p > 0.0, gent[:, None] * p * (logp + ent[:, None]), 0.0)
                 dz = tl.where(valid[:, None], dz * inv_temp, 0.0)
                 out_ok = row_ok[:, None] & col_ok[None, :]
                 tl.store(dl_ptr + rows_safe[:, None] * stride_dm + cols[None, :], dz.to(dl_ptr.dtype.element_ty), mask=out_ok)
             else:
                 zm = tl.where(col_ok[None, :], z, float("-inf"))
                 m = tl.max(zm, axis=1)
-                e = tl.exp(zm - m[:, None])
+                # a tile of -inf logits (a -inf bias) has m = -inf: exponentials relative to 0
+                # give s = 0 instead of exp(-inf - -inf) = NaN
+                ref = tl.where(m == -float("inf"), 0.0, m)
+                e = tl.exp(zm - ref[:, None])
                 s = tl.sum(e, axis=1)
                 p_off = rows_safe * stride_pm + t
                 tl.store(pmax_ptr + p_off, m, mask=row_ok)
                 tl.store(psum_ptr + p_off, s, mask=row_ok)
-                if WANT_ENT:
-                    a_stat = tl.sum(tl.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
+                if WANT_ENT:  # e = 0 (a -inf logit, or past V) adds 0, not 0 * -inf
+                    a_stat = tl.sum(tl.where(e > 0.0, e * (z - ref[:, None]), 0.0), axis=1)
                     tl.store(pent_ptr + p_off, a_stat, mask=row_ok)
                 if FROM_LOGITS:  # the gemm route takes z_t from _target_logit_kernel instead
                     zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
@@ -211,15 +214,17 @@ def _merge_kernel(
         tm = tl.load(pmax_ptr + off, mask=ok, other=float("-inf"))
         tsum = tl.load(psum_ptr + off, mask=ok, other=0.0)
         new_m = tl.maximum(run_m, tl.max(tm, axis=1))
-        new_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # only rows past M
-        f = tl.exp(tm - new_m[:, None])
+        # the reference point of the exponentials: 0 while a row has seen only -inf tiles (or
+        # is past M); a -inf tile (s_j = 0) then adds f = 0, never exp(-inf - -inf) = NaN
+        ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+        f = tl.exp(tm - ref[:, None])
         blk_s = tl.sum(f * tsum, axis=1)
         first = run_m == float("-inf")
-        g = tl.where(first, 0.0, tl.exp(run_m - new_m))
+        g = tl.where(first, 0.0, tl.exp(run_m - ref))
         if WANT_ENT:
             ta = tl.load(pent_ptr + off, mask=ok, other=0.0)
-            blk_a = tl.sum(tl.where(ok, f * (ta + (tm - new_m[:, None]) * tsum), 0.0), axis=1)
-            shift = tl.where(first, 0.0, run_m - new_m)
+            blk_a = tl.sum(tl.where(f > 0.0, f * (ta + (tm - ref[:, None]) * tsum), 0.0), axis=1)
+            shift = tl.where(first, 0.0, run_m - ref)
             run_a = g * (run_a + shift * run_s) + blk_a
         run_s = g * run_s + blk_s
         run_m = new_m
