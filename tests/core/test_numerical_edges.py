@@ -15,32 +15,40 @@ and, marked ``gpu``, on CUDA for the triton, native and torch backends.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
+from rl_kernel_core.reference import policy_loss as reference_loss
+from rl_kernel_core.triton import _linear_kernels as K
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
 INF = float("inf")
 CASES = [
-    pytest.param(("cpu", "torch"), id="cpu-torch"),
-    pytest.param(("cpu", "triton"), id="cpu-triton"),
-    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "native"), id="cuda-native", marks=pytest.mark.gpu),
+    pytest.param(("cpu", "torch", None), id="cpu-torch"),
+    pytest.param(("cpu", "triton", "gemm"), id="cpu-triton-gemm"),
+    pytest.param(("cpu", "triton", "chunked"), id="cpu-triton-chunked"),
+    pytest.param(("cuda", "torch", None), id="cuda-torch", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton", "gemm"), id="cuda-triton-gemm", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton", "chunked"), id="cuda-triton-chunked", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "native", None), id="cuda-native", marks=pytest.mark.gpu),
 ]
 
 
 @pytest.fixture(params=CASES)
 def where(request, monkeypatch):
-    """``(device, backend)``; CPU Triton runs in the interpreter."""
-    device, backend = request.param
+    """``(device, backend)``; CPU Triton runs in the interpreter, on the Triton linear route named."""
+    device, backend, route = request.param
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if route is not None:
+        monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, route=route))
     return torch.device(device), backend
 
 
@@ -182,3 +190,116 @@ def test_fused_linear_policy_loss_masked_bias(seed, where):
     for name, got, ref in zip(("hidden", "weight", "bias"), grads, ref_grads):
         assert not got.isnan().any(), name
         assert_close(got, ref.double(), "gradient", torch.float32, f"d{name}")
+
+
+# ------------------------------------------------------------------ one logits route per row
+
+
+def large_logit_inputs(device, v):
+    """fp32 hidden/weight with logits of magnitude ~1e4 over a vocab of ``v``; targets on the
+    argmax (log-prob 0 up to exp(-gap)) in even rows, elsewhere in odd rows."""
+    n, d = 9, 64
+    hidden = torch.randn(n, d) * 100
+    weight = torch.randn(v, d) * (100 / d**0.5)
+    z = hidden.double() @ weight.double().T
+    targets = z.argmax(1)
+    targets[1::2] = (targets[1::2] + 1) % v
+    return hidden.to(device), weight.to(device), targets.to(device)
+
+
+def test_one_token_vocab_has_zero_gradient(seed, where):
+    """V = 1: log-prob 0, entropy 0 and every gradient exactly 0, at logits of magnitude ~1e4."""
+    device, backend = where
+    hidden, weight, targets = large_logit_inputs(device, 1)
+    bias = torch.randn(1, device=device) * 100
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    lp, ent = rk.linear_logprob(h, w, targets, bias=b, return_entropy=True, backend=backend)
+    grads = torch.autograd.grad([lp, ent], [h, w, b], [torch.rand_like(lp) + 0.5, torch.rand_like(ent) + 0.5])
+    assert torch.equal(lp, torch.zeros_like(lp)) and torch.equal(ent, torch.zeros_like(ent))
+    for name, g in zip(("hidden", "weight", "bias"), grads):
+        assert torch.equal(g, torch.zeros_like(g)), f"d{name} is not exactly 0: max |g| = {g.abs().max().item()}"
+
+
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_large_logits_tiny_vocab_within_contract(seed, where, return_entropy):
+    """|z| ~ 1e4 over V = 3: log-prob (with and without entropy) and gradients against fp64."""
+    device, backend = where
+    hidden, weight, targets = large_logit_inputs(device, 3)
+    h, w = (t.clone().requires_grad_() for t in (hidden, weight))
+    out = rk.linear_logprob(h, w, targets, return_entropy=return_entropy, backend=backend)
+    lp, ent = out if return_entropy else (out, None)
+    g_lp = torch.rand_like(lp) + 0.5
+    grads = torch.autograd.grad(lp, [h, w], g_lp)
+    h64, w64 = hidden.double().cpu().requires_grad_(), weight.double().cpu().requires_grad_()
+    logp64 = torch.log_softmax(h64 @ w64.T, dim=-1)
+    lp64 = logp64.gather(1, targets.cpu()[:, None]).squeeze(1)
+    grads64 = torch.autograd.grad(lp64, [h64, w64], g_lp.double().cpu())
+    assert_close(lp, lp64, "logprob", torch.float32, "logprob")
+    if return_entropy:
+        assert_close(ent, -(logp64.exp() * logp64).sum(-1), "logprob", torch.float32, "entropy")
+    for name, got, ref in zip(("hidden", "weight"), grads, grads64):
+        assert_close(got, ref, "gradient", torch.float32, f"d{name}")
+
+
+def _capture_loss_inputs(monkeypatch) -> list:
+    """Record the ``(logprob, entropy)`` every reference ``policy_loss`` call receives (the fused
+    op hands its log-probs to it on every backend)."""
+    seen = []
+    original = reference_loss.policy_loss
+
+    def capture(logprob, *args, **kwargs):
+        seen.append((logprob.detach().clone(), args[4].detach().clone()))
+        return original(logprob, *args, **kwargs)
+
+    monkeypatch.setattr(reference_loss, "policy_loss", capture)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_logprob_bits_same_in_every_pass(seed, where, monkeypatch, dtype):
+    """A row's log-prob: the same bits with and without entropy, with and without grad, and
+    inside fused_linear_policy_loss (with and without grad); its entropy likewise."""
+    device, backend = where
+    hidden, weight, bias, targets = (t for t in linear_inputs(device, dtype, only_target=False))
+    bias = torch.randn_like(bias)
+    kw = dict(bias=bias, temperature=0.7, backend=backend)
+    with torch.no_grad():
+        lp_plain = rk.linear_logprob(hidden, weight, targets, **kw)
+        lp_ent, ent = rk.linear_logprob(hidden, weight, targets, return_entropy=True, **kw)
+    h = hidden.clone().requires_grad_()
+    lp_grad = rk.linear_logprob(h, weight, targets, **kw)
+    lp_grad_ent, ent_grad = rk.linear_logprob(h, weight, targets, return_entropy=True, **kw)
+    for name, got in (("entropy", lp_ent), ("grad", lp_grad), ("grad and entropy", lp_grad_ent)):
+        assert torch.equal(got.detach(), lp_plain), f"log-prob bits differ with {name}"
+    assert torch.equal(ent_grad.detach(), ent)
+    if backend == "native":
+        return  # fused_linear_policy_loss has no native backend
+    seen = _capture_loss_inputs(monkeypatch)
+    shape = (1, targets.shape[0])
+    old, adv = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    mask = torch.ones(shape, dtype=torch.bool, device=device)
+    args = (targets[None], old, adv, mask)
+    fkw = dict(bias=bias, temperature=0.7, entropy_coef=0.01, backend=backend)
+    with torch.no_grad():
+        rk.fused_linear_policy_loss(hidden[None], weight, *args, **fkw)
+    rk.fused_linear_policy_loss(h[None], weight, *args, **fkw)[0].backward()
+    assert len(seen) == 2
+    for i, (lp_fused, ent_fused) in enumerate(seen):
+        assert torch.equal(lp_fused.reshape(-1), lp_plain), f"fused log-prob bits differ (call {i})"
+        assert torch.equal(ent_fused.reshape(-1), ent), f"fused entropy bits differ (call {i})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprob_from_logits_bits_same_in_every_pass(seed, where, dtype):
+    device, backend = where
+    logits = (torch.randn(7, 5000, device=device) * 4).to(dtype)
+    targets = torch.randint(0, 5000, (7,), device=device)
+    with torch.no_grad():
+        lp_plain = rk.logprob_from_logits(logits, targets, temperature=0.7, backend=backend)
+        lp_ent, ent = rk.logprob_from_logits(logits, targets, temperature=0.7, return_entropy=True, backend=backend)
+    x = logits.clone().requires_grad_()
+    lp_grad = rk.logprob_from_logits(x, targets, temperature=0.7, backend=backend)
+    lp_grad_ent, ent_grad = rk.logprob_from_logits(x, targets, temperature=0.7, return_entropy=True, backend=backend)
+    for name, got in (("entropy", lp_ent), ("grad", lp_grad), ("grad and entropy", lp_grad_ent)):
+        assert torch.equal(got.detach(), lp_plain), f"log-prob bits differ with {name}"
+    assert torch.equal(ent_grad.detach(), ent)
