@@ -53,7 +53,8 @@ def group_advantages(
             A group of one response gets mean 0 and std 1 (``grpo``: ``r / (1 + eps)``;
             ``dr_grpo`` and ``rloo``: ``r``), as verl does.
         norm_by_std: only read by ``"grpo"``.
-        eps: >= 0, added to the std.
+        eps: >= 0, added to the std. Where ``std + eps`` is 0 (equal rewards with ``eps = 0``:
+            ``r - mean`` is then exactly 0) the advantage is 0.
         backend: ``"auto"`` or a name from ``dispatch.BACKENDS``.
 
     Returns:
