@@ -50,9 +50,8 @@ Result = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _scalars(temperature: float, ignore_index: int, return_entropy: bool) -> float:
-    temperature = _checks.positive("temperature", temperature)
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    temperature = _checks.temperature("temperature", temperature)
+    _checks.int64("ignore_index", ignore_index)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
     return temperature
@@ -112,8 +111,9 @@ def linear_logprob(
         targets: ``[...]`` (``hidden``'s leading shape) int64/int32 global token ids in ``[0, V)``,
             or ``ignore_index``.
         bias: ``[V_local]`` in ``hidden``'s dtype, or None.
-        temperature: finite number > 0 dividing the logits.
-        ignore_index: rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
+        temperature: a number >= the smallest normal fp32 (about 1.18e-38, so that
+            ``1 / temperature`` is finite in fp32; whatever the dtype) dividing the logits.
+        ignore_index: an int64; rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
         return_entropy: also return the entropy of the tempered distribution.
         tp_group: vocab-parallel process group, or None. Every rank passes the same ``hidden`` and
             ``targets`` and gets the same (replicated) results; upstream gradients must match too.
@@ -178,8 +178,9 @@ def logprob_from_logits(
     Args:
         logits: ``[..., V]`` float32/bfloat16/float16/float64; leading dims flatten to N.
         targets: ``[...]`` (``logits``' leading shape) int64/int32 ids in ``[0, V)`` or ``ignore_index``.
-        temperature: finite number > 0 dividing the logits.
-        ignore_index: rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
+        temperature: a number >= the smallest normal fp32 (about 1.18e-38, so that
+            ``1 / temperature`` is finite in fp32; whatever the dtype) dividing the logits.
+        ignore_index: an int64; rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
         return_entropy: also return the entropy of the tempered distribution.
         backend: ``"auto"`` (or None; ``RL_KERNEL_BACKEND`` applies), ``"native"``, ``"triton"``
             or ``"torch"``.
