@@ -21,9 +21,18 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
 
 
 def tensor(name: str, value: object, *, dtypes: Optional[Sequence[torch.dtype]] = None, ndim: Optional[int] = None, min_ndim: Optional[int] = None) -> torch.Tensor:
-    """Check that ``value`` is a tensor with an allowed dtype and rank; return it."""
+    """Check that ``value`` is a dense tensor holding data, with an allowed dtype and rank; return it.
+
+    Sparse layouts are refused (``TypeError``), and so are meta tensors (``ValueError``: shapes
+    without data, which no kernel can read); ``torch.compile``'s fake tensors are not meta
+    tensors (they report the device they stand for) and pass.
+    """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {str(value.layout).replace('torch.', '')}")
+    if value.is_meta:
+        raise ValueError(f"{name} must hold data, got a meta tensor of shape {tuple(value.shape)} (device 'meta')")
     if dtypes is not None and value.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {str(value.dtype).replace('torch.', '')}")
     if ndim is not None and value.dim() != ndim:

@@ -36,9 +36,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from rl_kernel_core import dispatch
+from rl_kernel_core._autograd import single_backward
 
 CHUNK_ELEMENTS: int = 1 << 22
 """Logit elements per chunk (16 MiB in fp32): rows per chunk = ``max(1, CHUNK_ELEMENTS // V)``."""
@@ -196,7 +196,7 @@ class _LinearLogprob(torch.autograd.Function):
         return logprob, entropy
 
     @staticmethod
-    @once_differentiable
+    @single_backward("linear_logprob (torch backend)")
     def backward(ctx, g_lp, g_ent):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -277,7 +277,7 @@ class _LogprobFromLogits(torch.autograd.Function):
         return logprob, entropy
 
     @staticmethod
-    @once_differentiable
+    @single_backward("logprob_from_logits (torch backend)")
     def backward(ctx, g_lp, g_ent):
         logits, targets, lse, entropy = ctx.saved_tensors
         acc = lse.dtype

@@ -35,9 +35,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from rl_kernel_core import dispatch
+from rl_kernel_core._autograd import single_backward
 from rl_kernel_core.reference import policy_loss as reference
 from rl_kernel_core.triton import _linear_kernels as K
 from rl_kernel_core.triton.policy_loss import policy_loss_bwd
@@ -102,7 +102,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @single_backward("fused_linear_policy_loss (triton backend)")
     def backward(ctx, g_loss):
         if ctx.grads is None:
             raise RuntimeError(

@@ -27,9 +27,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from rl_kernel_core import dispatch
+from rl_kernel_core._autograd import single_backward
 from rl_kernel_core.triton import _linear_kernels as K
 from rl_kernel_core.triton import _vocab_parallel as VP
 
@@ -56,7 +56,7 @@ class _LinearLogprob(torch.autograd.Function):
         return (lp, ent) if return_entropy else lp
 
     @staticmethod
-    @once_differentiable
+    @single_backward("linear_logprob (triton and native backends)")
     def backward(ctx, g_lp, g_ent=None):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]

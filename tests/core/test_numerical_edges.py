@@ -1,4 +1,4 @@
-"""Edge cases of the log-prob ops on every backend: masked (-inf) logits, one logits route per row.
+"""Edge cases of the ops on every backend: masked (-inf) logits, one logits route per row, double backward.
 
 Each case runs on CPU (the torch backend, and the Triton kernels under the interpreter:
 ``TRITON_INTERPRET=1`` is set per test, the kernels pick interpreted execution at launch time)
@@ -11,6 +11,8 @@ and, marked ``gpu``, on CUDA for the triton, native and torch backends.
   entries, tolerances from ``rl_kernel_core.contract``.
 * A row's log-prob has the same bits with and without entropy, with and without grad, and inside
   ``fused_linear_policy_loss`` (asserted with ``torch.equal``).
+* A backward asked for ``create_graph=True`` through an op whose backward is not differentiable
+  raises at once, naming the op.
 """
 
 from __future__ import annotations
@@ -303,3 +305,38 @@ def test_logprob_from_logits_bits_same_in_every_pass(seed, where, dtype):
     for name, got in (("entropy", lp_ent), ("grad", lp_grad), ("grad and entropy", lp_grad_ent)):
         assert torch.equal(got.detach(), lp_plain), f"log-prob bits differ with {name}"
     assert torch.equal(ent_grad.detach(), ent)
+
+
+# ------------------------------------------------------------------ double backward
+
+
+def test_double_backward_raises_naming_the_op(seed, where):
+    device, backend = where
+    targets = torch.tensor([1, 4, 0], device=device)
+    x = torch.randn(3, 7, device=device, requires_grad=True)
+    lp = rk.logprob_from_logits(x, targets, backend=backend)
+    with pytest.raises(RuntimeError, match="logprob_from_logits.* no double backward.*create_graph"):
+        torch.autograd.grad(lp.sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(rk.logprob_from_logits(x, targets, backend=backend).sum(), x)
+    assert not g.requires_grad
+
+    h = torch.randn(3, 8, device=device, requires_grad=True)
+    w = torch.randn(7, 8, device=device)
+    with pytest.raises(RuntimeError, match="linear_logprob .* no double backward"):
+        torch.autograd.grad(rk.linear_logprob(h, w, targets, backend=backend).sum(), h, create_graph=True)
+    if backend != "native":
+        ones = torch.ones(1, 3, device=device)
+        loss, _ = rk.fused_linear_policy_loss(h[None], w, targets[None], ones, ones, ones.bool(), backend=backend)
+        with pytest.raises(RuntimeError, match="linear_logprob|fused_linear_policy_loss"):
+            torch.autograd.grad(loss, h, create_graph=True)
+
+    lp = torch.randn(2, 5, device=device, requires_grad=True)
+    old, adv = torch.randn(2, 5, device=device), torch.randn(2, 5, device=device)
+    mask = torch.ones(2, 5, dtype=torch.bool, device=device)
+    loss, _ = rk.policy_loss(lp, old, adv, mask, backend=backend)
+    if backend == "torch":  # plain autograd: the gradient is itself differentiable
+        (g,) = torch.autograd.grad(loss, lp, create_graph=True)
+        assert g.requires_grad
+    else:
+        with pytest.raises(RuntimeError, match="policy_loss has no double backward"):
+            torch.autograd.grad(loss, lp, create_graph=True)
