@@ -21,18 +21,14 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
 
 
 def tensor(name: str, value: object, *, dtypes: Optional[Sequence[torch.dtype]] = None, ndim: Optional[int] = None, min_ndim: Optional[int] = None) -> torch.Tensor:
-    """Check that ``value`` is a dense tensor holding data, with an allowed dtype and rank; return it.
+    """Check that ``value`` is a dense (strided) tensor with an allowed dtype and rank; return it.
 
-    Sparse layouts are refused (``TypeError``), and so are meta tensors (``ValueError``: shapes
-    without data, which no kernel can read); ``torch.compile``'s fake tensors are not meta
-    tensors (they report the device they stand for) and pass.
-    """
+    Meta tensors pass: the ops that never read a value back run on them (shapes only), and
+    :func:`needs_data` refuses them where a value must be read."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {str(value.layout).replace('torch.', '')}")
-    if value.is_meta:
-        raise ValueError(f"{name} must hold data, got a meta tensor of shape {tuple(value.shape)} (device 'meta')")
     if dtypes is not None and value.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {str(value.dtype).replace('torch.', '')}")
     if ndim is not None and value.dim() != ndim:
@@ -77,6 +73,7 @@ def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) 
     """
     if targets.numel() == 0:
         return
+    needs_data(name, targets, "its ids are checked against the vocab")
     bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
     if torch.compiler.is_compiling():
         torch._assert_async(~bad.any(), f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}")
@@ -101,7 +98,7 @@ def non_negative_weights(name: str, weights: torch.Tensor) -> None:
     ``RL_KERNEL_CHECK_VALUES=1``, since the check reads a flag back to the host (one sync, which
     the losses otherwise never make); under ``torch.compile`` it is a device-side assert.
     """
-    if weights.dtype == torch.bool or weights.numel() == 0:
+    if weights.dtype == torch.bool or weights.numel() == 0 or weights.is_meta:
         return
     if weights.device.type != "cpu" and os.environ.get(CHECK_VALUES_ENV, "0") != "1":
         return
@@ -117,6 +114,13 @@ def non_negative_weights(name: str, weights: torch.Tensor) -> None:
         raise ValueError(
             f"{name} weights must be >= 0 and not NaN, got {values.numel()} entries outside it ({nan} NaN{smallest})"
         )
+
+
+def needs_data(name: str, t: torch.Tensor, why: str) -> None:
+    """``t`` is not a meta tensor (shape without data), outside ``torch.compile`` (whose fake
+    tensors are not meta tensors and pass anyway); ``why`` says what reads its values."""
+    if t.is_meta and not torch.compiler.is_compiling():
+        raise ValueError(f"{name} must hold data ({why}), got a meta tensor of shape {tuple(t.shape)}")
 
 
 def positive(name: str, value: float) -> float:

@@ -79,6 +79,7 @@ def group_advantages(
         _checks.tensor("group_index", group_index, dtypes=_checks.INDEX_DTYPES, ndim=1)
         _checks.shape("group_index", group_index, (n,), f"[N] = ({n},) like rewards")
         _checks.same_device("rewards", rewards, group_index=group_index)
+        _checks.needs_data("group_index", group_index, "its ids define the groups")
     _checks.choice("estimator", estimator, ESTIMATORS)
     if not isinstance(norm_by_std, bool):
         raise TypeError(f"norm_by_std must be a bool, got {type(norm_by_std).__name__}")

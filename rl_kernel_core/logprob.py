@@ -33,7 +33,11 @@ Outputs are fp32 (fp64 when the inputs are fp64). The implementation owns autogr
 tensors attached to the graph (e.g. through a ``torch.autograd.Function``) whose gradients reach
 ``hidden``, ``weight``, ``bias`` / ``logits`` in their own dtypes, through both outputs. Rows whose
 target equals ``ignore_index`` give 0 log-prob, 0 entropy and no gradient. ``entropy`` is ``None``
-exactly when ``return_entropy`` is False. ``dispatch.select`` passes the same arguments to a
+exactly when ``return_entropy`` is False. A ``-inf`` logit (or ``bias`` entry) is legal: probability
+0, nothing added to the entropy, gradient 0, never NaN; a ``-inf`` target logit gives log-prob
+``-inf`` and a finite gradient. A row's log-prob has the same bits whatever ``return_entropy`` and
+whether or not a gradient is recorded (and, for ``linear_logprob``, as inside
+``fused_linear_policy_loss``). ``dispatch.select`` passes the same arguments to a
 backend's ``supports`` predicate.
 """
 
@@ -110,7 +114,8 @@ def linear_logprob(
             ``[r * V_local, (r + 1) * V_local)``.
         targets: ``[...]`` (``hidden``'s leading shape) int64/int32 global token ids in ``[0, V)``,
             or ``ignore_index``.
-        bias: ``[V_local]`` in ``hidden``'s dtype, or None.
+        bias: ``[V_local]`` in ``hidden``'s dtype, or None; ``-inf`` entries mask those tokens out
+            (probability 0, gradient 0).
         temperature: a number >= the smallest normal fp32 (about 1.18e-38, so that
             ``1 / temperature`` is finite in fp32; whatever the dtype) dividing the logits.
         ignore_index: an int64; rows whose target equals it give 0 log-prob, 0 entropy and no gradient.

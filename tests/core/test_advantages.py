@@ -188,7 +188,7 @@ META = torch.device("meta")
         (torch.ones(6), dict(group_index=torch.zeros(5, dtype=torch.int64)), ValueError, "group_index"),
         (torch.ones(6), dict(group_index=torch.zeros(2, 3, dtype=torch.int64)), ValueError, "group_index"),
         (torch.ones(6), dict(group_index=torch.zeros(6, dtype=torch.int64, device=META)), ValueError, "group_index"),
-        (torch.ones(6, device=META), dict(group_size=2), ValueError, "rewards must hold data"),
+        (torch.ones(6, device=META), dict(group_index=torch.zeros(6, dtype=torch.int64, device=META)), ValueError, "group_index must hold data"),
         (torch.ones(6).to_sparse(), dict(group_size=2), TypeError, "rewards must be a dense"),
         (torch.ones(6), dict(group_size=2, estimator="ppo"), ValueError, "estimator"),
         (torch.ones(6), dict(group_size=2, norm_by_std=1), TypeError, "norm_by_std"),
