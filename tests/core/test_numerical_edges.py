@@ -126,7 +126,8 @@ def test_logprob_from_logits_masked_entries(seed, where, dtype):
     check_logprob(lp, ent, lp64, ent64, dtype)
     assert lp[2].item() == 0.0 and ent[2].item() == 0.0
     assert not grad.isnan().any()
-    assert torch.equal(grad.cpu()[~torch.isfinite(logits.cpu()) & (torch.arange(4200) != targets.cpu()[:, None])].float().abs().max(), torch.tensor(0.0))
+    masked = ~torch.isfinite(logits.cpu()) & (torch.arange(4200) != targets.cpu()[:, None])
+    assert (grad.cpu()[masked] == 0).all()
     assert_close(grad, dz64 / 0.7, "gradient", dtype, "d logits")
 
 
@@ -262,8 +263,8 @@ def test_linear_logprob_bits_same_in_every_pass(seed, where, monkeypatch, dtype)
     """A row's log-prob: the same bits with and without entropy, with and without grad, and
     inside fused_linear_policy_loss (with and without grad); its entropy likewise."""
     device, backend = where
-    hidden, weight, bias, targets = (t for t in linear_inputs(device, dtype, only_target=False))
-    bias = torch.randn_like(bias)
+    hidden, weight, _, targets = linear_inputs(device, dtype, only_target=False)
+    bias = torch.randn(weight.shape[0], device=device).to(dtype)
     kw = dict(bias=bias, temperature=0.7, backend=backend)
     with torch.no_grad():
         lp_plain = rk.linear_logprob(hidden, weight, targets, **kw)
