@@ -251,9 +251,8 @@ def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
                 res_f = measure(lambda: fwd_only(m, h, w, t), args, out_bytes=_nbytes)
                 if DEV.type == "cuda":
                     res_f.update(paired_ratio(lambda: fwd_only(m, h, w, t), lambda: h @ w.T, args))
-                routes = {"fwd": K.TUNING.route("fwd", h), "fwd_with_entropy": K.TUNING.route("fwd", h, True),
-                          "bwd": K.TUNING.route("bwd", h), "loss": K.TUNING.route("loss", h)} if name == "ours" else None
-                rec.add({"part": "forward", "shape": shape, "N": n, "D": d, "V": v, "method": label, "routes": routes, **res_f,
+                route = K.TUNING.route_for(h) if name == "ours" else None
+                rec.add({"part": "forward", "shape": shape, "N": n, "D": d, "V": v, "method": label, "route": route, **res_f,
                          "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3)})
                 res_b = measure(lambda: fwd_bwd(m, h, w, t, g), args, out_bytes=lambda r: _nbytes(*r))
                 rec.add({"part": "fwd+bwd", "shape": shape, "N": n, "D": d, "V": v, "method": label, **res_b,
@@ -304,7 +303,7 @@ def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
         T(256, 128, 64, 16, 8, 3, tma=True, persistent=True), T(128, 256, 64, 16, 8, 4, persistent=True),
     ]
     for cfg in configs:
-        saved = _with_tuning(gemm_tiles=cfg, fwd_route="gemm")
+        saved = _with_tuning(gemm_tiles=cfg, route="gemm")
         try:
             res = measure(lambda: fwd_only(ours, h, w, t), args)
             paired = paired_ratio(lambda: fwd_only(ours, h, w, t), lambda: h @ w.T, args) if DEV.type == "cuda" else {}
@@ -369,7 +368,7 @@ def part_loss(shape, b, tl, d, v, dtype, args, rec, methods, variants):
                 res = measure(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), args, out_bytes=lambda r: _nbytes(*r))
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "B": b, "T": tl, "N": n, "D": d, "V": v,
                          "method": name + (f"[{vname}]" if vname else ""),
-                         "route": K.TUNING.route("loss", hh) if name == "ours" else None, **res, "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
+                         "route": K.TUNING.route_for(hh) if name == "ours" else None, **res, "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
             except Exception as exc:
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()

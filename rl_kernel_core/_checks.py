@@ -7,6 +7,7 @@ Nothing here casts or moves tensors.
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -20,9 +21,14 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
 
 
 def tensor(name: str, value: object, *, dtypes: Optional[Sequence[torch.dtype]] = None, ndim: Optional[int] = None, min_ndim: Optional[int] = None) -> torch.Tensor:
-    """Check that ``value`` is a tensor with an allowed dtype and rank; return it."""
+    """Check that ``value`` is a dense (strided) tensor with an allowed dtype and rank; return it.
+
+    Meta tensors pass: the ops that never read a value back run on them (shapes only), and
+    :func:`needs_data` refuses them where a value must be read."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {str(value.layout).replace('torch.', '')}")
     if dtypes is not None and value.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {str(value.dtype).replace('torch.', '')}")
     if ndim is not None and value.dim() != ndim:
@@ -67,6 +73,7 @@ def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) 
     """
     if targets.numel() == 0:
         return
+    needs_data(name, targets, "its ids are checked against the vocab")
     bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
     if torch.compiler.is_compiling():
         torch._assert_async(~bad.any(), f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}")
@@ -79,6 +86,43 @@ def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) 
         )
 
 
+CHECK_VALUES_ENV = "RL_KERNEL_CHECK_VALUES"
+"""Set to ``1`` to check the values of GPU tensors too (:func:`non_negative_weights`), at one
+device->host sync per check."""
+
+
+def non_negative_weights(name: str, weights: torch.Tensor) -> None:
+    """Every entry of a float weight tensor is >= 0 (NaN fails); a bool tensor passes.
+
+    CPU tensors are always checked (no sync). Other devices are checked only when
+    ``RL_KERNEL_CHECK_VALUES=1``, since the check reads a flag back to the host (one sync, which
+    the losses otherwise never make); under ``torch.compile`` it is a device-side assert.
+    """
+    if weights.dtype == torch.bool or weights.numel() == 0 or weights.is_meta:
+        return
+    if weights.device.type != "cpu" and os.environ.get(CHECK_VALUES_ENV, "0") != "1":
+        return
+    bad = ~(weights >= 0)
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"{name} weights must be >= 0 and not NaN")
+        return
+    if bool(bad.any()):
+        values = weights[bad]
+        nan = int(values.isnan().sum())
+        low = values[~values.isnan()]
+        smallest = f", the smallest {low.min().item():.6g}" if low.numel() else ""
+        raise ValueError(
+            f"{name} weights must be >= 0 and not NaN, got {values.numel()} entries outside it ({nan} NaN{smallest})"
+        )
+
+
+def needs_data(name: str, t: torch.Tensor, why: str) -> None:
+    """``t`` is not a meta tensor (shape without data), outside ``torch.compile`` (whose fake
+    tensors are not meta tensors and pass anyway); ``why`` says what reads its values."""
+    if t.is_meta and not torch.compiler.is_compiling():
+        raise ValueError(f"{name} must hold data ({why}), got a meta tensor of shape {tuple(t.shape)}")
+
+
 def positive(name: str, value: float) -> float:
     """A finite number > 0."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -86,6 +130,33 @@ def positive(name: str, value: float) -> float:
     if not (value > 0 and value != float("inf")):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return float(value)
+
+
+SMALLEST_TEMPERATURE: float = torch.finfo(torch.float32).tiny
+"""The smallest temperature the log-prob ops take: the smallest normal fp32 (about 1.18e-38).
+The kernels scale logits by ``1 / temperature`` in fp32; below it that reciprocal overflows
+(and the temperature itself is a subnormal fp32), which would turn the logits into inf/NaN."""
+
+
+def temperature(name: str, value: float) -> float:
+    """A finite number >= :data:`SMALLEST_TEMPERATURE`, so that ``1 / value`` is finite in fp32."""
+    value = positive(name, value)
+    if value < SMALLEST_TEMPERATURE:
+        raise ValueError(
+            f"{name} must be >= {SMALLEST_TEMPERATURE:.8g} (the smallest normal fp32, so that 1/{name} "
+            f"is finite in fp32), got {value!r}"
+        )
+    return value
+
+
+def int64(name: str, value: int) -> int:
+    """An ``int`` (not a bool) in the int64 range (ids are compared against it as int64)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    lo, hi = -(2**63), 2**63 - 1
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in the int64 range [{lo}, {hi}], got {value}")
+    return value
 
 
 def non_negative(name: str, value: float) -> float:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Callable, Collection, Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from rl_kernel_core._autograd import single_backward
 from rl_kernel_core.policy_loss import METRIC_NAMES
 
 Tensor = torch.Tensor
@@ -51,7 +51,7 @@ def define_differentiable_op(
     forward_op.register_fake(forward_fake)
     backward_op.register_fake(backward_fake)
     forward_op.register_autograd(make_backward(backward_op), setup_context=setup)
-    eager_backward = once_differentiable(make_backward(backward_fn))
+    eager_backward = single_backward(f"rl_kernel::{name}")(make_backward(backward_fn))
 
     class Eager(torch.autograd.Function):
         # ctx in forward rather than a setup_context staticmethod: with the latter, apply() binds

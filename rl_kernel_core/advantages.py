@@ -53,7 +53,8 @@ def group_advantages(
             A group of one response gets mean 0 and std 1 (``grpo``: ``r / (1 + eps)``;
             ``dr_grpo`` and ``rloo``: ``r``), as verl does.
         norm_by_std: only read by ``"grpo"``.
-        eps: >= 0, added to the std.
+        eps: >= 0, added to the std. Where ``std + eps`` is 0 (equal rewards with ``eps = 0``:
+            ``r - mean`` is then exactly 0) the advantage is 0.
         backend: ``"auto"`` or a name from ``dispatch.BACKENDS``.
 
     Returns:
@@ -78,6 +79,7 @@ def group_advantages(
         _checks.tensor("group_index", group_index, dtypes=_checks.INDEX_DTYPES, ndim=1)
         _checks.shape("group_index", group_index, (n,), f"[N] = ({n},) like rewards")
         _checks.same_device("rewards", rewards, group_index=group_index)
+        _checks.needs_data("group_index", group_index, "its ids define the groups")
     _checks.choice("estimator", estimator, ESTIMATORS)
     if not isinstance(norm_by_std, bool):
         raise TypeError(f"norm_by_std must be a bool, got {type(norm_by_std).__name__}")

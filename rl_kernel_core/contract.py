@@ -74,6 +74,7 @@ BITWISE_INVARIANCES: tuple[str, ...] = (
     "same inputs run twice on the same device and backend give bitwise equal outputs and gradients",
     "a row's log-prob/entropy does not depend on the number of rows N or on the other rows' values",
     "a row's log-prob does not depend on padding, or on packing it with other sequences",
+    "a row's log-prob has the same bits with and without entropy, with and without grad, and inside fused_linear_policy_loss",
     "vocab-parallel linear_logprob gives the same bits for TP sizes 1, 2 and 4",
     "with per-row seeds, a sampled token depends only on its row's logits, parameters and seed",
 )

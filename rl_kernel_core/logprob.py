@@ -33,7 +33,11 @@ Outputs are fp32 (fp64 when the inputs are fp64). The implementation owns autogr
 tensors attached to the graph (e.g. through a ``torch.autograd.Function``) whose gradients reach
 ``hidden``, ``weight``, ``bias`` / ``logits`` in their own dtypes, through both outputs. Rows whose
 target equals ``ignore_index`` give 0 log-prob, 0 entropy and no gradient. ``entropy`` is ``None``
-exactly when ``return_entropy`` is False. ``dispatch.select`` passes the same arguments to a
+exactly when ``return_entropy`` is False. A ``-inf`` logit (or ``bias`` entry) is legal: probability
+0, nothing added to the entropy, gradient 0, never NaN; a ``-inf`` target logit gives log-prob
+``-inf`` and a finite gradient. A row's log-prob has the same bits whatever ``return_entropy`` and
+whether or not a gradient is recorded (and, for ``linear_logprob``, as inside
+``fused_linear_policy_loss``). ``dispatch.select`` passes the same arguments to a
 backend's ``supports`` predicate.
 """
 
@@ -50,9 +54,8 @@ Result = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _scalars(temperature: float, ignore_index: int, return_entropy: bool) -> float:
-    temperature = _checks.positive("temperature", temperature)
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    temperature = _checks.temperature("temperature", temperature)
+    _checks.int64("ignore_index", ignore_index)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy must be a bool, got {type(return_entropy).__name__}")
     return temperature
@@ -111,9 +114,11 @@ def linear_logprob(
             ``[r * V_local, (r + 1) * V_local)``.
         targets: ``[...]`` (``hidden``'s leading shape) int64/int32 global token ids in ``[0, V)``,
             or ``ignore_index``.
-        bias: ``[V_local]`` in ``hidden``'s dtype, or None.
-        temperature: finite number > 0 dividing the logits.
-        ignore_index: rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
+        bias: ``[V_local]`` in ``hidden``'s dtype, or None; ``-inf`` entries mask those tokens out
+            (probability 0, gradient 0).
+        temperature: a number >= the smallest normal fp32 (about 1.18e-38, so that
+            ``1 / temperature`` is finite in fp32; whatever the dtype) dividing the logits.
+        ignore_index: an int64; rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
         return_entropy: also return the entropy of the tempered distribution.
         tp_group: vocab-parallel process group, or None. Every rank passes the same ``hidden`` and
             ``targets`` and gets the same (replicated) results; upstream gradients must match too.
@@ -178,8 +183,9 @@ def logprob_from_logits(
     Args:
         logits: ``[..., V]`` float32/bfloat16/float16/float64; leading dims flatten to N.
         targets: ``[...]`` (``logits``' leading shape) int64/int32 ids in ``[0, V)`` or ``ignore_index``.
-        temperature: finite number > 0 dividing the logits.
-        ignore_index: rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
+        temperature: a number >= the smallest normal fp32 (about 1.18e-38, so that
+            ``1 / temperature`` is finite in fp32; whatever the dtype) dividing the logits.
+        ignore_index: an int64; rows whose target equals it give 0 log-prob, 0 entropy and no gradient.
         return_entropy: also return the entropy of the tempered distribution.
         backend: ``"auto"`` (or None; ``RL_KERNEL_BACKEND`` applies), ``"native"``, ``"triton"``
             or ``"torch"``.

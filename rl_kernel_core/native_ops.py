@@ -194,8 +194,8 @@ class NativeChunkBuffers(LK.ChunkBuffers):
     logit and entropy, or overwrites the fp32 logits with ``dl`` in place."""
 
     @staticmethod
-    def route_for(kind: str, hidden: Tensor, want_entropy: bool = False) -> str:
-        """Always ``"chunked"``: the CUDA pass reads the cuBLAS logits chunk."""
+    def route_for(hidden: Tensor) -> str:
+        """Always ``"chunked"``, for every pass: the CUDA pass reads the cuBLAS logits chunk."""
         return "chunked"
 
     def stats(

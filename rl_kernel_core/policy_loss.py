@@ -100,6 +100,7 @@ def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, require
     _checks.tensor("mask", mask, dtypes=_MASK_DTYPES)
     _checks.same_shape(ref_name, ref, mask=mask, **required, **optional)
     _checks.same_device(ref_name, ref, mask=mask, **required, **optional)
+    _checks.non_negative_weights("mask", mask)
 
 
 def _as_sequences(t: Optional[torch.Tensor], num_seqs: int, seq_len: int) -> Optional[torch.Tensor]:
@@ -167,7 +168,9 @@ def policy_loss(
 
     Shapes: every tensor is ``[..., T]``: leading dims index sequences, the last one tokens
     (1-D input is one sequence). Float dtypes; ``mask`` bool or float (a float mask weighs
-    tokens, as in verl's ``masked_sum``; weights must be >= 0).
+    tokens, as in verl's ``masked_sum``; weights must be >= 0: a negative or NaN weight raises
+    ``ValueError`` for CPU tensors, and for GPU tensors with ``RL_KERNEL_CHECK_VALUES=1``, which
+    costs one host sync; unchecked on the GPU by default, where the loss never syncs).
 
     Per token, with ``r = exp(clamp(logprob - old_logprob, ±20))`` and ``A = advantages``::
 
@@ -255,7 +258,9 @@ def fused_linear_policy_loss(
             one host sync).
         old_logprob, advantages, mask, ref_logprob, rollout_is_weights: ``[..., T]`` as in
             :func:`policy_loss`.
-        temperature: > 0; logits are divided by it.
+        temperature: >= the smallest normal fp32 (``1 / temperature`` finite in fp32); logits
+            are divided by it.
+        ignore_index: an int64.
         Other knobs: as in :func:`policy_loss`; the entropy term uses the softmax's entropy.
 
     Returns:
@@ -281,9 +286,8 @@ def fused_linear_policy_loss(
         "targets", targets, mask, {"old_logprob": old_logprob, "advantages": advantages},
         {"ref_logprob": ref_logprob, "rollout_is_weights": rollout_is_weights},
     )
-    temperature = _checks.positive("temperature", temperature)
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    temperature = _checks.temperature("temperature", temperature)
+    _checks.int64("ignore_index", ignore_index)
     knobs = _check_knobs(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
     _checks.target_ids("targets", targets, vocab, ignore_index)
     seq_len = targets.shape[-1]

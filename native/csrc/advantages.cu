@@ -1,7 +1,8 @@
 // group_advantages: GRPO / Dr.GRPO / RLOO advantages with the semantics (and the fp64 arithmetic)
-// of rl_kernel_core/reference/advantages.py (verl 0.9.1). Per group of n rewards: mean and the
-// unbiased std (two passes: the sum, then the sum of squared deviations from the mean);
-// grpo: (r - mean) / (std + eps) (or r - mean without std normalisation); dr_grpo: r - mean;
+// of rl_kernel_core/reference/advantages.py (verl 0.9.1). Per group of n rewards: mean (the first
+// reward plus the mean of the differences from it: exact for equal rewards) and the unbiased std
+// (two passes: the sum, then the sum of squared deviations from the mean); grpo: (r - mean) /
+// (std + eps), 0 where std + eps is 0 (or r - mean without std normalisation); dr_grpo: r - mean;
 // rloo: (r - mean) n / (n - 1); a group of one gets mean 0 and std 1 (rloo: r).
 //
 // One block owns one group and reads it in a fixed order (per-thread strided sums, then a fixed
@@ -36,11 +37,12 @@ __global__ void __launch_bounds__(kAdvThreads) group_advantages_kernel(
     end = start + group_size;
   }
   auto src = [&](int64_t q) { return by_index ? order[q] : q; };
+  const double first = load_f64(rewards, rewards_t, src(start));
   double v[1] = {0.0};
-  for (int64_t q = start + threadIdx.x; q < end; q += kAdvThreads) v[0] += load_f64(rewards, rewards_t, src(q));
+  for (int64_t q = start + threadIdx.x; q < end; q += kAdvThreads) v[0] += load_f64(rewards, rewards_t, src(q)) - first;
   block_sum<kAdvThreads, 1>(v, sh);
   const double n = static_cast<double>(end - start);
-  const double mean = v[0] / n;
+  const double mean = first + v[0] / n;
   v[0] = 0.0;
   for (int64_t q = start + threadIdx.x; q < end; q += kAdvThreads) {
     const double c = load_f64(rewards, rewards_t, src(q)) - mean;
@@ -49,6 +51,8 @@ __global__ void __launch_bounds__(kAdvThreads) group_advantages_kernel(
   block_sum<kAdvThreads, 1>(v, sh);
   const bool single = end - start == 1;
   const double stdev = sqrt(v[0] / (single ? 1.0 : n - 1.0));
+  const double den_eps = (single ? 1.0 : stdev) + eps;
+  const double den = den_eps == 0.0 ? 1.0 : den_eps;  // std = eps = 0: every r - mean is exactly 0
   for (int64_t q = start + threadIdx.x; q < end; q += kAdvThreads) {
     const int64_t i = src(q);
     const double r = load_f64(rewards, rewards_t, i);
@@ -57,7 +61,7 @@ __global__ void __launch_bounds__(kAdvThreads) group_advantages_kernel(
       adv = single ? r : (r - mean) * n / (n - 1.0);
     } else {
       adv = r - (single ? 0.0 : mean);
-      if (estimator == kGrpo && norm_by_std) adv = adv / ((single ? 1.0 : stdev) + eps);
+      if (estimator == kGrpo && norm_by_std) adv = adv / den;
     }
     if (out_t == kF64) static_cast<double*>(out)[i] = adv;
     else static_cast<float*>(out)[i] = static_cast<float>(adv);

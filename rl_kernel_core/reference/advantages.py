@@ -5,7 +5,9 @@ Inputs arrive validated by :mod:`rl_kernel_core.advantages`. Group statistics co
 groups are given by index): every reduction has a fixed order and no float atomics, so results
 are bitwise reproducible. Arithmetic is fp64 whatever the rewards' dtype: ``r - mean`` of two
 close rewards, divided by their small std, loses digits in fp32 (N scalars cost nothing to
-upcast); the result is rounded to fp32 (kept fp64 for fp64 rewards).
+upcast); the result is rounded to fp32 (kept fp64 for fp64 rewards). The mean is formed relative
+to the group's first reward, so a group of equal rewards has ``r - mean`` and ``std`` exactly 0;
+a zero ``std + eps`` (``eps = 0``) then gives advantage 0, not 0/0.
 
 The formulas follow verl 0.9.1 ``compute_grpo_outcome_advantage`` and
 ``compute_rloo_outcome_advantage``; ``docs/semantics.md`` states them.
@@ -21,9 +23,13 @@ from rl_kernel_core import dispatch
 
 
 def _group_stats(values: torch.Tensor, counts: torch.Tensor, group_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-element group mean and unbiased std (two-pass) for ``values`` laid out group by group."""
+    """Per-element group mean and unbiased std (two-pass) for ``values`` laid out group by group.
+
+    The mean is the group's first value plus the mean of the differences from it: exact for a
+    group of equal values."""
     n = counts.to(values.dtype)
-    mean = torch.segment_reduce(values, "sum", lengths=counts) / n
+    first = values[torch.cumsum(counts, 0) - counts]
+    mean = first + torch.segment_reduce(values - first[group_of], "sum", lengths=counts) / n
     centered = values - mean[group_of]
     sq = torch.segment_reduce(centered * centered, "sum", lengths=counts)
     std = (sq / torch.where(n > 1, n - 1, torch.ones_like(n))).sqrt()
@@ -38,7 +44,8 @@ def _estimate(values: torch.Tensor, counts: torch.Tensor, group_of: torch.Tensor
         return torch.where(single, values, (values - mean) * size / torch.where(single, torch.ones_like(size), size - 1))
     centered = values - torch.where(single, torch.zeros_like(mean), mean)
     if estimator == "grpo" and norm_by_std:
-        return centered / (torch.where(single, torch.ones_like(std), std) + eps)
+        den = torch.where(single, torch.ones_like(std), std) + eps
+        return centered / torch.where(den == 0, torch.ones_like(den), den)  # std = eps = 0: r - mean is 0
     return centered
 
 

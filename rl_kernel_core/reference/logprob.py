@@ -36,9 +36,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from rl_kernel_core import dispatch
+from rl_kernel_core._autograd import single_backward
 
 CHUNK_ELEMENTS: int = 1 << 22
 """Logit elements per chunk (16 MiB in fp32): rows per chunk = ``max(1, CHUNK_ELEMENTS // V)``."""
@@ -75,7 +75,8 @@ def _chunk_stats(z: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, wa
     """
     m = z.amax(dim=1)
     zt = torch.where(owned, z.gather(1, local_t.unsqueeze(1)).squeeze(1), torch.zeros_like(m))
-    zs = z.sub_(m.unsqueeze(1))
+    # a shard whose logits are all -inf (vocab parallel) gives s = 0 relative to 0, not NaN
+    zs = z.sub_(torch.where(m == float("-inf"), torch.zeros_like(m), m).unsqueeze(1))
     if want_entropy:
         e = torch.exp(zs)
         s = e.sum(dim=1)
@@ -106,8 +107,9 @@ def _merge_ranks(gathered: list[torch.Tensor]) -> torch.Tensor:
     a = torch.zeros_like(big_m)
     for g in gathered:  # fixed rank order
         m_r, s_r, zt_r, a_r = g.unbind(0)
-        shift = m_r - big_m
-        scale = torch.exp(shift)
+        # a shard of -inf logits (s_r = 0, m_r = -inf) adds 0, not -inf * 0
+        shift = torch.where(s_r > 0, m_r - big_m, torch.zeros_like(big_m))
+        scale = torch.where(s_r > 0, torch.exp(shift), torch.zeros_like(big_m))
         s = s + s_r * scale
         a = a + (a_r + shift * s_r) * scale
         zt = zt + zt_r
@@ -194,7 +196,7 @@ class _LinearLogprob(torch.autograd.Function):
         return logprob, entropy
 
     @staticmethod
-    @once_differentiable
+    @single_backward("linear_logprob (torch backend)")
     def backward(ctx, g_lp, g_ent):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -275,7 +277,7 @@ class _LogprobFromLogits(torch.autograd.Function):
         return logprob, entropy
 
     @staticmethod
-    @once_differentiable
+    @single_backward("logprob_from_logits (torch backend)")
     def backward(ctx, g_lp, g_ent):
         logits, targets, lse, entropy = ctx.saved_tensors
         acc = lse.dtype

@@ -32,13 +32,21 @@ _interpreted_helpers: dict = {}
 
 
 def _call_interpreted(self: JITFunction, *args, **kwargs):
-    """``JITFunction.__call__`` inside an interpreted launch: run the helper in the interpreter."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """``JITFunction.__call__`` inside an interpreted launch: run the helper in the interpreter.
+
+    As ``InterpretedFunction.__call__`` does, but the interpreter's patches of
+    ``triton.language`` are undone when the helper returns (Triton 3.6 leaves them in place,
+    after which a compiled launch or ``triton.compile`` of any kernel in the process fails)."""
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 
     helper = _interpreted_helpers.get(self.fn)
     if helper is None:
         helper = _interpreted_helpers[self.fn] = InterpretedFunction(self.fn)
-    return helper(*args, **kwargs)
+    patches = _patch_lang(helper.fn)
+    try:
+        return helper.rewrite()(*args, **kwargs)
+    finally:
+        patches.restore()
 
 
 @contextlib.contextmanager

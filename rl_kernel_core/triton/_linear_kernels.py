@@ -16,10 +16,15 @@ logits come from is a compile-time switch: ``FROM_LOGITS=False`` forms the tile 
 from ``hidden`` and ``weight`` (the logits never leave registers: the *gemm* route);
 ``FROM_LOGITS=True`` reads an fp32 logits chunk that cuBLAS wrote (the *chunked* route). What it
 does with the tile is the other switch: ``GRAD=False`` writes the tile's ``(m_j, s_j, a_j)`` and,
-on the chunked route, for the row whose target falls in the tile, ``z_t``; ``GRAD=True`` writes
-``dl`` for the tile. On the gemm route :func:`_target_logit_kernel` forms ``z_t`` as one dot
-product per row (a compare-select-sum over every tile element would cost the register-bound
-epilogue more). :func:`_merge_kernel` then merges each row's tile statistics in a fixed order.
+for the row whose target falls in the tile, ``z_t``; ``GRAD=True`` writes ``dl`` for the tile.
+:func:`_merge_kernel` then merges each row's tile statistics in a fixed order.
+
+One logits route per row: every pass of an op (forward with or without entropy, with or without
+grad, backward, and the loss) takes its logits from the same route (:meth:`Tuning.route_for`, a
+function of the device and dtype only), and ``z_t`` is read from the same tile as the other
+logits. So the backward's ``z - lse`` is formed from the forward's bits (a one-token vocab gets
+``p = 1`` exactly and gradient 0; ``z_t - max z`` is exact at any logit magnitude), and a row's
+log-prob has the same bits in every pass.
 
 Determinism and batch invariance: each output element of the tile product is one length-D dot
 product accumulated in a fixed ``BLOCK_K`` order; tile statistics are reduced by a fixed tree
@@ -142,52 +147,29 @@ def _logits_pass_kernel(
                 p = tl.exp(logp)
                 onehot = cols[None, :] == tgt[:, None]
                 dz = tl.where(onehot, glp[:, None], 0.0) - glp[:, None] * p
-                if HAS_GENT:
-                    dz -= gent[:, None] * p * (logp + ent[:, None])
+                if HAS_GENT:  # p = 0 (a -inf logit) contributes 0, not 0 * -inf
+                    dz -= tl.where(p > 0.0, gent[:, None] * p * (logp + ent[:, None]), 0.0)
                 dz = tl.where(valid[:, None], dz * inv_temp, 0.0)
                 out_ok = row_ok[:, None] & col_ok[None, :]
                 tl.store(dl_ptr + rows_safe[:, None] * stride_dm + cols[None, :], dz.to(dl_ptr.dtype.element_ty), mask=out_ok)
             else:
                 zm = tl.where(col_ok[None, :], z, float("-inf"))
                 m = tl.max(zm, axis=1)
-                e = tl.exp(zm - m[:, None])
+                # a tile of -inf logits (a -inf bias) has m = -inf: exponentials relative to 0
+                # give s = 0 instead of exp(-inf - -inf) = NaN
+                ref = tl.where(m == -float("inf"), 0.0, m)
+                e = tl.exp(zm - ref[:, None])
                 s = tl.sum(e, axis=1)
                 p_off = rows_safe * stride_pm + t
                 tl.store(pmax_ptr + p_off, m, mask=row_ok)
                 tl.store(psum_ptr + p_off, s, mask=row_ok)
-                if WANT_ENT:
-                    a_stat = tl.sum(tl.where(col_ok[None, :], e * (z - m[:, None]), 0.0), axis=1)
+                if WANT_ENT:  # e = 0 (a -inf logit, or past V) adds 0, not 0 * -inf
+                    a_stat = tl.sum(tl.where(e > 0.0, e * (z - ref[:, None]), 0.0), axis=1)
                     tl.store(pent_ptr + p_off, a_stat, mask=row_ok)
-                if FROM_LOGITS:  # the gemm route takes z_t from _target_logit_kernel instead
-                    zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
-                    owns = (tgt >= t * BLOCK_N) & (tgt < t * BLOCK_N + BLOCK_N)
-                    tl.store(ztgt_ptr + rows, zt, mask=row_ok & owns)
-
-
-@launch_time_jit
-def _target_logit_kernel(
-    x_ptr, w_ptr, b_ptr, tgt_ptr, out_ptr, M, D,
-    stride_xm, stride_xk, stride_wv, stride_wk, inv_temp, ignore_index,
-    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """``out[r] = (h_r . W[t_r] + b[t_r]) * inv_temp`` for rows whose target is not
-    ``ignore_index`` (others untouched): fp32 products summed over fixed ``BLOCK_D`` slices in
-    ascending order, so a row's value depends on that row alone."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    tgt = tl.load(tgt_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
-    ok = (rows < M) & (tgt != ignore_index)
-    rows_safe = tl.where(ok, rows, 0).to(tl.int64)
-    tgt_safe = tl.where(ok, tgt, 0)
-    acc = tl.zeros((BLOCK_R,), tl.float32)
-    for k0 in range(0, D, BLOCK_D):
-        ks = k0 + tl.arange(0, BLOCK_D)
-        k_ok = ok[:, None] & (ks < D)[None, :]
-        h = tl.load(x_ptr + rows_safe[:, None] * stride_xm + ks[None, :] * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + tgt_safe[:, None] * stride_wv + ks[None, :] * stride_wk, mask=k_ok, other=0.0).to(tl.float32)
-        acc += tl.sum(h * w, axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + tgt_safe, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, acc * inv_temp, mask=ok)
+                # z_t from the tile itself: the bits the statistics and the gradient pass see
+                zt = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+                owns = (tgt >= t * BLOCK_N) & (tgt < t * BLOCK_N + BLOCK_N)
+                tl.store(ztgt_ptr + rows, zt, mask=row_ok & owns)
 
 
 @launch_time_jit
@@ -211,15 +193,17 @@ def _merge_kernel(
         tm = tl.load(pmax_ptr + off, mask=ok, other=float("-inf"))
         tsum = tl.load(psum_ptr + off, mask=ok, other=0.0)
         new_m = tl.maximum(run_m, tl.max(tm, axis=1))
-        new_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # only rows past M
-        f = tl.exp(tm - new_m[:, None])
+        # the reference point of the exponentials: 0 while a row has seen only -inf tiles (or
+        # is past M); a -inf tile (s_j = 0) then adds f = 0, never exp(-inf - -inf) = NaN
+        ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+        f = tl.exp(tm - ref[:, None])
         blk_s = tl.sum(f * tsum, axis=1)
         first = run_m == float("-inf")
-        g = tl.where(first, 0.0, tl.exp(run_m - new_m))
+        g = tl.where(first, 0.0, tl.exp(run_m - ref))
         if WANT_ENT:
             ta = tl.load(pent_ptr + off, mask=ok, other=0.0)
-            blk_a = tl.sum(tl.where(ok, f * (ta + (tm - new_m[:, None]) * tsum), 0.0), axis=1)
-            shift = tl.where(first, 0.0, run_m - new_m)
+            blk_a = tl.sum(tl.where(f > 0.0, f * (ta + (tm - ref[:, None]) * tsum), 0.0), axis=1)
+            shift = tl.where(first, 0.0, run_m - ref)
             run_a = g * (run_a + shift * run_s) + blk_a
         run_s = g * run_s + blk_s
         run_m = new_m
@@ -268,10 +252,11 @@ _GPU_MEMORY_PASS_TILES = TileConfig(1, 2048, 16, group_m=1, num_warps=8, num_sta
 class Tuning:
     """Choices measured on an H100 (``docs/kernels_linear_logprob.md``); the benchmark overrides them.
 
-    Routes: ``"gemm"`` (a Triton ``tl.dot`` pass: the logits stay in registers) or ``"chunked"``
-    (cuBLAS writes an fp32 logits chunk that one pass reads). ``fwd_route="auto"`` takes gemm
-    when the entropy is not wanted (the old/ref log-prob passes) and chunked when it is (the
-    extra tile statistic slows the gemm pass more than the chunk's round trip costs).
+    ``route``: where every pass (forward, backward, loss) takes its logits from, ``"gemm"`` (a
+    Triton ``tl.dot`` pass: the logits stay in registers) or ``"chunked"`` (cuBLAS writes an fp32
+    logits chunk that one pass reads). One route for all passes, so a row's logits have the same
+    bits in the forward, the backward and the loss; gemm serves the vocab-parallel path as well
+    (``_vocab_parallel``), whose results then equal the single-process ones bit for bit.
     ``chunk_bytes``: the budget of the per-chunk work buffer (``dl``, or the fp32 logits chunk
     that ``dl`` then overwrites). ``wgrad_fp32``: accumulate ``dW`` over token chunks in an fp32
     ``[V, D]`` buffer (``4 V D`` extra bytes while the gradient is formed, and slower) instead of
@@ -284,9 +269,7 @@ class Tuning:
     "tmagrad=gemm_grad_tiles.tma:true;gemm_grad_tiles.persistent:true"`` measures it end to end).
     """
 
-    fwd_route: str = "auto"
-    bwd_route: str = "gemm"
-    loss_route: str = "chunked"
+    route: str = "gemm"
     chunk_bytes: int = 448 * 2**20
     wgrad_fp32: bool = field(default_factory=lambda: os.environ.get("RL_KERNEL_WGRAD_FP32", "0") == "1")
     gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True))
@@ -301,18 +284,14 @@ class Tuning:
             return _GPU_MEMORY_PASS_TILES
         return _GPU_FP32_TILES if dtype == torch.float32 else gemm
 
-    def route(self, kind: str, hidden: torch.Tensor, want_entropy: bool = False) -> str:
-        """``"gemm"`` or ``"chunked"`` for pass ``kind`` (``fwd``, ``bwd``, ``loss``) over ``hidden``.
-
-        The chunked route needs cuBLAS to write fp32 logits from 16-bit operands; where this
-        torch cannot, the gemm route runs.
+    def route_for(self, hidden: torch.Tensor) -> str:
+        """``"gemm"`` or ``"chunked"``: the route of every pass over ``hidden`` (a function of its
+        device and dtype only). The chunked route needs cuBLAS to write fp32 logits from 16-bit
+        operands; where this torch cannot, the gemm route runs.
         """
-        route = getattr(self, f"{kind}_route")
-        if route == "auto":
-            route = "chunked" if want_entropy else "gemm"
-        if route == "chunked" and not fp32_logits_supported(hidden.device, hidden.dtype):
+        if self.route == "chunked" and not fp32_logits_supported(hidden.device, hidden.dtype):
             return "gemm"
-        return route
+        return self.route
 
 
 TUNING = Tuning()
@@ -320,8 +299,6 @@ STATS_BYTES = 128 * 2**20
 """Budget of the tile-statistics buffers of the gemm-route forward (12 bytes per row and tile)."""
 _MERGE_BLOCK_R = 16
 _MERGE_BLOCK_T = 64
-_TARGET_BLOCK_R = 16
-_TARGET_BLOCK_D = 128
 
 
 def stats_rows(n_tiles: int) -> int:
@@ -478,12 +455,6 @@ def launch_stats(
         1, grid[0],
         FROM_LOGITS=from_logits, GRAD=False, HAS_GENT=False, WANT_ENT=want_entropy, IN_PLACE=False, **_common_flags(weight, bias, cfg, tma),
     )
-    if not from_logits:
-        _target_logit_kernel[(triton.cdiv(rows, _TARGET_BLOCK_R),)](
-            x, weight, bias if bias is not None else dummy, targets, ztgt, rows, dim,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), inv_temp, ignore_index,
-            HAS_BIAS=bias is not None, BLOCK_R=_TARGET_BLOCK_R, BLOCK_D=_TARGET_BLOCK_D, num_warps=4,
-        )
 
 
 def launch_merge(
@@ -607,9 +578,9 @@ class ChunkBuffers:
         launch_grad(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, self.dl, self.route == "chunked")
 
     @staticmethod
-    def route_for(kind: str, hidden: torch.Tensor, want_entropy: bool = False) -> str:
-        """The route of pass ``kind`` (``fwd``, ``bwd``) over ``hidden``: :meth:`Tuning.route`."""
-        return TUNING.route(kind, hidden, want_entropy)
+    def route_for(hidden: torch.Tensor) -> str:
+        """The route of every pass over ``hidden``: :meth:`Tuning.route_for`."""
+        return TUNING.route_for(hidden)
 
 
 def forward_stats(

@@ -16,12 +16,12 @@ the target (no arithmetic), and the unchanged merge kernel runs on exactly the n
 single-process forward merges, with the same chunk rows. So ``logprob``, ``entropy`` and ``lse``
 are bitwise equal for TP = 1, 2, 4, ... and on every rank.
 
-The statistics are always formed on the gemm route. The chunked route's cuBLAS product is not
-promised to give the same per-element bits for a ``[rows, V]`` and a ``[rows, V / P]`` product
-(cuBLAS picks its kernel and split from the shape), so it is not used here. Hence the
-single-process forward (``tp_group=None``) gives the same bits as every TP size whenever it runs
-the gemm route too: always without entropy (the old/ref log-prob passes), and with entropy when
-``TUNING.fwd_route == "gemm"``; its default entropy route (chunked) agrees within the contract.
+The logits are always formed on the gemm route (:data:`ROUTE`), forward and backward. The
+chunked route's cuBLAS product is not promised to give the same per-element bits for a
+``[rows, V]`` and a ``[rows, V / P]`` product (cuBLAS picks its kernel and split from the shape),
+so it is not used here. Hence the single-process forward (``tp_group=None``) gives the same bits
+as every TP size whenever it runs the gemm route too (``TUNING.route == "gemm"``, the default);
+on the chunked route it agrees within the contract.
 
 **Backward.** Each rank forms ``dl`` for its shard with the global ``lse`` and entropy (its own
 rows' targets mapped to shard-local ids), accumulates its ``dW`` and ``db`` shards locally, and
@@ -45,6 +45,8 @@ import triton
 
 from rl_kernel_core.triton import _linear_kernels as K
 
+ROUTE = "gemm"
+"""The logits route of every vocab-parallel pass (forward and backward)."""
 IGNORED = -1
 """Shard-local id of a row at ``ignore_index`` (what the kernels are told to ignore)."""
 _ELSEWHERE = -2

@@ -8,8 +8,9 @@ token ``i`` (a function of the mask and ``loss_agg_mode`` only, known before any
 so ``d loss / d logprob_i`` and ``d loss / d entropy_i`` depend on token ``i``'s own log-prob and
 entropy and on ``w_i``, nothing global. The forward therefore runs, per fixed-size chunk of rows:
 
-1. the chunk's logits (``TUNING.loss_route``: ``"chunked"`` = one cuBLAS product into an fp32
-   ``[chunk, V]`` buffer; ``"gemm"`` = the Triton ``tl.dot`` pass);
+1. the chunk's logits on ``linear_logprob``'s route (``TUNING.route``: ``"chunked"`` = one
+   cuBLAS product into an fp32 ``[chunk, V]`` buffer; ``"gemm"`` = the Triton ``tl.dot`` pass),
+   so the log-probs have ``linear_logprob``'s bits;
 2. the tile-statistics pass and merge: the chunk's log-probs, entropies and ``lse``;
 3. the per-token loss gradients: one launch of the Triton policy-loss backward kernel
    (:func:`rl_kernel_core.triton.policy_loss.policy_loss_bwd`) in ``token-sum`` mode with the
@@ -21,7 +22,8 @@ entropy and on ``w_i``, nothing global. The forward therefore runs, per fixed-si
 
 Then the loss value and metrics come from the reference loss on the ``[N]`` log-probs and
 entropies. The backward only scales the stored ``dh``, ``dW``, ``db`` by the upstream gradient:
-on the chunked route the whole step costs three products (logits, dh, dW), not four.
+on the chunked route the whole step costs three products (logits, dh, dW); on the gemm route
+four (the gradient pass forms the logits again).
 
 Memory: the chunk buffer (``TUNING.chunk_bytes``), ``dh`` and ``dW`` in the inputs' dtypes
 (the gradients, kept from the forward until the backward; with ``TUNING.wgrad_fp32`` ``dW`` is
@@ -33,9 +35,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from rl_kernel_core import dispatch
+from rl_kernel_core._autograd import single_backward
 from rl_kernel_core.reference import policy_loss as reference
 from rl_kernel_core.triton import _linear_kernels as K
 from rl_kernel_core.triton.policy_loss import policy_loss_bwd
@@ -80,7 +82,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         rw1 = None if rw is None else rw.reshape(-1)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         sink = K.GradSink(hidden, weight, need_h, need_w, need_b and bias is not None)
-        buf = K.ChunkBuffers(hidden, weight, K.TUNING.route("loss", hidden), need_dl=True)
+        buf = K.ChunkBuffers(hidden, weight, K.TUNING.route_for(hidden), need_dl=True)
         one = torch.ones((), dtype=torch.float32, device=hidden.device)
         lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         ent = torch.empty_like(lp)
@@ -100,7 +102,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @single_backward("fused_linear_policy_loss (triton backend)")
     def backward(ctx, g_loss):
         if ctx.grads is None:
             raise RuntimeError(
@@ -160,7 +162,7 @@ def fused_linear_policy_loss_triton(
     )
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not needs_grad:
-        lp, ent, _ = K.forward_stats(h2d, weight, bias, t1d, 1.0 / temperature, ignore_index, K.TUNING.route("fwd", h2d, True), True)
+        lp, ent, _ = K.forward_stats(h2d, weight, bias, t1d, 1.0 / temperature, ignore_index, K.TUNING.route_for(h2d), True)
         shape = targets.shape
         return reference.policy_loss(lp.view(shape), old_logprob, advantages, mask_eff, ref_logprob, ent.view(shape), rollout_is_weights, **knobs)
     out: dict = {}

@@ -3,13 +3,15 @@
 The math and the kernels live in :mod:`rl_kernel_core.triton._linear_kernels`; this module is
 the autograd wrapper and the backend registration.
 
-* forward (``TUNING.fwd_route``): one pass per chunk of rows forms each ``[BLOCK_M, BLOCK_N]``
-  logits tile (``tl.dot`` on the gemm route, a cuBLAS fp32 chunk on the chunked route) and
-  reduces it to tile statistics, merged per row in a fixed order into ``logprob``, ``entropy``
-  and ``lse``. Only ``lse`` and ``entropy`` (``[N]`` fp32) are saved for the backward.
+* one route (``TUNING.route``) for every pass, so the backward recomputes the forward's logit
+  bits and a row's log-prob is the same with or without entropy or grad.
+* forward: one pass per chunk of rows forms each ``[BLOCK_M, BLOCK_N]`` logits tile (``tl.dot``
+  on the gemm route, a cuBLAS fp32 chunk on the chunked route) and reduces it to tile
+  statistics, merged per row in a fixed order into ``logprob``, ``entropy`` and ``lse``. Only
+  ``lse`` and ``entropy`` (``[N]`` fp32) are saved for the backward.
 * no-grad forward (``torch.no_grad()`` or no input requiring grad: the old/ref log-prob passes):
   the same kernels, no autograd node and nothing saved.
-* backward (``TUNING.bwd_route``): per fixed-size chunk of rows, recompute the logits and write
+* backward: per fixed-size chunk of rows, recompute the logits and write
   ``dl = dL/d logits`` in the pass (one buffer ``[chunk, V]``), then cuBLAS ``dh = dl @ W``
   (fixed shape) and ``dW += dl^T @ h``: four matrix products with the forward in all.
 
@@ -25,9 +27,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from rl_kernel_core import dispatch
+from rl_kernel_core._autograd import single_backward
 from rl_kernel_core.triton import _linear_kernels as K
 from rl_kernel_core.triton import _vocab_parallel as VP
 
@@ -39,8 +41,7 @@ def _fp32_rows(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _forward(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group, buffers):
     """``(logprob, entropy or None, lse)``: single-process (``tp_group`` None) or vocab-parallel."""
     if tp_group is None:
-        route = buffers.route_for("fwd", hidden, return_entropy)
-        return K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, route, return_entropy, buffers)
+        return K.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, buffers.route_for(hidden), return_entropy, buffers)
     return VP.forward_stats(hidden, weight, bias, targets, inv_temp, ignore_index, return_entropy, tp_group)
 
 
@@ -55,7 +56,7 @@ class _LinearLogprob(torch.autograd.Function):
         return (lp, ent) if return_entropy else lp
 
     @staticmethod
-    @once_differentiable
+    @single_backward("linear_logprob (triton and native backends)")
     def backward(ctx, g_lp, g_ent=None):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -66,13 +67,15 @@ class _LinearLogprob(torch.autograd.Function):
         group, ignore_index = ctx.tp_group, ctx.ignore_index
         if group is None:
             sink = K.GradSink(hidden, weight, need_h, need_w, need_b)
-        else:  # this rank's shard: shard-local target ids, dh summed over the group
+            route = ctx.buffers.route_for(hidden)
+        else:  # this rank's shard: shard-local target ids, dh summed over the group, the forward's gemm route
             sink = VP.ShardGradSink(hidden, weight, need_h, need_w, need_b, group)
             rank = torch.distributed.get_rank(group)
             targets, ignore_index = VP.local_targets(targets, ignore_index, rank, weight.shape[0]), VP.IGNORED
+            route = VP.ROUTE
         K.backward_chunks(
             hidden, weight, bias, targets, lse, ent, g_lp, _fp32_rows(g_ent),
-            ctx.inv_temp, ignore_index, ctx.buffers.route_for("bwd", hidden), sink, ctx.buffers,
+            ctx.inv_temp, ignore_index, route, sink, ctx.buffers,
         )
         dh, dw, db = sink.grads()
         return dh, dw, db, None, None, None, None, None, None

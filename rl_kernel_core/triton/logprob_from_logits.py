@@ -70,12 +70,16 @@ def _logprob_fwd_kernel(
             valid = cols < V
             z = tl.load(base + cols * stride_lv, mask=valid, other=-float("inf")).to(tl.float32) * inv_temp
             m_new = tl.maximum(m, tl.max(z, axis=0))
-            e = tl.exp(z - m_new)
-            alpha = tl.exp(m - m_new)
+            # the reference point of the exponentials: 0 while every entry so far is -inf
+            # (exp(-inf - -inf) would be NaN); masked entries then add exp(-inf) = 0
+            ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+            e = tl.exp(z - ref)
+            alpha = tl.exp(m - ref)
             if WITH_ENTROPY:
-                # s == 0 only before the first block, where m - m_new is -inf
+                # s == 0 until the first finite entry, where m - m_new is -inf
                 shift = s * tl.where(s > 0.0, m - m_new, 0.0)
-                u = alpha * (u + shift) + tl.sum(e * tl.where(valid, z - m_new, 0.0), axis=0)
+                # a -inf entry has e = 0 and z - ref = -inf: it adds 0, not 0 * inf
+                u = alpha * (u + shift) + tl.sum(tl.where(e > 0.0, e * (z - ref), 0.0), axis=0)
             s = s * alpha + tl.sum(e, axis=0)
             m = m_new
         log_s = tl.log(s)
@@ -114,7 +118,8 @@ def _logprob_bwd_kernel(
             dz = tl.where(cols == target, g_lp, 0.0) - g_lp * p
         if WITH_ENTROPY_GRAD:
             g_ent = tl.load(grad_ent_ptr + row * stride_gent)
-            dz -= g_ent * p * (log_p + tl.load(entropy_ptr + row))
+            # p = 0 (a -inf logit) contributes 0, not 0 * -inf
+            dz -= tl.where(p > 0.0, g_ent * p * (log_p + tl.load(entropy_ptr + row)), 0.0)
         tl.store(out, (dz * inv_temp).to(grad_logits_ptr.dtype.element_ty), mask=valid)
 
 

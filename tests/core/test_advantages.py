@@ -188,6 +188,8 @@ META = torch.device("meta")
         (torch.ones(6), dict(group_index=torch.zeros(5, dtype=torch.int64)), ValueError, "group_index"),
         (torch.ones(6), dict(group_index=torch.zeros(2, 3, dtype=torch.int64)), ValueError, "group_index"),
         (torch.ones(6), dict(group_index=torch.zeros(6, dtype=torch.int64, device=META)), ValueError, "group_index"),
+        (torch.ones(6, device=META), dict(group_index=torch.zeros(6, dtype=torch.int64, device=META)), ValueError, "group_index must hold data"),
+        (torch.ones(6).to_sparse(), dict(group_size=2), TypeError, "rewards must be a dense"),
         (torch.ones(6), dict(group_size=2, estimator="ppo"), ValueError, "estimator"),
         (torch.ones(6), dict(group_size=2, norm_by_std=1), TypeError, "norm_by_std"),
         (torch.ones(6), dict(group_size=2, eps=-1e-6), ValueError, "eps"),
@@ -218,3 +220,51 @@ def test_cuda_matches_cpu_deterministically(seed):
             assert torch.equal(contiguous[0], contiguous[1])
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+BACKENDS = [
+    pytest.param(("cpu", "torch"), id="cpu-torch"),
+    pytest.param(("cpu", "triton"), id="cpu-triton"),
+    pytest.param(("cuda", "torch"), id="cuda-torch", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "triton"), id="cuda-triton", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "native"), id="cuda-native", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_on(request, monkeypatch):
+    """``(device, backend)``; CPU Triton runs in the interpreter (chosen at each launch)."""
+    device, backend = request.param
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return torch.device(device), backend
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_group_statistics_in_fp64_on_every_backend(seed, backend_on, estimator):
+    """fp32 rewards 1e4 + O(1e-3): differences of a few ulps, which fp32 statistics turn into 0 or
+    noise; fp64 statistics give the formula's values within the fp32 contract."""
+    device, backend = backend_on
+    rewards = (1e4 + torch.randn(64) * 2e-3).to(device)
+    index = random_groups(64)
+    cases = ((dict(group_size=4), [i // 4 for i in range(64)]), (dict(group_index=index.to(device)), index.tolist()))
+    for kw, ids in cases:
+        got = rk.group_advantages(rewards, estimator=estimator, backend=backend, **kw)
+        assert got.dtype == torch.float32
+        assert_close(got, advantages_formula(rewards.cpu(), ids, estimator), "reduction", torch.float32, f"advantages {list(kw)}")
+
+
+def test_equal_rewards_and_zero_eps_give_zero_on_every_backend(seed, backend_on):
+    """Groups of equal rewards (whose plain mean is not exact: 0.1, 1/3) get advantage 0 with
+    eps = 0 (std + eps = 0) and with the default eps; the other groups follow the formula."""
+    device, backend = backend_on
+    values = [0.1] * 4 + [1 / 3] * 4 + [-2.5] * 4 + random_rewards(4).tolist()
+    rewards = torch.tensor(values, dtype=torch.float32, device=device)
+    ids = [i // 4 for i in range(16)]
+    for eps in (0.0, 1e-6):
+        for kw in (dict(group_size=4), dict(group_index=torch.tensor(ids, device=device))):
+            got = rk.group_advantages(rewards, eps=eps, backend=backend, **kw)
+            assert torch.equal(got[:12], torch.zeros(12, device=device)), f"eps={eps} {list(kw)}: {got[:12].tolist()}"
+            assert_close(got[12:], advantages_formula(rewards[12:].cpu(), ids[:4], "grpo", eps=eps), "reduction", torch.float32, f"eps={eps}")

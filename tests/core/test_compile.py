@@ -13,7 +13,7 @@ tests/core/test_triton_losses.py.
 
 ``test_triton_kernels_compile_for_sm90`` runs Triton's full pipeline (TTIR, TTGIR, LLVM IR, PTX,
 cubin through the ``ptxas`` shipped with Triton) for every loss kernel and every compile-time
-branch, so a kernel that only the interpreter accepts fails on the CPU machine, not first on the
+branch, and for the ``linear_logprob`` tile and merge kernels (pointer loads), so a kernel that only the interpreter accepts fails on the CPU machine, not first on the
 GPU. It needs Triton's jit library compiled, not interpreted: in a process where Triton was
 imported under ``TRITON_INTERPRET=1`` it runs in a child process without it.
 """
@@ -133,8 +133,20 @@ def _sm90_cases() -> list:
     for agg, block_s, block_nb in [(0, 1024, 1), (1, 128, 8), (2, 128, 8), (3, 1, 128), (4, 1024, 1)]:
         cases.append((pl._policy_loss_finish_kernel, dict(kl_coef=f32, entropy_coef=f32),
                       dict(AGG=agg, ADD_KL=True, ADD_ENT=True, BLOCK_S=block_s, BLOCK_NB=block_nb), 4))
+    from rl_kernel_core.triton import _linear_kernels as lk
+
+    linear = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", tgt_ptr="*i64", inv_temp=f32, ignore_index="i64", dl_ptr="*bf16")
+    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16)
+    for from_logits, grad, want_ent, in_place in [(False, False, True, False), (False, False, False, False), (False, True, False, False),
+                                                  (True, False, True, False), (True, True, False, True)]:
+        types = dict(linear, x_ptr="*fp32") if from_logits else linear
+        cases.append((lk._logits_pass_kernel, types, dict(
+            FROM_LOGITS=from_logits, GRAD=grad, HAS_BIAS=True, HAS_GENT=grad, WANT_ENT=want_ent, IN_PLACE=in_place, EVEN_K=True,
+            IEEE=False, UPCAST_DOT=False, TMA=False, FLATTEN=False, **tiles), 8))
+    for want_ent in (True, False):
+        cases.append((lk._merge_kernel, dict(tgt_ptr="*i64", ignore_index="i64"), dict(WANT_ENT=want_ent, BLOCK_R=16, BLOCK_T=64), 4))
     for by_index, estimator, norm in [(False, 0, True), (True, 0, True), (True, 1, False), (False, 2, True)]:
-        cases.append((adv._group_advantages_kernel, dict(order_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64", group_size="i64", eps=f32),
+        cases.append((adv._group_advantages_kernel, dict(order_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64", group_size="i64", eps_ptr="*fp64"),
                       dict(BY_INDEX=by_index, ESTIMATOR=estimator, NORM_BY_STD=norm, BLOCK=1024), 4))
     return cases
 

@@ -322,10 +322,18 @@ def _call(**overrides):
         (dict(temperature=-1.0), ValueError, "temperature"),
         (dict(temperature=float("nan")), ValueError, "temperature"),
         (dict(temperature="1"), TypeError, "temperature"),
+        (dict(temperature=1e-40), ValueError, r"temperature must be >= 1.1754944e-38 .*got 1e-40"),
+        (dict(temperature=1e-45), ValueError, "temperature"),
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
+        (dict(ignore_index=-(2**70)), ValueError, r"ignore_index must be in the int64 range .*got -1180591620717411303424"),
+        (dict(ignore_index=2**63), ValueError, "ignore_index"),
         (dict(return_entropy=1), TypeError, "return_entropy"),
         (dict(weight=torch.randn(10, 8, device="meta")), ValueError, "weight"),
         (dict(targets=torch.randint(0, 10, (2, 3), device="meta")), ValueError, "targets"),
+        (dict(weight=torch.randn(10, 8).to_sparse()), TypeError, "weight must be a dense"),
+        (dict(weight=torch.randn(10, 8).to_sparse_csr()), TypeError, "weight must be a dense .*sparse_csr"),
+        (dict(hidden=torch.randn(2, 3, 8, device="meta"), weight=torch.randn(10, 8, device="meta"),
+              targets=torch.zeros(2, 3, dtype=torch.long, device="meta"), bias=None), ValueError, "targets must hold data"),
         (dict(tp_group="group"), TypeError, "tp_group"),
         (dict(backend="cuda"), ValueError, "backend"),
     ],
@@ -333,6 +341,15 @@ def _call(**overrides):
 def test_linear_logprob_rejects_bad_input(overrides, error, names):
     with pytest.raises(error, match=names):
         _call(**overrides)
+
+
+def test_smallest_temperature_is_served(seed):
+    """The smallest temperature taken gives finite log-probs: 0 at the argmax, (z - max z) / T elsewhere."""
+    logits = torch.tensor([[0.5, 2.0, 1.0]])
+    tiny = torch.finfo(torch.float32).tiny
+    lp = rk.logprob_from_logits(logits.expand(3, 3), torch.tensor([0, 1, 2]), temperature=tiny)
+    assert torch.isfinite(lp).all() and lp[1].item() == 0.0
+    assert_close(lp, (logits[0].double() - 2.0) / tiny, "logprob", torch.float32, "logprob")
 
 
 def test_out_of_range_message_names_range():
@@ -349,8 +366,13 @@ def test_out_of_range_message_names_range():
         (torch.randn(2, 5), torch.ones(3, dtype=torch.long), {}, ValueError, "targets"),
         (torch.randn(2, 5), torch.tensor([1, 5]), {}, ValueError, "targets"),
         (torch.randn(2, 0), torch.ones(2, dtype=torch.long), {}, ValueError, "logits"),
-        (torch.randn(2, 5, device="meta"), torch.ones(2, dtype=torch.long), {}, ValueError, "targets"),
+        (torch.randn(2, 5), torch.ones(2, dtype=torch.long, device="meta"), {}, ValueError, "targets"),
+        (torch.randn(2, 5, device="meta"), torch.ones(2, dtype=torch.long, device="meta"), {}, ValueError, "targets must hold data .*got a meta tensor"),
+        (torch.randn(2, 5).to_sparse(), torch.ones(2, dtype=torch.long), {}, TypeError, "logits must be a dense .*sparse_coo"),
+        (torch.randn(2, 5), torch.ones(2, dtype=torch.long).to_sparse(), {}, TypeError, "targets must be a dense"),
         (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"temperature": 0}, ValueError, "temperature"),
+        (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"temperature": 1e-45}, ValueError, "temperature"),
+        (torch.randn(2, 5), torch.ones(2, dtype=torch.int32), {"ignore_index": -(2**70)}, ValueError, "ignore_index"),
         (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"return_entropy": "yes"}, TypeError, "return_entropy"),
     ],
 )

@@ -50,12 +50,18 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _case(dtype, n=13, d=16, v=40, chunk_rows=3):
+def _case(dtype, n=13, d=16, v=40, chunk_rows=3, masked_shard=False):
+    """``masked_shard``: a -inf bias over the last rank's whole shard (and a few entries of the
+    first), every target in the first shard."""
     hidden = torch.randn(n, d).to(dtype)
     weight = (torch.randn(v, d) * (3.0 / d**0.5)).to(dtype)
     bias = torch.randn(v).to(dtype)
     targets = torch.randint(0, v, (n,))
     targets[:2] = torch.tensor([3, v - 2])  # one target in each shard, at least
+    if masked_shard:
+        bias[v - v // WORLD :] = float("-inf")
+        bias[5:9] = float("-inf")
+        targets = torch.randint(9, v - v // WORLD, (n,))
     targets[5] = -100
     g_lp = torch.rand(n) + 0.5
     g_ent = -(torch.rand(n) + 0.5)
@@ -72,7 +78,7 @@ def _single_process(case):
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 def test_vocab_parallel_matches_single_process(seed, tmp_path):
-    cases = [_case(torch.float32), _case(torch.bfloat16)]
+    cases = [_case(torch.float32), _case(torch.bfloat16), _case(torch.float32, masked_shard=True)]
     torch.save(cases, tmp_path / "inputs.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
@@ -98,6 +104,7 @@ def test_vocab_parallel_matches_single_process(seed, tmp_path):
         for key in ("lp", "ent", "dh"):  # replicated: every rank holds the same bits
             assert all(torch.equal(per_rank[0][key], r[key]) for r in per_rank[1:]), key
         got = per_rank[0]
+        assert not any(r[key].isnan().any() for r in per_rank for key in ("lp", "ent", "dh", "dw", "db"))
         assert_close(got["lp"], want["lp"], "logprob", dtype, "logprob")
         assert_close(got["ent"], want["ent"], "logprob", dtype, "entropy")
         assert torch.all(got["lp"][case["targets"] == -100] == 0)

@@ -484,6 +484,8 @@ META = torch.device("meta")
         (dict(ref_logprob=torch.randn(3, 4, device=META)), ValueError, "ref_logprob"),
         (dict(entropy=torch.randn(2, 4)), ValueError, "entropy"),
         (dict(rollout_is_weights=torch.randn(3, 4, device=META)), ValueError, "rollout_is_weights"),
+        (dict(advantages=torch.randn(3, 4).to_sparse()), TypeError, "advantages must be a dense"),
+        (dict(mask=torch.ones(3, 4, dtype=torch.bool).to_sparse()), TypeError, "mask must be a dense"),
         (dict(clip_ratio_low=-0.1), ValueError, "clip_ratio_low"),
         (dict(clip_ratio_high="0.2"), TypeError, "clip_ratio_high"),
         (dict(clip_ratio_c=1.0), ValueError, "clip_ratio_c"),
@@ -495,6 +497,8 @@ META = torch.device("meta")
         (dict(kl_coef=-1.0), ValueError, "kl_coef"),
         (dict(entropy_coef=0.1), ValueError, "entropy"),
         (dict(loss_agg_mode="seq-sum"), ValueError, "loss_agg_mode"),
+        (dict(mask=torch.tensor([[1.0, -0.5, 1.0, 0.0]] * 3)), ValueError, r"mask weights must be >= 0 .*3 entries outside it \(0 NaN, the smallest -0.5\)"),
+        (dict(mask=torch.tensor([[1.0, float("nan"), 1.0, 0.0]] * 3)), ValueError, r"mask weights .*\(3 NaN\)"),
     ],
 )
 def test_policy_loss_bad_input_names_the_argument(over, err, name):
@@ -612,7 +616,14 @@ def test_fused_one_sequence_and_empty(seed):
         (dict(mask=torch.ones(3, 7, dtype=torch.int64)), TypeError, "mask"),
         (dict(weight=torch.randn(50, 16, device=META)), ValueError, "weight"),
         (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(temperature=1e-40), ValueError, "temperature"),
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
+        (dict(ignore_index=2**70), ValueError, "ignore_index"),
+        (dict(mask=-torch.ones(3, 7)), ValueError, "mask weights"),
+        (dict(hidden=torch.randn(3, 7, 16, device=META), weight=torch.randn(50, 16, device=META), bias=None,
+              targets=torch.zeros(3, 7, dtype=torch.long, device=META), old_logprob=torch.randn(3, 7, device=META),
+              advantages=torch.randn(3, 7, device=META), mask=torch.ones(3, 7, dtype=torch.bool, device=META)), ValueError, "targets must hold data"),
+        (dict(hidden=torch.randn(3, 7, 16).to_sparse()), TypeError, "hidden must be a dense"),
         (dict(kl_type="full"), ValueError, "kl_type"),
         (dict(clip_ratio_c=1.0), ValueError, "clip_ratio_c"),
         (dict(loss_agg_mode="sum"), ValueError, "loss_agg_mode"),
@@ -628,6 +639,18 @@ def test_fused_bad_input_names_the_argument(over, err, name):
 
 
 # ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_mask_weights_checked_on_gpu_only_when_asked(seed, monkeypatch):
+    """GPU mask values are read back (a host sync) only with RL_KERNEL_CHECK_VALUES=1."""
+    x = {k: v.cuda() for k, v in make_inputs((3, 4)).items()}
+    bad = torch.tensor([[1.0, -0.5, 1.0, 0.0]] * 3, device="cuda")
+    monkeypatch.delenv("RL_KERNEL_CHECK_VALUES", raising=False)
+    rk.policy_loss(x["logprob"], x["old"], x["adv"], bad)
+    monkeypatch.setenv("RL_KERNEL_CHECK_VALUES", "1")
+    with pytest.raises(ValueError, match="mask weights must be >= 0"):
+        rk.policy_loss(x["logprob"], x["old"], x["adv"], bad)
+
 
 @pytest.mark.gpu
 def test_policy_loss_cuda_matches_cpu_and_is_deterministic(seed):

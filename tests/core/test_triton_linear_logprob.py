@@ -43,7 +43,7 @@ def device(request, monkeypatch):
 @pytest.fixture(params=ROUTES)
 def route(request, monkeypatch):
     """Run the forward, backward and loss on one kernel route."""
-    monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, fwd_route=request.param, bwd_route=request.param, loss_route=request.param))
+    monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, route=request.param))
     return request.param
 
 
@@ -239,7 +239,7 @@ def test_tile_variants_agree(seed, device, monkeypatch):
     for name, fields in TILE_VARIANTS.items():
         tiles = dataclasses.replace(K.TUNING.gemm_tiles, **fields)
         grad_tiles = dataclasses.replace(K.TUNING.gemm_grad_tiles, **fields)
-        monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, fwd_route="gemm", bwd_route="gemm", gemm_tiles=tiles, gemm_grad_tiles=grad_tiles))
+        monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, route="gemm", gemm_tiles=tiles, gemm_grad_tiles=grad_tiles))
         lp, ent, grads = run(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
         outs[name] = (lp, ent) + tuple(grads)
     labels = ("logprob", "entropy", "dhidden", "dweight", "dbias")

@@ -7,8 +7,8 @@ forward, backward (log-prob and entropy terms, non-uniform upstream gradients) a
 forward.
 The parent then asserts, for every rank and TP size:
 
-* log-prob and entropy bitwise equal to the single-process (``tp_group=None``) forward on the
-  gemm route (the route the vocab-parallel statistics use), hence across TP sizes and ranks;
+* log-prob and entropy bitwise equal to the single-process (``tp_group=None``) forward on its
+  default gemm route (the route of every vocab-parallel pass), hence across TP sizes and ranks;
 * the no-grad forward bitwise equal to the forward with grad;
 * ``dh`` (replicated), the ``dW``/``db`` shards within the contract of the fp64 result.
 
@@ -19,7 +19,6 @@ on other shards.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core.triton import _vocab_parallel as VP
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
@@ -64,7 +64,7 @@ _WORKER = textwrap.dedent(
     results = []
     for case in torch.load(inputs):
         K.STATS_BYTES = case["stats_bytes"]
-        K.TUNING = dataclasses.replace(K.TUNING, bwd_route=case["bwd_route"], chunk_bytes=case["chunk_bytes"])
+        K.TUNING = dataclasses.replace(K.TUNING, chunk_bytes=case["chunk_bytes"])
         per_size = {}
         for size, group in groups.items():
             vl = case["weight"].shape[0] // size
@@ -105,7 +105,7 @@ def _targets(ignore_index: int) -> torch.Tensor:
     return t
 
 
-def _case(dtype, *, bias, entropy, temperature, ignore_index, bwd_route):
+def _case(dtype, *, bias, entropy, temperature, ignore_index):
     hidden = torch.randn(N, D).to(dtype)
     weight = (torch.randn(V, D) * (3.0 / D**0.5)).to(dtype)
     targets = _targets(ignore_index)
@@ -115,15 +115,14 @@ def _case(dtype, *, bias, entropy, temperature, ignore_index, bwd_route):
     return dict(
         hidden=hidden, weight=weight, bias=torch.randn(V).to(dtype) if bias else None, targets=targets,
         g_lp=(torch.rand(N) + 0.5) * sign, g_ent=-(torch.rand(N) + 0.5), temperature=temperature,
-        entropy=entropy, ignore_index=ignore_index, bwd_route=bwd_route,
+        entropy=entropy, ignore_index=ignore_index,
         stats_bytes=STATS_BYTES, chunk_bytes=CHUNK_BYTES,
     )
 
 
-def _single_process(case, monkeypatch, fwd_route):
-    """tp_group=None on ``fwd_route`` (interpreted), forward values only."""
+def _single_process(case, monkeypatch):
+    """tp_group=None on the default route (interpreted), forward values only."""
     monkeypatch.setattr(K, "STATS_BYTES", case["stats_bytes"])
-    monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, fwd_route=fwd_route))
     with torch.no_grad():
         res = rk.linear_logprob(
             case["hidden"], case["weight"], case["targets"], bias=case["bias"], temperature=case["temperature"],
@@ -169,15 +168,16 @@ def _run_world(world, sizes, cases, tmp_path):
 @pytest.mark.parametrize("world,sizes", [(2, (1, 2)), (4, (2, 4))], ids=["world2", "world4"])
 def test_vocab_parallel_bitwise_across_tp_sizes(seed, tmp_path, monkeypatch, world, sizes):
     cases = [
-        _case(torch.bfloat16, bias=True, entropy=True, temperature=0.7, ignore_index=-100, bwd_route="chunked"),
-        _case(torch.float32, bias=False, entropy=False, temperature=1.0, ignore_index=5, bwd_route="gemm"),
+        _case(torch.bfloat16, bias=True, entropy=True, temperature=0.7, ignore_index=-100),
+        _case(torch.float32, bias=False, entropy=False, temperature=1.0, ignore_index=5),
     ]
     ranks = _run_world(world, sizes, cases, tmp_path)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for i, case in enumerate(cases):
         dtype = case["hidden"].dtype
-        # the gemm route is the vocab-parallel route; without entropy it is also the default one
-        want_lp, want_ent = _single_process(case, monkeypatch, "gemm" if case["entropy"] else "auto")
+        # the default single-process route (gemm) is the vocab-parallel route
+        assert K.TUNING.route == VP.ROUTE
+        want_lp, want_ent = _single_process(case, monkeypatch)
         ref = _fp64(case)
         assert_close(want_lp, ref["lp"], "logprob", dtype, "single-process logprob")
         ignored = case["targets"] == case["ignore_index"]
