@@ -124,7 +124,6 @@ def test_logprob_from_logits_masked_entries(seed, where, dtype):
     (grad,) = torch.autograd.grad([lp, ent], [x], [g_lp, g_ent])
     lp64, ent64, dz64 = oracle(logits.double() / 0.7, targets, g_lp.double(), g_ent.double())
     check_logprob(lp, ent, lp64, ent64, dtype)
-    assert lp[2].item() == 0.0 and ent[2].item() == 0.0
     assert not grad.isnan().any()
     masked = ~torch.isfinite(logits.cpu()) & (torch.arange(4200) != targets.cpu()[:, None])
     assert (grad.cpu()[masked] == 0).all()
@@ -167,8 +166,6 @@ def test_linear_logprob_masked_bias(seed, where, dtype, only_target):
     for name, got, ref in zip(("hidden", "weight", "bias"), grads, (dl64 @ w64, dl64.T @ h64, dl64.sum(0))):
         assert not got.isnan().any(), name
         assert_close(got, ref, "gradient", dtype, f"d{name}")
-    if only_target:
-        assert torch.equal(lp, torch.zeros_like(lp)) and torch.equal(ent, torch.zeros_like(ent))
 
 
 def test_fused_linear_policy_loss_masked_bias(seed, where):
