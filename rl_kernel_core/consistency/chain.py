@@ -1,0 +1,105 @@
+"""Per-token log-probs of a fixed set of sequences through :class:`~rl_kernel_core.consistency.model.TinyDecoder`
+in each layout: packed (training-style varlen), padded (left or right) and incremental decoding over a
+KV cache (rollout-style). Each function returns one fp32 tensor per sequence, ``[L_b - 1]``: the
+log-prob of token t+1 given tokens 0..t.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rl_kernel_core.consistency.model import KVCache, TinyDecoder
+from rl_kernel_core.logprob import logprob_from_logits
+
+IGNORE = -100
+
+
+def _offsets(lengths: Sequence[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def _selected(model: TinyDecoder, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return logprob_from_logits(model.lm_head(hidden), targets, ignore_index=IGNORE, backend="torch")
+
+
+def packed_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One forward over the sequences packed back to back (``cu_seqlens`` layout)."""
+    lengths = [len(s) for s in seqs]
+    cu = _offsets(lengths)
+    ids = torch.cat(list(seqs))
+    positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
+    targets = torch.cat([torch.cat([s[1:], s.new_tensor([IGNORE])]) for s in seqs])
+    lp = _selected(model, model.hidden(ids, positions, cu), targets)
+    return [lp[cu[b]:cu[b + 1] - 1] for b in range(len(seqs))]
+
+
+def padded_batch(seqs: Sequence[torch.Tensor], side: str, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids [B, L], attention_mask [B, L], position_ids [B, L])`` with ``side`` padding;
+    pad positions get position 0."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=seqs[0].device)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        sl = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[b, sl] = s
+        mask[b, sl] = 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0) * mask
+    return ids, mask, positions
+
+
+def padded_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], side: str = "right") -> list[torch.Tensor]:
+    """One forward over a ``[B, L]`` padded batch: dense layers see the pad rows, attention the real tokens."""
+    ids, mask, positions = padded_batch(seqs, side)
+    width = ids.shape[1]
+    rows = mask.flatten().nonzero().squeeze(1)
+    cu = _offsets([len(s) for s in seqs])
+    targets = torch.full_like(ids, IGNORE)
+    for b, s in enumerate(seqs):
+        start = width - len(s) if side == "left" else 0
+        targets[b, start:start + len(s) - 1] = s[1:]
+    lp = _selected(model, model.hidden(ids.flatten(), positions.flatten(), cu, rows=rows), targets.flatten()).view(len(seqs), width)
+    out = []
+    for b, s in enumerate(seqs):
+        start = width - len(s) if side == "left" else 0
+        out.append(lp[b, start:start + len(s) - 1])
+    return out
+
+
+def decode_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], prompt_len: int) -> list[torch.Tensor]:
+    """Rollout-style: prefill each sequence's first ``prompt_len`` tokens into a KV cache, then feed the
+    rest one token per step (all sequences in one batch per step), reading each step's log-prob."""
+    lengths = [len(s) for s in seqs]
+    if min(lengths) <= prompt_len or prompt_len < 1:
+        raise ValueError(f"prompt_len must be in [1, shortest length {min(lengths)}), got {prompt_len}")
+    cache = KVCache(len(model.layers), len(seqs))
+    prompt = [s[:prompt_len] for s in seqs]
+    targets = torch.cat([s[1:prompt_len + 1] for s in seqs])
+    lp = _selected(model, model.hidden(torch.cat(prompt), torch.arange(prompt_len, device=targets.device).repeat(len(seqs)), _offsets([prompt_len] * len(seqs)), cache=cache), targets)
+    out: list[list[torch.Tensor]] = [[lp[b * prompt_len:(b + 1) * prompt_len]] for b in range(len(seqs))]
+    for t in range(prompt_len, max(lengths) - 1):
+        active = [b for b, n in enumerate(lengths) if n - 1 > t]
+        ids = torch.stack([seqs[b][t] for b in active])
+        cu = _offsets([1 if b in active else 0 for b in range(len(seqs))])
+        step = _selected(model, model.hidden(ids, torch.full((len(active),), t, device=ids.device), cu, cache=cache), torch.stack([seqs[b][t + 1] for b in active]))
+        for i, b in enumerate(active):
+            out[b].append(step[i:i + 1])
+    return [torch.cat(parts) for parts in out]
+
+
+def fixed_sequences(vocab: int, count: int, min_len: int, max_len: int, seed: int) -> list[torch.Tensor]:
+    """``count`` token sequences of lengths in ``[min_len, max_len]``, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=g)
+    return [torch.randint(1, vocab, (int(n),), generator=g) for n in lengths]
+
+
+def max_abs_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """Largest absolute difference between two lists of per-sequence log-probs."""
+    return max(float((x.double() - y.double()).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
