@@ -27,10 +27,14 @@ A dispatch mode lives on a thread's mode stack: the routing applies on the threa
 mode on (and the autograd engine's work for that thread); turning it off from another thread is an
 error. Nesting and exceptions restore the previous state exactly.
 
-Backends: ``torch`` (the reference in :mod:`rl_kernel_core.reference.batch_invariant`, on CPU and
-GPU) is the semantics oracle; it makes every library call a fixed shape (row tiles padded to a
-constant size), on a GPU too: this mode has no faster GPU kernel. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs). Inputs are
-made contiguous first, so strided inputs give the same bits as contiguous ones.
+Backends: ``triton`` (:mod:`rl_kernel_core.triton.batch_invariant`: a persistent matmul with a
+fixed tile order and no split-K, one-program-per-row reductions) serves CUDA tensors under
+``auto``; ``torch`` (the reference in :mod:`rl_kernel_core.reference.batch_invariant`) is the
+semantics oracle and the CPU path: it makes every library call a fixed shape (row tiles padded to
+a constant size). The two backends are each batch-invariant; they are not bitwise equal to each
+other. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs, which only the
+torch backend serves). Inputs are made contiguous first, so strided inputs give the same bits as
+contiguous ones.
 """
 
 from __future__ import annotations
