@@ -1,6 +1,10 @@
 """``varlen_attention``: causal (or full) attention over packed variable-length sequences, with
 GQA and a fixed KV split order, so a prefill and an incremental decode over a KV cache give the
-same bits (see :mod:`rl_kernel_core.reference.attention` for the reduction order)."""
+same bits (see :mod:`rl_kernel_core.reference.attention` for the reduction order).
+
+Backends: ``triton`` (:mod:`rl_kernel_core.triton.attention`, CUDA; picked by ``auto`` there) and
+``torch`` (the reference, any device). Both walk the keys in fixed blocks in ascending order; each
+is batch-invariant on its own, and they agree to the contract, not bit for bit."""
 
 from __future__ import annotations
 
