@@ -6,11 +6,13 @@ log-prob of token t+1 given tokens 0..t.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from rl_kernel_core.consistency import parity
 from rl_kernel_core.consistency.model import KVCache, TinyDecoder
+from rl_kernel_core.consistency.probe import DriftProbe
 from rl_kernel_core.logprob import logprob_from_logits
 
 IGNORE = -100
@@ -27,67 +29,66 @@ def _selected(model: TinyDecoder, hidden: torch.Tensor, targets: torch.Tensor) -
     return logprob_from_logits(model.lm_head(hidden), targets, ignore_index=IGNORE, backend="torch")
 
 
-def packed_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _forward(model: TinyDecoder, probe: Optional[DriftProbe], keys: list, *args, **kwargs) -> torch.Tensor:
+    """``model(*args, **kwargs)``, telling ``probe`` which (sequence, position) each row holds."""
+    if probe is not None:
+        probe.rows(keys)
+    return model(*args, **kwargs)
+
+
+def packed_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], probe: Optional[DriftProbe] = None) -> list[torch.Tensor]:
     """One forward over the sequences packed back to back (``cu_seqlens`` layout)."""
     lengths = [len(s) for s in seqs]
     cu = _offsets(lengths)
     ids = torch.cat(list(seqs))
     positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
     targets = torch.cat([torch.cat([s[1:], s.new_tensor([IGNORE])]) for s in seqs])
-    lp = _selected(model, model.hidden(ids, positions, cu), targets)
+    keys = [(b, t) for b, n in enumerate(lengths) for t in range(n)]
+    lp = _selected(model, _forward(model, probe, keys, ids, positions, cu), targets)
     return [lp[cu[b]:cu[b + 1] - 1] for b in range(len(seqs))]
 
 
-def padded_batch(seqs: Sequence[torch.Tensor], side: str, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids [B, L], attention_mask [B, L], position_ids [B, L])`` with ``side`` padding;
-    pad positions get position 0."""
+def padded_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], side: str = "right",
+                    probe: Optional[DriftProbe] = None) -> list[torch.Tensor]:
+    """One forward over a ``[B, L]`` padded batch: dense layers see the pad rows, attention the real tokens."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=seqs[0].device)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(seqs):
-        sl = slice(width - len(s), width) if side == "left" else slice(0, len(s))
-        ids[b, sl] = s
-        mask[b, sl] = 1
-    positions = (mask.cumsum(1) - 1).clamp(min=0) * mask
-    return ids, mask, positions
-
-
-def padded_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], side: str = "right") -> list[torch.Tensor]:
-    """One forward over a ``[B, L]`` padded batch: dense layers see the pad rows, attention the real tokens."""
-    ids, mask, positions = padded_batch(seqs, side)
-    width = ids.shape[1]
-    rows = mask.flatten().nonzero().squeeze(1)
+    batch = parity.from_sequences(list(seqs), side, [0] * len(seqs), pad_id=0)
+    width = batch.input_ids.shape[1]
+    mask = batch.attention_mask.flatten()
+    rows = mask.nonzero().squeeze(1)
     cu = _offsets([len(s) for s in seqs])
-    targets = torch.full_like(ids, IGNORE)
-    for b, s in enumerate(seqs):
-        start = width - len(s) if side == "left" else 0
-        targets[b, start:start + len(s) - 1] = s[1:]
-    lp = _selected(model, model.hidden(ids.flatten(), positions.flatten(), cu, rows=rows), targets.flatten()).view(len(seqs), width)
-    out = []
-    for b, s in enumerate(seqs):
-        start = width - len(s) if side == "left" else 0
-        out.append(lp[b, start:start + len(s) - 1])
-    return out
+    targets = torch.full_like(batch.input_ids, IGNORE)
+    targets[:, :-1] = batch.input_ids[:, 1:].masked_fill(batch.loss_mask[:, :-1] == 0, IGNORE)
+    keys = [(i // width, int(p)) if m else None for i, (m, p) in enumerate(zip(mask.tolist(), batch.position_ids.flatten()))]
+    hidden = _forward(model, probe, keys, batch.input_ids.flatten(), batch.position_ids.flatten(), cu, rows=rows)
+    lp = _selected(model, hidden, targets.flatten()).view(len(seqs), width)
+    return [lp[b][batch.loss_mask[b].bool()] for b in range(len(seqs))]
 
 
-def decode_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], prompt_len: int) -> list[torch.Tensor]:
+def decode_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], prompt_len: int,
+                    probe: Optional[DriftProbe] = None, first_index: int = 0) -> list[torch.Tensor]:
     """Rollout-style: prefill each sequence's first ``prompt_len`` tokens into a KV cache, then feed the
-    rest one token per step (all sequences in one batch per step), reading each step's log-prob."""
+    rest one token per step (all sequences in one batch per step), reading each step's log-prob.
+    ``first_index`` numbers the sequences for ``probe`` (when they are a slice of a larger set)."""
     lengths = [len(s) for s in seqs]
     if min(lengths) <= prompt_len or prompt_len < 1:
         raise ValueError(f"prompt_len must be in [1, shortest length {min(lengths)}), got {prompt_len}")
     cache = KVCache(len(model.layers), len(seqs))
     prompt = [s[:prompt_len] for s in seqs]
     targets = torch.cat([s[1:prompt_len + 1] for s in seqs])
-    lp = _selected(model, model.hidden(torch.cat(prompt), torch.arange(prompt_len, device=targets.device).repeat(len(seqs)), _offsets([prompt_len] * len(seqs)), cache=cache), targets)
+    keys = [(first_index + b, t) for b in range(len(seqs)) for t in range(prompt_len)]
+    positions = torch.arange(prompt_len, device=targets.device).repeat(len(seqs))
+    hidden = _forward(model, probe, keys, torch.cat(prompt), positions, _offsets([prompt_len] * len(seqs)), cache=cache)
+    lp = _selected(model, hidden, targets)
     out: list[list[torch.Tensor]] = [[lp[b * prompt_len:(b + 1) * prompt_len]] for b in range(len(seqs))]
     for t in range(prompt_len, max(lengths) - 1):
         active = [b for b, n in enumerate(lengths) if n - 1 > t]
         ids = torch.stack([seqs[b][t] for b in active])
         cu = _offsets([1 if b in active else 0 for b in range(len(seqs))])
-        step = _selected(model, model.hidden(ids, torch.full((len(active),), t, device=ids.device), cu, cache=cache), torch.stack([seqs[b][t + 1] for b in active]))
+        keys = [(first_index + b, t) for b in active]
+        hidden = _forward(model, probe, keys, ids, torch.full((len(active),), t, device=ids.device), cu, cache=cache)
+        step = _selected(model, hidden, torch.stack([seqs[b][t + 1] for b in active]))
         for i, b in enumerate(active):
             out[b].append(step[i:i + 1])
     return [torch.cat(parts) for parts in out]

@@ -2,8 +2,10 @@
 with per-head q/k RMSNorm through :func:`rl_kernel_core.varlen_attention`, SwiGLU MLP, LM head.
 
 Plain PyTorch modules, so the batch-invariant mode's routing of ``aten`` ops is what makes its
-matmuls, RMSNorm means and log-softmax batch-invariant; the attention is batch-invariant by
-construction (fixed KV split order). The same weights run three layouts:
+matmuls, RMSNorm means and log-softmax batch-invariant. Attention follows the mode too: on, it is
+rl-kernel's :func:`~rl_kernel_core.varlen_attention` (fixed KV split order); off, PyTorch's
+``scaled_dot_product_attention`` per sequence (:func:`sdpa_attention`), the library default whose
+kernel choice depends on the shapes. The same weights run three layouts:
 
 * packed: ``[T]`` tokens of several sequences with ``cu_seqlens`` (training-style varlen);
 * padded: ``[B, L]`` with an attention mask, left or right padding; every dense layer runs over all
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rl_kernel_core.attention import varlen_attention
+from rl_kernel_core.invariance import is_batch_invariant
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,27 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     half = hd // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                   cu_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention with :func:`varlen_attention`'s layout and bottom-right alignment, one
+    ``F.scaled_dot_product_attention`` call per sequence: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``,
+    offsets ``[B+1]`` -> ``[Tq, Hq, D]`` in q's dtype."""
+    cq = cu_q.tolist()
+    ck = cq if cu_k is None else cu_k.tolist()
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for b in range(len(cq) - 1):
+        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if lq == 0:
+            continue
+        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)
+        ks = k[ck[b]:ck[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = v[ck[b]:ck[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
+        allowed = torch.arange(lk, device=q.device)[None, :] <= (lk - lq + torch.arange(lq, device=q.device))[:, None]
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed).transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
 class KVCache:
@@ -109,11 +133,12 @@ class _Layer(nn.Module):
         if rows is not None:
             q, k, v = q[rows], k[rows], v[rows]
         cu_q = torch.tensor(cu)
+        attend = varlen_attention if is_batch_invariant() else sdpa_attention
         if cache is None:
-            attn = varlen_attention(q, k, v, cu_q)
+            attn = attend(q, k, v, cu_q)
         else:
             k_all, v_all, cu_k = cache.append(layer, k, v, cu)
-            attn = varlen_attention(q, k_all, v_all, cu_q, cu_k)
+            attn = attend(q, k_all, v_all, cu_q, cu_k)
         attn = attn.reshape(attn.shape[0], -1)
         if rows is not None:
             attn = attn.new_zeros((n, attn.shape[1])).index_copy(0, rows, attn)
@@ -123,7 +148,7 @@ class _Layer(nn.Module):
 
 
 class TinyDecoder(nn.Module):
-    """The chain model; :meth:`hidden` is the one forward all layouts share."""
+    """The chain model; :meth:`forward` is the one pass all layouts share."""
 
     def __init__(self, config: TinyConfig = TinyConfig()):
         super().__init__()
@@ -133,7 +158,7 @@ class TinyDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cu: list[int],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu: list[int],
                rows: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None) -> torch.Tensor:
         """Final hidden states ``[N, hidden_size]`` of ``input_ids [N]`` at ``positions [N]``.
 

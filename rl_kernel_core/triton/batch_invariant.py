@@ -43,7 +43,7 @@ ROW_BLOCK: int = 1024
 _GROUP_M = 8
 
 
-@launch_time_jit
+@launch_time_jit(do_not_specialize=["M"])  # N=1 must not compile another kernel
 def _persistent_matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
