@@ -69,23 +69,32 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                    cu_k: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Causal attention with :func:`varlen_attention`'s layout and bottom-right alignment, one
-    ``F.scaled_dot_product_attention`` call per sequence: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``,
-    offsets ``[B+1]`` -> ``[Tq, Hq, D]`` in q's dtype."""
+    """Causal attention with :func:`varlen_attention`'s layout and bottom-right alignment through
+    ``F.scaled_dot_product_attention``: one call over all sequences when they share their query and
+    key lengths, else one call per sequence. q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, offsets
+    ``[B+1]`` -> ``[Tq, Hq, D]`` in q's dtype."""
     cq = cu_q.tolist()
     ck = cq if cu_k is None else cu_k.tolist()
     group = q.shape[1] // k.shape[1]
-    outs = []
-    for b in range(len(cq) - 1):
-        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        if lq == 0:
-            continue
-        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)
-        ks = k[ck[b]:ck[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
-        vs = v[ck[b]:ck[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
+    spans = [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1) if cq[b + 1] > cq[b]]
+    if not spans:
+        return q.new_empty(q.shape)
+
+    def attend(qs, ks, vs):  # [..., L, H, D] -> [..., Lq, Hq, D]
+        lq, lk = qs.shape[-3], ks.shape[-3]
         allowed = torch.arange(lk, device=q.device)[None, :] <= (lk - lq + torch.arange(lq, device=q.device))[:, None]
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed).transpose(0, 1))
-    return torch.cat(outs) if outs else q.new_empty(q.shape)
+        ks = ks.repeat_interleave(group, dim=-2)
+        vs = vs.repeat_interleave(group, dim=-2)
+        out = F.scaled_dot_product_attention(qs.transpose(-3, -2), ks.transpose(-3, -2), vs.transpose(-3, -2), attn_mask=allowed)
+        return out.transpose(-3, -2)
+
+    lengths = {(qe - qs, ke - ks) for qs, qe, ks, ke in spans}
+    if len(lengths) == 1 and len(spans) == len(cq) - 1:
+        (lq, lk), = lengths
+        n = len(spans)
+        out = attend(q.view(n, lq, *q.shape[1:]), k.view(n, lk, *k.shape[1:]), v.view(n, lk, *v.shape[1:]))
+        return out.reshape(q.shape)
+    return torch.cat([attend(q[qs:qe], k[ks:ke], v[ks:ke]) for qs, qe, ks, ke in spans])
 
 
 class KVCache:

@@ -18,12 +18,14 @@ from rl_kernel_core.consistency import chain
 from rl_kernel_core.consistency.model import TinyConfig, TinyDecoder
 
 CONFIG = TinyConfig()
+GPU_CONFIG = TinyConfig(vocab_size=32000, hidden_size=512, num_layers=3, num_heads=8, num_kv_heads=4, head_dim=128,
+                        intermediate_size=1536)
 
 
-def _setup(seed, device="cpu", count=8, max_len=22):
+def _setup(seed, device="cpu", count=8, max_len=22, config=CONFIG, dtype=torch.float32):
     torch.manual_seed(seed)
-    model = TinyDecoder(CONFIG).to(device)
-    seqs = [s.to(device) for s in chain.fixed_sequences(CONFIG.vocab_size, count, 6, max_len, seed)]
+    model = TinyDecoder(config).to(device=device, dtype=dtype)
+    seqs = [s.to(device) for s in chain.fixed_sequences(config.vocab_size, count, 6, max_len, seed)]
     return model, seqs
 
 
@@ -48,9 +50,31 @@ def test_mode_on_logprobs_bitwise_across_batch_sizes_padding_packing_and_decode(
 
 
 @pytest.mark.gpu
-def test_mode_on_logprobs_bitwise_on_gpu_up_to_64_sequences(seed):
-    model, seqs = _setup(seed, device="cuda", count=64, max_len=48)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mode_on_logprobs_bitwise_on_gpu_up_to_64_sequences(seed, dtype):
+    model, seqs = _setup(seed, device="cuda", count=64, max_len=200, config=GPU_CONFIG, dtype=dtype)
     _check_invariance(model, seqs, sizes=(1, 3, 8, 17, 33))
+
+
+@pytest.mark.gpu
+def test_mode_on_backward_on_gpu(seed):
+    model, seqs = _setup(seed, device="cuda", count=16, max_len=120, config=GPU_CONFIG, dtype=torch.bfloat16)
+    with rk.batch_invariant():
+        alone_act, _ = _grads(model, seqs[5:6], 0)
+        batch_act, _ = _grads(model, seqs, 5)
+    assert torch.equal(alone_act, batch_act), "a sequence's activation gradient changed with the batch"
+
+
+@pytest.mark.gpu
+def test_mode_off_drift_on_gpu_is_measured(seed):
+    """Control group on the GPU: cuBLAS and SDPA pick kernels by shape; the drift is printed."""
+    model, seqs = _setup(seed, device="cuda", count=64, max_len=200, config=GPU_CONFIG, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = chain.packed_logprobs(model, seqs)
+        drift = {"batch of 1": chain.max_abs_diff(chain.packed_logprobs(model, seqs[:1]), ref[:1]),
+                 "decode": chain.max_abs_diff(chain.decode_logprobs(model, seqs[:8], prompt_len=4), ref[:8])}
+    print(f"mode off drift on GPU (bf16): {drift}")
+    assert all(d == d for d in drift.values())
 
 
 def _grads(model, seqs, index):
