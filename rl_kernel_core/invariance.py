@@ -33,8 +33,9 @@ fixed tile order and no split-K, one-program-per-row reductions) serves CUDA ten
 semantics oracle and the CPU path: it makes every library call a fixed shape (row tiles padded to
 a constant size). The two backends are each batch-invariant; they are not bitwise equal to each
 other. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs, which only the
-torch backend serves). Inputs are made contiguous first, so strided inputs give the same bits as
-contiguous ones.
+torch backend serves). Inputs are made contiguous first (``bi_matmul``'s ``b`` keeps its strides:
+the torch backend copies it, the Triton kernel reads it by stride), so strided inputs give the same
+bits as contiguous ones.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, *, backend: Optional[str] = "aut
     k = a.shape[-1]
     _checks.shape("b", b, (k, b.shape[1]), f"[K={k}, M]")
     a2d = a.reshape(-1, k).contiguous()
-    b = b.contiguous()
+    # b keeps its strides (a model's mm gets the transposed weight as a view): each backend reads
+    # it in a fixed way, and copying a large weight on every call would cost more than the product
     impl = dispatch.select("bi_matmul", backend, a.device, a2d, b)
     return impl(a2d, b).reshape(*a.shape[:-1], b.shape[1])
 

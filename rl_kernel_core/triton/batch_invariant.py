@@ -144,7 +144,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) 
 
 @dispatch.register("bi_matmul", "triton", supports=_supports)
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [N, K] @ b [K, M]`` with the persistent kernel: ``[N, M]`` in a's dtype."""
+    """``a [N, K] @ b [K, M]`` (any strides) with the persistent kernel: ``[N, M]`` in a's dtype."""
     return _Linear.apply(a, b.t(), None)
 
 
