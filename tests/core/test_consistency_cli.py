@@ -60,7 +60,8 @@ def test_parity_names_the_first_mismatch(fault, check, where):
     assert mismatch is not None and mismatch.check == check and where in mismatch.where, str(mismatch)
 
 
-def test_probe_names_the_operator_that_diverges(seed):
+def _probe_with_fault(seed, fault):
+    """A probe of the same packed run twice, ``fault(model)`` applied before the second run."""
     torch.manual_seed(seed)
     model = TinyDecoder(TinyConfig()).eval()
     seqs = chain.fixed_sequences(97, 3, 6, 10, seed)
@@ -68,9 +69,14 @@ def test_probe_names_the_operator_that_diverges(seed):
         probe.reference()
         chain.packed_logprobs(model, seqs, probe)
         probe.compare()
-        handle = model.layers[1].up_proj.register_forward_hook(lambda m, i, o: o + 1e-3, prepend=True)
+        fault(model)
         chain.packed_logprobs(model, seqs, probe)
-        handle.remove()
+    return probe
+
+
+def test_probe_names_the_operator_that_diverges(seed):
+    probe = _probe_with_fault(seed, lambda model: model.layers[1].up_proj.register_forward_hook(
+        lambda m, i, o: o + 1e-3, prepend=True))
     first = probe.first_divergent()
     assert first["module"] == "layers.1.up_proj" and "input matches" in first["cause"]
     drifts = {d.name: d for d in probe.drifts()}
@@ -78,18 +84,11 @@ def test_probe_names_the_operator_that_diverges(seed):
 
 
 def test_probe_blames_code_between_modules_when_the_input_already_differs(seed, monkeypatch):
-    torch.manual_seed(seed)
-    model = TinyDecoder(TinyConfig()).eval()
-    seqs = chain.fixed_sequences(97, 3, 6, 10, seed)
     from rl_kernel_core.consistency import model as model_module
 
-    with torch.no_grad(), DriftProbe(model) as probe:
-        probe.reference()
-        chain.packed_logprobs(model, seqs, probe)
-        probe.compare()
-        original = model_module.F.scaled_dot_product_attention
-        monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", lambda *a, **k: original(*a, **k) * 1.01)
-        chain.packed_logprobs(model, seqs, probe)
+    original = model_module.F.scaled_dot_product_attention
+    probe = _probe_with_fault(seed, lambda model: monkeypatch.setattr(
+        model_module.F, "scaled_dot_product_attention", lambda *a, **k: original(*a, **k) * 1.01))
     first = probe.first_divergent()
     assert first["module"] == "layers.0.o_proj" and "not a module" in first["cause"], first
 

@@ -20,14 +20,12 @@ from test_attention import _dense
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch):
-    """``cpu`` runs the kernel in the Triton interpreter; ``cuda`` compiles it."""
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    return torch.device(request.param)
+
+
+@pytest.fixture
+def device(triton_device):
+    """CPU (the Triton interpreter) or CUDA (compiled); see tests/conftest.py."""
+    return triton_device
 
 
 def _packed(device, lengths, dtype=torch.float32):

@@ -26,14 +26,12 @@ CPU_SHAPE = dict(n=45, k=40, m=70, sizes=(1, 7, 45))
 GPU_SHAPE = dict(n=1031, k=1024, m=3072, sizes=(1, 7, 64, 300, 1031))
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch):
-    """``cpu`` runs the kernels in the Triton interpreter; ``cuda`` compiles them."""
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    return torch.device(request.param)
+
+
+@pytest.fixture
+def device(triton_device):
+    """CPU (the Triton interpreter) or CUDA (compiled); see tests/conftest.py."""
+    return triton_device
 
 
 def _shape(device):
