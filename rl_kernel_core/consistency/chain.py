@@ -13,7 +13,6 @@ import torch
 from rl_kernel_core.consistency import parity
 from rl_kernel_core.consistency.model import KVCache, TinyDecoder
 from rl_kernel_core.consistency.probe import DriftProbe
-from rl_kernel_core.logprob import logprob_from_logits
 
 IGNORE = -100
 
@@ -25,8 +24,16 @@ def _offsets(lengths: Sequence[int]) -> list[int]:
     return out
 
 
+def selected_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits.float())`` at ``targets`` (``[...]`` int; negative ids give a value that
+    callers discard), fp32 ``[...]``. Written as a model's own code would be, so the mode's routing
+    of ``_log_softmax`` decides whether it is batch-invariant (a library row reduction may split a
+    long row differently for different row counts)."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
+
+
 def _selected(model: TinyDecoder, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return logprob_from_logits(model.lm_head(hidden), targets, ignore_index=IGNORE, backend="torch")
+    return selected_logprobs(model.lm_head(hidden), targets)
 
 
 def _forward(model: TinyDecoder, probe: Optional[DriftProbe], keys: list, *args, **kwargs) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from rl_kernel_core.attention import varlen_attention
+from rl_kernel_core.consistency.chain import selected_logprobs as _selected_logprobs
 from rl_kernel_core.invariance import is_batch_invariant
 
 ATTN_IMPLEMENTATION = "rl_kernel_varlen"
@@ -75,11 +76,6 @@ def use_mode_attention(model) -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, mode_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _bool_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-
-
-def _selected_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log-softmax of ``logits [..., V]`` (in fp32) at ``targets [...]``."""
-    return torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
 
 
 def _keys(rows: list[int], mask: torch.Tensor, positions: torch.Tensor) -> list:
