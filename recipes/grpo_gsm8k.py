@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--" + field.replace("_", "-"), type=int, default=None, help="override the preset")
     for field in ("lr", "temperature", "kl_coef", "entropy_coef"):
         p.add_argument("--" + field.replace("_", "-"), type=float, default=None, help="override the preset")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run rollout and training inside rl-kernel's batch-invariant mode (both runs): each "
+                        "token's rollout and recomputed log-probs are bitwise equal (logprob_diff 0)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="override the preset")
     args = p.parse_args(argv)
@@ -167,13 +170,17 @@ def main(argv=None) -> int:
         overrides["entropy_coef"] = args.entropy_coef
     cfg = embedded.GRPOConfig(**{**PRESET_RUNS[args.preset], **overrides, "sampler": args.sampler,
                                  "reward_method": args.reward_method, "format_score": args.format_score,
-                                 "seed": args.seed})
+                                 "batch_invariant": args.batch_invariant, "seed": args.seed})
     meta_common = {
         "command": " ".join(["bash recipes/grpo_gsm8k.sh", *bench.command_line().split(" ")[2:]]), "engine": engine, "engine_choice": why, "preset": args.preset,
         "model": model_desc, "data": source, "git_commit": git_commit(),
         "config": dataclasses.asdict(cfg), "environment": bench.environment(device),
     }
     if engine == "verl":
+        if args.batch_invariant:
+            print("[grpo_gsm8k] error: --batch-invariant is implemented by the embedded engine; run with --engine embedded",
+                  file=sys.stderr)
+            return 2
         from grpo import verl_engine
 
         for side in args.sides:

@@ -1,6 +1,7 @@
 """rl-kernel core operators: the public API, re-exported from the modules that hold it."""
 
 from rl_kernel_core.advantages import group_advantages
+from rl_kernel_core.attention import varlen_attention
 from rl_kernel_core.invariance import batch_invariant, is_batch_invariant, rms_norm, set_batch_invariant_mode
 from rl_kernel_core.dispatch import BackendUnavailableError
 from rl_kernel_core.logprob import linear_logprob, logprob_from_logits
@@ -22,4 +23,5 @@ __all__ = [
     "rms_norm",
     "sample",
     "set_batch_invariant_mode",
+    "varlen_attention",
 ]

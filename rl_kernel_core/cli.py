@@ -1,4 +1,4 @@
-"""The ``rl-kernel`` command: ``info``, ``bench`` and ``compare``."""
+"""The ``rl-kernel`` command: ``info``, ``bench``, ``compare`` and ``consistency``."""
 
 from __future__ import annotations
 
@@ -109,6 +109,30 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consistency(args: argparse.Namespace) -> int:
+    from rl_kernel_core.consistency import run
+
+    settings = run.Settings(
+        model=args.model, sequences=args.sequences, min_len=args.min_len, max_len=args.max_len,
+        prompt_len=args.prompt_len, rollout_batch=args.rollout_batch, seed=args.seed,
+        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), dtype=args.dtype,
+        probe=args.probe or bool(args.plot),
+    )
+    try:
+        if args.plot:  # fail before the run, not after it, when matplotlib is missing
+            run.plot_available()
+        report = run.run(settings)
+        if args.plot:
+            run.plot(report, args.plot)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"rl-kernel consistency: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2, allow_nan=True) if args.json else run.text(report))
+    if args.plot and not args.json:
+        print(f"plot: {args.plot}")
+    return 0 if report["passed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rl-kernel``."""
     parser = argparse.ArgumentParser(prog="rl-kernel", description="rl-kernel operators: environment, benchmarks, step-log comparison")
@@ -138,6 +162,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=1,
                    help="leave each log's first N steps out of the timing statistics (default 1)")
     p.set_defaults(func=_compare)
+
+    p = sub.add_parser("consistency", help="rollout-like vs training-like log-probs, batch-invariant mode off vs on",
+                       description="Log-probs of a fixed sequence set from a rollout-like run (KV-cache decode) and a "
+                                   "training-like run (one forward), with batch-invariant mode off and on, against the "
+                                   "numerical contract. Exit 0: both pass; 1: a mode fails (the drift probe names the "
+                                   "first divergent module); 2: an error.")
+    p.add_argument("--model", default="tiny", help="'tiny' (built-in Qwen3-style decoder) or a Hugging Face model path")
+    p.add_argument("--sequences", type=int, default=8, help="number of sequences (default 8)")
+    p.add_argument("--min-len", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=24)
+    p.add_argument("--prompt-len", type=int, default=4, help="tokens prefilled before decoding (default 4)")
+    p.add_argument("--rollout-batch", type=int, default=3, help="sequences per rollout batch (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--probe", action="store_true", help="run the layer-wise drift probe even when both modes pass")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a PNG of drift per module, mode off vs on (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_consistency)
     return parser
 
 

@@ -7,39 +7,89 @@ call and whatever the other rows hold (see ``BITWISE_INVARIANCES`` in
 split-K and thread partitions from the call's shape, so a rollout engine running a prompt in a
 batch of 7 and a trainer recomputing it in a batch of 300 get different bits.
 
-The mode: :func:`set_batch_invariant_mode` (a process-wide switch, like
-``torch.use_deterministic_algorithms``), :func:`batch_invariant` (a context manager that sets it and
-restores the previous value on exit) and :func:`is_batch_invariant`. rl-kernel ops that have a
-batch-invariant path read :func:`is_batch_invariant` and take that path while it is on. The ``bi_*``
-functions and :func:`rms_norm` here are batch-invariant whether the mode is on or not: they *are*
-that path, and the ops that honour the mode build on them.
+The mode: :func:`set_batch_invariant_mode` (a switch, like ``torch.use_deterministic_algorithms``),
+:func:`batch_invariant` (a context manager that sets it and restores the previous value on exit)
+and :func:`is_batch_invariant`. The ``bi_*`` functions and :func:`rms_norm` here are
+batch-invariant whether the mode is on or not.
 
-Backends: ``torch`` (the reference in :mod:`rl_kernel_core.reference.batch_invariant`, on CPU and
-GPU) is the semantics oracle; it makes every library call a fixed shape (row tiles padded to a
-constant size), on a GPU too: this mode has no faster GPU kernel. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs). Inputs are
-made contiguous first, so strided inputs give the same bits as contiguous ones.
+While the mode is on, a model's own PyTorch ops are routed onto them: ``aten`` ``mm``, ``addmm``,
+``bmm``, ``linear``, ``_log_softmax``, ``mean.dim`` and ``_fused_rms_norm`` on floating tensors
+run the batch-invariant implementations (:data:`ROUTED_OPS`). ``F.linear`` and ``torch.matmul``
+decompose into ``mm``/``addmm``/``bmm`` before they reach these, and ``F.rms_norm`` (and the
+pow/mean/rsqrt RMSNorm of Hugging Face models) into ``mean.dim`` where no fused kernel serves it, so
+those are covered too. The routing is a ``TorchDispatchMode`` (the Python dispatch key), not a
+kernel registration for the CPU or CUDA keys: the batch-invariant implementations call the very
+library kernels they replace on fixed-shape tiles, which a registration over the ``aten`` kernel
+for that key would recurse into, while a dispatch mode runs its handler with itself switched off.
+It therefore serves every device the implementations serve (CPU and CUDA). It sits below autograd,
+so gradients keep PyTorch's formulas, and the backward's own ``mm``/``bmm`` calls are routed too.
+A dispatch mode lives on a thread's mode stack: the routing applies on the thread that turned the
+mode on (and the autograd engine's work for that thread); turning it off from another thread is an
+error. Nesting and exceptions restore the previous state exactly.
+
+Backends: ``triton`` (:mod:`rl_kernel_core.triton.batch_invariant`: a persistent matmul with a
+fixed tile order and no split-K, one-program-per-row reductions) serves CUDA tensors under
+``auto``; ``torch`` (the reference in :mod:`rl_kernel_core.reference.batch_invariant`) is the
+semantics oracle and the CPU path: it makes every library call a fixed shape (row tiles padded to
+a constant size). The two backends are each batch-invariant; they are not bitwise equal to each
+other. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs, which only the
+torch backend serves). Inputs are made contiguous first (``bi_matmul``'s ``b`` keeps its strides:
+the torch backend copies it, the Triton kernel reads it by stride), so strided inputs give the same
+bits as contiguous ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_kernel_core import _checks, dispatch
-from rl_kernel_core.reference import batch_invariant as _reference  # noqa: F401  (registers the torch backend)
+from rl_kernel_core.reference import batch_invariant as _reference  # registers the torch backend
 
 _enabled: bool = False
 
 
+class _AtenRouting(TorchDispatchMode):
+    """Routes :data:`ROUTED_OPS` on floating tensors to their batch-invariant implementations."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = ROUTED_OPS.get(func)
+        if route is not None and isinstance(args[0], torch.Tensor) and args[0].dtype in _checks.FLOAT_DTYPES:
+            out = route(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+
+_routing: Optional[_AtenRouting] = None
+_routing_thread: Optional[int] = None
+
+
 def set_batch_invariant_mode(enabled: bool) -> bool:
-    """Turn batch-invariant mode on or off for the whole process; returns the previous setting."""
-    global _enabled
+    """Turn batch-invariant mode on or off; returns the previous setting.
+
+    On: rl-kernel's ops and the ``aten`` ops in :data:`ROUTED_OPS` (on this thread) take their
+    batch-invariant paths. Off: every routed op is restored to PyTorch's own kernel.
+    """
+    global _enabled, _routing, _routing_thread
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    previous, _enabled = _enabled, enabled
+    previous = _enabled
+    if enabled and _routing is None:
+        _routing, _routing_thread = _AtenRouting(), threading.get_ident()
+        _routing.__enter__()
+    elif not enabled and _routing is not None:
+        if threading.get_ident() != _routing_thread:
+            raise RuntimeError("batch-invariant mode must be turned off on the thread that turned it on")
+        routing, _routing, _routing_thread = _routing, None, None
+        routing.__exit__(None, None, None)
+    _enabled = enabled
     return previous
 
 
@@ -55,6 +105,7 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
     Example::
 
         with rl_kernel_core.batch_invariant():
+            logits = model(input_ids)          # matmuls, log_softmax, means: batch-invariant
             logprob = rl_kernel_core.linear_logprob(hidden, weight, targets)
     """
     previous = set_batch_invariant_mode(enabled)
@@ -96,7 +147,8 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, *, backend: Optional[str] = "aut
     k = a.shape[-1]
     _checks.shape("b", b, (k, b.shape[1]), f"[K={k}, M]")
     a2d = a.reshape(-1, k).contiguous()
-    b = b.contiguous()
+    # b keeps its strides (a model's mm gets the transposed weight as a view): each backend reads
+    # it in a fixed way, and copying a large weight on every call would cost more than the product
     impl = dispatch.select("bi_matmul", backend, a.device, a2d, b)
     return impl(a2d, b).reshape(*a.shape[:-1], b.shape[1])
 
@@ -205,3 +257,60 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backen
     weight = weight.contiguous()
     impl = dispatch.select("rms_norm", backend, x.device, x2d, weight, eps)
     return impl(x2d, weight, eps).reshape(x.shape)
+
+
+def _route_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    prod = bi_matmul(a, b)
+    if alpha != 1:
+        prod = prod * alpha
+    return prod + (bias if beta == 1 else bias * beta)
+
+
+def _route_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # One fixed-shape row-tiled product per batch entry: a slice's result does not depend on how
+    # many entries the batch has.
+    if a.shape[0] == 0:
+        return a.new_empty((0, a.shape[1], b.shape[2]))
+    return torch.stack([bi_matmul(a[i], b[i]) for i in range(a.shape[0])])
+
+
+def _route_log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    return bi_log_softmax(x.float() if half_to_float else x, dim)
+
+
+def _route_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+    if dtype is not None:
+        if dtype not in _checks.FLOAT_DTYPES:
+            return NotImplemented
+        x = x.to(dtype)
+    dims = list(range(x.dim())) if not dim else list(dim)
+    if x.dim() == 0:
+        return NotImplemented
+    return bi_mean(x, dims, keepdim)
+
+
+def _route_fused_rms_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor], eps: Optional[float]):
+    # Returns (output, rstd) as the aten op does; rstd keeps the reduced dims with size 1.
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    acc = _reference.acc_dtype(x.dtype)
+    xf = x.to(acc)
+    rstd = torch.rsqrt(bi_mean(xf * xf, dims, keepdim=True) + eps)
+    out = xf * rstd
+    if weight is not None:
+        out = out * weight.to(acc)
+    return out.to(x.dtype), rstd
+
+
+_aten = torch.ops.aten
+ROUTED_OPS = {
+    _aten.mm.default: bi_matmul,
+    _aten.addmm.default: _route_addmm,
+    _aten.bmm.default: _route_bmm,
+    _aten.linear.default: bi_linear,
+    _aten._log_softmax.default: _route_log_softmax,
+    _aten.mean.dim: _route_mean,
+    _aten._fused_rms_norm.default: _route_fused_rms_norm,
+}
+"""The ``aten`` overloads routed while batch-invariant mode is on, and their implementations."""

@@ -78,14 +78,6 @@ def install_logprobs() -> dict[str, Any]:
     return {"live": bool(live), "runners": live, "targets": results, "problems": problems}
 
 
-def install_batch_invariant() -> dict[str, Any]:
-    """Hook (d): rl-kernel's batch-invariant mode on in this process."""
-    import rl_kernel_core
-
-    rl_kernel_core.set_batch_invariant_mode(True)
-    return {"live": True, "targets": {"rl_kernel_core.set_batch_invariant_mode": "True"}, "problems": []}
-
-
 def install_sampler() -> dict[str, Any]:
     """Hook (c): the V1 runner's sampler draws with ``rl_kernel_core.sample`` (:mod:`rl_kernel_vllm.sampler`)."""
     from rl_kernel_vllm import sampler
@@ -102,7 +94,6 @@ HOOKS: dict[str, str] = {
     "logprobs": "rl_kernel_vllm.plugin:install_logprobs",
     "lm_head": "rl_kernel_vllm.lm_head:install",
     "sampler": "rl_kernel_vllm.plugin:install_sampler",
-    "batch_invariant": "rl_kernel_vllm.plugin:install_batch_invariant",
 }
 
 

@@ -14,11 +14,13 @@ variable                           default  effect
 ``RL_KERNEL_VLLM_LM_HEAD``         ``0``    (b) LM head through rl-kernel's fp32,
                                             batch-invariant path (``LogitsProcessor`` OOT)
 ``RL_KERNEL_VLLM_SAMPLER``         ``0``    (c) seeded, batch-position-invariant sampler
-``RL_KERNEL_VLLM_BATCH_INVARIANT`` ``0``    (d) rl-kernel batch-invariant mode in the worker
 ``RL_KERNEL_VLLM_STRICT``          ``0``    a missing or moved vLLM target is an error
 =================================  =======  ================================================
 
-The sub-switches only matter when ``RL_KERNEL_VLLM`` is on.
+The sub-switches only matter when ``RL_KERNEL_VLLM`` is on. ``RL_KERNEL_VLLM_BATCH_INVARIANT`` is
+refused with an error: the plugin has no hook that makes vLLM's own attention, matmul and norm
+kernels batch-invariant (vLLM's ``VLLM_BATCH_INVARIANT=1`` does), and its own ops are row-invariant
+without one.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ HOOK_SWITCHES: dict[str, tuple[str, bool]] = {
     "logprobs": ("RL_KERNEL_VLLM_LOGPROBS", True),
     "lm_head": ("RL_KERNEL_VLLM_LM_HEAD", False),
     "sampler": ("RL_KERNEL_VLLM_SAMPLER", False),
-    "batch_invariant": ("RL_KERNEL_VLLM_BATCH_INVARIANT", False),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -73,8 +74,19 @@ class Switches:
         return self.enabled and self.hooks[hook]
 
 
+NOT_A_SWITCH = "RL_KERNEL_VLLM_BATCH_INVARIANT"
+
+
 def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
-    """Read every switch from ``environ`` (default ``os.environ``)."""
+    """Read every switch from ``environ`` (default ``os.environ``).
+
+    Raises:
+        ValueError: a switch holds an unrecognised value, or :data:`NOT_A_SWITCH` is set.
+    """
+    if NOT_A_SWITCH in (os.environ if environ is None else environ):
+        raise ValueError(f"{NOT_A_SWITCH} is not an rl_kernel_vllm switch: the plugin does not make vLLM's layers "
+                         "batch-invariant; use vLLM's VLLM_BATCH_INVARIANT=1 for that (rl-kernel's own ops in vLLM "
+                         "are row-invariant already)")
     return Switches(
         enabled=flag(MASTER, False, environ),
         strict=flag(STRICT, False, environ),

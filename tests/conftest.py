@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the ``gpu`` marker skips cleanly without CUDA; the ``seed`` fixture."""
+"""Shared pytest set-up: the ``gpu`` marker skips cleanly without CUDA; the ``seed`` and
+``triton_device`` fixtures."""
 
 import os
 
@@ -29,3 +30,14 @@ def seed():
     torch.manual_seed(s)
     print(f"seed={s} (rerun with RL_KERNEL_TEST_SEED={s})")
     return s
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def triton_device(request, monkeypatch):
+    """``cpu``: Triton kernels run in the interpreter (``TRITON_INTERPRET=1`` for this test; kernels
+    built with ``launch_time_jit`` choose at launch); ``cuda``: they compile."""
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return torch.device(request.param)

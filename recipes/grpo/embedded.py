@@ -16,6 +16,15 @@ The two log-prob/loss paths the recipe compares:
 
 The sampler is a separate choice (``torch`` or ``rl-kernel``), the same in both runs, so the first
 step's samples are identical off and on. Every step writes one profiler record.
+
+``batch_invariant`` (``--batch-invariant``) runs each step inside
+:func:`rl_kernel_core.batch_invariant`: the model's matmuls, norms and log-softmax take the
+batch-invariant kernels, its attention is :func:`rl_kernel_core.varlen_attention`
+(:func:`rl_kernel_core.consistency.hf.use_mode_attention`), and the rollout records each sampled
+token's log-prob with the same head function (and kernels) the trainer recomputes it with, from the
+decode step's final hidden state. A token then gets the same bits in the rollout (a KV-cache decode
+step over the whole batch) and in the recomputation (one forward per micro-batch): the step's
+``logprob_diff`` is exactly 0.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import contextlib
 import copy
 import random
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -61,6 +71,7 @@ class GRPOConfig:
     format_score: float = 0.1
     sampler: str = "torch"
     gradient_checkpointing: bool = False
+    batch_invariant: bool = False
     seed: int = 0
 
 
@@ -120,24 +131,36 @@ def rl_kernel_sampler(temperature: float) -> Callable:
 
 @torch.no_grad()
 def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-             eos_id: int, draw: Callable, row_seeds: torch.Tensor) -> Rollout:
+             eos_id: int, draw: Callable, row_seeds: torch.Tensor,
+             head_logprob: Optional[Callable] = None) -> Rollout:
     """Incremental decoding over a KV cache from left-padded prompts ``[S, P]``.
 
     Each row stops after its first ``eos_id`` (which is kept as its last response token);
-    ``rollout_logprob`` holds each sampled token's log-prob as the sampler computed it.
+    ``rollout_logprob`` holds each sampled token's log-prob as the sampler computed it, or, with
+    ``head_logprob(model, hidden [S, 1, D], tokens [S, 1]) -> [S, 1]``, as that head function
+    computes it from the step's final hidden state.
     """
     from transformers import DynamicCache
 
+    def forward(**kwargs):
+        """``(last position's logits [S, V], its final hidden state [S, 1, D] or None)``."""
+        if head_logprob is None:
+            return model(**kwargs, logits_to_keep=1).logits[:, -1], None
+        hidden = model.get_decoder()(**kwargs).last_hidden_state[:, -1:]
+        return model.get_output_embeddings()(hidden)[:, -1], hidden
+
     cache = DynamicCache(config=model.config)
     pos = positions(prompt_mask)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits, hidden = forward(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos,
+                             past_key_values=cache, use_cache=True)
     s = prompt_ids.shape[0]
     alive = torch.ones(s, dtype=torch.bool, device=prompt_ids.device)
     mask, tokens, logprobs, masks = prompt_mask, [], [], []
     next_pos = pos[:, -1:] + 1
     for t in range(max_new_tokens):
-        tok, lp = draw(out.logits[:, -1], row_seeds, t)
+        tok, lp = draw(logits, row_seeds, t)
+        if head_logprob is not None:
+            lp = head_logprob(model, hidden, tok[:, None])[:, 0]
         tok = torch.where(alive, tok, torch.full_like(tok, eos_id))
         tokens.append(tok)
         logprobs.append(torch.where(alive, lp.float(), torch.zeros_like(lp, dtype=torch.float32)))
@@ -146,8 +169,8 @@ def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_
         if t + 1 == max_new_tokens or not bool(alive.any()):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                    past_key_values=cache, use_cache=True)
+        logits, hidden = forward(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                                 past_key_values=cache, use_cache=True)
         next_pos = next_pos + 1
     return Rollout(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(masks, 1),
                    torch.stack(logprobs, 1))
@@ -179,6 +202,16 @@ def rl_kernel_head_logprob(hidden, head, targets, temperature, with_entropy):
     out = rk.linear_logprob(hidden, weight, targets, bias=bias, temperature=temperature,
                             return_entropy=with_entropy)
     return out if with_entropy else (out, None)
+
+
+def plain_head(model, hidden, targets, temperature):
+    """The off path's log-probs of ``targets [S, R]`` from final hidden states ``[S, R, D]``."""
+    return plain_head_logprob(model.get_output_embeddings()(hidden), targets, temperature, False)[0]
+
+
+def rl_kernel_head(model, hidden, targets, temperature):
+    """The on path's log-probs of ``targets [S, R]`` from final hidden states ``[S, R, D]``."""
+    return rl_kernel_head_logprob(hidden, model.get_output_embeddings(), targets, temperature, False)[0]
 
 
 def plain_logprob(model, input_ids, attention_mask, targets, temperature, with_entropy):
@@ -261,12 +294,13 @@ class Path_:
     logprob: Callable
     advantages: Callable
     loss: Callable
+    head: Callable
 
 
-OFF = Path_("off", plain_logprob, plain_group_advantages, plain_policy_loss)
+OFF = Path_("off", plain_logprob, plain_group_advantages, plain_policy_loss, plain_head)
 ON = Path_("on", rl_kernel_logprob,
            lambda rewards, g: rk.group_advantages(rewards, group_size=g, estimator="grpo"),
-           rl_kernel_policy_loss)
+           rl_kernel_policy_loss, rl_kernel_head)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +324,10 @@ class Engine:
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = True
+        if cfg.batch_invariant:
+            from rl_kernel_core.consistency.hf import use_mode_attention
+
+            use_mode_attention(self.model)
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -339,6 +377,10 @@ class Engine:
 
     def step(self, step: int, problems: list[Problem]) -> dict:
         """One GRPO step on ``problems``; returns the step's fields (the profiler adds timings)."""
+        with rk.batch_invariant(self.cfg.batch_invariant):
+            return self._step(step, problems)
+
+    def _step(self, step: int, problems: list[Problem]) -> dict:
         cfg, side, dev = self.cfg, self.side, self.device
         g = cfg.group_size
         texts = [self.prompt_text(p) for p in problems for _ in range(g)]
@@ -352,7 +394,8 @@ class Engine:
         self.model.eval()
         with profiling.region("rollout"), self.autocast:
             ro = generate(self.model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
-                          eos_id=self.tokenizer.eos_token_id, draw=self.draw, row_seeds=row_seeds)
+                          eos_id=self.tokenizer.eos_token_id, draw=self.draw, row_seeds=row_seeds,
+                          head_logprob=partial(_head_logprob, side.head, cfg.temperature) if cfg.batch_invariant else None)
         responses = self.tokenizer.batch_decode(
             [row[m.bool()].tolist() for row, m in zip(ro.response_ids.cpu(), ro.response_mask.cpu())],
             skip_special_tokens=True)
@@ -430,6 +473,10 @@ class Engine:
             if cross is not None:
                 fields["_first_step"]["cross_check"] = cross
         return fields
+
+
+def _head_logprob(head: Callable, temperature: float, model, hidden, tokens):
+    return head(model, hidden, tokens, temperature)
 
 
 def problem_schedule(problems: list[Problem], cfg: GRPOConfig) -> list[list[Problem]]:

@@ -67,7 +67,8 @@ def row_tiled(fn: Callable[..., Outputs], *tensors: torch.Tensor, tile: int = RO
 
 @dispatch.register("bi_matmul", "torch")
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [N, K] @ b [K, M] -> [N, M]`` in fixed-shape row tiles (a's dtype)."""
+    """``a [N, K] @ b [K, M] -> [N, M]`` in fixed-shape row tiles (a's dtype); b any strides."""
+    b = b.contiguous()
     return row_tiled(lambda t: t @ b, a)
 
 

@@ -133,3 +133,25 @@ def test_gsm8k_dir_and_synthetic_problems(monkeypatch):
 ])
 def test_scorer_follows_verl(text, truth, method, expected):
     assert scoring.compute_score(text, truth, method, format_score=0.1) == expected
+
+
+def _diffs(out: Path, side: str) -> list[float]:
+    return [r["logprob_diff_max"] for r in _records(out / f"{side}.jsonl")]
+
+
+def test_batch_invariant_rollout_and_training_logprobs_are_bitwise_equal(tmp_path):
+    """--batch-invariant: each response token's rollout log-prob (KV-cache decode over the whole
+    batch) equals its recomputation (one forward per micro-batch of 2) bit for bit, on both sides.
+    Without it the on side's rollout (the sampler's log-softmax) and recomputation (linear_logprob)
+    are different computations, and the difference shows."""
+    small = ("--data", "synthetic", "--steps", "1", "--prompts-per-step", "2", "--group-size", "4",
+             "--micro-batch", "2", "--max-new-tokens", "6")
+    proc = _run_recipe(tmp_path / "bi", *small, "--batch-invariant")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((tmp_path / "bi" / "on.meta.json").read_text())
+    assert meta["config"]["batch_invariant"] is True
+    assert _diffs(tmp_path / "bi", "off") == [0.0] and _diffs(tmp_path / "bi", "on") == [0.0]
+    proc = _run_recipe(tmp_path / "plain", *small)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _diffs(tmp_path / "plain", "on")[0] > 0.0
+    print(f"without --batch-invariant: off {_diffs(tmp_path / 'plain', 'off')}, on {_diffs(tmp_path / 'plain', 'on')}")

@@ -44,7 +44,7 @@ def _engine_env(plugin_on: bool, profile: Path) -> dict[str, str]:
     env["RL_KERNEL_PROFILE"] = str(profile)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     if plugin_on:
-        env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_LM_HEAD="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1")
+        env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_LM_HEAD="1")
     return env
 
 
@@ -139,15 +139,14 @@ def test_plugin_live_in_engine_core_and_worker(runs):
         assert worker["pid"] != driver
         status = worker["status"]
         assert status["registered"] and status["enabled"]
-        assert {h for h, info in status["hooks"].items() if info["live"]} == {"logprobs", "lm_head", "batch_invariant"}
+        assert {h for h, info in status["hooks"].items() if info["live"]} == {"logprobs", "lm_head"}
         assert "v1" in status["hooks"]["logprobs"]["runners"]
         assert worker["sampler_forward_patched"]
         assert worker["runner_sampler_type"] == "vllm.v1.sample.sampler.Sampler"
         assert worker["logits_processor_types"] == ["rl_kernel_vllm.lm_head._make_class.<locals>.RLKernelLogitsProcessor"]
-        assert worker["batch_invariant_mode"] is True
     # The engine core is not reachable by collective_rpc; its own log line names its pid.
     core = re.findall(
-        r"\(EngineCore[^)]*pid=(\d+)\).*rl_kernel_vllm \(pid (\d+), vllm [^)]*\): live hooks: logprobs, lm_head, batch_invariant",
+        r"\(EngineCore[^)]*pid=(\d+)\).*rl_kernel_vllm \(pid (\d+), vllm [^)]*\): live hooks: logprobs, lm_head",
         report["log"],
     )
     assert core and all(a == b and int(a) != driver for a, b in core), report["log"][-3000:]

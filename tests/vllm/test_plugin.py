@@ -25,7 +25,7 @@ SCENARIOS = {
     "on": ("load", {"RL_KERNEL_VLLM": "1"}),
     "moved": ("moved", {"RL_KERNEL_VLLM": "1"}),
     "moved_strict": ("moved", {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_STRICT": "1"}),
-    "all": ("load", {f"RL_KERNEL_VLLM{suffix}": "1" for suffix in ("", "_LM_HEAD", "_SAMPLER", "_BATCH_INVARIANT")}),
+    "all": ("load", {f"RL_KERNEL_VLLM{suffix}": "1" for suffix in ("", "_LM_HEAD", "_SAMPLER")}),
 }
 
 
@@ -64,7 +64,6 @@ def test_off_changes_no_vllm_attribute(off):
     assert all(off["unchanged"].values()), off["unchanged"]
     assert off["oot_unchanged"] and off["oot_added"] == []
     assert off["error"] is None
-    assert off["batch_invariant_mode"] is False
 
 
 def test_on_patches_each_target_once(on):
@@ -96,8 +95,7 @@ def test_every_hook_on(probes):
     assert not any(report["unchanged"].values()), report["unchanged"]
     assert all(report["wraps_original"].values()) and all(report["idempotent"].values())
     assert report["oot_added"] == ["LogitsProcessor"]
-    assert report["batch_invariant_mode"] is True
-    assert report["log"].count("live hooks: logprobs, lm_head, sampler, batch_invariant") == 1
+    assert report["log"].count("live hooks: logprobs, lm_head, sampler") == 1
 
 
 def test_moved_target_is_logged_and_left_alone(probes):
@@ -124,6 +122,8 @@ def test_switch_values():
     assert sw.enabled and not sw.wanted("logprobs") and sw.wanted("lm_head")
     with pytest.raises(ValueError, match="RL_KERNEL_VLLM_STRICT.*'maybe'"):
         switches.read({"RL_KERNEL_VLLM_STRICT": "maybe"})
+    with pytest.raises(ValueError, match="RL_KERNEL_VLLM_BATCH_INVARIANT is not an rl_kernel_vllm switch.*VLLM_BATCH_INVARIANT=1"):
+        switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"})
 
 
 def test_resolve_names_what_is_missing():

@@ -41,10 +41,6 @@ def worker_report(worker) -> dict:
         "runner_sampler_type": _qualname(worker.model_runner.sampler),
         "logits_processor_types": sorted({_qualname(m) for m in model.modules() if isinstance(m, LogitsProcessor)}),
     }
-    if core_imported:
-        import rl_kernel_core
-
-        report["batch_invariant_mode"] = rl_kernel_core.is_batch_invariant()
     return report
 
 

@@ -37,10 +37,7 @@ def main(scenario: str) -> None:
     first = {t: patching.resolve(t)[2] for t in targets}
     rl_kernel_vllm.register()
     second = {t: patching.resolve(t)[2] for t in targets}
-    import rl_kernel_core
-
     report = {
-        "batch_invariant_mode": rl_kernel_core.is_batch_invariant(),
         "error": error,
         "status": rl_kernel_vllm.status(),
         "unchanged": {t: first[t] is before[t] for t in targets},

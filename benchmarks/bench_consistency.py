@@ -1,0 +1,141 @@
+"""Benchmark the consistency chain's forward with batch-invariant mode on vs off at Qwen3-0.6B shapes.
+
+The model is :class:`rl_kernel_core.consistency.model.TinyDecoder` with Qwen3-0.6B's layer shapes
+(D=1024, 16 query / 8 KV heads, head_dim 128, F=3072, V=151936) and ``--layers`` layers (default 4
+of the real model's 28: every layer has the same shape, so the per-layer cost ratio is what a
+few layers measure; the LM head and log-prob are included once, as in the real model). One timed
+call is the training-style forward: embedding, the layers over the packed sequences, final norm, LM
+head and the selected log-probs (``chain.packed_logprobs``), under ``torch.no_grad``.
+
+* mode off: PyTorch's defaults: cuBLAS GEMMs, ``scaled_dot_product_attention`` (one call over the
+  batch: all sequences have the same length), PyTorch's mean and log-softmax;
+* mode on: :func:`rl_kernel_core.batch_invariant`: the persistent Triton matmul, the Triton row
+  reductions and the Triton ``varlen_attention``.
+
+Batch sizes 1..256 with ``--seq`` tokens per sequence (512), capped at ``--max-tokens`` tokens per
+forward (8192: 16 x 512; larger batches use shorter sequences, recorded per row). Each timing is the
+median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.bench``); the JSON names the GPU,
+versions, shapes, dtype and command line. Target: mode on <= 1.15x mode off.
+
+The invariance check runs the same probe sequences (``--check-len`` tokens) alone and inside
+batches of ``--check-sizes`` and compares their log-probs bit for bit: mode on must be bitwise
+equal at every size; mode off's largest difference is reported (the control group).
+
+    python benchmarks/bench_consistency.py --out benchmarks/results
+
+Runs on CUDA (``--device cpu`` with ``--layers 1 --batches 1,2 --seq 16`` is a smoke test of the
+script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from rl_kernel_core import bench, dispatch
+from rl_kernel_core.consistency import chain
+from rl_kernel_core.consistency.model import TinyConfig, TinyDecoder
+from rl_kernel_core.invariance import batch_invariant
+
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                 intermediate_size=3072, rope_theta=1_000_000.0, rms_eps=1e-6)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _sequences(count: int, length: int, vocab: int, seed: int, device: torch.device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=g).to(device) for _ in range(count)]
+
+
+def timing_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    rows = []
+    for batch in _ints(args.batches):
+        seq = min(args.seq, args.max_tokens // batch)
+        seqs = _sequences(batch, seq, model.config.vocab_size, args.seed, device)
+        row = {"batch": batch, "seq": seq, "tokens": batch * seq}
+        for mode in ("off", "on"):
+            def forward(mode=mode):
+                with batch_invariant(mode == "on"), torch.no_grad():
+                    return chain.packed_logprobs(model, seqs)
+            row[mode] = {**bench.time_ms(forward, device, warmup=args.warmup, reps=args.reps),
+                         "peak_extra_gib": bench.peak_extra_gib(forward, device)}
+        row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
+        rows.append(row)
+        print(f"{batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
+              f"{row['on_over_off']:>9.3f}", flush=True)
+    return rows
+
+
+def invariance(model: TinyDecoder, args: argparse.Namespace, device: torch.device) -> dict:
+    probes = _sequences(2, args.check_len, model.config.vocab_size, args.seed + 1, device)
+    filler = _sequences(max(_ints(args.check_sizes)), args.check_len, model.config.vocab_size, args.seed + 2, device)
+    out = {}
+    for mode in ("off", "on"):
+        with batch_invariant(mode == "on"), torch.no_grad():
+            alone = chain.packed_logprobs(model, probes)
+            worst, equal = 0.0, True
+            for size in _ints(args.check_sizes):
+                if size < len(probes):
+                    continue
+                got = chain.packed_logprobs(model, filler[:size // 2] + probes + filler[size // 2:size - len(probes)])
+                got = got[size // 2:size // 2 + len(probes)]
+                equal = equal and all(torch.equal(a, b) for a, b in zip(alone, got))
+                worst = max(worst, chain.max_abs_diff(alone, got))
+        out[mode] = {"bitwise_equal_at_every_size": equal, "max_abs_logprob_diff": worst}
+    out["sizes"] = _ints(args.check_sizes)
+    out["seq"] = args.check_len
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--check-sizes", default="2,3,8,17,64,256")
+    p.add_argument("--check-len", type=int, default=32)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default=None)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for bench_consistency.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = TinyConfig(num_layers=args.layers, **QWEN3_06B)
+    torch.manual_seed(args.seed)
+    model = TinyDecoder(config).to(device=device, dtype=DTYPES[args.dtype]).eval()
+    print(f"consistency chain forward, Qwen3-0.6B shapes, {args.layers} layers, {args.dtype} on {device}")
+    print(f"{'batch':>6}{'seq':>6}{'tokens':>8}{'off ms':>12}{'on ms':>12}{'on/off':>9}")
+    rows = timing_rows(model, args, device)
+    check = invariance(model, args, device)
+    backends = {op: d.backend for op, d in dispatch.explain().items()}
+    print(f"invariance (seq {args.check_len}, sizes {args.check_sizes}): "
+          f"on bitwise={check['on']['bitwise_equal_at_every_size']}, off max |diff|={check['off']['max_abs_logprob_diff']:.3g}")
+    worst = max(r["on_over_off"] for r in rows)
+    print(f"largest on/off ratio: {worst:.3f} (target <= 1.15); backends in the mode: {backends}")
+    result = {
+        "benchmark": "consistency chain forward, batch-invariant mode on vs off",
+        "command": bench.command_line(), "environment": bench.environment(device),
+        "model": {"layers": args.layers, "of_real_model_layers": 28, **QWEN3_06B}, "dtype": args.dtype,
+        "baseline": "mode off: cuBLAS, SDPA, PyTorch reductions", "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
+        "rows": rows, "largest_on_over_off": worst, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
+    }
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_consistency.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Hugging Face ``transformers`` models in batch-invariant mode: an attention implementation that
+follows the mode.
+
+:func:`use_mode_attention` registers ``"rl_kernel_varlen"`` with transformers' attention and mask
+interfaces and selects it on a model. While batch-invariant mode is on, each attention call packs
+the real tokens of every row (from the padding mask) and runs
+:func:`rl_kernel_core.varlen_attention` (fixed KV split order, so a decode step over a KV cache,
+a full forward, left or right padding and any batch size give the same bits); while the mode is
+off it runs transformers' own ``sdpa`` implementation on the same mask, so the control group is the
+library default. The dense ops (projections, RMSNorm, MLP, LM head, log-softmax) are covered by
+the mode's ``aten`` routing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_kernel_core.attention import varlen_attention
+from rl_kernel_core.consistency.chain import selected_logprobs as _selected_logprobs
+from rl_kernel_core.invariance import is_batch_invariant
+
+ATTN_IMPLEMENTATION = "rl_kernel_varlen"
+
+
+def _bool_mask(*args, **kwargs):
+    """transformers' sdpa mask, always materialised as a 4-D boolean ``[B, 1, Lq, Lk]``."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+    """A transformers attention function: query ``[B, Hq, Lq, D]``, key/value ``[B, Hkv, Lk, D]``
+    (the cache included), ``attention_mask`` ``[B, 1, Lq, Lk]`` boolean (True: attend) ->
+    ``([B, Lq, Hq, D], None)``.
+
+    Mode on: a row's real keys are those its last query may attend to (padding masks keys only, and
+    every padded position comes before or after all of the row's real tokens); its real queries are
+    the real keys among the last Lq positions. They are packed and attended causally with
+    bottom-right alignment; padded query rows get zeros.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not is_batch_invariant():
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if dropout != 0.0 and module.training:
+        raise ValueError(f"batch-invariant attention has no dropout; got dropout={dropout}")
+    b, hq, lq, d = query.shape
+    lk = key.shape[2]
+    if attention_mask is None:
+        key_ok = torch.ones(b, lk, dtype=torch.bool, device=query.device)
+    else:
+        last = attention_mask[:, 0, -1, :]
+        key_ok = last if last.dtype == torch.bool else last == 0
+    query_ok = key_ok[:, lk - lq:]
+    q = query.transpose(1, 2)[query_ok]
+    k = key.transpose(1, 2)[key_ok]
+    v = value.transpose(1, 2)[key_ok]
+    zero = torch.zeros(1, dtype=torch.int64)
+    cu_q = torch.cat([zero, query_ok.sum(1).cpu().cumsum(0)])
+    cu_k = torch.cat([zero, key_ok.sum(1).cpu().cumsum(0)])
+    out = varlen_attention(q, k, v, cu_q, cu_k, causal=True, scale=scaling)
+    full = query.new_zeros((b, lq, hq, d))
+    full[query_ok] = out
+    return full, None
+
+
+def use_mode_attention(model) -> None:
+    """Register :func:`mode_attention` (once) and make ``model`` use it: ``varlen_attention`` while
+    batch-invariant mode is on, transformers' ``sdpa`` while it is off."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, mode_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _bool_mask)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def _keys(rows: list[int], mask: torch.Tensor, positions: torch.Tensor) -> list:
+    return [(rows[b], int(p)) if m else None for b in range(mask.shape[0])
+            for m, p in zip(mask[b].tolist(), positions[b].tolist())]
+
+
+def training_logprobs(model, batch, probe=None) -> list[torch.Tensor]:
+    """One forward over a padded :class:`~rl_kernel_core.consistency.parity.Batch`; per sequence the
+    log-probs of the next token at its loss-mask positions (fp32)."""
+    if probe is not None:
+        probe.rows(_keys(list(range(batch.input_ids.shape[0])), batch.attention_mask, batch.position_ids))
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+    lp = _selected_logprobs(logits[:, :-1], batch.input_ids[:, 1:])
+    return [lp[b][batch.loss_mask[b, :-1].bool()] for b in range(lp.shape[0])]
+
+
+def rollout_logprobs(model, seqs: list[torch.Tensor], prompt_len: int, batch_size: int, pad_id: int,
+                     probe=None) -> list[torch.Tensor]:
+    """Rollout-style, ``batch_size`` sequences at a time: left-padded prompts (sequence b's first
+    ``prompt_len - b % 3`` tokens, at least 1) prefilled into a ``DynamicCache``, then the rest fed one
+    token per step; per sequence the log-probs of tokens 1.. (fp32). Rows that have ended keep
+    receiving ``pad_id`` (attended, discarded) so the others keep their batch."""
+    from transformers import DynamicCache
+
+    out = []
+    for first in range(0, len(seqs), batch_size):
+        group = seqs[first:first + batch_size]
+        idx = list(range(first, first + len(group)))
+        plen = [max(1, min(prompt_len - b % 3, len(s) - 1)) for b, s in zip(idx, group)]
+        width = max(plen)
+        device = group[0].device
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for r, (s, p) in enumerate(zip(group, plen)):
+            ids[r, width - p:] = s[:p]
+            mask[r, width - p:] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0) * mask
+        cache = DynamicCache(config=model.config)
+        if probe is not None:
+            probe.rows(_keys(idx, mask, pos))
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits
+        parts = []
+        for r, (s, p) in enumerate(zip(group, plen)):
+            parts.append([_selected_logprobs(logits[r, width - p:], s[1:p + 1])])
+        steps = max(len(s) - p for s, p in zip(group, plen)) - 1
+        next_pos = pos[:, -1:] + 1
+        for t in range(steps):
+            tok = torch.tensor([int(s[p + t]) if p + t < len(s) - 1 else pad_id for s, p in zip(group, plen)], device=device)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            if probe is not None:
+                probe.rows([(i, int(next_pos[r])) if p + t < len(s) - 1 else None
+                            for r, (i, s, p) in enumerate(zip(idx, group, plen))])
+            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                           past_key_values=cache, use_cache=True).logits
+            for r, (s, p) in enumerate(zip(group, plen)):
+                if p + t < len(s) - 1:
+                    parts[r].append(_selected_logprobs(logits[r, -1:], s[p + t + 1:p + t + 2]))
+            next_pos = next_pos + 1
+        out.extend(torch.cat(p) for p in parts)
+    return out

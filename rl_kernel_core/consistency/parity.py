@@ -1,0 +1,120 @@
+"""Input parity precheck: before any log-prob comparison, check that a rollout batch and a training
+batch feed the model the same thing.
+
+A log-prob drift between a rollout engine and a trainer is only a numerics question once both saw
+the same token ids at the same positions with the same masks; a shifted position id, a different
+pad or BOS token or a loss mask off by one gives drift that no kernel fixes. :func:`check` compares
+two :class:`Batch` es sequence by sequence on their real tokens (so a left-padded rollout batch and
+a right-padded training batch can agree) and returns the first mismatch, named by field, sequence
+and token, or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One side's model inputs, ``[B, L]`` each (int tensors).
+
+    ``attention_mask``: 1 on real tokens. ``position_ids``: each real token's position.
+    ``loss_mask``: 1 where the log-prob of the *next* token is compared (or trained on).
+    ``padding_side``: ``"left"`` or ``"right"``. ``special_tokens``: e.g. ``{"pad": 0, "eos": 2}``.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    padding_side: str
+    special_tokens: dict = field(default_factory=dict)
+
+    def sequences(self) -> list[torch.Tensor]:
+        """Each row's real tokens, in order."""
+        return [row[m.bool()] for row, m in zip(self.input_ids, self.attention_mask)]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first difference found: which check, where, and the two values."""
+
+    check: str
+    where: str
+    left: object
+    right: object
+
+    def __str__(self) -> str:
+        return f"{self.check} differs at {self.where}: {self.left!r} vs {self.right!r}"
+
+
+def _padding_problem(batch: Batch) -> Optional[str]:
+    """Why ``batch``'s masks do not match its declared padding side, or None."""
+    if batch.padding_side not in ("left", "right"):
+        return f"padding_side must be 'left' or 'right', got {batch.padding_side!r}"
+    for b, m in enumerate(batch.attention_mask.tolist()):
+        real = [i for i, x in enumerate(m) if x]
+        if not real:
+            continue
+        if real != list(range(real[0], real[-1] + 1)):
+            return f"row {b} has padding between real tokens"
+        if batch.padding_side == "left" and real[-1] != len(m) - 1:
+            return f"row {b} is declared left-padded but has padding on the right"
+        if batch.padding_side == "right" and real[0] != 0:
+            return f"row {b} is declared right-padded but has padding on the left"
+    return None
+
+
+def check(a: Batch, b: Batch, names: tuple[str, str] = ("rollout", "training")) -> Optional[Mismatch]:
+    """The first input mismatch between batches ``a`` and ``b``, or None when they agree.
+
+    Order of checks: shapes and row count, special tokens, each batch's padding against its
+    declared side, then per sequence: length (attention mask), token ids, position ids, loss mask.
+    """
+    for name, batch in zip(names, (a, b)):
+        for f in ("input_ids", "attention_mask", "position_ids", "loss_mask"):
+            t = getattr(batch, f)
+            if t.dim() != 2 or t.shape != batch.input_ids.shape:
+                return Mismatch("shape", f"{name}.{f}", tuple(t.shape), tuple(batch.input_ids.shape))
+    if a.input_ids.shape[0] != b.input_ids.shape[0]:
+        return Mismatch("sequence count", "batch", a.input_ids.shape[0], b.input_ids.shape[0])
+    for key in sorted(set(a.special_tokens) | set(b.special_tokens)):
+        if a.special_tokens.get(key) != b.special_tokens.get(key):
+            return Mismatch("special token", key, a.special_tokens.get(key), b.special_tokens.get(key))
+    for name, batch in zip(names, (a, b)):
+        problem = _padding_problem(batch)
+        if problem:
+            return Mismatch("padding side", name, batch.padding_side, problem)
+    for s in range(a.input_ids.shape[0]):
+        real_a, real_b = a.attention_mask[s].bool(), b.attention_mask[s].bool()
+        if int(real_a.sum()) != int(real_b.sum()):
+            return Mismatch("attention mask", f"sequence {s} (real token count)", int(real_a.sum()), int(real_b.sum()))
+        for check_name, fa, fb in (("token ids", a.input_ids, b.input_ids), ("position ids", a.position_ids, b.position_ids),
+                                   ("loss mask", a.loss_mask, b.loss_mask)):
+            va, vb = fa[s][real_a], fb[s][real_b]
+            diff = (va != vb).nonzero()
+            if diff.numel():
+                t = int(diff[0])
+                return Mismatch(check_name, f"sequence {s}, token {t}", int(va[t]), int(vb[t]))
+    return None
+
+
+def from_sequences(seqs: list[torch.Tensor], side: str, loss_from: list[int], pad_id: int,
+                   special_tokens: Optional[dict] = None) -> Batch:
+    """A padded :class:`Batch` of ``seqs`` with positions 0.. on the real tokens and the loss mask
+    set from token ``loss_from[b]`` of sequence b to its second-to-last token."""
+    width = max(len(s) for s in seqs)
+    device = seqs[0].device
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    loss = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        start = width - len(s) if side == "left" else 0
+        ids[b, start:start + len(s)] = s
+        mask[b, start:start + len(s)] = 1
+        loss[b, start + loss_from[b]:start + len(s) - 1] = 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0) * mask
+    return Batch(ids, mask, positions, loss, side, dict(special_tokens or {"pad": pad_id}))

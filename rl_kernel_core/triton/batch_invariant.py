@@ -1,0 +1,261 @@
+"""Triton backend of the batch-invariant ops: ``bi_matmul``, ``bi_linear``, ``bi_log_softmax``,
+``bi_mean`` and ``rms_norm`` (signatures in :mod:`rl_kernel_core.invariance`).
+
+Why these are batch-invariant:
+
+* The matmul is a persistent kernel: ``min(#SMs, #tiles)`` programs walk the output tiles in a
+  fixed grouped order. Every output element is one dot product over K accumulated in fp32 in
+  ``BLOCK_K`` steps of ascending k, with no split-K and no atomics. The tile shape
+  (:data:`MATMUL_TILES`) depends on the dtype only, never on the row count N, so a row's bits do
+  not depend on N, on its position or on the other rows (the tensor-core MMA computes each output
+  element from its own row and column).
+* The row reductions run one program per row over ``BLOCK`` columns at a time, in ascending
+  order, with the same ``BLOCK`` for every N: the mean and the log-sum-exp of a row are the same
+  sequence of fp32 operations whatever else is in the call.
+
+Accumulation is fp32 (fp32 inputs use IEEE fp32 products, not TF32); outputs keep the input dtype.
+fp64 inputs are left to the torch backend (``supports`` says so). Gradients: the matmul's input
+gradient is itself a batch-invariant product; weight gradients (a sum over rows) and the
+reductions' gradients are plain PyTorch, correct but not batch-invariant.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_kernel_core import dispatch
+from rl_kernel_core.triton._jit import interpreting, launch_time_jit
+
+MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    torch.float32: (64, 64, 32, 4, 3),
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (128, 128, 64, 8, 3),
+}
+"""``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` per input dtype; never a function of N."""
+_INTERPRETED_TILES = (16, 32, 16)
+"""Tile used under the Triton interpreter (CPU tests): small so interpreted programs stay fast."""
+ROW_BLOCK: int = 1024
+"""Columns per step of the row reductions."""
+_GROUP_M = 8
+
+
+@launch_time_jit(do_not_specialize=["M"])  # N=1 must not compile another kernel
+def _persistent_matmul_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    n_progs,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``c[M, N] = a[M, K] @ b[K, N] (+ bias[N])``; program i takes tiles i, i + n_progs, ..."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_pid_m * num_pid_n, n_progs):
+        group = GROUP_M * num_pid_n
+        first_m = (tile // group) * GROUP_M
+        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % group) % size_m
+        pid_n = (tile % group) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                        mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if UPCAST_DOT:  # the CPU interpreter multiplies 16-bit floats as integers; the upcast is exact
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _n_programs(tiles: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(tiles, 4)
+
+
+def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``a [M, K] @ b_t.T (+ bias)`` for ``b_t [N, K]`` (any strides): ``[M, N]`` in a's dtype, no autograd."""
+    m, k = a.shape
+    n = b_t.shape[0]
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if interpreting():
+        bm, bn, bk = _INTERPRETED_TILES
+        warps, stages = 4, 1
+    else:
+        bm, bn, bk, warps, stages = MATMUL_TILES[a.dtype]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    progs = _n_programs(tiles, a.device)
+    extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}
+    _persistent_matmul_kernel[(progs,)](
+        a, b_t, bias if bias is not None else a, out, m, n, k,
+        a.stride(0), a.stride(1), b_t.stride(1), b_t.stride(0), out.stride(0), out.stride(1),
+        progs, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or interpreting(), UPCAST_DOT=interpreting(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=_GROUP_M, **extra,
+    )
+    return out
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return matmul_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = matmul_forward(grad, weight.t(), None) if ctx.needs_input_grad[0] else None
+        dw = grad.t() @ x if ctx.needs_input_grad[1] else None
+        db = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def _supports(x: torch.Tensor, *args, **kwargs) -> Optional[str]:
+    if x.dtype == torch.float64:
+        return "the triton kernels accumulate in fp32; fp64 inputs need the torch backend"
+    return None
+
+
+@dispatch.register("bi_linear", "triton", supports=_supports)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x [N, K] @ weight [M, K].T + bias [M]`` with the persistent kernel: ``[N, M]`` in x's dtype."""
+    return _Linear.apply(x, weight, bias)
+
+
+@dispatch.register("bi_matmul", "triton", supports=_supports)
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [N, K] @ b [K, M]`` (any strides) with the persistent kernel: ``[N, M]`` in a's dtype."""
+    return _Linear.apply(a, b.t(), None)
+
+
+@launch_time_jit
+def _row_stats_kernel(x_ptr, out_ptr, L, stride_row, eps, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row. MODE 0: mean -> out[row]; 1: log-softmax -> out[row, :];
+    2: rsqrt(mean(x^2) + eps) -> out[row] (fp32)."""
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_row
+    cols = tl.arange(0, BLOCK)
+    if MODE == 1:
+        m_vec = tl.full((BLOCK,), float("-inf"), tl.float32)
+        s_vec = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, L, BLOCK):
+            x = tl.load(base + start + cols, mask=start + cols < L, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_vec, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_vec = s_vec * tl.exp(m_vec - m_safe) + tl.exp(x - m_safe)
+            m_vec = m_new
+        m = tl.max(m_vec, 0)
+        m_row = tl.where(m == float("-inf"), 0.0, m)
+        lse = m_row + tl.log(tl.sum(s_vec * tl.exp(m_vec - m_row), 0))
+        out_base = out_ptr + row.to(tl.int64) * L
+        for start in range(0, L, BLOCK):
+            x = tl.load(base + start + cols, mask=start + cols < L, other=0.0).to(tl.float32)
+            tl.store(out_base + start + cols, (x - lse).to(out_ptr.dtype.element_ty), mask=start + cols < L)
+    else:
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, L, BLOCK):
+            x = tl.load(base + start + cols, mask=start + cols < L, other=0.0).to(tl.float32)
+            if MODE == 2:
+                acc += x * x
+            else:
+                acc += x
+        total = tl.sum(acc, 0) / L
+        if MODE == 2:
+            tl.store(out_ptr + row, 1.0 / tl.sqrt(total + eps))
+        else:
+            tl.store(out_ptr + row, total.to(out_ptr.dtype.element_ty))
+
+
+def _row_pass(x: torch.Tensor, mode: int, eps: float = 0.0) -> torch.Tensor:
+    rows, width = x.shape
+    if mode == 1:
+        out = torch.empty_like(x)
+    else:
+        out = torch.empty(rows, dtype=torch.float32 if mode == 2 else x.dtype, device=x.device)
+    if rows and width:
+        _row_stats_kernel[(rows,)](x, out, width, x.stride(0), float(eps), MODE=mode,
+                                   BLOCK=64 if interpreting() else ROW_BLOCK)
+    elif rows and mode == 0:
+        out.fill_(float("nan"))  # an empty mean, as in torch
+    return out
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = _row_pass(x, 1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        g = grad.float()
+        return (g - y.float().exp() * g.sum(-1, keepdim=True)).to(y.dtype)
+
+
+class _Mean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return _row_pass(x, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad[:, None] / ctx.shape[1]).expand(ctx.shape).to(grad.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = _row_pass(x, 2, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x.float() * rstd[:, None] * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xf, g, w = x.float(), grad.float(), weight.float()
+        xhat = xf * rstd[:, None]
+        gw = g * w
+        dx = rstd[:, None] * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (g * xhat).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+@dispatch.register("bi_log_softmax", "triton", supports=_supports)
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-softmax of ``x [N, L]`` over L: fp32 online max/sum, in x's dtype."""
+    return _LogSoftmax.apply(x)
+
+
+@dispatch.register("bi_mean", "triton", supports=_supports)
+def mean(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise mean of ``x [N, L]`` -> ``[N]`` in x's dtype, accumulated in fp32."""
+    return _Mean.apply(x)
+
+
+@dispatch.register("rms_norm", "triton", supports=_supports)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [N, H] * rsqrt(mean(x^2) + eps) * weight [H]`` in fp32, one rounding to x's dtype."""
+    return _RMSNorm.apply(x, weight, eps)

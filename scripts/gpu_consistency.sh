@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On a CUDA machine: the batch-invariant mode's GPU tests (Triton matmul/reductions/attention, the
+# consistency chain, the CLI), the mode on/off benchmark at Qwen3-0.6B shapes and an
+# `rl-kernel consistency` run with its drift plot, all written under OUT (default ./gpu-consistency).
+#   bash scripts/gpu_consistency.sh [OUT]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-consistency}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/core/test_triton_batch_invariant.py tests/core/test_triton_attention.py \
+  tests/core/test_consistency_chain.py tests/core/test_batch_invariant.py -s 2>&1 | tee "$out/gpu_tests.log" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+python3 benchmarks/bench_consistency.py --out "$out" 2>&1 | tee "$out/bench_consistency.log" | tail -16 || status=1
+for dtype in fp32 bf16; do
+  python3 -m rl_kernel_core.cli consistency --device cuda --dtype "$dtype" --sequences 32 --min-len 24 --max-len 160 --prompt-len 16 \
+    --rollout-batch 5 --plot "$out/consistency_$dtype.png" 2>&1 | tee "$out/consistency_$dtype.txt" | tail -12
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  python3 -m rl_kernel_core.cli consistency --device cuda --dtype "$dtype" --sequences 32 --min-len 24 --max-len 160 --prompt-len 16 \
+    --rollout-batch 5 --probe --json > "$out/consistency_$dtype.json" || status=1
+done
+echo "gpu_consistency status=$status"
+exit $status

@@ -1,0 +1,120 @@
+"""``rl-kernel consistency`` and its parts: the input parity precheck, the layer-wise drift probe,
+the Hugging Face attention that follows the mode, the report and the plot."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core.consistency import chain, hf, parity, run
+from rl_kernel_core.consistency.model import TinyConfig, TinyDecoder
+from rl_kernel_core.consistency.probe import DriftProbe
+
+
+def test_cli_reports_both_modes_as_json_and_plots(tmp_path):
+    png = tmp_path / "drift.png"
+    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "consistency", "--sequences", "3", "--min-len", "6",
+                           "--max-len", "12", "--rollout-batch", "2", "--json", "--plot", str(png), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["parity"] == "ok" and report["passed"] is True
+    on, off = report["modes"]["on"], report["modes"]["off"]
+    assert on["bitwise_equal"] and on["max_abs_diff"] == 0.0 and on["kl_k3"] == 0.0
+    assert off["within_contract"] and off["max_abs_diff"] >= 0.0
+    assert on["layers"][0]["name"] == "embed_tokens" and on["layers"][-1]["name"] == "lm_head"
+    assert all(d["output_drift"] == 0.0 for d in on["layers"])
+    assert png.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(RuntimeError, match="--plot needs matplotlib"):
+        run.plot_available()
+
+
+def _batches():
+    seqs = [torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10, 11])]
+    return parity.from_sequences(seqs, "left", [0, 0], 0), parity.from_sequences(seqs, "right", [0, 0], 0)
+
+
+def test_parity_accepts_the_same_sequences_padded_on_either_side():
+    assert parity.check(*_batches()) is None
+
+
+@pytest.mark.parametrize("fault, check, where", [
+    (lambda b: b.input_ids.__setitem__((1, 2), 99), "token ids", "sequence 1, token 2"),
+    (lambda b: b.position_ids.__setitem__((0, 3), 4), "position ids", "sequence 0, token 3"),
+    (lambda b: b.loss_mask.__setitem__((1, 0), 0), "loss mask", "sequence 1, token 0"),
+    (lambda b: b.attention_mask.__setitem__((1, 2), 0), "attention mask", "sequence 1"),
+    (lambda b: b.special_tokens.__setitem__("pad", 3), "special token", "pad"),
+    (lambda b: setattr(b, "padding_side", "left"), "padding side", "training"),
+])
+def test_parity_names_the_first_mismatch(fault, check, where):
+    rollout, training = _batches()
+    fault(training)
+    mismatch = parity.check(rollout, training)
+    assert mismatch is not None and mismatch.check == check and where in mismatch.where, str(mismatch)
+
+
+def _probe_with_fault(seed, fault):
+    """A probe of the same packed run twice, ``fault(model)`` applied before the second run."""
+    torch.manual_seed(seed)
+    model = TinyDecoder(TinyConfig()).eval()
+    seqs = chain.fixed_sequences(97, 3, 6, 10, seed)
+    with torch.no_grad(), DriftProbe(model) as probe:
+        probe.reference()
+        chain.packed_logprobs(model, seqs, probe)
+        probe.compare()
+        fault(model)
+        chain.packed_logprobs(model, seqs, probe)
+    return probe
+
+
+def test_probe_names_the_operator_that_diverges(seed):
+    probe = _probe_with_fault(seed, lambda model: model.layers[1].up_proj.register_forward_hook(
+        lambda m, i, o: o + 1e-3, prepend=True))
+    first = probe.first_divergent()
+    assert first["module"] == "layers.1.up_proj" and "input matches" in first["cause"]
+    drifts = {d.name: d for d in probe.drifts()}
+    assert drifts["layers.0"].output_drift == 0.0 and drifts["lm_head"].output_drift > 0
+
+
+def test_probe_blames_code_between_modules_when_the_input_already_differs(seed, monkeypatch):
+    from rl_kernel_core.consistency import model as model_module
+
+    original = model_module.F.scaled_dot_product_attention
+    probe = _probe_with_fault(seed, lambda model: monkeypatch.setattr(
+        model_module.F, "scaled_dot_product_attention", lambda *a, **k: original(*a, **k) * 1.01))
+    first = probe.first_divergent()
+    assert first["module"] == "layers.0.o_proj" and "not a module" in first["cause"], first
+
+
+def _tiny_qwen3():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    hf.use_mode_attention(model)
+    return model
+
+
+def test_hf_model_rollout_equals_training_bitwise_with_mode_on(seed):
+    torch.manual_seed(seed)
+    model = _tiny_qwen3()
+    seqs = chain.fixed_sequences(101, 5, 7, 14, seed)
+    batch = parity.from_sequences(seqs, "right", [0] * 5, 0)
+    with torch.no_grad():
+        with rk.batch_invariant():
+            training = hf.training_logprobs(model, batch)
+            rollout = hf.rollout_logprobs(model, seqs, 5, 2, pad_id=0)
+            alone = hf.training_logprobs(model, parity.from_sequences(seqs[3:4], "right", [0], 0))
+        off = chain.max_abs_diff(hf.rollout_logprobs(model, seqs, 5, 2, pad_id=0), hf.training_logprobs(model, batch))
+    for b, (r, t) in enumerate(zip(rollout, training)):
+        assert r.shape == (len(seqs[b]) - 1,) and torch.equal(r, t), f"sequence {b}: rollout and training differ"
+    assert torch.equal(alone[0], training[3])
+    print(f"mode off: rollout vs training max |diff| {off:.3g}")
+    assert off < 1e-3
