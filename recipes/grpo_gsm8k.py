@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output directory (default: runs/grpo_gsm8k-<time>)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--sampler", choices=("torch", "rl-kernel"), default="torch",
-                   help="rollout sampler, the same in both runs")
+                   help="rollout sampler of the embedded engine, the same in both runs")
     p.add_argument("--sides", default="off,on", help="which runs to make (default: off,on)")
     p.add_argument("--limit", type=int, default=None, help="use the first N training problems")
     p.add_argument("--reward-method", choices=("strict", "flexible"), default="flexible",
@@ -222,10 +222,13 @@ def main(argv=None) -> int:
         sections.append(("First step, off vs on", report.first_step_markdown(check)))
     rollout = (f"- rollout: verl's vLLM server, {cfg.group_size} samples per prompt" if engine == "verl"
                else f"- sampler: {cfg.sampler} (the same in both runs)")
-    sections.append(("Run", "\n".join([
-        f"- engine: {engine} ({why})", f"- data: {source}", f"- model: {model_desc}", rollout,
-        f"- reward: GSM8K scorer, {cfg.reward_method} extraction, format score {cfg.format_score}",
-    ])))
+    run_lines = [f"- engine: {engine} ({why})", f"- data: {source}", f"- model: {model_desc}", rollout,
+                 f"- reward: GSM8K scorer, {cfg.reward_method} extraction, format score {cfg.format_score}"]
+    if engine == "verl":
+        from grpo import verl_engine
+
+        run_lines += filter(None, [verl_engine.vocabulary_note(model_dir)])
+    sections.append(("Run", "\n".join(run_lines)))
     path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on",
                                sections=sections)
     print(f"[grpo_gsm8k] report: {path}", flush=True)

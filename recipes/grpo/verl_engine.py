@@ -262,6 +262,25 @@ def convert_log(verl_log: Path, step_log: Path, backend: str) -> int:
     return n
 
 
+def vocabulary_note(model_dir: Path) -> Optional[str]:
+    """A Markdown line for the report when the tokenizer covers fewer ids than the model's
+    vocabulary (see the module docstring); None when it covers them all.
+
+    The per-token gap is ``-log(1 - p)``, ``p`` the trainer's probability of the masked ids:
+    ``log(vocab / ids)`` for a uniform distribution, which a random-weight model is close to.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    ids = len(AutoTokenizer.from_pretrained(model_dir))
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    if ids >= vocab:
+        return None
+    return (f"- vocabulary: the tokenizer covers {ids} of the model's {vocab} ids; verl's vLLM server masks the "
+            f"others and its trainer does not, so rollout and training log-probs differ per token by -log(1 - the "
+            f"trainer's probability of those ids): log({vocab}/{ids}) = {math.log(vocab / ids):.3f} for a uniform "
+            f"distribution, which a random-weight model is close to (`rollout_log_ppl_abs_diff`)")
+
+
 def backends(step_log: Path) -> dict[str, str]:
     """``{op: backend}`` from the ``rl_kernel/backend/<op>/<backend>`` fields of a step log (the
     backends ``rl_kernel_core.dispatch`` chose in verl's actor worker; empty with the switch off)."""

@@ -187,6 +187,20 @@ def test_metric_prefix_is_the_adapters():
     assert verl_engine.RL_KERNEL_PREFIX == engine.METRIC_PREFIX
 
 
+def test_vocabulary_note_names_the_uncovered_ids(tmp_path):
+    import math
+
+    from grpo.model import build_local_model
+    from transformers import AutoTokenizer
+
+    problems = _problems(4)
+    model_dir = build_local_model("tiny", tmp_path, [p.question + " " + p.answer for p in problems])
+    ids = len(AutoTokenizer.from_pretrained(model_dir))
+    assert ids < 512  # four problems train far fewer tokens than the tiny preset's vocabulary
+    note = verl_engine.vocabulary_note(model_dir)
+    assert f"covers {ids} of the model's 512 ids" in note and f"{math.log(512 / ids):.3f}" in note
+
+
 # ---------------------------------------------------------------- verl metrics -> step records
 
 
@@ -303,6 +317,8 @@ def test_verl_engine_end_to_end_off_and_on(verl_run):
         assert m["config"]["steps"] == STEPS and m["git_commit"]
     text = (out / "report.md").read_text()
     assert "engine: verl" in text and "rollout: verl's vLLM server" in text
+    assert "vocabulary: the tokenizer covers" in text  # 16 problems train fewer tokens than the model's ids
+    assert all(r["rollout_log_ppl_abs_diff"] > 0 for r in off + on)
     rows = {r["metric"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
     for side, records in (("off", off), ("on", on)):
         assert rows["reward"][side]["mean"] == pytest.approx(sum(r["reward"] for r in records) / STEPS)
