@@ -15,8 +15,8 @@ rollout server, fp32 throughout.
 verl's vLLM server masks the ids past the tokenizer's (its ``monkey_patch_model``), so the rollout
 samples and scores over the tokenizer's ids while verl's trainer normalises over the model's whole
 vocabulary: when the local model's tokenizer covers fewer ids than the model (a small data
-set), the rollout and training log-probs differ by about ``log(vocab / tokenizer size)`` per token
-(``rollout_log_ppl_abs_diff`` in the step records).
+set), the rollout and training log-probs differ per token, by about ``log(vocab / tokenizer size)``
+for a random-weight model (``rollout_log_ppl_abs_diff`` in the step records).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ BACKEND_PREFIX = RL_KERNEL_PREFIX + "backend/"
 FIELDS = {
     "critic/score/mean": "reward",
     "response_length/mean": "response_length",
-    "actor/pg_loss": "loss",
+    "actor/loss": "loss",  # the whole loss (policy, KL and entropy terms), as the embedded engine's
+    "actor/pg_loss": "pg_loss",
     "actor/entropy": "entropy",
     "actor/kl_loss": "kl",
     "actor/ppo_kl": "ppo_kl",

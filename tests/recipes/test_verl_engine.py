@@ -210,7 +210,7 @@ VERL_METRICS = {  # the keys verl 0.9.1's trainer logs for one GRPO step (values
     "timing_s/adv": 0.003, "timing_s/update_actor": 0.75, "timing_s/update_weights": 0.05, "timing_s/step": 3.0,
     "timing_per_token_ms/gen": 0.1,
     "critic/score/mean": 0.125, "critic/rewards/mean": 0.125, "response_length/mean": 6.5,
-    "actor/pg_loss": -0.02, "actor/entropy": 4.4, "actor/kl_loss": 0.0005, "actor/ppo_kl": 0.0,
+    "actor/loss": -0.0195, "actor/pg_loss": -0.02, "actor/entropy": 4.4, "actor/kl_loss": 0.0005, "actor/ppo_kl": 0.0,
     "actor/pg_clipfrac": 0.0, "actor/grad_norm": 1.7, "actor/lr": 0.01,
     "training/rollout_probs_diff_mean": 1e-4, "training/rollout_probs_diff_max": 3e-3,
     "rollout_corr/log_ppl_abs_diff": 0.002, "rollout_corr/kl": 0.001,
@@ -228,8 +228,8 @@ def test_metrics_to_record():
                               "advantages": 3.0, "update": 750.0, "weight_sync": 50.0, "step": 3000.0}
     assert rec["tokens"] == 900 and rec["tokens_per_s"] == pytest.approx(300.0)
     assert "peak_vram_gib" not in rec  # verl reports 0 without an accelerator
-    assert (rec["reward"], rec["response_length"], rec["loss"], rec["entropy"], rec["kl"], rec["grad_norm"]) == \
-        (0.125, 6.5, -0.02, 4.4, 0.0005, 1.7)
+    assert (rec["reward"], rec["response_length"], rec["loss"], rec["pg_loss"], rec["entropy"], rec["kl"], rec["grad_norm"]) == \
+        (0.125, 6.5, -0.0195, -0.02, 4.4, 0.0005, 1.7)
     assert rec["rollout_probs_diff"] == 1e-4 and rec["rollout_probs_diff_max"] == 3e-3
     assert rec["rollout_log_ppl_abs_diff"] == 0.002
     assert rec["rl_kernel/logprob_ms"] == 12.0 and rec["rl_kernel/backend/linear_logprob/torch"] == 1.0
@@ -238,7 +238,7 @@ def test_metrics_to_record():
 
 def test_metrics_to_record_skips_missing_and_non_finite():
     rec = verl_engine.metrics_to_record(3, {"timing_s/step": 2.0, "critic/score/mean": float("nan"),
-                                            "actor/pg_loss": "x", "actor/perf/max_memory_allocated_gb": 1.5}, "off")
+                                            "actor/loss": "x", "actor/perf/max_memory_allocated_gb": 1.5}, "off")
     assert rec == {"step": 3, "regions": {"step": 2000.0}, "peak_vram_gib": 1.5, "backend": "off"}
 
 
@@ -303,7 +303,7 @@ def test_verl_engine_end_to_end_off_and_on(verl_run):
             assert rec["backend"] == side
             assert {"rollout", "old_logprob", "ref_logprob", "update", "step"} <= set(rec["regions"]), rec["regions"]
             assert rec["regions"]["step"] > 0 and rec["tokens_per_s"] > 0
-            assert 0.0 <= rec["reward"] <= 1.0 and "kl" in rec and "loss" in rec
+            assert 0.0 <= rec["reward"] <= 1.0 and {"kl", "loss", "pg_loss", "entropy"} <= set(rec)
     # the switch reached verl's workers: only the on run's actor reports rl-kernel metrics
     assert not [k for r in off for k in r if k.startswith("rl_kernel/")]
     assert all(r["rl_kernel/fallback_micro_batches"] == 0.0 and r["rl_kernel/logprob_ms"] > 0 for r in on)
