@@ -4,8 +4,9 @@ Run through ``recipes/grpo_gsm8k.sh`` (which prepares the environment) or direct
 that has rl-kernel, transformers, matplotlib and tqdm: ``python recipes/grpo_gsm8k.py --help``.
 Writes into ``--out``: ``off.jsonl``/``on.jsonl`` (one profiler record per step, flushed every
 step), ``off.meta.json``/``on.meta.json`` (hardware, versions, command line, resolved config, git
-commit), ``first_step.json`` (off vs on on the identical first-step samples) and ``report.md``
-with its PNG plots.
+commit), ``first_step.json`` (embedded engine: off vs on on the identical first-step samples) and
+``report.md`` with its PNG plots. The verl engine (:mod:`grpo.verl_engine`) also leaves each run's
+parquet data, console log and metrics in ``verl-off/``/``verl-on/``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -56,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output directory (default: runs/grpo_gsm8k-<time>)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--sampler", choices=("torch", "rl-kernel"), default="torch",
-                   help="rollout sampler, the same in both runs")
+                   help="rollout sampler of the embedded engine, the same in both runs")
     p.add_argument("--sides", default="off,on", help="which runs to make (default: off,on)")
     p.add_argument("--limit", type=int, default=None, help="use the first N training problems")
     p.add_argument("--reward-method", choices=("strict", "flexible"), default="flexible",
@@ -139,6 +141,17 @@ def first_step_check(off: dict, on: dict, dtype: torch.dtype) -> dict:
     return result
 
 
+def run_verl_side(cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Path, problems, device: torch.device) -> dict:
+    """One run with verl's trainer (:func:`grpo.verl_engine.run_verl`); its fields of the side's meta."""
+    from grpo import verl_engine
+
+    print(f"[grpo_gsm8k] {side}: verl's trainer, log in {out / f'verl-{side}' / 'verl.log'}", flush=True)
+    result = verl_engine.run_verl(dataclasses.asdict(cfg), out, side == "on", model_dir, problems, device.type)
+    return {"verl_command": shlex.join(result["command"]), "verl_returncode": result["returncode"],
+            "verl_steps": result["steps"], "verl_log": result["log"],
+            "backends": result["backends"] if side == "on" else "verl's own path"}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
@@ -176,33 +189,33 @@ def main(argv=None) -> int:
         "model": model_desc, "data": source, "git_commit": git_commit(),
         "config": dataclasses.asdict(cfg), "environment": bench.environment(device),
     }
-    if engine == "verl":
-        if args.batch_invariant:
-            print("[grpo_gsm8k] error: --batch-invariant is implemented by the embedded engine; run with --engine embedded",
-                  file=sys.stderr)
-            return 2
-        from grpo import verl_engine
-
-        for side in args.sides:
-            verl_engine.run_verl(dataclasses.asdict(cfg), out / side, side == "on", model_dir, problems)
-        return 0
-
-    first = {}
+    if engine == "verl" and args.batch_invariant:
+        print("[grpo_gsm8k] error: --batch-invariant is implemented by the embedded engine; run with --engine embedded",
+              file=sys.stderr)
+        return 2
+    first, failed = {}, []
     for side in args.sides:
         log = out / f"{side}.jsonl"
         log.unlink(missing_ok=True)
-        path = embedded.OFF if side == "off" else embedded.ON
-        result = embedded.run(model_dir, problems, cfg, path, log, device, progress=not args.no_progress,
-                              cross_check=embedded.OFF if side == "on" else None)
-        first[side] = result["first_step"]
-        meta = {**meta_common, "side": side, "oom": result["oom"],
-                "backends": {op: d.backend for op, d in dispatch.explain().items()} if side == "on" else "plain PyTorch"}
+        if engine == "verl":
+            meta = {**meta_common, "side": side, **run_verl_side(cfg, out, side, model_dir, problems, device)}
+            if meta["verl_returncode"] != 0:
+                failed.append(side)
+                print(f"[grpo_gsm8k] {side}: verl exited with {meta['verl_returncode']} after {meta['verl_steps']} "
+                      f"step(s); its log: {meta['verl_log']}", flush=True)
+        else:
+            path = embedded.OFF if side == "off" else embedded.ON
+            result = embedded.run(model_dir, problems, cfg, path, log, device, progress=not args.no_progress,
+                                  cross_check=embedded.OFF if side == "on" else None)
+            first[side] = result["first_step"]
+            meta = {**meta_common, "side": side, "oom": result["oom"],
+                    "backends": {op: d.backend for op, d in dispatch.explain().items()} if side == "on" else "plain PyTorch"}
+            if result["oom"]:
+                print(f"[grpo_gsm8k] {side}: out of memory, run stopped: {result['oom']}", flush=True)
         (out / f"{side}.meta.json").write_text(json.dumps(meta, indent=2, default=str))
-        if result["oom"]:
-            print(f"[grpo_gsm8k] {side}: out of memory, run stopped: {result['oom']}", flush=True)
 
-    if len(args.sides) < 2:
-        return 0
+    if failed or len(args.sides) < 2:
+        return 1 if failed else 0
     sections = []
     if first.get("on"):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -214,11 +227,15 @@ def main(argv=None) -> int:
             and torch.equal(off_first["response_mask"], first["on"]["response_mask"]))
         (out / "first_step.json").write_text(json.dumps(check, indent=2))
         sections.append(("First step, off vs on", report.first_step_markdown(check)))
-    sections.append(("Run", "\n".join([
-        f"- engine: {engine} ({why})", f"- data: {source}", f"- model: {model_desc}",
-        f"- sampler: {cfg.sampler} (the same in both runs)",
-        f"- reward: GSM8K scorer, {cfg.reward_method} extraction, format score {cfg.format_score}",
-    ])))
+    rollout = (f"- rollout: verl's vLLM server, {cfg.group_size} samples per prompt" if engine == "verl"
+               else f"- sampler: {cfg.sampler} (the same in both runs)")
+    run_lines = [f"- engine: {engine} ({why})", f"- data: {source}", f"- model: {model_desc}", rollout,
+                 f"- reward: GSM8K scorer, {cfg.reward_method} extraction, format score {cfg.format_score}"]
+    if engine == "verl":
+        from grpo import verl_engine
+
+        run_lines += filter(None, [verl_engine.vocabulary_note(model_dir)])
+    sections.append(("Run", "\n".join(run_lines)))
     path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on",
                                sections=sections)
     print(f"[grpo_gsm8k] report: {path}", flush=True)

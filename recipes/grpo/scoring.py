@@ -36,3 +36,14 @@ def compute_score(text: str, ground_truth: str, method: str = "strict",
     if answer is None:
         return 0.0
     return score if answer == ground_truth else format_score
+
+
+def verl_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None, *,
+                       method: str = "strict", format_score: float = 0.0, score: float = 1.0) -> float:
+    """:func:`compute_score` with the signature of verl's ``custom_reward_function``.
+
+    verl loads it by file path (``reward.custom_reward_function.path``/``name``) and passes
+    ``method`` and ``format_score`` from ``reward_kwargs``, so the verl engine scores as the
+    embedded one does. ``data_source`` and ``extra_info`` are verl's row fields, unused here.
+    """
+    return compute_score(solution_str, ground_truth, method, format_score, score)

@@ -34,16 +34,6 @@ def process_group():
     yield
 
 
-@pytest.fixture(scope="session", autouse=True)
-def unpinned_cpu_offload():
-    """See :func:`verl_cpu.use_unpinned_cpu_offload`."""
-    import verl_cpu
-
-    restore = verl_cpu.use_unpinned_cpu_offload()
-    yield
-    restore()
-
-
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """``{"tied": path, "untied": path}``: tiny random Qwen2 causal LMs."""

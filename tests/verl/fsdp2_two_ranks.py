@@ -35,7 +35,6 @@ OVERRIDES = (
 def main(model_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    verl_cpu.use_unpinned_cpu_offload()
     off = verl_cpu.build_worker(model_dir, "actor", *OVERRIDES)
     on = verl_cpu.build_worker(model_dir, "actor", *OVERRIDES, verl_cpu.SWITCH_ON)
     weight = verl_cpu.engine_of(on).module.lm_head.weight

@@ -3,9 +3,9 @@
 Imported by ``conftest.py`` (pytest) and by ``fsdp2_two_ranks.py`` (a ``torch.distributed.run``
 script), before anything picks verl's device platform:
 
-* ``VERL_PLATFORM=cpu`` with a CPU platform registered in verl's ``PlatformRegistry`` (verl ships
-  CUDA/NPU/ROCm ones), and ``VERL_ENGINE_DEVICE=cuda`` so ``EngineRegistry`` hands out the FSDP
-  engine verl registers for CUDA;
+* ``VERL_PLATFORM=cpu`` with the CPU platform of ``recipes/grpo/verl_cpu.py`` registered in
+  verl's ``PlatformRegistry``, and ``VERL_ENGINE_DEVICE=cuda`` so ``EngineRegistry`` hands out
+  the FSDP engine verl registers for CUDA;
 * tiny random Qwen2 models (tied and untied embeddings) built from a config with transformers and
   saved to a directory: no hub download, no tokenizer (``load_tokenizer=False``);
 * verl's own Hydra config (``ppo_trainer``) composed with overrides: fp32, sdpa attention, no
@@ -19,10 +19,8 @@ and ``compute_log_prob`` / ``compute_ref_log_prob`` / ``update_actor`` → ``inf
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import types
 
 os.environ["VERL_PLATFORM"] = "cpu"
 os.environ["VERL_ENGINE_DEVICE"] = "cuda"
@@ -36,112 +34,9 @@ import verl  # noqa: E402,F401
 LOADED_BY_VERL = "rl_kernel_verl" in sys.modules
 
 import torch  # noqa: E402
-from verl.plugin.platform import PlatformBase, PlatformRegistry  # noqa: E402
 
-
-def _cpu_device_module() -> types.SimpleNamespace:
-    zero = lambda *a, **k: 0  # noqa: E731
-    nothing = lambda *a, **k: None  # noqa: E731
-    return types.SimpleNamespace(
-        is_available=lambda: True, device_count=lambda: 1, current_device=lambda: "cpu", set_device=nothing,
-        synchronize=nothing, empty_cache=nothing, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
-        max_memory_allocated=zero, max_memory_reserved=zero, memory_allocated=zero, memory_reserved=zero,
-        reset_peak_memory_stats=nothing, mem_get_info=lambda *a, **k: (0, 0), get_device_name=lambda *a, **k: "CPU",
-    )
-
-
-@PlatformRegistry.register(platform="cpu")
-class PlatformCPU(PlatformBase):
-    """verl platform for CPU tensors: device ``cpu``, gloo collectives, no profiler."""
-
-    _module = _cpu_device_module()
-
-    @property
-    def device_name(self) -> str:
-        return "cpu"
-
-    @property
-    def vendor_name(self) -> str:
-        return "cpu"
-
-    @property
-    def device_module(self):
-        return self._module
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_device(self):
-        return "cpu"
-
-    def device_count(self) -> int:
-        return 1
-
-    def set_device(self, device_index) -> None:
-        pass
-
-    def synchronize(self, device_index=None) -> None:
-        pass
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings: str) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-    def get_device_capability(self, device_index: int = 0):
-        return None, None
-
-    def communication_backend_name(self) -> str:
-        return "gloo"
-
-    def visible_devices_envvar(self) -> str:
-        return "CUDA_VISIBLE_DEVICES"
-
-    @contextlib.contextmanager
-    def nvtx_range(self, msg: str):
-        yield
-
-    def profiler_start(self) -> None:
-        pass
-
-    def profiler_stop(self) -> None:
-        pass
-
-    def ray_resource_name(self) -> str:
-        return "CPU"
-
-    def ray_noset_envvars(self) -> list[str]:
-        return []
-
-    def is_ipc_supported(self) -> bool:
-        return False
-
-    def cudart(self):
-        return None
-
-
-def use_unpinned_cpu_offload():
-    """verl gives forward-only (reference) FSDP2 engines ``CPUOffloadPolicy(pin_memory=True)``;
-    pinning host memory needs an accelerator, so on CPU the same policy is used unpinned.
-    Returns a function that restores verl's."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-    from verl.workers.engine.fsdp import transformer_impl
-
-    verl_policy = transformer_impl.CPUOffloadPolicy
-    transformer_impl.CPUOffloadPolicy = lambda pin_memory=True: CPUOffloadPolicy(pin_memory=False)
-
-    def restore() -> None:
-        transformer_impl.CPUOffloadPolicy = verl_policy
-
-    return restore
-
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes"))
+from grpo import verl_cpu as cpu_platform  # noqa: E402,F401  (registers verl's CPU platform, unpinned offload)
 
 VOCAB = 96
 BASE_OVERRIDES = (
