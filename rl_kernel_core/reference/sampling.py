@@ -3,7 +3,8 @@
 For one row with logits ``l [V]``, temperature ``T``, filters and a 64-bit ``seed``:
 
 1. Greedy rows (``T == 0``): ``token = argmax l`` (the first index among equal maxima).
-2. Otherwise ``x = fp32(l) / T`` (one IEEE division per element, in fp32).
+2. Otherwise ``x = fp32(l) * fp32(1 / T)`` (the reciprocal formed in fp64, then one fp32 product
+   per element: the scaling of ``logprob_from_logits``' Triton kernel).
 3. Filters, in vLLM's order (``vllm/v1/worker/gpu/sample/sampler.py`` and
    ``vllm/v1/sample/sampler.py`` both apply temperature, then min-p, then top-k and top-p
    together, top-k first), each acting on what the previous ones kept:
@@ -15,11 +16,12 @@ For one row with logits ``l [V]``, temperature ``T``, filters and a 64-bit ``see
      it is ``< top_p``; the most likely token always is), plus every token tying with its last
      value, so the kept set does not depend on how a sort orders equal values.
 
-4. Draw: Gumbel-max, ``token = argmax over kept i of (x_i + g_i)`` with ``g_i = -log(-log u_i)``
-   in fp64, which samples exactly from ``softmax(x)`` restricted to the kept set. The uniforms
+4. Draw: Gumbel-max, ``token = argmax over kept i of (x_i + g_i)`` with ``g_i = -log(-log u_i)``,
+   all in fp32, which samples from ``softmax(x)`` restricted to the kept set (the 23-bit uniforms
+   bound ``g`` to about [-2.8, 16.6], a truncation of probability below 1e-7). The uniforms
    ``u_i`` come from a counter-based hash, not a stateful generator: SplitMix64 with state
-   ``mix64(seed)``, ``u_i = (top 52 bits of mix64(mix64(seed) + (i + 1) * 0x9E3779B97F4A7C15) + 0.5)
-   / 2**52`` in ``(0, 1)``, where ``mix64`` is SplitMix64's finaliser. So a row's draw depends on
+   ``mix64(seed)``, ``u_i = (top 23 bits of mix64(mix64(seed) + (i + 1) * 0x9E3779B97F4A7C15) + 0.5)
+   / 2**23`` in ``(0, 1)`` (exact in fp32), where ``mix64`` is SplitMix64's finaliser. So a row's draw depends on
    its own logits, parameters and seed only, on every device (integer math is exact). Callers
    that sample several positions of one sequence fold the position into the seed.
 5. ``logprob = log_softmax(x)[token]`` in fp32 over the full vocab before any filter, with
@@ -63,10 +65,10 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
 
 
 def uniforms(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[B, vocab]`` fp64 uniforms in ``(0, 1)``: entry ``[b, i]`` is a function of ``(seeds[b], i)`` only."""
+    """``[B, vocab]`` fp32 uniforms in ``(0, 1)``: entry ``[b, i]`` is a function of ``(seeds[b], i)`` only."""
     ids = torch.arange(1, vocab + 1, device=seeds.device, dtype=torch.int64)
     z = mix64(mix64(seeds)[:, None] + ids[None, :] * _GAMMA)
-    return (_shift_right(z, 12).to(torch.float64) + 0.5) * 2.0**-52
+    return (_shift_right(z, 41).to(torch.float32) + 0.5) * 2.0**-23
 
 
 def _keep_mask(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -96,9 +98,10 @@ def _keep_mask(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[t
 
 def _sample_tile(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     greedy = temperature == 0
-    x = logits.to(torch.float32) / torch.where(greedy, 1.0, temperature)[:, None]
+    inv_temp = torch.where(greedy, 1.0, 1.0 / temperature.to(torch.float64)).to(torch.float32)
+    x = logits.to(torch.float32) * inv_temp[:, None]
     logprobs = torch.log_softmax(x, dim=-1)
-    score = x.to(torch.float64) - torch.log(-torch.log(uniforms(seeds, x.shape[1])))
+    score = x - torch.log(-torch.log(uniforms(seeds, x.shape[1])))
     keep = _keep_mask(x, top_k, top_p, min_p)
     if keep is not None:
         score = score.masked_fill(~keep, float("-inf"))
