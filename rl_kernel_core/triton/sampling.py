@@ -1,28 +1,42 @@
 """Triton kernel for ``sample``: seeded Gumbel-max over the filtered set, without sorting the vocab.
 
-One program per row, every pass a read of the row in fixed-size blocks (fixed reduction order, so a
-row's result depends on nothing but the row):
+One program per row; every pass reads the row in fixed-size blocks in a fixed order, so a row's
+result depends on nothing but the row. Keys: ``key(z)`` is the order-preserving int32 image of an
+fp32 value and ``d = 0x7FFFFFFF - key`` (in ``[0, 2**32)``) its descending image, so the largest
+values have the smallest ``d``. A token is *live* when it is finite and survives min-p.
 
-1. statistics: ``m = max z`` and ``s = sum exp(z - m)`` for ``z = fp32(logits) * inv_temp``, by
+1. Statistics: ``m = max z`` and ``s = sum exp(z - m)`` for ``z = fp32(logits) * inv_temp``, by
    :func:`rl_kernel_core.triton.logprob_from_logits.online_softmax_stats` with the forward's tile,
    so ``logprob = z[token] - (m + log s)`` has the bits of ``logprob_from_logits`` on this backend.
-2. min-p: the kept floor is ``m + log(min_p)`` (``log(min_p)`` formed on the host, as the reference).
-3. top-k, then top-p: each threshold is the largest key ``K`` with ``W(key >= K) >= target`` over the
-   tokens kept so far, where ``key`` is the order-preserving integer image of the fp32 value, ``W``
-   counts tokens (top-k, target ``k``) or sums ``exp(z - m)`` in fp64 (top-p, target
-   ``top_p * W(kept)``). It is found by a search over keys: each pass evaluates ``PIVOTS`` evenly
-   spaced pivots in the current interval and also the nearest token keys around them, so the interval
-   shrinks by ``PIVOTS - 1`` per pass and closes as soon as one distinct value is left in it.
-4. draw: ``argmax over kept tokens of z_i + g_i``, ``g_i = -log(-log u_i)`` in fp32, the uniforms
-   from the counter-based hash of :mod:`rl_kernel_core.reference.sampling` keyed on ``(seed, i)``;
-   blocks holding no kept token skip the hash. Ties go to the lowest index.
+2. Min-p: live tokens have ``z >= m + log(min_p)``.
+3. Top-k / top-p candidates by radix select on ``d``: a pass builds a histogram of one digit
+   (12, 12, then 8 bits from the top) of the live tokens inside the current bucket, and the next
+   pass descends into the bucket holding the target rank. It stops as soon as the tokens above and
+   inside that bucket number at most ``CANDIDATES`` (top-k: the bucket holding the k-th largest;
+   top-p alone: the buckets above the one holding rank ``CANDIDATES + 1``). For top-k 50 over
+   ordinary logits one pass suffices: buckets of the first digit are an eighth of a binade wide.
+4. Candidate pass: the live tokens above the cut (a complete set: every live token at least as
+   large as its smallest member) are written to a ``[CANDIDATES]`` scratch row as
+   ``key << 32 | index`` and sorted in registers. On the sorted candidates the top-k threshold is
+   the k-th key and the top-p threshold is found exactly as the reference does (fp64 masses
+   ``exp(z - m)``, prefix sums, ties at the last kept value kept). Top-p alone is exact there when
+   the candidates hold at least ``top_p`` of the live mass; the draw then also runs on the
+   candidates: ``argmax z_i + g_i`` over the kept ones, lowest index among ties.
+5. Otherwise (greedy rows, no top-k/top-p, more than ``CANDIDATES`` tokens tied at the top-k
+   threshold, a top-p set beyond the candidates): the radix search leaves the exact top-k
+   threshold; top-p takes a pivot search over keys by live mass (each pass tests ``PIVOTS``
+   evenly spaced keys and the nearest token keys around them); a final pass draws over the row.
 
-Greedy rows (temperature 0) take ``argmax logits`` and the log-prob at temperature 1.
+The noise ``g_i = -log(-log u_i)`` is fp32, ``u_i`` from the counter-based hash of
+:mod:`rl_kernel_core.reference.sampling` keyed on ``(seed, position, i)``. Greedy rows
+(temperature 0) take ``argmax logits`` and the log-prob at temperature 1.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+import struct
+from typing import Optional, Union
 
 import torch
 import triton
@@ -32,58 +46,129 @@ from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 from rl_kernel_core.triton.logprob_from_logits import FWD_TILE, _block_v, online_softmax_stats
 
-_SEARCH_BLOCK = 1024
+CANDIDATES = 1024
+"""Most tokens the fast path sorts in registers per row (a power of two); small vocabularies use
+fewer (:func:`candidates`)."""
+SAMPLE_TILE: tuple[int, int] = (8192, 16)
+"""``(BLOCK, num_warps)`` of the passes after the statistics. With B around the SM count each row's
+program has an SM to itself, so its passes are bound by the bytes it keeps in flight: large blocks
+and many warps, as the statistics pass (which must keep ``logprob_from_logits``' tile) cannot."""
+_RADIX_BINS = 4096  # 12-bit digits
+_PAIR_BLOCK = 4  # candidates compared with all the others per step
 _PIVOTS = 8
-_KEY_MIN = -(2**31)  # below every fp32 key
-_KEY_MAX = 2**31  # above every fp32 key
+_PIVOT_BLOCK = 512
+_KEY_MIN = tl.constexpr(-(2**31))
+_KEY_MAX = tl.constexpr(2**31 - 1)
+_ALL = tl.constexpr(2**32 - 1)  # the largest descending key: a cut that keeps every live token
+_ABSENT, _SCALAR, _ROWS = 0, 1, 2  # how a parameter reaches the kernel
+_TINY_TOP_P = 1e-300  # below every max probability: the same kept set as any smaller top_p
 
 
 @helper_jit
 def _key(z):
-    """Order-preserving int64 image of fp32 ``z`` (``a <= b`` iff ``_key(a) <= _key(b)`` for non-NaN, -0 < +0)."""
+    """Order-preserving int32 image of fp32 ``z`` (``a <= b`` iff ``key(a) <= key(b)`` for non-NaN; -0 < +0)."""
     bits = z.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
 @helper_jit
-def _threshold_search(base, stride_lv, V, inv_temp, m, floor, target, BY_MASS: tl.constexpr,
-                      PIVOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """The largest key ``K >= floor`` with ``W(key >= K) >= target`` over finite tokens with key >= floor;
-    ``floor`` when even ``W(key >= floor) < target``. ``W`` counts (``BY_MASS`` False) or sums
-    ``exp(z - m)`` in fp64."""
+def _descending(key):
+    """``0x7FFFFFFF - key`` as uint32: the descending image of an int32 :func:`_key`."""
+    return (key ^ 0x7FFFFFFF).to(tl.uint32, bitcast=True)
+
+
+@helper_jit
+def _value(key):
+    """The fp32 whose :func:`_key` is ``key`` (int32)."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@helper_jit
+def _load_z(base, stride_lv, cols, V, inv_temp):
+    return tl.load(base + cols * stride_lv, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temp
+
+
+@helper_jit
+def _radix_step(base, stride_lv, V, inv_temp, floor, target, by_count, prefix, above,
+                SHIFT: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                CAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """One radix-select pass over the live tokens whose descending key ``d`` lies in the bucket
+    starting at ``prefix`` (``above`` live tokens lie before it). Returns ``(stop, cut, count,
+    prefix, above)``: when ``stop``, the candidates are the live tokens with ``d <= cut`` and
+    there are ``count`` of them; otherwise the next pass descends into the new ``prefix``.
+
+    ``by_count`` (top-k): descend into the bucket holding rank ``target``; stop when it and
+    everything above fit ``CAP``, or at the last digit (then ``cut`` is the exact key of rank
+    ``target``). Otherwise (top-p alone, ``target = CAP + 1``): stop once the buckets above the
+    one holding rank ``target`` hold at least ``CAP // 4`` tokens, or at the last digit; ``cut``
+    then excludes that bucket. Fewer live tokens than ``target``: every live token is a candidate.
+    """
+    offs = tl.arange(0, BLOCK)
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    bucket = (prefix >> (SHIFT + WIDTH)).to(tl.uint32) if not FIRST else 0
+    for start in range(0, V, BLOCK):
+        z = _load_z(base, stride_lv, start + offs, V, inv_temp)
+        key = _key(z)
+        d = _descending(key)
+        sel = (z > -float("inf")) & (key >= floor)
+        if not FIRST:
+            sel = sel & ((d >> (SHIFT + WIDTH)) == bucket)
+        digit = ((d >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32)
+        hist += tl.histogram(digit, BINS, mask=sel)
+    cum = above + tl.cumsum(hist, axis=0)
+    bins = tl.arange(0, BINS)
+    j = tl.sum((cum < target).to(tl.int32), axis=0)  # the bucket holding rank target (BINS: none)
+    none = j >= BINS
+    count_j = tl.sum(tl.where(bins == j, cum, 0), axis=0)
+    before_j = count_j - tl.sum(tl.where(bins == j, hist, 0), axis=0)
+    lo_j = prefix + (j.to(tl.int64) << SHIFT)
+    total = tl.max(cum, axis=0)
+    if LAST:
+        stop_k = True
+        stop_p = True
+    else:
+        stop_k = none | (count_j <= CAP)
+        stop_p = none | (before_j >= CAP // 4)
+    stop = tl.where(by_count, stop_k, stop_p)
+    cut = tl.where(none, tl.full([], _ALL, tl.int64), tl.where(by_count, lo_j + ((1 << SHIFT) - 1), lo_j - 1))
+    count = tl.where(none, total, tl.where(by_count, count_j, before_j))
+    return stop.to(tl.int32), cut, count, lo_j, before_j
+
+
+@helper_jit
+def _mass_threshold(base, stride_lv, V, inv_temp, m, floor, target, PIVOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """The largest key ``K >= floor`` with ``W(key >= K) >= target``, ``W`` the fp64 sum of
+    ``exp(z - m)`` over live tokens (finite, key >= floor); ``floor`` when ``W(key >= floor) < target``.
+    Tiles are ``BLOCK x PIVOTS``: a small ``BLOCK`` keeps them in registers."""
     offs = tl.arange(0, BLOCK)
     j = tl.arange(0, PIVOTS).to(tl.int64)
-    lo = floor
-    hi = _key(m) + 1  # W(key >= hi) = 0 < target
+    lo = floor.to(tl.int64)
+    hi = _key(m).to(tl.int64) + 1  # W(key >= hi) = 0 < target
     while hi - lo > 1:
         piv = lo + ((hi - lo) * j) // (PIVOTS - 1)  # piv[0] = lo, piv[-1] = hi
         w_ge = tl.zeros([PIVOTS], dtype=tl.float64)
-        min_ge = tl.full([PIVOTS], _KEY_MAX, tl.int64)
-        max_lt = tl.full([PIVOTS], _KEY_MIN, tl.int64)
+        min_ge = tl.full([PIVOTS], _KEY_MAX + 1, tl.int64)
+        max_lt = tl.full([PIVOTS], _KEY_MIN - 1, tl.int64)
         for start in range(0, V, BLOCK):
-            cols = start + offs
-            z = tl.load(base + cols * stride_lv, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temp
-            k = _key(z)
+            z = _load_z(base, stride_lv, start + offs, V, inv_temp)
+            k = _key(z).to(tl.int64)
             live = (z > -float("inf")) & (k >= floor)
-            if BY_MASS:
-                w = tl.where(live, tl.exp(z.to(tl.float64) - m.to(tl.float64)), 0.0)
-            else:
-                w = tl.where(live, 1.0, 0.0).to(tl.float64)
+            w = tl.where(live, tl.exp(z - m), 0.0).to(tl.float64)
             ge = live[:, None] & (k[:, None] >= piv[None, :])
             lt = live[:, None] & (k[:, None] < piv[None, :])
             w_ge += tl.sum(tl.where(ge, w[:, None], 0.0), axis=0)
-            min_ge = tl.minimum(min_ge, tl.min(tl.where(ge, k[:, None], _KEY_MAX), axis=0))
-            max_lt = tl.maximum(max_lt, tl.max(tl.where(lt, k[:, None], _KEY_MIN), axis=0))
+            min_ge = tl.minimum(min_ge, tl.min(tl.where(ge, k[:, None], _KEY_MAX + 1), axis=0))
+            max_lt = tl.maximum(max_lt, tl.max(tl.where(lt, k[:, None], _KEY_MIN - 1), axis=0))
         ok = w_ge >= target
         # No pivot reaches the target only on the first pass (W(key >= floor) < target): the
         # floor stands. Otherwise the answer lies in [lo, hi): raise lo to the first token key at
         # or above it, and lower hi to just above the last token key below it.
         none = tl.max(ok.to(tl.int32), axis=0) == 0
-        new_lo = tl.max(tl.where(ok, min_ge, _KEY_MIN), axis=0)
-        new_hi = tl.min(tl.where(ok, _KEY_MAX, max_lt), axis=0) + 1
+        new_lo = tl.max(tl.where(ok, min_ge, _KEY_MIN - 1), axis=0)
+        new_hi = tl.min(tl.where(ok, _KEY_MAX + 1, max_lt), axis=0) + 1
         hi = tl.where(none, lo + 1, new_hi)
         lo = tl.where(none, lo, new_lo)
-    return lo
+    return lo.to(tl.int32)
 
 
 @helper_jit
@@ -101,97 +186,247 @@ def _uniform(state, idx):
     return ((z >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
 
 
+@helper_jit
+def _row_param(ptr, value, row, MODE: tl.constexpr):
+    """A per-row parameter: ``ptr[row]`` for ``MODE == 2``, else the scalar ``value``."""
+    if MODE == 2:
+        return tl.load(ptr + row)
+    else:
+        return value
+
+
+@helper_jit
+def _temperature(temp_ptr, temp_val, inv_temp_val, row, TEMP: tl.constexpr):
+    """``(sampling, inv_temp)`` of a row: temperature != 0, and fp32(1 / T) with the division in
+    fp64 (1 for greedy rows); a scalar temperature arrives with its factor formed on the host."""
+    if TEMP == 2:
+        t = tl.load(temp_ptr + row)  # fp64
+        sampling = t != 0.0
+        inv_temp = tl.where(sampling, (1.0 / t).to(tl.float32), 1.0)
+    else:
+        sampling = tl.cast(temp_val, tl.float32) != 0.0
+        inv_temp = tl.cast(inv_temp_val, tl.float32)
+    return sampling, inv_temp
+
+
+@launch_time_jit
+def _stats_kernel(logits_ptr, stride_ln, stride_lv, temp_ptr, temp_val, inv_temp_val, stats_ptr, B, V,
+                  TEMP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Step 1 for one row: ``stats[0, row] = m`` and ``stats[1, row] = m + log s``, with
+    ``logprob_from_logits``' tile and warps, so the log-sum-exp has its bits."""
+    row = tl.program_id(0).to(tl.int64)
+    _sampling, inv_temp = _temperature(temp_ptr, temp_val, inv_temp_val, row, TEMP)
+    m, s, _u = online_softmax_stats(logits_ptr + row * stride_ln, stride_lv, V, inv_temp, False, BLOCK_V)
+    tl.store(stats_ptr + row, m)
+    tl.store(stats_ptr + B + row, m + tl.log(s))
+
+
 @launch_time_jit
 def _sample_kernel(
     logits_ptr, stride_ln, stride_lv,
-    temp_ptr, inv_temp_ptr, seeds_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr,
-    tokens_ptr, logprob_ptr,
-    V,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+    temp_ptr, temp_val, inv_temp_val,
+    seeds_ptr, pos_ptr, pos_val,
+    top_k_ptr, top_k_val, top_p_ptr, top_p_bits, log_min_p_ptr, log_min_p_val,
+    stats_ptr, scratch_ptr, tokens_ptr, logprob_ptr,
+    B, V,
+    TEMP: tl.constexpr, POS: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+    BLOCK: tl.constexpr, BINS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr,
+    PIVOTS: tl.constexpr, PIVOT_BLOCK: tl.constexpr,
 ):
+    """Steps 2-5 for one row, from the statistics of :func:`_stats_kernel`."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_ln
-    sampling = tl.load(temp_ptr + row) != 0.0  # temperature 0: greedy
-    inv_temp = tl.load(inv_temp_ptr + row)
-    m, s, _u = online_softmax_stats(base, stride_lv, V, inv_temp, False, BLOCK_V)
-    lse = m + tl.log(s)
+    sampling, inv_temp = _temperature(temp_ptr, temp_val, inv_temp_val, row, TEMP)
+    m = tl.load(stats_ptr + row)
+    lse = tl.load(stats_ptr + B + row)
 
-    floor = tl.full([], _KEY_MIN, tl.int64)
-    if HAS_MIN_P:
-        if sampling:
-            floor = _key(m + tl.load(log_min_p_ptr + row))
-    if HAS_TOP_K:
-        if sampling:
-            k = tl.load(top_k_ptr + row)
-            if k < V:
-                floor = _threshold_search(base, stride_lv, V, inv_temp, m, floor, k.to(tl.float64),
-                                          False, PIVOTS, SEARCH_BLOCK)
-    if HAS_TOP_P:
-        top_p = tl.load(top_p_ptr + row)
-        if sampling & (top_p < 1.0):
-            offs = tl.arange(0, SEARCH_BLOCK)
-            total = tl.zeros([], dtype=tl.float64)
-            for start in range(0, V, SEARCH_BLOCK):
+    floor = tl.full([], _KEY_MIN, tl.int32)
+    if MIN_P != 0:
+        floor = tl.where(sampling, _key(m + tl.cast(_row_param(log_min_p_ptr, log_min_p_val, row, MIN_P), tl.float32)), floor)
+    has_k = False
+    k = tl.full([], 0, tl.int32)
+    if TOP_K != 0:
+        k = tl.cast(_row_param(top_k_ptr, top_k_val, row, TOP_K), tl.int32)
+        has_k = sampling & (k < V)
+    has_p = False
+    top_p = tl.full([], 1.0, tl.float64)
+    if TOP_P != 0:
+        if TOP_P == 2:
+            top_p = tl.load(top_p_ptr + row)
+        else:
+            top_p = tl.cast(top_p_bits, tl.int64).to(tl.float64, bitcast=True)
+        has_p = sampling & (top_p < 1.0)
+    pos = tl.full([], 0, tl.int64)
+    if POS != 0:
+        pos = tl.cast(_row_param(pos_ptr, pos_val, row, POS), tl.int64)
+    state = _mix64(_mix64(tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)) + _mix64(pos.to(tl.uint64, bitcast=True)))
+
+    offs = tl.arange(0, BLOCK)
+    token = tl.zeros([], dtype=tl.int64)
+    drawn = 0
+    if has_k | has_p:
+        # 3. radix select of the candidates
+        by_count = has_k
+        target = tl.where(has_k, k, CAP + 1)
+        prefix = tl.zeros([], dtype=tl.int64)
+        above = tl.zeros([], dtype=tl.int32)
+        stop, cut, count, prefix, above = _radix_step(base, stride_lv, V, inv_temp, floor, target, by_count, prefix, above,
+                                                      20, 12, True, False, CAP, BLOCK, BINS)
+        if stop == 0:
+            stop, cut, count, prefix, above = _radix_step(base, stride_lv, V, inv_temp, floor, target, by_count, prefix, above,
+                                                          8, 12, False, False, CAP, BLOCK, BINS)
+            if stop == 0:
+                stop, cut, count, prefix, above = _radix_step(base, stride_lv, V, inv_temp, floor, target, by_count, prefix, above,
+                                                              0, 8, False, True, CAP, BLOCK, BINS)
+        if (count > 0) & (count <= CAP):
+            # 4. gather the candidates; thresholds and draw on them
+            scratch = scratch_ptr + row * CAP
+            cut32 = cut.to(tl.uint32)
+            n = tl.zeros([], dtype=tl.int32)
+            live_mass = tl.zeros([], dtype=tl.float64)
+            for start in range(0, V, BLOCK):
                 cols = start + offs
-                z = tl.load(base + cols * stride_lv, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temp
-                live = (z > -float("inf")) & (_key(z) >= floor)
-                total += tl.sum(tl.where(live, tl.exp(z.to(tl.float64) - m.to(tl.float64)), 0.0), axis=0)
-            floor = _threshold_search(base, stride_lv, V, inv_temp, m, floor, top_p * total,
-                                      True, PIVOTS, SEARCH_BLOCK)
-
-    state = _mix64(tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True))
-    offs = tl.arange(0, SEARCH_BLOCK)
-    best = -float("inf")
-    best_idx = tl.zeros([], dtype=tl.int64)
-    for start in range(0, V, SEARCH_BLOCK):
-        cols = start + offs
-        z = tl.load(base + cols * stride_lv, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temp
-        keep = (z > -float("inf")) & (_key(z) >= floor)
-        if tl.max(keep.to(tl.int32), axis=0) > 0:
-            score = z
-            if sampling:
-                score = z - tl.log(-tl.log(_uniform(state, cols)))
-            score = tl.where(keep, score, -float("inf"))
-            block_best = tl.max(score, axis=0)
-            if block_best > best:
-                best = block_best
-                best_idx = tl.min(tl.where(score == block_best, cols, V), axis=0).to(tl.int64)
-    z_t = tl.load(base + best_idx * stride_lv).to(tl.float32) * inv_temp
-    tl.store(tokens_ptr + row, best_idx)
+                z = _load_z(base, stride_lv, cols, V, inv_temp)
+                key = _key(z)
+                live = (z > -float("inf")) & (key >= floor)
+                sel = live & (_descending(key) <= cut32)
+                sel32 = sel.to(tl.int32)
+                slot = n + tl.cumsum(sel32, axis=0) - 1
+                tl.store(scratch + slot, (key.to(tl.int64) << 32) | cols, mask=sel)
+                n += tl.sum(sel32, axis=0)
+                live_mass += tl.sum(tl.where(live, tl.exp(z - m), 0.0), axis=0).to(tl.float64)
+            tl.debug_barrier()  # the scratch row written by every thread is read by every thread
+            # for each candidate: how many candidates are larger, and their fp64 mass
+            idx = tl.arange(0, CAP)
+            valid = idx < count
+            packed = tl.load(scratch + idx, mask=valid, other=0)
+            ckey = tl.where(valid, (packed >> 32).to(tl.int32), _KEY_MIN)
+            cidx = packed & 0x7FFFFFFF  # V < 2**31
+            cz = _value(ckey)
+            n_above = tl.zeros([CAP], dtype=tl.int32)
+            mass_above = tl.zeros([CAP], dtype=tl.float64)
+            jj = tl.arange(0, PAIR_BLOCK)
+            for j0 in range(0, count, PAIR_BLOCK):
+                other = tl.load(scratch + j0 + jj, mask=j0 + jj < count, other=0)
+                okey = tl.where(j0 + jj < count, (other >> 32).to(tl.int32), _KEY_MIN)
+                ow = tl.where(j0 + jj < count, tl.exp(_value(okey).to(tl.float64) - m.to(tl.float64)), 0.0)
+                larger = okey[None, :] > ckey[:, None]
+                n_above += tl.sum(larger.to(tl.int32), axis=1)
+                mass_above += tl.sum(tl.where(larger, ow[None, :], 0.0), axis=1)
+            # a token survives top-k when fewer than k are larger (ties at the k-th all survive),
+            # and top-p when the mass of the larger survivors is below top_p of the survivors' mass
+            keep = valid
+            if has_k:
+                keep = keep & (n_above < k)
+            exact = True
+            if has_p:
+                w = tl.where(keep, tl.exp(cz.to(tl.float64) - m.to(tl.float64)), 0.0)
+                cand_mass = tl.sum(w, axis=0)
+                limit = top_p * tl.where(has_k, cand_mass, live_mass)
+                keep = keep & (mass_above < limit)
+                exact = has_k | (cand_mass >= limit)
+            if exact:
+                score = tl.where(keep, cz - tl.log(-tl.log(_uniform(state, cidx))), -float("inf"))
+                best = tl.max(score, axis=0)
+                token = tl.min(tl.where(keep & (score == best), cidx, V), axis=0).to(tl.int64)
+                drawn = 1
+        if drawn == 0:
+            # 5. exact thresholds on the whole row
+            if has_k:
+                floor = tl.maximum(floor, (0x7FFFFFFF - cut).to(tl.int32))
+            if has_p:
+                total = tl.zeros([], dtype=tl.float64)
+                for start in range(0, V, BLOCK):
+                    z = _load_z(base, stride_lv, start + offs, V, inv_temp)
+                    live = (z > -float("inf")) & (_key(z) >= floor)
+                    total += tl.sum(tl.where(live, tl.exp(z - m), 0.0), axis=0).to(tl.float64)
+                floor = _mass_threshold(base, stride_lv, V, inv_temp, m, floor, top_p * total, PIVOTS, PIVOT_BLOCK)
+    if drawn == 0:
+        best = -float("inf")
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            z = _load_z(base, stride_lv, cols, V, inv_temp)
+            keep = (z > -float("inf")) & (_key(z) >= floor)
+            if tl.max(keep.to(tl.int32), axis=0) > 0:
+                score = z
+                if sampling:
+                    score = z - tl.log(-tl.log(_uniform(state, cols)))
+                score = tl.where(keep, score, -float("inf"))
+                block_best = tl.max(score, axis=0)
+                if block_best > best:
+                    best = block_best
+                    token = tl.min(tl.where(score == block_best, cols, V), axis=0).to(tl.int64)
+    z_t = tl.load(base + token * stride_lv).to(tl.float32) * inv_temp
+    tl.store(tokens_ptr + row, token)
     tl.store(logprob_ptr + row, z_t - lse)
 
 
-def _supports(logits, temperature, seeds, top_k, top_p, min_p) -> Optional[str]:
+def _supports(logits, temperature, seeds, positions, top_k, top_p, min_p) -> Optional[str]:
     if logits.dtype == torch.float64:
         return "fp64 logits (the kernel computes in fp32; the torch backend keeps fp64 inputs' rounding to fp32 exact)"
     return None
 
 
+Param = Union[int, float, torch.Tensor, None]
+
+
+def candidates(vocab: int) -> int:
+    """The candidate capacity for a vocabulary: :data:`CANDIDATES`, or an eighth of a small vocabulary
+    (at least 16), so a sort never runs over slots no token can fill."""
+    return min(CANDIDATES, max(16, triton.next_power_of_2(vocab) // 8))
+
+
+def _mode(value: Param) -> int:
+    return _ABSENT if value is None else (_ROWS if isinstance(value, torch.Tensor) else _SCALAR)
+
+
+def _fp32(value: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def _float_bits(value: float) -> int:
+    """The IEEE binary64 bits of ``value`` as an int64 (a kernel argument both the compiler and
+    the interpreter pass through unchanged; a Python float would become fp32)."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
 @dispatch.register("sample", "triton", supports=_supports)
-def sample(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-    top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds: torch.Tensor, positions: Param,
+           top_k: Param, top_p: Param, min_p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded sampling of ``logits [B, V]`` (fp32/bf16/fp16); see the module docstring and
-    :mod:`rl_kernel_core.sampling` for the argument contract. Returns ``(tokens [B] int64, logprobs [B] fp32)``."""
+    :mod:`rl_kernel_core.sampling` for the argument contract (numbers or ``[B]`` tensors).
+    Returns ``(tokens [B] int64, logprobs [B] fp32)``."""
     b, v = logits.shape
     dev = logits.device
-    greedy = temperature == 0
-    # the factor logprob_from_logits multiplies by: fp32(1 / T) with the division in double
-    inv_temp = torch.where(greedy, 1.0, 1.0 / temperature.to(torch.float64)).to(torch.float32)
-    log_min_p = None if min_p is None else torch.log(min_p)
-    tokens = torch.full((b,), -1, dtype=torch.int64, device=dev)
-    logprobs = torch.full((b,), float("nan"), dtype=torch.float32, device=dev)
-    dummy = inv_temp
-    block_v, num_warps = _block_v(v, FWD_TILE[0]), FWD_TILE[1]
+    tokens = torch.empty(b, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(b, dtype=torch.float32, device=dev)
+    uses_candidates = top_k is not None or top_p is not None
+    cap = candidates(v)
+    scratch = torch.empty((b if uses_candidates else 1, cap), dtype=torch.int64, device=dev)
+    temp_rows = isinstance(temperature, torch.Tensor)
+    # a scalar temperature: the factor logprob_from_logits multiplies by, fp32(1 / T) with the division in double
+    inv_temp = 1.0 if temp_rows or temperature == 0 else 1.0 / temperature
+    if isinstance(min_p, torch.Tensor):
+        log_min_p, log_min_p_val = torch.log(min_p.to(torch.float64)).to(torch.float32), 0.0
+    else:  # fp32(log(fp32(min_p))), the per-row path's value
+        log_min_p, log_min_p_val = tokens, (float("-inf") if not min_p else _fp32(math.log(_fp32(min_p))))
+    top_p_bits = 0 if top_p is None or isinstance(top_p, torch.Tensor) else _float_bits(max(top_p, _TINY_TOP_P))
+    block = min(SAMPLE_TILE[0], triton.next_power_of_2(max(v, 16)))
+    temp_args = (temperature if temp_rows else tokens, 0.0 if temp_rows else temperature, inv_temp)
+    stats = torch.empty((2, b), dtype=torch.float32, device=dev)
+    _stats_kernel[(b,)](
+        logits, logits.stride(0), logits.stride(1), *temp_args, stats, b, v,
+        TEMP=_mode(temperature), BLOCK_V=_block_v(v, FWD_TILE[0]), num_warps=FWD_TILE[1],
+    )
     _sample_kernel[(b,)](
-        logits, logits.stride(0), logits.stride(1),
-        temperature, inv_temp, seeds,
-        dummy if top_k is None else top_k, dummy if top_p is None else top_p, dummy if log_min_p is None else log_min_p,
-        tokens, logprobs, v,
-        HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
-        BLOCK_V=block_v, SEARCH_BLOCK=min(_SEARCH_BLOCK, triton.next_power_of_2(max(v, 16))), PIVOTS=_PIVOTS,
-        num_warps=num_warps,
+        logits, logits.stride(0), logits.stride(1), *temp_args,
+        seeds, positions if isinstance(positions, torch.Tensor) else tokens, positions if isinstance(positions, int) else 0,
+        top_k if isinstance(top_k, torch.Tensor) else tokens, top_k if isinstance(top_k, int) else 0,
+        top_p if isinstance(top_p, torch.Tensor) else tokens, top_p_bits,
+        log_min_p, log_min_p_val,
+        stats, scratch, tokens, logprobs, b, v,
+        TEMP=_mode(temperature), POS=_mode(positions), TOP_K=_mode(top_k), TOP_P=_mode(top_p), MIN_P=_mode(min_p),
+        BLOCK=block, BINS=_RADIX_BINS, CAP=cap, PAIR_BLOCK=min(_PAIR_BLOCK, cap),
+        PIVOTS=_PIVOTS, PIVOT_BLOCK=min(_PIVOT_BLOCK, block), num_warps=SAMPLE_TILE[1],
     )
     return tokens, logprobs
