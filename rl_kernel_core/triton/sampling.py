@@ -1,31 +1,35 @@
-"""Triton kernel for ``sample``: seeded Gumbel-max over the filtered set, without sorting the vocab.
+"""Triton kernels for ``sample``: seeded Gumbel-max over the filtered set, without sorting the vocab.
 
-One program per row; every pass reads the row in fixed-size blocks in a fixed order, so a row's
-result depends on nothing but the row. Keys: ``key(z)`` is the order-preserving int32 image of an
-fp32 value and ``d = 0x7FFFFFFF - key`` (in ``[0, 2**32)``) its descending image, so the largest
-values have the smallest ``d``. A token is *live* when it is finite and survives min-p.
+One program per row in each of two kernels; every pass reads the row in fixed-size blocks in a
+fixed order, so a row's result depends on nothing but the row. Keys: ``key(z)`` is the
+order-preserving int32 image of an fp32 value and ``d = 0x7FFFFFFF - key`` (uint32) its descending
+image, so the largest values have the smallest ``d``. A token is *live* when it is finite and
+survives min-p.
 
-1. Statistics: ``m = max z`` and ``s = sum exp(z - m)`` for ``z = fp32(logits) * inv_temp``, by
-   :func:`rl_kernel_core.triton.logprob_from_logits.online_softmax_stats` with the forward's tile,
-   so ``logprob = z[token] - (m + log s)`` has the bits of ``logprob_from_logits`` on this backend.
+1. Statistics (``_stats_kernel``): ``m = max z`` and ``lse = m + log sum exp(z - m)`` for
+   ``z = fp32(logits) * inv_temp``, by
+   :func:`rl_kernel_core.triton.logprob_from_logits.online_softmax_stats` with the forward's tile
+   and warps, so ``logprob = z[token] - lse`` has the bits of ``logprob_from_logits`` on this
+   backend. The remaining steps (``_sample_kernel``) use larger blocks and more warps.
 2. Min-p: live tokens have ``z >= m + log(min_p)``.
 3. Top-k / top-p candidates by radix select on ``d``: a pass builds a histogram of one digit
    (12, 12, then 8 bits from the top) of the live tokens inside the current bucket, and the next
    pass descends into the bucket holding the target rank. It stops as soon as the tokens above and
    inside that bucket number at most ``CANDIDATES`` (top-k: the bucket holding the k-th largest;
    top-p alone: the buckets above the one holding rank ``CANDIDATES + 1``). For top-k 50 over
-   ordinary logits one pass suffices: buckets of the first digit are an eighth of a binade wide.
+   ordinary logits one pass suffices: a bucket of the first digit is an eighth of a binade.
 4. Candidate pass: the live tokens above the cut (a complete set: every live token at least as
-   large as its smallest member) are written to a ``[CANDIDATES]`` scratch row as
-   ``key << 32 | index`` and sorted in registers. On the sorted candidates the top-k threshold is
-   the k-th key and the top-p threshold is found exactly as the reference does (fp64 masses
-   ``exp(z - m)``, prefix sums, ties at the last kept value kept). Top-p alone is exact there when
-   the candidates hold at least ``top_p`` of the live mass; the draw then also runs on the
-   candidates: ``argmax z_i + g_i`` over the kept ones, lowest index among ties.
+   large as its smallest member) are written to a per-row scratch row as ``key << 32 | index``.
+   Each candidate is compared with all the others: ``n`` larger candidates and their fp64 mass
+   ``G`` (masses ``exp(z - m)``). It survives top-k when ``n < k`` (ties at the k-th survive) and
+   top-p when ``G < top_p * (mass of the top-k survivors, or of all live tokens)``, which is the
+   reference's sorted-prefix rule with ties at its last value kept. Top-p alone is exact there
+   when the candidates hold at least that mass. The draw runs on the candidates:
+   ``argmax z_i + g_i`` over the survivors, lowest index among ties.
 5. Otherwise (greedy rows, no top-k/top-p, more than ``CANDIDATES`` tokens tied at the top-k
    threshold, a top-p set beyond the candidates): the radix search leaves the exact top-k
-   threshold; top-p takes a pivot search over keys by live mass (each pass tests ``PIVOTS``
-   evenly spaced keys and the nearest token keys around them); a final pass draws over the row.
+   threshold; top-p takes a search over keys by live mass (each pass tests ``PIVOTS`` evenly
+   spaced keys and the nearest token keys around them); a final pass draws over the row.
 
 The noise ``g_i = -log(-log u_i)`` is fp32, ``u_i`` from the counter-based hash of
 :mod:`rl_kernel_core.reference.sampling` keyed on ``(seed, position, i)``. Greedy rows
@@ -47,12 +51,14 @@ from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 from rl_kernel_core.triton.logprob_from_logits import FWD_TILE, _block_v, online_softmax_stats
 
 CANDIDATES = 1024
-"""Most tokens the fast path sorts in registers per row (a power of two); small vocabularies use
+"""Most candidates the fast path gathers and ranks per row (a power of two); small vocabularies use
 fewer (:func:`candidates`)."""
-SAMPLE_TILE: tuple[int, int] = (8192, 16)
-"""``(BLOCK, num_warps)`` of the passes after the statistics. With B around the SM count each row's
-program has an SM to itself, so its passes are bound by the bytes it keeps in flight: large blocks
-and many warps, as the statistics pass (which must keep ``logprob_from_logits``' tile) cannot."""
+SAMPLE_TILE: tuple[int, int, int] = (4096, 2048, 8)
+"""``(BLOCK, DRAW_BLOCK, num_warps)`` of the passes after the statistics: radix and candidate passes
+read ``BLOCK`` logits per step, the whole-row draw (64-bit hashing per token) ``DRAW_BLOCK``. With B
+around the SM count each row's program has an SM to itself, so a pass is bound by the bytes it
+keeps in flight: larger blocks and more warps than the statistics pass, which must keep
+``logprob_from_logits``' tile."""
 _RADIX_BINS = 4096  # 12-bit digits
 _PAIR_BLOCK = 4  # candidates compared with all the others per step
 _PIVOTS = 8
@@ -231,7 +237,7 @@ def _sample_kernel(
     B, V,
     TEMP: tl.constexpr, POS: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
     BLOCK: tl.constexpr, BINS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr,
-    PIVOTS: tl.constexpr, PIVOT_BLOCK: tl.constexpr,
+    DRAW_BLOCK: tl.constexpr, PIVOTS: tl.constexpr, PIVOT_BLOCK: tl.constexpr,
 ):
     """Steps 2-5 for one row, from the statistics of :func:`_stats_kernel`."""
     row = tl.program_id(0).to(tl.int64)
@@ -279,7 +285,7 @@ def _sample_kernel(
                 stop, cut, count, prefix, above = _radix_step(base, stride_lv, V, inv_temp, floor, target, by_count, prefix, above,
                                                               0, 8, False, True, CAP, BLOCK, BINS)
         if (count > 0) & (count <= CAP):
-            # 4. gather the candidates; thresholds and draw on them
+            # 4. gather the candidates; survivors and draw on them
             scratch = scratch_ptr + row * CAP
             cut32 = cut.to(tl.uint32)
             n = tl.zeros([], dtype=tl.int32)
@@ -343,8 +349,9 @@ def _sample_kernel(
                 floor = _mass_threshold(base, stride_lv, V, inv_temp, m, floor, top_p * total, PIVOTS, PIVOT_BLOCK)
     if drawn == 0:
         best = -float("inf")
-        for start in range(0, V, BLOCK):
-            cols = start + offs
+        draw_offs = tl.arange(0, DRAW_BLOCK)
+        for start in range(0, V, DRAW_BLOCK):
+            cols = start + draw_offs
             z = _load_z(base, stride_lv, cols, V, inv_temp)
             keep = (z > -float("inf")) & (_key(z) >= floor)
             if tl.max(keep.to(tl.int32), axis=0) > 0:
@@ -372,7 +379,7 @@ Param = Union[int, float, torch.Tensor, None]
 
 def candidates(vocab: int) -> int:
     """The candidate capacity for a vocabulary: :data:`CANDIDATES`, or an eighth of a small vocabulary
-    (at least 16), so a sort never runs over slots no token can fill."""
+    (at least 16), so the ranking never runs over slots few tokens could fill."""
     return min(CANDIDATES, max(16, triton.next_power_of_2(vocab) // 8))
 
 
@@ -411,7 +418,7 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
     else:  # fp32(log(fp32(min_p))), the per-row path's value
         log_min_p, log_min_p_val = tokens, (float("-inf") if not min_p else _fp32(math.log(_fp32(min_p))))
     top_p_bits = 0 if top_p is None or isinstance(top_p, torch.Tensor) else _float_bits(max(top_p, _TINY_TOP_P))
-    block = min(SAMPLE_TILE[0], triton.next_power_of_2(max(v, 16)))
+    block, draw_block = (min(size, triton.next_power_of_2(max(v, 16))) for size in SAMPLE_TILE[:2])
     temp_args = (temperature if temp_rows else tokens, 0.0 if temp_rows else temperature, inv_temp)
     stats = torch.empty((2, b), dtype=torch.float32, device=dev)
     _stats_kernel[(b,)](
@@ -427,6 +434,6 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
         stats, scratch, tokens, logprobs, b, v,
         TEMP=_mode(temperature), POS=_mode(positions), TOP_K=_mode(top_k), TOP_P=_mode(top_p), MIN_P=_mode(min_p),
         BLOCK=block, BINS=_RADIX_BINS, CAP=cap, PAIR_BLOCK=min(_PAIR_BLOCK, cap),
-        PIVOTS=_PIVOTS, PIVOT_BLOCK=min(_PIVOT_BLOCK, block), num_warps=SAMPLE_TILE[1],
+        DRAW_BLOCK=draw_block, PIVOTS=_PIVOTS, PIVOT_BLOCK=min(_PIVOT_BLOCK, block), num_warps=SAMPLE_TILE[2],
     )
     return tokens, logprobs
