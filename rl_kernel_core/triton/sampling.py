@@ -13,11 +13,11 @@ survives min-p.
    backend. The remaining steps (``_sample_kernel``) use larger blocks and more warps.
 2. Min-p: live tokens have ``z >= m + log(min_p)``.
 3. Top-k / top-p candidates by radix select on ``d``: a pass builds a histogram of one digit
-   (12, 12, then 8 bits from the top) of the live tokens inside the current bucket, and the next
+   (11, 11, then 10 bits from the top) of the live tokens inside the current bucket, and the next
    pass descends into the bucket holding the target rank. It stops as soon as the tokens above and
    inside that bucket number at most ``CANDIDATES`` (top-k: the bucket holding the k-th largest;
    top-p alone: the buckets above the one holding rank ``CANDIDATES + 1``). For top-k 50 over
-   ordinary logits one pass suffices: a bucket of the first digit is an eighth of a binade.
+   ordinary logits one pass suffices: a bucket of the first digit is a quarter of a binade.
 4. Candidate pass: the live tokens above the cut (a complete set: every live token at least as
    large as its smallest member) are written to a per-row scratch row as ``key << 32 | index``.
    Each candidate is compared with all the others: ``n`` larger candidates and their fp64 mass
@@ -53,16 +53,16 @@ from rl_kernel_core.triton.logprob_from_logits import FWD_TILE, _block_v, online
 CANDIDATES = 1024
 """Most candidates the fast path gathers and ranks per row (a power of two); small vocabularies use
 fewer (:func:`candidates`)."""
-SAMPLE_TILE: tuple[int, int, int] = (4096, 2048, 8)
+SAMPLE_TILE: tuple[int, int, int] = (8192, 2048, 8)
 """``(BLOCK, DRAW_BLOCK, num_warps)`` of the passes after the statistics: radix and candidate passes
 read ``BLOCK`` logits per step, the whole-row draw (64-bit hashing per token) ``DRAW_BLOCK``. With B
 around the SM count each row's program has an SM to itself, so a pass is bound by the bytes it
 keeps in flight: larger blocks and more warps than the statistics pass, which must keep
 ``logprob_from_logits``' tile."""
-_RADIX_BINS = 4096  # 12-bit digits
+_RADIX_BINS = 2048  # 11-bit digits (a warp's histogram lowers to numBins / 32 registers per lane)
 _PAIR_BLOCK = 4  # candidates compared with all the others per step
 _PIVOTS = 8
-_PIVOT_BLOCK = 512
+_PIVOT_BLOCK = 128
 _KEY_MIN = tl.constexpr(-(2**31))
 _KEY_MAX = tl.constexpr(2**31 - 1)
 _ALL = tl.constexpr(2**32 - 1)  # the largest descending key: a cut that keeps every live token
@@ -193,19 +193,10 @@ def _uniform(state, idx):
 
 
 @helper_jit
-def _row_param(ptr, value, row, MODE: tl.constexpr):
-    """A per-row parameter: ``ptr[row]`` for ``MODE == 2``, else the scalar ``value``."""
-    if MODE == 2:
-        return tl.load(ptr + row)
-    else:
-        return value
-
-
-@helper_jit
-def _temperature(temp_ptr, temp_val, inv_temp_val, row, TEMP: tl.constexpr):
+def _temperature(temp_ptr, temp_val, inv_temp_val, row, temp_mode):
     """``(sampling, inv_temp)`` of a row: temperature != 0, and fp32(1 / T) with the division in
     fp64 (1 for greedy rows); a scalar temperature arrives with its factor formed on the host."""
-    if TEMP == 2:
+    if temp_mode == 2:
         t = tl.load(temp_ptr + row)  # fp64
         sampling = t != 0.0
         inv_temp = tl.where(sampling, (1.0 / t).to(tl.float32), 1.0)
@@ -215,56 +206,58 @@ def _temperature(temp_ptr, temp_val, inv_temp_val, row, TEMP: tl.constexpr):
     return sampling, inv_temp
 
 
-@launch_time_jit
-def _stats_kernel(logits_ptr, stride_ln, stride_lv, temp_ptr, temp_val, inv_temp_val, stats_ptr, B, V,
-                  TEMP: tl.constexpr, BLOCK_V: tl.constexpr):
+@launch_time_jit(do_not_specialize=["temp_mode"])
+def _stats_kernel(logits_ptr, stride_ln, stride_lv, temp_ptr, temp_val, inv_temp_val, stats_ptr, B, V, temp_mode,
+                  BLOCK_V: tl.constexpr):
     """Step 1 for one row: ``stats[0, row] = m`` and ``stats[1, row] = m + log s``, with
     ``logprob_from_logits``' tile and warps, so the log-sum-exp has its bits."""
     row = tl.program_id(0).to(tl.int64)
-    _sampling, inv_temp = _temperature(temp_ptr, temp_val, inv_temp_val, row, TEMP)
+    _sampling, inv_temp = _temperature(temp_ptr, temp_val, inv_temp_val, row, temp_mode)
     m, s, _u = online_softmax_stats(logits_ptr + row * stride_ln, stride_lv, V, inv_temp, False, BLOCK_V)
     tl.store(stats_ptr + row, m)
     tl.store(stats_ptr + B + row, m + tl.log(s))
 
 
-@launch_time_jit
+@launch_time_jit(do_not_specialize=["pos_val", "top_k_val", "top_p_bits", "temp_mode", "pos_mode", "top_k_mode",
+                                    "top_p_mode", "min_p_mode"])
 def _sample_kernel(
     logits_ptr, stride_ln, stride_lv,
     temp_ptr, temp_val, inv_temp_val,
     seeds_ptr, pos_ptr, pos_val,
     top_k_ptr, top_k_val, top_p_ptr, top_p_bits, log_min_p_ptr, log_min_p_val,
     stats_ptr, scratch_ptr, tokens_ptr, logprob_ptr,
-    B, V,
-    TEMP: tl.constexpr, POS: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+    B, V, temp_mode, pos_mode, top_k_mode, top_p_mode, min_p_mode,
     BLOCK: tl.constexpr, BINS: tl.constexpr, CAP: tl.constexpr, PAIR_BLOCK: tl.constexpr,
     DRAW_BLOCK: tl.constexpr, PIVOTS: tl.constexpr, PIVOT_BLOCK: tl.constexpr,
 ):
     """Steps 2-5 for one row, from the statistics of :func:`_stats_kernel`."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_ln
-    sampling, inv_temp = _temperature(temp_ptr, temp_val, inv_temp_val, row, TEMP)
+    sampling, inv_temp = _temperature(temp_ptr, temp_val, inv_temp_val, row, temp_mode)
     m = tl.load(stats_ptr + row)
     lse = tl.load(stats_ptr + B + row)
 
-    floor = tl.full([], _KEY_MIN, tl.int32)
-    if MIN_P != 0:
-        floor = tl.where(sampling, _key(m + tl.cast(_row_param(log_min_p_ptr, log_min_p_val, row, MIN_P), tl.float32)), floor)
-    has_k = False
-    k = tl.full([], 0, tl.int32)
-    if TOP_K != 0:
-        k = tl.cast(_row_param(top_k_ptr, top_k_val, row, TOP_K), tl.int32)
-        has_k = sampling & (k < V)
-    has_p = False
-    top_p = tl.full([], 1.0, tl.float64)
-    if TOP_P != 0:
-        if TOP_P == 2:
-            top_p = tl.load(top_p_ptr + row)
-        else:
-            top_p = tl.cast(top_p_bits, tl.int64).to(tl.float64, bitcast=True)
-        has_p = sampling & (top_p < 1.0)
-    pos = tl.full([], 0, tl.int64)
-    if POS != 0:
-        pos = tl.cast(_row_param(pos_ptr, pos_val, row, POS), tl.int64)
+    # each parameter: absent (mode 0), one number for the batch (1) or a [B] tensor (2); the modes
+    # are runtime values, so one compiled kernel serves every combination
+    if min_p_mode == 2:
+        log_min_p = tl.load(log_min_p_ptr + row)
+    else:
+        log_min_p = tl.cast(log_min_p_val, tl.float32)
+    floor = tl.where(sampling & (min_p_mode != 0), _key(m + log_min_p), _KEY_MIN)
+    if top_k_mode == 2:
+        k = tl.load(top_k_ptr + row).to(tl.int32)
+    else:
+        k = tl.cast(top_k_val, tl.int32)
+    has_k = sampling & (top_k_mode != 0) & (k < V)
+    if top_p_mode == 2:
+        top_p = tl.load(top_p_ptr + row)
+    else:
+        top_p = tl.cast(top_p_bits, tl.int64).to(tl.float64, bitcast=True)
+    has_p = sampling & (top_p_mode != 0) & (top_p < 1.0)
+    if pos_mode == 2:
+        pos = tl.load(pos_ptr + row)
+    else:
+        pos = tl.cast(pos_val, tl.int64)
     state = _mix64(_mix64(tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)) + _mix64(pos.to(tl.uint64, bitcast=True)))
 
     offs = tl.arange(0, BLOCK)
@@ -277,13 +270,13 @@ def _sample_kernel(
         prefix = tl.zeros([], dtype=tl.int64)
         above = tl.zeros([], dtype=tl.int32)
         stop, cut, count, prefix, above = _radix_step(base, stride_lv, V, inv_temp, floor, target, by_count, prefix, above,
-                                                      20, 12, True, False, CAP, BLOCK, BINS)
+                                                      21, 11, True, False, CAP, BLOCK, BINS)
         if stop == 0:
             stop, cut, count, prefix, above = _radix_step(base, stride_lv, V, inv_temp, floor, target, by_count, prefix, above,
-                                                          8, 12, False, False, CAP, BLOCK, BINS)
+                                                          10, 11, False, False, CAP, BLOCK, BINS)
             if stop == 0:
                 stop, cut, count, prefix, above = _radix_step(base, stride_lv, V, inv_temp, floor, target, by_count, prefix, above,
-                                                              0, 8, False, True, CAP, BLOCK, BINS)
+                                                              0, 10, False, True, CAP, BLOCK, BINS)
         if (count > 0) & (count <= CAP):
             # 4. gather the candidates; survivors and draw on them
             scratch = scratch_ptr + row * CAP
@@ -392,8 +385,7 @@ def _fp32(value: float) -> float:
 
 
 def _float_bits(value: float) -> int:
-    """The IEEE binary64 bits of ``value`` as an int64 (a kernel argument both the compiler and
-    the interpreter pass through unchanged; a Python float would become fp32)."""
+    """The IEEE binary64 bits of ``value`` as an int (a Python float kernel argument becomes fp32)."""
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
@@ -407,32 +399,33 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
     dev = logits.device
     tokens = torch.empty(b, dtype=torch.int64, device=dev)
     logprobs = torch.empty(b, dtype=torch.float32, device=dev)
-    uses_candidates = top_k is not None or top_p is not None
+    stats = torch.empty((2, b), dtype=torch.float32, device=dev)
     cap = candidates(v)
-    scratch = torch.empty((b if uses_candidates else 1, cap), dtype=torch.int64, device=dev)
-    temp_rows = isinstance(temperature, torch.Tensor)
-    # a scalar temperature: the factor logprob_from_logits multiplies by, fp32(1 / T) with the division in double
-    inv_temp = 1.0 if temp_rows or temperature == 0 else 1.0 / temperature
+    scratch = torch.empty((b if top_k is not None or top_p is not None else 1, cap), dtype=torch.int64, device=dev)
+    unused_fp64 = torch.empty(1, dtype=torch.float64, device=dev)  # the pointer of a parameter passed as a number
+    if isinstance(temperature, torch.Tensor):
+        temp_args = (temperature, 0.0, 1.0)
+    else:  # the factor logprob_from_logits multiplies by: fp32(1 / T), the division in double
+        temp_args = (unused_fp64, temperature, 1.0 if temperature == 0 else 1.0 / temperature)
     if isinstance(min_p, torch.Tensor):
         log_min_p, log_min_p_val = torch.log(min_p.to(torch.float64)).to(torch.float32), 0.0
     else:  # fp32(log(fp32(min_p))), the per-row path's value
-        log_min_p, log_min_p_val = tokens, (float("-inf") if not min_p else _fp32(math.log(_fp32(min_p))))
-    top_p_bits = 0 if top_p is None or isinstance(top_p, torch.Tensor) else _float_bits(max(top_p, _TINY_TOP_P))
+        log_min_p, log_min_p_val = logprobs, (float("-inf") if not min_p else _fp32(math.log(_fp32(min_p))))
+    # a number as an int64 kernel argument that both the compiler and the interpreter pass unchanged
+    top_p_bits = _float_bits(1.0 if top_p is None or isinstance(top_p, torch.Tensor) else max(top_p, _TINY_TOP_P))
     block, draw_block = (min(size, triton.next_power_of_2(max(v, 16))) for size in SAMPLE_TILE[:2])
-    temp_args = (temperature if temp_rows else tokens, 0.0 if temp_rows else temperature, inv_temp)
-    stats = torch.empty((2, b), dtype=torch.float32, device=dev)
     _stats_kernel[(b,)](
-        logits, logits.stride(0), logits.stride(1), *temp_args, stats, b, v,
-        TEMP=_mode(temperature), BLOCK_V=_block_v(v, FWD_TILE[0]), num_warps=FWD_TILE[1],
+        logits, logits.stride(0), logits.stride(1), *temp_args, stats, b, v, _mode(temperature),
+        BLOCK_V=_block_v(v, FWD_TILE[0]), num_warps=FWD_TILE[1],
     )
     _sample_kernel[(b,)](
         logits, logits.stride(0), logits.stride(1), *temp_args,
         seeds, positions if isinstance(positions, torch.Tensor) else tokens, positions if isinstance(positions, int) else 0,
         top_k if isinstance(top_k, torch.Tensor) else tokens, top_k if isinstance(top_k, int) else 0,
-        top_p if isinstance(top_p, torch.Tensor) else tokens, top_p_bits,
+        top_p if isinstance(top_p, torch.Tensor) else unused_fp64, top_p_bits,
         log_min_p, log_min_p_val,
         stats, scratch, tokens, logprobs, b, v,
-        TEMP=_mode(temperature), POS=_mode(positions), TOP_K=_mode(top_k), TOP_P=_mode(top_p), MIN_P=_mode(min_p),
+        _mode(temperature), _mode(positions), _mode(top_k), _mode(top_p), _mode(min_p),
         BLOCK=block, BINS=_RADIX_BINS, CAP=cap, PAIR_BLOCK=min(_PAIR_BLOCK, cap),
         DRAW_BLOCK=draw_block, PIVOTS=_PIVOTS, PIVOT_BLOCK=min(_PIVOT_BLOCK, block), num_warps=SAMPLE_TILE[2],
     )
