@@ -269,17 +269,23 @@ def write_result(result: dict, out: str, filename: str) -> None:
     print(f"wrote {path}")
 
 
+def checked_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """``--device``: CUDA when present, or CPU under the Triton interpreter (a smoke test of a script)."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --device cpu with TRITON_INTERPRET=1 for a smoke test)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu needs TRITON_INTERPRET=1 (the triton backend runs on CPU only under the interpreter)")
+    return device
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu under TRITON_INTERPRET=1 as a smoke test")
     parser.add_argument("--only", choices=("logprob", "policy_loss"), help="run one of the two benchmarks")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here (use --device cpu with TRITON_INTERPRET=1 for a smoke test)")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--device cpu needs TRITON_INTERPRET=1 (the triton backend runs on CPU only under the interpreter)")
+    device = checked_device(parser, args.device)
     torch.manual_seed(0)
     env = bench.environment(device)
     bandwidth = copy_bandwidth_gbs(args, device)

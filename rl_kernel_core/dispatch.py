@@ -39,7 +39,7 @@ _DEFAULT_PREFERENCE: tuple[str, ...] = ("native", "triton", "torch")
 _BACKEND_MODULES = {"triton": "rl_kernel_core.triton", "native": "rl_kernel_core.native"}
 SERVES: dict[str, frozenset[str]] = {
     "triton": frozenset({"linear_logprob", "logprob_from_logits", "ratio_kl", "policy_loss",
-                         "fused_linear_policy_loss", "group_advantages",
+                         "fused_linear_policy_loss", "group_advantages", "sample",
                          "bi_matmul", "bi_linear", "bi_log_softmax", "bi_mean", "rms_norm", "varlen_attention"}),
     "native": frozenset({"linear_logprob", "logprob_from_logits", "ratio_kl", "policy_loss", "group_advantages"}),
 }

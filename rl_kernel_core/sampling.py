@@ -1,21 +1,24 @@
 """Token sampling with vLLM's filters, per-row seeds that make a row's draw independent of its
 batch, and the log-prob a trainer recomputes.
 
-Public op: :func:`sample`. It validates its arguments, turns every parameter into a per-row tensor
-on ``logits``' device, draws per-row seeds from ``generator`` (or the global RNG) when none are
-given, returns empty results for B = 0 without calling a backend, and otherwise runs the
-implementation chosen by :func:`rl_kernel_core.dispatch.select`.
+Public op: :func:`sample`. It validates its arguments, keeps numbers as Python numbers and turns
+per-row tensors into the dtypes below on ``logits``' device, draws per-row seeds from
+``generator`` (or the global RNG) when none are given, returns empty results for B = 0 without
+calling a backend, and otherwise runs the implementation chosen by
+:func:`rl_kernel_core.dispatch.select`.
 
-Backend contract (what ``@dispatch.register("sample", backend)`` implementations receive)::
+Backend contract (what ``@dispatch.register("sample", backend)`` implementations receive; each
+parameter is a Python number for the whole batch or a ``[B]`` tensor)::
 
-    impl(logits, temperature, seeds, top_k, top_p, min_p) -> (tokens [B] int64, logprobs [B] fp32)
+    impl(logits, temperature, seeds, positions, top_k, top_p, min_p) -> (tokens [B] int64, logprobs [B] fp32)
 
     logits      [B, V]  float32 / bfloat16 / float16 / float64, B >= 1, V >= 1, contiguous
-    temperature [B]     float32, >= 0 (0: greedy)
+    temperature float or [B] float64, finite, >= 0 (0: greedy)
     seeds       [B]     int64
-    top_k       [B]     int64 in [1, V], or None (no top-k)
-    top_p       [B]     float64 in (0, 1], or None (no top-p)
-    min_p       [B]     float32 in [0, 1), or None (no min-p)
+    positions   None (0), int or [B] int64
+    top_k       None (no top-k), int or [B] int64, in [1, V]
+    top_p       None (no top-p), float or [B] float64, in (0, 1]
+    min_p       None (no min-p), float or [B] float32, in [0, 1)
 
 The semantics every backend must reproduce are stated in :mod:`rl_kernel_core.reference.sampling`.
 """
@@ -31,23 +34,32 @@ from rl_kernel_core.reference import sampling as _reference  # noqa: F401  (regi
 
 Param = Union[int, float, torch.Tensor, None]
 
+_INT64 = torch.iinfo(torch.int64)
 
-def _row_param(name: str, value: Union[int, float, torch.Tensor], logits: torch.Tensor, dtypes: tuple[torch.dtype, ...], out_dtype: torch.dtype) -> torch.Tensor:
-    """A Python number or a ``[B]`` tensor as a ``[B]`` tensor of ``out_dtype`` on logits' device."""
+
+def _row_tensor(name: str, value: torch.Tensor, logits: torch.Tensor, dtypes: tuple[torch.dtype, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """A ``[B]`` tensor parameter checked (dtype, rank, device, shape) and cast to ``out_dtype``."""
     b = logits.shape[0]
-    if isinstance(value, torch.Tensor):
-        _checks.tensor(name, value, dtypes=dtypes, ndim=1)
-        _checks.same_device("logits", logits, **{name: value})
-        _checks.shape(name, value, (b,), f"[B={b}]")
-        return value.to(out_dtype)
-    return torch.full((b,), value, dtype=out_dtype, device=logits.device)
+    _checks.tensor(name, value, dtypes=dtypes, ndim=1)
+    _checks.same_device("logits", logits, **{name: value})
+    _checks.shape(name, value, (b,), f"[B={b}]")
+    return value.to(out_dtype)
 
 
-def _number(name: str, value: object, integer: bool) -> None:
+def _number(name: str, value: object, integer: bool) -> Union[int, float]:
+    """``value`` as a Python int (``integer``; it must fit in int64) or a finite-or-infinite float."""
     kind = int if integer else (int, float)
     if not isinstance(value, kind) or isinstance(value, bool):
         expected = "an int or an int64/int32 tensor [B]" if integer else "a number or a float tensor [B]"
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    if integer:
+        if not _INT64.min <= value <= _INT64.max:
+            raise ValueError(f"{name} must fit in int64 [{_INT64.min}, {_INT64.max}], got {value}")
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be representable as a float, got an int of {value.bit_length()} bits") from None
 
 
 def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: float, lo_open: bool, hi_open: bool) -> None:
@@ -62,20 +74,31 @@ def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: 
     ok = (low > lo if lo_open else low >= lo) and (high < hi if hi_open else high <= hi)
     if not ok:
         interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        found = f"{low}" if not isinstance(value, torch.Tensor) else f"values in [{low}, {high}]"
+        found = f"{value}" if not isinstance(value, torch.Tensor) else f"values in [{low}, {high}]"
         raise ValueError(f"{name} must lie in {interval}, got {found}")
 
 
-def _validated(name: str, value: Param, logits: torch.Tensor, *, integer: bool, lo: float, hi: float, lo_open: bool, hi_open: bool, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``value`` checked (type, dtype, shape, device, range) and returned as a ``[B]`` tensor, or None."""
+def _validated(name: str, value: Param, logits: torch.Tensor, *, integer: bool, lo: float, hi: float, lo_open: bool, hi_open: bool, out_dtype: torch.dtype) -> Union[int, float, torch.Tensor, None]:
+    """``value`` checked (type, dtype, shape, device, range): None, a Python number, or a ``[B]``
+    tensor of ``out_dtype`` on logits' device. Numbers stay numbers, so a backend can pass them to
+    its kernel as scalars instead of launching a fill per parameter."""
     if value is None:
         return None
-    if not isinstance(value, torch.Tensor):
-        _number(name, value, integer)
-    dtypes = _checks.INDEX_DTYPES if integer else _checks.FLOAT_DTYPES
-    t = _row_param(name, value, logits, dtypes, out_dtype)
+    if isinstance(value, torch.Tensor):
+        dtypes = _checks.INDEX_DTYPES if integer else _checks.FLOAT_DTYPES
+        out = _row_tensor(name, value, logits, dtypes, out_dtype)
+    else:
+        out = value = _number(name, value, integer)
     _in_range(name, value, lo, hi, lo_open, hi_open)
-    return t
+    return out
+
+
+def _positions(positions: Union[int, torch.Tensor, None], logits: torch.Tensor) -> Union[int, torch.Tensor, None]:
+    if positions is None:
+        return None
+    if isinstance(positions, torch.Tensor):
+        return _row_tensor("positions", positions, logits, _checks.INDEX_DTYPES, torch.int64)
+    return _number("positions", positions, integer=True)
 
 
 def _seeds(seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], logits: torch.Tensor) -> torch.Tensor:
@@ -92,8 +115,7 @@ def _seeds(seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], 
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if generator.device.type != logits.device.type:
             raise ValueError(f"generator must be on logits' device type {logits.device.type}, got {generator.device}")
-    info = torch.iinfo(torch.int64)
-    return torch.randint(info.min, info.max, (b,), generator=generator, device=logits.device, dtype=torch.int64)
+    return torch.randint(_INT64.min, _INT64.max, (b,), generator=generator, device=logits.device, dtype=torch.int64)
 
 
 def sample(
@@ -104,6 +126,7 @@ def sample(
     top_p: Union[float, torch.Tensor, None] = None,
     min_p: Union[float, torch.Tensor, None] = None,
     seeds: Optional[torch.Tensor] = None,
+    positions: Union[int, torch.Tensor, None] = None,
     generator: Optional[torch.Generator] = None,
     backend: Optional[str] = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,16 +138,20 @@ def sample(
 
     Args:
         logits: ``[B, V]`` float32/bfloat16/float16/float64 (upcast to fp32; fp64 is rounded to fp32).
-        temperature: a number >= 0 or a float tensor ``[B]``; a row with temperature 0 is greedy
+        temperature: a finite number >= 0 or a float tensor ``[B]``; a row with temperature 0 is greedy
             (argmax of its logits, the first index among ties; filters do not apply).
-        top_k: None, an int >= 1 or an int64/int32 tensor ``[B]`` of values >= 1; a value >= V
-            keeps every token.
+        top_k: None, an int >= 1 (fitting in int64) or an int64/int32 tensor ``[B]`` of values
+            >= 1; a value >= V keeps every token.
         top_p: None, a number in (0, 1] or a float tensor ``[B]``; 1 keeps every token.
         min_p: None, a number in [0, 1) or a float tensor ``[B]``; 0 keeps every token.
         seeds: int64 ``[B]``, or None. With seeds, row ``b``'s token depends only on
-            ``logits[b]``, its parameters and ``seeds[b]`` (never on B, its position or the other
-            rows), bit for bit, and is the same on every device up to the last bit of a log; fold
-            the position into the seed when sampling a sequence step by step.
+            ``logits[b]``, its parameters, ``seeds[b]`` and ``positions[b]`` (never on B, its
+            place in the batch or the other rows), bit for bit, and is the same on every device up
+            to the last bit of a log.
+        positions: None (position 0), an int, or an int64/int32 tensor ``[B]``: the step or
+            sequence position that keys the noise together with the seed, so one request seed
+            gives independent draws at successive positions (vLLM Model Runner V2 keys its Gumbel
+            noise on ``(seed, position)`` the same way).
         generator: used only without ``seeds``: one seed per row is drawn from it (or from the
             global RNG of ``logits``' device when None), then sampling proceeds as with seeds.
         backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto), ``"native"``,
@@ -146,16 +173,17 @@ def sample(
     b, v = logits.shape
     if v == 0:
         raise ValueError(f"logits must have at least one vocab column, got shape {tuple(logits.shape)}")
-    temp = _validated("temperature", temperature, logits, integer=False, lo=0.0, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.float32)
+    temp = _validated("temperature", temperature, logits, integer=False, lo=0.0, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.float64)
     k = _validated("top_k", top_k, logits, integer=True, lo=1, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.int64)
     p = _validated("top_p", top_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=True, hi_open=False, out_dtype=torch.float64)
     mp = _validated("min_p", min_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=False, hi_open=True, out_dtype=torch.float32)
     s = _seeds(seeds, generator, logits)
+    pos = _positions(positions, logits)
     if b == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(0, dtype=torch.float32, device=logits.device)
     logits = logits.contiguous()
     if k is not None:
-        k = k.clamp(max=v)
-    impl = dispatch.select("sample", backend, logits.device, logits, temp, s, k, p, mp)
+        k = k.clamp(max=v) if isinstance(k, torch.Tensor) else min(k, v)
+    impl = dispatch.select("sample", backend, logits.device, logits, temp, s, pos, k, p, mp)
     with torch.no_grad():
-        return impl(logits, temp, s, k, p, mp)
+        return impl(logits, temp, s, pos, k, p, mp)

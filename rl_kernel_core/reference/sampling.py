@@ -3,25 +3,30 @@
 For one row with logits ``l [V]``, temperature ``T``, filters and a 64-bit ``seed``:
 
 1. Greedy rows (``T == 0``): ``token = argmax l`` (the first index among equal maxima).
-2. Otherwise ``x = fp32(l) / T`` (one IEEE division per element, in fp32).
+2. Otherwise ``x = fp32(l) * fp32(1 / T)`` (the reciprocal of the fp64 temperature formed in fp64,
+   then one fp32 product per element: the scaling of ``logprob_from_logits``' Triton kernel at
+   ``temperature=T``).
 3. Filters, in vLLM's order (``vllm/v1/worker/gpu/sample/sampler.py`` and
    ``vllm/v1/sample/sampler.py`` both apply temperature, then min-p, then top-k and top-p
    together, top-k first), each acting on what the previous ones kept:
 
-   * min-p: keep ``x_i >= max x + log(min_p)``, i.e. ``p_i >= min_p * max p`` (fp32, as vLLM).
+   * min-p: keep ``x_i >= max x + fp32(log(min_p))``, i.e. ``p_i >= min_p * max p`` (the sum in
+     fp32 as vLLM; the log formed in fp64 and rounded once).
    * top-k: keep ``x_i >= `` the k-th largest kept value (ties at the threshold are all kept).
    * top-p: over the kept tokens renormalised (fp64), sorted by decreasing probability, keep the
      shortest prefix whose mass reaches ``top_p`` (a token is kept when the mass strictly before
      it is ``< top_p``; the most likely token always is), plus every token tying with its last
      value, so the kept set does not depend on how a sort orders equal values.
 
-4. Draw: Gumbel-max, ``token = argmax over kept i of (x_i + g_i)`` with ``g_i = -log(-log u_i)``
-   in fp64, which samples exactly from ``softmax(x)`` restricted to the kept set. The uniforms
-   ``u_i`` come from a counter-based hash, not a stateful generator: SplitMix64 with state
-   ``mix64(seed)``, ``u_i = (top 52 bits of mix64(mix64(seed) + (i + 1) * 0x9E3779B97F4A7C15) + 0.5)
-   / 2**52`` in ``(0, 1)``, where ``mix64`` is SplitMix64's finaliser. So a row's draw depends on
-   its own logits, parameters and seed only, on every device (integer math is exact). Callers
-   that sample several positions of one sequence fold the position into the seed.
+4. Draw: Gumbel-max, ``token = argmax over kept i of (x_i + g_i)`` with ``g_i = -log(-log u_i)``,
+   all in fp32, which samples from ``softmax(x)`` restricted to the kept set (the 23-bit uniforms
+   bound ``g`` to about [-2.8, 16.6], a truncation of probability below 1e-7). The uniforms
+   ``u_i`` come from a counter-based hash keyed on ``(seed, position, i)``, not a stateful
+   generator: with ``mix64`` SplitMix64's finaliser (uint64 arithmetic), the row state is
+   ``state = mix64(mix64(seed) + mix64(position))`` and ``u_i = (top 23 bits of
+   mix64(state + (i + 1) * 0x9E3779B97F4A7C15) + 0.5) / 2**23`` in ``(0, 1)`` (exact in fp32).
+   So a row's draw depends on its own logits, parameters, seed and position only, on every
+   device (integer math is exact).
 5. ``logprob = log_softmax(x)[token]`` in fp32 over the full vocab before any filter, with
    ``T = 1`` for greedy rows.
 
@@ -62,18 +67,24 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
-def uniforms(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[B, vocab]`` fp64 uniforms in ``(0, 1)``: entry ``[b, i]`` is a function of ``(seeds[b], i)`` only."""
+def row_state(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64 hash states ``mix64(mix64(seed) + mix64(position))``."""
+    return mix64(mix64(seeds) + mix64(positions))
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` fp32 uniforms in ``(0, 1)``: entry ``[b, i]`` is a function of
+    ``(seeds[b], positions[b], i)`` only."""
     ids = torch.arange(1, vocab + 1, device=seeds.device, dtype=torch.int64)
-    z = mix64(mix64(seeds)[:, None] + ids[None, :] * _GAMMA)
-    return (_shift_right(z, 12).to(torch.float64) + 0.5) * 2.0**-52
+    z = mix64(row_state(seeds, positions)[:, None] + ids[None, :] * _GAMMA)
+    return (_shift_right(z, 41).to(torch.float32) + 0.5) * 2.0**-23
 
 
 def _keep_mask(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The kept-token mask ``[B, V]`` for tempered fp32 logits ``x`` (None: every token is kept)."""
     keep = None
     if min_p is not None:
-        keep = x >= x.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+        keep = x >= x.amax(dim=-1, keepdim=True) + torch.log(min_p.to(torch.float64)).to(torch.float32)[:, None]
     if top_k is None and top_p is None:
         return keep
     masked = x if keep is None else x.masked_fill(~keep, float("-inf"))
@@ -94,11 +105,12 @@ def _keep_mask(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[t
     return above if keep is None else keep & above
 
 
-def _sample_tile(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_tile(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     greedy = temperature == 0
-    x = logits.to(torch.float32) / torch.where(greedy, 1.0, temperature)[:, None]
+    inv_temp = torch.where(greedy, 1.0, 1.0 / temperature.to(torch.float64)).to(torch.float32)
+    x = logits.to(torch.float32) * inv_temp[:, None]
     logprobs = torch.log_softmax(x, dim=-1)
-    score = x.to(torch.float64) - torch.log(-torch.log(uniforms(seeds, x.shape[1])))
+    score = x - torch.log(-torch.log(uniforms(seeds, positions, x.shape[1])))
     keep = _keep_mask(x, top_k, top_p, min_p)
     if keep is not None:
         score = score.masked_fill(~keep, float("-inf"))
@@ -106,13 +118,24 @@ def _sample_tile(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.T
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
+def _as_rows(value, b: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    return torch.full((b,), value, dtype=dtype, device=device)
+
+
 @dispatch.register("sample", "torch")
-def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seeded sampling of ``logits [B, V]``; see the module docstring for the exact semantics."""
-    filters = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded sampling of ``logits [B, V]``; see the module docstring for the exact semantics and
+    :mod:`rl_kernel_core.sampling` for the argument contract (numbers or ``[B]`` tensors)."""
+    b, dev = logits.shape[0], logits.device
+    temperature = _as_rows(temperature, b, torch.float64, dev)
+    positions = _as_rows(0 if positions is None else positions, b, torch.int64, dev)
+    filters = {"top_k": _as_rows(top_k, b, torch.int64, dev), "top_p": _as_rows(top_p, b, torch.float64, dev),
+               "min_p": _as_rows(min_p, b, torch.float32, dev)}
     present = [name for name, value in filters.items() if value is not None]
 
-    def tile(lg: torch.Tensor, t: torch.Tensor, s: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _sample_tile(lg, t, s, **dict(zip(present, values)))
+    def tile(lg: torch.Tensor, t: torch.Tensor, s: torch.Tensor, pos: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _sample_tile(lg, t, s, pos, **dict(zip(present, values)))
 
-    return row_tiled(tile, logits, temperature, seeds, *(filters[name] for name in present))
+    return row_tiled(tile, logits, temperature, seeds, positions, *(filters[name] for name in present))

@@ -49,14 +49,28 @@ def _call_interpreted(self: JITFunction, *args, **kwargs):
         patches.restore()
 
 
+def _call_rewritten(self, *args, **kwargs):
+    """``InterpretedFunction.__call__`` inside one of our interpreted launches: run the rewritten
+    function without re-patching ``triton.language`` on every device-function call (the launch
+    patched it once, see :func:`_helpers_interpreted`); the re-patching dominated the run time of
+    helper-heavy kernels under the interpreter."""
+    return self.rewrite()(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _helpers_interpreted() -> Iterator[None]:
-    original = JITFunction.__call__
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
+
+    original = JITFunction.__call__, InterpretedFunction.__call__
+    scope = _patch_lang(standard.sum.fn)  # triton.language.core, which triton.language's own helpers call into
     JITFunction.__call__ = _call_interpreted
+    InterpretedFunction.__call__ = _call_rewritten
     try:
         yield
     finally:
-        JITFunction.__call__ = original
+        JITFunction.__call__, InterpretedFunction.__call__ = original
+        scope.restore()
 
 
 class LaunchTimeKernel:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl_kernel_core.triton._jit import launch_time_jit
+from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 
 _MAX_BLOCK_V = 4096
 FWD_TILE: tuple[int, int] = (4096, 4)
@@ -42,6 +42,37 @@ bf16; ``benchmarks/results/sweep_logprob_from_logits_h100.json``)."""
 
 def _block_v(vocab: int, largest: int = _MAX_BLOCK_V) -> int:
     return min(largest, triton.next_power_of_2(max(vocab, 16)))
+
+
+@helper_jit
+def online_softmax_stats(base, stride_lv, V, inv_temp, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``(m, s, u)`` of one row ``z = logits * inv_temp`` read at ``base``: the max, ``sum exp(z - m)``
+    and ``sum exp(z - m) * (z - m)`` (0 unless ``WITH_ENTROPY``), by the online recurrence above.
+
+    Every kernel that needs a row's log-sum-exp calls this one function with the same
+    ``BLOCK_V``/``num_warps``, so the statistics (and the log-probs formed from them) have the same
+    bits in each. ``-inf`` logits have probability 0; a row of only ``-inf`` gives ``m = -inf``, ``s = 0``.
+    """
+    offs = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    u = 0.0
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        valid = cols < V
+        z = tl.load(base + cols * stride_lv, mask=valid, other=-float("inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        # a reference point that is finite while every value so far is -inf (exp(-inf - -inf) is NaN)
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+        e = tl.exp(z - m_ref)
+        alpha = tl.exp(m - m_ref)
+        if WITH_ENTROPY:
+            # s == 0 only while every value so far is -inf, where m - m_new is -inf or NaN
+            shift = s * tl.where(s > 0.0, m - m_new, 0.0)
+            u = alpha * (u + shift) + tl.sum(tl.where(e > 0.0, e * (z - m_new), 0.0), axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
+        m = m_new
+    return m, s, u
 
 
 @launch_time_jit
@@ -61,27 +92,7 @@ def _logprob_fwd_kernel(
             tl.store(entropy_ptr + row, 0.0)
     else:
         base = logits_ptr + row * stride_ln
-        offs = tl.arange(0, BLOCK_V)
-        m = -float("inf")
-        s = 0.0
-        u = 0.0
-        for start in range(0, V, BLOCK_V):
-            cols = start + offs
-            valid = cols < V
-            z = tl.load(base + cols * stride_lv, mask=valid, other=-float("inf")).to(tl.float32) * inv_temp
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            # the reference point of the exponentials: 0 while every entry so far is -inf
-            # (exp(-inf - -inf) would be NaN); masked entries then add exp(-inf) = 0
-            ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-            e = tl.exp(z - ref)
-            alpha = tl.exp(m - ref)
-            if WITH_ENTROPY:
-                # s == 0 until the first finite entry, where m - m_new is -inf
-                shift = s * tl.where(s > 0.0, m - m_new, 0.0)
-                # a -inf entry has e = 0 and z - ref = -inf: it adds 0, not 0 * inf
-                u = alpha * (u + shift) + tl.sum(tl.where(e > 0.0, e * (z - ref), 0.0), axis=0)
-            s = s * alpha + tl.sum(e, axis=0)
-            m = m_new
+        m, s, u = online_softmax_stats(base, stride_lv, V, inv_temp, WITH_ENTROPY, BLOCK_V)
         log_s = tl.log(s)
         lse = m + log_s
         z_t = tl.load(base + target * stride_lv).to(tl.float32) * inv_temp

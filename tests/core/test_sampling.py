@@ -26,7 +26,7 @@ def _random_seeds(n: int) -> torch.Tensor:
     return torch.randint(info.min, info.max, (n,), dtype=torch.int64)
 
 
-def _splitmix_uniform(seed: int, i: int) -> float:
+def _splitmix_uniform(seed: int, position: int, i: int) -> float:
     """Pure-Python SplitMix64 (uint64 arithmetic), the spec of ref.uniforms."""
     mask = (1 << 64) - 1
 
@@ -35,8 +35,9 @@ def _splitmix_uniform(seed: int, i: int) -> float:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return z ^ (z >> 31)
 
-    z = mix((mix(seed & mask) + (i + 1) * 0x9E3779B97F4A7C15) & mask)
-    return ((z >> 12) + 0.5) / 2.0**52
+    state = mix((mix(seed & mask) + mix(position & mask)) & mask)
+    z = mix((state + (i + 1) * 0x9E3779B97F4A7C15) & mask)
+    return ((z >> 41) + 0.5) / 2.0**23
 
 
 def _allowed(logits_row: np.ndarray, t: float, top_k, top_p, min_p) -> tuple[np.ndarray, np.ndarray]:
@@ -93,10 +94,12 @@ def test_registered_and_dispatched_to_torch(seed):
 
 def test_hash_matches_pure_python_splitmix(seed):
     seeds = torch.cat([_random_seeds(6), torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
-    u = ref.uniforms(seeds, 37)
-    for b, s in enumerate(seeds.tolist()):
-        expected = torch.tensor([_splitmix_uniform(s, i) for i in range(37)], dtype=torch.float64)
-        assert torch.equal(u[b], expected)
+    positions = torch.cat([torch.randint(0, 1 << 20, (6,)), torch.tensor([0, -1, 2**63 - 1, 5])])
+    u = ref.uniforms(seeds, positions, 37)
+    assert u.dtype == torch.float32
+    for b, (s, pos) in enumerate(zip(seeds.tolist(), positions.tolist())):
+        expected = torch.tensor([_splitmix_uniform(s, pos, i) for i in range(37)], dtype=torch.float64)
+        assert torch.equal(u[b].double(), expected)
     assert bool(((u > 0) & (u < 1)).all())
 
 
@@ -220,13 +223,29 @@ def test_scalars_and_per_row_tensors_agree(seed):
     scalar = rk.sample(logits, temperature=0.7, top_k=20, top_p=0.85, min_p=0.02, seeds=seeds)
     per_row = rk.sample(
         logits,
-        temperature=torch.full((b,), 0.7),
+        temperature=torch.full((b,), 0.7, dtype=torch.float64),  # fp32(0.7) would be another temperature
         top_k=torch.full((b,), 20, dtype=torch.int32),
         top_p=torch.full((b,), 0.85, dtype=torch.float64),
         min_p=torch.full((b,), 0.02),
         seeds=seeds,
     )
     assert torch.equal(scalar[0], per_row[0]) and torch.equal(scalar[1], per_row[1])
+
+
+def test_positions_key_the_noise(seed):
+    b, v = 512, 64
+    logits = torch.randn(b, v) * 0.5  # flat: independent draws rarely agree
+    seeds = _random_seeds(b)
+    at0, _ = rk.sample(logits, seeds=seeds)
+    assert torch.equal(at0, rk.sample(logits, seeds=seeds, positions=0)[0])
+    at7, _ = rk.sample(logits, seeds=seeds, positions=7)
+    assert torch.equal(at7, rk.sample(logits, seeds=seeds, positions=torch.full((b,), 7, dtype=torch.int32))[0])
+    collide = torch.softmax(logits.double(), dim=-1).pow(2).sum(dim=-1)
+    bound = collide.sum() + SIGMAS * (collide * (1 - collide)).sum().sqrt()
+    assert (at0 == at7).sum().item() <= bound.item(), "position 7 repeats position 0's draws"
+    steps = torch.arange(b)  # one seed, successive positions: as independent as fresh seeds
+    one_seed = rk.sample(logits[:1].expand(b, v), seeds=seeds[:1].expand(b).contiguous(), positions=steps)[0]
+    assert one_seed.unique().numel() > 1
 
 
 def test_generator_and_global_rng_are_reproducible(seed):
@@ -282,6 +301,23 @@ def _bad_cases():
         ("seeds and generator", lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int64), generator=torch.Generator()), ValueError, "generator"),
         ("generator type", lambda lg: rk.sample(lg, generator=3), TypeError, "generator"),
         ("backend name", lambda lg: rk.sample(lg, backend="cuda"), ValueError, "backend"),
+        ("infinite temperature", lambda lg: rk.sample(lg, temperature=float("inf")), ValueError, "temperature"),
+        ("nan temperature", lambda lg: rk.sample(lg, temperature=float("nan")), ValueError, "temperature"),
+        ("huge int temperature", lambda lg: rk.sample(lg, temperature=10**400), ValueError, "temperature"),
+        ("inf temperature row", lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, float("inf"), 1.0, 1.0])), ValueError, "temperature"),
+        ("int temperature tensor", lambda lg: rk.sample(lg, temperature=torch.ones(b, dtype=torch.int64)), TypeError, "temperature"),
+        ("top_k 2**64", lambda lg: rk.sample(lg, top_k=2**64), ValueError, "top_k"),
+        ("top_k negative", lambda lg: rk.sample(lg, top_k=-1), ValueError, "top_k"),
+        ("top_k bool", lambda lg: rk.sample(lg, top_k=True), TypeError, "top_k"),
+        ("top_k shape", lambda lg: rk.sample(lg, top_k=torch.ones(b, 1, dtype=torch.int64)), ValueError, "top_k"),
+        ("top_p nan", lambda lg: rk.sample(lg, top_p=float("nan")), ValueError, "top_p"),
+        ("top_p int tensor", lambda lg: rk.sample(lg, top_p=torch.ones(b, dtype=torch.int64)), TypeError, "top_p"),
+        ("top_p tensor shape", lambda lg: rk.sample(lg, top_p=torch.full((b - 1,), 0.5)), ValueError, "top_p"),
+        ("min_p nan row", lambda lg: rk.sample(lg, min_p=torch.tensor([0.1, float("nan"), 0.0, 0.2])), ValueError, "min_p"),
+        ("positions float", lambda lg: rk.sample(lg, positions=1.5), TypeError, "positions"),
+        ("positions 2**64", lambda lg: rk.sample(lg, positions=2**64), ValueError, "positions"),
+        ("positions float tensor", lambda lg: rk.sample(lg, positions=torch.zeros(b)), TypeError, "positions"),
+        ("positions shape", lambda lg: rk.sample(lg, positions=torch.zeros(b + 2, dtype=torch.int64)), ValueError, "positions"),
     ], (b, v)
 
 

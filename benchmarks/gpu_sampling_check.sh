@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On a CUDA machine: the GPU tests of `sample` (both backends' files) and bench_sampling.py, with
+# logs and JSON under OUT (default $OUT, else ./gpu-results). Prints a summary last.
+#   bash benchmarks/gpu_sampling_check.sh [OUT]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-gpu-results}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+python3 -m rl_kernel_core.cli info > "$out/info.txt" 2>&1
+python3 -m pytest -q -m gpu tests/core/test_sampling.py tests/core/test_triton_sampling.py -p no:cacheprovider --durations=15 2>&1 \
+  | tee "$out/sampling_gpu_tests.log" | tail -40
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+python3 - > "$out/sampling_kernels.txt" 2>&1 <<'PY'
+# registers and spills of every compiled sampling kernel (one headline call compiles them)
+import torch
+import rl_kernel_core as rk
+from rl_kernel_core.triton import sampling as S
+logits = torch.randn(128, 151936, device="cuda").to(torch.bfloat16)
+rk.sample(logits, top_k=50, top_p=0.9, seeds=torch.arange(128, device="cuda"))
+for name, kernel in (("stats", S._stats_kernel), ("sample", S._sample_kernel)):
+    for cache in kernel.flavour().device_caches.values():
+        for compiled in cache[0].values():
+            print(name, "regs", compiled.n_regs, "spills", compiled.n_spills, "shared", compiled.metadata.shared)
+PY
+cat "$out/sampling_kernels.txt"
+python3 benchmarks/bench_sampling.py --out "$out" 2>&1 | tee "$out/bench_sampling.log" | grep -v '^[ {}]' | tail -20
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "gpu_sampling_check status=$status"
+exit $status
