@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from rl_kernel_core import adapters
 from rl_kernel_core.invariance import bi_linear
-from rl_kernel_vllm import patching
 from rl_kernel_vllm._log import log_once
 
 TARGETS: tuple[str, ...] = (
@@ -50,15 +50,16 @@ def _make_class() -> type:
     return RLKernelLogitsProcessor
 
 
-def install() -> dict[str, Any]:
-    """Register the subclass for ``LogitsProcessor`` (once per process); the hook's status entry."""
+def install(patches: adapters.Patches) -> dict[str, Any]:
+    """Register the subclass for ``LogitsProcessor`` (once per process; ``patches`` undoes it); the
+    hook's status entry."""
     results: dict[str, str] = {}
     problems: list[str] = []
     for target in TARGETS:
         try:
-            patching.resolve(target)
+            adapters.locate(target)
             results[target] = "present"
-        except patching.TargetMissing as exc:
+        except adapters.TargetMissing as exc:
             results[target] = f"missing: {exc}"
             problems.append(str(exc))
     if problems:
@@ -69,6 +70,7 @@ def install() -> dict[str, Any]:
     current = op_registry_oot.get(REGISTRY_KEY)
     if current is None:
         LogitsProcessor.register_oot(_make_class())
+        patches.on_restore(lambda: op_registry_oot.pop(REGISTRY_KEY, None))
         results["register_oot"] = "registered"
     elif getattr(current, "__qualname__", "").endswith("RLKernelLogitsProcessor") and current.__module__ == __name__:
         results["register_oot"] = "already registered"

@@ -2,8 +2,9 @@
 
 vLLM loads general plugins in every process it starts (the API/driver process, the engine
 core, each worker), and those processes inherit the environment, so environment variables are
-the one configuration every process sees. Values are ``1``/``0`` (also ``true``/``false``,
-``yes``/``no``, ``on``/``off``, any case); anything else is an error naming the variable.
+the one configuration every process sees. Values go through rl-kernel's one boolean parser
+(:mod:`rl_kernel_core.switches`: ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``,
+any case; unset or empty is the default); anything else is an error naming the variable.
 
 =================================  =======  ================================================
 variable                           default  effect
@@ -18,14 +19,16 @@ variable                           default  effect
 ``RL_KERNEL_VLLM_STRICT``          ``0``    a missing or moved vLLM target is an error
 =================================  =======  ================================================
 
-The sub-switches only matter when ``RL_KERNEL_VLLM`` is on.
+While ``RL_KERNEL_VLLM`` is off the other variables are not read at all: a malformed
+sub-switch cannot stop vLLM from starting when the plugin is off.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
+
+from rl_kernel_core.switches import env_switch_family
 
 MASTER = "RL_KERNEL_VLLM"
 STRICT = "RL_KERNEL_VLLM_STRICT"
@@ -37,28 +40,6 @@ HOOK_SWITCHES: dict[str, tuple[str, bool]] = {
     "sampler": ("RL_KERNEL_VLLM_SAMPLER", False),
     "batch_invariant": ("RL_KERNEL_VLLM_BATCH_INVARIANT", False),
 }
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-def flag(name: str, default: bool, environ: Optional[Mapping[str, str]] = None) -> bool:
-    """The boolean value of environment variable ``name`` (``default`` when unset).
-
-    Raises:
-        ValueError: the variable holds something other than a recognised boolean spelling.
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name} must be one of 1/0, true/false, yes/no, on/off, got {raw!r}")
-
 
 @dataclass(frozen=True)
 class Switches:
@@ -74,9 +55,14 @@ class Switches:
 
 
 def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
-    """Read every switch from ``environ`` (default ``os.environ``)."""
-    return Switches(
-        enabled=flag(MASTER, False, environ),
-        strict=flag(STRICT, False, environ),
-        hooks={hook: flag(var, default, environ) for hook, (var, default) in HOOK_SWITCHES.items()},
-    )
+    """Read the switches from ``environ`` (default ``os.environ``): the master switch first, the
+    others only when it is on.
+
+    Raises:
+        rl_kernel_core.switches.SwitchError: a switch that is read holds an unaccepted value.
+    """
+    values = env_switch_family(MASTER, {**HOOK_SWITCHES, "strict": (STRICT, False)}, environ)
+    if values is None:
+        return Switches(enabled=False, strict=False, hooks={hook: False for hook in HOOK_SWITCHES})
+    strict = values.pop("strict")
+    return Switches(enabled=True, strict=strict, hooks=values)

@@ -159,7 +159,7 @@ def test_plugin_off_leaves_worker_untouched(runs):
         assert not worker["status"]["enabled"]
         assert not worker["sampler_forward_patched"]
         assert worker["logits_processor_types"] == ["vllm.model_executor.layers.logits_processor.LogitsProcessor"]
-        assert not worker["rl_kernel_core_imported"], "the plugin imported rl_kernel_core while off"
+        assert not worker["rl_kernel_core_imported"], "the plugin imported rl_kernel_core ops while off"
     assert "live hooks" not in runs["off"]["log"]
 
 

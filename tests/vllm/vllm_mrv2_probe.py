@@ -46,7 +46,8 @@ def main(out_path: str, seed: int) -> None:
     from vllm.v1.worker.gpu.sample.states import SamplingStates
 
     import rl_kernel_vllm
-    from rl_kernel_vllm import logprobs, patching
+    from rl_kernel_core import adapters
+    from rl_kernel_vllm import logprobs
 
     vocab, num_logprobs = 53, 2
     temps = [0.7, 1.0, 0.0, 1.6, 0.7]  # by request slot; slot 2 is greedy
@@ -55,7 +56,7 @@ def main(out_path: str, seed: int) -> None:
     vllm.plugins.load_general_plugins()
     assert rl_kernel_vllm.status()["hooks"]["logprobs"]["runners"] == ["v1", "v2"], rl_kernel_vllm.status()
     patched_topk = mrv2_sampler.compute_topk_scores
-    assert getattr(patched_topk, patching.ORIGINAL_ATTR) is original_topk
+    assert getattr(patched_topk, adapters.ORIGINAL_ATTR) is original_topk
 
     states = SamplingStates(max_num_reqs=8, vocab_size=vocab)
     for slot, t in enumerate(temps):
