@@ -44,16 +44,6 @@ def main(scenario: str) -> None:
     second = {t: adapters.locate(t)[2] for t in targets}
     import rl_kernel_core
 
-    restored = None
-    if scenario == "restore":
-        rl_kernel_vllm.restore()
-        restored = {
-            "targets": {t: adapters.locate(t)[2] is before[t] for t in targets},
-            "oot": dict(op_registry_oot) == oot_before,
-            "batch_invariant_mode": rl_kernel_core.is_batch_invariant(),
-            "status_registered": rl_kernel_vllm.status()["registered"],
-        }
-
     report = {
         "batch_invariant_mode": rl_kernel_core.is_batch_invariant(),
         "error": error,
@@ -64,8 +54,16 @@ def main(scenario: str) -> None:
         "oot_unchanged": {k: op_registry_oot.get(k) is v for k, v in oot_before.items()} == {k: True for k in oot_before}
         and set(op_registry_oot) == set(oot_before),
         "oot_added": sorted(set(op_registry_oot) - set(oot_before)),
-        "restored": restored,
     }
+    report["restored"] = None
+    if scenario == "restore":
+        rl_kernel_vllm.restore()
+        report["restored"] = {
+            "targets": {t: adapters.locate(t)[2] is before[t] for t in targets},
+            "oot": dict(op_registry_oot) == oot_before,
+            "batch_invariant_mode": rl_kernel_core.is_batch_invariant(),
+            "status_registered": rl_kernel_vllm.status()["registered"],
+        }
     print("PROBE " + json.dumps(report))
 
 
