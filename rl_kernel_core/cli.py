@@ -173,22 +173,28 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     try:
+        off, on = report.read_step_log(args.off), report.read_step_log(args.on)
         if args.out:
             path = report.write_report(args.off, args.on, args.out, warmup_steps=args.warmup_steps)
-        off, on = report.read_step_log(args.off), report.read_step_log(args.on)
     except report.StepLogError as exc:
-        print(f"rl-kernel compare: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail("compare", str(exc))
+    except OSError as exc:
+        return _fail("compare", f"--out {args.out!r} cannot be written: {exc.strerror or exc}")
     rows = report.compare_table(off, on, args.warmup_steps)
-    if args.json:
-        print(json.dumps(rows, indent=2, allow_nan=False))
-        return 0
-    print(f"OFF: {off.path} ({off.steps} steps)   ON: {on.path} ({on.steps} steps)")
+    notes = []
     for log, side in ((off, "OFF"), (on, "ON")):
         if log.oom:
-            print(f"{side}: out of memory at step {log.oom[0]}: {log.oom[1]}")
+            notes.append(f"{side}: out of memory at step {log.oom[0]}: {log.oom[1]}")
         if log.skipped_partial:
-            print(f"{side}: skipped an unterminated last line (interrupted run)")
+            notes.append(f"{side}: skipped {log.skipped_partial} unterminated last line of {log.path} (interrupted run)")
+    if args.json:
+        for note in notes:
+            print(f"rl-kernel compare: {note}", file=sys.stderr)
+        print(json.dumps(report.json_safe(rows), indent=2, allow_nan=False))
+        return 0
+    print(f"OFF: {off.path} ({off.steps} steps)   ON: {on.path} ({on.steps} steps)")
+    for note in notes:
+        print(note)
     print(report.text_table(rows))
     if args.out:
         print(f"report: {path}")
@@ -221,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("on", help="step log (JSONL) of the run with the flag on")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default=None, help="write report.md, comparison.json and PNG plots into this directory")
-    p.add_argument("--warmup-steps", type=int, default=1,
+    p.add_argument("--warmup-steps", type=_non_negative_int, default=1,
                    help="leave each log's first N steps out of the timing statistics (default 1)")
     p.set_defaults(func=_compare)
     return parser

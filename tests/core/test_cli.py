@@ -133,3 +133,28 @@ def test_bench_bytes_counts_inputs_and_the_eager_logits():
     assert got["inputs"] == 2 * (10 * 4 + 100 * 4) * 2 + 10 * 8 + 10 * 4
     assert got["eager"] == 10 * 100 * (2 + 4 + 4 + 4)
     assert got["total"] == got["inputs"] + got["eager"]
+
+
+def test_compare_reports_a_skipped_line_and_prints_valid_json(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"step": i, "regions": {"step": 1e308}}) + "\n" for i in range(3)))
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(good.read_text() + '{"step": 3, "regi')
+    code, out, err = _main("compare", str(good), str(cut), "--json", capsys=capsys)
+    assert code == 0
+    assert f"ON: skipped 1 unterminated last line of {cut}" in err
+    rows = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert rows[0]["off"]["mean"] is None  # an overflowed mean, not Infinity
+    code, out, err = _main("compare", str(good), str(cut), capsys=capsys)
+    assert code == 0 and "ON: skipped 1 unterminated last line" in out
+
+
+def test_compare_refuses_bad_out_and_warmup(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"step": 0, "regions": {"step": 1.0}}) + "\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, out, err = _main("compare", str(good), str(good), "--out", str(blocker / "rep"), capsys=capsys)
+    assert code == 2 and err.startswith(f"rl-kernel compare: error: --out {str(blocker / 'rep')!r} cannot be written")
+    code, out, err = _main("compare", str(good), str(good), "--warmup-steps", "-1", capsys=capsys)
+    assert code == 2 and "argument --warmup-steps: must be a non-negative integer, got -1" in err
