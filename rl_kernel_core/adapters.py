@@ -55,6 +55,15 @@ def _name(obj: Any) -> str:
     return str(getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or obj)
 
 
+def _walk(target: str, module_name: str, attrs: list[str]) -> Any:
+    obj: Any = _import(target, module_name)
+    for attr in attrs:
+        if not hasattr(obj, attr):
+            raise TargetMissing(f"{target}: {_name(obj)} has no attribute {attr!r}")
+        obj = getattr(obj, attr)
+    return obj
+
+
 def resolve(target: str) -> Any:
     """The object at ``target`` (``"module:Attr.path"``), inherited class attributes included.
 
@@ -63,12 +72,7 @@ def resolve(target: str) -> Any:
         TargetMissing: the module cannot be imported or an attribute on the path is absent.
     """
     module_name, attrs = _split(target)
-    obj: Any = _import(target, module_name)
-    for attr in attrs:
-        if not hasattr(obj, attr):
-            raise TargetMissing(f"{target}: {_name(obj)} has no attribute {attr!r}")
-        obj = getattr(obj, attr)
-    return obj
+    return _walk(target, module_name, attrs)
 
 
 def locate(target: str) -> tuple[Any, str, Any]:
@@ -82,11 +86,7 @@ def locate(target: str) -> tuple[Any, str, Any]:
     """
     module_name, attrs = _split(target)
     *parents, name = attrs
-    owner: Any = _import(target, module_name)
-    for part in parents:
-        if not hasattr(owner, part):
-            raise TargetMissing(f"{target}: {_name(owner)} has no attribute {part!r}")
-        owner = getattr(owner, part)
+    owner = _walk(target, module_name, parents)
     if isinstance(owner, type):
         if name not in vars(owner):
             raise TargetMissing(f"{target}: {_name(owner)} defines no attribute {name!r}")
@@ -276,16 +276,8 @@ class Patches:
                     done.append(f"{module_name}.{attr}")
         return done
 
-    def add_import_hook(
-        self,
-        modules: Iterable[str],
-        on_import: Callable[[ModuleType], None],
-        *,
-        once: bool = False,
-        before: Optional[Callable[[str], None]] = None,
-    ) -> ImportHook:
-        """Install an :class:`ImportHook` for ``modules``; :meth:`restore` removes it."""
-        hook = ImportHook(modules, on_import, once=once, before=before)
+    def add_import_hook(self, hook: ImportHook) -> ImportHook:
+        """Install ``hook`` first on ``sys.meta_path``; :meth:`restore` removes it. Returns ``hook``."""
         with self._lock:
             self._hooks.append(hook)
         hook.install()

@@ -87,7 +87,7 @@ def arm() -> None:
     if _MODULE in sys.modules:
         _wrap_factory()
     else:
-        _patches.add_import_hook([_MODULE], _wrap_factory, once=True)
+        _patches.add_import_hook(adapters.ImportHook([_MODULE], _wrap_factory, once=True))
 
 
 def disarm() -> None:

@@ -18,6 +18,7 @@ import sys
 from types import ModuleType
 from typing import Optional
 
+from rl_kernel_core.adapters import ImportHook
 from rl_kernel_core.switches import SwitchError
 from rl_kernel_vime import config, registry, targets
 
@@ -41,7 +42,7 @@ def _refuse_invalid(name: str) -> None:
 
 def _install_hook() -> None:
     if not _state.hooked:
-        registry.patches.add_import_hook(targets.MODULES, _on_module, before=_refuse_invalid)
+        registry.patches.add_import_hook(ImportHook(targets.MODULES, _on_module, before=_refuse_invalid))
         _state.hooked = True
 
 

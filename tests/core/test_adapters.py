@@ -132,7 +132,7 @@ def test_rebind_and_restore_by_name_imports(fw):
 def test_import_hook_runs_after_the_module_and_restore_removes_it(fw):
     seen = []
     patches = adapters.Patches()
-    hook = patches.add_import_hook(["fw.user"], lambda module: seen.append((module.__name__, module.compute)))
+    hook = patches.add_import_hook(adapters.ImportHook(["fw.user"], lambda module: seen.append((module.__name__, module.compute))))
     assert sys.meta_path[0] is hook
     user = importlib.import_module("fw.user")
     assert seen == [("fw.user", fw.compute)] and user.__spec__.loader.get_filename("fw.user").endswith("user.py")
