@@ -77,7 +77,7 @@ def install_logprobs(patches: adapters.Patches) -> dict[str, Any]:
     results, live, problems = _install_runner_families(patches, logprobs.RUNNERS, logprobs.WRAPPERS)
     if not live:
         problems.append("no model-runner target found: " + "; ".join(results.values()))
-    return {"live": bool(live), "runners": live, "targets": results, "problems": problems}
+    return {"live": bool(live), "runners": live, "targets": results, "problems": problems, "overrides": list(logprobs.OVERRIDES)}
 
 
 def install_batch_invariant(patches: adapters.Patches) -> dict[str, Any]:
@@ -87,7 +87,8 @@ def install_batch_invariant(patches: adapters.Patches) -> dict[str, Any]:
     previous = rl_kernel_core.is_batch_invariant()
     rl_kernel_core.set_batch_invariant_mode(True)
     patches.on_restore(lambda: rl_kernel_core.set_batch_invariant_mode(previous))
-    return {"live": True, "targets": {"rl_kernel_core.set_batch_invariant_mode": "True"}, "problems": []}
+    overrides = ["rl-kernel's batch-invariant mode is on in this process (rl-kernel ops take their fixed-reduction-order paths)"]
+    return {"live": True, "targets": {"rl_kernel_core.set_batch_invariant_mode": "True"}, "problems": [], "overrides": overrides}
 
 
 def install_sampler(patches: adapters.Patches) -> dict[str, Any]:
@@ -97,7 +98,7 @@ def install_sampler(patches: adapters.Patches) -> dict[str, Any]:
     results, live, problems = _install_runner_families(patches, {"v1": sampler.TARGETS}, {sampler.TARGETS[0]: sampler.wrap_v1_sample})
     if not live:
         problems.append("sampler: no model-runner target found: " + "; ".join(results.values()))
-    return {"live": bool(live), "runners": live, "targets": results, "problems": problems}
+    return {"live": bool(live), "runners": live, "targets": results, "problems": problems, "overrides": list(sampler.OVERRIDES)}
 
 
 # hook -> "module:function(patches)" returning its status entry; imported only when the hook is
@@ -151,6 +152,9 @@ def register() -> None:
     logger.info(
         "rl_kernel_vllm (pid %d, vllm %s): live hooks: %s", os.getpid(), status["vllm_version"], ", ".join(live) or "none"
     )
+    for hook in live:
+        for override in status["hooks"][hook].get("overrides", ()):
+            logger.info("rl_kernel_vllm (pid %d) overrides: %s", os.getpid(), override)
     for problem in problems:
         logger.warning("rl_kernel_vllm: %s", problem)
     if problems and sw.strict:

@@ -93,6 +93,7 @@ def test_on_patches_each_target_once(on):
     assert all(on["idempotent"].values()), on["idempotent"]
     assert set(status["hooks"]["logprobs"]["targets"].values()) == {"patched"}
     assert on["log"].count("live hooks: logprobs") == 1
+    assert on["log"].count("overrides: ") == len(logprobs.OVERRIDES)
 
 
 def test_on_default_switches(on):
@@ -112,6 +113,12 @@ def test_every_hook_on(probes):
     assert report["oot_added"] == ["LogitsProcessor"]
     assert report["batch_invariant_mode"] is True
     assert report["log"].count("live hooks: logprobs, lm_head, sampler, batch_invariant") == 1
+    # every override of a vLLM setting is announced once, beside the live-hooks line
+    from rl_kernel_vllm import lm_head
+
+    for override in (*logprobs.OVERRIDES, *lm_head.OVERRIDES, *sampler.OVERRIDES):
+        assert report["log"].count(f"overrides: {override}") == 1, override
+    assert report["log"].count("overrides: rl-kernel's batch-invariant mode is on") == 1
 
 
 def test_moved_target_is_logged_and_left_alone(probes):

@@ -72,8 +72,10 @@ def main(out_path: str, seed: int) -> None:
     def call_body(self, logits, input_batch):  # stand-in for MRV2 Sampler.__call__'s log-prob call
         return mrv2_sampler.compute_topk_scores(logits, num_logprobs, sampled)
 
-    sampler = types.SimpleNamespace(sampling_states=states, logprobs_mode="raw_logprobs")
+    sampler = types.SimpleNamespace(sampling_states=states, logprobs_mode="processed_logprobs")
     ours = logprobs.wrap_v2_call(call_body)(sampler, logits, batch)
+    sampler.logprobs_mode = "raw_logprobs"
+    ours_raw = logprobs.wrap_v2_call(call_body)(sampler, logits, batch)
     outside = patched_topk(logits, num_logprobs, sampled)  # no Sampler.__call__ around it
     theirs = original_topk(logits, num_logprobs, sampled)
     sampler.logprobs_mode = "raw_logits"
@@ -90,6 +92,7 @@ def main(out_path: str, seed: int) -> None:
             "logits": logits,
             "row_temperatures": torch.tensor([temps[s] for s in order]),
             "ours": tuple(ours[:3]),
+            "ours_raw": tuple(ours_raw[:3]),
             "outside": tuple(outside[:3]),
             "theirs": tuple(theirs[:3]),
             "logits_mode": tuple(logits_mode[:3]),
