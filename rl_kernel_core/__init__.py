@@ -1,27 +1,57 @@
-"""rl-kernel core operators: the public API, re-exported from the modules that hold it."""
+"""rl-kernel core operators: the public API, re-exported from the modules that hold it.
 
-from rl_kernel_core.advantages import group_advantages
-from rl_kernel_core.attention import varlen_attention
-from rl_kernel_core.invariance import batch_invariant, is_batch_invariant, rms_norm, set_batch_invariant_mode
-from rl_kernel_core.dispatch import BackendUnavailableError
-from rl_kernel_core.logprob import linear_logprob, logprob_from_logits
-from rl_kernel_core.policy_loss import fused_linear_policy_loss, policy_loss, ratio_kl
-from rl_kernel_core.sampling import sample
+The re-exports load on first access (PEP 562 ``__getattr__``), so importing a standard-library
+module of the package (:mod:`rl_kernel_core.switches`, :mod:`rl_kernel_core.adapters`) does not
+import torch: the framework adapters read their switches with them at process start, and an
+adapter that is off loads nothing else.
+"""
+
+import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackendUnavailableError",
-    "batch_invariant",
-    "fused_linear_policy_loss",
-    "group_advantages",
-    "is_batch_invariant",
-    "linear_logprob",
-    "logprob_from_logits",
-    "policy_loss",
-    "ratio_kl",
-    "rms_norm",
-    "sample",
-    "set_batch_invariant_mode",
-    "varlen_attention",
-]
+# public name -> the module that holds it
+_EXPORTS: dict[str, str] = {
+    "BackendUnavailableError": "rl_kernel_core.dispatch",
+    "batch_invariant": "rl_kernel_core.invariance",
+    "fused_linear_policy_loss": "rl_kernel_core.policy_loss",
+    "group_advantages": "rl_kernel_core.advantages",
+    "is_batch_invariant": "rl_kernel_core.invariance",
+    "linear_logprob": "rl_kernel_core.logprob",
+    "logprob_from_logits": "rl_kernel_core.logprob",
+    "policy_loss": "rl_kernel_core.policy_loss",
+    "ratio_kl": "rl_kernel_core.policy_loss",
+    "rms_norm": "rl_kernel_core.invariance",
+    "sample": "rl_kernel_core.sampling",
+    "set_batch_invariant_mode": "rl_kernel_core.invariance",
+    "varlen_attention": "rl_kernel_core.attention",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rl_kernel_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    # The import system binds a loaded submodule on its package; the submodule policy_loss
+    # shares its name with the function re-exported here, and the function keeps the name.
+    def __setattr__(self, name: str, value) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -55,6 +55,15 @@ def environment(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """Bytes that can be allocated on ``device`` now: the CUDA driver's free memory for a CUDA
+    device, the operating system's available physical memory for the CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -4,12 +4,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
 import torch
 
 from rl_kernel_core import bench, dispatch, report
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_GIB = 2**30
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"rl-kernel {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -23,7 +52,11 @@ def _info(args: argparse.Namespace) -> int:
     if backends["triton"] == "available" and device.type != "cuda":
         backends["triton"] = "imports, but runs only on CUDA tensors (or under TRITON_INTERPRET=1 when named explicitly)"
     env["backends"] = backends
-    env["default_backend"] = dispatch.default_backend()
+    try:
+        env["default_backend"] = dispatch.default_backend()
+    except ValueError as exc:  # a diagnostic command reports a bad variable and goes on
+        env["default_backend"] = f"invalid: {exc}"
+        print(f"rl-kernel info: warning: {exc}", file=sys.stderr)
     if args.json:
         print(json.dumps(env, indent=2))
         return 0
@@ -38,12 +71,61 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_bytes(n: int, d: int, v: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes ``rl-kernel bench`` allocates at most for ``N=n, D=d, V=v`` in ``dtype``.
+
+    ``inputs``: hidden ``[N, D]`` and weight ``[V, D]`` with their gradients, targets and the
+    upstream gradient. ``eager``: the eager baseline's ``[N, V]`` tensors alive at once (the
+    logits, their fp32 copy when ``dtype`` is not fp32, the fp32 log-softmax and its gradient).
+    rl-kernel's own path needs less than the baseline (it never builds ``[N, V]``).
+    """
+    size = torch.tensor([], dtype=dtype).element_size()
+    inputs = 2 * (n * d + v * d) * size + n * 8 + n * 4
+    per_logit = size + (0 if dtype == torch.float32 else 4) + 4 + 4
+    return {"inputs": inputs, "eager": n * v * per_logit, "total": inputs + n * v * per_logit}
+
+
+def _check_out(path: str) -> Optional[str]:
+    """Why ``--out`` cannot be written (checked before any timing), or None."""
+    if os.path.isdir(path):
+        return f"--out must be a file path, got {path!r}, which is a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return f"--out must be a writable file path, got {path!r}: {exc.strerror or exc}"
+    if not existed:
+        os.remove(path)
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from rl_kernel_core.logprob import linear_logprob
 
+    if args.out:
+        problem = _check_out(args.out)
+        if problem:
+            return _fail("bench", problem)
+    if args.backend == "auto":
+        try:
+            dispatch.default_backend()
+        except ValueError as exc:
+            return _fail("bench", str(exc))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return _fail("bench", f"--device {args.device} needs CUDA, and torch.cuda.is_available() is False")
+    dtype = _DTYPES[args.dtype]
     n, d, v = args.tokens, args.hidden, args.vocab
+    need = bench_bytes(n, d, v, dtype)
+    free = bench.free_memory_bytes(device)
+    if need["total"] > free:
+        return _fail(
+            "bench",
+            f"N={n} D={d} V={v} {args.dtype} needs about {need['total'] / _GIB:.2f} GiB on {device} "
+            f"(inputs and gradients {need['inputs'] / _GIB:.2f} GiB, the eager baseline's [N, V] tensors "
+            f"{need['eager'] / _GIB:.2f} GiB) and {free / _GIB:.2f} GiB is free; lower --tokens or --vocab",
+        )
     hidden = torch.randn(n, d, device=device, dtype=dtype, requires_grad=True)
     weight = (torch.randn(v, d, device=device, dtype=dtype) / d**0.5).requires_grad_(True)
     targets = torch.randint(0, v, (n,), device=device)
@@ -87,22 +169,28 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     try:
+        off, on = report.read_step_log(args.off), report.read_step_log(args.on)
         if args.out:
             path = report.write_report(args.off, args.on, args.out, warmup_steps=args.warmup_steps)
-        off, on = report.read_step_log(args.off), report.read_step_log(args.on)
     except report.StepLogError as exc:
-        print(f"rl-kernel compare: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail("compare", str(exc))
+    except OSError as exc:
+        return _fail("compare", f"--out {args.out!r} cannot be written: {exc.strerror or exc}")
     rows = report.compare_table(off, on, args.warmup_steps)
-    if args.json:
-        print(json.dumps(rows, indent=2, allow_nan=False))
-        return 0
-    print(f"OFF: {off.path} ({off.steps} steps)   ON: {on.path} ({on.steps} steps)")
+    notes = []
     for log, side in ((off, "OFF"), (on, "ON")):
         if log.oom:
-            print(f"{side}: out of memory at step {log.oom[0]}: {log.oom[1]}")
+            notes.append(f"{side}: out of memory at step {log.oom[0]}: {log.oom[1]}")
         if log.skipped_partial:
-            print(f"{side}: skipped an unterminated last line (interrupted run)")
+            notes.append(f"{side}: skipped {log.skipped_partial} unterminated last line of {log.path} (interrupted run)")
+    if args.json:
+        for note in notes:
+            print(f"rl-kernel compare: {note}", file=sys.stderr)
+        print(json.dumps(report.json_safe(rows), indent=2, allow_nan=False))
+        return 0
+    print(f"OFF: {off.path} ({off.steps} steps)   ON: {on.path} ({on.steps} steps)")
+    for note in notes:
+        print(note)
     print(report.text_table(rows))
     if args.out:
         print(f"report: {path}")
@@ -143,14 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
 
     p = sub.add_parser("bench", help="time linear_logprob forward+backward against eager PyTorch")
-    p.add_argument("--tokens", "-N", type=int, default=2048)
-    p.add_argument("--hidden", "-D", type=int, default=256)
-    p.add_argument("--vocab", "-V", type=int, default=32000)
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--tokens", "-N", type=_positive_int, default=2048)
+    p.add_argument("--hidden", "-D", type=_positive_int, default=256)
+    p.add_argument("--vocab", "-V", type=_positive_int, default=32000)
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--backend", default="auto", help="auto, native, triton or torch")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--backend", default="auto", choices=("auto", *dispatch.BACKENDS), help="auto, native, triton or torch")
+    p.add_argument("--warmup", type=_non_negative_int, default=2)
+    p.add_argument("--reps", type=_positive_int, default=5, help="timed runs (the median is reported)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(func=_bench)
 
@@ -159,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("on", help="step log (JSONL) of the run with the flag on")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default=None, help="write report.md, comparison.json and PNG plots into this directory")
-    p.add_argument("--warmup-steps", type=int, default=1,
+    p.add_argument("--warmup-steps", type=_non_negative_int, default=1,
                    help="leave each log's first N steps out of the timing statistics (default 1)")
     p.set_defaults(func=_compare)
 

@@ -46,6 +46,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RL_KERNEL_CACHE", Path.home() / ".cache" / "rl-kernel" / "native"))
 
 
+class UnsafeCacheError(RuntimeError):
+    """The build cache is not private to this user (the message says why and what to do)."""
+
+
+def check_cache_dir() -> None:
+    """Refuse a build cache another user could write into.
+
+    The extension is loaded from the cache as native code, so :func:`cache_dir` and
+    :func:`build_dir` must, where they exist, be directories owned by this user and not writable
+    by group or others. Raises :class:`UnsafeCacheError` naming the directory, the problem and
+    the fix.
+    """
+    uid = os.getuid()
+    for path in (cache_dir(), build_dir()):
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        where = f"the rl-kernel build cache {str(path)!r} (RL_KERNEL_CACHE)"
+        if not path.is_dir() or path.is_symlink():
+            raise UnsafeCacheError(f"{where} is not a directory; point RL_KERNEL_CACHE at a directory of your own")
+        if info.st_uid != uid:
+            raise UnsafeCacheError(
+                f"{where} is owned by uid {info.st_uid}, not by you (uid {uid}): another user could replace the "
+                "extension this process loads; point RL_KERNEL_CACHE at a directory you own"
+            )
+        if info.st_mode & 0o022:
+            raise UnsafeCacheError(
+                f"{where} is writable by {'group and others' if info.st_mode & 0o022 == 0o022 else 'group' if info.st_mode & 0o020 else 'others'} "
+                f"(mode {oct(info.st_mode & 0o777)}): another user could replace the extension this process loads; "
+                f"run chmod go-w {str(path)!r} or point RL_KERNEL_CACHE at a private directory"
+            )
+
+
 def build_dir() -> Path:
     """This environment's build folder in :func:`cache_dir`: one per PyTorch, CUDA and Python version."""
     tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-py{sys.version_info.major}{sys.version_info.minor}"
@@ -106,12 +140,15 @@ def build(verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the extension and return it.
 
     Raises:
+        UnsafeCacheError: the cache is not private to this user (:func:`check_cache_dir`).
         RuntimeError: the build failed; the message ends with the tail of the compiler output.
     """
     from torch.utils import cpp_extension
 
+    check_cache_dir()
     out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    cache_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+    out.mkdir(mode=0o700, exist_ok=True)
     # torch rebuilds a JIT extension when its sources or flags change, not its headers: the
     # headers' digest goes into the flags so that editing a .cuh/.h also triggers a rebuild.
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.*h")))).hexdigest()[:16]
@@ -203,6 +240,11 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "where":
         print(build_dir())
         return 0
+    try:
+        check_cache_dir()
+    except UnsafeCacheError as exc:
+        print(f"rl-kernel native: cannot build: {exc}", file=sys.stderr)
+        return 1
     reason = toolchain_reason()
     if reason:
         print(f"rl-kernel native: cannot build: {reason}", file=sys.stderr)

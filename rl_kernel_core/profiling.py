@@ -30,6 +30,10 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from rl_kernel_core.switches import env_flag_or_path
+
+PROFILE_ENV = "RL_KERNEL_PROFILE"
+
 REGION_NAMES: tuple[str, ...] = (
     "rollout", "old_logprob", "ref_logprob", "logprob", "ratio_kl", "loss",
     "backward", "update", "weight_sync", "step",
@@ -51,8 +55,30 @@ class _State:
 _state = _State()
 
 
+def _check_writable(path: str, name: str) -> None:
+    """Fail now, not at the first ``step_end``: ``path`` must be a file that can be appended to."""
+    if os.path.isdir(path):
+        raise ValueError(f"{name} must be a JSONL file path to append step records to, got {path!r}, which is a directory")
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{name} must be a writable JSONL file path, got {path!r}: {exc.strerror or exc}") from exc
+
+
 def enable(path: Optional[str] = None) -> None:
-    """Turn profiling on; step records are appended to ``path`` (JSONL) when given."""
+    """Turn profiling on; step records are appended to ``path`` (JSONL) when given.
+
+    Raises:
+        ValueError: ``path`` is a directory or cannot be opened for appending (checked now,
+            creating the file when absent, so a bad path fails before training starts).
+    """
+    _enable(path, "path")
+
+
+def _enable(path: Optional[str], name: str) -> None:
+    if path is not None:
+        _check_writable(path, name)
     _state.enabled = True
     _state.path = path
     _state.step = 0
@@ -76,10 +102,16 @@ def is_enabled() -> bool:
 
 
 def enable_from_env() -> bool:
-    """Enable when ``RL_KERNEL_PROFILE`` is set (its value is the JSONL path, or ``1`` for none)."""
-    value = os.environ.get("RL_KERNEL_PROFILE")
-    if value and not _state.enabled:
-        enable(None if value == "1" else value)
+    """Enable from ``RL_KERNEL_PROFILE`` unless already on; return whether profiling is on.
+
+    The value is read with :func:`rl_kernel_core.switches.env_flag_or_path`: unset, empty or an
+    off spelling (``0``, ``false``, ``no``, ``off``) leaves profiling as it is; an on spelling
+    (``1``, ``true``, ``yes``, ``on``) turns it on without a file; anything else is the JSONL
+    path, checked now (see :func:`enable`; the error names the variable).
+    """
+    value = env_flag_or_path(PROFILE_ENV)
+    if value is not False and not _state.enabled:
+        _enable(None if value is True else value, PROFILE_ENV)
     return _state.enabled
 
 

@@ -5,9 +5,11 @@ any adapter): one JSON object per line with ``step``, ``regions`` (name -> ms) a
 (``tokens_per_s``, ``peak_vram_gib``, ``reward``, ``logprob_diff``, ``kl``, ``loss``, ...); the
 reader adds ``region/actor_update``, the per-step sum of the policy-update regions
 (:data:`ACTOR_REGIONS`). Files
-are read one line at a time and only numeric series are kept. A malformed line is an error naming
-the file and line, except an unterminated last line (a run interrupted mid-write), which is
-skipped and counted. NaN and infinite values count as missing. A record with ``"oom": true``
+are read one line at a time (a line over :data:`MAX_LINE_BYTES` is an error) and only numeric
+series are kept, so memory follows the number of values, not the file size. A malformed line is
+an error naming the file and line, except an unterminated last line (a run interrupted
+mid-write), which is skipped and counted. NaN and infinite values count as missing; statistics
+that overflow are written as ``null`` in JSON (:func:`json_safe`). A record with ``"oom": true``
 marks a run that ran out of memory at that step.
 
 An optional ``<log>.meta.json`` beside a log (hardware, versions, command line, resolved config,
@@ -44,6 +46,10 @@ _PLOTS = (  # file, metric keys, y label
     ("peak_vram.png", ("peak_vram_gib",), "peak VRAM (GiB)"),
     ("tokens_per_s.png", ("tokens_per_s",), "tokens/s"),
 )
+
+
+MAX_LINE_BYTES = 16 << 20
+"""Longest line read (a step record is a few hundred bytes): bounds the reader's memory."""
 
 
 class StepLogError(ValueError):
@@ -95,7 +101,11 @@ def read_step_log(path: str | Path) -> StepLog:
     log = StepLog(path)
     with open(path, "rb") as f:
         pending: Optional[tuple[int, bytes]] = None
-        for lineno, raw in enumerate(f, 1):
+        lineno = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise StepLogError(f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES >> 20} MiB is not a step record")
             if pending is not None:
                 _parse_line(log, *pending)
             pending = (lineno, raw)
@@ -175,6 +185,18 @@ def compare_table(off: StepLog, on: StepLog, warmup_steps: int = 0) -> list[dict
         ratio = b["mean"] / a["mean"] if a["n"] and b["n"] and a["mean"] else None
         rows.append({"metric": key, "off": a, "on": b, "on_over_off": ratio})
     return rows
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None (a mean can overflow), so
+    ``json.dumps(..., allow_nan=False)`` writes valid JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -353,6 +375,7 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
     path.write_text("\n".join(lines), encoding="utf-8")
     summary = {"off": names["off"], "on": names["on"], "steps": {"off": off.steps, "on": on.steps},
                "timing_warmup_steps": warmup_steps,
-               "oom": {"off": off.oom, "on": on.oom}, "rows": rows}
-    (out_dir / "comparison.json").write_text(json.dumps(summary, indent=2, allow_nan=False), encoding="utf-8")
+               "oom": {"off": off.oom, "on": on.oom},
+               "skipped_partial_lines": {"off": off.skipped_partial, "on": on.skipped_partial}, "rows": rows}
+    (out_dir / "comparison.json").write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False), encoding="utf-8")
     return path

@@ -26,12 +26,18 @@ from typing import Any
 from rl_kernel_verl import probe
 from rl_kernel_verl.switch import OVERRIDE, SWITCH_KEY
 
-__all__ = ["OVERRIDE", "SWITCH_KEY", "register", "status"]
+__all__ = ["OVERRIDE", "SWITCH_KEY", "register", "restore", "status"]
 
 
 def register() -> None:
     """Arm the plugin in this process (idempotent; the ``verl.plugins`` entry point)."""
     probe.arm()
+
+
+def restore() -> None:
+    """Disarm the plugin: ``EngineRegistry.new`` is verl's own again and the import hook is removed
+    (engines already switched on keep their hooks; :func:`register` arms it again)."""
+    probe.disarm()
 
 
 def status() -> dict[str, Any]:

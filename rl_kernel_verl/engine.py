@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rl_kernel_core import dispatch, profiling
+from rl_kernel_core import adapters, dispatch, profiling
 from rl_kernel_verl import forward, loss, targets
 
 logger = logging.getLogger("rl_kernel.verl")
@@ -92,12 +92,12 @@ def install(engine: Any, *, strict: bool) -> bool:
     if isinstance(engine.__dict__.get("_rl_kernel"), EngineState):
         return True
     try:
-        engine_cls = targets.resolve(targets.ENGINE_CLASS)
+        engine_cls = adapters.resolve(targets.ENGINE_CLASS)
         for path in (targets.VERL_PPO_LOSS, targets.PPO_OUTPUT, targets.PADDING, targets.METRIC, targets.AGGREGATION):
-            targets.resolve(path)
+            adapters.resolve(path)
         for name in targets.ENGINE_METHODS + _RELIED_ON:
-            targets.resolve(f"{targets.ENGINE_CLASS}.{name}")
-    except targets.TargetMissing as exc:
+            adapters.resolve(f"{targets.ENGINE_CLASS}.{name}")
+    except adapters.TargetMissing as exc:
         targets.missing(exc, strict=strict, consequence="this engine runs verl's own path")
         return False
     reason = unsupported_reason(engine, engine_cls)
@@ -143,7 +143,7 @@ def _hook_build_module(state: EngineState, original: Callable) -> Callable:
 
 def _route_reason(micro_batch: Any) -> Optional[str]:
     """Why this micro-batch must take verl's own path, or None when rl-kernel serves it."""
-    get = targets.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
+    get = adapters.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
     if isinstance(micro_batch["temperature"], torch.Tensor):
         return "per-sample temperature tensors"
     for flag in ("calculate_sum_pi_squared", "distillation_use_topk", "distillation_only"):
@@ -159,7 +159,7 @@ def _loss_for(state: EngineState, loss_function: Optional[Callable]) -> Optional
     cached = state.loss_cache.get(id(loss_function))
     if cached is not None and cached[0] is loss_function:
         return cached[1]
-    verl_ppo_loss = targets.resolve(targets.VERL_PPO_LOSS)
+    verl_ppo_loss = adapters.resolve(targets.VERL_PPO_LOSS)
     replacement = loss_function
     if isinstance(loss_function, functools.partial) and loss_function.func is verl_ppo_loss:
         reason = loss.unsupported_reason(loss_function.keywords["config"])
@@ -177,7 +177,7 @@ def _loss_for(state: EngineState, loss_function: Optional[Callable]) -> Optional
 
 
 def _hook_forward_step(state: EngineState, original: Callable) -> Callable:
-    assign = targets.resolve("verl.utils.tensordict_utils:assign_non_tensor")
+    assign = adapters.resolve("verl.utils.tensordict_utils:assign_non_tensor")
 
     @functools.wraps(original)
     def forward_step(micro_batch, loss_function, forward_only):
@@ -198,7 +198,7 @@ def _hook_forward_step(state: EngineState, original: Callable) -> Callable:
 
 
 def _hook_prepare_model_inputs(state: EngineState, original: Callable) -> Callable:
-    get = targets.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
+    get = adapters.resolve("verl.utils.tensordict_utils:get_non_tensor_data")
 
     @functools.wraps(original)
     def prepare_model_inputs(micro_batch):

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from rl_kernel_core import linear_logprob, profiling
+from rl_kernel_core import adapters, linear_logprob, profiling
 from rl_kernel_verl import targets
 
 
@@ -77,7 +77,7 @@ def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Req
         return type(self).forward(self, *args, **kwargs)
     if args:
         raise TypeError("the rl-kernel forward takes keyword arguments only (verl passes them by name)")
-    output_type = targets.resolve(targets.PPO_OUTPUT)
+    output_type = adapters.resolve(targets.PPO_OUTPUT)
     labels = kwargs.pop("shift_labels")
     temperature = float(kwargs.pop("temperature", 1.0))
     for unused in ("return_dict", "use_cache"):

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from rl_kernel_core import policy_loss, profiling
+from rl_kernel_core import adapters, policy_loss, profiling
 from rl_kernel_core.policy_loss import KL_TYPES, LOSS_AGG_MODES
 from rl_kernel_verl import targets
 
@@ -73,9 +73,9 @@ def ppo_loss(config: Any, model_output: dict, data: Any, dp_group: Any = None) -
     ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``, ``actor/entropy_loss``
     when entropy is computed, ``kl_loss`` and ``kl_coef`` with the KL loss) as verl ``Metric``s.
     """
-    no_padding_2_padding = targets.resolve(targets.PADDING)
-    metric_cls = targets.resolve(targets.METRIC)
-    aggregation = targets.resolve(targets.AGGREGATION)
+    no_padding_2_padding = adapters.resolve(targets.PADDING)
+    metric_cls = adapters.resolve(targets.METRIC)
+    aggregation = adapters.resolve(targets.AGGREGATION)
 
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     entropy = model_output.get("entropy", None)

@@ -13,19 +13,20 @@ nothing else in verl is modified.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import logging
 import sys
 import threading
 from typing import Any, Callable, Optional
 
+from rl_kernel_core import adapters
+from rl_kernel_core.switches import SwitchError
 from rl_kernel_verl import switch, targets
 
 logger = logging.getLogger("rl_kernel.verl")
 
 _MODULE, _, _ATTR = targets.ENGINE_REGISTRY_NEW.partition(":")
 _lock = threading.Lock()
+_patches = adapters.Patches()
 _state: dict[str, Any] = {"armed": False, "wrapped": None, "error": None}
 
 
@@ -40,72 +41,41 @@ def _engine_created(engine: Any) -> None:
         engine_hooks.install(engine, strict=sw.strict)
 
 
-def _wrap_factory(_module: Any) -> None:
-    """Wrap ``EngineRegistry.new`` in ``module`` (idempotent)."""
+def _wrap_new(raw: Any) -> classmethod:
+    if not isinstance(raw, classmethod):
+        raise adapters.TargetMissing(f"{targets.ENGINE_REGISTRY_NEW} is not a classmethod")
+    original: Callable = raw.__func__
+
+    @functools.wraps(original)
+    def new(cls, *args, **kwargs):
+        engine = original(cls, *args, **kwargs)
+        _engine_created(engine)
+        return engine
+
+    return classmethod(new)
+
+
+def _strict_for_missing_probe() -> bool:
+    # Whether the backend is on cannot be known without the probe, so a malformed strict value
+    # is reported with the missing target instead of raised into verl's import.
+    try:
+        return adapters.strict_switch(targets.STRICT_ENV)
+    except SwitchError as exc:
+        logger.warning("rl_kernel_verl: %s", exc)
+        return False
+
+
+def _wrap_factory(_module: Any = None) -> None:
+    """Wrap ``EngineRegistry.new`` (idempotent)."""
     with _lock:
         try:
-            registry = targets.resolve(f"{_MODULE}:EngineRegistry")
-            raw = registry.__dict__.get("new")
-            if not isinstance(raw, classmethod):
-                raise targets.TargetMissing(f"rl_kernel_verl: target {targets.ENGINE_REGISTRY_NEW} is not a classmethod")
-        except targets.TargetMissing as exc:
-            _state["error"] = str(exc)
-            targets.missing(exc, strict=targets.env_strict(), consequence="the switch cannot be read and rl-kernel stays off")
+            _patches.install(targets.ENGINE_REGISTRY_NEW, _wrap_new)
+        except adapters.TargetMissing as exc:
+            _state["error"] = f"rl_kernel_verl: target {exc}"
+            targets.missing(exc, strict=_strict_for_missing_probe(), consequence="the switch cannot be read and rl-kernel stays off")
             return
-        if getattr(raw.__func__, "__rl_kernel_probe__", False):
-            return
-        original: Callable = raw.__func__
-
-        @functools.wraps(original)
-        def new(cls, *args, **kwargs):
-            engine = original(cls, *args, **kwargs)
-            _engine_created(engine)
-            return engine
-
-        new.__rl_kernel_probe__ = True
-        new.__wrapped_original__ = original
-        registry.new = classmethod(new)
-        _state["wrapped"] = registry
+        _state["wrapped"] = adapters.resolve(f"{_MODULE}:EngineRegistry")
         _state["error"] = None
-
-
-class _Loader(importlib.abc.Loader):
-    """Runs the real loader, then the hook on the freshly executed module."""
-
-    def __init__(self, loader: importlib.abc.Loader, hook: Callable[[Any], None]) -> None:
-        self._loader = loader
-        self._hook = hook
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        self._hook(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of one module so a hook runs after it loads."""
-
-    def __init__(self, name: str, hook: Callable[[Any], None]) -> None:
-        self.name = name
-        self.hook = hook
-        self._busy = False
-
-    def find_spec(self, fullname: str, path=None, target=None):
-        if fullname != self.name or self._busy:
-            return None
-        self._busy = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _Loader(spec.loader, self.hook)
-        if self in sys.meta_path:  # one module, once: step out of every later import
-            sys.meta_path.remove(self)
-        return spec
 
 
 def arm() -> None:
@@ -115,9 +85,17 @@ def arm() -> None:
             return
         _state["armed"] = True
     if _MODULE in sys.modules:
-        _wrap_factory(sys.modules[_MODULE])
+        _wrap_factory()
     else:
-        sys.meta_path.insert(0, _Finder(_MODULE, _wrap_factory))
+        _patches.add_import_hook(adapters.ImportHook([_MODULE], _wrap_factory, once=True))
+
+
+def disarm() -> None:
+    """Undo :func:`arm`: ``EngineRegistry.new`` is verl's own again and the import hook is gone.
+    Engines already hooked keep their hooks."""
+    with _lock:
+        _patches.restore()
+        _state.update(armed=False, wrapped=None, error=None)
 
 
 def status() -> dict[str, Optional[str]]:

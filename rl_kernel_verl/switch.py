@@ -7,7 +7,8 @@ Hydra schema leaves open (the actor, ref and model dataclasses reject unknown ke
 
 The model config is shared by the actor and the reference policy, so the switch covers the
 actor update, the old-log-prob pass and the reference pass. ``rl_kernel_strict=True`` beside it
-(or ``RL_KERNEL_VERL_STRICT=1`` in the environment) turns every fallback into an error.
+(or ``RL_KERNEL_VERL_STRICT=1`` in the environment, read only when the switch is on) turns every
+fallback into an error.
 
 A key that looks like the switch but is not it (``use_rl_kernel``, ``use_rl_kernel_backends``,
 the switch put in ``override_config``...) is reported with a loud warning: the backend stays off,
@@ -22,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from rl_kernel_core import adapters
 from rl_kernel_verl import targets
 
 logger = logging.getLogger("rl_kernel.verl")
@@ -65,7 +67,12 @@ def read(model_config: Any) -> Switch:
 
     Warns loudly about keys that resemble the switch but are not it, and about the switch placed
     in ``override_config`` (where verl forwards it to the Hugging Face config and nothing reads
-    it). Raises ``ValueError`` when the switch holds something other than a boolean.
+    it). ``RL_KERNEL_VERL_STRICT`` is read only when the switch is on.
+
+    Raises:
+        ValueError: the switch or ``rl_kernel_strict`` holds something other than a boolean.
+        rl_kernel_core.switches.SwitchError: the switch is on and ``RL_KERNEL_VERL_STRICT`` holds
+            an unaccepted value.
     """
     options: Optional[Mapping] = _get(model_config, "fused_kernel_options") or {}
     on = _as_bool(SWITCH_KEY, options[SWITCH_KEY]) if SWITCH_KEY in options else False
@@ -84,7 +91,9 @@ def read(model_config: Any) -> Switch:
                 f"{SWITCH_KEY} was put in override_config, which verl copies into the Hugging Face config; "
                 f"rl-kernel does not read it there and the backend is {'ON' if on else 'OFF'}. The switch is: {OVERRIDE}"
             )
-    return Switch(on=on, strict=strict or targets.env_strict())
+    if not on:
+        return Switch(on=False, strict=False)
+    return Switch(on=True, strict=strict or adapters.strict_switch(targets.STRICT_ENV))
 
 
 def _get(config: Any, key: str) -> Any:

@@ -1,18 +1,16 @@
-"""Patch targets named by import path, and what happens when one is missing.
+"""The verl attributes the adapter reads or hooks, named by import path, and what happens when one is missing.
 
-Every verl attribute the adapter reads or hooks is named here as ``"module.path:Attr.sub"``.
-:func:`resolve` imports the module and walks the attribute chain; a target that does not exist
-(another verl version moved it) raises :class:`TargetMissing` naming the path and the step that
-failed. :func:`missing` reports a missing target: an error in strict mode, otherwise one logged
-warning per target and a no-op for the hook that needed it.
+Each is ``"module.path:Attr.sub"``, resolved with :func:`rl_kernel_core.adapters.resolve`; a
+target that does not exist (another verl version moved it) raises
+:class:`rl_kernel_core.adapters.TargetMissing` naming the path and the step that failed.
+:func:`missing` reports it: an error in strict mode, otherwise one logged warning per target and a
+no-op for the hook that needed it.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
-from typing import Any
+from rl_kernel_core import adapters
 
 logger = logging.getLogger("rl_kernel.verl")
 
@@ -36,41 +34,14 @@ METRIC = "verl.utils.metric:Metric"
 AGGREGATION = "verl.utils.metric:AggregationType"
 
 STRICT_ENV = "RL_KERNEL_VERL_STRICT"
+"""The process-wide strict switch, read with :func:`rl_kernel_core.adapters.strict_switch` when the backend is on."""
 
 
-class TargetMissing(RuntimeError):
-    """A verl attribute the adapter needs does not exist in the installed verl."""
-
-
-def env_strict() -> bool:
-    """Whether ``RL_KERNEL_VERL_STRICT=1`` is set (the process-wide strict switch)."""
-    return os.environ.get(STRICT_ENV, "0").strip().lower() in ("1", "true", "yes")
-
-
-def resolve(path: str) -> Any:
-    """The object at ``"module.path:Attr.sub"``; raises :class:`TargetMissing` when absent."""
-    module_name, _, attrs = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TargetMissing(f"rl_kernel_verl: target {path}: cannot import {module_name} ({exc})") from exc
-    walked = module_name
-    for attr in attrs.split(".") if attrs else ():
-        if not hasattr(obj, attr):
-            raise TargetMissing(f"rl_kernel_verl: target {path}: {walked} has no attribute {attr!r} (is this verl 0.9.x?)")
-        obj = getattr(obj, attr)
-        walked = f"{walked}.{attr}"
-    return obj
-
-
-_reported: set[str] = set()
-
-
-def missing(error: TargetMissing, *, strict: bool, consequence: str) -> None:
-    """Report a missing target: raise in strict mode, else log once and carry on without the hook."""
+def missing(error: adapters.TargetMissing, *, strict: bool, consequence: str) -> None:
+    """Report a missing target: raise it in strict mode, else log once and carry on without the hook."""
     if strict:
         raise error
-    key = str(error)
-    if key not in _reported:
-        _reported.add(key)
-        logger.warning("%s; %s (set %s=1 to make this an error)", error, consequence, STRICT_ENV)
+    adapters.refuse_or_warn(
+        f"rl_kernel_verl: target {error}; {consequence}", strict=False, error=adapters.TargetMissing, logger=logger,
+        hint=f"set {STRICT_ENV}=1 to make this an error",
+    )

@@ -18,7 +18,14 @@ from typing import Any
 from rl_kernel_vime import fallback, registry, targets
 from rl_kernel_vime._bootstrap import activate, current_config
 
-__all__ = ["activate", "status"]
+__all__ = ["activate", "restore", "status"]
+
+
+def restore() -> None:
+    """Turn the hooks off: vime's functions back everywhere they were bound, the import hook removed."""
+    from rl_kernel_vime import patch
+
+    patch.restore()
 
 
 def status() -> dict[str, Any]:

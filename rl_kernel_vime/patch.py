@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 from types import ModuleType
 from typing import Callable, Optional
 
-from rl_kernel_vime import config, fallback, hooks, registry, targets, timing
+from rl_kernel_vime import _bootstrap, config, fallback, hooks, registry, targets, timing
 
 logger = logging.getLogger("rl_kernel.vime")
-
-_rebound: list[tuple[str, str, Callable]] = []
 
 
 def _signature_problem(fn: Callable, params: tuple[str, ...]) -> Optional[str]:
@@ -59,7 +56,7 @@ def _apply(target: targets.Target, module: ModuleType, cfg: config.Config) -> No
         _problem(target, problem, cfg)
         return
     registry.set_original(target.key, current)
-    setattr(module, target.attr, hook)
+    registry.patches.set(module, target.attr, hook)
     registry.set_state(target.key, registry.LIVE)
     if target.op is None:
         timing.enable(cfg.profile_path)
@@ -67,16 +64,8 @@ def _apply(target: targets.Target, module: ModuleType, cfg: config.Config) -> No
 
 def _rebind_by_name() -> None:
     """Replace by-name imports of patched originals in every loaded ``vime.*`` module."""
-    hooks_by_original = {id(orig): getattr(hooks, key.partition(":")[2]) for key, orig in registry.originals().items()}
-    if not hooks_by_original:
-        return
-    loaded = [(n, m) for n, m in list(sys.modules.items()) if n.startswith(targets.PACKAGE + ".") and m is not None]
-    for name, module in loaded:
-        for attr, value in list(vars(module).items()):
-            hook = hooks_by_original.get(id(value))
-            if hook is not None:
-                setattr(module, attr, hook)
-                _rebound.append((name, attr, value))
+    pairs = [(orig, getattr(hooks, key.partition(":")[2])) for key, orig in registry.originals().items()]
+    registry.patches.rebind(pairs, targets.PACKAGE)
 
 
 def apply_module(name: str, module: ModuleType, cfg: config.Config) -> None:
@@ -89,16 +78,10 @@ def apply_module(name: str, module: ModuleType, cfg: config.Config) -> None:
 
 
 def restore() -> None:
-    """Put every original back (tests, or turning the hooks off in a live process)."""
-    for name, attr, original in reversed(_rebound):
-        module = sys.modules.get(name)
-        if module is not None:
-            setattr(module, attr, original)
-    _rebound.clear()
-    for key, original in registry.originals().items():
-        module_name, _, attr = key.partition(":")
-        module = sys.modules.get(module_name)
-        if module is not None:
-            setattr(module, attr, original)
+    """Turn the hooks off in this process: every original back (by-name bindings in other vime
+    modules included), the import hook off ``sys.meta_path``, the configuration forgotten."""
+    registry.patches.restore()
+    _bootstrap.deactivate()
+    for key in registry.originals():
         registry.forget(key)
         registry.set_state(key, "restored")

@@ -1,9 +1,16 @@
-"""Which vime functions are replaced, their originals, and each target's state. Standard library only."""
+"""Which vime functions are replaced, their originals, each target's state, and the record of
+every change made to vime (:data:`patches`). Standard library only."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Callable
+
+from rl_kernel_core.adapters import Patches
+
+patches = Patches()
+"""Every attribute replaced in vime's modules (by-name bindings included) and the import hook:
+:func:`rl_kernel_vime.patch.restore` undoes them all."""
 
 _originals: dict[str, Callable] = {}
 _states: dict[str, str] = {}

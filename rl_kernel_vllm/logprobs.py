@@ -1,19 +1,23 @@
-"""Hook (a): the log-probs vLLM returns for sampled (and top-k) tokens, with the trainer's definition.
+"""Hook (a): the log-probs vLLM returns for sampled (and top-k) tokens, computed by rl-kernel.
 
-vLLM's default (``logprobs_mode="raw_logprobs"``) returns ``log_softmax(logits)`` *before*
-temperature, so at ``temperature != 1`` the value differs from what a trainer recomputes;
-``processed_logprobs`` applies temperature but also penalties and the top-k/top-p/min-p masks.
-With this hook the returned values are ``log softmax(logits / T)[token]`` over the full
-vocabulary, accumulated in fp32 by :func:`rl_kernel_core.logprob_from_logits` (the same op and
-reduction order a trainer uses through ``linear_logprob``/``logprob_from_logits``), where
-``logits`` are the model's logits as they enter the sampler and ``T`` the request's temperature
-(1 for greedy requests, as vLLM itself uses for them). The token ids, their order and the ranks
-stay vLLM's: softmax is monotonic, so dividing by ``T > 0`` changes no ranking.
+The values are accumulated in fp32 by :func:`rl_kernel_core.logprob_from_logits` (the same op and
+reduction order a trainer uses through ``linear_logprob``/``logprob_from_logits``) from the
+model's logits as they enter the sampler, over the full vocabulary, at a temperature that
+depends on vLLM's ``logprobs_mode``:
 
-Covered: both log-prob modes (``raw_logprobs``, ``processed_logprobs``) and any ``logprobs=k >= 0``.
-Left to vLLM, with a one-time log line: ``logprobs=-1`` (the whole vocabulary),
-``logprob_token_ids`` requests, the ``*_logits`` modes (they ask for logits, not log-probs) and
-prompt log-probs.
+* ``raw_logprobs`` (vLLM's default): ``log_softmax(logits)[token]``, before temperature, which is
+  vLLM's own definition of that mode.
+* ``processed_logprobs``: ``log softmax(logits / T)[token]`` with ``T`` the request's temperature
+  (1 for greedy requests, as vLLM itself uses for them): the value a trainer recomputes. This
+  overrides vLLM's definition of the mode, which also applies penalties and the
+  top-k/top-p/min-p masks; the plugin announces it once per process (see :data:`OVERRIDES`).
+
+The token ids, their order and the ranks stay vLLM's: softmax is monotonic, so dividing by
+``T > 0`` changes no ranking.
+
+Covered: both log-prob modes and any ``logprobs=k >= 0``. Left to vLLM, with a one-time log line:
+``logprobs=-1`` (the whole vocabulary), ``logprob_token_ids`` requests, the ``*_logits`` modes
+(they ask for logits, not log-probs) and prompt log-probs.
 
 Targets: the V1 model runner's ``vllm.v1.sample.sampler:Sampler.forward`` (the CPU runner and
 vLLM's V1 GPU runner), and Model Runner V2's ``vllm.v1.worker.gpu.sample.sampler:Sampler.__call__``
@@ -36,6 +40,14 @@ from rl_kernel_core import profiling
 from rl_kernel_vllm._log import log_once
 
 LOGPROB_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
+RAW_MODE = "raw_logprobs"
+
+OVERRIDES: tuple[str, ...] = (
+    "logprobs_mode=processed_logprobs returns log softmax(logits / T) over the full vocabulary in fp32 "
+    "(vLLM's penalties and top-k/top-p/min-p masks are not applied to the returned values); "
+    "raw_logprobs keeps vLLM's definition (before temperature), computed in fp32 by rl-kernel",
+)
+"""The vLLM settings this hook changes, announced once per process when it is live."""
 # vLLM's sampler treats a temperature below this as greedy and divides those rows by 1.
 GREEDY_EPS = 1e-5
 _IGNORE = -100
@@ -49,6 +61,14 @@ V2_TARGETS: tuple[str, ...] = (
 def effective_temperatures(temperatures: Sequence[float]) -> list[float]:
     """Per-row temperatures as the trainer's definition uses them: greedy rows (``T < 1e-5``) get 1."""
     return [1.0 if t < GREEDY_EPS else float(t) for t in temperatures]
+
+
+def mode_temperatures(mode: str, temperatures: Sequence[float]) -> list[float]:
+    """The temperatures the returned values use in log-prob ``mode``: 1 for every row in
+    ``raw_logprobs`` (vLLM's pre-temperature definition), else :func:`effective_temperatures`."""
+    if mode == RAW_MODE:
+        return [1.0] * len(temperatures)
+    return effective_temperatures(temperatures)
 
 
 def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
@@ -130,7 +150,7 @@ def wrap_v1_forward(original: Callable) -> Callable:
         if out.logprobs_tensors is None:
             return out
         temps = [1.0] * raw.shape[0] if meta.temperature is None else meta.temperature.tolist()
-        out.logprobs_tensors = _replace_values(out.logprobs_tensors, raw, effective_temperatures(temps))
+        out.logprobs_tensors = _replace_values(out.logprobs_tensors, raw, mode_temperatures(mode, temps))
         _end_step(raw.shape[0])
         return out
 
@@ -165,7 +185,7 @@ def wrap_v2_call(original: Callable) -> Callable:
         if self.logprobs_mode not in LOGPROB_MODES:
             return original(self, *args, **kwargs)
         temps = _v2_row_temperatures(self, bound.arguments["input_batch"], logits.shape[0])
-        _v2_context.state = (logits, effective_temperatures(temps))
+        _v2_context.state = (logits, mode_temperatures(self.logprobs_mode, temps))
         try:
             return original(self, *args, **kwargs)
         finally:

@@ -15,7 +15,8 @@ import importlib
 import os
 from typing import Any, Callable
 
-from rl_kernel_vllm import patching, switches
+from rl_kernel_core import adapters
+from rl_kernel_vllm import switches
 from rl_kernel_vllm._log import logger
 
 
@@ -24,6 +25,7 @@ class TargetError(RuntimeError):
 
 
 _status: dict[str, Any] = {}
+_patches = adapters.Patches()
 
 
 def _vllm_version() -> str:
@@ -38,7 +40,7 @@ def _vllm_version() -> str:
 
 
 def _install_runner_families(
-    families: dict[str, tuple[str, ...]], wrappers: dict[str, Callable[[Any], Any]]
+    patches: adapters.Patches, families: dict[str, tuple[str, ...]], wrappers: dict[str, Callable[[Any], Any]]
 ) -> tuple[dict[str, str], list[str], list[str]]:
     """Install every family whose targets all resolve.
 
@@ -53,12 +55,12 @@ def _install_runner_families(
         missing: dict[str, str] = {}
         for target in targets:
             try:
-                patching.resolve(target)
-            except patching.TargetMissing as exc:
+                adapters.locate(target)
+            except adapters.TargetMissing as exc:
                 missing[target] = str(exc)
         if not missing:
             for target in targets:
-                results[target] = patching.install(target, wrappers[target])
+                results[target] = patches.install(target, wrappers[target])
             live.append(family)
             continue
         for target in targets:
@@ -68,28 +70,28 @@ def _install_runner_families(
     return results, live, problems
 
 
-def install_logprobs() -> dict[str, Any]:
+def install_logprobs(patches: adapters.Patches) -> dict[str, Any]:
     """Hook (a): patch every model-runner family of :mod:`rl_kernel_vllm.logprobs` found in this vLLM."""
     from rl_kernel_vllm import logprobs
 
-    results, live, problems = _install_runner_families(logprobs.RUNNERS, logprobs.WRAPPERS)
+    results, live, problems = _install_runner_families(patches, logprobs.RUNNERS, logprobs.WRAPPERS)
     if not live:
         problems.append("no model-runner target found: " + "; ".join(results.values()))
-    return {"live": bool(live), "runners": live, "targets": results, "problems": problems}
+    return {"live": bool(live), "runners": live, "targets": results, "problems": problems, "overrides": list(logprobs.OVERRIDES)}
 
 
-def install_sampler() -> dict[str, Any]:
+def install_sampler(patches: adapters.Patches) -> dict[str, Any]:
     """Hook (c): the V1 runner's sampler draws with ``rl_kernel_core.sample`` (:mod:`rl_kernel_vllm.sampler`)."""
     from rl_kernel_vllm import sampler
 
-    results, live, problems = _install_runner_families({"v1": sampler.TARGETS}, {sampler.TARGETS[0]: sampler.wrap_v1_sample})
+    results, live, problems = _install_runner_families(patches, {"v1": sampler.TARGETS}, {sampler.TARGETS[0]: sampler.wrap_v1_sample})
     if not live:
         problems.append("sampler: no model-runner target found: " + "; ".join(results.values()))
-    return {"live": bool(live), "runners": live, "targets": results, "problems": problems}
+    return {"live": bool(live), "runners": live, "targets": results, "problems": problems, "overrides": list(sampler.OVERRIDES)}
 
 
-# hook -> "module:function" returning its status entry; imported only when the hook is wanted, so
-# with the plugin off nothing beyond the switch reader is imported.
+# hook -> "module:function(patches)" returning its status entry; imported only when the hook is
+# wanted, so with the plugin off nothing beyond the switch reader is imported.
 HOOKS: dict[str, str] = {
     "logprobs": "rl_kernel_vllm.plugin:install_logprobs",
     "lm_head": "rl_kernel_vllm.lm_head:install",
@@ -97,7 +99,7 @@ HOOKS: dict[str, str] = {
 }
 
 
-def _installer(spec: str) -> Callable[[], dict[str, Any]]:
+def _installer(spec: str) -> Callable[[adapters.Patches], dict[str, Any]]:
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -109,7 +111,8 @@ def register() -> None:
     ``RL_KERNEL_VLLM*`` environment variables on the first call in a process.
 
     Raises:
-        ValueError: a switch holds an unrecognised value.
+        rl_kernel_core.switches.SwitchError: a switch that is read holds an unaccepted value (with
+            ``RL_KERNEL_VLLM`` off only that one is read).
         TargetError: under ``RL_KERNEL_VLLM_STRICT=1``, a wanted hook's targets are missing or moved.
     """
     if _status:
@@ -125,7 +128,7 @@ def register() -> None:
         if not sw.wanted(hook):
             status["hooks"][hook] = {"live": False, "wanted": False}
             continue
-        result = _installer(spec)()
+        result = _installer(spec)(_patches)
         result["wanted"] = True
         status["hooks"][hook] = result
         problems.extend(result["problems"])
@@ -137,12 +140,23 @@ def register() -> None:
     logger.info(
         "rl_kernel_vllm (pid %d, vllm %s): live hooks: %s", os.getpid(), status["vllm_version"], ", ".join(live) or "none"
     )
+    for hook in live:
+        for override in status["hooks"][hook].get("overrides", ()):
+            logger.info("rl_kernel_vllm (pid %d) overrides: %s", os.getpid(), override)
     for problem in problems:
         logger.warning("rl_kernel_vllm: %s", problem)
     if problems and sw.strict:
         raise TargetError(
             "RL_KERNEL_VLLM_STRICT=1 and hooks could not be installed on vLLM " + status["vllm_version"] + ": " + " | ".join(problems)
         )
+
+
+def restore() -> None:
+    """Undo :func:`register` in this process: every patched vLLM attribute, the ``LogitsProcessor``
+    registration and the batch-invariant mode go back to what they were; a later
+    :func:`register` reads the switches again."""
+    _patches.restore()
+    _status.clear()
 
 
 def status() -> dict[str, Any]:

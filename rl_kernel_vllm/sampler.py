@@ -29,6 +29,11 @@ import rl_kernel_core
 from rl_kernel_vllm._log import log_once
 
 TARGETS: tuple[str, ...] = ("vllm.v1.sample.sampler:Sampler.sample",)
+OVERRIDES: tuple[str, ...] = (
+    "the V1 runner's tokens are drawn by rl_kernel_core.sample with one seed per row and step "
+    "(in place of vLLM's sampler; processed-log-prob batches and custom logits processors stay vLLM's)",
+)
+"""The vLLM settings this hook changes, announced once per process when it is live."""
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS
 SEED_BOUND = 2**62
 

@@ -2,8 +2,9 @@
 
 vLLM loads general plugins in every process it starts (the API/driver process, the engine
 core, each worker), and those processes inherit the environment, so environment variables are
-the one configuration every process sees. Values are ``1``/``0`` (also ``true``/``false``,
-``yes``/``no``, ``on``/``off``, any case); anything else is an error naming the variable.
+the one configuration every process sees. Values go through rl-kernel's one boolean parser
+(:mod:`rl_kernel_core.switches`: ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``,
+any case; unset or empty is the default); anything else is an error naming the variable.
 
 =================================  =======  ================================================
 variable                           default  effect
@@ -17,7 +18,8 @@ variable                           default  effect
 ``RL_KERNEL_VLLM_STRICT``          ``0``    a missing or moved vLLM target is an error
 =================================  =======  ================================================
 
-The sub-switches only matter when ``RL_KERNEL_VLLM`` is on. ``RL_KERNEL_VLLM_BATCH_INVARIANT`` is
+While ``RL_KERNEL_VLLM`` is off the other variables are not read at all: a malformed
+sub-switch cannot stop vLLM from starting when the plugin is off. With it on, ``RL_KERNEL_VLLM_BATCH_INVARIANT`` is
 refused with an error: the plugin has no hook that makes vLLM's own attention, matmul and norm
 kernels batch-invariant (vLLM's ``VLLM_BATCH_INVARIANT=1`` does), and its own ops are row-invariant
 without one.
@@ -26,8 +28,11 @@ without one.
 from __future__ import annotations
 
 import os
+
 from dataclasses import dataclass
 from typing import Mapping, Optional
+
+from rl_kernel_core.switches import env_switch_family
 
 MASTER = "RL_KERNEL_VLLM"
 STRICT = "RL_KERNEL_VLLM_STRICT"
@@ -38,28 +43,6 @@ HOOK_SWITCHES: dict[str, tuple[str, bool]] = {
     "lm_head": ("RL_KERNEL_VLLM_LM_HEAD", False),
     "sampler": ("RL_KERNEL_VLLM_SAMPLER", False),
 }
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-def flag(name: str, default: bool, environ: Optional[Mapping[str, str]] = None) -> bool:
-    """The boolean value of environment variable ``name`` (``default`` when unset).
-
-    Raises:
-        ValueError: the variable holds something other than a recognised boolean spelling.
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name} must be one of 1/0, true/false, yes/no, on/off, got {raw!r}")
-
 
 @dataclass(frozen=True)
 class Switches:
@@ -78,17 +61,19 @@ NOT_A_SWITCH = "RL_KERNEL_VLLM_BATCH_INVARIANT"
 
 
 def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
-    """Read every switch from ``environ`` (default ``os.environ``).
+    """Read the switches from ``environ`` (default ``os.environ``): the master switch first, the
+    others only when it is on.
 
     Raises:
-        ValueError: a switch holds an unrecognised value, or :data:`NOT_A_SWITCH` is set.
+        rl_kernel_core.switches.SwitchError: a switch that is read holds an unaccepted value.
+        ValueError: the plugin is on and :data:`NOT_A_SWITCH` is set.
     """
+    values = env_switch_family(MASTER, {**HOOK_SWITCHES, "strict": (STRICT, False)}, environ)
+    if values is None:
+        return Switches(enabled=False, strict=False, hooks={hook: False for hook in HOOK_SWITCHES})
     if NOT_A_SWITCH in (os.environ if environ is None else environ):
         raise ValueError(f"{NOT_A_SWITCH} is not an rl_kernel_vllm switch: the plugin does not make vLLM's layers "
                          "batch-invariant; use vLLM's VLLM_BATCH_INVARIANT=1 for that (rl-kernel's own ops in vLLM "
                          "are row-invariant already)")
-    return Switches(
-        enabled=flag(MASTER, False, environ),
-        strict=flag(STRICT, False, environ),
-        hooks={hook: flag(var, default, environ) for hook, (var, default) in HOOK_SWITCHES.items()},
-    )
+    strict = values.pop("strict")
+    return Switches(enabled=True, strict=strict, hooks=values)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -46,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core.switches import env_flag
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
 
 
@@ -271,7 +271,7 @@ class Tuning:
 
     route: str = "gemm"
     chunk_bytes: int = 448 * 2**20
-    wgrad_fp32: bool = field(default_factory=lambda: os.environ.get("RL_KERNEL_WGRAD_FP32", "0") == "1")
+    wgrad_fp32: bool = field(default_factory=lambda: env_flag("RL_KERNEL_WGRAD_FP32", False))
     gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True))
     gemm_grad_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3))
 

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
 
 
 def _run(*args):
@@ -55,3 +57,104 @@ def test_compare_bad_file_is_one_line_error(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"rl-kernel compare: error: {tmp_path / 'missing.jsonl'}: no such file"]
+
+
+def _main(*args, capsys):
+    """``rl-kernel ARGS`` in this process: (exit status, stdout, stderr)."""
+    from rl_kernel_core.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse refusals
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_info_reports_a_bad_backend_variable_and_goes_on(monkeypatch, capsys):
+    monkeypatch.setenv("RL_KERNEL_BACKEND", "garbage")
+    code, out, err = _main("info", "--json", capsys=capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["default_backend"].startswith("invalid: RL_KERNEL_BACKEND must be") and "'garbage'" in data["default_backend"]
+    assert data["backends"]["torch"] == "available"
+    assert "RL_KERNEL_BACKEND" in err and "'garbage'" in err
+
+
+def test_bench_refuses_a_bad_backend_variable(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("RL_KERNEL_BACKEND", "garbage")
+    code, out, err = _main("bench", "-N", "8", "-D", "4", "-V", "16", "--device", "cpu", capsys=capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("rl-kernel bench: error: RL_KERNEL_BACKEND must be") and "'garbage'" in err
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--reps", "0"), "argument --reps: must be a positive integer, got 0"),
+    (("--reps", "x"), "argument --reps: must be a positive integer, got 'x'"),
+    (("--warmup", "-1"), "argument --warmup: must be a non-negative integer, got -1"),
+    (("-N", "0"), "argument --tokens/-N: must be a positive integer, got 0"),
+    (("-D", "-3"), "argument --hidden/-D: must be a positive integer, got -3"),
+    (("-V", "0"), "argument --vocab/-V: must be a positive integer, got 0"),
+])
+def test_bench_refuses_bad_sizes_and_reps(capsys, args, says):
+    code, out, err = _main("bench", "--device", "cpu", *args, capsys=capsys)
+    assert code == 2 and out == ""
+    assert says in err
+
+
+def test_bench_checks_out_before_running(capsys, tmp_path):
+    code, out, err = _main("bench", "-N", "8", "-D", "4", "-V", "16", "--device", "cpu", "--out", str(tmp_path), capsys=capsys)
+    assert code == 2 and out == "" and "which is a directory" in err
+    missing = tmp_path / "no" / "such" / "bench.json"
+    code, out, err = _main("bench", "-N", "8", "-D", "4", "-V", "16", "--device", "cpu", "--out", str(missing), capsys=capsys)
+    assert code == 2 and out == ""  # refused before any timing was printed
+    assert err.startswith(f"rl-kernel bench: error: --out must be a writable file path, got {str(missing)!r}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_checks_memory_before_allocating(capsys):
+    from rl_kernel_core import bench
+    from rl_kernel_core.cli import bench_bytes
+
+    free = bench.free_memory_bytes(torch.device("cpu"))
+    n = v = 1 << 20  # [N, V] fp32 tensors of 4 TiB each: more than any host here
+    need = bench_bytes(n, 8, v, torch.float32)["total"]
+    assert need > free
+    code, out, err = _main("bench", "-N", str(n), "-D", "8", "-V", str(v), "--device", "cpu", capsys=capsys)
+    assert code == 2 and out == ""
+    assert f"needs about {need / 2**30:.2f} GiB on cpu" in err and "GiB is free" in err
+    assert "lower --tokens or --vocab" in err
+
+
+def test_bench_bytes_counts_inputs_and_the_eager_logits():
+    from rl_kernel_core.cli import bench_bytes
+
+    got = bench_bytes(10, 4, 100, torch.bfloat16)
+    assert got["inputs"] == 2 * (10 * 4 + 100 * 4) * 2 + 10 * 8 + 10 * 4
+    assert got["eager"] == 10 * 100 * (2 + 4 + 4 + 4)
+    assert got["total"] == got["inputs"] + got["eager"]
+
+
+def test_compare_reports_a_skipped_line_and_prints_valid_json(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"step": i, "regions": {"step": 1e308}}) + "\n" for i in range(3)))
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(good.read_text() + '{"step": 3, "regi')
+    code, out, err = _main("compare", str(good), str(cut), "--json", capsys=capsys)
+    assert code == 0
+    assert f"ON: skipped 1 unterminated last line of {cut}" in err
+    rows = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert rows[0]["off"]["mean"] is None  # an overflowed mean, not Infinity
+    code, out, err = _main("compare", str(good), str(cut), capsys=capsys)
+    assert code == 0 and "ON: skipped 1 unterminated last line" in out
+
+
+def test_compare_refuses_bad_out_and_warmup(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"step": 0, "regions": {"step": 1.0}}) + "\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, out, err = _main("compare", str(good), str(good), "--out", str(blocker / "rep"), capsys=capsys)
+    assert code == 2 and err.startswith(f"rl-kernel compare: error: --out {str(blocker / 'rep')!r} cannot be written")
+    code, out, err = _main("compare", str(good), str(good), "--warmup-steps", "-1", capsys=capsys)
+    assert code == 2 and "argument --warmup-steps: must be a non-negative integer, got -1" in err

@@ -22,6 +22,7 @@ _SCRIPT = textwrap.dedent(
     import json, os, resource, sys
     import torch
     import rl_kernel_core as rk
+    linear_logprob, logprob_from_logits = rk.linear_logprob, rk.logprob_from_logits  # loaded before measuring
 
     case, n, v, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.manual_seed(0)
@@ -45,11 +46,11 @@ _SCRIPT = textwrap.dedent(
     before = rss_bytes()
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if case == "reference":
-        lp = rk.linear_logprob(hidden, weight, targets, backend="torch")
+        lp = linear_logprob(hidden, weight, targets, backend="torch")
     elif case == "naive":
         lp = torch.log_softmax(hidden @ weight.T, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     else:
-        lp = rk.logprob_from_logits(logits, targets, backend="torch")
+        lp = logprob_from_logits(logits, targets, backend="torch")
     forward_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (lp * grad_out).sum().backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -55,3 +55,47 @@ def test_status_says_not_built_yet_then_built(monkeypatch, tmp_path):
     native_build.build_dir().mkdir(parents=True)
     (native_build.build_dir() / f"{native_build.EXTENSION_NAME}.so").write_bytes(b"")
     assert native_build.status().startswith("built (")
+
+
+def _build_in(cache: Path) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "RL_KERNEL_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "build"], capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("mode, says", [(0o770, "writable by group (mode 0o770)"), (0o707, "writable by others (mode 0o707)"),
+                                        (0o777, "writable by group and others (mode 0o777)")])
+def test_a_shared_build_cache_is_refused(tmp_path, mode, says):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(mode)
+    proc = _build_in(cache)
+    assert proc.returncode == 1
+    assert f"rl-kernel native: cannot build: the rl-kernel build cache {str(cache)!r} (RL_KERNEL_CACHE) is {says}" in proc.stderr
+    assert f"chmod go-w {str(cache)!r}" in proc.stderr
+
+
+def test_a_build_cache_of_another_user_is_refused(tmp_path):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    os.chown(cache, os.getuid() + 4242, -1)
+    proc = _build_in(cache)
+    assert proc.returncode == 1
+    assert f"is owned by uid {os.getuid() + 4242}, not by you (uid {os.getuid()})" in proc.stderr
+
+
+@pytest.mark.parametrize("private", ["absent", "0700", "0755"])
+def test_a_private_or_absent_build_cache_passes_the_check(tmp_path, private):
+    if shutil.which("nvcc") is not None:
+        pytest.skip("with a toolchain this would run a full build; test_native covers building")
+    cache = tmp_path / "cache"
+    if private != "absent":
+        cache.mkdir()
+        cache.chmod(int(private, 8))
+    proc = _build_in(cache)
+    assert "build cache" not in proc.stderr  # any failure left is the toolchain's (no nvcc, CPU-only torch)

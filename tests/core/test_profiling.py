@@ -60,6 +60,56 @@ def test_enable_from_env(monkeypatch, tmp_path):
     assert path.exists()
 
 
+@pytest.mark.parametrize("value", ["0", "false", " OFF ", "no", ""])
+def test_off_values_leave_profiling_off_and_write_nothing(monkeypatch, tmp_path, value):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RL_KERNEL_PROFILE", value)
+    assert profiling.enable_from_env() is False
+    assert profiling.step_end(tokens=1) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["1", "true", "On", " yes "])
+def test_on_values_turn_profiling_on_without_a_file(monkeypatch, tmp_path, value):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RL_KERNEL_PROFILE", value)
+    assert profiling.enable_from_env() is True
+    assert profiling.step_end(tokens=1) is not None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_is_refused_at_start(monkeypatch, tmp_path):
+    monkeypatch.setenv("RL_KERNEL_PROFILE", str(tmp_path))
+    with pytest.raises(ValueError, match=r"RL_KERNEL_PROFILE must be a JSONL file path .* which is a directory"):
+        profiling.enable_from_env()
+    assert not profiling.is_enabled()
+    with pytest.raises(ValueError, match="path must be a JSONL file path"):
+        profiling.enable(str(tmp_path))
+
+
+def test_an_unwritable_path_is_refused_at_start(monkeypatch, tmp_path):
+    missing_dir = tmp_path / "no" / "such" / "dir" / "steps.jsonl"
+    monkeypatch.setenv("RL_KERNEL_PROFILE", str(missing_dir))
+    with pytest.raises(ValueError, match=r"RL_KERNEL_PROFILE must be a writable JSONL file path, got .*steps.jsonl'"):
+        profiling.enable_from_env()
+    assert not profiling.is_enabled()
+
+
+def test_a_read_only_directory_is_refused_at_start(tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root can write into a read-only directory")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="writable"):
+            profiling.enable(str(ro / "steps.jsonl"))
+    finally:
+        ro.chmod(0o700)
+
+
 @pytest.mark.gpu
 def test_cuda_regions_use_events_and_report_vram():
     profiling.enable()

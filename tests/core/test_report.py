@@ -89,3 +89,43 @@ def test_report_files_and_valid_json(tmp_path):
     doc = json.loads((out / "comparison.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert doc["oom"]["on"] == [2, "boom"]
     assert all(v is None or math.isfinite(v) for r in doc["rows"] for v in [r["on_over_off"]])
+
+
+def test_overflowing_statistics_are_null_in_json(tmp_path, monkeypatch):
+    huge = _log(tmp_path / "huge.jsonl", [{"step": i, "regions": {"step": 1e308}} for i in range(3)])
+    off = report.read_step_log(huge)
+    rows = report.compare_table(off, off)
+    assert math.isinf(rows[0]["off"]["mean"])  # the sum of three 1e308 overflows
+    text = json.dumps(report.json_safe(rows), allow_nan=False)
+    assert json.loads(text)[0]["off"]["mean"] is None
+    monkeypatch.setattr(report, "write_plots", lambda *args: [])  # matplotlib cannot scale an axis to 1e308
+    report.write_report(huge, huge, tmp_path / "rep")
+    doc = json.loads((tmp_path / "rep" / "comparison.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert doc["rows"][0]["off"]["mean"] is None and doc["skipped_partial_lines"] == {"off": 0, "on": 0}
+
+
+def test_a_line_beyond_the_limit_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "MAX_LINE_BYTES", 1024)
+    path = _log(tmp_path / "long.jsonl", [_rec(0), {"step": 1, "note": "x" * 2000}])
+    with pytest.raises(report.StepLogError, match=r"long.jsonl:2: a line longer than"):
+        report.read_step_log(path)
+
+
+def test_the_reader_streams(tmp_path):
+    """Memory follows the values kept, not the file: 16 MiB of text, well under 4 MiB traced."""
+    import tracemalloc
+
+    path = tmp_path / "big.jsonl"
+    note = "x" * 2000
+    with open(path, "w") as f:
+        for i in range(8000):
+            f.write(json.dumps({"step": i, "regions": {"step": 1.0}, "note": note}) + "\n")
+    assert path.stat().st_size > 16e6
+    tracemalloc.start()
+    try:
+        log = report.read_step_log(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert log.steps == 8000 and log.values("region/step")[-1] == 1.0
+    assert peak < 4 * 2**20, peak

@@ -112,18 +112,19 @@ def test_switch_off_leaves_verl_untouched(build_worker, model_dirs, seed):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils import losses
 
+    from rl_kernel_core import adapters
     from rl_kernel_verl import targets
 
     off, on = _workers(build_worker, "fsdp2-untied")
     rollout = random_rollout(torch.Generator().manual_seed(seed))
     lp_off, ent_off, _ = infer(off, rollout, 0.8)
-    probe = vars(EngineRegistry)["new"]
-    EngineRegistry.new = classmethod(probe.__func__.__wrapped_original__)
+    rl_kernel_verl.restore()  # the probe taken out: verl's own factory
     try:
+        assert not adapters.is_patched(vars(EngineRegistry)["new"])
         model, *overrides = VARIANTS["fsdp2-untied"]
         plain = verl_cpu.build_worker(model_dirs[model], "actor", *overrides)
     finally:
-        EngineRegistry.new = probe
+        rl_kernel_verl.register()
     lp_plain, ent_plain, _ = infer(plain, rollout, 0.8)
     assert torch.equal(lp_off, lp_plain) and torch.equal(ent_off, ent_plain)
     engine = engine_of(off)
@@ -136,8 +137,8 @@ def test_switch_off_leaves_verl_untouched(build_worker, model_dirs, seed):
     for name in targets.ENGINE_METHODS + ("prepare_model_outputs",):
         assert not hasattr(getattr(FSDPEngineWithLMHead, name), "__wrapped__"), name
     # the one wrapper in verl is the probe; it returns verl's factory's engine as built
-    factory = vars(EngineRegistry)["new"].__func__
-    assert factory.__rl_kernel_probe__ and not hasattr(factory.__wrapped_original__, "__rl_kernel_probe__")
+    new = vars(EngineRegistry)["new"]
+    assert adapters.is_patched(new) and not adapters.is_patched(getattr(new, adapters.ORIGINAL_ATTR))
     assert type(engine) is FSDPEngineWithLMHead
     listed = {e["engine"] for e in rl_kernel_verl.status()["engines"]}
     assert f"FSDPEngineWithLMHead@{id(engine):#x}" not in listed

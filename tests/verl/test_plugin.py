@@ -19,17 +19,52 @@ def test_verl_loads_the_plugin_on_import():
 
 def test_register_is_idempotent():
     import rl_kernel_verl
-    from rl_kernel_verl import probe
+    from rl_kernel_core import adapters
     from verl.workers.engine.base import EngineRegistry
 
     rl_kernel_verl.register()
+    wrapped = vars(EngineRegistry)["new"]
     rl_kernel_verl.register()
-    factory = vars(EngineRegistry)["new"].__func__
-    assert factory.__rl_kernel_probe__
-    original = factory.__wrapped_original__
-    assert not hasattr(original, "__rl_kernel_probe__") and original.__code__.co_filename.endswith("verl/workers/engine/base.py")
-    assert not [f for f in sys.meta_path if isinstance(f, probe._Finder)]  # it fired and stepped out
+    assert vars(EngineRegistry)["new"] is wrapped
+    original = getattr(wrapped, adapters.ORIGINAL_ATTR)
+    assert isinstance(original, classmethod) and not adapters.is_patched(original)
+    assert original.__func__.__code__.co_filename.endswith("verl/workers/engine/base.py")
+    assert not [f for f in sys.meta_path if isinstance(f, adapters.ImportHook)]  # it fired and stepped out
     assert rl_kernel_verl.status()["probe"] == "live"
+
+
+def test_restore_puts_verls_factory_back():
+    import rl_kernel_verl
+    from rl_kernel_core import adapters
+    from verl.workers.engine.base import EngineRegistry
+
+    wrapped = vars(EngineRegistry)["new"]
+    original = getattr(wrapped, adapters.ORIGINAL_ATTR)
+    rl_kernel_verl.restore()
+    try:
+        assert vars(EngineRegistry)["new"] is original
+        assert rl_kernel_verl.status()["probe"] == "not armed"
+    finally:
+        rl_kernel_verl.register()
+    assert adapters.is_patched(vars(EngineRegistry)["new"]) and rl_kernel_verl.status()["probe"] == "live"
+
+
+def test_restore_removes_a_pending_import_hook(monkeypatch):
+    """Armed before verl's engine module is imported: restore() takes the import hook off sys.meta_path."""
+    from rl_kernel_core import adapters
+    from rl_kernel_verl import probe
+
+    probe.disarm()
+    monkeypatch.setattr(probe, "_MODULE", "verl.no_such_engine_module")
+    try:
+        probe.arm()
+        assert [f for f in sys.meta_path if isinstance(f, adapters.ImportHook) and "verl.no_such_engine_module" in f.modules]
+        probe.disarm()
+        assert not [f for f in sys.meta_path if isinstance(f, adapters.ImportHook)]
+    finally:
+        monkeypatch.undo()
+        probe.arm()  # verl's module is loaded: the probe wraps the factory again at once
+    assert probe.status()["probe"] == "live"
 
 
 def _model_config(model_dirs, *overrides):
@@ -67,6 +102,18 @@ def test_lookalike_keys_warn_loudly_and_leave_it_off(model_dirs, caplog, overrid
     assert any(says in r.getMessage() and switch.OVERRIDE in r.getMessage() for r in caplog.records)
 
 
+def test_strict_environment_value_is_parsed_only_with_the_switch_on(model_dirs, monkeypatch):
+    from rl_kernel_core.switches import SwitchError
+    from rl_kernel_verl import switch
+
+    monkeypatch.setenv("RL_KERNEL_VERL_STRICT", "garbage")
+    assert switch.read(_model_config(model_dirs)) == switch.Switch(on=False, strict=False)
+    with pytest.raises(SwitchError, match="RL_KERNEL_VERL_STRICT must be one of .*'garbage'"):
+        switch.read(_model_config(model_dirs, SWITCH_ON))
+    monkeypatch.setenv("RL_KERNEL_VERL_STRICT", " Yes ")
+    assert switch.read(_model_config(model_dirs, SWITCH_ON)).strict
+
+
 def test_non_boolean_switch_is_an_error(model_dirs):
     from rl_kernel_verl import switch
 
@@ -86,6 +133,7 @@ def test_switch_on_a_dataclass_node_is_rejected_by_verl(model_dirs, node):
 
 
 def test_missing_target_is_a_logged_no_op_or_a_strict_error(monkeypatch, caplog):
+    from rl_kernel_core import adapters
     from rl_kernel_verl import engine, targets
 
     monkeypatch.setattr(targets, "ENGINE_CLASS", "verl.workers.engine.fsdp.transformer_impl:NoSuchEngine")
@@ -94,7 +142,7 @@ def test_missing_target_is_a_logged_no_op_or_a_strict_error(monkeypatch, caplog)
         assert engine.install(stand_in, strict=False) is False
     assert any("has no attribute 'NoSuchEngine'" in r.getMessage() and "verl's own path" in r.getMessage() for r in caplog.records)
     assert not vars(stand_in).keys() - {"model_config", "engine_config"}
-    with pytest.raises(targets.TargetMissing, match="NoSuchEngine"):
+    with pytest.raises(adapters.TargetMissing, match="NoSuchEngine"):
         engine.install(stand_in, strict=True)
 
 

@@ -107,18 +107,35 @@ def test_off_changes_nothing_and_imports_nothing(probes):
     assert out["same_object_in_loss"]
 
 
-@pytest.mark.parametrize("value, expected", [("0", []), ("1", ["rl_kernel_vime", "rl_kernel_vime._bootstrap", "rl_kernel_vime.config", "rl_kernel_vime.targets"])])
+START_UP = ["rl_kernel_core", "rl_kernel_core.adapters", "rl_kernel_core.switches"]  # standard library only
+ON_AT_START_UP = START_UP + ["rl_kernel_vime", "rl_kernel_vime._bootstrap", "rl_kernel_vime.config", "rl_kernel_vime.registry", "rl_kernel_vime.targets"]
+
+
+@pytest.mark.parametrize("value, expected", [("0", []), ("off", ON_AT_START_UP), ("1", ON_AT_START_UP)])
 def test_start_up_cost(site_dir, value, expected):
-    """At interpreter start the switch costs an environment lookup (off) or a few standard-library
-    modules (on): torch and rl_kernel_core load only when a vime module does."""
+    """At interpreter start the switch costs an environment lookup (``0``/unset) or a few
+    standard-library modules (any other value): torch and rl_kernel_core's ops load only when a
+    vime module does, and only with the switch on."""
     body = "import json, sys; print(json.dumps(sorted(m for m in sys.modules if m.startswith(('rl_kernel', 'torch')))))"
     proc = _start(site_dir, {"VIME_RL_KERNEL": value}, body)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     loaded = json.loads(stdout.strip())
-    assert [m for m in loaded if m.startswith("torch") or m.startswith("rl_kernel_core")] == []
-    assert set(loaded) <= set(expected + ["rl_kernel_vime.fallback", "rl_kernel_vime.registry"])
-    assert bool(loaded) == (value == "1")
+    assert not [m for m in loaded if m.startswith("torch")]
+    assert set(loaded) <= set(expected + ["rl_kernel_vime.fallback"])
+    assert bool(loaded) == (value != "0")
+
+
+def test_off_with_malformed_switches_leaves_vime_alone(site_dir):
+    """``VIME_RL_KERNEL=off`` with a bad ``VIME_RL_KERNEL_OPS``: vime imports, untouched."""
+    env = {"VIME_RL_KERNEL": "off", "VIME_RL_KERNEL_OPS": "logprob,lossy", "VIME_RL_KERNEL_STRICT": "garbage"}
+    proc = _start(site_dir, env, "LATE = False\n" + PROBE)
+    stdout, stderr = proc.communicate(timeout=180)
+    out = _result((proc.returncode, stdout, stderr))["at_import"]
+    assert all(owner.startswith("vime.") for owner in out["owner"].values()), out["owner"]
+    assert out["same_object_in_loss"]
+    assert not [m for m in out["rl_kernel_modules"] if m.startswith(("rl_kernel_vime.patch", "rl_kernel_vime.hooks"))]
+    assert "status" not in out or not out["status"]["enabled"]
 
 
 def test_on_replaces_the_functions_as_vime_imports_them(probes):
@@ -145,6 +162,31 @@ def test_invalid_switch_fails_the_vime_import_loudly(site_dir):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "ImportError" in stderr and "VIME_RL_KERNEL_OPS" in stderr and "lossy" in stderr
+
+
+def test_restore_puts_every_binding_back_and_removes_the_import_hook(monkeypatch):
+    """In this process: activate, import vime (a module importing by name included), restore."""
+    import importlib
+
+    from rl_kernel_core import adapters
+    from rl_kernel_vime import hooks
+
+    for name in list(sys.modules):
+        if name == "vime" or name.startswith("vime."):
+            monkeypatch.delitem(sys.modules, name)
+    rl_kernel_vime.activate()
+    ppo = importlib.import_module("vime.utils.ppo_utils")
+    loss = importlib.import_module("vime.backends.megatron_utils.loss")
+    assert ppo.compute_approx_kl is hooks.compute_approx_kl and loss.compute_approx_kl is hooks.compute_approx_kl
+    assert [f for f in sys.meta_path if isinstance(f, adapters.ImportHook)]
+    rl_kernel_vime.restore()
+    assert not [f for f in sys.meta_path if isinstance(f, adapters.ImportHook)]
+    assert ppo.compute_approx_kl.__module__ == "vime.utils.ppo_utils"
+    assert loss.compute_approx_kl is ppo.compute_approx_kl  # the by-name import is vime's function again
+    assert loss.policy_loss_function.__module__ == loss.__name__
+    assert not rl_kernel_vime.status()["enabled"]
+    model = importlib.import_module("vime.backends.megatron_utils.model")  # imported after restore: untouched
+    assert model.train_one_step.__module__ == model.__name__
 
 
 def test_install_pth_command_writes_the_packaged_file(tmp_path):

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from rl_kernel_core.switches import SwitchError
 from rl_kernel_vime import config
 
 
@@ -23,24 +24,38 @@ def test_ops_values(value, ops):
     assert config.from_env(env).ops == frozenset(ops)
 
 
-@pytest.mark.parametrize("env, name", [
-    ({config.SWITCH: "yes please"}, config.SWITCH),
-    ({config.OPS_VAR: "logprob,sampling"}, config.OPS_VAR),
-    ({config.STRICT_VAR: "2"}, config.STRICT_VAR),
+@pytest.mark.parametrize("env, name, value", [
+    ({config.SWITCH: "yes please"}, config.SWITCH, "yes please"),
+    ({config.SWITCH: "1", config.OPS_VAR: "logprob,sampling"}, config.OPS_VAR, "logprob,sampling"),
+    ({config.SWITCH: "1", config.STRICT_VAR: "2"}, config.STRICT_VAR, "2"),
 ])
-def test_invalid_values_name_the_variable(env, name):
-    with pytest.raises(config.ConfigError, match=name) as info:
+def test_invalid_values_name_the_variable(env, name, value):
+    with pytest.raises(SwitchError, match=name) as info:
         config.from_env(env)
-    assert repr(next(iter(env.values()))) in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("master", [None, "", "0", "off", " False "])
+def test_master_off_reads_nothing_else(master):
+    env = {config.OPS_VAR: "logprob,sampling", config.STRICT_VAR: "2", config.PROFILE_VAR: "x.jsonl"}
+    if master is not None:
+        env[config.SWITCH] = master
+    assert config.from_env(env) == config.OFF
 
 
 def test_profile_path():
-    assert config.from_env({}).profile_path is None
-    assert config.from_env({config.CORE_PROFILE_VAR: "1"}).profile_path is None
-    assert config.from_env({config.CORE_PROFILE_VAR: "core.jsonl"}).profile_path == "core.jsonl"
-    got = config.from_env({config.CORE_PROFILE_VAR: "core.jsonl", config.PROFILE_VAR: "vime.{pid}.jsonl"}).profile_path
+    on = {config.SWITCH: "1"}
+    assert config.from_env(on).profile_path is None
+    assert config.from_env({**on, config.CORE_PROFILE_VAR: "1"}).profile_path is None
+    assert config.from_env({**on, config.CORE_PROFILE_VAR: "false"}).profile_path is None
+    assert config.from_env({**on, config.CORE_PROFILE_VAR: "core.jsonl"}).profile_path == "core.jsonl"
+    got = config.from_env({**on, config.CORE_PROFILE_VAR: "core.jsonl", config.PROFILE_VAR: "vime.{pid}.jsonl"}).profile_path
     assert got == f"vime.{os.getpid()}.jsonl"
+    assert config.from_env({**on, config.CORE_PROFILE_VAR: "core.jsonl", config.PROFILE_VAR: "off"}).profile_path is None
 
 
 def test_strict():
     assert config.strict_from_env({config.STRICT_VAR: "1"}) and not config.strict_from_env({})
+    assert config.settings_from_env({config.STRICT_VAR: " ON "}).strict
+    with pytest.raises(SwitchError, match=f"{config.STRICT_VAR} must be one of .*'garbage'"):
+        config.strict_from_env({config.STRICT_VAR: "garbage"})

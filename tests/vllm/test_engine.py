@@ -63,10 +63,13 @@ def runs(tmp_path_factory):
         prompt = torch.randint(3, vocab, (length,), generator=gen).tolist()  # ids 0-2 are specials
         full = dict(params, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed + i)
         requests.append({"prompt_token_ids": prompt, "params": full})
-    spec = root / "spec.json"
-    spec.write_text(json.dumps({"model": str(model_dir), "requests": requests, "engine": {"max_model_len": 64, "max_num_seqs": 8}}))
     procs = {}
     for name, on in (("on", True), ("off", False)):
+        # The on engine asks for processed log-probs, the mode in which the plugin returns the
+        # trainer's definition; the off engine keeps vLLM's default (raw, pre-temperature).
+        engine = {"max_model_len": 64, "max_num_seqs": 8, **({"logprobs_mode": "processed_logprobs"} if on else {})}
+        spec = root / f"{name}_spec.json"
+        spec.write_text(json.dumps({"model": str(model_dir), "requests": requests, "engine": engine}))
         log = open(root / f"{name}.log", "w")
         cmd = [sys.executable, str(HERE / "vllm_engine_run.py"), str(spec), str(root / f"{name}.json")]
         env = _engine_env(on, root / f"{name}_steps.jsonl")
@@ -158,7 +161,7 @@ def test_plugin_off_leaves_worker_untouched(runs):
         assert not worker["status"]["enabled"]
         assert not worker["sampler_forward_patched"]
         assert worker["logits_processor_types"] == ["vllm.model_executor.layers.logits_processor.LogitsProcessor"]
-        assert not worker["rl_kernel_core_imported"], "the plugin imported rl_kernel_core while off"
+        assert not worker["rl_kernel_core_imported"], "the plugin imported rl_kernel_core ops while off"
     assert "live hooks" not in runs["off"]["log"]
 
 

@@ -63,3 +63,28 @@ def test_quantized_head_is_left_to_vllm(processor, seed):
     head = _Head(torch.randn(VOCAB, HIDDEN), OtherMethod())
     out = processor._apply_head(head, torch.randn(3, HIDDEN), None)
     assert torch.equal(out, torch.full((3, VOCAB), 7.0))
+
+
+def test_a_subclass_of_the_unquantized_method_keeps_its_apply(processor, seed):
+    """Only vLLM's exact unquantized method is replaced; any other method's apply runs."""
+
+    class Derived(UnquantizedEmbeddingMethod):
+        def apply(self, layer, x, bias=None):
+            return torch.full((x.shape[0], VOCAB), 3.0)
+
+    head = _Head(torch.randn(VOCAB, HIDDEN), Derived())
+    assert torch.equal(processor._apply_head(head, torch.randn(2, HIDDEN), None), torch.full((2, VOCAB), 3.0))
+
+
+@pytest.mark.parametrize("head_dtype", [torch.bfloat16, torch.float16])
+def test_a_head_dtype_other_than_fp32_is_refused_when_the_layer_is_built(head_dtype):
+    import types
+
+    config = VllmConfig()
+    object.__setattr__(config, "model_config", types.SimpleNamespace(head_dtype=head_dtype))
+    with set_current_vllm_config(config):
+        with pytest.raises(ValueError, match=rf"head_dtype is {head_dtype}: start vLLM with --hf-overrides"):
+            lm_head._make_class()(VOCAB)
+    object.__setattr__(config, "model_config", types.SimpleNamespace(head_dtype=torch.float32))
+    with set_current_vllm_config(config):
+        assert lm_head._make_class()(VOCAB).head_dtype == torch.float32

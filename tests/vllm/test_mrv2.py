@@ -52,7 +52,14 @@ def test_vllm_kernel_gives_pre_temperature_logprobs(probe):
     contract.assert_close(values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="vLLM MRV2")
 
 
+def test_raw_mode_keeps_vllms_pre_temperature_definition(probe):
+    ids, values, ranks = probe["ours_raw"]
+    assert torch.equal(ids, probe["theirs"][0]) and torch.equal(ranks, probe["theirs"][2])
+    contract.assert_close(values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="hooked MRV2 raw")
+
+
 def test_hook_returns_trainer_definition_with_vllms_ids_and_ranks(probe):
+    """processed_logprobs: the trainer's definition (post-temperature, full vocabulary)."""
     ids, values, ranks = probe["ours"]
     assert torch.equal(ids, probe["theirs"][0]) and torch.equal(ranks, probe["theirs"][2])
     temps = effective_temperatures(probe["row_temperatures"].tolist())

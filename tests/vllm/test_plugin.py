@@ -1,5 +1,6 @@
-"""The plugin's loading contract with the real vLLM: off changes nothing, on patches exactly its
-targets once, strict mode refuses moved targets, switches reject unknown values.
+"""The plugin's loading contract with the real vLLM: off changes nothing (whatever the other
+switches hold), on patches exactly its targets once, restore() puts everything back, strict mode
+refuses moved targets, switches reject unknown values.
 
 Each scenario runs in a fresh interpreter (``vllm_plugin_probe.py``), because vLLM loads general
 plugins once per process and the patches are process-wide.
@@ -15,17 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from rl_kernel_vllm import logprobs, patching, sampler, switches
+from rl_kernel_core import adapters
+from rl_kernel_core.switches import SwitchError
+from rl_kernel_vllm import logprobs, sampler, switches
 
 HERE = Path(__file__).resolve().parent
 
 
 SCENARIOS = {
-    "off": ("load", {}),
+    # malformed sub-switches are never read while the master switch is off
+    "off": ("load", {"RL_KERNEL_VLLM_SAMPLER": "ture", "RL_KERNEL_VLLM_STRICT": "garbage"}),
     "on": ("load", {"RL_KERNEL_VLLM": "1"}),
     "moved": ("moved", {"RL_KERNEL_VLLM": "1"}),
     "moved_strict": ("moved", {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_STRICT": "1"}),
-    "all": ("load", {f"RL_KERNEL_VLLM{suffix}": "1" for suffix in ("", "_LM_HEAD", "_SAMPLER")}),
+    # every hook on (spelt " On "), then restore()
+    "all": ("restore", {f"RL_KERNEL_VLLM{suffix}": " On " for suffix in ("", "_LM_HEAD", "_SAMPLER")}),
 }
 
 
@@ -40,7 +45,7 @@ def probes() -> dict[str, dict]:
         procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reports = {}
     for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"probe {name}: " + out[-2000:] + err[-4000:]
         line = next(l for l in out.splitlines() if l.startswith("PROBE "))
         reports[name] = json.loads(line[len("PROBE "):])
@@ -66,6 +71,15 @@ def test_off_changes_no_vllm_attribute(off):
     assert off["error"] is None
 
 
+def test_restore_puts_every_original_back(probes):
+    report = probes["all"]
+    assert report["error"] is None
+    assert not any(report["unchanged"].values())  # everything was patched first
+    restored = report["restored"]
+    assert all(restored["targets"].values()), restored["targets"]
+    assert restored["oot"] and restored["status_registered"] is False
+
+
 def test_on_patches_each_target_once(on):
     assert on["error"] is None
     status = on["status"]
@@ -78,6 +92,7 @@ def test_on_patches_each_target_once(on):
     assert all(on["idempotent"].values()), on["idempotent"]
     assert set(status["hooks"]["logprobs"]["targets"].values()) == {"patched"}
     assert on["log"].count("live hooks: logprobs") == 1
+    assert on["log"].count("overrides: ") == len(logprobs.OVERRIDES)
 
 
 def test_on_default_switches(on):
@@ -96,6 +111,11 @@ def test_every_hook_on(probes):
     assert all(report["wraps_original"].values()) and all(report["idempotent"].values())
     assert report["oot_added"] == ["LogitsProcessor"]
     assert report["log"].count("live hooks: logprobs, lm_head, sampler") == 1
+    # every override of a vLLM setting is announced once, beside the live-hooks line
+    from rl_kernel_vllm import lm_head
+
+    for override in (*logprobs.OVERRIDES, *lm_head.OVERRIDES, *sampler.OVERRIDES):
+        assert report["log"].count(f"overrides: {override}") == 1, override
 
 
 def test_moved_target_is_logged_and_left_alone(probes):
@@ -120,17 +140,26 @@ def test_switch_values():
     assert switches.read({"RL_KERNEL_VLLM": "0", "RL_KERNEL_VLLM_LOGPROBS": "1"}).wanted("logprobs") is False
     sw = switches.read({"RL_KERNEL_VLLM": "yes", "RL_KERNEL_VLLM_LOGPROBS": "off", "RL_KERNEL_VLLM_LM_HEAD": "TRUE"})
     assert sw.enabled and not sw.wanted("logprobs") and sw.wanted("lm_head")
-    with pytest.raises(ValueError, match="RL_KERNEL_VLLM_STRICT.*'maybe'"):
-        switches.read({"RL_KERNEL_VLLM_STRICT": "maybe"})
+    with pytest.raises(SwitchError, match="RL_KERNEL_VLLM_STRICT.*'maybe'"):
+        switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_STRICT": "maybe"})
+    with pytest.raises(SwitchError, match="RL_KERNEL_VLLM must be one of .*'ture'"):
+        switches.read({"RL_KERNEL_VLLM": "ture"})
+    with pytest.raises(SwitchError, match="RL_KERNEL_VLLM_SAMPLER must be one of .*'ture'"):
+        switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_SAMPLER": "ture"})
     with pytest.raises(ValueError, match="RL_KERNEL_VLLM_BATCH_INVARIANT is not an rl_kernel_vllm switch.*VLLM_BATCH_INVARIANT=1"):
         switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"})
 
 
-def test_resolve_names_what_is_missing():
-    with pytest.raises(patching.TargetMissing, match="cannot import vllm.no_such_module"):
-        patching.resolve("vllm.no_such_module:X")
-    with pytest.raises(patching.TargetMissing, match="defines no attribute 'no_such_method'"):
-        patching.resolve("vllm.v1.sample.sampler:Sampler.no_such_method")
+def test_master_off_reads_no_other_switch():
+    sw = switches.read({"RL_KERNEL_VLLM": "off", "RL_KERNEL_VLLM_SAMPLER": "ture", "RL_KERNEL_VLLM_STRICT": "maybe"})
+    assert not sw.enabled and not sw.strict and not any(sw.hooks.values())
+
+
+def test_locate_names_what_is_missing():
+    with pytest.raises(adapters.TargetMissing, match="cannot import vllm.no_such_module"):
+        adapters.locate("vllm.no_such_module:X")
+    with pytest.raises(adapters.TargetMissing, match="defines no attribute 'no_such_method'"):
+        adapters.locate("vllm.v1.sample.sampler:Sampler.no_such_method")
     with pytest.raises(ValueError, match="package.module:Attr.path"):
-        patching.resolve("vllm.v1.sample.sampler.Sampler.forward")
+        adapters.locate("vllm.v1.sample.sampler.Sampler.forward")
 

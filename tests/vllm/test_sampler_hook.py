@@ -17,7 +17,7 @@ import torch
 
 import rl_kernel_core
 from rl_kernel_core import contract
-from rl_kernel_vllm.logprobs import effective_temperatures, trainer_logprobs, wrap_v1_forward
+from rl_kernel_vllm.logprobs import effective_temperatures, mode_temperatures, trainer_logprobs, wrap_v1_forward
 from rl_kernel_vllm.sampler import SEED_BOUND, wrap_v1_sample
 
 sampler_mod = pytest.importorskip("vllm.v1.sample.sampler")
@@ -61,15 +61,16 @@ def _run(forward, sampler, logits: torch.Tensor, temps, num_logprobs, penalties:
     return forward(sampler, logits.clone(), _metadata(temps, num_logprobs, penalties=penalties, seed=seed))
 
 
-def _reference(logits: torch.Tensor, ids: torch.Tensor, temps) -> torch.Tensor:
-    t = torch.tensor(effective_temperatures(temps), dtype=torch.float64)[:, None]
+def _reference(logits: torch.Tensor, ids: torch.Tensor, temps, mode: str = "processed_logprobs") -> torch.Tensor:
+    t = torch.tensor(mode_temperatures(mode, temps), dtype=torch.float64)[:, None]
     return torch.log_softmax(logits.double() / t, dim=-1).gather(1, ids.long())
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("penalties", [False, True])
-def test_wrapped_sampler_returns_trainer_logprobs(mode, dtype, penalties, seed):
+def test_wrapped_sampler_values_follow_the_mode(mode, dtype, penalties, seed):
+    """raw_logprobs: vLLM's pre-temperature definition; processed_logprobs: the trainer's."""
     sampler = sampler_mod.Sampler(logprobs_mode=mode)
     original = sampler_mod.Sampler.__dict__["forward"]
     original = getattr(original, "__rl_kernel_original__", original)
@@ -82,13 +83,19 @@ def test_wrapped_sampler_returns_trainer_logprobs(mode, dtype, penalties, seed):
     assert torch.equal(lt_ours.logprob_token_ids, lt_theirs.logprob_token_ids)
     assert torch.equal(lt_ours.selected_token_ranks, lt_theirs.selected_token_ranks)
     assert lt_ours.logprobs.dtype == torch.float32
-    want = _reference(logits, lt_ours.logprob_token_ids, TEMPERATURES)
+    want = _reference(logits, lt_ours.logprob_token_ids, TEMPERATURES, mode)
     contract.assert_close(lt_ours.logprobs, want, "logprob", dtype, name=f"{mode} {dtype}")
-    # vLLM's own values are another definition: pre-temperature (raw) or after penalties (processed).
     tol = contract.tolerance("logprob", dtype)
     gap = (lt_theirs.logprobs.double() - want).abs() > tol.atol + tol.rtol * want.abs()
-    if mode == "raw_logprobs" or penalties:
-        assert gap.any()
+    if mode == "raw_logprobs":
+        # raw keeps vLLM's definition (before temperature and penalties): vLLM's values agree
+        assert not gap.any()
+    else:
+        # processed: the trainer's definition, not vLLM's (which applies penalties too)
+        trainer = _reference(logits, lt_ours.logprob_token_ids, TEMPERATURES, "processed_logprobs")
+        contract.assert_close(lt_ours.logprobs, trainer, "logprob", dtype, name=f"{mode} {dtype} trainer")
+        if penalties:
+            assert gap.any()
 
 
 @pytest.mark.parametrize(

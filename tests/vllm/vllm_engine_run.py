@@ -26,9 +26,11 @@ def _qualname(obj) -> str:
 
 def worker_report(worker) -> dict:
     """Runs inside each vLLM worker process: the plugin's status and the live vLLM objects."""
-    core_imported = "rl_kernel_core" in sys.modules  # before this function imports anything of ours
+    # before this function imports anything of ours; the switch reader (rl_kernel_core.switches and
+    # .adapters, standard library only) is the one part of rl_kernel_core the plugin loads while off
+    core_imported = any(m.startswith("rl_kernel_core.") and m not in ("rl_kernel_core.switches", "rl_kernel_core.adapters") for m in sys.modules)
     import rl_kernel_vllm
-    from rl_kernel_vllm import patching
+    from rl_kernel_core import adapters
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.v1.sample.sampler import Sampler
 
@@ -37,7 +39,7 @@ def worker_report(worker) -> dict:
         "pid": os.getpid(),
         "status": rl_kernel_vllm.status(),
         "rl_kernel_core_imported": core_imported,
-        "sampler_forward_patched": patching.is_patched(Sampler.__dict__["forward"]),
+        "sampler_forward_patched": adapters.is_patched(Sampler.__dict__["forward"]),
         "runner_sampler_type": _qualname(worker.model_runner.sampler),
         "logits_processor_types": sorted({_qualname(m) for m in model.modules() if isinstance(m, LogitsProcessor)}),
     }

@@ -46,7 +46,8 @@ def main(out_path: str, seed: int) -> None:
     from vllm.v1.worker.gpu.sample.states import SamplingStates
 
     import rl_kernel_vllm
-    from rl_kernel_vllm import logprobs, patching
+    from rl_kernel_core import adapters
+    from rl_kernel_vllm import logprobs
 
     vocab, num_logprobs = 53, 2
     temps = [0.7, 1.0, 0.0, 1.6, 0.7]  # by request slot; slot 2 is greedy
@@ -55,7 +56,7 @@ def main(out_path: str, seed: int) -> None:
     vllm.plugins.load_general_plugins()
     assert rl_kernel_vllm.status()["hooks"]["logprobs"]["runners"] == ["v1", "v2"], rl_kernel_vllm.status()
     patched_topk = mrv2_sampler.compute_topk_scores
-    assert getattr(patched_topk, patching.ORIGINAL_ATTR) is original_topk
+    assert getattr(patched_topk, adapters.ORIGINAL_ATTR) is original_topk
 
     states = SamplingStates(max_num_reqs=8, vocab_size=vocab)
     for slot, t in enumerate(temps):
@@ -71,8 +72,10 @@ def main(out_path: str, seed: int) -> None:
     def call_body(self, logits, input_batch):  # stand-in for MRV2 Sampler.__call__'s log-prob call
         return mrv2_sampler.compute_topk_scores(logits, num_logprobs, sampled)
 
-    sampler = types.SimpleNamespace(sampling_states=states, logprobs_mode="raw_logprobs")
+    sampler = types.SimpleNamespace(sampling_states=states, logprobs_mode="processed_logprobs")
     ours = logprobs.wrap_v2_call(call_body)(sampler, logits, batch)
+    sampler.logprobs_mode = "raw_logprobs"
+    ours_raw = logprobs.wrap_v2_call(call_body)(sampler, logits, batch)
     outside = patched_topk(logits, num_logprobs, sampled)  # no Sampler.__call__ around it
     theirs = original_topk(logits, num_logprobs, sampled)
     sampler.logprobs_mode = "raw_logits"
@@ -89,6 +92,7 @@ def main(out_path: str, seed: int) -> None:
             "logits": logits,
             "row_temperatures": torch.tensor([temps[s] for s in order]),
             "ours": tuple(ours[:3]),
+            "ours_raw": tuple(ours_raw[:3]),
             "outside": tuple(outside[:3]),
             "theirs": tuple(theirs[:3]),
             "logits_mode": tuple(logits_mode[:3]),

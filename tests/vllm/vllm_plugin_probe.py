@@ -5,7 +5,10 @@ JSON object: for every target the plugin knows, whether the attribute is the sam
 ``vllm.plugins.load_general_plugins()`` (and after a second ``register()``), plus ``status()``.
 
 Scenarios: ``load`` (plain), ``moved`` (the V1 runner's target list gets a second, non-existent
-attribute, as if vLLM had moved part of the API; catches the strict-mode error and prints it).
+attribute, as if vLLM had moved part of the API; catches the strict-mode error and prints it),
+``restore`` (load, then ``rl_kernel_vllm.restore()``: ``restored`` says whether every target,
+the out-of-tree registry and the batch-invariant mode are back). A switch error raised from
+vLLM's loader is caught and printed too.
 """
 
 from __future__ import annotations
@@ -22,31 +25,41 @@ def main(scenario: str) -> None:
     from vllm.model_executor.custom_op import op_registry_oot
 
     import rl_kernel_vllm
-    from rl_kernel_vllm import logprobs, patching, sampler
+    from rl_kernel_core import adapters
+    from rl_kernel_core.switches import SwitchError
+    from rl_kernel_vllm import logprobs, sampler
 
     if scenario == "moved":
         logprobs.RUNNERS["v1"] = logprobs.V1_TARGETS + ("vllm.v1.sample.sampler:Sampler.no_such_method",)
     targets = [*logprobs.WRAPPERS, *sampler.TARGETS]
-    before = {t: patching.resolve(t)[2] for t in targets}
+    before = {t: adapters.locate(t)[2] for t in targets}
     oot_before = dict(op_registry_oot)
     error = None
     try:
         vllm.plugins.load_general_plugins()
-    except rl_kernel_vllm.TargetError as exc:
-        error = str(exc)
-    first = {t: patching.resolve(t)[2] for t in targets}
+    except (rl_kernel_vllm.TargetError, SwitchError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    first = {t: adapters.locate(t)[2] for t in targets}
     rl_kernel_vllm.register()
-    second = {t: patching.resolve(t)[2] for t in targets}
+    second = {t: adapters.locate(t)[2] for t in targets}
     report = {
         "error": error,
         "status": rl_kernel_vllm.status(),
         "unchanged": {t: first[t] is before[t] for t in targets},
-        "wraps_original": {t: getattr(first[t], patching.ORIGINAL_ATTR, None) is before[t] for t in targets},
+        "wraps_original": {t: getattr(first[t], adapters.ORIGINAL_ATTR, None) is before[t] for t in targets},
         "idempotent": {t: second[t] is first[t] for t in targets},
         "oot_unchanged": {k: op_registry_oot.get(k) is v for k, v in oot_before.items()} == {k: True for k in oot_before}
         and set(op_registry_oot) == set(oot_before),
         "oot_added": sorted(set(op_registry_oot) - set(oot_before)),
     }
+    report["restored"] = None
+    if scenario == "restore":
+        rl_kernel_vllm.restore()
+        report["restored"] = {
+            "targets": {t: adapters.locate(t)[2] is before[t] for t in targets},
+            "oot": dict(op_registry_oot) == oot_before,
+            "status_registered": rl_kernel_vllm.status()["registered"],
+        }
     print("PROBE " + json.dumps(report))
 
 
