@@ -5,7 +5,7 @@ head's hidden states ``[G, L, D]`` in bf16, as the recipe applies them to a mode
 
 * ``off``: ``logits = hidden @ W.T`` (bf16), ``log_softmax(logits.float()).gather``, entropy from
   the logits, the clipped loss with low-variance KL and entropy terms in eager ops;
-* ``on``: :func:`rl_kernel_core.linear_logprob` with entropy, :func:`rl_kernel_core.policy_loss`.
+* ``on``: :func:`rl_kernel_core.linear_logprob` with entropy, :func:`rl_kernel_core.loss`.
 
 For each head shape (Qwen3-0.6B, Qwen3-8B, Llama-3-8B) and token count it times, with the same
 inputs: the no-grad old-log-prob pass, and the training pass (forward and backward into the

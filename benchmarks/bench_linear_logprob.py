@@ -16,7 +16,7 @@ Everything runs in one process on one GPU, on the same inputs (bf16 unless ``--d
   (gradients), at N from 4096 to 131072.
 * batch invariance: a row's log-prob computed inside batches of different N, for eager
   (cuBLAS) and ours; max |difference| (ours must be 0).
-* ``--part tiles``: the gemm-route tile shapes, forward-only, to choose ``TUNING.gemm_tiles``.
+* ``--part tiles``: the gemm-route tile shapes, forward-only, to choose ``LinearTuning.gemm_tiles``.
 
 Timings are medians of ``--reps`` CUDA-event-timed calls after ``--warmup`` calls. Results are
 appended to ``<out>/bench_linear_logprob.json`` after every measurement (a cut-off run keeps
@@ -28,6 +28,7 @@ what it measured), with the GPU, versions and the command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -42,7 +43,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import bench
-from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core import linear_chunks as LC
 
 DEV = torch.device("cuda")
 SHAPES = {  # name -> (N, D, V); "tiny" is a CPU smoke test of this script under TRITON_INTERPRET=1
@@ -63,7 +64,7 @@ class Recorder:
             "benchmark": "linear_logprob / fused_linear_policy_loss",
             "command": bench.command_line(),
             "environment": bench.environment(DEV),
-            "tuning_defaults": _tuning_dict(K.TUNING),
+            "tuning_defaults": _tuning_dict(LC.tuning()),
             "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows, "inputs": args.inputs},
             "notes": [],
             "results": [],
@@ -84,7 +85,7 @@ class Recorder:
             json.dump(self.doc, f, indent=1)
 
 
-def _tuning_dict(t: K.Tuning) -> dict:
+def _tuning_dict(t: LC.LinearTuning) -> dict:
     return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in dataclasses.asdict(t).items()}
 
 
@@ -234,24 +235,25 @@ def part_floor(shape: str, n: int, d: int, v: int, dtype, args, rec: Recorder) -
     return res["median_ms"]
 
 
-def _with_tuning(**overrides):
-    saved = K.TUNING
-    K.TUNING = dataclasses.replace(saved, **overrides)
-    return saved
+def _with_tuning(**overrides) -> contextlib.ExitStack:
+    """Enter :func:`rl_kernel_core.linear_chunks.tuned` with ``overrides``; ``.close()`` leaves it."""
+    scope = contextlib.ExitStack()
+    scope.enter_context(LC.tuned(**overrides))
+    return scope
 
 
 def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
     h, w, t, g = make(n, d, v, dtype)
     for name in methods:
         for vname, over in (variants if name == "ours" else [("", {})]):
-            saved = _with_tuning(**over)
+            scope = _with_tuning(**over)
             try:
                 label = name + (f"[{vname}]" if vname else "")
                 m = METHODS[name]
                 res_f = measure(lambda: fwd_only(m, h, w, t), args, out_bytes=_nbytes)
                 if DEV.type == "cuda":
                     res_f.update(paired_ratio(lambda: fwd_only(m, h, w, t), lambda: h @ w.T, args))
-                route = K.TUNING.route_for(h) if name == "ours" else None
+                route = LC.tuning().route_for(h) if name == "ours" else None
                 rec.add({"part": "forward", "shape": shape, "N": n, "D": d, "V": v, "method": label, "route": route, **res_f,
                          "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3)})
                 res_b = measure(lambda: fwd_bwd(m, h, w, t, g), args, out_bytes=lambda r: _nbytes(*r))
@@ -261,7 +263,7 @@ def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
                 rec.add({"part": "logprob", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()
             finally:
-                K.TUNING = saved
+                scope.close()
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -281,7 +283,7 @@ def part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants):
     _free()
     for name in methods:
         for vname, over in (variants if name == "ours" else [("", {})]):
-            saved = _with_tuning(**over)
+            scope = _with_tuning(**over)
             try:
                 lp, dh, dw = fwd_bwd(METHODS[name], h, w, t, g)
                 rec.add({"part": "accuracy", "shape": shape, "N": rows, "D": d, "V": v, "method": name + (f"[{vname}]" if vname else ""),
@@ -289,13 +291,13 @@ def part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants):
             except Exception as exc:
                 rec.add({"part": "accuracy", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
             finally:
-                K.TUNING = saved
+                scope.close()
                 _free()
 
 
 def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
     h, w, t, _ = make(n, d, v, dtype)
-    T = K.TileConfig
+    T = LC.TileConfig
     configs = [
         T(128, 256, 64, 16, 8, 3), T(128, 256, 64, 16, 8, 3, tma=True),
         T(128, 256, 64, 16, 8, 3, persistent=True), T(128, 256, 64, 16, 8, 3, tma=True, persistent=True),
@@ -303,7 +305,7 @@ def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
         T(256, 128, 64, 16, 8, 3, tma=True, persistent=True), T(128, 256, 64, 16, 8, 4, persistent=True),
     ]
     for cfg in configs:
-        saved = _with_tuning(gemm_tiles=cfg, route="gemm")
+        scope = _with_tuning(gemm_tiles=cfg, route="gemm")
         try:
             res = measure(lambda: fwd_only(ours, h, w, t), args)
             paired = paired_ratio(lambda: fwd_only(ours, h, w, t), lambda: h @ w.T, args) if DEV.type == "cuda" else {}
@@ -312,7 +314,7 @@ def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
         except Exception as exc:
             rec.add({"part": "tiles", "shape": shape, "tiles": dataclasses.asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
         finally:
-            K.TUNING = saved
+            scope.close()
 
 
 def _loss_inputs(b: int, tl: int, d: int, v: int, dtype):
@@ -363,17 +365,17 @@ def part_loss(shape, b, tl, d, v, dtype, args, rec, methods, variants):
     rec.add({"part": "loss_floor", "shape": shape, "N": n, "D": d, "V": v, "method": "cublas logits+dh+dW", "median_ms": floor})
     for name in methods:
         for vname, over in (variants if name == "ours" else [("", {})]):
-            saved = _with_tuning(**over)
+            scope = _with_tuning(**over)
             try:
                 res = measure(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), args, out_bytes=lambda r: _nbytes(*r))
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "B": b, "T": tl, "N": n, "D": d, "V": v,
                          "method": name + (f"[{vname}]" if vname else ""),
-                         "route": K.TUNING.route_for(hh) if name == "ours" else None, **res, "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
+                         "route": LC.tuning().route_for(hh) if name == "ours" else None, **res, "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
             except Exception as exc:
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()
             finally:
-                K.TUNING = saved
+                scope.close()
 
 
 def part_loss_accuracy(d, v, dtype, args, rec, methods):
@@ -420,7 +422,7 @@ def main() -> int:
     p.add_argument("--part", default="all", help="comma list: tiles,logprob,accuracy,loss,memory,invariance or all")
     p.add_argument("--shapes", default="llama8b,qwen0.5b,n1000,d2048")
     p.add_argument("--methods", default="ours,eager,eager_chunked_ckpt,liger_flce,cce")
-    p.add_argument("--variants", default="", help="ours variants: name=field:value;field:value,... (TUNING overrides)")
+    p.add_argument("--variants", default="", help="ours variants: name=field:value;field:value,... (LinearTuning overrides)")
     p.add_argument("--memory-sizes", default="4096,16384,65536,131072")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
@@ -439,7 +441,7 @@ def main() -> int:
     variants = [("", {})] + [_parse_variant(s) for s in args.variants.split(",") if s]
     rec = Recorder(os.path.join(args.out, "bench_linear_logprob.json"), args)
     if DEV.type == "cuda":
-        rec.note(f"torch.mm(out_dtype=fp32): {K.fp32_logits_supported(DEV, torch.bfloat16)}; addmm(out_dtype=fp32, in place): {K._dtype_mm_supported('addmm')}")
+        rec.note(f"torch.mm(out_dtype=fp32): {LC.fp32_logits_supported(DEV, torch.bfloat16)}; addmm(out_dtype=fp32, in place): {LC._dtype_mm_supported('addmm')}")
     t0 = time.time()
     if "invariance" in parts and DEV.type == "cuda":
         for d in (896, 2048):
@@ -473,11 +475,11 @@ def _parse_variant(spec: str) -> tuple[str, dict]:
         key, _, val = item.partition(":")
         if "." in key:  # one field of a tile shape, e.g. gemm_tiles.tma:true
             tiles, sub = key.split(".", 1)
-            base = over.get(tiles, getattr(K.TUNING, tiles))
-            sub_type = {f.name: f.type for f in dataclasses.fields(K.TileConfig)}[sub]
+            base = over.get(tiles, getattr(LC.tuning(), tiles))
+            sub_type = {f.name: f.type for f in dataclasses.fields(LC.TileConfig)}[sub]
             over[tiles] = dataclasses.replace(base, **{sub: convert[sub_type](val)})
             continue
-        field_type = {f.name: f.type for f in dataclasses.fields(K.Tuning)}[key]
+        field_type = {f.name: f.type for f in dataclasses.fields(LC.LinearTuning)}[key]
         over[key] = convert[field_type](val)
     return name, over
 

@@ -73,7 +73,7 @@ def _short_paths(line: str) -> str:
     return re.sub(r"\S*/site-packages/", "site-packages/", line.replace(_REPO, ""))
 
 
-OP_MODULES = {"triton": "rl_kernel_core.triton.ops", "native": "rl_kernel_core.native_ops"}
+OP_MODULES = {"triton": "rl_kernel_core.triton.loss", "native": "rl_kernel_core.native.loss"}
 """The modules whose ``_policy_loss_op`` is the eager path of each fast backend's policy loss."""
 
 

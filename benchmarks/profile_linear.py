@@ -55,7 +55,7 @@ def main() -> int:
     dev = torch.device("cuda")
     variants = [("", {})] + [B._parse_variant(s) for s in args.variants.split(",") if s]
     doc = {"benchmark": "profile_linear", "command": bench.command_line(), "environment": bench.environment(dev),
-           "tuning_defaults": B._tuning_dict(B.K.TUNING), "results": []}
+           "tuning_defaults": B._tuning_dict(B.LC.tuning()), "results": []}
     for shape in args.shapes.split(","):
         n, d, v = B.SHAPES[shape]
         h = torch.randn(n, d, device=dev).to(dtype)
@@ -66,11 +66,11 @@ def main() -> int:
         print(f"== {shape}: cuBLAS h@W.T {floor_ms:.2f} ms")
         for case in args.cases.split(","):
             for vname, over in variants:
-                saved = B._with_tuning(**over)
+                scope = B._with_tuning(**over)
                 try:
                     total, rows = bench.kernel_table(_case_fn(case, shape, dtype), args.warmup)
                 finally:
-                    B.K.TUNING = saved
+                    scope.close()
                 label = case + (f"[{vname}]" if vname else "")
                 doc["results"].append({"shape": shape, "case": label, "N": n, "D": d, "V": v, "device_ms": total,
                                        "x_floor": round(total / floor_ms, 3), "kernels": rows})

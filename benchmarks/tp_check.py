@@ -43,7 +43,8 @@ import torch.distributed as dist
 import rl_kernel_core as rk
 from rl_kernel_core import bench
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core.linear_chunks import tuning
+from rl_kernel_core.triton.linear_tile import tiles
 from rl_kernel_core.triton import _vocab_parallel as VP
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -174,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["peak_extra_gib"][key] = bench.peak_extra_gib(fn, dev)
 
     # single process on the default route (gemm, the vocab-parallel route)
-    assert K.TUNING.route_for(x["hidden"]) == VP.ROUTE, "the single-process route must be the vocab-parallel one"
+    assert tuning().route_for(x["hidden"]) == VP.ROUTE, "the single-process route must be the vocab-parallel one"
     single = forward_backward(x, x["weight"], x["bias"], None)[:2]  # the gradients are checked per TP size
     single_nograd = no_grad_logprob(x, x["weight"], x["bias"], None)
     timed("single_nograd_fwd", lambda: no_grad_logprob(x, x["weight"], x["bias"], None))
@@ -225,7 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "world": world,
             "tp_sizes": sorted(groups),
             "shape": dict(n=args.tokens, d=args.hidden, vocab=args.vocab, dtype=args.dtype, temperature=args.temperature, bias=args.bias),
-            "vocab_tile_block_n": K.TUNING.tiles(dtype, dev, from_logits=False).block_n,
+            "vocab_tile_block_n": tiles(dtype, dev, from_logits=False).block_n,
             "passed": all(not r["failures"] for r in per_rank),
             "notes": [
                 "timings: median CUDA-event ms per rank; fwd_bwd = forward with entropy + backward; nograd_fwd = "

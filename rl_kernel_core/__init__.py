@@ -7,8 +7,6 @@ adapter that is off loads nothing else.
 """
 
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
@@ -16,13 +14,13 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "BackendUnavailableError": "rl_kernel_core.dispatch",
     "batch_invariant": "rl_kernel_core.invariance",
-    "fused_linear_policy_loss": "rl_kernel_core.policy_loss",
+    "fused_linear_policy_loss": "rl_kernel_core.loss",
     "group_advantages": "rl_kernel_core.advantages",
     "is_batch_invariant": "rl_kernel_core.invariance",
     "linear_logprob": "rl_kernel_core.logprob",
     "logprob_from_logits": "rl_kernel_core.logprob",
-    "policy_loss": "rl_kernel_core.policy_loss",
-    "ratio_kl": "rl_kernel_core.policy_loss",
+    "policy_loss": "rl_kernel_core.loss",
+    "ratio_kl": "rl_kernel_core.loss",
     "rms_norm": "rl_kernel_core.invariance",
     "sample": "rl_kernel_core.sampling",
     "set_batch_invariant_mode": "rl_kernel_core.invariance",
@@ -44,14 +42,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
-
-class _Package(types.ModuleType):
-    # The import system binds a loaded submodule on its package; the submodule policy_loss
-    # shares its name with the function re-exported here, and the function keeps the name.
-    def __setattr__(self, name: str, value) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -36,16 +36,38 @@ logger = logging.getLogger("rl_kernel")
 
 BACKENDS: tuple[str, ...] = ("native", "triton", "torch")
 _DEFAULT_PREFERENCE: tuple[str, ...] = ("native", "triton", "torch")
-_BACKEND_MODULES = {"triton": "rl_kernel_core.triton", "native": "rl_kernel_core.native"}
-SERVES: dict[str, frozenset[str]] = {
-    "triton": frozenset({"linear_logprob", "logprob_from_logits", "ratio_kl", "policy_loss",
-                         "fused_linear_policy_loss", "group_advantages", "sample",
-                         "bi_matmul", "bi_linear", "bi_log_softmax", "bi_mean", "rms_norm", "varlen_attention"}),
-    "native": frozenset({"linear_logprob", "logprob_from_logits", "ratio_kl", "policy_loss", "group_advantages"}),
+_TRITON_BATCH_INVARIANT = "rl_kernel_core.triton.batch_invariant"
+BACKEND_MODULES: dict[str, dict[str, str]] = {
+    "triton": {
+        "linear_logprob": "rl_kernel_core.triton.linear_logprob",
+        "logprob_from_logits": "rl_kernel_core.triton.logprob_from_logits",
+        "ratio_kl": "rl_kernel_core.triton.loss",
+        "policy_loss": "rl_kernel_core.triton.loss",
+        "fused_linear_policy_loss": "rl_kernel_core.triton.fused_linear_policy_loss",
+        "group_advantages": "rl_kernel_core.triton.advantages",
+        "sample": "rl_kernel_core.triton.sampling",
+        "bi_matmul": _TRITON_BATCH_INVARIANT,
+        "bi_linear": _TRITON_BATCH_INVARIANT,
+        "bi_log_softmax": _TRITON_BATCH_INVARIANT,
+        "bi_mean": _TRITON_BATCH_INVARIANT,
+        "rms_norm": _TRITON_BATCH_INVARIANT,
+        "varlen_attention": "rl_kernel_core.triton.attention",
+    },
+    "native": {
+        "linear_logprob": "rl_kernel_core.native.linear_logprob",
+        "logprob_from_logits": "rl_kernel_core.native.logprob_from_logits",
+        "ratio_kl": "rl_kernel_core.native.loss",
+        "policy_loss": "rl_kernel_core.native.loss",
+        "group_advantages": "rl_kernel_core.native.advantages",
+    },
 }
-"""The ops each fast backend serves, declared so that choosing a backend never imports (or, for
-``native``, compiles) one that has no implementation of the op; ``torch`` serves every op.
-:func:`register` refuses an implementation its backend does not declare."""
+"""``{backend: {op: the module that registers it}}`` for the fast backends; ``torch`` serves every
+op from the reference modules the public ops import. Choosing a backend for an op imports that
+op's module only (for ``native``, building that op family's extension only), never a backend
+or module that has no implementation of the op."""
+SERVES: dict[str, frozenset[str]] = {backend: frozenset(ops) for backend, ops in BACKEND_MODULES.items()}
+"""The ops each fast backend serves (:data:`BACKEND_MODULES`' keys). :func:`register` refuses an
+implementation its backend does not declare."""
 
 Supports = Callable[..., Optional[str]]
 
@@ -75,6 +97,7 @@ _impls: dict[tuple[str, str], _Impl] = {}
 _preference: dict[str, tuple[str, ...]] = {}
 _load_errors: dict[str, str] = {}
 _loaded: set[str] = set()
+_measured_order: dict[tuple[str, str], Optional[tuple[str, ...]]] = {}
 _last: dict[str, Decision] = {}
 _logged: set[tuple[str, str, str]] = set()
 _lock = threading.Lock()
@@ -120,18 +143,20 @@ def default_backend() -> str:
 
 
 @torch.compiler.assume_constant_result  # traced code (torch.compile) runs the import eagerly, once
-def _ensure_loaded(backend: str) -> Optional[str]:
-    """Import the backend's module once; return the import failure as a reason, or None."""
-    if backend == "torch" or backend in _loaded:
-        return _load_errors.get(backend)
-    with _lock:
-        if backend not in _loaded:
-            try:
-                importlib.import_module(_BACKEND_MODULES[backend])
-            except Exception as exc:  # the reason is reported, never swallowed
-                _load_errors[backend] = f"{backend} backend failed to import: {type(exc).__name__}: {exc}"
-            _loaded.add(backend)
-    return _load_errors.get(backend)
+def _ensure_loaded(backend: str, op: str) -> Optional[str]:
+    """Import the module of ``backend`` that registers ``op`` once; return its import failure as a reason, or None."""
+    module = BACKEND_MODULES.get(backend, {}).get(op)
+    if module is None:
+        return None
+    if module not in _loaded:
+        with _lock:
+            if module not in _loaded:
+                try:
+                    importlib.import_module(module)
+                except Exception as exc:  # the reason is reported, never swallowed
+                    _load_errors[module] = f"{backend} backend failed to import: {type(exc).__name__}: {exc}"
+                _loaded.add(module)
+    return _load_errors.get(module)
 
 
 def _interpreting() -> bool:
@@ -154,10 +179,11 @@ def unavailable_reason(op: str, backend: str, device: torch.device, *args, expli
     """Why ``backend`` cannot run ``op`` on these inputs, or None when it can."""
     if not serves(backend, op):
         return f"{op} has no {backend} implementation"
-    reason = _ensure_loaded(backend)
-    if reason:
-        return reason
-    reason = _device_reason(backend, device, explicit)
+    # a named backend reports why it cannot load before the device; auto imports nothing for a device it cannot serve
+    if explicit:
+        reason = _ensure_loaded(backend, op) or _device_reason(backend, device, explicit)
+    else:
+        reason = _device_reason(backend, device, explicit) or _ensure_loaded(backend, op)
     if reason:
         return reason
     impl = _impls.get((op, backend))
@@ -190,10 +216,7 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
             raise BackendUnavailableError(f"{op}: backend={requested!r} cannot run: {reason}")
         _record(Decision(op, requested, requested, device.type))
         return _impls[(op, requested)].fn
-    for candidate in _preference.get(op, _DEFAULT_PREFERENCE):
-        if serves(candidate, op):
-            _ensure_loaded(candidate)  # a backend's import may set the order (measured per GPU), read below
-    for candidate in _preference.get(op, _DEFAULT_PREFERENCE):
+    for candidate in _auto_order(op, device):
         if candidate in skipped:
             continue
         reason = unavailable_reason(op, candidate, device, *args, explicit=False, **kwargs)
@@ -202,6 +225,21 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
             return _impls[(op, candidate)].fn
         skipped[candidate] = reason
     raise BackendUnavailableError(f"{op}: no backend can run these inputs: {skipped}")
+
+
+def _auto_order(op: str, device: torch.device) -> tuple[str, ...]:
+    """``auto``'s order for ``op``: :func:`set_preference`'s, else the native backend's measured
+    order on this GPU (:func:`rl_kernel_core.native.auto_order`, which builds nothing), else the default."""
+    if op in _preference:
+        return _preference[op]
+    if device.type != "cuda" or not serves("native", op):
+        return _DEFAULT_PREFERENCE
+    key = (op, str(device))
+    if key not in _measured_order:
+        from rl_kernel_core import native
+
+        _measured_order[key] = native.auto_order(op, device)
+    return _measured_order[key] or _DEFAULT_PREFERENCE
 
 
 def _record(decision: Decision) -> None:
@@ -225,22 +263,29 @@ def explain(op: Optional[str] = None) -> dict[str, Decision] | Optional[Decision
 
 
 def backend_status() -> dict[str, Optional[str]]:
-    """Each backend's import status: None when it loaded, else the reason it did not. Loads every
-    backend (building the native extension if need be); :func:`backend_report` does not."""
-    return {b: _ensure_loaded(b) for b in BACKENDS}
+    """Each backend's import status: None when every module it declares loaded, else the first
+    reason one did not. Loads every module (building every native extension if need be);
+    :func:`backend_report` does not."""
+    status: dict[str, Optional[str]] = {"torch": None}
+    for backend, modules in BACKEND_MODULES.items():
+        reasons = [_ensure_loaded(backend, op) for op in modules]
+        status[backend] = next((r for r in reasons if r), None)
+    return {b: status[b] for b in BACKENDS}
 
 
 def backend_report() -> dict[str, str]:
-    """One line per backend for ``rl-kernel info``, building nothing: a loaded backend's status,
-    Triton's import status, and for a native backend not loaded yet
-    :func:`rl_kernel_core.native_build.status`."""
-    report = {}
-    for backend in BACKENDS:
-        if backend == "native" and backend not in _loaded:
-            from rl_kernel_core import native_build
+    """One line per backend for ``rl-kernel info``, building nothing: whether Triton imports, the
+    native extensions' :func:`rl_kernel_core.native_build.status` and any native module that
+    failed to load in this process."""
+    report = {"torch": "available"}
+    try:
+        import triton  # noqa: F401
 
-            report[backend] = native_build.status()
-            continue
-        reason = _ensure_loaded(backend)
-        report[backend] = "available" if reason is None else f"unavailable: {reason}"
-    return report
+        report["triton"] = "available"
+    except Exception as exc:  # the reason is reported, never swallowed
+        report["triton"] = f"unavailable: triton failed to import: {type(exc).__name__}: {exc}"
+    from rl_kernel_core import native_build
+
+    failed = sorted({_load_errors[m] for m in BACKEND_MODULES["native"].values() if m in _load_errors})
+    report["native"] = native_build.status() + "".join(f"; {reason}" for reason in failed)
+    return {b: report[b] for b in BACKENDS}

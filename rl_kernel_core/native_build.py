@@ -1,14 +1,16 @@
-"""Compile the CUDA extension from ``native/csrc`` and say whether it can be, without loading it.
+"""Compile the CUDA extensions from ``native/csrc`` and say whether they can be, without loading them.
 
-JIT builds go to :func:`build_dir` under ``$RL_KERNEL_CACHE`` or ``~/.cache/rl-kernel/native``
-(``torch.utils.cpp_extension``: ninja, nvcc); a changed source or header is rebuilt. Nothing here
-compiles at import: :mod:`rl_kernel_core.native` calls :func:`build` when it is imported, which
-dispatch does on the first call of an op the native backend serves. ``rl-kernel info`` reads
-:func:`status`, which never builds.
+The sources form :data:`GROUPS`, one extension each (``rl_kernel_native_<group>``: the group's
+``.cu`` file and its ``bind_<group>.cpp``), so the first call of an op compiles only that op's
+group. JIT builds go to :func:`build_dir` under ``$RL_KERNEL_CACHE`` or
+``~/.cache/rl-kernel/native`` (``torch.utils.cpp_extension``: ninja, nvcc); a changed source or
+header is rebuilt. Nothing here compiles at import: the native backend's module of an op calls
+:func:`build` for its group when dispatch imports it, on the first call of that op.
+``rl-kernel info`` reads :func:`status`, which never builds.
 
 Command line (``python -m rl_kernel_core.native`` runs the same):
 
-- ``build [--verbose]``: compile ahead of time (a Docker build step, or before a multi-process
+- ``build [--verbose] [GROUP ...]``: compile every group (or those named) ahead of time (a Docker build step, or before a multi-process
   job so no rank builds at start) into the same cache; exits non-zero with the reason when it
   cannot. It needs the toolchain, not a GPU: set ``TORCH_CUDA_ARCH_LIST`` (e.g. ``9.0``) where no
   device is visible. Concurrent builds of one cache directory wait on ``torch.utils.cpp_extension``'s
@@ -37,7 +39,15 @@ SOURCE_DIR = next(
     (d for d in (_PACKAGE_DIR.parent / "native" / "csrc", _PACKAGE_DIR / "native_csrc") if d.is_dir()),
     _PACKAGE_DIR.parent / "native" / "csrc",
 )
-EXTENSION_NAME = "rl_kernel_native"
+EXTENSION_PREFIX = "rl_kernel_native_"
+GROUPS: dict[str, tuple[str, ...]] = {
+    "logprob_from_logits": ("logprob_from_logits.cu", "bind_logprob_from_logits.cpp"),
+    "loss": ("loss.cu", "bind_loss.cpp"),
+    "advantages": ("advantages.cu", "bind_advantages.cpp"),
+    "linear_logprob": ("linear_logprob.cu", "bind_linear_logprob.cpp"),
+}
+"""``{group: its sources in native/csrc}``: each group is one extension, holding the kernels of one
+op family (``loss``: ``ratio_kl`` and ``policy_loss``)."""
 _ERROR_TAIL_CHARS = 4000
 
 
@@ -86,10 +96,12 @@ def build_dir() -> Path:
     return cache_dir() / tag.replace("+", "_")
 
 
-def sources() -> list[Path]:
-    """The extension's sources: every ``*.cu`` and ``*.cpp`` in ``native/csrc``."""
+def sources(group: Optional[str] = None) -> list[Path]:
+    """The sources of ``group`` (None: every ``*.cu`` and ``*.cpp`` in ``native/csrc``)."""
     if not SOURCE_DIR.is_dir():
         return []
+    if group is not None:
+        return [SOURCE_DIR / name for name in GROUPS[group]]
     return sorted(SOURCE_DIR.glob("*.cu")) + sorted(SOURCE_DIR.glob("*.cpp"))
 
 
@@ -123,21 +135,26 @@ def unavailable_reason() -> Optional[str]:
     return toolchain_reason()
 
 
+def _built(group: str) -> bool:
+    return (build_dir() / f"{EXTENSION_PREFIX}{group}.so").is_file()
+
+
 def status() -> str:
-    """One line on the extension here, without building or loading it: why it cannot be used, or
-    whether a build is cached (a cached build whose sources changed is rebuilt on first use)."""
+    """One line on the extensions here, without building or loading them: why they cannot be used,
+    or which groups are built (a cached build whose sources changed is rebuilt on first use)."""
     reason = unavailable_reason()
     if reason is not None:
         return f"unavailable: {reason}"
-    built = build_dir() / f"{EXTENSION_NAME}.so"
-    if built.is_file():
-        return f"built ({built}); loads on the first call of a native op"
-    return ("not built yet: it compiles on the first call of a native op (minutes), "
-            "or ahead of time with 'python -m rl_kernel_core.native build'")
+    built = [g for g in GROUPS if _built(g)]
+    how = "a group compiles on the first call of one of its ops (minutes), or ahead of time with 'python -m rl_kernel_core.native build'"
+    if not built:
+        return f"not built yet: {how}"
+    missing = [g for g in GROUPS if g not in built]
+    return f"built in {build_dir()}: {', '.join(built)}" + (f"; not built yet: {', '.join(missing)} ({how})" if missing else "")
 
 
-def build(verbose: bool = False) -> ModuleType:
-    """Compile (or load the cached build of) the extension and return it.
+def build(group: str, verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached build of) the extension of ``group`` (a key of :data:`GROUPS`) and return it.
 
     Raises:
         UnsafeCacheError: the cache is not private to this user (:func:`check_cache_dir`).
@@ -145,6 +162,8 @@ def build(verbose: bool = False) -> ModuleType:
     """
     from torch.utils import cpp_extension
 
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {list(GROUPS)}, got {group!r}")
     check_cache_dir()
     out = build_dir()
     cache_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -155,8 +174,8 @@ def build(verbose: bool = False) -> ModuleType:
     headers_flag = f"-DRL_KERNEL_HEADERS_DIGEST={digest}"
     try:
         return cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(p) for p in sources()],
+            name=EXTENSION_PREFIX + group,
+            sources=[str(p) for p in sources(group)],
             extra_cflags=["-O3", headers_flag],
             extra_cuda_cflags=["-O3", headers_flag],
             build_directory=str(out),
@@ -165,7 +184,7 @@ def build(verbose: bool = False) -> ModuleType:
     except Exception as exc:
         text = str(exc)
         tail = text if len(text) <= _ERROR_TAIL_CHARS else "..." + text[-_ERROR_TAIL_CHARS:]
-        raise RuntimeError(f"building the native extension in {out} failed ({type(exc).__name__}): {tail}") from exc
+        raise RuntimeError(f"building the native extension {group!r} in {out} failed ({type(exc).__name__}): {tail}") from exc
 
 
 def _compile_command(source: Path, obj: Path, arch: str, include_dirs: Sequence[Path]) -> list[str]:
@@ -174,7 +193,7 @@ def _compile_command(source: Path, obj: Path, arch: str, include_dirs: Sequence[
     from torch.utils import cpp_extension
 
     includes = [f"-I{d}" for d in (*include_dirs, *cpp_extension.include_paths(), sysconfig.get_paths()["include"])]
-    defines = [f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    defines = [f"-DTORCH_EXTENSION_NAME={EXTENSION_PREFIX}{source.stem.removeprefix('bind_')}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     if source.suffix == ".cu":
         nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else "nvcc"
         return [nvcc, "-c", f"-arch=sm_{arch}", "-std=c++17", *cpp_extension.COMMON_NVCC_FLAGS,
@@ -223,13 +242,17 @@ def check(arch: str = "90", jobs: int = 2) -> list[str]:
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("build", help="compile the extension ahead of time into the cache")
+    p = sub.add_parser("build", help="compile the extensions ahead of time into the cache")
     p.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
+    p.add_argument("groups", nargs="*", metavar="GROUP", help=f"groups to build (default: all of {', '.join(GROUPS)})")
     sub.add_parser("where", help="print the build folder")
     p = sub.add_parser("check", help="compile every source for one GPU architecture without a GPU (no link, nothing loaded)")
     p.add_argument("--arch", default="90", help="compute capability without the dot (default 90: H100/H200)")
     p.add_argument("--jobs", type=int, default=2, help="sources compiled at once")
     args = parser.parse_args(argv)
+    unknown = [g for g in getattr(args, "groups", []) if g not in GROUPS]
+    if unknown:
+        parser.error(f"GROUP must be among {list(GROUPS)}, got {unknown}")
     if args.command == "check":
         errors = check(args.arch, args.jobs)
         for e in errors:
@@ -249,15 +272,11 @@ def main(argv: Sequence[str]) -> int:
     if reason:
         print(f"rl-kernel native: cannot build: {reason}", file=sys.stderr)
         return 1
-    try:
-        module = build(verbose=args.verbose)
-    except RuntimeError as exc:
-        print(f"rl-kernel native: {exc}", file=sys.stderr)
-        return 1
-    print(f"rl-kernel native: built {module.__file__}")
+    for group in args.groups or GROUPS:
+        try:
+            module = build(group, verbose=args.verbose)
+        except RuntimeError as exc:
+            print(f"rl-kernel native: {exc}", file=sys.stderr)
+            return 1
+        print(f"rl-kernel native: built {module.__file__}")
     return 0
-
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

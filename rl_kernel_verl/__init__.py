@@ -7,7 +7,7 @@ Switch it on in the verl config (Hydra override)::
 Then, for the actor update, the old-log-prob pass and the reference pass, the engine computes
 per-token log-probs and entropies from the final hidden states with
 ``rl_kernel_core.linear_logprob`` (no ``[N, V]`` logits), the actor loss with
-``rl_kernel_core.policy_loss`` (verl's vanilla PPO/GRPO loss, KL loss and aggregation), and adds
+``rl_kernel_core.loss`` (verl's vanilla PPO/GRPO loss, KL loss and aggregation), and adds
 ``rl_kernel/*_ms`` timings and ``rl_kernel/backend/<op>/<backend>`` to the metrics of
 ``update_actor``, ``compute_log_prob`` and ``compute_ref_log_prob``. ``docs/verl.md`` has the
 details, what is left alone and the tested versions.

@@ -1,4 +1,4 @@
-"""verl's actor loss (``verl.workers.utils.losses.ppo_loss``) on ``rl_kernel_core.policy_loss``.
+"""verl's actor loss (``verl.workers.utils.losses.ppo_loss``) on ``rl_kernel_core.loss``.
 
 Same signature, inputs, outputs and metric names as verl 0.9.1's ``ppo_loss`` with the vanilla
 policy loss (``core_algos.compute_policy_loss_vanilla``), its KL loss (``core_algos.kl_penalty``)
@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from rl_kernel_core import adapters, policy_loss, profiling
-from rl_kernel_core.policy_loss import KL_TYPES, LOSS_AGG_MODES
+from rl_kernel_core.loss import KL_TYPES, LOSS_AGG_MODES
 from rl_kernel_verl import targets
 
 

@@ -214,7 +214,7 @@ def policy_loss_function(
     logits: torch.Tensor,
     sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """vime's PPO/GRPO ``policy_loss_function`` on ``rl_kernel_core.policy_loss``.
+    """vime's PPO/GRPO ``policy_loss_function`` on ``rl_kernel_core.loss``.
 
     Log-probs and entropies come from vime's ``get_log_probs_and_entropy`` as bound now (this
     module's when the ``logprob`` op is on). The clipped surrogate (``eps_clip``,

@@ -47,7 +47,7 @@ MODULES: frozenset[str] = frozenset(t.module for t in TARGETS)
 
 NOT_REPLACED: dict[str, str] = {
     f"{PPO_UTILS}:compute_policy_loss": (
-        "per-token clipped surrogate; rl_kernel_core.policy_loss returns aggregated losses only, so "
+        "per-token clipped surrogate; rl_kernel_core.loss returns aggregated losses only, so "
         "the grpo_loss op replaces policy_loss_function as a whole instead"
     ),
 }

@@ -41,3 +41,15 @@ def triton_device(request, monkeypatch):
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return torch.device(request.param)
+
+
+@pytest.fixture
+def tune():
+    """``tune(**changes)``: run the rest of the test under
+    :func:`rl_kernel_core.linear_chunks.tuned` with these changes (calls nest; all undone after)."""
+    import contextlib
+
+    from rl_kernel_core import linear_chunks
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(linear_chunks.tuned(**changes))

@@ -12,7 +12,7 @@ The two log-prob/loss paths the recipe compares:
   ``log_softmax(logits.float()).gather``, entropy from the logits, the clipped loss in eager ops.
 * ``on`` is rl-kernel: log-probs and entropy from the final hidden states and the LM head with
   :func:`rl_kernel_core.linear_logprob` (no ``[tokens, vocab]`` logits),
-  :func:`rl_kernel_core.policy_loss` and :func:`rl_kernel_core.group_advantages`.
+  :func:`rl_kernel_core.loss` and :func:`rl_kernel_core.group_advantages`.
 
 The sampler is a separate choice (``torch`` or ``rl-kernel``), the same in both runs, so the first
 step's samples are identical off and on. Every step writes one profiler record.
@@ -241,7 +241,7 @@ def plain_policy_loss(lp, old_lp, adv, mask, *, ref_lp, entropy, cfg: GRPOConfig
     """The clipped surrogate with dual clip, low-variance KL and entropy terms in eager ops.
 
     Token-mean over ``mask``, multiplied by ``scale`` (this micro-batch's share of the tokens).
-    Returns the scaled loss and detached metrics named as :func:`rl_kernel_core.policy_loss`'s.
+    Returns the scaled loss and detached metrics named as :func:`rl_kernel_core.loss`'s.
     """
     m = mask.float()
     count = m.sum().clamp_min(1.0)
@@ -276,7 +276,7 @@ def plain_policy_loss(lp, old_lp, adv, mask, *, ref_lp, entropy, cfg: GRPOConfig
 
 
 def rl_kernel_policy_loss(lp, old_lp, adv, mask, *, ref_lp, entropy, cfg: GRPOConfig, scale: float):
-    """The same loss through :func:`rl_kernel_core.policy_loss` (ratio, KL and loss fused)."""
+    """The same loss through :func:`rl_kernel_core.loss` (ratio, KL and loss fused)."""
     with profiling.region("loss"):
         loss, metrics = rk.policy_loss(
             lp, old_lp, adv, mask, ref_logprob=ref_lp, clip_ratio_low=cfg.clip_ratio_low,

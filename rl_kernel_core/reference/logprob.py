@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core._autograd import single_backward
+from rl_kernel_core.opdef import single_backward
 
 CHUNK_ELEMENTS: int = 1 << 22
 """Logit elements per chunk (16 MiB in fp32): rows per chunk = ``max(1, CHUNK_ELEMENTS // V)``."""

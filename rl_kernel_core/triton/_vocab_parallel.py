@@ -7,7 +7,7 @@ ids) and gets the same, replicated, results.
 **Forward: the same bits for every TP size.** The single-process forward on the gemm route cuts
 the vocab into tiles of ``BLOCK_N`` columns, reduces each (row, tile) to ``(m_j, s_j, a_j)`` (and
 the target logit in the tile that holds the target) and merges a row's tiles in ascending order
-with ``_merge_kernel`` (``_linear_kernels``). When ``V_local`` is a multiple of ``BLOCK_N``,
+with ``_merge_kernel`` (:mod:`.linear_stats`). When ``V_local`` is a multiple of ``BLOCK_N``,
 local tile ``j`` of rank ``r`` *is* global tile ``r V_local / BLOCK_N + j``: the same operands go
 through the same ``tl.dot`` code, so its statistics are the same bits. Each rank computes the
 statistics of its shard, one ``all_gather`` per chunk of rows lays every rank's ``[n, tiles_local]``
@@ -20,7 +20,7 @@ The logits are always formed on the gemm route (:data:`ROUTE`), forward and back
 chunked route's cuBLAS product is not promised to give the same per-element bits for a
 ``[rows, V]`` and a ``[rows, V / P]`` product (cuBLAS picks its kernel and split from the shape),
 so it is not used here. Hence the single-process forward (``tp_group=None``) gives the same bits
-as every TP size whenever it runs the gemm route too (``TUNING.route == "gemm"``, the default);
+as every TP size whenever it runs the gemm route too (``tuning().route == "gemm"``, the default);
 on the chunked route it agrees within the contract.
 
 **Backward.** Each rank forms ``dl`` for its shard with the global ``lse`` and entropy (its own
@@ -31,7 +31,7 @@ every rank (the outputs are replicated; as in the torch backend), and every rank
 backward (it holds collectives).
 
 Extra memory of the forward: the local, gathered and merged statistics of one chunk of rows,
-at most ``(2 + 1/P)`` times the single-process statistics buffer (``STATS_BYTES``); of the
+at most ``(2 + 1/P)`` times the single-process statistics buffer (``tuning().stats_bytes``); of the
 backward: the single-process chunk buffer plus one fp32 ``[chunk_rows, D]`` partial of ``dh``.
 """
 
@@ -43,7 +43,9 @@ import torch
 import torch.distributed as dist
 import triton
 
-from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core import linear_chunks as LC
+from rl_kernel_core.triton.linear_stats import launch_merge, launch_stats, stats_rows
+from rl_kernel_core.triton.linear_tile import tiles
 
 ROUTE = "gemm"
 """The logits route of every vocab-parallel pass (forward and backward)."""
@@ -56,7 +58,7 @@ _ELSEWHERE = -2
 def shard_reason(weight: torch.Tensor) -> Optional[str]:
     """None when ``weight [V_local, D]`` splits into whole vocab tiles, else why not (with the numbers)."""
     v_local = weight.shape[0]
-    block_n = K.TUNING.tiles(weight.dtype, weight.device, from_logits=False).block_n
+    block_n = tiles(weight.dtype, weight.device, from_logits=False).block_n
     if v_local % block_n:
         return (
             f"vocab-parallel linear_logprob (tp_group) on the triton backend needs V_local (weight.shape[0]) "
@@ -99,14 +101,14 @@ def forward_stats(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     n_rows, v_local = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    tiles_local = triton.cdiv(v_local, K.TUNING.tiles(weight.dtype, dev, from_logits=False).block_n)
-    tiles = world * tiles_local
-    rows = K.stats_rows(tiles)  # the single-process chunking of the same global vocab
+    tiles_local = triton.cdiv(v_local, tiles(weight.dtype, dev, from_logits=False).block_n)
+    n_tiles = world * tiles_local
+    rows = stats_rows(n_tiles)  # the single-process chunking of the same global vocab
     planes = 3 if want_entropy else 2  # (m, s[, a]) sent; the kernels address all three planes
     # per rank and chunk, flat fp32: [z_t (n) | m (n x tiles_local) | s (...) | a (...)]
     local = torch.empty(rows * (1 + 3 * tiles_local), dtype=torch.float32, device=dev)
     gathered = torch.empty(world * rows * (1 + planes * tiles_local), dtype=torch.float32, device=dev)
-    merged = torch.empty(3 * rows * tiles, dtype=torch.float32, device=dev)
+    merged = torch.empty(3 * rows * n_tiles, dtype=torch.float32, device=dev)
 
     lp = torch.empty(n_rows, dtype=torch.float32, device=dev)
     ent = torch.empty_like(lp) if want_entropy else None
@@ -119,27 +121,27 @@ def forward_stats(
         sl = slice(r0, r0 + n)
         ztgt = local[:n]
         partials = local[n : n + 3 * n * tiles_local].view(3, n, tiles_local)
-        K.launch_stats(hidden[sl], weight, bias, tgt_local[sl], n, inv_temp, IGNORED, partials, ztgt, False, want_entropy)
+        launch_stats(hidden[sl], weight, bias, tgt_local[sl], n, inv_temp, IGNORED, partials, ztgt, False, want_entropy)
         send = local[: n * (1 + planes * tiles_local)]
         recv = gathered[: world * send.numel()]
         _all_gather(recv, send, group)
         recv = recv.view(world, -1)
         zt = recv[:, :n].gather(0, owner[:, sl]).squeeze(0)
-        glob = merged[: 3 * n * tiles].view(3, n, tiles)
+        glob = merged[: 3 * n * n_tiles].view(3, n, n_tiles)
         glob[:planes].view(planes, n, world, tiles_local).copy_(recv[:, n:].view(world, planes, n, tiles_local).permute(1, 2, 0, 3))
-        K.launch_merge(glob, zt, targets[sl], n, tiles, ignore_index, lp[sl], None if ent is None else ent[sl], lse[sl])
+        launch_merge(glob, zt, targets[sl], n, n_tiles, ignore_index, lp[sl], None if ent is None else ent[sl], lse[sl])
     return lp, ent, lse
 
 
 class ShardGradSink:
-    """Like :class:`_linear_kernels.GradSink` for one vocab shard: local ``dW``/``db``, ``dh`` summed over the group.
+    """Like :class:`rl_kernel_core.linear_chunks.GradSink` for one vocab shard: local ``dW``/``db``, ``dh`` summed over the group.
 
     Each chunk's ``dh`` partial ``dl @ W_local`` is formed in fp32 on the fixed ``[rows, D]``
     shape, all-reduced (sum) over ``group`` and rounded once into ``dh`` (``hidden``'s dtype).
     """
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, need_h: bool, need_w: bool, need_b: bool, group) -> None:
-        self.local = K.GradSink(hidden, weight, False, need_w, need_b)
+        self.local = LC.GradSink(hidden, weight, False, need_w, need_b)
         self.group = group
         self.dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         self._part: Optional[torch.Tensor] = None
@@ -148,8 +150,8 @@ class ShardGradSink:
         weight = self.local.weight
         if self._part is None:
             self._part = torch.empty(dl.shape[0], weight.shape[1], dtype=torch.float32, device=dl.device)
-        if K.fp32_logits_supported(dl.device, dl.dtype):
-            K.mm_fp32_into(dl, weight, self._part)
+        if LC.fp32_logits_supported(dl.device, dl.dtype):
+            LC.mm_fp32_into(dl, weight, self._part)
         else:  # this torch cannot write fp32 from 16-bit operands: round the partial once more
             self._part.copy_(torch.mm(dl, weight))
         return self._part

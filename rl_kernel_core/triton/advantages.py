@@ -24,7 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core import dispatch
 from rl_kernel_core.loss_codes import ESTIMATOR_CODES
+from rl_kernel_core.opdef import advantages as opdef
+from rl_kernel_core.opdef import fp64_reason
 from rl_kernel_core.triton._jit import launch_time_jit
 
 _MAX_BLOCK = 1024
@@ -111,3 +114,14 @@ def group_advantages_fwd(
         BLOCK=block, num_warps=4,
     )
     return out
+
+
+group_advantages_op = torch.library.custom_op("rl_kernel::triton_group_advantages", group_advantages_fwd, mutates_args=())
+group_advantages_op.register_fake(opdef.fake)
+
+
+def _supports(rewards, group_size, group_index, **kwargs) -> Optional[str]:
+    return fp64_reason("triton", rewards=rewards)
+
+
+group_advantages = dispatch.register("group_advantages", "triton", supports=_supports)(opdef.implementation(group_advantages_op))

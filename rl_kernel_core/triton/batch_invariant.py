@@ -29,6 +29,7 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
+from rl_kernel_core.triton._tiles import dot_acc, grouped_tile
 
 MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
     torch.float32: (64, 64, 32, 4, 3),
@@ -55,11 +56,7 @@ def _persistent_matmul_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_pid_m * num_pid_n, n_progs):
-        group = GROUP_M * num_pid_n
-        first_m = (tile // group) * GROUP_M
-        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % group) % size_m
-        pid_n = (tile % group) // size_m
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -70,13 +67,7 @@ def _persistent_matmul_kernel(
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
                         mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            if UPCAST_DOT:  # the CPU interpreter multiplies 16-bit floats as integers; the upcast is exact
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = dot_acc(a, b, acc, IEEE, UPCAST_DOT)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),

@@ -17,8 +17,10 @@ Logits are read in their own dtype (bf16/fp16/fp32), never copied to fp32. Rows 
 a fixed order inside one program, so results are bitwise reproducible and a row's values do not
 depend on N or on other rows.
 
-The launchers here take already-validated tensors; argument checks live in
-``rl_kernel_core.logprob`` and the custom ops in :mod:`rl_kernel_core.triton.ops`.
+The launchers take already-validated tensors (argument checks live in
+:mod:`rl_kernel_core.logprob`); :func:`logprob_from_logits` is the backend implementation
+dispatch registers, over the custom ops ``rl_kernel::triton_logprob_from_logits`` and its
+backward (:mod:`rl_kernel_core.opdef.logprob`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core import dispatch
+from rl_kernel_core.opdef import define_differentiable_op
+from rl_kernel_core.opdef import logprob as opdef
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 
 _MAX_BLOCK_V = 4096
@@ -197,3 +202,18 @@ def logprob_bwd(
         WITH_LOGPROB_GRAD=with_lp, WITH_ENTROPY_GRAD=with_ent, BLOCK_V=block, num_warps=8,
     )
     return grad_logits
+
+
+def _forward(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward custom op's body: :func:`logprob_fwd` with the registered tile."""
+    return logprob_fwd(logits, targets, temperature, ignore_index, return_entropy)
+
+
+logprob_from_logits = dispatch.register("logprob_from_logits", "triton", supports=opdef.supports("triton"))(
+    opdef.implementation(define_differentiable_op(
+        "triton_logprob_from_logits", _forward, opdef.forward_fake, logprob_bwd, opdef.backward_fake,
+        opdef.setup, opdef.backward,
+    ))
+)

@@ -100,7 +100,7 @@ def test_backends_that_do_not_declare_an_op_are_never_loaded_for_it(monkeypatch)
     name = "test_torch_only_op"
     dispatch.register(name, "torch")(lambda x: ("torch", x))
     loaded = []
-    monkeypatch.setattr(dispatch, "_ensure_loaded", lambda backend: None if backend == "torch" else loaded.append(backend))
+    monkeypatch.setattr(dispatch, "_ensure_loaded", lambda backend, op: None if backend == "torch" else loaded.append(backend))
     try:
         assert dispatch.select(name, "auto", torch.device("cuda"), 1)(1) == ("torch", 1)
         assert loaded == []
@@ -136,15 +136,35 @@ def test_env_backend_is_a_preference_for_ops_it_does_not_serve(toy_op, monkeypat
 
 def test_triton_registers_exactly_what_it_declares():
     pytest.importorskip("triton")
-    import rl_kernel_core.triton  # noqa: F401
+    import importlib
 
+    for module in dispatch.BACKEND_MODULES["triton"].values():
+        importlib.import_module(module)
     registered = {op for (op, backend) in dispatch._impls if backend == "triton" and not op.startswith("test_")}
     assert registered == dispatch.SERVES["triton"]
 
 
 @pytest.mark.gpu
 def test_native_registers_exactly_what_it_declares():
-    import rl_kernel_core.native  # noqa: F401
+    import importlib
 
+    for module in dispatch.BACKEND_MODULES["native"].values():
+        importlib.import_module(module)
     registered = {op for (op, backend) in dispatch._impls if backend == "native" and not op.startswith("test_")}
     assert registered == dispatch.SERVES["native"]
+
+
+def test_an_op_loads_only_its_own_module():
+    """The first call of an op imports the one backend module that serves it, nothing else of the backend."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch; os.environ['TRITON_INTERPRET'] = '1'\n"
+        "import rl_kernel_core as rk\n"
+        "rk.group_advantages(torch.randn(8), group_size=4, backend='triton')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('rl_kernel_core.triton.', 'rl_kernel_core.native')))\n"
+        "assert loaded == ['rl_kernel_core.triton._jit', 'rl_kernel_core.triton.advantages'], loaded\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -25,7 +25,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch, native_build
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.policy_loss import METRIC_NAMES
+from rl_kernel_core.loss import METRIC_NAMES
 import test_triton_linear_logprob as linear_cases
 import test_triton_losses as triton_cases
 from test_triton_losses import (
@@ -461,10 +461,10 @@ def test_compiled_loss_step_fullgraph(seed, dtype):
 
 @gpu
 def test_auto_follows_the_measured_order_on_this_gpu(seed):
-    from rl_kernel_core import native_ops
+    from rl_kernel_core import native
 
     major, minor = torch.cuda.get_device_capability()
-    measured = native_ops.MEASURED_PREFERENCE.get(f"{major}.{minor}", {})
+    measured = native.MEASURED_PREFERENCE.get(f"{major}.{minor}", {})
     logits, targets = make_logits(3, 64, torch.float32, "cuda")
     rk.logprob_from_logits(logits, targets)
     expected = measured.get("logprob_from_logits", ("native", "triton", "torch"))[0]
@@ -503,8 +503,8 @@ def run_linear(hidden, weight, bias, targets, temperature, g_lp=None, g_ent=None
 @pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=lambda s: f"n{s['n']}-d{s['d']}-v{s['v']}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.7, True)])
-def test_linear_logprob_values_entropy_and_gradients(seed, monkeypatch, shape, dtype, temperature, with_bias):
-    linear_cases.small_chunks(monkeypatch, LINEAR_CHUNK_ROWS, shape["v"])
+def test_linear_logprob_values_entropy_and_gradients(seed, tune, shape, dtype, temperature, with_bias):
+    linear_cases.small_chunks(tune, LINEAR_CHUNK_ROWS, shape["v"])
     hidden, weight, bias, targets = linear_cases.make_inputs("cuda", **shape, dtype=dtype, bias=with_bias)
     g_lp, g_ent = linear_cases.upstream(shape["n"], "cuda"), linear_cases.upstream(shape["n"], "cuda")
     lp, ent, grads = run_linear(hidden, weight, bias, targets, temperature, g_lp, g_ent)
@@ -524,9 +524,9 @@ def test_linear_logprob_values_entropy_and_gradients(seed, monkeypatch, shape, d
 
 
 @gpu
-def test_linear_logprob_fp16_int32_targets_logprob_only_gradient(seed, monkeypatch):
+def test_linear_logprob_fp16_int32_targets_logprob_only_gradient(seed, tune):
     shape = LINEAR_SHAPES[0]
-    linear_cases.small_chunks(monkeypatch, LINEAR_CHUNK_ROWS, shape["v"])
+    linear_cases.small_chunks(tune, LINEAR_CHUNK_ROWS, shape["v"])
     hidden, weight, bias, targets = linear_cases.make_inputs("cuda", **shape, dtype=torch.float16)
     g_lp = linear_cases.upstream(shape["n"], "cuda")
     h, w, b = linear_cases.leaves(hidden, weight, bias)
@@ -555,10 +555,10 @@ def test_linear_logprob_large_magnitude_logits(seed):
 
 @gpu
 @pytest.mark.parametrize("shape", LINEAR_SHAPES[:2], ids=lambda s: f"v{s['v']}")
-def test_linear_logprob_deterministic_and_batch_invariant(seed, monkeypatch, shape):
+def test_linear_logprob_deterministic_and_batch_invariant(seed, tune, shape):
     """Bitwise: two runs agree, and a row's log-prob, entropy and dh do not depend on N or on the other rows."""
     rows = LINEAR_CHUNK_ROWS
-    linear_cases.small_chunks(monkeypatch, rows, shape["v"])
+    linear_cases.small_chunks(tune, rows, shape["v"])
     n = shape["n"]
     hidden, weight, bias, targets = linear_cases.make_inputs("cuda", **shape, dtype=torch.bfloat16)
     g_lp, g_ent = linear_cases.upstream(n, "cuda"), linear_cases.upstream(n, "cuda")
@@ -582,19 +582,19 @@ def test_linear_logprob_deterministic_and_batch_invariant(seed, monkeypatch, sha
 
 @gpu
 def test_linear_logprob_no_grad_saves_nothing_and_refusals(seed):
-    from rl_kernel_core import native_ops
+    from rl_kernel_core.native import linear_logprob as native_linear
 
     shape = LINEAR_SHAPES[0]
     hidden, weight, bias, targets = linear_cases.make_inputs("cuda", **shape, dtype=torch.bfloat16)
     h, w, b = linear_cases.leaves(hidden, weight, bias)
     with torch.no_grad():
-        lp, ent = native_ops.linear_logprob(h, w, targets, b, 0.7, -100, False, None)
+        lp, ent = native_linear.linear_logprob(h, w, targets, b, 0.7, -100, False, None)
     assert ent is None and lp.grad_fn is None and not lp.requires_grad
-    with_grad, _ = native_ops.linear_logprob(h, w, targets, b, 0.7, -100, False, None)
+    with_grad, _ = native_linear.linear_logprob(h, w, targets, b, 0.7, -100, False, None)
     assert with_grad.grad_fn is not None and torch.equal(lp, with_grad.detach())
     with pytest.raises(rk.BackendUnavailableError, match="hidden is float64"):
         rk.linear_logprob(hidden.double(), weight.double(), targets, backend=NATIVE)
-    reason = native_ops._linear_logprob_supports(hidden, weight, targets, None, 1.0, -100, False, object())
+    reason = native_linear._supports(hidden, weight, targets, None, 1.0, -100, False, object())
     assert reason is not None and "tp_group" in reason
     # no measurement of the native linear_logprob yet: auto runs triton
     rk.linear_logprob(hidden, weight, targets)

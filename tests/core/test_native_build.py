@@ -53,8 +53,27 @@ def test_status_says_not_built_yet_then_built(monkeypatch, tmp_path):
     assert native_build.status().startswith("not built yet")
     assert "python -m rl_kernel_core.native build" in native_build.status()
     native_build.build_dir().mkdir(parents=True)
-    (native_build.build_dir() / f"{native_build.EXTENSION_NAME}.so").write_bytes(b"")
-    assert native_build.status().startswith("built (")
+    (native_build.build_dir() / f"{native_build.EXTENSION_PREFIX}loss.so").write_bytes(b"")
+    status = native_build.status()
+    assert status.startswith(f"built in {native_build.build_dir()}: loss; not built yet: logprob_from_logits, advantages, linear_logprob")
+    for group in native_build.GROUPS:
+        (native_build.build_dir() / f"{native_build.EXTENSION_PREFIX}{group}.so").write_bytes(b"")
+    assert "not built yet" not in native_build.status()
+
+
+def test_every_source_belongs_to_one_group():
+    """Each .cu/.cpp in native/csrc is in exactly one group, so check and build cover the same files."""
+    from rl_kernel_core import native_build
+
+    grouped = [name for names in native_build.GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(p.name for p in native_build.sources())
+    assert len(set(grouped)) == len(grouped)
+
+
+def test_build_names_an_unknown_group():
+    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "build", "sampling"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "GROUP must be among ['logprob_from_logits', 'loss', 'advantages', 'linear_logprob'], got ['sampling']" in proc.stderr
 
 
 def _build_in(cache: Path) -> subprocess.CompletedProcess:

@@ -24,8 +24,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.reference import policy_loss as reference_loss
-from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core.reference import loss as reference_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
@@ -42,7 +41,7 @@ CASES = [
 
 
 @pytest.fixture(params=CASES)
-def where(request, monkeypatch):
+def where(request, monkeypatch, tune):
     """``(device, backend)``; CPU Triton runs in the interpreter, on the Triton linear route named."""
     device, backend, route = request.param
     if device == "cpu":
@@ -50,7 +49,7 @@ def where(request, monkeypatch):
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if route is not None:
-        monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, route=route))
+        tune(route=route)
     return torch.device(device), backend
 
 

@@ -16,6 +16,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
+from rl_kernel_core.loss import LOSS_AGG_MODES
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_ALIASES = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
@@ -664,3 +665,23 @@ def test_policy_loss_cuda_matches_cpu_and_is_deterministic(seed):
     for name in METRICS:
         assert_close(runs[0][1][name], cpu_m[name].double(), "reduction", torch.float32, name)
     assert math.isfinite(float(runs[0][0]))
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_aggregation_weights_are_the_gradient_of_the_aggregate(seed, mode, float_mask):
+    """The closed-form token weights the fused loss uses equal autograd's ``d aggregate / d v``
+    (empty sequences, an empty row and float weights included)."""
+    from rl_kernel_core.reference.loss import aggregate, aggregation_weights
+
+    mask = torch.rand(5, 7) < 0.6
+    mask[1] = False
+    if float_mask:
+        mask = mask * (torch.rand(5, 7) * 2)
+    v = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    weight = mask.to(torch.float64)
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    (want,) = torch.autograd.grad(aggregate(v, weight, keep, mode), v)
+    got = aggregation_weights(mask, mode)
+    assert got.dtype == torch.float32
+    assert_close(got, want, "reduction", torch.float32, f"aggregation weights, {mode}")

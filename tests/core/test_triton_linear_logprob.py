@@ -17,10 +17,11 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.policy_loss import KL_TYPES
-from rl_kernel_core.reference import policy_loss as reference_loss
-from rl_kernel_core.triton import _linear_kernels as K
-from rl_kernel_core.triton.linear_logprob import linear_logprob_triton
+from rl_kernel_core.loss import KL_TYPES, LossSettings
+from rl_kernel_core.reference import loss as reference_loss
+from rl_kernel_core import linear_chunks
+from rl_kernel_core.linear_chunks import tuning
+from rl_kernel_core.triton.linear_logprob import linear_logprob as linear_logprob_triton
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
@@ -41,9 +42,9 @@ def device(request, monkeypatch):
 
 
 @pytest.fixture(params=ROUTES)
-def route(request, monkeypatch):
+def route(request, tune):
     """Run the forward, backward and loss on one kernel route."""
-    monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, route=request.param))
+    tune(route=request.param)
     return request.param
 
 
@@ -55,9 +56,9 @@ TILE_VARIANTS = {  # the gemm route's loads and launch: pointer or TMA loads, on
 }
 
 
-def small_chunks(monkeypatch, rows: int, vocab: int) -> None:
+def small_chunks(tune, rows: int, vocab: int) -> None:
     """Make the backward/loss chunk ``rows`` rows so the cases cross chunk boundaries and padding."""
-    monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, chunk_bytes=rows * vocab * 4))
+    tune(chunk_bytes=rows * vocab * 4)
 
 
 def shapes(device, all_gpu_shapes=False):
@@ -128,9 +129,9 @@ def run(hidden, weight, bias, targets, temperature, g_lp=None, g_ent=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.7, True)])
-def test_values_and_gradients_match_fp64(seed, device, route, monkeypatch, dtype, temperature, with_bias):
+def test_values_and_gradients_match_fp64(seed, device, route, tune, dtype, temperature, with_bias):
     for shape in shapes(device, all_gpu_shapes=with_bias):
-        small_chunks(monkeypatch, 16 if device.type == "cpu" else 512, shape["v"])
+        small_chunks(tune, 16 if device.type == "cpu" else 512, shape["v"])
         hidden, weight, bias, targets = make_inputs(device, **shape, dtype=dtype, bias=with_bias)
         g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
         lp, ent, grads = run(hidden, weight, bias, targets, temperature, g_lp, g_ent)
@@ -204,11 +205,11 @@ def test_noncontiguous_inputs_same_bits(seed, device, route):
     assert torch.equal(first[0], out[0]) and torch.equal(first[1], out[1])
 
 
-def test_deterministic_and_batch_invariant(seed, device, route, monkeypatch):
+def test_deterministic_and_batch_invariant(seed, device, route, tune):
     """Bitwise: two runs agree, and a row's value and dh do not depend on N or on the other rows."""
     shape = shapes(device)[0]
     rows = 16 if device.type == "cpu" else 512
-    small_chunks(monkeypatch, rows, shape["v"])
+    small_chunks(tune, rows, shape["v"])
     hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.bfloat16)
     g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
     full = run(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
@@ -228,7 +229,7 @@ def test_deterministic_and_batch_invariant(seed, device, route, monkeypatch):
             assert torch.equal(part[2][0][:m], full[2][0][:m]), f"dhidden rows, N={take}"
 
 
-def test_tile_variants_agree(seed, device, monkeypatch):
+def test_tile_variants_agree(seed, device, tune):
     """Pointer or TMA loads, one program per tile or a persistent walk: the same tiles and the same
     K order, so the same bits under the interpreter; on a GPU within the contract of each other
     (the default variant is the one the other GPU tests check against fp64)."""
@@ -237,10 +238,10 @@ def test_tile_variants_agree(seed, device, monkeypatch):
     g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
     outs = {}
     for name, fields in TILE_VARIANTS.items():
-        tiles = dataclasses.replace(K.TUNING.gemm_tiles, **fields)
-        grad_tiles = dataclasses.replace(K.TUNING.gemm_grad_tiles, **fields)
-        monkeypatch.setattr(K, "TUNING", dataclasses.replace(K.TUNING, route="gemm", gemm_tiles=tiles, gemm_grad_tiles=grad_tiles))
-        lp, ent, grads = run(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
+        tiles = dataclasses.replace(tuning().gemm_tiles, **fields)
+        grad_tiles = dataclasses.replace(tuning().gemm_grad_tiles, **fields)
+        with linear_chunks.tuned(route="gemm", gemm_tiles=tiles, gemm_grad_tiles=grad_tiles):
+            lp, ent, grads = run(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
         outs[name] = (lp, ent) + tuple(grads)
     labels = ("logprob", "entropy", "dhidden", "dweight", "dbias")
     for name, out in outs.items():
@@ -283,9 +284,9 @@ def loss_oracle(hidden, weight, bias, targets, old, adv, mask, ref, rw, temperat
     lp, ent = oracle(h.reshape(-1, d), w, b, targets.reshape(-1), temperature)
     scored = targets != -100
     mask = mask & scored if mask.dtype == torch.bool else mask.double() * scored
-    knobs = {**knobs, "kl_type": KL_TYPES[knobs["kl_type"]]}
+    settings = LossSettings(**{**knobs, "kl_type": KL_TYPES[knobs["kl_type"]]})
     loss, metrics = reference_loss.policy_loss(
-        lp.view(s, t), old.double(), adv.double(), mask, ref.double(), ent.view(s, t), None if rw is None else rw.double(), **knobs
+        lp.view(s, t), old.double(), adv.double(), mask, ref.double(), ent.view(s, t), None if rw is None else rw.double(), settings
     )
     grads = torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None])
     return loss, metrics, grads
@@ -295,11 +296,11 @@ def loss_oracle(hidden, weight, bias, targets, old, adv, mask, ref, rw, temperat
     "mode,float_mask,with_rw,kl_type",
     [("token-mean", False, False, "low_var_kl"), ("seq-mean-token-mean", True, True, "k1"), ("seq-mean-token-sum-norm", False, True, "k3+")],
 )
-def test_fused_linear_policy_loss_matches_fp64(seed, device, route, monkeypatch, mode, float_mask, with_rw, kl_type):
+def test_fused_linear_policy_loss_matches_fp64(seed, device, route, tune, mode, float_mask, with_rw, kl_type):
     shape = shapes(device)[0]
     s = 3 if device.type == "cpu" else 8
     t = shape["n"] // s
-    small_chunks(monkeypatch, 16 if device.type == "cpu" else 512, shape["v"])
+    small_chunks(tune, 16 if device.type == "cpu" else 512, shape["v"])
     hidden, weight, bias, targets = make_inputs(device, s * t, shape["d"], shape["v"], torch.bfloat16)
     hidden, targets = hidden.view(s, t, -1), targets.view(s, t)
     old = torch.randn(s, t, device=device) * 0.5 - 4.0
@@ -341,3 +342,149 @@ def test_fused_loss_no_grad_and_determinism(seed, device, route):
         loss_ng, _ = rk.fused_linear_policy_loss(hidden, weight, targets, old, adv, mask, entropy_coef=0.01, backend="triton")
     assert loss_ng.grad_fn is None
     assert_close(loss_ng, runs[0][0], "reduction", torch.float32, "no-grad loss")
+
+
+def test_fused_loss_second_backward_is_refused(seed, device):
+    """The gradient formed in the forward goes to one backward; a second through the same graph raises."""
+    shape = shapes(device)[0]
+    hidden, weight, _, targets = make_inputs(device, 8, shape["d"], shape["v"], torch.float32, bias=False)
+    h, w = leaves(hidden.view(2, 4, -1), weight)
+    old, adv, mask = torch.randn(2, 4, device=device) - 4.0, torch.randn(2, 4, device=device), torch.ones(2, 4, dtype=torch.bool, device=device)
+    loss, _ = rk.fused_linear_policy_loss(h, w, targets.view(2, 4), old, adv, mask, backend="triton")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
+
+
+def test_custom_ops_pass_opcheck(seed, device):
+    """Schemas, fakes and autograd registrations of the linear ops agree with the kernels."""
+    import rl_kernel_core.triton.fused_linear_policy_loss  # noqa: F401  (defines the op)
+
+    shape = shapes(device)[0]
+    hidden, weight, bias, targets = make_inputs(device, 12, shape["d"], 96, torch.float32)
+    ops = torch.ops.rl_kernel
+    key = linear_chunks.tuning_key()
+    torch.library.opcheck(ops.triton_linear_logprob, (hidden.requires_grad_(), weight.requires_grad_(), bias, targets, 0.9, -100, True, None, key))
+    s, t = 3, 4
+    old, adv = torch.randn(s, t, device=device) - 4.0, torch.randn(s, t, device=device)
+    mask = torch.rand(s, t, device=device) < 0.8
+    torch.library.opcheck(
+        ops.triton_fused_linear_policy_loss,
+        (hidden.detach().view(s, t, -1).requires_grad_(), weight.detach().requires_grad_(), None, targets.view(s, t), old, adv,
+         mask, old, None, 0.9, -100, 0.2, 0.28, 3.0, "k3", 0.05, 0.01, "token-mean", True, True, False),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+
+def test_compiled_linear_ops_match_eager(seed, device, route):
+    """``linear_logprob`` and ``fused_linear_policy_loss`` under torch.compile(fullgraph=True): the
+    custom ops with their fakes and backwards, the same values and gradients as eager, bit for bit."""
+    shape = shapes(device)[0]
+    s, t = 2, 6
+    hidden, weight, bias, targets = make_inputs(device, s * t, shape["d"], shape["v"], torch.bfloat16)
+    hidden, targets = hidden.view(s, t, -1), targets.view(s, t)
+    old, adv = torch.randn(s, t, device=device) - 4.0, torch.randn(s, t, device=device)
+    mask = torch.rand(s, t, device=device) < 0.9
+
+    def step(h, w, b):
+        lp, ent = rk.linear_logprob(h, w, targets, bias=b, temperature=0.8, return_entropy=True, backend="triton")
+        loss, metrics = rk.fused_linear_policy_loss(h, w, targets, old, adv, mask, bias=b, temperature=0.8,
+                                                    kl_coef=0.05, entropy_coef=0.01, backend="triton")
+        return loss, lp, ent, metrics["pg_loss"]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if device.type == "cuda" else "aot_eager")
+    g_lp, g_ent = upstream(s * t, device).float().view(s, t), upstream(s * t, device).float().view(s, t)
+    results = []
+    for fn in (step, compiled):
+        inputs = leaves(hidden, weight, bias)
+        loss, lp, ent, pg = fn(*inputs)
+        total = 1.5 * loss + (lp * g_lp).sum() + (ent * g_ent).sum()  # eager in both cases
+        results.append((loss.detach(), lp.detach(), ent.detach(), pg, *torch.autograd.grad(total, inputs)))
+    for label, a, b in zip(("loss", "logprob", "entropy", "pg_loss", "dhidden", "dweight", "dbias"), *results):
+        assert torch.equal(a, b), label
+
+
+# ------------------------------------------------------------------------- tuning and accumulation paths
+
+
+def test_fp32_weight_gradient_accumulation(seed, device, route, tune):
+    """``wgrad_fp32``: dW accumulated over chunks in fp32, rounded once; within the contract of
+    fp64, in the weight's dtype; dh and the forward are untouched by it (bitwise)."""
+    shape = shapes(device)[0]
+    small_chunks(tune, 16 if device.type == "cpu" else 512, shape["v"])
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.bfloat16)
+    g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
+    lp, ent, (dh, dw, db) = run(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    tune(wgrad_fp32=True)
+    lp32, ent32, (dh32, dw32, db32) = run(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    assert torch.equal(lp32, lp) and torch.equal(ent32, ent) and torch.equal(dh32, dh) and torch.equal(db32, db)
+    assert dw32.dtype == torch.bfloat16
+    want = oracle_grads(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    assert_close(dw32, want[1], "gradient", torch.bfloat16, "dweight (fp32 accumulation)")
+
+
+def test_tuning_is_scoped_validated_and_read_from_the_environment(monkeypatch):
+    from rl_kernel_core import linear_chunks
+
+    base = linear_chunks.tuning()
+    with linear_chunks.tuned(route="chunked", chunk_bytes=1 << 20) as inner:
+        assert linear_chunks.tuning() is inner and inner.route == "chunked" and inner.chunk_bytes == 1 << 20
+    assert linear_chunks.tuning() is base
+    with pytest.raises(ValueError, match="route must be 'gemm' or 'chunked', got 'fast'"):
+        linear_chunks.LinearTuning(route="fast")
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive int, got 0"):
+        linear_chunks.LinearTuning(chunk_bytes=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.route = "chunked"
+    monkeypatch.setattr(linear_chunks, "_default", None)
+    monkeypatch.setenv("RL_KERNEL_WGRAD_FP32", "yes")
+    assert linear_chunks.tuning().wgrad_fp32 is True
+    monkeypatch.setattr(linear_chunks, "_default", None)
+    monkeypatch.setenv("RL_KERNEL_WGRAD_FP32", "ture")
+    with pytest.raises(ValueError, match="RL_KERNEL_WGRAD_FP32"):
+        linear_chunks.tuning()
+
+
+@pytest.mark.gpu
+def test_weight_gradient_without_fused_fp32_addmm(seed, monkeypatch, tune):
+    """A torch without ``addmm(out_dtype=)``: dW is accumulated from fp32 products over row slices, within the contract."""
+    from rl_kernel_core import linear_chunks
+
+    device = torch.device("cuda")
+    shape = GPU_SHAPES[0]
+    tune(route="chunked", wgrad_fp32=True)
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.bfloat16)
+    g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
+    monkeypatch.setitem(linear_chunks._DTYPE_MM_OK, "addmm", False)
+    _, _, (dh, dw, db) = run(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    want = oracle_grads(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    assert_close(dw, want[1], "gradient", torch.bfloat16, "dweight (row-slice fp32 products)")
+
+
+def test_backward_on_another_thread_keeps_the_forward_tuning(seed, device, tune):
+    """Autograd may run a backward on a worker thread (it does for CUDA tensors), where a
+    ``tuned`` block of the caller is not in force: the backward still takes the forward's route
+    and chunking, so its gradient has the bits of a same-thread backward."""
+    import threading
+
+    shape = shapes(device)[0]
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.float32)
+    g_lp = upstream(shape["n"], device).float()
+    tune(route="chunked", chunk_bytes=16 * shape["v"] * 4)
+    grads = []
+    for other_thread in (False, True):
+        h, w, b = leaves(hidden, weight, bias)
+        lp = rk.linear_logprob(h, w, targets, bias=b, backend="triton")
+
+        def backward():
+            grads.append(torch.autograd.grad((lp * g_lp).sum(), (h, w, b)))
+
+        if other_thread:
+            worker = threading.Thread(target=backward)
+            worker.start()
+            worker.join()
+        else:
+            backward()
+    for label, a, b in zip(("dhidden", "dweight", "dbias"), *grads):
+        assert torch.equal(a, b), label

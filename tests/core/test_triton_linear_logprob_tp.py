@@ -30,7 +30,8 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.triton import _linear_kernels as K
+from rl_kernel_core.linear_chunks import tuned, tuning
+from rl_kernel_core.triton.linear_tile import tiles
 from rl_kernel_core.triton import _vocab_parallel as VP
 
 pytestmark = [
@@ -46,11 +47,11 @@ CHUNK_BYTES = 16 * (V // 4) * 4  # 16 to 32 rows per backward chunk, whatever th
 
 _WORKER = textwrap.dedent(
     """
-    import dataclasses, sys
+    import sys
     import torch
     import torch.distributed as dist
     import rl_kernel_core as rk
-    from rl_kernel_core.triton import _linear_kernels as K
+    from rl_kernel_core.linear_chunks import tuned
 
     rank, world, store, inputs, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     sizes = [int(s) for s in sys.argv[6].split(",")]
@@ -63,31 +64,30 @@ _WORKER = textwrap.dedent(
                 groups[size] = group
     results = []
     for case in torch.load(inputs):
-        K.STATS_BYTES = case["stats_bytes"]
-        K.TUNING = dataclasses.replace(K.TUNING, chunk_bytes=case["chunk_bytes"])
         per_size = {}
-        for size, group in groups.items():
-            vl = case["weight"].shape[0] // size
-            shard = slice(dist.get_rank(group) * vl, (dist.get_rank(group) + 1) * vl)
-            bias = None if case["bias"] is None else case["bias"][shard].clone().requires_grad_()
-            h = case["hidden"].clone().requires_grad_()
-            w = case["weight"][shard].clone().requires_grad_()
-            kw = dict(bias=bias, temperature=case["temperature"], ignore_index=case["ignore_index"],
-                      return_entropy=case["entropy"], tp_group=group, backend="triton")
-            res = rk.linear_logprob(h, w, case["targets"], **kw)
-            lp, ent = res if case["entropy"] else (res, None)
-            loss = (lp * case["g_lp"]).sum()
-            if ent is not None:
-                loss = loss + (ent * case["g_ent"]).sum()
-            loss.backward()
-            with torch.no_grad():
-                kw["bias"] = None if bias is None else bias.detach()
-                res = rk.linear_logprob(h.detach(), w.detach(), case["targets"], **kw)
-                ng_lp, ng_ent = res if case["entropy"] else (res, None)
-            per_size[size] = dict(
-                shard=(shard.start, shard.stop), lp=lp.detach(), ent=None if ent is None else ent.detach(),
-                ng_lp=ng_lp, ng_ent=ng_ent, dh=h.grad, dw=w.grad, db=None if bias is None else bias.grad,
-            )
+        with tuned(stats_bytes=case["stats_bytes"], chunk_bytes=case["chunk_bytes"]):
+            for size, group in groups.items():
+                vl = case["weight"].shape[0] // size
+                shard = slice(dist.get_rank(group) * vl, (dist.get_rank(group) + 1) * vl)
+                bias = None if case["bias"] is None else case["bias"][shard].clone().requires_grad_()
+                h = case["hidden"].clone().requires_grad_()
+                w = case["weight"][shard].clone().requires_grad_()
+                kw = dict(bias=bias, temperature=case["temperature"], ignore_index=case["ignore_index"],
+                          return_entropy=case["entropy"], tp_group=group, backend="triton")
+                res = rk.linear_logprob(h, w, case["targets"], **kw)
+                lp, ent = res if case["entropy"] else (res, None)
+                loss = (lp * case["g_lp"]).sum()
+                if ent is not None:
+                    loss = loss + (ent * case["g_ent"]).sum()
+                loss.backward()
+                with torch.no_grad():
+                    kw["bias"] = None if bias is None else bias.detach()
+                    res = rk.linear_logprob(h.detach(), w.detach(), case["targets"], **kw)
+                    ng_lp, ng_ent = res if case["entropy"] else (res, None)
+                per_size[size] = dict(
+                    shard=(shard.start, shard.stop), lp=lp.detach(), ent=None if ent is None else ent.detach(),
+                    ng_lp=ng_lp, ng_ent=ng_ent, dh=h.grad, dw=w.grad, db=None if bias is None else bias.grad,
+                )
         results.append(per_size)
     torch.save(results, out)
     dist.barrier()  # no rank tears gloo down while its peer still talks to it
@@ -120,10 +120,9 @@ def _case(dtype, *, bias, entropy, temperature, ignore_index):
     )
 
 
-def _single_process(case, monkeypatch):
+def _single_process(case):
     """tp_group=None on the default route (interpreted), forward values only."""
-    monkeypatch.setattr(K, "STATS_BYTES", case["stats_bytes"])
-    with torch.no_grad():
+    with torch.no_grad(), tuned(stats_bytes=case["stats_bytes"]):
         res = rk.linear_logprob(
             case["hidden"], case["weight"], case["targets"], bias=case["bias"], temperature=case["temperature"],
             ignore_index=case["ignore_index"], return_entropy=case["entropy"], backend="triton",
@@ -176,8 +175,8 @@ def test_vocab_parallel_bitwise_across_tp_sizes(seed, tmp_path, monkeypatch, wor
     for i, case in enumerate(cases):
         dtype = case["hidden"].dtype
         # the default single-process route (gemm) is the vocab-parallel route
-        assert K.TUNING.route == VP.ROUTE
-        want_lp, want_ent = _single_process(case, monkeypatch)
+        assert tuning().route == VP.ROUTE
+        want_lp, want_ent = _single_process(case)
         ref = _fp64(case)
         assert_close(want_lp, ref["lp"], "logprob", dtype, "single-process logprob")
         ignored = case["targets"] == case["ignore_index"]
@@ -209,7 +208,7 @@ def test_vocab_parallel_bitwise_across_tp_sizes(seed, tmp_path, monkeypatch, wor
 def test_shard_not_multiple_of_tile_is_refused(monkeypatch):
     """The triton backend refuses a shard that does not hold whole vocab tiles, naming the numbers."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    block_n = K.TUNING.tiles(torch.float32, torch.device("cpu"), from_logits=False).block_n
+    block_n = tiles(torch.float32, torch.device("cpu"), from_logits=False).block_n
     v_local = 3 * block_n // 2
     hidden, weight = torch.randn(3, 8), torch.randn(v_local, 8)
     targets = torch.randint(0, v_local, (3,))

@@ -26,7 +26,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.policy_loss import METRIC_NAMES
+from rl_kernel_core.loss import METRIC_NAMES
 
 
 def _interpreter_bound() -> bool:
@@ -530,18 +530,18 @@ def test_eager_path_matches_custom_op_bitwise(seed):
     """Eager calls take a torch.autograd.Function over the kernels, torch.compile the custom op:
     same values and gradients, bit for bit; neither backward can be differentiated again (the
     eager one refuses create_graph=True at once, naming the op)."""
-    from rl_kernel_core.triton import ops as triton_ops
+    from rl_kernel_core.triton import loss as triton_loss
 
     t = make_tokens((3, 11), DEVICE)
     args = (t["old"], t["adv"], t["mask"], t["ref"], None, t["is_w"], 0.2, 0.28, 3.0, "k3+", 0.1, 0.0, "seq-mean-token-mean")
     outs = []
-    for op in (torch.ops.rl_kernel.triton_policy_loss, triton_ops._policy_loss_op):
+    for op in (torch.ops.rl_kernel.triton_policy_loss, triton_loss._policy_loss_op):
         lp = t["lp"].detach().clone().requires_grad_()
         loss, metrics, _, _ = op(lp, *args)
         (grad,) = torch.autograd.grad(loss, (lp,), retain_graph=True)
         outs.append((loss, metrics, grad))
         scale = torch.ones((), device=DEVICE, requires_grad=True)  # an upstream gradient that requires grad
-        if op is triton_ops._policy_loss_op:
+        if op is triton_loss._policy_loss_op:
             with pytest.raises(RuntimeError, match="rl_kernel::triton_policy_loss has no double backward"):
                 torch.autograd.grad(loss * scale, (lp,), create_graph=True)
         else:

@@ -14,17 +14,14 @@ exactly these arguments, already validated):
   ``"k2"``, ``"k3"``, ``"k1+"``, ``"abs+"`` or ``"k3+"``. Outputs fp32 (fp64 for fp64 inputs) of
   the input shape, differentiable in ``logprob``.
 * ``"policy_loss"``: ``fn(logprob, old_logprob, advantages, mask, ref_logprob, entropy,
-  rollout_is_weights, *, clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef,
-  entropy_coef, loss_agg_mode) -> (loss, metrics)``. Tensors are ``[S, T]`` (S sequences of T
+  rollout_is_weights, settings) -> (loss, metrics)``, ``settings`` a :class:`LossSettings`. Tensors are ``[S, T]`` (S sequences of T
   tokens, S·T >= 1: empty inputs never reach a backend), float dtypes; ``mask`` bool or float;
   ``ref_logprob`` never None; ``entropy`` and ``rollout_is_weights`` may be None;
-  ``clip_ratio_c`` None (no dual clip) or > 1; ``kl_type`` canonical as above;
-  ``loss_agg_mode`` one of :data:`LOSS_AGG_MODES`. ``loss`` is a 0-d fp32 (fp64 for fp64
+  ``settings`` validated (``kl_type`` canonical as above). ``loss`` is a 0-d fp32 (fp64 for fp64
   inputs) tensor differentiable in ``logprob`` and ``entropy``; ``metrics`` maps the names of
   :data:`METRIC_NAMES` to detached 0-d tensors, computed without a host sync.
 * ``"fused_linear_policy_loss"``: ``fn(hidden, weight, targets, old_logprob, advantages, mask,
-  bias, ref_logprob, rollout_is_weights, *, temperature, ignore_index, clip_ratio_low,
-  clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode) -> (loss,
+  bias, ref_logprob, rollout_is_weights, *, temperature, ignore_index, settings) -> (loss,
   metrics)``. ``hidden [S, T, D]``, ``weight [V, D]``, ``targets [S, T]`` int (ids checked in
   range), ``bias [V]`` or None (weight and bias in hidden's dtype), per-token tensors
   ``[S, T]``, S·T >= 1; same outputs as ``policy_loss``,
@@ -40,7 +37,10 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import _checks, dispatch
-from rl_kernel_core.reference import policy_loss as _reference  # registers the torch backend
+from rl_kernel_core.opdef.loss import METRIC_NAMES, LossSettings
+from rl_kernel_core.reference import loss as _reference  # registers the torch backend
+
+__all__ = ["KL_TYPES", "LOSS_AGG_MODES", "METRIC_NAMES", "LossSettings", "fused_linear_policy_loss", "policy_loss", "ratio_kl"]
 
 KL_TYPES: dict[str, str] = {
     "k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3",
@@ -53,7 +53,6 @@ variant); ``k2+`` is k2 itself.
 """
 
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-METRIC_NAMES: tuple[str, ...] = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy")
 _MASK_DTYPES: tuple[torch.dtype, ...] = (torch.bool,) + _checks.FLOAT_DTYPES
 
 
@@ -68,11 +67,11 @@ def _canonical_kl_type(kl_type: object) -> str:
     return KL_TYPES[_checks.choice("kl_type", kl_type, list(KL_TYPES))]
 
 
-def _check_knobs(
+def _check_settings(
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
     kl_coef: float, entropy_coef: float, loss_agg_mode: str,
-) -> dict:
-    """Validate the loss knobs; return them as the keyword arguments implementations take."""
+) -> LossSettings:
+    """Validate the loss settings; return them as the :class:`LossSettings` implementations take."""
     c = None
     if clip_ratio_c is not None:
         if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, (int, float)):
@@ -80,15 +79,15 @@ def _check_knobs(
         if not 1.0 < clip_ratio_c < math.inf:
             raise ValueError(f"clip_ratio_c must be None or a finite number > 1 (dual-clip lower bound), got {clip_ratio_c}")
         c = float(clip_ratio_c)
-    return {
-        "clip_ratio_low": _checks.non_negative("clip_ratio_low", clip_ratio_low),
-        "clip_ratio_high": _checks.non_negative("clip_ratio_high", clip_ratio_high),
-        "clip_ratio_c": c,
-        "kl_type": _canonical_kl_type(kl_type),
-        "kl_coef": _checks.non_negative("kl_coef", kl_coef),
-        "entropy_coef": _checks.non_negative("entropy_coef", entropy_coef),
-        "loss_agg_mode": _checks.choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES),
-    }
+    return LossSettings(
+        clip_ratio_low=_checks.non_negative("clip_ratio_low", clip_ratio_low),
+        clip_ratio_high=_checks.non_negative("clip_ratio_high", clip_ratio_high),
+        clip_ratio_c=c,
+        kl_type=_canonical_kl_type(kl_type),
+        kl_coef=_checks.non_negative("kl_coef", kl_coef),
+        entropy_coef=_checks.non_negative("entropy_coef", entropy_coef),
+        loss_agg_mode=_checks.choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES),
+    )
 
 
 def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, required: dict, optional: dict) -> None:
@@ -206,8 +205,8 @@ def policy_loss(
         "logprob", logprob, mask, {"old_logprob": old_logprob, "advantages": advantages},
         {"ref_logprob": ref_logprob, "entropy": entropy, "rollout_is_weights": rollout_is_weights},
     )
-    knobs = _check_knobs(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
-    if entropy is None and knobs["entropy_coef"] != 0.0:
+    settings = _check_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
+    if entropy is None and settings.entropy_coef != 0.0:
         raise ValueError(f"entropy must be given when entropy_coef != 0, got entropy=None with entropy_coef={entropy_coef}")
     seq_len = logprob.shape[-1]
     num_seqs = math.prod(logprob.shape[:-1])
@@ -216,9 +215,9 @@ def policy_loss(
         for t in (logprob, old_logprob, advantages, mask, old_logprob if ref_logprob is None else ref_logprob, entropy, rollout_is_weights)
     ]
     if logprob.numel() == 0:
-        return _reference.policy_loss(*args, **knobs)
-    fn = dispatch.select("policy_loss", backend, logprob.device, *args, **knobs)
-    return fn(*args, **knobs)
+        return _reference.policy_loss(*args, settings)
+    fn = dispatch.select("policy_loss", backend, logprob.device, *args, settings)
+    return fn(*args, settings)
 
 
 def fused_linear_policy_loss(
@@ -288,7 +287,7 @@ def fused_linear_policy_loss(
     )
     temperature = _checks.temperature("temperature", temperature)
     _checks.int64("ignore_index", ignore_index)
-    knobs = _check_knobs(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
+    settings = _check_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
     _checks.target_ids("targets", targets, vocab, ignore_index)
     seq_len = targets.shape[-1]
     num_seqs = math.prod(targets.shape[:-1])
@@ -298,7 +297,7 @@ def fused_linear_policy_loss(
     ]
     ref = _as_sequences(old_logprob if ref_logprob is None else ref_logprob, num_seqs, seq_len)
     args = [hidden.reshape(num_seqs, seq_len, dim), weight, *per_token, bias, ref, _as_sequences(rollout_is_weights, num_seqs, seq_len)]
-    kwargs = {"temperature": temperature, "ignore_index": ignore_index, **knobs}
+    kwargs = {"temperature": temperature, "ignore_index": ignore_index, "settings": settings}
     if targets.numel() == 0:
         return _reference.fused_linear_policy_loss(*args, **kwargs)
     fn = dispatch.select("fused_linear_policy_loss", backend, hidden.device, *args, **kwargs)

@@ -1,6 +1,6 @@
 """Triton kernels for ``ratio_kl`` and ``policy_loss``: one fused pass forward, one backward.
 
-Semantics are :mod:`rl_kernel_core.reference.policy_loss`'s (verl 0.9.1), computed in fp32:
+Semantics are :mod:`rl_kernel_core.reference.loss`'s (verl 0.9.1), computed in fp32:
 
 * ``ratio = exp(clamp(logprob - old_logprob, ±20))``; KL estimators k1, abs, k2, k3 (``x =
   clamp(ref - logprob, ±20)``, ``clamp(eˣ - x - 1, ±10)``) and the ``+`` variants (the base
@@ -39,9 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core import dispatch
+from rl_kernel_core.loss_codes import AGG_CODES, KL_CODES, kl_code
+from rl_kernel_core.opdef import define_differentiable_op
+from rl_kernel_core.opdef import loss as opdef
+from rl_kernel_core.opdef.loss import LossSettings
+from rl_kernel_core.reference.loss import LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
-from rl_kernel_core.loss_codes import AGG_CODES, KL_CODES
-from rl_kernel_core.reference.policy_loss import LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP
 
 # the reference's clamps, as compile-time constants of the kernels
 _LRC: tl.constexpr = tl.constexpr(LOG_RATIO_CLAMP)
@@ -78,12 +82,6 @@ def _kl_grad(d_ref, ex, k3, KL: tl.constexpr, KL_PLUS: tl.constexpr):
         passes = (k3 >= -_KLC) & (k3 <= _KLC) & (d_ref >= -_LRC) & (d_ref <= _LRC)
         dkl = tl.where(passes, 1.0 - ex, 0.0)
     return dkl
-
-
-def kl_code(kl_type: str) -> tuple[int, bool]:
-    """``(base estimator code, straight-through k2 gradient)`` for a canonical ``kl_type``."""
-    plus = kl_type.endswith("+")
-    return KL_CODES[kl_type[:-1] if plus else kl_type], plus
 
 
 @launch_time_jit
@@ -359,9 +357,7 @@ def _block_t(seq_len: int) -> int:
 def _launch_tokens(
     logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     ref_logprob: torch.Tensor, entropy: Optional[torch.Tensor], rollout_is_weights: Optional[torch.Tensor],
-    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
-    kl_coef: float, entropy_coef: float, loss_agg_mode: str, *,
-    backward: bool, partials: Optional[torch.Tensor] = None, seq_weight: Optional[torch.Tensor] = None,
+    settings: LossSettings, *, backward: bool, partials: Optional[torch.Tensor] = None, seq_weight: Optional[torch.Tensor] = None,
     totals: Optional[torch.Tensor] = None, grad_loss: Optional[torch.Tensor] = None,
     grad_lp: Optional[torch.Tensor] = None, grad_ent: Optional[torch.Tensor] = None,
 ) -> None:
@@ -371,9 +367,9 @@ def _launch_tokens(
     if num_seqs * nb == 0:
         return
     lp = logprob.contiguous()
-    code, plus = kl_code(kl_type)
-    dual = clip_ratio_c is not None
-    add_kl = kl_coef != 0.0
+    code, plus = kl_code(settings.kl_type)
+    dual = settings.clip_ratio_c is not None
+    add_kl = settings.kl_coef != 0.0
 
     def ptr(t: Optional[torch.Tensor]) -> torch.Tensor:
         return lp if t is None else t.contiguous()
@@ -382,9 +378,9 @@ def _launch_tokens(
         lp, old_logprob.contiguous(), advantages.contiguous(), _mask_view(mask), ref_logprob.contiguous(),
         ptr(entropy), ptr(rollout_is_weights),
         ptr(partials), ptr(seq_weight), ptr(totals), ptr(grad_loss), ptr(grad_lp), ptr(grad_ent),
-        num_seqs, seq_len, nb, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high, clip_ratio_c if dual else 0.0,
-        kl_coef, entropy_coef,
-        BACKWARD=backward, AGG=AGG_CODES[loss_agg_mode], DUAL=dual, KL=code, KL_PLUS=plus,
+        num_seqs, seq_len, nb, 1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high,
+        settings.clip_ratio_c if dual else 0.0, settings.kl_coef, settings.entropy_coef,
+        BACKWARD=backward, AGG=AGG_CODES[settings.loss_agg_mode], DUAL=dual, KL=code, KL_PLUS=plus,
         ADD_KL=add_kl, NEED_REF=(not backward) or add_kl, HAS_ENT=entropy is not None,
         HAS_W=rollout_is_weights is not None, GRAD_LP=grad_lp is not None, GRAD_ENT=grad_ent is not None,
         BLOCK_T=block_t, num_warps=4,
@@ -394,8 +390,7 @@ def _launch_tokens(
 def policy_loss_fwd(
     logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     ref_logprob: torch.Tensor, entropy: Optional[torch.Tensor], rollout_is_weights: Optional[torch.Tensor],
-    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
-    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+    settings: LossSettings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward pass over ``[S, T]`` per-token tensors (fp32/bf16/fp16; mask bool or float).
 
@@ -414,16 +409,16 @@ def policy_loss_fwd(
     seq_weight = torch.empty(num_seqs, dtype=torch.float32, device=dev)
     totals = torch.empty(2, dtype=torch.float32, device=dev)
     _launch_tokens(
-        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
+        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, settings,
         backward=False, partials=partials,
     )
     block_nb = min(triton.next_power_of_2(max(nb, 1)), 128)
     block_s = max(min(triton.next_power_of_2(max(num_seqs, 1)), 1024 // block_nb), 1)
     _policy_loss_finish_kernel[(1,)](
         partials, loss, metrics, seq_weight, totals,
-        num_seqs, seq_len, nb, kl_coef, entropy_coef,
-        AGG=AGG_CODES[loss_agg_mode], ADD_KL=kl_coef != 0.0, ADD_ENT=entropy is not None and entropy_coef != 0.0,
+        num_seqs, seq_len, nb, settings.kl_coef, settings.entropy_coef,
+        AGG=AGG_CODES[settings.loss_agg_mode], ADD_KL=settings.kl_coef != 0.0,
+        ADD_ENT=entropy is not None and settings.entropy_coef != 0.0,
         BLOCK_S=block_s, BLOCK_NB=block_nb, num_warps=4,
     )
     return loss, metrics, seq_weight, totals
@@ -432,9 +427,8 @@ def policy_loss_fwd(
 def policy_loss_bwd(
     grad_loss: torch.Tensor, logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
     mask: torch.Tensor, ref_logprob: torch.Tensor, rollout_is_weights: Optional[torch.Tensor],
-    seq_weight: torch.Tensor, totals: torch.Tensor, entropy_dtype: Optional[torch.dtype],
-    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
-    kl_coef: float, entropy_coef: float, loss_agg_mode: str, need_logprob_grad: bool,
+    seq_weight: torch.Tensor, totals: torch.Tensor, settings: LossSettings,
+    need_logprob_grad: bool, entropy_dtype: Optional[torch.dtype],
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(d loss / d logprob, d loss / d entropy)`` as ``[S, T]`` tensors in the inputs' dtypes.
 
@@ -445,9 +439,47 @@ def policy_loss_bwd(
     grad_ent = torch.empty(logprob.shape, dtype=entropy_dtype, device=logprob.device) if entropy_dtype is not None else None
     if grad_lp is not None or grad_ent is not None:
         _launch_tokens(
-            logprob, old_logprob, advantages, mask, ref_logprob, None, rollout_is_weights,
-            clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode,
+            logprob, old_logprob, advantages, mask, ref_logprob, None, rollout_is_weights, settings,
             backward=True, seq_weight=seq_weight, totals=totals, grad_loss=grad_loss.to(torch.float32),
             grad_lp=grad_lp, grad_ent=grad_ent,
         )
     return grad_lp, grad_ent
+
+
+# ---------------------------------------------------------------- backend registration
+
+_ratio_kl_op = define_differentiable_op(
+    "triton_ratio_kl", ratio_kl_fwd, opdef.ratio_kl_fake, ratio_kl_bwd, opdef.ratio_kl_backward_fake,
+    opdef.ratio_kl_setup, opdef.ratio_kl_backward,
+)
+ratio_kl = dispatch.register("ratio_kl", "triton", supports=opdef.ratio_kl_supports("triton", kl_types=KL_CODES))(
+    opdef.ratio_kl_implementation(_ratio_kl_op)
+)
+
+
+def _policy_loss_forward(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *settings):
+    """The forward custom op's body (schema :data:`rl_kernel_core.opdef.loss.POLICY_LOSS_SCHEMA`)."""
+    return policy_loss_fwd(
+        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, LossSettings.from_args(settings)
+    )
+
+
+def _policy_loss_backward(grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights,
+                          seq_weight, totals, *rest):
+    """The backward custom op's body: ``(d logprob, d entropy)``, each ``[0]`` when not asked for."""
+    *settings, need_logprob_grad, entropy_dtype = rest
+    grad_lp, grad_ent = policy_loss_bwd(
+        grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals,
+        LossSettings.from_args(tuple(settings)), need_logprob_grad, entropy_dtype,
+    )
+    return (logprob.new_empty(0) if grad_lp is None else grad_lp), (logprob.new_empty(0) if grad_ent is None else grad_ent)
+
+
+_policy_loss_op = define_differentiable_op(
+    "triton_policy_loss", _policy_loss_forward, opdef.policy_loss_fake, _policy_loss_backward,
+    opdef.policy_loss_backward_fake, opdef.policy_loss_setup, opdef.policy_loss_backward,
+    schema=opdef.POLICY_LOSS_SCHEMA, backward_schema=opdef.POLICY_LOSS_BACKWARD_SCHEMA,
+)
+policy_loss = dispatch.register(
+    "policy_loss", "triton", supports=opdef.policy_loss_supports("triton", kl_types=KL_CODES, agg_modes=AGG_CODES)
+)(opdef.policy_loss_implementation(_policy_loss_op))

@@ -1,9 +1,9 @@
 """Plain-PyTorch reference for ratio/KL, the PPO policy loss and its fused-from-hidden variant.
 
 The semantics oracle and the CPU path. Inputs arrive validated and normalised by
-:mod:`rl_kernel_core.policy_loss` (shapes, canonical ``kl_type``, ``ref_logprob`` resolved); the
-call signatures registered here are the ones every backend implements (see that module's
-docstring). All arithmetic runs in fp32 (fp64 when an input is fp64); autograd is PyTorch's own.
+:mod:`rl_kernel_core.loss` (shapes, ``ref_logprob`` resolved, the settings as one
+:class:`~rl_kernel_core.opdef.loss.LossSettings`); the call signatures registered here are the
+ones every backend implements (see that module's docstring). All arithmetic runs in fp32 (fp64 when an input is fp64); autograd is PyTorch's own.
 
 The formulas follow verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (``kl_penalty``,
 ``kl_penalty_forward``, ``agg_loss``, ``compute_policy_loss_vanilla``) and
@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.logprob import linear_logprob
+from rl_kernel_core.opdef.loss import LossSettings
+from rl_kernel_core.reference.logprob import linear_logprob_torch
 
 LOG_RATIO_CLAMP = 20.0
 """``|log ratio|`` bound before ``exp``, in the PPO ratio and in the k3 estimator (verl)."""
@@ -104,6 +105,31 @@ def aggregate(values: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor, lo
     return loss
 
 
+def aggregation_weights(mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """``d aggregate(v) / d v``: each token's weight in :func:`aggregate` of ``[S, T]`` values under
+    ``mask``, fp32 ``[S, T]`` >= 0, in closed form (no autograd: custom-op bodies run without it).
+
+    The aggregate is linear in ``v``, so ``aggregate(v) = sum(w * v)`` over the kept tokens.
+    """
+    weight = mask.to(torch.float32)
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    weight = torch.where(keep, weight, 0.0)
+    if loss_agg_mode == "token-mean":
+        return weight / _nonzero_or_one(weight.sum())
+    if loss_agg_mode == "token-sum":
+        return weight
+    if loss_agg_mode not in _SEQ_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {('token-mean', 'token-sum') + _SEQ_MODES}, got {loss_agg_mode!r}")
+    seq_tokens = weight.sum(dim=-1, keepdim=True)
+    if loss_agg_mode == "seq-mean-token-mean":
+        weight = weight / _nonzero_or_one(seq_tokens)
+    seq_used = seq_tokens > 0
+    weight = torch.where(seq_used, weight, 0.0) / _nonzero_or_one(seq_used.sum().to(torch.float32))
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        weight = weight / max(mask.shape[-1], 1)
+    return weight
+
+
 @dispatch.register("policy_loss", "torch")
 def policy_loss(
     logprob: torch.Tensor,
@@ -113,16 +139,11 @@ def policy_loss(
     ref_logprob: torch.Tensor,
     entropy: Optional[torch.Tensor],
     rollout_is_weights: Optional[torch.Tensor],
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: Optional[float],
-    kl_type: str,
-    kl_coef: float,
-    entropy_coef: float,
-    loss_agg_mode: str,
+    settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (dual clip), KL and entropy terms, aggregated as verl does. ``[S, T]`` inputs."""
+    clip_ratio_c, kl_coef, entropy_coef = settings.clip_ratio_c, settings.kl_coef, settings.entropy_coef
+    loss_agg_mode = settings.loss_agg_mode
     dt = compute_dtype(logprob, old_logprob, advantages, ref_logprob, entropy, rollout_is_weights)
     lp = logprob.to(dt)
     adv = advantages.to(dt)
@@ -132,7 +153,7 @@ def policy_loss(
     log_ratio = clamped_log_ratio(lp, old_logprob.to(dt))
     ratio = log_ratio.exp()
     loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_clipped = -adv * ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
     pg = torch.maximum(loss_unclipped, loss_clipped)
     clipped = loss_clipped > loss_unclipped
     if clip_ratio_c is None:
@@ -145,7 +166,7 @@ def policy_loss(
         pg = pg * rollout_is_weights.to(dt)
 
     pg_loss = aggregate(pg, weight, keep, loss_agg_mode)
-    kl_loss = aggregate(kl_estimate(lp, ref_logprob.to(dt), kl_type), weight, keep, loss_agg_mode)
+    kl_loss = aggregate(kl_estimate(lp, ref_logprob.to(dt), settings.kl_type), weight, keep, loss_agg_mode)
     loss = pg_loss
     if kl_coef != 0.0:
         loss = loss + kl_coef * kl_loss
@@ -187,24 +208,18 @@ def fused_linear_policy_loss(
     *,
     temperature: float,
     ignore_index: int,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: Optional[float],
-    kl_type: str,
-    kl_coef: float,
-    entropy_coef: float,
-    loss_agg_mode: str,
+    settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``linear_logprob`` (reference, with entropy) composed with :func:`policy_loss`.
 
-    Tokens whose target is ``ignore_index`` leave the mask, whatever it says.
+    ``hidden [S, T, D]``; tokens whose target is ``ignore_index`` leave the mask, whatever it says.
     """
-    logprob, entropy = linear_logprob(
-        hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=True, backend="torch",
+    num_seqs, seq_len, dim = hidden.shape
+    logprob, entropy = linear_logprob_torch(
+        hidden.reshape(num_seqs * seq_len, dim).contiguous(), weight.contiguous(), targets.reshape(-1).contiguous(),
+        None if bias is None else bias.contiguous(), temperature, ignore_index, True,
     )
     return policy_loss(
-        logprob, old_logprob, advantages, scored_mask(mask, targets, ignore_index), ref_logprob, entropy, rollout_is_weights,
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        kl_type=kl_type, kl_coef=kl_coef, entropy_coef=entropy_coef, loss_agg_mode=loss_agg_mode,
+        logprob.view(num_seqs, seq_len), old_logprob, advantages, scored_mask(mask, targets, ignore_index), ref_logprob,
+        entropy.view(num_seqs, seq_len), rollout_is_weights, settings,
     )

@@ -1,0 +1,390 @@
+"""The backend-neutral chunk driver of ``linear_logprob`` and ``fused_linear_policy_loss``, and its tuning.
+
+Both ops walk the rows of ``hidden [N, D]`` in chunks of a fixed height (a function of V, the
+dtype and :attr:`LinearTuning.chunk_bytes`, never of N) and never hold ``[N, V]``. Per chunk a
+*pass* (a :class:`ChunkBuffers` subclass: the Triton kernels, or the native CUDA pass) forms
+the log-prob statistics or the logit gradient ``dl``; this module owns what is the same for
+every backend: the chunking, the fixed-shape cuBLAS products (the fp32 logits of the chunked
+route, ``dh = dl W``, ``dW += dl^T h``), the zero padding of the last chunk (cuBLAS picks its
+algorithm and split from the shape, so every chunk has the same shape) and the gradient sink.
+
+Tuning is an explicit, immutable :class:`LinearTuning`. :func:`tuning` returns the one in force
+(from the environment at first use: ``RL_KERNEL_WGRAD_FP32``), :func:`tuned` replaces fields
+inside a ``with`` block (a context variable: other threads and tasks keep theirs). Benchmarks
+and tests choose routes and tiles with it; nothing mutates a process-wide object. An op's
+forward names its tuning to its backward (:func:`tuning_key`, :func:`tuning_of`), which autograd
+may run on another thread: the backward recomputes the forward's logits on the forward's route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from rl_kernel_core.switches import env_flag
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape of the Triton logits pass; part of the numerical result (fixed per device kind)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = False
+    """Load the gemm route's operands through TMA tensor descriptors where supported (others take
+    pointer loads with the same tiles)."""
+    persistent: bool = False
+    """Launch one program per SM that walks the tiles (flattened loop nest: the next tile's loads
+    overlap this tile's epilogue) instead of one program per tile. The tile partition and each
+    tile's arithmetic are the same either way."""
+
+
+@dataclass(frozen=True)
+class LinearTuning:
+    """Choices measured on an H100 (``docs/kernels_linear_logprob.md``).
+
+    ``route``: where every pass (forward, backward, loss) of the Triton backend takes its logits
+    from: ``"gemm"`` (a Triton ``tl.dot`` pass: the logits stay in registers) or ``"chunked"``
+    (cuBLAS writes an fp32 logits chunk that one pass reads; the native backend's only route).
+    One route for all passes, so a row's logits have the same bits in the forward, the backward
+    and the loss. ``chunk_bytes``: the budget of the per-chunk work buffer (``dl``, or the fp32
+    logits chunk that ``dl`` then overwrites). ``stats_bytes``: the budget of the gemm-route
+forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp32``: accumulate ``dW`` over chunks in
+    an fp32 ``[V, D]`` buffer (``4 V D`` extra bytes while the gradient is formed, and slower)
+    instead of in ``weight``'s dtype (one rounding per chunk). ``gemm_tiles`` /
+    ``gemm_grad_tiles``: the gemm route's tiles for 16-bit inputs on a GPU in the statistics /
+    gradient pass. The statistics pass takes TMA loads and a persistent launch; the gradient
+    pass, which stores a 16-bit ``dl`` tile, measured slower with them (``bench_linear_logprob.py
+    --variants "tmagrad=gemm_grad_tiles.tma:true;gemm_grad_tiles.persistent:true"``).
+    """
+
+    route: str = "gemm"
+    chunk_bytes: int = 448 * 2**20
+    stats_bytes: int = 128 * 2**20
+    wgrad_fp32: bool = False
+    gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True))
+    gemm_grad_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3))
+
+    def __post_init__(self) -> None:
+        if self.route not in ("gemm", "chunked"):
+            raise ValueError(f"route must be 'gemm' or 'chunked', got {self.route!r}")
+        for name in ("chunk_bytes", "stats_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def route_for(self, hidden: torch.Tensor) -> str:
+        """``"gemm"`` or ``"chunked"``: the route of every pass over ``hidden`` (a function of its
+        device and dtype only). The chunked route needs cuBLAS to write fp32 logits from 16-bit
+        operands; where this torch cannot, the gemm route runs."""
+        if self.route == "chunked" and not fp32_logits_supported(hidden.device, hidden.dtype):
+            return "gemm"
+        return self.route
+
+
+_TUNING: contextvars.ContextVar[Optional[LinearTuning]] = contextvars.ContextVar("rl_kernel_linear_tuning", default=None)
+_default: Optional[LinearTuning] = None
+
+
+def tuning() -> LinearTuning:
+    """The :class:`LinearTuning` in force: the innermost :func:`tuned` block's, else the default
+    (``wgrad_fp32`` from ``RL_KERNEL_WGRAD_FP32``, read once)."""
+    global _default
+    current = _TUNING.get()
+    if current is not None:
+        return current
+    if _default is None:
+        _default = LinearTuning(wgrad_fp32=env_flag("RL_KERNEL_WGRAD_FP32", False))
+    return _default
+
+
+@contextlib.contextmanager
+def tuned(**changes) -> Iterator[LinearTuning]:
+    """Run the block with :func:`tuning` replaced by a copy with ``changes`` (field names of
+    :class:`LinearTuning`); yields it. Restored on exit, also on error."""
+    token = _TUNING.set(dataclasses.replace(tuning(), **changes))
+    try:
+        yield _TUNING.get()
+    finally:
+        _TUNING.reset(token)
+
+
+_BY_KEY: dict[str, LinearTuning] = {}
+
+
+@torch.compiler.assume_constant_result  # a compiled graph keeps the tuning it was traced under
+def tuning_key() -> str:
+    """A name of :func:`tuning` that :func:`tuning_of` turns back into it (in any thread)."""
+    current = tuning()
+    key = repr(current)
+    _BY_KEY.setdefault(key, current)
+    return key
+
+
+@contextlib.contextmanager
+def tuning_of(key: str) -> Iterator[LinearTuning]:
+    """Run the block under the tuning :func:`tuning_key` named ``key``."""
+    token = _TUNING.set(_BY_KEY[key])
+    try:
+        yield _BY_KEY[key]
+    finally:
+        _TUNING.reset(token)
+
+
+def chunk_rows(vocab: int, elem_bytes: int) -> int:
+    """Fixed rows per chunk (a function of the vocab and dtype only, never of N): as many rows,
+    in multiples of 128 up to 8192 (powers of two from 16 below 128), as fit a ``[rows, vocab]``
+    buffer of ``elem_bytes``-byte elements in ``tuning().chunk_bytes``."""
+    rows = tuning().chunk_bytes // max(1, vocab * elem_bytes)
+    if rows >= 128:
+        return int(min(8192, rows // 128 * 128))
+    return int(2 ** int(math.log2(max(16, rows))))
+
+
+_DTYPE_MM_OK: dict[str, bool] = {}
+
+
+def _dtype_mm_supported(kind: str) -> bool:
+    """Whether this torch's CUDA ``mm`` / in-place ``addmm`` take ``out_dtype=float32`` for bf16 (probed once)."""
+    if kind not in _DTYPE_MM_OK:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")
+        acc = torch.ones(16, 16, dtype=torch.float32, device="cuda")
+        try:
+            if kind == "mm":
+                out = torch.mm(a, a, out_dtype=torch.float32)
+                ok = out.dtype == torch.float32 and bool((out == 16).all())
+            else:
+                torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+                ok = bool((acc == 17).all())
+        except (RuntimeError, TypeError):
+            ok = False
+        _DTYPE_MM_OK[kind] = ok
+    return _DTYPE_MM_OK[kind]
+
+
+def fp32_logits_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """The chunked route needs cuBLAS to write fp32 logits from 16-bit operands (``mm(out_dtype=)``)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return True
+    return _dtype_mm_supported("mm")
+
+
+def mm_fp32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[fp32] = a @ b`` with fp32 accumulation (cuBLAS ``out_dtype`` on CUDA, upcast on CPU)."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    elif a.device.type == "cuda":
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in ``acc``'s dtype with fp32 products, never a full-size temporary."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type != "cuda":
+        acc.addmm_(a.float(), b.float())
+    elif _dtype_mm_supported("addmm"):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # this torch lacks addmm(out_dtype=): fp32 products over row slices of at most 64 MiB
+        step = max(1, (64 * 2**20) // (4 * b.shape[1]))
+        for r in range(0, a.shape[0], step):
+            acc[r : r + step] += torch.mm(a[r : r + step].float(), b.float())
+
+
+def canonical_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy when it is strided or its base is not 16-byte aligned.
+
+    Triton specializes a kernel on unit strides and aligned pointers, and the register layout it
+    then picks sets the order of in-kernel reductions; TMA descriptors need this layout too. The
+    drivers' entry points pass ``hidden`` and ``weight`` through it, so a strided view gives the
+    bits of its contiguous copy (the public ops already pass contiguous tensors: no copy)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class ChunkBuffers:
+    """The fixed-size work buffers of one forward, backward or loss pass, reused for every chunk,
+    and the per-chunk passes a backend supplies.
+
+    ``rows`` is the chunk height. On the chunked route ``logits`` is the fp32 ``[rows, V]`` chunk
+    cuBLAS writes (:meth:`source`) and ``dl`` overwrites it in place; otherwise ``dl`` (when
+    needed) is a ``[rows, V]`` buffer in ``hidden``'s dtype. A backend subclass implements
+    :meth:`stats` and :meth:`grad_pass` (and may size ``rows`` itself for passes that need no
+    ``dl``, through :meth:`stats_rows`).
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool) -> None:
+        vocab, dim = weight.shape
+        dev, dt = hidden.device, hidden.dtype
+        self.route = route
+        self.logits = self.h_pad = self.dl = None
+        if route == "chunked":
+            self.rows = chunk_rows(vocab, 4)
+            self.logits = torch.empty(self.rows, vocab, dtype=torch.float32, device=dev)
+            self.h_pad = torch.empty(self.rows, dim, dtype=dt, device=dev)
+            self.dl = self.logits if dt == torch.float32 else self.logits.view(dt)[:, :vocab]
+        elif need_dl:
+            self.rows = chunk_rows(vocab, hidden.element_size())
+            self.dl = torch.empty(self.rows, vocab, dtype=dt, device=dev)
+        else:
+            self.rows = self.stats_rows(hidden, weight)
+
+    def stats_rows(self, hidden: torch.Tensor, weight: torch.Tensor) -> int:
+        """Rows per chunk of a forward on a route other than chunked (no ``dl``, no logits buffer)."""
+        return chunk_rows(weight.shape[0], hidden.element_size())
+
+    def source(self, hidden: torch.Tensor, weight: torch.Tensor, r0: int, n: int) -> torch.Tensor:
+        """What the pass reads for rows ``[r0, r0+n)``: hidden rows, or (chunked route) their fp32
+        logits computed by cuBLAS on the fixed ``[rows, D]`` shape, zero-padded."""
+        if self.route != "chunked":
+            return hidden[r0 : r0 + n]
+        self.h_pad[:n].copy_(hidden[r0 : r0 + n])
+        if n < self.rows:
+            self.h_pad[n:].zero_()
+        mm_fp32_into(self.h_pad, weight.t(), self.logits)
+        return self.logits
+
+    def stats(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
+        inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
+    ) -> None:
+        """Write ``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]`` views) for ``n`` rows of ``x``."""
+        raise NotImplementedError
+
+    def grad_pass(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
+        inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
+        g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    ) -> None:
+        """Write ``self.dl[:n]`` from ``n`` rows of ``x``, the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``."""
+        raise NotImplementedError
+
+    def grad(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
+        inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
+        g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """``dl`` of ``n`` rows of ``x`` on the fixed ``[rows, V]`` shape (rows past ``n`` zero)."""
+        self.grad_pass(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent)
+        if n < self.rows:
+            self.dl[n:].zero_()
+        return self.dl
+
+
+def forward_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    inv_temp: float, ignore_index: int, route: str, want_entropy: bool, buffers: type[ChunkBuffers],
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(logprob, entropy or None, lse)``, fp32 ``[N]``, by ``buffers``' per-chunk passes."""
+    n_rows = hidden.shape[0]
+    lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    ent = torch.empty_like(lp) if want_entropy else None
+    lse = torch.empty_like(lp)
+    buf = buffers(hidden, weight, route, need_dl=False)
+    for r0 in range(0, n_rows, buf.rows):
+        n = min(buf.rows, n_rows - r0)
+        sl = slice(r0, r0 + n)
+        buf.stats(
+            buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
+            lp[sl], None if ent is None else ent[sl], lse[sl],
+        )
+    return lp, ent, lse
+
+
+class GradSink:
+    """Consumes each chunk's ``dl``: ``dh`` rows, the ``dW`` accumulator and ``db``."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, need_h: bool, need_w: bool, need_b: bool) -> None:
+        self.hidden, self.weight = hidden, weight
+        self.dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+        acc_dtype = torch.float32 if tuning().wgrad_fp32 else weight.dtype
+        self.dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        self._dh_tmp: Optional[torch.Tensor] = None
+
+    def add(self, dl: torch.Tensor, r0: int, n: int) -> None:
+        """Consume ``dl [rows, V]`` (rows past ``n`` zero) belonging to hidden rows ``[r0, r0+n)``."""
+        rows = dl.shape[0]
+        if self.dh is not None:
+            if n == rows:
+                torch.mm(dl, self.weight, out=self.dh[r0 : r0 + n])
+            else:  # the same [rows, D] product shape as every other chunk: a row's dh must not depend on N
+                if self._dh_tmp is None:
+                    self._dh_tmp = torch.empty(rows, self.weight.shape[1], dtype=self.dh.dtype, device=dl.device)
+                torch.mm(dl, self.weight, out=self._dh_tmp)
+                self.dh[r0 : r0 + n].copy_(self._dh_tmp[:n])
+        if self.dw is not None:
+            addmm_acc_(self.dw, dl[:n].t(), self.hidden[r0 : r0 + n])
+        if self.db is not None:
+            self.db += dl[:n].sum(dim=0, dtype=torch.float32)
+
+    def grads(self) -> tuple[Optional[torch.Tensor], ...]:
+        """``(dh, dW, db)`` in the inputs' dtypes (None where not needed)."""
+        return tuple(
+            None if g is None else g.to(like.dtype)
+            for g, like in ((self.dh, self.hidden), (self.dw, self.weight), (self.db, self.weight))
+        )
+
+
+def backward_chunks(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    inv_temp: float, ignore_index: int, route: str, sink: GradSink, buffers: type[ChunkBuffers],
+) -> None:
+    """Recompute each chunk's logits, form ``dl`` (``buffers``' pass) and hand it to ``sink``."""
+    n_rows = hidden.shape[0]
+    buf = buffers(hidden, weight, route, need_dl=True)
+    for r0 in range(0, n_rows, buf.rows):
+        n = min(buf.rows, n_rows - r0)
+        sl = slice(r0, r0 + n)
+        dl = buf.grad(
+            buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
+            lse[sl], None if ent is None else ent[sl], g_lp[sl], None if g_ent is None else g_ent[sl],
+        )
+        sink.add(dl, r0, n)
+
+
+def linear_forward(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    temperature: float, ignore_index: int, return_entropy: bool, route: str, buffers: type[ChunkBuffers],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_logprob``'s forward custom-op body on one process: ``(logprob [N], entropy [N] or
+    [0], lse [N])`` fp32 by ``buffers``' passes on ``route``."""
+    lp, ent, lse = forward_stats(
+        canonical_layout(hidden), canonical_layout(weight), bias, targets, 1.0 / temperature, ignore_index, route,
+        return_entropy, buffers,
+    )
+    return lp, (lp.new_empty(0) if ent is None else ent), lse
+
+
+def linear_backward(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    lse: torch.Tensor, entropy: torch.Tensor, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
+    temperature: float, ignore_index: int, need_h: bool, need_w: bool, need_b: bool, route: str,
+    buffers: type[ChunkBuffers], sink: Optional[GradSink] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_logprob``'s backward custom-op body: ``(dh, dW, db)`` in the inputs' dtypes, ``[0]``
+    where not asked for. ``sink`` replaces the single-process :class:`GradSink` (vocab parallel)."""
+    hidden, weight = canonical_layout(hidden), canonical_layout(weight)
+    g_lp = torch.zeros_like(lse) if grad_logprob is None else grad_logprob.to(torch.float32).contiguous()
+    g_ent = None if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
+    sink = sink or GradSink(hidden, weight, need_h, need_w, need_b)
+    backward_chunks(
+        hidden, weight, bias, targets, lse, None if g_ent is None else entropy, g_lp, g_ent,
+        1.0 / temperature, ignore_index, route, sink, buffers,
+    )
+    empty = hidden.new_empty(0)
+    return tuple(empty.clone() if g is None else g for g in sink.grads())

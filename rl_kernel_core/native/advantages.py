@@ -1,0 +1,30 @@
+"""Native ``group_advantages``: the CUDA kernel of ``native/csrc/advantages.cu`` as the custom op
+``rl_kernel::native_group_advantages`` (fake in :mod:`rl_kernel_core.opdef.advantages`),
+registered as the ``native`` backend. Importing this module builds the ``advantages`` extension."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rl_kernel_core import dispatch
+from rl_kernel_core.loss_codes import ESTIMATOR_CODES
+from rl_kernel_core.native import extension
+from rl_kernel_core.opdef import advantages as opdef
+
+Tensor = torch.Tensor
+_ext = extension("advantages")
+
+
+@torch.library.custom_op("rl_kernel::native_group_advantages", mutates_args=())
+def group_advantages_op(
+    rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], estimator: str, norm_by_std: bool, eps: float
+) -> Tensor:
+    """Advantages ``[N]`` (fp32; fp64 for fp64 rewards), group statistics in fp64."""
+    return _ext.group_advantages(rewards, group_size, group_index, ESTIMATOR_CODES[estimator], norm_by_std, eps)
+
+
+group_advantages_op.register_fake(opdef.fake)
+
+group_advantages = dispatch.register("group_advantages", "native")(opdef.implementation(group_advantages_op))

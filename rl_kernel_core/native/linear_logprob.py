@@ -1,0 +1,75 @@
+"""Native ``linear_logprob``: the chunked route with the CUDA per-chunk pass of
+``native/csrc/linear_logprob.cu``, as the custom op ``rl_kernel::native_linear_logprob`` and its
+backward (schemas and autograd glue in :mod:`rl_kernel_core.opdef.logprob`), registered as the
+``native`` backend. Importing this module builds the ``linear_logprob`` extension.
+
+Per fixed-size chunk of rows (a function of V only) cuBLAS writes fp32 logits
+(:mod:`rl_kernel_core.linear_chunks`, the driver the Triton backend uses too) and one CUDA pass
+forms the statistics or, in the backward, the logit gradient in place; then ``dh = dl W`` and
+``dW += dl^T h`` (cuBLAS). Deterministic; a row's log-prob, entropy and ``dh`` do not depend on
+N or on the other rows. Single-process only (``supports`` refuses ``tp_group``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rl_kernel_core import dispatch
+from rl_kernel_core import linear_chunks as LC
+from rl_kernel_core.native import extension
+from rl_kernel_core.opdef import define_differentiable_op, fp64_reason
+from rl_kernel_core.opdef import logprob as opdef
+
+Tensor = torch.Tensor
+_ext = extension("linear_logprob")
+ROUTE = "chunked"
+"""The native passes read the cuBLAS fp32 logits chunk, for every pass."""
+
+
+class NativeChunkBuffers(LC.ChunkBuffers):
+    """The chunked route's buffers with the CUDA per-chunk pass: one block per row computes LSE,
+    target logit and entropy, or overwrites the fp32 logits with ``dl`` in place."""
+
+    def stats(self, x, weight, bias, targets, n, inv_temp, ignore_index, lp, ent, lse) -> None:
+        """``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]``) of the first ``n`` rows of the logits chunk ``x``."""
+        _ext.linear_chunk_stats(x, bias, targets, inv_temp, ignore_index, lp, ent, lse)
+
+    def grad_pass(self, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> None:
+        """``self.dl[:n]`` (in place over the logits chunk ``x``) from the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``."""
+        _ext.linear_chunk_grad(x, self.dl, bias, targets, lse, None if g_ent is None else ent, g_lp, g_ent, inv_temp, ignore_index)
+
+
+def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, tuning):
+    """The forward custom op's body (schema :data:`rl_kernel_core.opdef.logprob.LINEAR_SCHEMA`; ``tp_group`` is None)."""
+    with LC.tuning_of(tuning):
+        return LC.linear_forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, ROUTE, NativeChunkBuffers)
+
+
+def _backward(hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
+              tp_group, tuning, need_h, need_w, need_b):
+    """The backward custom op's body: ``(dh, dW, db)``, ``[0]`` where not asked for."""
+    with LC.tuning_of(tuning):  # autograd may run the backward on another thread: the forward's tuning, named
+        return LC.linear_backward(
+            hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
+            need_h, need_w, need_b, ROUTE, NativeChunkBuffers,
+        )
+
+
+def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:
+    reason = fp64_reason("native", hidden=hidden)
+    if reason is None and tp_group is not None:
+        reason = "the native linear_logprob is single-process; tp_group (vocab parallel) needs backend='triton' or 'torch'"
+    if reason is None and hidden.is_cuda and not LC.fp32_logits_supported(hidden.device, hidden.dtype):
+        reason = f"this torch's cuBLAS mm cannot write fp32 logits from {str(hidden.dtype).replace('torch.', '')} operands (mm(out_dtype=)), which the native chunk pass reads"
+    return reason
+
+
+linear_logprob = dispatch.register("linear_logprob", "native", supports=_supports)(
+    opdef.linear_implementation(define_differentiable_op(
+        "native_linear_logprob", _forward, opdef.linear_fake, _backward, opdef.linear_backward_fake,
+        opdef.linear_setup, opdef.linear_backward,
+        schema=opdef.LINEAR_SCHEMA, backward_schema=opdef.LINEAR_BACKWARD_SCHEMA,
+    ))
+)

@@ -1,0 +1,104 @@
+"""Gradient pass of the Triton ``linear_logprob``: ``dl = dL/d logits`` per tile, from the
+recomputed logits (:func:`rl_kernel_core.triton.linear_tile.logits_tile`) and the forward's
+saved ``lse`` and entropy.
+
+With ``p = exp(z - lse)`` and upstream gradients ``g`` (log-prob) and ``e`` (entropy):
+``dL/dz = g (onehot(t) - p) - e p (log p + entropy)`` and ``dl = dL/dz / T``, the gradient of
+the raw logits; the chunk driver (:mod:`rl_kernel_core.linear_chunks`) then forms ``dh = dl @ W``,
+``dW += dl^T @ h`` and ``db = sum_rows dl``. A row at ``ignore_index`` gets ``dl = 0``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from rl_kernel_core.triton._jit import launch_time_jit
+from rl_kernel_core.triton._tiles import grouped_tile
+from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, tile_flags, tiles
+
+
+@launch_time_jit
+def _grad_kernel(
+    x_ptr, w_ptr, b_ptr, tgt_ptr,
+    M, V, D,
+    stride_xm, stride_xk, stride_wv, stride_wk,
+    inv_temp, ignore_index,
+    lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr, stride_dm,
+    TILES_PER_PROG, n_progs,
+    FROM_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, IN_PLACE: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``dl`` of rows ``[0, M)``. A work unit is ``BLOCK_M`` rows and ``TILES_PER_PROG`` consecutive
+    vocab tiles, visited in ascending order (``IN_PLACE`` needs whole rows per unit: ``dl``
+    overwrites the fp32 logits it was computed from, as a 2-byte view whose row stride is the fp32
+    row's). Program ``i`` of ``n_progs`` takes units ``i, i + n_progs, ...``."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(V, BLOCK_N)
+    num_pid_g = tl.cdiv(n_tiles, TILES_PER_PROG)
+    for pid in tl.range(tl.program_id(0), num_pid_m * num_pid_g, n_progs, flatten=FLATTEN):
+        pid_m, pid_g = grouped_tile(pid, num_pid_m, num_pid_g, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+        valid = row_ok & (tgt != ignore_index)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        glp = tl.where(valid, tl.load(glp_ptr + rows, mask=row_ok, other=0.0), 0.0)
+        if HAS_GENT:
+            ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+            gent = tl.where(valid, tl.load(gent_ptr + rows, mask=row_ok, other=0.0), 0.0)
+        rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)
+        t_start = pid_g * TILES_PER_PROG
+        t_end = tl.minimum(t_start + TILES_PER_PROG, n_tiles)
+        for t in range(t_start, t_end):
+            z, cols, col_ok = logits_tile(
+                x_ptr, w_ptr, b_ptr, rows_safe, row_ok, pid_m, t, V, D, stride_xm, stride_xk, stride_wv, stride_wk, inv_temp,
+                FROM_LOGITS, HAS_BIAS, IN_PLACE, EVEN_K, IEEE, UPCAST_DOT, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+            )
+            logp = z - lse[:, None]
+            p = tl.exp(logp)
+            onehot = cols[None, :] == tgt[:, None]
+            dz = tl.where(onehot, glp[:, None], 0.0) - glp[:, None] * p
+            if HAS_GENT:  # p = 0 (a -inf logit) contributes 0, not 0 * -inf
+                dz -= tl.where(p > 0.0, gent[:, None] * p * (logp + ent[:, None]), 0.0)
+            dz = tl.where(valid[:, None], dz * inv_temp, 0.0)
+            out_ok = row_ok[:, None] & col_ok[None, :]
+            tl.store(dl_ptr + rows_safe[:, None] * stride_dm + cols[None, :], dz.to(dl_ptr.dtype.element_ty), mask=out_ok)
+
+
+def launch_grad(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    rows: int, inv_temp: float, ignore_index: int,
+    lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    dl: torch.Tensor, from_logits: bool,
+) -> None:
+    """Write ``dl[:rows]`` (``[rows, V]``, ``dl``'s dtype) from recomputed or stored logits.
+
+    ``g_lp`` / ``g_ent`` are fp32 upstream gradients (``g_ent`` None: no entropy term; ``ent``
+    is then unused). With ``from_logits`` the pass reads the fp32 chunk ``x``; ``dl`` may alias
+    it: ``x`` itself (fp32 inputs), or a 2-byte view with ``x``'s byte row stride, for which each
+    program then sweeps whole rows in ascending column order.
+    """
+    vocab, dim = weight.shape
+    cfg = tiles(weight.dtype, weight.device, from_logits, grad=True)
+    n_tiles = triton.cdiv(vocab, cfg.block_n)
+    # a narrower dl written over wider logits lands on bytes other threads have yet to read
+    in_place = from_logits and dl.data_ptr() == x.data_ptr() and dl.element_size() != x.element_size()
+    per_prog = n_tiles if in_place else 1
+    g = grid(triton.cdiv(rows, cfg.block_m) * triton.cdiv(n_tiles, per_prog), cfg, x.device, from_logits)
+    has_gent = g_ent is not None
+    unused = dummy(x.device)
+    xs, ws, tma = operands(x[:rows], weight, cfg, from_logits)
+    _grad_kernel[g](
+        xs, ws, bias if bias is not None else unused, targets,
+        rows, vocab, dim,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        inv_temp, ignore_index,
+        lse, ent if has_gent else unused, g_lp, g_ent if has_gent else unused, dl, dl.stride(0),
+        per_prog, g[0],
+        FROM_LOGITS=from_logits, HAS_GENT=has_gent, IN_PLACE=in_place, **tile_flags(weight, bias, cfg, tma),
+    )

@@ -1,0 +1,137 @@
+"""The logits tile of the Triton ``linear_logprob`` passes: how a ``[BLOCK_M, BLOCK_N]`` tile of
+``z = (h @ W.T + b) / T`` is formed, which tile shape a pass takes, and the launch plumbing the
+statistics pass (:mod:`.linear_stats`) and the gradient pass (:mod:`.linear_grad`) share.
+
+Where the logits come from is a compile-time switch of both passes: ``FROM_LOGITS=False`` forms
+the tile with ``tl.dot`` from ``hidden`` and ``weight`` (the logits never leave registers: the
+*gemm* route); ``FROM_LOGITS=True`` reads the fp32 logits chunk cuBLAS wrote (the *chunked*
+route, :mod:`rl_kernel_core.linear_chunks`). Each output element is one length-D dot product
+accumulated in a fixed ``BLOCK_K`` order, and the tile shape depends only on the device kind,
+the dtype and the pass (:func:`tiles`), never on N: a row's logits do not depend on N or on the
+other rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton.language as tl
+
+from rl_kernel_core.linear_chunks import TileConfig, tuning
+from rl_kernel_core.triton._jit import helper_jit, interpreting
+from rl_kernel_core.triton._tiles import dot_acc
+
+_INTERPRETER_TILES = TileConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=1)
+_INTERPRETER_PROGRAMS = 3
+"""Programs of a persistent launch under the interpreter: few, so each walks several units."""
+_GPU_FP32_TILES = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
+_GPU_MEMORY_PASS_TILES = TileConfig(1, 2048, 16, group_m=1, num_warps=8, num_stages=1)
+
+
+@helper_jit
+def logits_tile(
+    x_ptr, w_ptr, b_ptr, rows_safe, row_ok, pid_m, t, V, D,
+    stride_xm, stride_xk, stride_wv, stride_wk, inv_temp,
+    FROM_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, IN_PLACE: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``(z, cols, col_ok)``: the fp32 tile ``z`` of rows ``rows_safe`` and vocab tile ``t``
+    (columns ``cols``; ``col_ok`` those below V), scaled by ``inv_temp``. ``x_ptr`` is ``hidden``
+    (or, with ``TMA``, tensor descriptors of ``hidden`` and ``weight``) or, with ``FROM_LOGITS``,
+    the fp32 logits chunk; with ``IN_PLACE`` every thread's loads of the tile land before any
+    thread writes over its bytes."""
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < V
+    if FROM_LOGITS:
+        zr = tl.load(
+            x_ptr + rows_safe[:, None] * stride_xm + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+        ).to(tl.float32)
+        if IN_PLACE:
+            tl.debug_barrier()
+    else:
+        if not TMA:
+            cols_safe = tl.where(col_ok, cols, 0).to(tl.int64)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x_ptr + rows_safe[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            b_ptrs = w_ptr + cols_safe[None, :] * stride_wv + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if TMA:  # tensor descriptors: out-of-bounds rows, columns and k read as 0
+                a = x_ptr.load([pid_m * BLOCK_M, k * BLOCK_K])
+                b = w_ptr.load([t * BLOCK_N, k * BLOCK_K]).T
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < D - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = dot_acc(a, b, acc, IEEE, UPCAST_DOT)
+            if not TMA:
+                a_ptrs += BLOCK_K * stride_xk
+                b_ptrs += BLOCK_K * stride_wk
+        zr = acc
+    if HAS_BIAS:
+        zr += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return zr * inv_temp, cols, col_ok
+
+
+def tiles(dtype: torch.dtype, device: torch.device, from_logits: bool, grad: bool = False) -> TileConfig:
+    """The tile shape of a statistics (or, with ``grad``, gradient) pass over ``dtype`` inputs on
+    ``device`` under the :func:`~rl_kernel_core.linear_chunks.tuning` in force."""
+    t = tuning()
+    gemm = t.gemm_grad_tiles if grad else t.gemm_tiles
+    if device.type != "cuda" or interpreting():
+        return dataclasses.replace(_INTERPRETER_TILES, tma=gemm.tma, persistent=gemm.persistent)
+    if from_logits:
+        return _GPU_MEMORY_PASS_TILES
+    return _GPU_FP32_TILES if dtype == torch.float32 else gemm
+
+
+def tma_supported(dtype: torch.dtype, dim: int, device: torch.device) -> bool:
+    """Whether the gemm route can take TMA loads for ``[*, dim]`` operands of ``dtype`` on
+    ``device``: 16-bit, rows a multiple of 16 bytes, compute capability 9.0+ (or the interpreter).
+    A function of the dtype, D and device only, so every row of a given head takes the same path."""
+    if dtype not in (torch.bfloat16, torch.float16) or (dim * 2) % 16:
+        return False
+    if interpreting():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def dummy(device: torch.device) -> torch.Tensor:
+    """A 1-element fp32 tensor for pointer arguments a specialization never reads."""
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
+def operands(x: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, from_logits: bool) -> tuple[object, object, bool]:
+    """``(x, weight, tma)``: tensor descriptors of the tile blocks when ``cfg.tma`` applies, else the tensors."""
+    if from_logits or not cfg.tma or not tma_supported(weight.dtype, weight.shape[1], weight.device):
+        return x, weight, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), True)
+
+
+def grid(work: int, cfg: TileConfig, device: torch.device, from_logits: bool) -> tuple[int]:
+    """One program per work unit, or one per SM for a persistent gemm-route launch."""
+    if not cfg.persistent or from_logits:
+        return (work,)
+    if device.type != "cuda" or interpreting():
+        return (min(work, _INTERPRETER_PROGRAMS),)
+    return (min(work, torch.cuda.get_device_properties(device).multi_processor_count),)
+
+
+def tile_flags(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TileConfig, tma: bool) -> dict:
+    """The compile-time arguments of :func:`logits_tile` and the launch options both passes take."""
+    return dict(
+        HAS_BIAS=bias is not None, EVEN_K=weight.shape[1] % cfg.block_k == 0, IEEE=weight.dtype == torch.float32,
+        UPCAST_DOT=interpreting(), TMA=tma, FLATTEN=cfg.persistent,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,105 @@
+"""The package's import graph: every module imports alone (no cycle), and no module imports a layer above its own.
+
+Layers, bottom up: standalone helpers (switches, adapters, codes, checks, contract, the native
+build), op definitions (``opdef``, the backend-neutral ``linear_chunks``), ``dispatch``, the
+reference backend, the fast backends (Triton and native never import each other), the public
+ops, and the tools on top (CLI, benchmarks' helpers, profiling, report, consistency). Only
+module-level imports count: a function may import a higher layer lazily (dispatch loads
+backends by name).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "rl_kernel_core"
+LAYERS: list[tuple[str, ...]] = [
+    ("switches", "adapters", "loss_codes", "_checks", "contract", "native_build"),
+    ("opdef", "linear_chunks"),
+    ("dispatch",),
+    ("reference",),
+    ("triton", "native"),
+    ("logprob", "loss", "advantages", "sampling", "attention", "invariance"),
+    ("cli", "bench", "profiling", "report", "consistency"),
+]
+
+
+def _modules() -> list[str]:
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__main__":
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.append(".".join(parts))
+    return names
+
+
+def _layer(module: str) -> tuple[int, str]:
+    top = module.split(".")[1] if "." in module else ""
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i, top
+    raise AssertionError(f"{module} is in no layer of this test; add it to LAYERS")
+
+
+def _module_level_imports(module: str) -> set[str]:
+    rel = Path(*module.split("."))
+    path = PACKAGE.parent / rel.with_suffix(".py")
+    if not path.exists():
+        path = PACKAGE.parent / rel / "__init__.py"
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m.startswith("rl_kernel_core.") and m.count(".") >= 1 and _is_module(m)}
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (PACKAGE.parent / rel.with_suffix(".py")).exists() or (PACKAGE.parent / rel / "__init__.py").exists()
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    violations = []
+    for module in _modules():
+        if module == "rl_kernel_core":
+            continue
+        level, family = _layer(module)
+        for imported in _module_level_imports(module):
+            their_level, their_family = _layer(imported)
+            if their_level > level or (their_level == level == 4 and their_family != family):
+                violations.append(f"{module} (layer {level}) imports {imported} (layer {their_level})")
+    assert not violations, "\n".join(violations)
+
+
+def _import_alone(module: str) -> str | None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode == 0:
+        return None
+    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+    # a native family module cannot build without CUDA: its ImportError is the reason, by design
+    if module.startswith("rl_kernel_core.native.") and last.startswith("ImportError:"):
+        return None
+    return f"{module}: {last}"
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_every_module_imports_alone(chunk):
+    modules = [m for i, m in enumerate(_modules()) if i % 2 == chunk]
+    with ThreadPoolExecutor(2) as pool:
+        failures = [f for f in pool.map(_import_alone, modules) if f]
+    assert not failures, "\n".join(failures)
