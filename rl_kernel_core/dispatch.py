@@ -1,15 +1,20 @@
 """Backend choice and provenance for every public op.
 
-Three backends exist: ``native`` (the CUDA extension built from ``native/``), ``triton`` and
-``torch`` (the plain-PyTorch reference, always available). Each backend module registers its
-implementations with :func:`register`; a public op asks :func:`select` for the implementation
-that serves its (already validated) inputs.
+Four backends exist: ``native`` (the CUDA extension built from ``native/``), ``triton``,
+``torch`` (the plain-PyTorch reference, always available) and ``flashinfer`` (FlashInfer's
+samplers behind ``sample``, where the ``flashinfer`` package installs). Each backend module
+registers its implementations with :func:`register`; a public op asks :func:`select` for the
+implementation that serves its (already validated) inputs.
 
 Rules:
 
 * ``backend="auto"`` (the default) takes the first backend in the op's preference order that
   declares the op (:data:`SERVES`), can run on the inputs' device and whose ``supports`` predicate
-  accepts them; backends that do not declare the op are never imported for it.
+  accepts them; backends that do not declare the op are never imported for it. ``flashinfer`` is
+  in no default order: its draws depend on a row's place in the batch (it serves only calls
+  without per-row seeds) and are not the tokens the other backends draw from the same generator
+  state, so ``auto`` takes it only where the user asks for it (``RL_KERNEL_BACKEND=flashinfer``
+  or :func:`set_preference`), and ``backend="flashinfer"`` names it.
   ``RL_KERNEL_BACKEND=<name>`` makes ``auto`` mean that backend for every op it declares (e.g.
   ``RL_KERNEL_BACKEND=torch`` forces the reference everywhere); an op it does not declare takes the
   ``auto`` order, and the decision records why. The choice is logged once per
@@ -34,14 +39,16 @@ import torch
 
 logger = logging.getLogger("rl_kernel")
 
-BACKENDS: tuple[str, ...] = ("native", "triton", "torch")
+BACKENDS: tuple[str, ...] = ("native", "triton", "torch", "flashinfer")
 _DEFAULT_PREFERENCE: tuple[str, ...] = ("native", "triton", "torch")
-_BACKEND_MODULES = {"triton": "rl_kernel_core.triton", "native": "rl_kernel_core.native"}
+_BACKEND_MODULES = {"triton": "rl_kernel_core.triton", "native": "rl_kernel_core.native",
+                    "flashinfer": "rl_kernel_core.flashinfer.sampling"}
 SERVES: dict[str, frozenset[str]] = {
     "triton": frozenset({"linear_logprob", "logprob_from_logits", "ratio_kl", "policy_loss",
                          "fused_linear_policy_loss", "group_advantages", "sample",
                          "bi_matmul", "bi_linear", "bi_log_softmax", "bi_mean", "rms_norm", "varlen_attention"}),
     "native": frozenset({"linear_logprob", "logprob_from_logits", "ratio_kl", "policy_loss", "group_advantages"}),
+    "flashinfer": frozenset({"sample"}),
 }
 """The ops each fast backend serves, declared so that choosing a backend never imports (or, for
 ``native``, compiles) one that has no implementation of the op; ``torch`` serves every op.
