@@ -140,13 +140,14 @@ def _best_ms(row: dict) -> Optional[float]:
 
 def _table(cases: list[dict]) -> str:
     names = ["ours", "torch_sort", "torch_topk", "flashinfer", "flashinfer_backend"]
-    lines = [f"{'B':<5} {'dtype':<9} {'filters':<28}" + "".join(f"{n:>14}" for n in names) + "  (ms: graph replay where captured)"]
+    widths = [max(14, len(n) + 2) for n in names]
+    lines = [f"{'B':<5} {'dtype':<9} {'filters':<28}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths)) + "  (ms: graph replay where captured)"]
     for c in cases:
         cells = []
-        for n in names:
+        for n, w in zip(names, widths):
             row = c["results"].get(n)
             ms = None if row is None else _best_ms(row)
-            cells.append(f"{ms:14.4f}" if ms is not None else f"{'-':>14}")
+            cells.append(f"{ms:{w}.4f}" if ms is not None else f"{'-':>{w}}")
         filt = ",".join(f"{key}={val}" for key, val in c["filters"].items())
         lines.append(f"{c['B']:<5} {c['dtype']:<9} {filt:<28}" + "".join(cells))
     return "\n".join(lines)
