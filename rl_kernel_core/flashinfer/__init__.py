@@ -1,6 +1,6 @@
 """FlashInfer backend of ``sample``: which calls it serves, and why it refuses the others.
 
-FlashInfer (the ``flashinfer-python`` package; written against 0.7.2) draws the tokens; the log-probs are
+FlashInfer (the ``flashinfer-python`` package; 0.7.2 tested, on an H100) draws the tokens; the log-probs are
 ``logprob_from_logits``' Triton kernel on the same logits, so they have its bits. The backend
 (:mod:`rl_kernel_core.flashinfer.sampling`) imports FlashInfer; this module does not, so
 :func:`supports` can be imported and tested without it.
