@@ -10,8 +10,12 @@ bf16; ``randn * 3``), with top-k 50 and top-p 0.9 at temperature 1 unless stated
   sampled token's log-prob from ``log_softmax`` of the fp32 row, as a trainer would need.
 * ``torch_topk``: ``torch.topk`` of the fp32 row, top-p and the exponential-race draw on the k
   values, the log-prob from ``logsumexp`` of the full row.
-* ``flashinfer``: ``flashinfer.sampling.top_k_top_p_sampling_from_logits`` (tokens only; no
-  log-prob) when FlashInfer imports, else recorded as unavailable with the import error.
+* ``flashinfer``: the FlashInfer calls of the ``flashinfer`` backend
+  (:func:`rl_kernel_core.flashinfer.sampling.draw`: the fp32 tempered logits, FlashInfer's top-k
+  mask, softmax and top-p sampler), tokens only, no log-prob; and ``flashinfer_backend``:
+  ``rk.sample(logits, backend="flashinfer", ...)`` without seeds (seeds drawn from the global RNG,
+  FlashInfer's tokens, their log-probs from ``logprob_from_logits``' Triton kernel). Both are
+  recorded as unavailable with the import error when the backend does not import.
 
 At B=128 bf16 it also times ours and ``torch_sort`` with top-p 0.9 alone, min-p 0.05 alone and
 no filter. Each timing is the median of ``--reps`` CUDA-event-timed calls after ``--warmup``
@@ -82,12 +86,13 @@ def torch_topk_path(logits: torch.Tensor, k: int, p: float) -> tuple[torch.Tenso
 
 
 def flashinfer_sampler() -> tuple[Optional[Callable], Optional[str]]:
-    """FlashInfer's fused top-k/top-p sampler, or why it is unavailable."""
+    """The ``flashinfer`` backend's token draw (:func:`rl_kernel_core.flashinfer.sampling.draw`),
+    or why it is unavailable."""
     try:
-        from flashinfer.sampling import top_k_top_p_sampling_from_logits
+        from rl_kernel_core.flashinfer.sampling import draw
     except Exception as exc:  # recorded in the JSON
         return None, f"unavailable: {type(exc).__name__}: {exc}"
-    return top_k_top_p_sampling_from_logits, None
+    return draw, None
 
 
 def _checks(logits: torch.Tensor, seeds: torch.Tensor, params: dict) -> dict:
@@ -117,9 +122,13 @@ def bench_case(args: argparse.Namespace, device: torch.device, b: int, dtype: to
     if baselines:
         if fi is None:
             rows["flashinfer"] = {"skipped": fi_reason}
+            rows["flashinfer_backend"] = {"skipped": fi_reason}
         else:
-            rows["flashinfer"] = _timed(lambda: fi(logits, k, p), device, args, graph=device.type == "cuda")
-            rows["flashinfer"]["note"] = "tokens only (no log-prob)"
+            rows["flashinfer"] = _timed(lambda: fi(logits, 1.0, seeds, k, p, mp), device, args, graph=device.type == "cuda")
+            rows["flashinfer"]["note"] = "tokens only (no log-prob): the flashinfer backend's FlashInfer calls"
+            rows["flashinfer_backend"] = _timed(lambda: rk.sample(logits, backend="flashinfer", **filters), device, args,
+                                                graph=device.type == "cuda")
+            rows["flashinfer_backend"]["note"] = "rk.sample(backend='flashinfer') without seeds: tokens and log-probs"
     return {"B": b, "V": v, "dtype": str(dtype).replace("torch.", ""), "filters": filters, "results": rows,
             "checks": _checks(logits, seeds, filters)}
 
@@ -130,14 +139,15 @@ def _best_ms(row: dict) -> Optional[float]:
 
 
 def _table(cases: list[dict]) -> str:
-    names = ["ours", "torch_sort", "torch_topk", "flashinfer"]
-    lines = [f"{'B':<5} {'dtype':<9} {'filters':<28}" + "".join(f"{n:>14}" for n in names) + "  (ms: graph replay where captured)"]
+    names = ["ours", "torch_sort", "torch_topk", "flashinfer", "flashinfer_backend"]
+    widths = [max(14, len(n) + 2) for n in names]
+    lines = [f"{'B':<5} {'dtype':<9} {'filters':<28}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths)) + "  (ms: graph replay where captured)"]
     for c in cases:
         cells = []
-        for n in names:
+        for n, w in zip(names, widths):
             row = c["results"].get(n)
             ms = None if row is None else _best_ms(row)
-            cells.append(f"{ms:14.4f}" if ms is not None else f"{'-':>14}")
+            cells.append(f"{ms:{w}.4f}" if ms is not None else f"{'-':>{w}}")
         filt = ",".join(f"{key}={val}" for key, val in c["filters"].items())
         lines.append(f"{c['B']:<5} {c['dtype']:<9} {filt:<28}" + "".join(cells))
     return "\n".join(lines)

@@ -150,7 +150,7 @@ def main() -> None:
     backends = [b for b in dispatch.BACKENDS if dispatch.backend_status()[b] is None and (b == "torch" or device.type == "cuda")]
     rows = []
     for op, fn in OPS.items():
-        for backend in backends:
+        for backend in (b for b in backends if dispatch.serves(b, op)):
             for dname, dtype in DTYPES.items():
                 for regime in ("unit", "large", "equal"):
                     torch.manual_seed(len(rows))

@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", "-V", type=_positive_int, default=32000)
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--backend", default="auto", choices=("auto", *dispatch.BACKENDS), help="auto, native, triton or torch")
+    p.add_argument("--backend", default="auto", choices=("auto", *(b for b in dispatch.BACKENDS if dispatch.serves(b, "linear_logprob"))),
+                   help="auto, native, triton or torch")
     p.add_argument("--warmup", type=_non_negative_int, default=2)
     p.add_argument("--reps", type=_positive_int, default=5, help="timed runs (the median is reported)")
     p.add_argument("--out", default=None, help="write the result JSON here")

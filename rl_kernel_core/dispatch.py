@@ -1,15 +1,20 @@
 """Backend choice and provenance for every public op.
 
-Three backends exist: ``native`` (the CUDA extension built from ``native/``), ``triton`` and
-``torch`` (the plain-PyTorch reference, always available). Each backend module registers its
-implementations with :func:`register`; a public op asks :func:`select` for the implementation
-that serves its (already validated) inputs.
+Four backends exist: ``native`` (the CUDA extension built from ``native/``), ``triton``,
+``torch`` (the plain-PyTorch reference, always available) and ``flashinfer`` (FlashInfer's
+samplers behind ``sample``, where the ``flashinfer`` package installs). Each backend module
+registers its implementations with :func:`register`; a public op asks :func:`select` for the
+implementation that serves its (already validated) inputs.
 
 Rules:
 
 * ``backend="auto"`` (the default) takes the first backend in the op's preference order that
   declares the op (:data:`SERVES`), can run on the inputs' device and whose ``supports`` predicate
-  accepts them; backends that do not declare the op are never imported for it.
+  accepts them; backends that do not declare the op are never imported for it. ``flashinfer`` is
+  in no default order: its draws depend on a row's place in the batch (it serves only calls
+  without per-row seeds) and are not the tokens the other backends draw from the same generator
+  state, so ``auto`` takes it only where the user asks for it (``RL_KERNEL_BACKEND=flashinfer``
+  or :func:`set_preference`), and ``backend="flashinfer"`` names it.
   ``RL_KERNEL_BACKEND=<name>`` makes ``auto`` mean that backend for every op it declares (e.g.
   ``RL_KERNEL_BACKEND=torch`` forces the reference everywhere); an op it does not declare takes the
   ``auto`` order, and the decision records why. The choice is logged once per
@@ -24,6 +29,7 @@ Rules:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -34,7 +40,7 @@ import torch
 
 logger = logging.getLogger("rl_kernel")
 
-BACKENDS: tuple[str, ...] = ("native", "triton", "torch")
+BACKENDS: tuple[str, ...] = ("native", "triton", "torch", "flashinfer")
 _DEFAULT_PREFERENCE: tuple[str, ...] = ("native", "triton", "torch")
 _TRITON_BATCH_INVARIANT = "rl_kernel_core.triton.batch_invariant"
 BACKEND_MODULES: dict[str, dict[str, str]] = {
@@ -60,6 +66,7 @@ BACKEND_MODULES: dict[str, dict[str, str]] = {
         "policy_loss": "rl_kernel_core.native.loss",
         "group_advantages": "rl_kernel_core.native.advantages",
     },
+    "flashinfer": {"sample": "rl_kernel_core.flashinfer.sampling"},
 }
 """``{backend: {op: the module that registers it}}`` for the fast backends; ``torch`` serves every
 op from the reference modules the public ops import. Choosing a backend for an op imports that
@@ -276,7 +283,8 @@ def backend_status() -> dict[str, Optional[str]]:
 def backend_report() -> dict[str, str]:
     """One line per backend for ``rl-kernel info``, building nothing: whether Triton imports, the
     native extensions' :func:`rl_kernel_core.native_build.status` and any native module that
-    failed to load in this process."""
+    failed to load in this process, whether FlashInfer is installed (not imported: it
+    JIT-compiles its kernels on first use)."""
     report = {"torch": "available"}
     try:
         import triton  # noqa: F401
@@ -288,4 +296,11 @@ def backend_report() -> dict[str, str]:
 
     failed = sorted({_load_errors[m] for m in BACKEND_MODULES["native"].values() if m in _load_errors})
     report["native"] = native_build.status() + "".join(f"; {reason}" for reason in failed)
+    flashinfer_error = _load_errors.get(BACKEND_MODULES["flashinfer"]["sample"])
+    if flashinfer_error:
+        report["flashinfer"] = f"unavailable: {flashinfer_error}"
+    elif importlib.util.find_spec("flashinfer") is None:
+        report["flashinfer"] = "unavailable: flashinfer is not installed (pip install 'rl-kernel[flashinfer]'); serves sample only"
+    else:
+        report["flashinfer"] = "installed (serves sample only, when named or preferred)"
     return {b: report[b] for b in BACKENDS}

@@ -14,11 +14,16 @@ parameter is a Python number for the whole batch or a ``[B]`` tensor)::
 
     logits      [B, V]  float32 / bfloat16 / float16 / float64, B >= 1, V >= 1, contiguous
     temperature float or [B] float64, finite, >= 0 (0: greedy)
-    seeds       [B]     int64
+    seeds       [B]     int64: the caller's, or one per row drawn from ``generator`` (or the
+                        global RNG) when the caller gave none
     positions   None (0), int or [B] int64
     top_k       None (no top-k), int or [B] int64, in [1, V]
     top_p       None (no top-p), float or [B] float64, in (0, 1]
     min_p       None (no min-p), float or [B] float32, in [0, 1)
+
+``dispatch.select`` passes the same arguments to a backend's ``supports`` predicate, except
+``seeds``: there it is the caller's tensor, or None when the caller gave none (so a backend whose
+draws are not keyed on each row's seed alone can refuse exactly the calls that carry seeds).
 
 The semantics every backend must reproduce are stated in :mod:`rl_kernel_core.reference.sampling`.
 """
@@ -101,7 +106,8 @@ def _positions(positions: Union[int, torch.Tensor, None], logits: torch.Tensor) 
     return _number("positions", positions, integer=True)
 
 
-def _seeds(seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], logits: torch.Tensor) -> torch.Tensor:
+def _seeds(seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], logits: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """``(the caller's seeds or None, the [B] int64 seeds the backend draws with)``."""
     b = logits.shape[0]
     if seeds is not None:
         if generator is not None:
@@ -109,13 +115,13 @@ def _seeds(seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], 
         _checks.tensor("seeds", seeds, dtypes=(torch.int64,), ndim=1)
         _checks.same_device("logits", logits, seeds=seeds)
         _checks.shape("seeds", seeds, (b,), f"[B={b}]")
-        return seeds
+        return seeds, seeds
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if generator.device.type != logits.device.type:
             raise ValueError(f"generator must be on logits' device type {logits.device.type}, got {generator.device}")
-    return torch.randint(_INT64.min, _INT64.max, (b,), generator=generator, device=logits.device, dtype=torch.int64)
+    return None, torch.randint(_INT64.min, _INT64.max, (b,), generator=generator, device=logits.device, dtype=torch.int64)
 
 
 def sample(
@@ -153,9 +159,12 @@ def sample(
             gives independent draws at successive positions (vLLM Model Runner V2 keys its Gumbel
             noise on ``(seed, position)`` the same way).
         generator: used only without ``seeds``: one seed per row is drawn from it (or from the
-            global RNG of ``logits``' device when None), then sampling proceeds as with seeds.
+            global RNG of ``logits``' device when None), then sampling proceeds as with seeds
+            (the ``flashinfer`` backend seeds FlashInfer's Philox stream with the first of them).
         backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto), ``"native"``,
-            ``"triton"`` or ``"torch"``; see :mod:`rl_kernel_core.dispatch`.
+            ``"triton"``, ``"torch"`` or ``"flashinfer"`` (FlashInfer's samplers, only when named
+            or preferred, and only without ``seeds``: see :mod:`rl_kernel_core.flashinfer`); see
+            :mod:`rl_kernel_core.dispatch`.
 
     Returns:
         ``(tokens, logprobs)``: ``tokens`` int64 ``[B]``; ``logprobs`` fp32 ``[B]``, the sampled
@@ -177,13 +186,13 @@ def sample(
     k = _validated("top_k", top_k, logits, integer=True, lo=1, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.int64)
     p = _validated("top_p", top_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=True, hi_open=False, out_dtype=torch.float64)
     mp = _validated("min_p", min_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=False, hi_open=True, out_dtype=torch.float32)
-    s = _seeds(seeds, generator, logits)
+    given, s = _seeds(seeds, generator, logits)
     pos = _positions(positions, logits)
     if b == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(0, dtype=torch.float32, device=logits.device)
     logits = logits.contiguous()
     if k is not None:
         k = k.clamp(max=v) if isinstance(k, torch.Tensor) else min(k, v)
-    impl = dispatch.select("sample", backend, logits.device, logits, temp, s, pos, k, p, mp)
+    impl = dispatch.select("sample", backend, logits.device, logits, temp, given, pos, k, p, mp)
     with torch.no_grad():
         return impl(logits, temp, s, pos, k, p, mp)

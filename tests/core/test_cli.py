@@ -1,5 +1,6 @@
 """The rl-kernel command: info, bench and compare, run as a user runs them."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -17,10 +18,12 @@ def _run(*args):
 def test_info_names_every_backend_and_why_unavailable():
     data = json.loads(_run("info", "--json"))
     assert data["torch"]
-    assert set(data["backends"]) == {"native", "triton", "torch"}
+    assert set(data["backends"]) == {"native", "triton", "torch", "flashinfer"}
     assert data["backends"]["torch"] == "available"
     if not data["cuda_devices"]:
         assert data["backends"]["native"].startswith("unavailable: ")
+    if importlib.util.find_spec("flashinfer") is None:
+        assert data["backends"]["flashinfer"].startswith("unavailable: flashinfer is not installed")
     text = _run("info")
     assert "backends:" in text and "native" in text
 
