@@ -6,11 +6,7 @@
 #   bash benchmarks/gpu_flashinfer_check.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-${OUT:-gpu-results}}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-status=0
+source scripts/gpu_preamble.sh gpu-results "$@"
 python3 -m rl_kernel_core.cli info > "$out/info.txt" 2>&1
 python3 - 2>&1 <<'PY' | tee "$out/flashinfer_jit.log"
 # versions, then one call per FlashInfer path of the backend: the first builds FlashInfer's sampling module

@@ -4,11 +4,7 @@
 #   bash benchmarks/gpu_sampling_check.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-${OUT:-gpu-results}}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-status=0
+source scripts/gpu_preamble.sh gpu-results "$@"
 python3 -m rl_kernel_core.cli info > "$out/info.txt" 2>&1
 python3 -m pytest -q -m gpu tests/core/test_sampling.py tests/core/test_triton_sampling.py -p no:cacheprovider --durations=15 2>&1 \
   | tee "$out/sampling_gpu_tests.log" | tail -40

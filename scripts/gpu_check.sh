@@ -4,11 +4,7 @@
 #   bash scripts/gpu_check.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-gpu-results}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-status=0
+source scripts/gpu_preamble.sh gpu-results "$@"
 python3 -m rl_kernel_core.cli info | tee "$out/info.txt"
 python3 -m pytest -q -m gpu tests/core tests/vime -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -5,11 +5,7 @@
 #   bash scripts/gpu_consistency.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-gpu-consistency}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-status=0
+source scripts/gpu_preamble.sh gpu-consistency "$@"
 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/core/test_triton_batch_invariant.py tests/core/test_triton_attention.py \
   tests/core/test_consistency_chain.py tests/core/test_batch_invariant.py -s 2>&1 | tee "$out/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

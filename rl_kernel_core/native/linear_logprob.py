@@ -19,7 +19,7 @@ import torch
 from rl_kernel_core import dispatch
 from rl_kernel_core import linear_chunks as LC
 from rl_kernel_core.native import extension
-from rl_kernel_core.opdef import define_differentiable_op, fp64_reason
+from rl_kernel_core.opdef import fp64_reason
 from rl_kernel_core.opdef import logprob as opdef
 
 Tensor = torch.Tensor
@@ -67,9 +67,5 @@ def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_e
 
 
 linear_logprob = dispatch.register("linear_logprob", "native", supports=_supports)(
-    opdef.linear_implementation(define_differentiable_op(
-        "native_linear_logprob", _forward, opdef.linear_fake, _backward, opdef.linear_backward_fake,
-        opdef.linear_setup, opdef.linear_backward,
-        schema=opdef.LINEAR_SCHEMA, backward_schema=opdef.LINEAR_BACKWARD_SCHEMA,
-    ))
+    opdef.define_linear_logprob("native_linear_logprob", _forward, _backward)
 )

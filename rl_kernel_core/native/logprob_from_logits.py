@@ -11,7 +11,6 @@ import torch
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.native import extension
-from rl_kernel_core.opdef import define_differentiable_op
 from rl_kernel_core.opdef import logprob as opdef
 
 Tensor = torch.Tensor
@@ -35,8 +34,5 @@ def _backward(
 
 
 logprob_from_logits = dispatch.register("logprob_from_logits", "native", supports=opdef.supports("native"))(
-    opdef.implementation(define_differentiable_op(
-        "native_logprob_from_logits", _forward, opdef.forward_fake, _backward, opdef.backward_fake,
-        opdef.setup, opdef.backward,
-    ))
+    opdef.define_logprob_from_logits("native_logprob_from_logits", _forward, _backward)
 )

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from rl_kernel_core.linear_chunks import tuning_key
-from rl_kernel_core.opdef import fp64_reason, none_if_empty
+from rl_kernel_core.opdef import define_differentiable_op, fp64_reason, none_if_empty
 
 Tensor = torch.Tensor
 
@@ -179,3 +179,18 @@ def linear_backward(backward_op: Callable) -> Callable:
                 none_if_empty(db) if need_b else None) + (None,) * 6
 
     return run
+
+
+def define_logprob_from_logits(name: str, forward_fn: Callable, backward_fn: Callable) -> Callable:
+    """``logprob_from_logits``' backend implementation over the custom ops ``rl_kernel::<name>`` and
+    its backward, whose bodies are ``forward_fn`` / ``backward_fn`` (the schemas above)."""
+    return implementation(define_differentiable_op(name, forward_fn, forward_fake, backward_fn, backward_fake, setup, backward))
+
+
+def define_linear_logprob(name: str, forward_fn: Callable, backward_fn: Callable) -> Callable:
+    """``linear_logprob``'s backend implementation over the custom ops ``rl_kernel::<name>`` and its
+    backward (:data:`LINEAR_SCHEMA`, :data:`LINEAR_BACKWARD_SCHEMA`), whose bodies are ``forward_fn`` / ``backward_fn``."""
+    return linear_implementation(define_differentiable_op(
+        name, forward_fn, linear_fake, backward_fn, linear_backward_fake, linear_setup, linear_backward,
+        schema=LINEAR_SCHEMA, backward_schema=LINEAR_BACKWARD_SCHEMA,
+    ))

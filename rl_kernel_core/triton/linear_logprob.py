@@ -31,7 +31,6 @@ import triton
 
 from rl_kernel_core import dispatch
 from rl_kernel_core import linear_chunks as LC
-from rl_kernel_core.opdef import define_differentiable_op
 from rl_kernel_core.opdef import logprob as opdef
 from rl_kernel_core.triton import _vocab_parallel as VP
 from rl_kernel_core.triton.linear_grad import launch_grad
@@ -105,11 +104,7 @@ def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_e
 
 
 linear_logprob = dispatch.register("linear_logprob", "triton", supports=_supports)(
-    opdef.linear_implementation(define_differentiable_op(
-        "triton_linear_logprob", _forward, opdef.linear_fake, _backward, opdef.linear_backward_fake,
-        opdef.linear_setup, opdef.linear_backward,
-        schema=opdef.LINEAR_SCHEMA, backward_schema=opdef.LINEAR_BACKWARD_SCHEMA,
-    ))
+    opdef.define_linear_logprob("triton_linear_logprob", _forward, _backward)
 )
 linear_logprob.__doc__ = """Validated ``hidden [N, D]``, ``weight [V, D]``, ``targets [N]`` → ``(logprob [N], entropy [N] or None)``, fp32.
 

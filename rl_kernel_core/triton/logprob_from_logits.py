@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.opdef import define_differentiable_op
 from rl_kernel_core.opdef import logprob as opdef
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 
@@ -212,8 +211,5 @@ def _forward(
 
 
 logprob_from_logits = dispatch.register("logprob_from_logits", "triton", supports=opdef.supports("triton"))(
-    opdef.implementation(define_differentiable_op(
-        "triton_logprob_from_logits", _forward, opdef.forward_fake, logprob_bwd, opdef.backward_fake,
-        opdef.setup, opdef.backward,
-    ))
+    opdef.define_logprob_from_logits("triton_logprob_from_logits", _forward, logprob_bwd)
 )

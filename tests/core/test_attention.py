@@ -2,30 +2,14 @@
 bitwise equality of prefill vs incremental decode over a KV cache and of a sequence alone vs packed
 with others, gradients, bad input."""
 
-import math
-
 import pytest
 import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract
+from oracles import dense_attention
 
 
-def _dense(q, k, v, cu_q, cu_k, causal):
-    """fp64 attention per sequence with an explicit mask."""
-    group = q.shape[1] // k.shape[1]
-    outs = []
-    for b in range(len(cu_q) - 1):
-        qs = q[cu_q[b]:cu_q[b + 1]].double().transpose(0, 1)
-        ks = k[cu_k[b]:cu_k[b + 1]].double().repeat_interleave(group, 1).transpose(0, 1)
-        vs = v[cu_k[b]:cu_k[b + 1]].double().repeat_interleave(group, 1).transpose(0, 1)
-        s = qs @ ks.transpose(1, 2) / math.sqrt(q.shape[2])
-        lq, lk = qs.shape[1], ks.shape[1]
-        if causal:
-            allowed = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
-            s = s.masked_fill(~allowed, -math.inf)
-        outs.append((torch.softmax(s, -1) @ vs).transpose(0, 1))
-    return torch.cat(outs)
 
 
 def _packed(lengths, hq=4, hkv=2, d=8, dtype=torch.float32):
@@ -40,7 +24,7 @@ def test_matches_dense_formula(seed, causal, dtype):
     q, k, v, cu = _packed([5, 37, 1, 16], dtype=dtype)
     out, lse = rk.varlen_attention(q, k, v, cu, causal=causal, return_lse=True)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:2]
-    expected = _dense(q, k, v, cu.tolist(), cu.tolist(), causal)
+    expected = dense_attention(q, k, v, cu.tolist(), cu.tolist(), causal)
     tol = contract.tolerance("attention", dtype)
     torch.testing.assert_close(out.double(), expected, atol=tol.atol, rtol=tol.rtol)
 
@@ -86,7 +70,7 @@ def test_gradients_match_dense_formula(seed):
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     w = torch.randn(q.shape, dtype=torch.float64)
     got = torch.autograd.grad((rk.varlen_attention(q, k, v, cu) * w).sum(), (q, k, v))
-    expected = torch.autograd.grad((_dense(q, k, v, cu.tolist(), cu.tolist(), True) * w).sum(), (q, k, v))
+    expected = torch.autograd.grad((dense_attention(q, k, v, cu.tolist(), cu.tolist(), True) * w).sum(), (q, k, v))
     tol = contract.tolerance("gradient", torch.float64)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=tol.atol, rtol=tol.rtol)

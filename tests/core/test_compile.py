@@ -4,7 +4,7 @@ compiled for an H100 (sm_90) by Triton's own compiler, here on CPU.
 ``fullgraph=True`` turns any graph break into an error, so these tests fail if an op (its
 argument checks, the dispatch, the backend call) cannot be traced. The step chains
 ``group_advantages`` -> ``logprob_from_logits`` -> ``ratio_kl`` -> ``policy_loss`` and is checked
-against the same step run eagerly (values, metrics and the logits gradient, within the contract).
+against the same step run_step eagerly (values, metrics and the logits gradient, within the contract).
 
 On CPU the step runs the reference (``torch``) backend under the ``aot_eager`` compiler (Dynamo
 and AOTAutograd, without Inductor's slow C++ build). On a GPU it runs the Triton custom ops
@@ -29,55 +29,16 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.loss import METRIC_NAMES
-
-GROUP = 4
+from oracles import check_compiled_equals_eager
 
 
-def make_batch(device, dtype, seqs=8, seq_len=16, vocab=128):
-    logits = (torch.randn(seqs, seq_len, vocab) * 3).to(dtype).to(device)
-    targets = torch.randint(0, vocab, (seqs, seq_len))
-    targets[:, -3:] = -100  # padding
-    old = torch.log_softmax(torch.randn(seqs, seq_len, vocab), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    ref = old + 0.1 * torch.randn(seqs, seq_len)
-    rewards = torch.randn(seqs)
-    mask = (targets != -100) & (torch.rand(seqs, seq_len) < 0.9)
-    return logits, targets.to(device), old.to(device), ref.to(device), rewards.to(device), mask.to(device)
 
 
-def loss_step(backend):
-    def step(logits, targets, old, ref, rewards, mask):
-        advantages = rk.group_advantages(rewards, group_size=GROUP, backend=backend)
-        logprob, entropy = rk.logprob_from_logits(logits, targets, temperature=0.9, return_entropy=True, backend=backend)
-        ratio, kl = rk.ratio_kl(logprob, old, ref, kl_type="low_var_kl", backend=backend)
-        loss, metrics = rk.policy_loss(
-            logprob, old, advantages[:, None].expand_as(logprob), mask, ref_logprob=ref, clip_ratio_c=3.0,
-            kl_coef=0.05, entropy=entropy, entropy_coef=0.01, loss_agg_mode="seq-mean-token-mean", backend=backend,
-        )
-        return loss + 0.1 * (ratio * kl * mask).mean(), metrics
-
-    return step
 
 
-def run(fn, batch):
-    logits = batch[0].detach().clone().requires_grad_()
-    loss, metrics = fn(logits, *batch[1:])
-    loss.backward()
-    return loss.detach(), metrics, logits.grad
 
 
-def check_compiled_equals_eager(backend, compiler, device, dtype):
-    batch = make_batch(device, dtype)
-    step = loss_step(backend)
-    compiled = torch.compile(step, fullgraph=True, backend=compiler)
-    eager_loss, eager_metrics, eager_grad = run(step, batch)
-    for _ in range(2):  # the second call reuses the compiled graph
-        loss, metrics, grad = run(compiled, batch)
-        assert_close(loss, eager_loss.double(), "reduction", dtype, "compiled loss")
-        for name in METRIC_NAMES:
-            assert_close(metrics[name], eager_metrics[name].double(), "reduction", dtype, f"compiled {name}")
-        assert grad.dtype == dtype
-        assert_close(grad, eager_grad.double(), "gradient", dtype, "compiled d logits")
+
 
 
 def test_compiled_loss_step_fullgraph_reference_cpu(seed):

@@ -20,9 +20,8 @@ from rl_kernel_core import dispatch
 from rl_kernel_core.dispatch import BackendUnavailableError, explain
 from rl_kernel_core.flashinfer import supports
 from rl_kernel_core.reference import sampling as ref
+from oracles import CHI_SQUARE_CASES, SAMPLING_GPU_SHAPE, chi_square_check, random_seeds
 
-from test_sampling import _random_seeds
-from test_triton_sampling import CHI_SQUARE_CASES, GPU_SHAPE, _chi_square
 
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
@@ -36,7 +35,7 @@ def _refusal(b: int = 4, v: int = 64, dtype: torch.dtype = torch.float32, **kwar
 
 
 REFUSED = [
-    ("per-row seeds", {"seeds": _random_seeds(4)}, "seeds given"),
+    ("per-row seeds", {"seeds": random_seeds(4)}, "seeds given"),
     ("one seed for every row", {"seeds": torch.full((4,), 7, dtype=torch.int64)}, "seeds given"),
     ("fp64 logits", {"dtype": torch.float64}, "fp64"),
     ("per-row temperature", {"temperature": torch.full((4,), 0.7, dtype=torch.float64)}, "temperature as a"),
@@ -90,7 +89,7 @@ def stand_in(monkeypatch):
 
 def test_explain_names_the_refusal_and_unseeded_calls_get_drawn_seeds(seed, stand_in):
     logits = torch.randn(5, 40)
-    rk.sample(logits, seeds=_random_seeds(5), top_k=3)
+    rk.sample(logits, seeds=random_seeds(5), top_k=3)
     decision = explain("sample")
     assert decision.backend == "torch" and "seeds given" in decision.skipped["flashinfer"], decision
     rk.sample(logits, temperature=torch.rand(5) + 0.5)
@@ -102,7 +101,7 @@ def test_explain_names_the_refusal_and_unseeded_calls_get_drawn_seeds(seed, stan
     expected = torch.randint(info.min, info.max, (5,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
     assert torch.equal(stand_in[-1], expected)
     with pytest.raises(BackendUnavailableError, match="seeds given"):
-        rk.sample(logits, seeds=_random_seeds(5), backend="flashinfer")
+        rk.sample(logits, seeds=random_seeds(5), backend="flashinfer")
 
 
 def test_auto_never_imports_or_considers_flashinfer(seed, monkeypatch):
@@ -174,7 +173,7 @@ def _filters(case, b: int) -> dict:
 @pytest.mark.parametrize("case", FILTERS, ids=lambda c: c if isinstance(c, str) else ",".join(f"{k}={v}" for k, v in c.items()) or "none")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tokens_lie_in_the_reference_filtered_set(seed, on_gpu, case, dtype):
-    b, v = GPU_SHAPE
+    b, v = SAMPLING_GPU_SHAPE
     logits = (torch.randn(b, v, device="cuda") * 2).to(dtype)
     params = _filters(case, b)
     temperature = params.pop("temperature", 1.0)
@@ -196,7 +195,7 @@ def test_tokens_lie_in_the_reference_filtered_set(seed, on_gpu, case, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_logprobs_are_bitwise_logprob_from_logits(seed, on_gpu, dtype):
-    b, v = GPU_SHAPE
+    b, v = SAMPLING_GPU_SHAPE
     logits = (torch.randn(b, v, device="cuda") * 2).to(dtype)
     for temperature, params in ((1.0, {"top_k": 50, "top_p": 0.9}), (0.7, {"min_p": 0.05}), (1.3, {})):
         tokens, logprobs = rk.sample(logits, temperature=temperature, generator=_generator(seed), backend="flashinfer", **params)
@@ -212,7 +211,7 @@ FLASHINFER_CHI_SQUARE_CASES.append({"temperature": 0.9, "top_k": 5, "top_p": 0.8
 @pytest.mark.parametrize("params", FLASHINFER_CHI_SQUARE_CASES, ids=lambda p: ",".join(k for k in p if k != "temperature"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_draw_frequencies_at_full_vocab(seed, on_gpu, params, dtype):
-    v, draws, chunk = GPU_SHAPE[1], 100_000, 2048
+    v, draws, chunk = SAMPLING_GPU_SHAPE[1], 100_000, 2048
     # seven leaders holding most of the mass above a bulk of ordinary logits, so each filter keeps
     # a handful of tokens whose frequencies a chi-square test can resolve
     row = torch.randn(v, device="cuda")
@@ -222,12 +221,12 @@ def test_draw_frequencies_at_full_vocab(seed, on_gpu, params, dtype):
     generator = _generator(seed)
     tokens = torch.cat([rk.sample(block[: min(chunk, draws - s)], generator=generator, backend="flashinfer", **params)[0]
                         for s in range(0, draws, chunk)])
-    _chi_square(row.float(), tokens, params)
+    chi_square_check(row.float(), tokens, params)
 
 
 @pytest.mark.gpu
 def test_generator_state_decides_the_draw(seed, on_gpu):
-    b, v = GPU_SHAPE
+    b, v = SAMPLING_GPU_SHAPE
     logits = torch.randn(b, v, device="cuda")
     first, _ = rk.sample(logits, top_k=50, top_p=0.9, generator=_generator(seed), backend="flashinfer")
     again, _ = rk.sample(logits, top_k=50, top_p=0.9, generator=_generator(seed), backend="flashinfer")
@@ -262,7 +261,7 @@ def test_neg_inf_logits(seed, on_gpu):
 @pytest.mark.gpu
 def test_dispatch_on_gpu(seed, on_gpu, monkeypatch):
     logits = torch.randn(4, 1000, device="cuda")
-    seeds = _random_seeds(4).cuda()
+    seeds = random_seeds(4).cuda()
     with pytest.raises(BackendUnavailableError, match="seeds given"):
         rk.sample(logits, seeds=seeds, backend="flashinfer")
     rk.sample(logits, seeds=seeds, top_k=5)

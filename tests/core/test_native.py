@@ -26,11 +26,8 @@ import rl_kernel_core as rk
 from rl_kernel_core import dispatch, native_build
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss import METRIC_NAMES
-import test_triton_linear_logprob as linear_cases
-import test_triton_losses as triton_cases
-from test_triton_losses import (
-    AGG_MODES, KL_TYPES, advantages_oracle, clamp, kl_oracle, logprob_oracle, make_logits, make_tokens, run_policy_loss,
-    upstream,
+from oracles import (
+    AGG_MODES, KL_TYPE_CASES, advantages_oracle, check_compiled_equals_eager, clamp, kl_oracle, leaves, linear_oracle, linear_oracle_grads, logprob_oracle, make_inputs, make_logits, make_tokens, run_policy_loss, small_chunks, upstream,
 )
 
 NATIVE = "native"
@@ -101,7 +98,7 @@ def test_sources_are_warp_size_agnostic_and_hipify_friendly():
 
 def check_logprob(logits, targets, temperature=1.0, with_entropy=True, ignore_index=-100, oracle=logprob_oracle):
     """Values and logits-gradient of the native backend against the fp64 oracle (non-uniform upstream)."""
-    return triton_cases.check_logprob(logits, targets, temperature, with_entropy, ignore_index, oracle, backend=NATIVE)
+    return check_logprob(logits, targets, temperature, with_entropy, ignore_index, oracle, backend=NATIVE)
 
 
 @gpu
@@ -249,7 +246,7 @@ def test_logprob_realistic(seed, n, v):
 
 
 @gpu
-@pytest.mark.parametrize("kl_type", KL_TYPES)
+@pytest.mark.parametrize("kl_type", KL_TYPE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ratio_kl_values_and_gradients(seed, kl_type, dtype):
     t = make_tokens((3, 53), "cuda", dtype)
@@ -289,7 +286,7 @@ def test_ratio_kl_one_output_default_ref_and_refusals(seed):
 
 def check_policy_loss(t, **kw):
     """Native policy_loss: loss, metrics and gradients against the fp64 oracle and the reference backend."""
-    return triton_cases.check_policy_loss(t, NATIVE, **kw)
+    return check_policy_loss(t, NATIVE, **kw)
 
 
 @gpu
@@ -298,12 +295,12 @@ def check_policy_loss(t, **kw):
 def test_policy_loss_aggregation_modes_and_dual_clip(seed, mode, dual):
     t = make_tokens((5, 37), "cuda")
     t["mask"][1] = False  # an empty sequence
-    kl_type = KL_TYPES[(AGG_MODES.index(mode) * 2 + (dual is None)) % len(KL_TYPES)]
+    kl_type = KL_TYPE_CASES[(AGG_MODES.index(mode) * 2 + (dual is None)) % len(KL_TYPE_CASES)]
     check_policy_loss(t, mode=mode, c=dual, kl_type=kl_type)
 
 
 @gpu
-@pytest.mark.parametrize("kl_type", KL_TYPES)
+@pytest.mark.parametrize("kl_type", KL_TYPE_CASES)
 def test_policy_loss_every_kl_type(seed, kl_type):
     check_policy_loss(make_tokens((3, 41), "cuda"), kl_type=kl_type, kl_coef=0.3, mode="seq-mean-token-mean")
 
@@ -453,8 +450,6 @@ def test_custom_ops_pass_opcheck(seed):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_loss_step_fullgraph(seed, dtype):
-    from test_compile import check_compiled_equals_eager
-
     torch._dynamo.reset()
     check_compiled_equals_eager(NATIVE, "inductor", "cuda", dtype)
 
@@ -491,7 +486,7 @@ LINEAR_CHUNK_ROWS = 256  # several chunks and a zero-padded last chunk at every 
 
 def run_linear(hidden, weight, bias, targets, temperature, g_lp=None, g_ent=None, backend=NATIVE):
     """``(logprob, entropy, grads of (hidden, weight[, bias]))`` through the public op (no grads without ``g_lp``)."""
-    h, w, b = linear_cases.leaves(hidden, weight, bias)
+    h, w, b = leaves(hidden, weight, bias)
     lp, ent = rk.linear_logprob(h, w, targets, bias=b, temperature=temperature, return_entropy=True, backend=backend)
     if g_lp is None:
         return lp, ent, ()
@@ -504,18 +499,18 @@ def run_linear(hidden, weight, bias, targets, temperature, g_lp=None, g_ent=None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature,with_bias", [(1.0, False), (0.7, True)])
 def test_linear_logprob_values_entropy_and_gradients(seed, tune, shape, dtype, temperature, with_bias):
-    linear_cases.small_chunks(tune, LINEAR_CHUNK_ROWS, shape["v"])
-    hidden, weight, bias, targets = linear_cases.make_inputs("cuda", **shape, dtype=dtype, bias=with_bias)
-    g_lp, g_ent = linear_cases.upstream(shape["n"], "cuda"), linear_cases.upstream(shape["n"], "cuda")
+    small_chunks(tune, LINEAR_CHUNK_ROWS, shape["v"])
+    hidden, weight, bias, targets = make_inputs("cuda", **shape, dtype=dtype, bias=with_bias)
+    g_lp, g_ent = upstream(shape["n"], "cuda"), upstream(shape["n"], "cuda")
     lp, ent, grads = run_linear(hidden, weight, bias, targets, temperature, g_lp, g_ent)
     assert dispatch.explain("linear_logprob").backend == NATIVE
-    ref_lp, ref_ent = linear_cases.oracle(hidden, weight, bias, targets, temperature)
+    ref_lp, ref_ent = linear_oracle(hidden, weight, bias, targets, temperature)
     assert lp.dtype == ent.dtype == torch.float32
     assert_close(lp, ref_lp, "logprob", dtype, f"logprob {shape}")
     assert_close(ent, ref_ent, "logprob", dtype, f"entropy {shape}")
     ignored = targets == -100
     assert ignored.any() and torch.all(lp[ignored] == 0) and torch.all(ent[ignored] == 0)
-    want = linear_cases.oracle_grads(hidden, weight, bias, targets, temperature, g_lp, g_ent)
+    want = linear_oracle_grads(hidden, weight, bias, targets, temperature, g_lp, g_ent)
     assert len(grads) == len(want)
     for name, got, ref in zip(("hidden", "weight", "bias"), grads, want):
         assert got.dtype == dtype
@@ -526,14 +521,14 @@ def test_linear_logprob_values_entropy_and_gradients(seed, tune, shape, dtype, t
 @gpu
 def test_linear_logprob_fp16_int32_targets_logprob_only_gradient(seed, tune):
     shape = LINEAR_SHAPES[0]
-    linear_cases.small_chunks(tune, LINEAR_CHUNK_ROWS, shape["v"])
-    hidden, weight, bias, targets = linear_cases.make_inputs("cuda", **shape, dtype=torch.float16)
-    g_lp = linear_cases.upstream(shape["n"], "cuda")
-    h, w, b = linear_cases.leaves(hidden, weight, bias)
+    small_chunks(tune, LINEAR_CHUNK_ROWS, shape["v"])
+    hidden, weight, bias, targets = make_inputs("cuda", **shape, dtype=torch.float16)
+    g_lp = upstream(shape["n"], "cuda")
+    h, w, b = leaves(hidden, weight, bias)
     lp = rk.linear_logprob(h, w, targets.to(torch.int32), bias=b, temperature=0.7, backend=NATIVE)
     grads = torch.autograd.grad((lp * g_lp.float()).sum(), (h, w, b))
-    assert_close(lp, linear_cases.oracle(hidden, weight, bias, targets, 0.7)[0], "logprob", torch.float16, "logprob")
-    want = linear_cases.oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, torch.zeros_like(g_lp))
+    assert_close(lp, linear_oracle(hidden, weight, bias, targets, 0.7)[0], "logprob", torch.float16, "logprob")
+    want = linear_oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, torch.zeros_like(g_lp))
     for name, got, ref in zip(("hidden", "weight", "bias"), grads, want):
         assert_close(got, ref, "gradient", torch.float16, f"d{name}")
 
@@ -541,14 +536,14 @@ def test_linear_logprob_fp16_int32_targets_logprob_only_gradient(seed, tune):
 @gpu
 def test_linear_logprob_large_magnitude_logits(seed):
     n, d, v = 257, 896, 32003
-    hidden, weight, _, targets = linear_cases.make_inputs("cuda", n, d, v, torch.bfloat16, bias=False, scale=33.0)
+    hidden, weight, _, targets = make_inputs("cuda", n, d, v, torch.bfloat16, bias=False, scale=33.0)
     assert (hidden.double() @ weight.double().T).abs().max() > 100
-    g_lp, g_ent = linear_cases.upstream(n, "cuda"), linear_cases.upstream(n, "cuda")
+    g_lp, g_ent = upstream(n, "cuda"), upstream(n, "cuda")
     lp, ent, grads = run_linear(hidden, weight, None, targets, 1.0, g_lp, g_ent)
-    ref_lp, ref_ent = linear_cases.oracle(hidden, weight, None, targets, 1.0)
+    ref_lp, ref_ent = linear_oracle(hidden, weight, None, targets, 1.0)
     assert_close(lp, ref_lp, "logprob", torch.bfloat16, "logprob")
     assert_close(ent, ref_ent, "logprob", torch.bfloat16, "entropy")
-    want = linear_cases.oracle_grads(hidden, weight, None, targets, 1.0, g_lp, g_ent)
+    want = linear_oracle_grads(hidden, weight, None, targets, 1.0, g_lp, g_ent)
     for name, got, ref in zip(("hidden", "weight"), grads, want):
         assert_close(got, ref, "gradient", torch.bfloat16, f"d{name}")
 
@@ -558,15 +553,15 @@ def test_linear_logprob_large_magnitude_logits(seed):
 def test_linear_logprob_deterministic_and_batch_invariant(seed, tune, shape):
     """Bitwise: two runs agree, and a row's log-prob, entropy and dh do not depend on N or on the other rows."""
     rows = LINEAR_CHUNK_ROWS
-    linear_cases.small_chunks(tune, rows, shape["v"])
+    small_chunks(tune, rows, shape["v"])
     n = shape["n"]
-    hidden, weight, bias, targets = linear_cases.make_inputs("cuda", **shape, dtype=torch.bfloat16)
-    g_lp, g_ent = linear_cases.upstream(n, "cuda"), linear_cases.upstream(n, "cuda")
+    hidden, weight, bias, targets = make_inputs("cuda", **shape, dtype=torch.bfloat16)
+    g_lp, g_ent = upstream(n, "cuda"), upstream(n, "cuda")
     full = run_linear(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
     again = run_linear(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
     for a, b in zip(full[:2] + tuple(full[2]), again[:2] + tuple(again[2])):
         assert torch.equal(a, b)
-    other = linear_cases.make_inputs("cuda", **shape, dtype=torch.bfloat16)
+    other = make_inputs("cuda", **shape, dtype=torch.bfloat16)
     for m in (1, min(rows + 3, n - 1)):  # m rows kept, the other n - m replaced
         h2 = torch.cat([hidden[:m], other[0][: n - m]])
         t2 = torch.cat([targets[:m], other[3][: n - m]])
@@ -585,8 +580,8 @@ def test_linear_logprob_no_grad_saves_nothing_and_refusals(seed):
     from rl_kernel_core.native import linear_logprob as native_linear
 
     shape = LINEAR_SHAPES[0]
-    hidden, weight, bias, targets = linear_cases.make_inputs("cuda", **shape, dtype=torch.bfloat16)
-    h, w, b = linear_cases.leaves(hidden, weight, bias)
+    hidden, weight, bias, targets = make_inputs("cuda", **shape, dtype=torch.bfloat16)
+    h, w, b = leaves(hidden, weight, bias)
     with torch.no_grad():
         lp, ent = native_linear.linear_logprob(h, w, targets, b, 0.7, -100, False, None)
     assert ent is None and lp.grad_fn is None and not lp.requires_grad

@@ -17,8 +17,6 @@ and, marked ``gpu``, on CUDA for the triton, native and torch backends.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 

@@ -17,13 +17,10 @@ import rl_kernel_core as rk
 from rl_kernel_core import contract
 from rl_kernel_core.dispatch import BackendUnavailableError, explain
 from rl_kernel_core.reference import sampling as ref
+from oracles import SIGMAS, allowed_tokens, random_seeds, row_params
 
-SIGMAS = 6.0  # width of the statistical acceptance bounds, in standard deviations
 
 
-def _random_seeds(n: int) -> torch.Tensor:
-    info = torch.iinfo(torch.int64)
-    return torch.randint(info.min, info.max, (n,), dtype=torch.int64)
 
 
 def _splitmix_uniform(seed: int, position: int, i: int) -> float:
@@ -40,42 +37,8 @@ def _splitmix_uniform(seed: int, position: int, i: int) -> float:
     return ((z >> 41) + 0.5) / 2.0**23
 
 
-def _allowed(logits_row: np.ndarray, t: float, top_k, top_p, min_p) -> tuple[np.ndarray, np.ndarray]:
-    """Independent fp64 spec: (allowed token ids, their renormalised probabilities)."""
-    z = logits_row.astype(np.float64) / t
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    idx = np.arange(p.size)
-    if min_p is not None:
-        idx = idx[p[idx] >= min_p * p.max()]
-    if top_k is not None:
-        kth = np.sort(p[idx])[::-1][min(top_k, idx.size) - 1]
-        idx = idx[p[idx] >= kth]
-    if top_p is not None and top_p < 1.0:
-        q = p[idx] / p[idx].sum()
-        mass, last = 0.0, None
-        for j in np.argsort(-q, kind="stable"):
-            if mass >= top_p:
-                break
-            mass += q[j]
-            last = q[j]
-        idx = idx[q >= last]
-    q = p[idx] / p[idx].sum()
-    return idx, q
 
 
-def _row_params(b: int, kind: str, v: int) -> dict:
-    """Random per-row (tensor) or scalar filter parameters for ``b`` rows."""
-    if kind == "scalars":
-        return {"temperature": 0.8, "top_k": int(torch.randint(2, v, ()).item()), "top_p": 0.7, "min_p": 0.05}
-    params = {"temperature": torch.rand(b) * 1.5 + 0.3}
-    if kind in ("top_k", "all"):
-        params["top_k"] = torch.randint(1, v + 5, (b,))
-    if kind in ("top_p", "all"):
-        params["top_p"] = torch.rand(b) * 0.95 + 0.05
-    if kind in ("min_p", "all"):
-        params["min_p"] = torch.rand(b) * 0.5
-    return params
 
 
 def _row_value(value, i: int):
@@ -86,14 +49,14 @@ def _row_value(value, i: int):
 
 def test_registered_and_dispatched_to_torch(seed):
     logits = torch.randn(3, 11)
-    rk.sample(logits, seeds=_random_seeds(3), backend="torch")
+    rk.sample(logits, seeds=random_seeds(3), backend="torch")
     assert explain("sample").backend == "torch"
     with pytest.raises(BackendUnavailableError, match="sample"):
-        rk.sample(logits, seeds=_random_seeds(3), backend="triton")
+        rk.sample(logits, seeds=random_seeds(3), backend="triton")
 
 
 def test_hash_matches_pure_python_splitmix(seed):
-    seeds = torch.cat([_random_seeds(6), torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
+    seeds = torch.cat([random_seeds(6), torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
     positions = torch.cat([torch.randint(0, 1 << 20, (6,)), torch.tensor([0, -1, 2**63 - 1, 5])])
     u = ref.uniforms(seeds, positions, 37)
     assert u.dtype == torch.float32
@@ -109,7 +72,7 @@ def test_logprobs_are_full_tempered_log_softmax_at_the_token(seed, dtype):
     logits = (torch.randn(b, v) * 3).to(dtype)
     temperature = torch.rand(b) * 1.5 + 0.3
     temperature[::7] = 0.0  # greedy rows: log-prob at temperature 1
-    tokens, logprobs = rk.sample(logits, temperature=temperature, top_k=50, top_p=0.9, min_p=0.01, seeds=_random_seeds(b))
+    tokens, logprobs = rk.sample(logits, temperature=temperature, top_k=50, top_p=0.9, min_p=0.01, seeds=random_seeds(b))
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     t64 = torch.where(temperature == 0, 1.0, temperature).double()
     full = torch.log_softmax(logits.double() / t64[:, None], dim=-1)
@@ -120,14 +83,14 @@ def test_logprobs_are_full_tempered_log_softmax_at_the_token(seed, dtype):
 def test_filters_never_sample_outside_the_allowed_set(seed, kind):
     rows, draws, v = 192, 16, 48
     logits = torch.randn(rows, v) * 2
-    params = _row_params(rows, kind, v)
+    params = row_params(rows, kind, v)
     rep = {k: (x.repeat_interleave(draws) if isinstance(x, torch.Tensor) else x) for k, x in params.items()}
-    tokens, _ = rk.sample(logits.repeat_interleave(draws, dim=0), seeds=_random_seeds(rows * draws), **rep)
+    tokens, _ = rk.sample(logits.repeat_interleave(draws, dim=0), seeds=random_seeds(rows * draws), **rep)
     tokens = tokens.view(rows, draws)
     filtered_rows = 0
     for r in range(rows):
         t = _row_value(params["temperature"], r)
-        allowed, _ = _allowed(logits[r].numpy(), t, _row_value(params.get("top_k"), r), _row_value(params.get("top_p"), r), _row_value(params.get("min_p"), r))
+        allowed, _ = allowed_tokens(logits[r].numpy(), t, _row_value(params.get("top_k"), r), _row_value(params.get("top_p"), r), _row_value(params.get("min_p"), r))
         filtered_rows += allowed.size < v
         drawn = set(tokens[r].tolist())
         assert drawn <= set(allowed.tolist()), f"row {r}: drew {sorted(drawn - set(allowed.tolist()))} outside the allowed set"
@@ -142,7 +105,7 @@ def test_greedy_rows_are_argmax(seed):
     assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[5].item() == 3
     temperature = torch.rand(b) + 0.5
     temperature[::3] = 0.0
-    tokens, _ = rk.sample(logits, temperature=temperature, seeds=_random_seeds(b))
+    tokens, _ = rk.sample(logits, temperature=temperature, seeds=random_seeds(b))
     greedy = temperature == 0
     assert torch.equal(tokens[greedy], logits.argmax(dim=-1)[greedy])
 
@@ -151,8 +114,8 @@ def test_greedy_rows_are_argmax(seed):
 def test_seeded_row_does_not_depend_on_batch_size_or_position(seed, dtype):
     v, small = 2000, 7
     logits = (torch.randn(small, v) * 2).to(dtype)
-    params = _row_params(small, "all", v)
-    seeds = _random_seeds(small)
+    params = row_params(small, "all", v)
+    seeds = random_seeds(small)
     tokens, logprobs = rk.sample(logits, seeds=seeds, **params)
     for r in range(small):  # each row alone (N = 1)
         t1, lp1 = rk.sample(logits[r:r + 1], seeds=seeds[r:r + 1], **{k: x[r:r + 1] for k, x in params.items()})
@@ -161,10 +124,10 @@ def test_seeded_row_does_not_depend_on_batch_size_or_position(seed, dtype):
         pos = torch.randperm(n)[:small]
         big_logits = (torch.randn(n, v) * 2).to(dtype)
         big_logits[pos] = logits
-        big = _row_params(n, "all", v)
+        big = row_params(n, "all", v)
         for k in big:
             big[k][pos] = params[k]
-        big_seeds = _random_seeds(n)
+        big_seeds = random_seeds(n)
         big_seeds[pos] = seeds
         t_big, lp_big = rk.sample(big_logits, seeds=big_seeds, **big)
         assert torch.equal(t_big[pos], tokens), f"tokens changed at N={n}"
@@ -174,7 +137,7 @@ def test_seeded_row_does_not_depend_on_batch_size_or_position(seed, dtype):
 def test_same_seeds_repeat_and_different_seeds_differ(seed):
     b, v = 256, 1000
     logits = torch.randn(b, v)
-    seeds = _random_seeds(b)
+    seeds = random_seeds(b)
     first, lp_first = rk.sample(logits, seeds=seeds)
     again, lp_again = rk.sample(logits, seeds=seeds)
     assert torch.equal(first, again) and torch.equal(lp_first, lp_again)
@@ -204,7 +167,7 @@ def test_draw_frequencies_follow_the_filtered_distribution(seed, params, source)
         tokens, _ = rk.sample(logits, seeds=torch.arange(draws, dtype=torch.int64), **params)
     else:
         tokens, _ = rk.sample(logits, generator=torch.Generator().manual_seed(1234), **params)
-    allowed, q = _allowed(row.numpy(), params.get("temperature", 1.0), params.get("top_k"), params.get("top_p"), params.get("min_p"))
+    allowed, q = allowed_tokens(row.numpy(), params.get("temperature", 1.0), params.get("top_k"), params.get("top_p"), params.get("min_p"))
     counts = torch.bincount(tokens, minlength=v).double().numpy()
     outside = np.setdiff1d(np.nonzero(counts)[0], allowed)
     assert outside.size == 0, f"drew tokens {outside.tolist()} outside the allowed set {allowed.tolist()}"
@@ -219,7 +182,7 @@ def test_draw_frequencies_follow_the_filtered_distribution(seed, params, source)
 def test_scalars_and_per_row_tensors_agree(seed):
     b, v = 40, 300
     logits = torch.randn(b, v)
-    seeds = _random_seeds(b)
+    seeds = random_seeds(b)
     scalar = rk.sample(logits, temperature=0.7, top_k=20, top_p=0.85, min_p=0.02, seeds=seeds)
     per_row = rk.sample(
         logits,
@@ -235,7 +198,7 @@ def test_scalars_and_per_row_tensors_agree(seed):
 def test_positions_key_the_noise(seed):
     b, v = 512, 64
     logits = torch.randn(b, v) * 0.5  # flat: independent draws rarely agree
-    seeds = _random_seeds(b)
+    seeds = random_seeds(b)
     at0, _ = rk.sample(logits, seeds=seeds)
     assert torch.equal(at0, rk.sample(logits, seeds=seeds, positions=0)[0])
     at7, _ = rk.sample(logits, seeds=seeds, positions=7)
@@ -267,7 +230,7 @@ def test_empty_batch_and_strided_logits(seed):
     assert tokens.shape == (0,) and tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     b, v = 33, 200
     storage = torch.randn(v, b)
-    seeds = _random_seeds(b)
+    seeds = random_seeds(b)
     strided = rk.sample(storage.t(), temperature=0.9, top_p=0.9, seeds=seeds)
     dense = rk.sample(storage.t().contiguous(), temperature=0.9, top_p=0.9, seeds=seeds)
     assert torch.equal(strided[0], dense[0]) and torch.equal(strided[1], dense[1])
@@ -336,8 +299,8 @@ def test_bad_input_names_the_argument(seed, case):
 def test_cuda_seeded_draws_match_cpu_and_are_batch_invariant(seed):
     b, v = 64, 5000
     logits = torch.randn(b, v) * 2
-    params = _row_params(b, "all", v)
-    seeds = _random_seeds(b)
+    params = row_params(b, "all", v)
+    seeds = random_seeds(b)
     cpu_tokens, cpu_lp = rk.sample(logits, seeds=seeds, **params)
     cuda = {k: x.cuda() for k, x in params.items()}
     tokens, lp = rk.sample(logits.cuda(), seeds=seeds.cuda(), **cuda)

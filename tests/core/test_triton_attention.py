@@ -15,7 +15,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract, dispatch
-from test_attention import _dense
+from oracles import dense_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
@@ -56,7 +56,7 @@ def test_matches_dense_formula(seed, device, causal, dtype):
     assert dispatch.explain("varlen_attention").backend == "triton"
     assert out.dtype == dtype and lse.dtype == torch.float32
     c = cu.tolist()
-    expected = _dense(q.cpu(), k.cpu(), v.cpu(), c, c, causal)
+    expected = dense_attention(q.cpu(), k.cpu(), v.cpu(), c, c, causal)
     tol = contract.tolerance("attention", dtype)
     torch.testing.assert_close(out.double().cpu(), expected, atol=tol.atol, rtol=tol.rtol)
     _, ref_lse = rk.varlen_attention(q, k, v, cu, causal=causal, return_lse=True, backend="torch")
@@ -89,7 +89,7 @@ def test_gradients_match_dense_formula(seed, device):
     got = torch.autograd.grad((rk.varlen_attention(q, k, v, cu, backend="triton") * w).sum(), (q, k, v))
     leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
     c = cu.tolist()
-    expected = torch.autograd.grad((_dense(*leaves, c, c, True) * w.double().cpu()).sum(), leaves)
+    expected = torch.autograd.grad((dense_attention(*leaves, c, c, True) * w.double().cpu()).sum(), leaves)
     for name, g, e in zip("qkv", got, expected):
         contract.assert_close(g, e, "gradient", torch.float32, name=f"d{name}")
 

@@ -22,6 +22,7 @@ from rl_kernel_core.reference import loss as reference_loss
 from rl_kernel_core import linear_chunks
 from rl_kernel_core.linear_chunks import tuning
 from rl_kernel_core.triton.linear_logprob import linear_logprob as linear_logprob_triton
+from oracles import leaves, linear_oracle, linear_oracle_grads, make_inputs, small_chunks, upstream
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
@@ -31,14 +32,10 @@ CPU_SHAPE = dict(n=37, d=40, v=300)
 GPU_SHAPES = [dict(n=1031, d=896, v=151936), dict(n=257, d=4096, v=128256)]
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request, monkeypatch):
+@pytest.fixture
+def device(triton_device):
     """``cpu`` runs the kernels in the Triton interpreter; ``cuda`` compiles them."""
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    return torch.device(request.param)
+    return triton_device
 
 
 @pytest.fixture(params=ROUTES)
@@ -56,9 +53,6 @@ TILE_VARIANTS = {  # the gemm route's loads and launch: pointer or TMA loads, on
 }
 
 
-def small_chunks(tune, rows: int, vocab: int) -> None:
-    """Make the backward/loss chunk ``rows`` rows so the cases cross chunk boundaries and padding."""
-    tune(chunk_bytes=rows * vocab * 4)
 
 
 def shapes(device, all_gpu_shapes=False):
@@ -68,50 +62,12 @@ def shapes(device, all_gpu_shapes=False):
     return GPU_SHAPES if all_gpu_shapes else GPU_SHAPES[:1]
 
 
-def make_inputs(device, n, d, v, dtype, bias=True, scale=3.0, ignore_frac=0.2):
-    """Random hidden/weight/bias/targets, logit std about ``scale``; some rows at ignore_index.
-
-    Above a logit std of 3 the magnitude is split evenly between hidden and weight (as large
-    logits arise in a real model), not loaded onto one of them.
-    """
-    h_scale = max(1.0, (scale / 3.0) ** 0.5)
-    hidden = (torch.randn(n, d, device=device) * h_scale).to(dtype)
-    weight = (torch.randn(v, d, device=device) * (scale / h_scale / d**0.5)).to(dtype)
-    b = torch.randn(v, device=device).to(dtype) if bias else None
-    targets = torch.randint(0, v, (n,), device=device)
-    drop = torch.rand(n, device=device) < ignore_frac
-    drop[0], drop[1] = True, False
-    targets[drop] = -100
-    return hidden, weight, b, targets
 
 
-def oracle(hidden, weight, bias, targets, temperature):
-    """fp64 log p(target) and entropy of softmax((h W^T + b) / T); ignored rows 0."""
-    logits = hidden.double() @ weight.double().T
-    if bias is not None:
-        logits = logits + bias.double()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    keep = targets != -100
-    lp = logp.gather(-1, torch.where(keep, targets, 0).unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
 
 
-def leaves(*tensors):
-    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
 
 
-def upstream(n, device):
-    """Non-uniform upstream gradient, never zero, mixed signs (what an RL loss sends)."""
-    sign = torch.where(torch.rand(n, device=device) < 0.5, -1.0, 1.0)
-    return ((torch.rand(n, device=device) + 0.5) * sign).double()
-
-
-def oracle_grads(hidden, weight, bias, targets, temperature, g_lp, g_ent):
-    h, w, b = leaves(hidden.double(), weight.double(), None if bias is None else bias.double())
-    lp, ent = oracle(h, w, b, targets, temperature)
-    loss = (lp * g_lp).sum() + (ent * g_ent).sum()
-    return torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None])
 
 
 def run(hidden, weight, bias, targets, temperature, g_lp=None, g_ent=None):
@@ -135,13 +91,13 @@ def test_values_and_gradients_match_fp64(seed, device, route, tune, dtype, tempe
         hidden, weight, bias, targets = make_inputs(device, **shape, dtype=dtype, bias=with_bias)
         g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
         lp, ent, grads = run(hidden, weight, bias, targets, temperature, g_lp, g_ent)
-        ref_lp, ref_ent = oracle(hidden, weight, bias, targets, temperature)
+        ref_lp, ref_ent = linear_oracle(hidden, weight, bias, targets, temperature)
         assert lp.dtype == ent.dtype == torch.float32
         assert_close(lp, ref_lp, "logprob", dtype, f"logprob {shape}")
         assert_close(ent, ref_ent, "logprob", dtype, f"entropy {shape}")
         ignored = targets == -100
         assert torch.all(lp[ignored] == 0) and torch.all(ent[ignored] == 0)
-        want = oracle_grads(hidden, weight, bias, targets, temperature, g_lp, g_ent)
+        want = linear_oracle_grads(hidden, weight, bias, targets, temperature, g_lp, g_ent)
         for name, got, ref in zip(("hidden", "weight", "bias"), grads, want):
             assert got.dtype == dtype
             assert_close(got, ref, "gradient", dtype, f"d{name} {shape}")
@@ -155,8 +111,8 @@ def test_fp16_and_logprob_only_gradient(seed, device):
     h, w, b = leaves(hidden, weight, bias)
     lp = rk.linear_logprob(h, w, targets, bias=b, temperature=0.7, backend="triton")
     grads = torch.autograd.grad((lp * g_lp.float()).sum(), (h, w, b))
-    assert_close(lp, oracle(hidden, weight, bias, targets, 0.7)[0], "logprob", torch.float16, "logprob")
-    want = oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, torch.zeros_like(g_lp))
+    assert_close(lp, linear_oracle(hidden, weight, bias, targets, 0.7)[0], "logprob", torch.float16, "logprob")
+    want = linear_oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, torch.zeros_like(g_lp))
     for name, got, ref in zip(("hidden", "weight", "bias"), grads, want):
         assert_close(got, ref, "gradient", torch.float16, f"d{name}")
 
@@ -173,7 +129,7 @@ def test_extreme_logits(seed, device, route, case):
         weight = (torch.randn(1, d, device=device) * (3.0 / d**0.5)).to(torch.bfloat16).expand(v, d).contiguous()
     g_lp, g_ent = upstream(n, device), upstream(n, device)
     lp, ent, grads = run(hidden, weight, None, targets, 1.0, g_lp, g_ent)
-    ref_lp, ref_ent = oracle(hidden, weight, None, targets, 1.0)
+    ref_lp, ref_ent = linear_oracle(hidden, weight, None, targets, 1.0)
     if case == "large":
         logits = hidden.double() @ weight.double().T
         assert logits.abs().max() > 100
@@ -182,7 +138,7 @@ def test_extreme_logits(seed, device, route, case):
         assert torch.allclose(ref_lp[kept], torch.full_like(ref_lp[kept], -torch.log(torch.tensor(float(v))).item()))
     assert_close(lp, ref_lp, "logprob", torch.bfloat16, "logprob")
     assert_close(ent, ref_ent, "logprob", torch.bfloat16, "entropy")
-    for name, got, ref in zip(("hidden", "weight"), grads, oracle_grads(hidden, weight, None, targets, 1.0, g_lp, g_ent)):
+    for name, got, ref in zip(("hidden", "weight"), grads, linear_oracle_grads(hidden, weight, None, targets, 1.0, g_lp, g_ent)):
         assert_close(got, ref, "gradient", torch.bfloat16, f"d{name}")
 
 
@@ -278,10 +234,10 @@ def test_triton_backend_refuses_what_it_cannot_run():
 
 
 def loss_oracle(hidden, weight, bias, targets, old, adv, mask, ref, rw, temperature, knobs):
-    """fp64: the log-probs and entropies of the oracle fed to the reference loss formula."""
+    """fp64: the log-probs and entropies of the linear_oracle fed to the reference loss formula."""
     h, w, b = leaves(hidden.double(), weight.double(), None if bias is None else bias.double())
     s, t, d = hidden.shape
-    lp, ent = oracle(h.reshape(-1, d), w, b, targets.reshape(-1), temperature)
+    lp, ent = linear_oracle(h.reshape(-1, d), w, b, targets.reshape(-1), temperature)
     scored = targets != -100
     mask = mask & scored if mask.dtype == torch.bool else mask.double() * scored
     settings = LossSettings(**{**knobs, "kl_type": KL_TYPES[knobs["kl_type"]]})
@@ -420,7 +376,7 @@ def test_fp32_weight_gradient_accumulation(seed, device, route, tune):
     lp32, ent32, (dh32, dw32, db32) = run(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
     assert torch.equal(lp32, lp) and torch.equal(ent32, ent) and torch.equal(dh32, dh) and torch.equal(db32, db)
     assert dw32.dtype == torch.bfloat16
-    want = oracle_grads(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    want = linear_oracle_grads(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
     assert_close(dw32, want[1], "gradient", torch.bfloat16, "dweight (fp32 accumulation)")
 
 
@@ -458,7 +414,7 @@ def test_weight_gradient_without_fused_fp32_addmm(seed, monkeypatch, tune):
     g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
     monkeypatch.setitem(linear_chunks._DTYPE_MM_OK, "addmm", False)
     _, _, (dh, dw, db) = run(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
-    want = oracle_grads(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    want = linear_oracle_grads(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
     assert_close(dw, want[1], "gradient", torch.bfloat16, "dweight (row-slice fp32 products)")
 
 

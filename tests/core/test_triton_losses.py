@@ -27,6 +27,9 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss import METRIC_NAMES
+from oracles import (
+    AGG_MODES, KL_TYPE_CASES, advantages_oracle, check_logprob, check_policy_loss, clamp, kl_oracle, logprob_oracle, make_logits, make_tokens, run_policy_loss, upstream,
+)
 
 
 def _interpreter_bound() -> bool:
@@ -39,8 +42,6 @@ def _interpreter_bound() -> bool:
 
 
 DEVICE = "cpu" if _interpreter_bound() else ("cuda" if torch.cuda.is_available() else None)
-AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KL_TYPES = ["k1", "abs", "k2", "k3", "k1+", "abs+", "k3+"]
 
 
 @pytest.fixture(autouse=True)
@@ -64,53 +65,15 @@ def test_cpu_suite_under_interpreter():
     assert passed and int(passed.group(1)) > 0 and (skipped is None or int(skipped.group(1)) <= 1), summary
 
 
-def upstream(shape, device):
-    """A non-uniform upstream gradient, never zero (what an RL loss sends back)."""
-    g = (torch.rand(shape, dtype=torch.float64) + 0.5) * torch.where(torch.rand(shape) < 0.5, -1.0, 1.0).double()
-    return g.to(device)
 
 
 # ============================================================== logprob_from_logits
 
 
-def logprob_oracle(logits, targets, temperature, ignore_index):
-    """fp64 log p(target) and entropy of softmax(logits / T); rows at ignore_index give 0."""
-    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
-    keep = targets != ignore_index
-    lp = logp.gather(-1, torch.where(keep, targets, 0).long().unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
 
 
-def make_logits(n, v, dtype, device, scale=4.0, ignore_frac=0.2):
-    logits = (torch.randn(n, v) * scale).to(dtype).to(device)
-    targets = torch.randint(0, v, (n,))
-    drop = torch.rand(n) < ignore_frac
-    drop[0] = n > 1 and ignore_frac > 0
-    targets[drop] = -100
-    return logits, targets.to(device)
 
 
-def check_logprob(logits, targets, temperature=1.0, with_entropy=True, ignore_index=-100, oracle=logprob_oracle, backend="triton"):
-    """Values and logits-gradient of ``backend`` against the fp64 ``oracle`` (non-uniform upstream)."""
-    x = logits.detach().clone().requires_grad_()
-    out = rk.logprob_from_logits(x, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=with_entropy, backend=backend)
-    lp, ent = out if with_entropy else (out, None)
-    x64 = logits.detach().double().requires_grad_()
-    lp64, ent64 = oracle(x64, targets, temperature, ignore_index)
-    assert lp.dtype == torch.float32 and lp.shape == targets.shape
-    assert_close(lp, lp64, "logprob", logits.dtype, "logprob")
-    g_lp = upstream(lp.shape, lp.device)
-    loss, loss64 = (lp * g_lp.float()).sum(), (lp64 * g_lp).sum()
-    if with_entropy:
-        assert_close(ent, ent64, "logprob", logits.dtype, "entropy")
-        g_ent = upstream(ent.shape, ent.device)
-        loss, loss64 = loss + (ent * g_ent.float()).sum(), loss64 + (ent64 * g_ent).sum()
-    loss.backward()
-    loss64.backward()
-    assert x.grad.dtype == logits.dtype and x.grad.shape == logits.shape
-    assert_close(x.grad, x64.grad, "gradient", logits.dtype, "d logits")
-    return lp, ent, x.grad
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -218,146 +181,24 @@ def test_logprob_triton_refuses_fp64_by_name(seed):
 # ============================================================== ratio_kl / policy_loss oracles (fp64)
 
 
-def clamp(x, lo, hi):
-    return torch.minimum(torch.maximum(x, torch.full_like(x, lo)), torch.full_like(x, hi))
 
 
-def kl_oracle(lp, ref, kl_type):
-    """verl's estimators; a '+' keeps the value and takes k2's gradient."""
-    base = kl_type.rstrip("+")
-    d = lp - ref
-    if base == "k1":
-        kl = d
-    elif base == "abs":
-        kl = d.abs()
-    elif base == "k2":
-        kl = 0.5 * d * d
-    else:
-        x = clamp(-d, -20.0, 20.0)
-        kl = clamp(x.exp() - x - 1, -10.0, 10.0)
-    if kl_type.endswith("+"):
-        k2 = 0.5 * d * d
-        kl = kl.detach() + k2 - k2.detach()
-    return kl
 
 
-def policy_loss_oracle(lp, old, adv, weight, ref, ent, is_w, *, lo, hi, c, kl_type, kl_coef, ent_coef, mode):
-    """fp64 loss and metrics, with the aggregation written as loops over sequences."""
-    keep = weight != 0
-    log_ratio = clamp(lp - old, -20.0, 20.0)
-    r = log_ratio.exp()
-    unclipped, clipped = -adv * r, -adv * clamp(r, 1 - lo, 1 + hi)
-    pg = torch.maximum(unclipped, clipped)
-    clipfrac = (clipped > unclipped).double()
-    lower = torch.zeros_like(pg)
-    if c is not None:
-        lower = ((pg > -adv * c) & (adv < 0)).double()
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * c), pg)
-    if is_w is not None:
-        pg = pg * is_w
-
-    def masked(v):
-        return torch.where(keep, v, 0.0) * weight
-
-    def token_mean(v):
-        total = masked(v).sum()
-        return total / weight.sum() if float(weight.sum()) > 0 else total * 0
-
-    def agg(v):
-        if mode == "token-mean":
-            return token_mean(v)
-        if mode == "token-sum":
-            return masked(v).sum()
-        seqs = []
-        for s in range(v.shape[0]):
-            n = weight[s].sum()
-            if float(n) > 0:
-                seq_sum = (torch.where(keep[s], v[s], 0.0) * weight[s]).sum()
-                seqs.append(seq_sum / n if mode == "seq-mean-token-mean" else seq_sum)
-        out = torch.stack(seqs).mean() if seqs else v.sum() * 0
-        return out / v.shape[1] if mode == "seq-mean-token-sum-norm" else out
-
-    pg_loss, kl_loss = agg(pg), agg(kl_oracle(lp, ref, kl_type))
-    ent_loss = agg(ent) if ent is not None else torch.zeros((), dtype=torch.float64, device=lp.device)
-    loss = pg_loss + kl_coef * kl_loss - ent_coef * ent_loss
-    metrics = {"pg_loss": pg_loss, "pg_clipfrac": token_mean(clipfrac), "pg_clipfrac_lower": token_mean(lower),
-               "ppo_kl": token_mean(-log_ratio), "kl_loss": kl_loss, "entropy": ent_loss}
-    return loss, metrics
 
 
-def make_tokens(shape, device, dtype=torch.float32, spread=0.4, mask_kind="bool"):
-    lp = (torch.rand(shape) * -3 - 0.05)
-    old = lp + torch.randn(shape) * spread
-    ref = lp + torch.randn(shape) * spread * 2
-    flat_old, flat_ref = old.view(-1), ref.view(-1)
-    if flat_old.numel() >= 4:  # across the ±20 log-ratio clamps and k3's +10 clamp
-        flat_old[0], flat_old[1], flat_ref[2], flat_ref[3] = lp.view(-1)[0] + 25, lp.view(-1)[1] - 25, lp.view(-1)[2] + 30, lp.view(-1)[3] + 3
-    adv = torch.randn(shape)
-    if mask_kind == "bool":
-        mask = torch.rand(shape) < 0.8
-    else:
-        mask = torch.rand(shape) * torch.where(torch.rand(shape) < 0.8, 1.0, 0.0)
-    ent = torch.rand(shape) * 3
-    is_w = torch.rand(shape) * 1.5 + 0.25
-    to = lambda t, dt=dtype: t.to(dt).to(device)  # noqa: E731
-    return dict(lp=to(lp), old=to(old), ref=to(ref), adv=to(adv, torch.float32), mask=mask.to(device), ent=to(ent), is_w=to(is_w, torch.float32))
 
 
-LOSS_DEFAULTS = dict(ref=True, ent=True, is_w=True, lo=0.2, hi=0.28, c=3.0, kl_type="k3", kl_coef=0.1, ent_coef=0.01, mode="token-mean")
 
 
-def run_policy_loss(t, backend, g, **kw):
-    """Loss, metrics and the gradients of ``g * loss`` w.r.t. logprob and entropy."""
-    o = {**LOSS_DEFAULTS, **kw}
-    lp = t["lp"].detach().clone().requires_grad_()
-    entropy = t["ent"].detach().clone().requires_grad_() if o["ent"] else None
-    loss, metrics = rk.policy_loss(
-        lp, t["old"], t["adv"], t["mask"], ref_logprob=t["ref"] if o["ref"] else None, clip_ratio_low=o["lo"],
-        clip_ratio_high=o["hi"], clip_ratio_c=o["c"], kl_type=o["kl_type"], kl_coef=o["kl_coef"], entropy=entropy,
-        entropy_coef=o["ent_coef"] if o["ent"] else 0.0, loss_agg_mode=o["mode"],
-        rollout_is_weights=t["is_w"] if o["is_w"] else None, backend=backend,
-    )
-    (loss * g.float()).backward()
-    return loss.detach(), metrics, lp.grad, (entropy.grad if o["ent"] else None)
 
 
-def check_policy_loss(t, backend="triton", **kw):
-    """``backend``'s policy_loss: loss, metrics and gradients against the fp64 oracle and the reference backend."""
-    o = {**LOSS_DEFAULTS, **kw}
-    g = upstream((), t["lp"].device)
-    loss, metrics, g_lp, g_ent = run_policy_loss(t, backend, g, **kw)
-    dt = t["lp"].dtype
-    d = {k: v.detach().double().requires_grad_(k in ("lp", "ent")) for k, v in t.items()}
-    loss64, metrics64 = policy_loss_oracle(
-        d["lp"], d["old"], d["adv"], d["mask"].double(), d["ref"] if o["ref"] else d["old"],
-        d["ent"] if o["ent"] else None, d["is_w"] if o["is_w"] else None, lo=o["lo"], hi=o["hi"], c=o["c"],
-        kl_type=o["kl_type"], kl_coef=o["kl_coef"], ent_coef=o["ent_coef"] if o["ent"] else 0.0, mode=o["mode"],
-    )
-    assert loss.shape == () and loss.dtype == torch.float32
-    assert_close(loss, loss64, "reduction", dt, "loss")
-    assert set(metrics) == set(METRIC_NAMES)
-    for name in METRIC_NAMES:
-        m = metrics[name]
-        assert m.shape == () and m.dtype == torch.float32 and not m.requires_grad and m.device == loss.device, name
-        assert_close(m, metrics64[name], "reduction", dt, name)
-    (loss64 * g).backward()
-    assert g_lp.dtype == dt
-    assert_close(g_lp, d["lp"].grad, "gradient", dt, "d logprob")
-    if o["ent"]:
-        assert g_ent.dtype == dt
-        assert_close(g_ent, d["ent"].grad, "gradient", dt, "d entropy")
-    ref_loss, ref_metrics, ref_g_lp, _ = run_policy_loss(t, "torch", g, **kw)
-    assert_close(loss, ref_loss.double(), "reduction", dt, "loss vs reference")
-    for name in METRIC_NAMES:
-        assert_close(metrics[name], ref_metrics[name].double(), "reduction", dt, f"{name} vs reference")
-    assert_close(g_lp, ref_g_lp.double(), "gradient", dt, "d logprob vs reference")
-    return loss, metrics, g_lp, g_ent
 
 
 # ============================================================== ratio_kl
 
 
-@pytest.mark.parametrize("kl_type", KL_TYPES)
+@pytest.mark.parametrize("kl_type", KL_TYPE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ratio_kl_values_and_gradients(seed, kl_type, dtype):
     t = make_tokens((3, 50), DEVICE, dtype)
@@ -402,11 +243,11 @@ def test_ratio_kl_refuses_gradients_it_does_not_form(seed):
 def test_policy_loss_aggregation_modes_and_dual_clip(seed, mode, dual):
     t = make_tokens((5, 37), DEVICE)
     t["mask"][1] = False  # an empty sequence
-    kl_type = KL_TYPES[(AGG_MODES.index(mode) * 2 + (dual is None)) % len(KL_TYPES)]
+    kl_type = KL_TYPE_CASES[(AGG_MODES.index(mode) * 2 + (dual is None)) % len(KL_TYPE_CASES)]
     check_policy_loss(t, mode=mode, c=dual, kl_type=kl_type)
 
 
-@pytest.mark.parametrize("kl_type", KL_TYPES)
+@pytest.mark.parametrize("kl_type", KL_TYPE_CASES)
 def test_policy_loss_every_kl_type(seed, kl_type):
     check_policy_loss(make_tokens((3, 40), DEVICE), kl_type=kl_type, kl_coef=0.3, mode="seq-mean-token-mean")
 
@@ -466,22 +307,6 @@ def test_policy_loss_refuses_what_it_does_not_serve(seed):
 # ============================================================== group_advantages
 
 
-def advantages_oracle(rewards, groups, estimator, norm_by_std, eps):
-    """Per group, in fp64: mean, unbiased std; a group of one has mean 0 and std 1."""
-    r = rewards.double().cpu()
-    out = torch.empty_like(r)
-    for members in groups:
-        v = r[members]
-        n = len(members)
-        mean = v.mean() if n > 1 else torch.zeros((), dtype=torch.float64)
-        std = v.std() if n > 1 else torch.ones((), dtype=torch.float64)
-        if estimator == "rloo":
-            out[members] = (v - mean) * n / (n - 1) if n > 1 else v
-        elif estimator == "grpo" and norm_by_std:
-            out[members] = (v - mean) / (std + eps)
-        else:
-            out[members] = v - mean
-    return out
 
 
 @pytest.mark.parametrize("estimator,norm_by_std", [("grpo", True), ("grpo", False), ("dr_grpo", True), ("rloo", True)])

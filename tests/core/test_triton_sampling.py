@@ -12,22 +12,22 @@ so the CPU distribution checks use a few hundred draws; the GPU ones use 100k.
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.dispatch import BackendUnavailableError, explain
 from rl_kernel_core.triton import sampling as triton_sampling
+from oracles import CHI_SQUARE_CASES, SAMPLING_GPU_SHAPE, chi_square_check, random_seeds, row_params
 
-from test_sampling import SIGMAS, _allowed, _random_seeds, _row_params
-from test_triton_linear_logprob import device  # noqa: F401  (the cpu-interpreter / cuda fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
-GPU_SHAPE = (128, 151936)
+
+@pytest.fixture
+def device(triton_device):
+    """``cpu`` runs the kernels in the Triton interpreter; ``cuda`` compiles them."""
+    return triton_device
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def interpret(monkeypatch):
 
 
 def _shape(device: torch.device, cpu: tuple[int, int]) -> tuple[int, int]:
-    return cpu if device.type == "cpu" else GPU_SHAPE
+    return cpu if device.type == "cpu" else SAMPLING_GPU_SHAPE
 
 
 def _on(params: dict, device: torch.device) -> dict:
@@ -59,9 +59,9 @@ def _same_tokens_as_reference(logits: torch.Tensor, seeds: torch.Tensor, **param
 def test_tokens_match_the_reference(seed, device, kind, dtype):
     b, v = _shape(device, (12, 300))
     logits = _logits(b, v, dtype, device)
-    params = _on(_row_params(b, kind, v), device)
+    params = _on(row_params(b, kind, v), device)
     params["positions"] = torch.randint(0, 1 << 30, (b,), device=device)
-    tokens, logprobs = _same_tokens_as_reference(logits, _random_seeds(b).to(device), **params)
+    tokens, logprobs = _same_tokens_as_reference(logits, random_seeds(b).to(device), **params)
     assert bool(torch.isfinite(logprobs).all())
 
 
@@ -71,7 +71,7 @@ def test_exact_fallbacks_match_the_reference(seed, interpret, monkeypatch, param
     # mass search over keys; the kernel must still draw the reference's tokens
     monkeypatch.setattr(triton_sampling, "CANDIDATES", 16)
     b, v = 10, 400
-    _same_tokens_as_reference(_logits(b, v, torch.float32, torch.device("cpu")), _random_seeds(b), temperature=1.3, **params)
+    _same_tokens_as_reference(_logits(b, v, torch.float32, torch.device("cpu")), random_seeds(b), temperature=1.3, **params)
 
 
 def test_ties_at_the_thresholds_are_kept(seed, device):
@@ -79,7 +79,7 @@ def test_ties_at_the_thresholds_are_kept(seed, device):
     # few distinct values: the top-k and top-p thresholds fall inside groups of equal logits, and
     # groups larger than the candidate capacity take the exact path
     logits = torch.randint(-3, 3, (b, v), device=device).float()
-    seeds = _random_seeds(b).to(device)
+    seeds = random_seeds(b).to(device)
     for params in ({"top_k": 3}, {"top_p": 0.3}, {"top_k": 10, "top_p": 0.6, "min_p": 0.2}):
         _same_tokens_as_reference(logits, seeds, **params)
 
@@ -88,7 +88,7 @@ def test_ties_at_the_thresholds_are_kept(seed, device):
 def test_logprobs_are_bitwise_logprob_from_logits(seed, device, dtype):
     b, v = _shape(device, (6, 5000))  # V above one 4096 block: the online recurrence runs
     logits = _logits(b, v, dtype, device)
-    seeds = _random_seeds(b).to(device)
+    seeds = random_seeds(b).to(device)
     for temperature in (1.0, 0.7):
         tokens, logprobs = rk.sample(logits, temperature=temperature, top_k=50, top_p=0.9, seeds=seeds, backend="triton")
         expected = rk.logprob_from_logits(logits, tokens, temperature=temperature, backend="triton")
@@ -103,50 +103,33 @@ def test_logprobs_are_bitwise_logprob_from_logits(seed, device, dtype):
         assert torch.equal(logprobs[r:r + 1], expected), f"row {r} at temperature {t}"
 
 
-def _chi_square(row: torch.Tensor, tokens: torch.Tensor, params: dict) -> None:
-    v = row.numel()
-    allowed, q = _allowed(row.double().cpu().numpy(), params.get("temperature", 1.0), params.get("top_k"), params.get("top_p"), params.get("min_p"))
-    counts = torch.bincount(tokens.cpu(), minlength=v).double().numpy()
-    outside = np.setdiff1d(np.nonzero(counts)[0], allowed)
-    assert outside.size == 0, f"drew tokens {outside.tolist()} outside the allowed set {allowed.tolist()}"
-    dof = allowed.size - 1
-    assert dof > 0, "the filters left one token: the test would not test the distribution"
-    expected = q * tokens.numel()
-    chi2 = float(((counts[allowed] - expected) ** 2 / expected).sum())
-    assert chi2 <= dof + SIGMAS * math.sqrt(2 * dof), f"chi-square {chi2:.1f} with {dof} dof: {counts[allowed]} vs {expected.round(1)}"
 
 
-CHI_SQUARE_CASES = [
-    {"temperature": 0.8, "top_k": 4},
-    {"temperature": 1.0, "top_p": 0.7},
-    {"temperature": 1.2, "min_p": 0.15},
-    {"temperature": 0.9, "top_k": 5, "top_p": 0.85, "min_p": 0.05},
-]
 
 
 @pytest.mark.parametrize("params", CHI_SQUARE_CASES, ids=["top_k", "top_p", "min_p", "combined"])
 def test_draw_frequencies_follow_the_filtered_distribution(seed, interpret, params):
     v, draws = 8, 200
     row = torch.randn(v)
-    tokens, _ = rk.sample(row.expand(draws, v), seeds=_random_seeds(draws), backend="triton", **params)
-    _chi_square(row, tokens, params)
+    tokens, _ = rk.sample(row.expand(draws, v), seeds=random_seeds(draws), backend="triton", **params)
+    chi_square_check(row, tokens, params)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("params", CHI_SQUARE_CASES, ids=["top_k", "top_p", "min_p", "combined"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_draw_frequencies_at_full_vocab_on_gpu(seed, params, dtype):
-    v, draws, chunk = GPU_SHAPE[1], 100_000, 2048
+    v, draws, chunk = SAMPLING_GPU_SHAPE[1], 100_000, 2048
     # six leaders holding most of the mass above a bulk of 151930 tokens, so every filter keeps a
     # handful of tokens whose frequencies a chi-square test can resolve
     row = torch.randn(v, device="cuda")
     row[torch.randperm(v, device="cuda")[:6]] = torch.tensor([14.0, 13.7, 13.4, 13.1, 12.8, 12.5], device="cuda")
     row = row.to(dtype)
-    seeds = _random_seeds(draws).cuda()
+    seeds = random_seeds(draws).cuda()
     block = row.expand(chunk, v).contiguous()
     tokens = torch.cat([rk.sample(block[: min(chunk, draws - s)], seeds=seeds[s:s + chunk], **params)[0] for s in range(0, draws, chunk)])
     assert explain("sample").backend == "triton"
-    _chi_square(row.float(), tokens, params)
+    chi_square_check(row.float(), tokens, params)
 
 
 def test_row_does_not_depend_on_batch_size_or_position(seed, device):
@@ -154,8 +137,8 @@ def test_row_does_not_depend_on_batch_size_or_position(seed, device):
     small = 4
     for dtype in (torch.float32, torch.bfloat16):
         logits = _logits(small, v, dtype, device)
-        params = _on(_row_params(small, "all", v), device)
-        seeds = _random_seeds(small).to(device)
+        params = _on(row_params(small, "all", v), device)
+        seeds = random_seeds(small).to(device)
         tokens, logprobs = rk.sample(logits, seeds=seeds, backend="triton", **params)
         for r in range(small):
             t1, lp1 = rk.sample(logits[r:r + 1], seeds=seeds[r:r + 1], backend="triton", **{k: x[r:r + 1] for k, x in params.items()})
@@ -163,10 +146,10 @@ def test_row_does_not_depend_on_batch_size_or_position(seed, device):
         pos = torch.randperm(b)[:small].to(device)
         big_logits = _logits(b, v, dtype, device)
         big_logits[pos] = logits
-        big = _on(_row_params(b, "all", v), device)
+        big = _on(row_params(b, "all", v), device)
         for k in big:
             big[k][pos] = params[k]
-        big_seeds = _random_seeds(b).to(device)
+        big_seeds = random_seeds(b).to(device)
         big_seeds[pos] = seeds
         t_big, lp_big = rk.sample(big_logits, seeds=big_seeds, backend="triton", **big)
         assert torch.equal(t_big[pos], tokens), f"tokens changed at B={b} ({dtype})"
@@ -182,7 +165,7 @@ def test_neg_inf_logits(seed, device):
     logits[0, lone[0]] = 1.0  # one finite token: always drawn, log-prob 0
     logits[1] = float("-inf")
     logits[1, lone[1]] = -3.0
-    seeds = _random_seeds(b).to(device)
+    seeds = random_seeds(b).to(device)
     for params in ({}, {"top_k": 3, "top_p": 0.5, "min_p": 0.1}, {"temperature": 0.0}, {"top_k": v // 2}, {"top_p": 0.95}):
         tokens, logprobs = _same_tokens_as_reference(logits, seeds, **params)
         assert tokens[:2].tolist() == lone, params
@@ -193,7 +176,7 @@ def test_neg_inf_logits(seed, device):
 
 def test_dispatch(seed, device):
     logits = _logits(3, 50, torch.float32, device)
-    seeds = _random_seeds(3).to(device)
+    seeds = random_seeds(3).to(device)
     rk.sample(logits, seeds=seeds, top_k=5, backend="triton")
     assert explain("sample").backend == "triton"
     rk.sample(logits, seeds=seeds, top_k=5)
