@@ -31,8 +31,10 @@ exactly these arguments, already validated):
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -40,7 +42,7 @@ from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.opdef.loss import METRIC_NAMES, LossSettings
 from rl_kernel_core.reference import loss as _reference  # registers the torch backend
 
-__all__ = ["KL_TYPES", "LOSS_AGG_MODES", "METRIC_NAMES", "LossSettings", "fused_linear_policy_loss", "policy_loss", "ratio_kl"]
+__all__ = ["KL_TYPES", "LOSS_AGG_MODES", "METRIC_NAMES", "GlobalBatch", "LossSettings", "fused_linear_policy_loss", "policy_loss", "ratio_kl"]
 
 KL_TYPES: dict[str, str] = {
     "k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3",
@@ -88,6 +90,51 @@ def _check_settings(
         entropy_coef=_checks.non_negative("entropy_coef", entropy_coef),
         loss_agg_mode=_checks.choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES),
     )
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """Global batch quantities that make a micro-batch's aggregate a share of the whole batch's
+    (verl 0.9.1's ``agg_loss`` with ``global_batch_info``), so gradients do not depend on how a
+    mini-batch is split into micro-batches and data-parallel ranks.
+
+    ``dp_size``: data-parallel ranks (>= 1). ``batch_num_tokens``: the global count of loss tokens
+    (a number or 0-d tensor), needed by ``token-mean`` when ``dp_size > 1``. ``global_batch_size``:
+    the global count of sequences, needed by the ``seq-mean-*`` modes when ``dp_size > 1``.
+    ``loss_scale_factor``: ``seq-mean-token-sum-norm`` divides by it instead of T when set.
+    """
+
+    dp_size: int = 1
+    batch_num_tokens: Any = None
+    global_batch_size: Any = None
+    loss_scale_factor: Optional[float] = None
+
+
+def _global_normaliser(mode: str, mask: torch.Tensor, batch: GlobalBatch) -> tuple[str, Any]:
+    """The aggregation mode to compute locally and the factor that turns it into ``batch``'s share."""
+    if isinstance(batch.dp_size, bool) or not isinstance(batch.dp_size, int) or batch.dp_size < 1:
+        raise ValueError(f"global_batch.dp_size must be an int >= 1, got {batch.dp_size!r}")
+    dp_size = batch.dp_size
+    if mode == "token-sum":
+        return "token-sum", dp_size
+    if mode == "token-mean":
+        if batch.batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("global_batch.batch_num_tokens (the global token count) is required for token-mean when dp_size > 1")
+            return "token-mean", 1.0
+        return "token-sum", dp_size / batch.batch_num_tokens
+    factor: Any = 1.0
+    if batch.global_batch_size is not None:
+        local_seqs = ((mask != 0).sum(dim=-1) > 0).sum()
+        factor = local_seqs * dp_size / batch.global_batch_size
+    elif dp_size > 1:
+        raise ValueError(f"global_batch.global_batch_size is required for {mode} when dp_size > 1")
+    if mode == "seq-mean-token-sum-norm" and batch.loss_scale_factor is not None:
+        factor = factor * mask.shape[-1] / batch.loss_scale_factor
+    return mode, factor
+
+
+_AGGREGATE_METRICS = ("pg_loss", "kl_loss", "entropy")
 
 
 def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, required: dict, optional: dict) -> None:
@@ -161,6 +208,7 @@ def policy_loss(
     entropy_coef: float = 0.0,
     loss_agg_mode: str = "token-mean",
     rollout_is_weights: Optional[torch.Tensor] = None,
+    global_batch: Optional[GlobalBatch] = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped policy loss with dual clip, KL and entropy terms (verl's vanilla loss).
@@ -190,6 +238,12 @@ def policy_loss(
         clip_ratio_c: None (no dual clip) or > 1.
         kl_type: see :func:`ratio_kl`. kl_coef, entropy_coef: >= 0; ``entropy_coef`` > 0 needs
             ``entropy``.
+        global_batch: a :class:`GlobalBatch`: the loss and the aggregate metrics (``pg_loss``,
+            ``kl_loss``, ``entropy``) become this micro-batch's share of the global aggregate, as
+            verl computes it (``token-mean``: local masked sum times ``dp_size / batch_num_tokens``;
+            ``token-sum``: times ``dp_size``; ``seq-mean-*``: local aggregate times
+            ``local non-empty sequences * dp_size / global_batch_size``, ``-norm`` divided by
+            ``loss_scale_factor / T`` when set). None: the aggregate over these tensors alone.
         backend: ``"auto"`` or a name from ``dispatch.BACKENDS``.
 
     Returns:
@@ -214,10 +268,20 @@ def policy_loss(
         _as_sequences(t, num_seqs, seq_len)
         for t in (logprob, old_logprob, advantages, mask, old_logprob if ref_logprob is None else ref_logprob, entropy, rollout_is_weights)
     ]
+    factor = None
+    if global_batch is not None:
+        if not isinstance(global_batch, GlobalBatch):
+            raise TypeError(f"global_batch must be a GlobalBatch or None, got {type(global_batch).__name__}")
+        mode, factor = _global_normaliser(settings.loss_agg_mode, args[3], global_batch)
+        settings = dataclasses.replace(settings, loss_agg_mode=mode)
     if logprob.numel() == 0:
-        return _reference.policy_loss(*args, settings)
-    fn = dispatch.select("policy_loss", backend, logprob.device, *args, settings)
-    return fn(*args, settings)
+        loss, metrics = _reference.policy_loss(*args, settings)
+    else:
+        fn = dispatch.select("policy_loss", backend, logprob.device, *args, settings)
+        loss, metrics = fn(*args, settings)
+    if factor is None:
+        return loss, metrics
+    return loss * factor, {name: value * factor if name in _AGGREGATE_METRICS else value for name, value in metrics.items()}
 
 
 def fused_linear_policy_loss(

@@ -11,9 +11,8 @@ verl normalises every aggregate by *global* batch quantities so that gradients d
 how a mini-batch is split into micro-batches and data-parallel ranks: ``token-mean`` divides the
 local masked sum by the global token count ``batch_num_tokens`` and multiplies by ``dp_size``;
 the ``seq-mean-*`` modes divide by ``global_batch_size``; ``seq-mean-token-sum-norm`` divides by
-``loss_scale_factor`` when it is set. ``policy_loss`` aggregates over the tensors it is given, so
-:func:`_normaliser` converts its aggregate to verl's: every term of the loss (policy gradient, KL,
-entropy) is aggregated the same way, so one factor converts the loss and each aggregate metric.
+``loss_scale_factor`` when it is set. ``policy_loss`` applies that normalisation itself when given
+a :class:`rl_kernel_core.loss.GlobalBatch` (the loss and each aggregate metric).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from rl_kernel_core import adapters, policy_loss, profiling
-from rl_kernel_core.loss import KL_TYPES, LOSS_AGG_MODES
+from rl_kernel_core.loss import KL_TYPES, LOSS_AGG_MODES, GlobalBatch
 from rl_kernel_verl import targets
 
 
@@ -39,28 +38,6 @@ def unsupported_reason(config: Any) -> Optional[str]:
     if config.entropy_coeff < 0 or (config.use_kl_loss and config.kl_loss_coef < 0):
         return f"negative coefficient (entropy_coeff={config.entropy_coeff}, kl_loss_coef={config.kl_loss_coef})"
     return None
-
-
-def _normaliser(mode: str, mask: torch.Tensor, info: dict) -> tuple[str, Any]:
-    """The ``loss_agg_mode`` to ask ``policy_loss`` for and the factor that turns its aggregate into verl's."""
-    dp_size = info["dp_size"]
-    if mode == "token-sum":
-        return "token-sum", dp_size
-    if mode == "token-mean":
-        if info["batch_num_tokens"] is None:
-            if dp_size > 1:
-                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-            return "token-mean", 1.0
-        return "token-sum", dp_size / info["batch_num_tokens"]
-    factor: Any = 1.0
-    if info["global_batch_size"] is not None:
-        local_seqs = (mask.sum(dim=-1) > 0).sum()
-        factor = local_seqs * dp_size / info["global_batch_size"]
-    elif dp_size > 1:
-        raise ValueError("global_batch_size is required when dp_size > 1")
-    if mode == "seq-mean-token-sum-norm" and info["loss_scale_factor"] is not None:
-        factor = factor * mask.shape[-1] / info["loss_scale_factor"]
-    return mode, factor
 
 
 def ppo_loss(config: Any, model_output: dict, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict]:
@@ -82,11 +59,14 @@ def ppo_loss(config: Any, model_output: dict, data: Any, dp_group: Any = None) -
     if entropy is not None:
         entropy = no_padding_2_padding(entropy, data)
 
-    info = config.global_batch_info
-    info["dp_size"] = data["dp_size"]
-    info["batch_num_tokens"] = data["batch_num_tokens"]
-    info["global_batch_size"] = data["global_batch_size"]
-    info["loss_scale_factor"] = config.loss_scale_factor
+    config.global_batch_info.update(
+        dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"], global_batch_size=data["global_batch_size"],
+        loss_scale_factor=config.loss_scale_factor,
+    )
+    global_batch = GlobalBatch(
+        dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"], global_batch_size=data["global_batch_size"],
+        loss_scale_factor=config.loss_scale_factor,
+    )
     global_norm = (
         data["dp_size"] > 1 or data["batch_num_tokens"] is not None or data["global_batch_size"] is not None
         or config.loss_scale_factor is not None
@@ -99,7 +79,6 @@ def ppo_loss(config: Any, model_output: dict, data: Any, dp_group: Any = None) -
     mask = batch["response_mask"].to(bool)
     use_kl = bool(config.use_kl_loss)
     clip_ratio = config.clip_ratio
-    mode, factor = _normaliser(config.loss_agg_mode, mask, info)
 
     with profiling.region("loss", log_prob.device):
         loss, m = policy_loss(
@@ -115,20 +94,20 @@ def ppo_loss(config: Any, model_output: dict, data: Any, dp_group: Any = None) -
             kl_coef=config.kl_loss_coef if use_kl else 0.0,
             entropy=entropy,
             entropy_coef=config.entropy_coeff if entropy is not None else 0.0,
-            loss_agg_mode=mode,
+            loss_agg_mode=config.loss_agg_mode,
             rollout_is_weights=batch.get("rollout_is_weights", None),
+            global_batch=global_batch,
         )
-        loss = loss * factor
 
     clipfrac, ppo_kl, clipfrac_lower = torch.stack([m["pg_clipfrac"], m["ppo_kl"], m["pg_clipfrac_lower"]]).tolist()
     metrics = metric_cls.from_dict(
         {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": clipfrac_lower},
         aggregation=aggregation.MEAN,
     )
-    metrics["actor/pg_loss"] = metric_cls(value=m["pg_loss"] * factor, aggregation=metric_aggregation)
+    metrics["actor/pg_loss"] = metric_cls(value=m["pg_loss"], aggregation=metric_aggregation)
     if entropy is not None:
-        metrics["actor/entropy_loss"] = metric_cls(value=m["entropy"] * factor, aggregation=metric_aggregation)
+        metrics["actor/entropy_loss"] = metric_cls(value=m["entropy"], aggregation=metric_aggregation)
     if use_kl:
-        metrics["kl_loss"] = metric_cls(value=m["kl_loss"] * factor, aggregation=metric_aggregation)
+        metrics["kl_loss"] = metric_cls(value=m["kl_loss"], aggregation=metric_aggregation)
         metrics["kl_coef"] = config.kl_loss_coef
     return loss, metrics

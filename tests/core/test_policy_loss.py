@@ -685,3 +685,41 @@ def test_aggregation_weights_are_the_gradient_of_the_aggregate(seed, mode, float
     got = aggregation_weights(mask, mode)
     assert got.dtype == torch.float32
     assert_close(got, want, "reduction", torch.float32, f"aggregation weights, {mode}")
+
+
+def test_global_batch_makes_the_aggregate_a_share_of_the_global_one(seed):
+    """``global_batch``: verl's normalisation by global batch quantities, applied to the loss and the
+    aggregate metrics (pg_loss, kl_loss, entropy); the token-mean metrics stay local."""
+    from rl_kernel_core.loss import GlobalBatch
+
+    x = make_inputs((6, 32), empty_row=True)
+    ent = torch.rand(6, 32) * 2
+    common = dict(ref_logprob=x["old"] + 0.1, kl_coef=0.05, entropy=ent, entropy_coef=0.01)
+
+    def run(mode, **kw):
+        return rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], loss_agg_mode=mode, **common, **kw)
+
+    local_seqs = int((x["mask"].sum(-1) > 0).sum())
+    cases = [
+        ("token-mean", GlobalBatch(dp_size=4, batch_num_tokens=1000), "token-sum", 4 / 1000),
+        ("token-mean", GlobalBatch(), "token-mean", 1.0),
+        ("token-sum", GlobalBatch(dp_size=2), "token-sum", 2.0),
+        ("seq-mean-token-mean", GlobalBatch(dp_size=2, global_batch_size=64), "seq-mean-token-mean", local_seqs * 2 / 64),
+        ("seq-mean-token-sum-norm", GlobalBatch(loss_scale_factor=16.0), "seq-mean-token-sum-norm", 32 / 16),
+    ]
+    for mode, batch, local_mode, factor in cases:
+        loss, metrics = run(mode, global_batch=batch)
+        want_loss, want = run(local_mode)
+        assert_close(loss, want_loss.double() * factor, "reduction", torch.float32, f"loss, {mode}, {batch}")
+        for name in ("pg_loss", "kl_loss", "entropy"):
+            assert_close(metrics[name], want[name].double() * factor, "reduction", torch.float32, f"{name}, {mode}")
+        for name in ("pg_clipfrac", "ppo_kl"):
+            assert_close(metrics[name], want[name].double(), "reduction", torch.float32, f"{name}, {mode}")
+    with pytest.raises(ValueError, match="batch_num_tokens .* is required for token-mean when dp_size > 1"):
+        run("token-mean", global_batch=GlobalBatch(dp_size=2))
+    with pytest.raises(ValueError, match="global_batch_size is required for seq-mean-token-sum when dp_size > 1"):
+        run("seq-mean-token-sum", global_batch=GlobalBatch(dp_size=2))
+    with pytest.raises(ValueError, match="dp_size must be an int >= 1, got 0"):
+        run("token-sum", global_batch=GlobalBatch(dp_size=0))
+    with pytest.raises(TypeError, match="global_batch must be a GlobalBatch or None, got dict"):
+        run("token-sum", global_batch={"dp_size": 2})
