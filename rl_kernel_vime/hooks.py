@@ -257,19 +257,19 @@ def policy_loss_function(
     ref_log_probs = torch.cat(batch["ref_log_probs"], dim=0) if use_kl else None
 
     with timing.region("loss", logits.device):
+        # vime's reducer is a weighted token sum: the weights as a float mask, aggregated by token-sum
         weights = layout.reducer_weights(sum_of_sample_mean, log_probs.numel(), log_probs.device)
-        total_weight = weights.sum()
         loss, m = rk.policy_loss(
             log_probs, old_log_probs, advantages, weights, ref_logprob=ref_log_probs,
             clip_ratio_low=args.eps_clip, clip_ratio_high=args.eps_clip_high, clip_ratio_c=getattr(args, "eps_clip_c", None),
             kl_type=args.kl_loss_type if use_kl else "k1", kl_coef=args.kl_loss_coef if use_kl else 0.0,
-            entropy=entropy, entropy_coef=args.entropy_coef, loss_agg_mode="token-mean",
+            entropy=entropy, entropy_coef=args.entropy_coef, loss_agg_mode="token-sum",
         )
-        loss = loss * total_weight
+        total_weight = weights.sum()  # the token-mean metrics (clip fraction, ppo_kl) as weighted sums too
         metrics = {
             "loss": loss.detach(),
-            "pg_loss": m["pg_loss"] * total_weight,
-            "entropy_loss": m["entropy"] * total_weight,
+            "pg_loss": m["pg_loss"],
+            "entropy_loss": m["entropy"],
             "pg_clipfrac": m["pg_clipfrac"] * total_weight,
             "ppo_kl": m["ppo_kl"] * total_weight,
         }
@@ -279,7 +279,7 @@ def policy_loss_function(
             _, abs_diff = rk.ratio_kl(compared.detach(), torch.cat(rollout, dim=0), kl_type="abs")
             metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean(abs_diff).detach()
         if use_kl:
-            metrics["kl_loss"] = m["kl_loss"] * total_weight
+            metrics["kl_loss"] = m["kl_loss"]
     return loss, metrics
 
 
