@@ -444,3 +444,23 @@ def test_backward_on_another_thread_keeps_the_forward_tuning(seed, device, tune)
             backward()
     for label, a, b in zip(("dhidden", "dweight", "dbias"), *grads):
         assert torch.equal(a, b), label
+
+
+@pytest.mark.gpu
+def test_chunked_route_without_fp32_mm_runs_the_gemm_route(seed, monkeypatch, tune):
+    """A torch whose cuBLAS mm cannot write fp32 logits from 16-bit operands: the chunked route
+    runs the gemm route for every pass, with the gemm route's bits."""
+    from rl_kernel_core import linear_chunks
+
+    device = torch.device("cuda")
+    shape = GPU_SHAPES[0]
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.bfloat16)
+    g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
+    tune(route="gemm")
+    want = run(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    tune(route="chunked")
+    monkeypatch.setitem(linear_chunks._DTYPE_MM_OK, "mm", False)
+    assert linear_chunks.tuning().route_for(hidden) == "gemm"
+    got = run(hidden, weight, bias, targets, 0.9, g_lp, g_ent)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
