@@ -3,10 +3,10 @@
 The row is read in blocks of ``BLOCK`` logits, the tile of ``logprob_from_logits``' forward (4096
 at the serving vocab). The two passes over the logits launch one program per (row, block), so a
 batch of 128 rows fills every SM many times over; the per-row stages between and after them read
-only small per-block summaries. Every per-block value is a function of its block alone and every
-merge runs in block order or takes a max/min, so a row's result depends on nothing but the row.
-Keys: ``key(z)`` is the order-preserving int32 image of an fp32 value. A token is *live* when it
-is finite and survives min-p. Stages, one kernel each:
+only per-block summaries. Every per-block value is a function of its block alone and every merge
+runs in block order, takes a max/min or adds integers, so a row's result depends on nothing but
+the row. Keys: ``key(z)`` is the order-preserving int32 image of an fp32 value. A token is *live*
+when it is finite and survives min-p. Stages, one kernel each:
 
 1. Block scan (``_block_scan_kernel``, per block): for ``z = fp32(logits) * inv_temp``, the block
    max ``M_b`` and the keys of the maxima of ``GROUPS`` strided groups of the block.
@@ -18,24 +18,25 @@ is finite and survives min-p. Stages, one kernel each:
 3. Block gather (``_block_gather_kernel``, per block, with the forward's tile and warps): the block
    term ``E_b = sum exp(z - r_b)`` of the forward's online log-sum-exp, ``r_b`` the running max
    after block ``b``; then, by the row's plan, either the live tokens at or above the cut appended
-   to the row's candidate list as ``key << 32 | index`` (and the block's live mass
-   ``sum exp(z - m)`` for top-p alone), or, for rows without top-k/top-p, the block's best Gumbel
-   score and its lowest index.
+   to the row's candidate list as ``key << 32 | index`` (and, for top-p alone, the block's live
+   mass ``sum exp(z - m)``), or, for rows without top-k/top-p, the block's best Gumbel score and
+   its lowest index.
 4. Finish (``_finish_kernel``, per row): ``lse`` by the forward's recurrence ``s = s * exp(m - r_b)
    + E_b`` in block order, so ``logprob = z[token] - lse`` has the bits of ``logprob_from_logits``.
-   Rows without top-k/top-p take the best block score. Otherwise the candidates (at most
-   ``CANDIDATES``) are sorted by ``(key, index)``, descending; each gets ``n``, the number of
-   strictly larger candidates (the start of its run of equal keys), and ``G``, their fp64 mass
-   (masses ``exp(z - m)``). It survives top-k when ``n < k`` (ties at the k-th survive) and top-p
-   when ``G < top_p * (mass of the top-k survivors, or of all live tokens)``, which is the
-   reference's sorted-prefix rule with ties at its last value kept. Top-p alone is exact there
-   when the candidates hold at least that mass. The draw: ``argmax z_i + g_i`` over the
-   survivors, lowest index among ties.
+   Rows without top-k/top-p take the best block score. Otherwise each of the (at most
+   ``CANDIDATES``) candidates is compared with all the others: ``n``, the number of strictly larger
+   candidates, and ``G``, their mass, with masses ``exp(z - m)`` (fp64) held as integer multiples
+   of ``2**-52`` so that sums do not depend on the order the gather appended them in. A candidate
+   survives top-k when ``n < k`` (ties at the k-th survive) and top-p when ``G < top_p * (mass of
+   the top-k survivors, or of all live tokens)``, which is the reference's sorted-prefix rule with
+   ties at its last value kept. Top-p alone is exact there when the candidates hold at least that
+   mass. The draw: ``argmax z_i + g_i`` over the survivors, lowest index among ties.
 5. Exact path (``_exact_kernel``, per row; only rows the candidates could not settle: more than
    ``CANDIDATES`` of them, from ties at the top-k threshold or ``k`` above the capacity, or a top-p
-   set beyond them): the exact top-k threshold by a search over keys by live count, then the top-p
-   threshold by a search over keys by live mass (each pass tests ``PIVOTS`` evenly spaced keys and
-   the nearest token keys around them), then the draw over the row.
+   set beyond them): the top-k threshold by a search over keys by live count, then the top-p
+   threshold by a search over keys by live mass. A pass over the row measures both at ``PIVOTS``
+   evenly spaced keys and keeps the interval holding the crossing; once it holds at most
+   ``CANDIDATES`` tokens they are gathered and the search ends on them. Then the draw over the row.
 
 The noise ``g_i = -log(-log u_i)`` is fp32, ``u_i`` from the counter-based hash of
 :mod:`rl_kernel_core.reference.sampling` keyed on ``(seed, position, i)``. Greedy rows
@@ -45,7 +46,6 @@ The noise ``g_i = -log(-log u_i)`` is fp32, ``u_i`` from the counter-based hash 
 from __future__ import annotations
 
 import math
-import os
 import struct
 from typing import Optional, Union
 
@@ -60,21 +60,22 @@ from rl_kernel_core.triton.logprob_from_logits import FWD_TILE, _block_v
 CANDIDATES = 1024
 """Most candidates the fast path gathers and ranks per row (a power of two); small vocabularies use
 fewer (:func:`candidates`)."""
-GROUPS = int(os.environ.get("RLK_GROUPS", "32"))
-"""Strided groups per block whose maxima place the candidate cut (at most ``k`` + a few ties over
-ordinary logits: two of the top-k rarely share a group)."""
-_SMALL_CANDIDATES = 128  # candidate lists this short are ranked in a smaller tile
-# TEMPORARY variant switches for the H100 sweep (removed before the final commit)
-_ENV = os.environ.get
-_PAIR_TILE = int(_ENV("RLK_PAIR_TILE", "4096"))  # candidate pairs compared per step
-EXACT_TILE: tuple[int, int, int, int] = tuple(int(x) for x in _ENV("RLK_EXACT_TILE", "256,8,2048,8").split(","))
-"""``(SEARCH_BLOCK, PIVOTS, DRAW_BLOCK, num_warps)`` of the exact path: the threshold searches read
+GROUPS = 32
+"""Strided groups per block whose maxima place the candidate cut: over ordinary logits two of the
+top-k rarely share a group, so the cut keeps little more than ``k`` tokens (and their ties)."""
+GATHER_PART = 512
+"""Logits per step of the gather pass after its whole-block log-sum-exp term (fewer live
+registers, more programs per SM)."""
+RANK_TILE: tuple[int, int, int] = (128, 4096, 8)
+"""``(SMALL, PAIR_TILE, num_warps)`` of the finish: candidate lists of at most ``SMALL`` are ranked
+in a tile of that size, longer ones in one of ``CANDIDATES``; a step compares every candidate with
+``PAIR_TILE / size`` others."""
+EXACT_TILE: tuple[int, int, int, int] = (1024, 8, 2048, 8)
+"""``(SEARCH_BLOCK, PIVOTS, DRAW_BLOCK, num_warps)`` of the exact path: a search pass reads
 ``SEARCH_BLOCK`` logits per step against ``PIVOTS`` keys, the whole-row draw ``DRAW_BLOCK``."""
-_SCAN_WARPS = 4
-_ROW_WARPS = 8
-_GATHER_SUB = int(_ENV("RLK_GATHER_SUB", "512"))
+_SCAN_WARPS = 4  # the scan's programs read one block each: many small programs per SM
+_PLAN_WARPS = 8
 _KEY_MIN = tl.constexpr(-(2**31))
-_KEY_MAX = tl.constexpr(2**31 - 1)
 _PACKED_MIN = tl.constexpr(-(2**63))  # below every packed candidate
 _ABSENT, _SCALAR, _ROWS = 0, 1, 2  # how a parameter reaches the kernel
 _TINY_TOP_P = 1e-300  # below every max probability: the same kept set as any smaller top_p
@@ -187,7 +188,8 @@ def _rank_and_draw(scratch, count, m, k, top_p, has_k, has_p, live_mass, state, 
         okey = (tl.load(scratch + j0 + jj, mask=other, other=_PACKED_MIN) >> 32).to(tl.int32)
         larger = okey[None, :] > ckey[:, None]  # KEY_MIN past the end: below every candidate
         n_above += tl.sum(larger.to(tl.int32), axis=1)
-        mass_above += tl.sum(tl.where(larger, tl.load(scratch + SIZE + j0 + jj, mask=other, other=0)[None, :], 0), axis=1)
+        other_mass = tl.load(scratch + SIZE + j0 + jj, mask=other, other=0)
+        mass_above += tl.sum(tl.where(larger, other_mass[None, :], 0), axis=1)
     # a token survives top-k when fewer than k are larger (ties at the k-th all survive),
     # and top-p when the mass of the larger survivors is below top_p of the survivors' mass
     keep = valid
@@ -498,7 +500,8 @@ def _finish_kernel(logits_ptr, stride_ln, stride_lv, block_max_ptr, block_sum_pt
             live_mass = tl.zeros([], dtype=tl.float64)
             if flags == _SAMPLING + _HAS_P:
                 blocks = tl.arange(0, BLOCKS)
-                live_mass = tl.sum(tl.load(block_mass_ptr + at + blocks, mask=blocks < n_blocks, other=0.0).to(tl.float64), axis=0)
+                block_mass = tl.load(block_mass_ptr + at + blocks, mask=blocks < n_blocks, other=0.0)
+                live_mass = tl.sum(block_mass.to(tl.float64), axis=0)
             scratch = scratch_ptr + row * 2 * CAP
             if count <= SMALL:
                 first, exact = _rank_and_draw(scratch, count, m_row, k, top_p, has_k, has_p, live_mass, state, V, SMALL,
@@ -516,8 +519,9 @@ def _finish_kernel(logits_ptr, stride_ln, stride_lv, block_max_ptr, block_sum_pt
 
 
 @launch_time_jit
-def _exact_kernel(logits_ptr, stride_ln, stride_lv, plan_ptr, status_ptr, scratch_ptr, lse_ptr, tokens_ptr, logprob_ptr, V,
-                  CAP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr, DRAW_BLOCK: tl.constexpr):
+def _exact_kernel(logits_ptr, stride_ln, stride_lv, plan_ptr, status_ptr, scratch_ptr, lse_ptr, tokens_ptr,
+                  logprob_ptr, V, CAP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
+                  DRAW_BLOCK: tl.constexpr):
     """Stage 5 for one row with ``status = 1``: exact thresholds on the whole row, then the draw."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(status_ptr + row) != 0:
@@ -617,16 +621,16 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
         block_f32[0], group_keys, plan, row_i32[0],
         v, n_blocks, n_blocks * groups,
         _mode(temperature), _mode(positions), _mode(top_k), _mode(top_p), _mode(min_p),
-        CAP=cap, BLOCKS=blocks, GROUP_KEYS=triton.next_power_of_2(n_blocks * groups), num_warps=_ROW_WARPS,
+        CAP=cap, BLOCKS=blocks, GROUP_KEYS=triton.next_power_of_2(n_blocks * groups), num_warps=_PLAN_WARPS,
     )
     _block_gather_kernel[(b, n_blocks)](*lv, block_f32[0], plan, block_f32[1], block_f32[2], block_f32[3], block_arg,
                                         row_i32[0], scratch, v, n_blocks,
-                                        BLOCK=block, SUB=min(_GATHER_SUB, block), BLOCKS=blocks, CAP=cap,
+                                        BLOCK=block, SUB=min(GATHER_PART, block), BLOCKS=blocks, CAP=cap,
                                         num_warps=FWD_TILE[1])
+    small, pair_tile, rank_warps = RANK_TILE
     _finish_kernel[(b,)](*lv, block_f32[0], block_f32[1], block_f32[2], block_f32[3], block_arg, plan, row_i32[0],
                          scratch, row_i32[1], lse, tokens, logprobs, v, n_blocks,
-                         CAP=cap, SMALL=min(_SMALL_CANDIDATES, cap), PAIR_TILE=_PAIR_TILE, BLOCKS=blocks,
-                         num_warps=_ROW_WARPS)
+                         CAP=cap, SMALL=min(small, cap), PAIR_TILE=pair_tile, BLOCKS=blocks, num_warps=rank_warps)
     if filtered:
         search_block, pivots, draw_block, warps = EXACT_TILE
         _exact_kernel[(b,)](*lv, plan, row_i32[1], scratch, lse, tokens, logprobs, v,
