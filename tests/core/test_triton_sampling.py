@@ -67,11 +67,25 @@ def test_tokens_match_the_reference(seed, device, kind, dtype):
 
 @pytest.mark.parametrize("params", [{"top_k": 40}, {"top_p": 0.5}, {"top_k": 60, "top_p": 0.8, "min_p": 0.01}], ids=["top_k", "top_p", "all"])
 def test_exact_fallbacks_match_the_reference(seed, interpret, monkeypatch, params):
-    # a capacity of 16 candidates: top-k 40 takes the exact radix threshold over the row, top-p the
-    # mass search over keys; the kernel must still draw the reference's tokens
+    # a capacity of 16 candidates: top-k 40 and top-p over 400 tokens take the exact path (searches
+    # over keys by count and by mass, ending on a gathered band); the kernel must still draw the
+    # reference's tokens
     monkeypatch.setattr(triton_sampling, "CANDIDATES", 16)
     b, v = 10, 400
     _same_tokens_as_reference(_logits(b, v, torch.float32, torch.device("cpu")), random_seeds(b), temperature=1.3, **params)
+
+
+@pytest.mark.parametrize("params", [{"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"top_k": 2000}], ids=["top_k_top_p", "top_p", "top_k_exact"])
+def test_repeated_calls_are_bitwise_equal(seed, device, params):
+    # the gather pass appends candidates in whatever order its programs run; the result must not
+    # depend on it
+    b, v = _shape(device, (5, 3000))
+    logits = _logits(b, v, torch.bfloat16, device)
+    seeds = random_seeds(b).to(device)
+    first = rk.sample(logits, seeds=seeds, backend="triton", **params)
+    for _ in range(3):
+        again = rk.sample(logits, seeds=seeds, backend="triton", **params)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
 def test_ties_at_the_thresholds_are_kept(seed, device):
