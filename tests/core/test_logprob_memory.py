@@ -1,8 +1,10 @@
 """Peak memory of the reference log-prob paths, measured as the peak RSS of a fresh subprocess.
 
 Each case runs in its own interpreter: inputs are built first, then the current RSS is read
-(``/proc/self/statm``), the op runs forward and backward, and ``ru_maxrss`` gives the peak. The
-extra peak is ``ru_maxrss - RSS before``. Memory only, never a timing.
+(``/proc/self/statm``) and the peak RSS is reset to it (``/proc/self/clear_refs``: a peak reached
+while importing or building inputs would otherwise hide the op's own), the op runs forward and
+backward, and ``VmHWM`` (``/proc/self/status``) gives the peak. The extra peak is ``VmHWM - RSS
+before``. Memory only, never a timing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="
 
 _SCRIPT = textwrap.dedent(
     """
-    import json, os, resource, sys
+    import json, os, sys
     import torch
     import rl_kernel_core as rk
     linear_logprob, logprob_from_logits = rk.linear_logprob, rk.logprob_from_logits  # loaded before measuring
@@ -30,6 +32,10 @@ _SCRIPT = textwrap.dedent(
     def rss_bytes():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def peak_rss_bytes():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
     if case in ("reference", "naive"):
         hidden = torch.randn(n, d, requires_grad=True)
@@ -43,17 +49,19 @@ _SCRIPT = textwrap.dedent(
         grad_out = torch.rand(n) + 0.5
         inputs = (logits,)
 
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     before = rss_bytes()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_before = peak_rss_bytes()
     if case == "reference":
         lp = linear_logprob(hidden, weight, targets, backend="torch")
     elif case == "naive":
         lp = torch.log_softmax(hidden @ weight.T, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     else:
         lp = logprob_from_logits(logits, targets, backend="torch")
-    forward_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    forward_peak = peak_rss_bytes()
     (lp * grad_out).sum().backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     assert all(x.grad is not None for x in inputs)
     print(json.dumps({"before": before, "peak_before": peak_before, "forward_extra": forward_peak - before, "extra": peak - before}))
     """
