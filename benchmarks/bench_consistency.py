@@ -17,6 +17,10 @@ forward (8192: 16 x 512; larger batches use shorter sequences, recorded per row)
 median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.bench``); the JSON names the GPU,
 versions, shapes, dtype and command line. Target: mode on <= 1.15x mode off.
 
+``--profile-batches`` (CUDA only) profiles one forward per mode at those batch sizes: the sum of
+its kernels' device time next to the wall-clock median (their gap is host time: launches and Python),
+and the kernels grouped by name, most time first, which says where the mode's extra time goes.
+
 The invariance check runs the same probe sequences (``--check-len`` tokens) alone and inside
 batches of ``--check-sizes`` and compares their log-probs bit for bit: mode on must be bitwise
 equal at every size; mode off's largest difference is reported (the control group).
@@ -74,6 +78,27 @@ def timing_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.devi
     return rows
 
 
+def profile_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.device, timed: list[dict]) -> list[dict]:
+    wall = {r["batch"]: r for r in timed}
+    rows = []
+    for batch in _ints(args.profile_batches):
+        seq = min(args.seq, args.max_tokens // batch)
+        seqs = _sequences(batch, seq, model.config.vocab_size, args.seed, device)
+        row = {"batch": batch, "seq": seq}
+        for mode in ("off", "on"):
+            def forward(mode=mode):
+                with batch_invariant(mode == "on"), torch.no_grad():
+                    return chain.packed_logprobs(model, seqs)
+            device_ms, kernels = bench.kernel_table(forward, args.warmup)
+            row[mode] = {"device_ms": device_ms, "wall_median_ms": wall.get(batch, {}).get(mode, {}).get("median_ms"),
+                         "kernels": kernels[:args.profile_top]}
+            print(f"-- profile batch {batch} mode {mode}: {device_ms:.2f} ms device")
+            for k in kernels[:args.profile_top]:
+                print(f"   {k['ms']:9.3f} ms {k['launches']:5d}x  {k['kernel'][:90]}")
+        rows.append(row)
+    return rows
+
+
 def invariance(model: TinyDecoder, args: argparse.Namespace, device: torch.device) -> dict:
     probes = _sequences(2, args.check_len, model.config.vocab_size, args.seed + 1, device)
     filler = _sequences(max(_ints(args.check_sizes)), args.check_len, model.config.vocab_size, args.seed + 2, device)
@@ -108,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-batches", default="1,16,256", help="batch sizes profiled per kernel (CUDA only; '' for none)")
+    p.add_argument("--profile-top", type=int, default=12, help="kernels kept per profiled forward")
     p.add_argument("--out", default=None, help="directory for bench_consistency.json")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -117,6 +144,7 @@ def main(argv=None) -> int:
     print(f"consistency chain forward, Qwen3-0.6B shapes, {args.layers} layers, {args.dtype} on {device}")
     print(f"{'batch':>6}{'seq':>6}{'tokens':>8}{'off ms':>12}{'on ms':>12}{'on/off':>9}")
     rows = timing_rows(model, args, device)
+    profile = profile_rows(model, args, device, rows) if device.type == "cuda" else []
     check = invariance(model, args, device)
     backends = {op: d.backend for op, d in dispatch.explain().items()}
     print(f"invariance (seq {args.check_len}, sizes {args.check_sizes}): "
@@ -128,7 +156,7 @@ def main(argv=None) -> int:
         "command": bench.command_line(), "environment": bench.environment(device),
         "model": {"layers": args.layers, "of_real_model_layers": 28, **QWEN3_06B}, "dtype": args.dtype,
         "baseline": "mode off: cuBLAS, SDPA, PyTorch reductions", "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
-        "rows": rows, "largest_on_over_off": worst, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
+        "rows": rows, "profile": profile, "largest_on_over_off": worst, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
     }
     if args.out:
         os.makedirs(args.out, exist_ok=True)
