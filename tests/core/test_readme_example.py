@@ -16,3 +16,23 @@ def test_readme_api_example_runs():
     exec(compile(match.group(1), "README.md", "exec"), scope)
     assert torch.isfinite(scope["loss"]) and scope["hidden"].grad is not None
     assert scope["toks"].shape == (8,) and scope["toklp"].dtype == torch.float32
+
+
+def test_readme_coverage_table_matches_dispatch():
+    """Each row of the README's op x backend table says "no" exactly where the backend does not serve the op."""
+    from rl_kernel_core import dispatch
+
+    text = README.read_text(encoding="utf-8")
+    header = "| op | torch | triton | native | flashinfer |"
+    assert header in text, "README lost its op x backend table"
+    backends = [name.strip() for name in header.strip("|").split("|")[1:]]
+    rows = text.split(header, 1)[1].split("\n\n", 1)[0].strip().splitlines()[1:]
+    listed = set()
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        for op in re.findall(r"`(\w+)`", cells[0]):
+            listed.add(op)
+            for backend, cell in zip(backends, cells[1:]):
+                serves = backend == "torch" or op in dispatch.SERVES[backend]
+                assert serves == (cell != "no"), f"README says {backend} {cell!r} for {op}"
+    assert listed == set().union(*dispatch.SERVES.values()), sorted(listed ^ set().union(*dispatch.SERVES.values()))
