@@ -301,6 +301,17 @@ class _LogprobFromLogits(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """fp32 ``[r]`` log-probs of ``tokens [r]`` under ``logits [r, V]`` (fp32/bf16/fp16), row ``i``
+    at temperature ``temperatures[i]``: the scaling and formula of :func:`logprob_from_logits_torch`
+    row by row, so each value has its bits (for that row at that temperature)."""
+    z = logits.to(torch.float32, copy=True)
+    for row, temperature in zip(z, temperatures):
+        _scale(row, temperature)
+    every = torch.ones_like(tokens, dtype=torch.bool)
+    return _finish(_chunk_stats(z, tokens, every, False), every, False)[0]
+
+
 @dispatch.register("logprob_from_logits", "torch")
 def logprob_from_logits_torch(
     logits: torch.Tensor,

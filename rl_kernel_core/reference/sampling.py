@@ -27,8 +27,9 @@ For one row with logits ``l [V]``, temperature ``T``, filters and a 64-bit ``see
    mix64(state + (i + 1) * 0x9E3779B97F4A7C15) + 0.5) / 2**23`` in ``(0, 1)`` (exact in fp32).
    So a row's draw depends on its own logits, parameters, seed and position only, on every
    device (integer math is exact).
-5. ``logprob = log_softmax(x)[token]`` in fp32 over the full vocab before any filter, with
-   ``T = 1`` for greedy rows.
+5. ``logprob`` of the token under the full vocab before any filter, with ``T = 1`` for greedy
+   rows: the bits of ``logprob_from_logits(l, token, temperature=T)`` on this backend (fp32
+   ``l / T``, its max, sum of exponentials and log), row by row.
 
 Every row-wise step runs in fixed-shape row tiles
 (:func:`rl_kernel_core.reference.batch_invariant.row_tiled`), so the tokens and the log-prob bits
@@ -43,6 +44,7 @@ import torch
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.reference.batch_invariant import row_tiled
+from rl_kernel_core.reference.logprob import token_logprobs
 
 
 def _signed(value: int) -> int:
@@ -109,13 +111,12 @@ def _sample_tile(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.T
     greedy = temperature == 0
     inv_temp = torch.where(greedy, 1.0, 1.0 / temperature.to(torch.float64)).to(torch.float32)
     x = logits.to(torch.float32) * inv_temp[:, None]
-    logprobs = torch.log_softmax(x, dim=-1)
     score = x - torch.log(-torch.log(uniforms(seeds, positions, x.shape[1])))
     keep = _keep_mask(x, top_k, top_p, min_p)
     if keep is not None:
         score = score.masked_fill(~keep, float("-inf"))
     tokens = torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, token_logprobs(logits, tokens, torch.where(greedy, 1.0, temperature).tolist())
 
 
 def _as_rows(value, b: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:

@@ -79,6 +79,26 @@ def test_logprobs_are_full_tempered_log_softmax_at_the_token(seed, dtype):
     contract.assert_close(logprobs, full.gather(1, tokens[:, None]).squeeze(1), "logprob", dtype, name="logprobs")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logprobs_are_bitwise_logprob_from_logits(seed, dtype):
+    b, v = 37, 3000
+    logits = (torch.randn(b, v) * 3).to(dtype)
+    logits[4, ::5] = float("-inf")
+    seeds = random_seeds(b)
+    for temperature in (1.0, 0.7, 1.3):
+        tokens, logprobs = rk.sample(logits, temperature=temperature, top_k=50, top_p=0.9, seeds=seeds, backend="torch")
+        expected = rk.logprob_from_logits(logits, tokens, temperature=temperature, backend="torch")
+        assert torch.equal(logprobs, expected), f"temperature {temperature}"
+    # per-row temperatures (greedy rows at temperature 1): each row as logprob_from_logits at its own T
+    temps = torch.rand(b, dtype=torch.float64) + 0.4
+    temps[::3] = 0.0
+    tokens, logprobs = rk.sample(logits, temperature=temps, min_p=0.05, seeds=seeds, backend="torch")
+    for r in range(b):
+        t = float(temps[r]) or 1.0
+        expected = rk.logprob_from_logits(logits[r:r + 1], tokens[r:r + 1], temperature=t, backend="torch")
+        assert torch.equal(logprobs[r:r + 1], expected), f"row {r} at temperature {t}"
+
+
 @pytest.mark.parametrize("kind", ["top_k", "top_p", "min_p", "all", "scalars"])
 def test_filters_never_sample_outside_the_allowed_set(seed, kind):
     rows, draws, v = 192, 16, 48
