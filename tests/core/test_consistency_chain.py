@@ -39,6 +39,8 @@ def _check_invariance(model, seqs, sizes):
         ref = chain.packed_logprobs(model, seqs)
         for n in sizes:
             _assert_all_equal(chain.packed_logprobs(model, seqs[:n]), ref[:n], f"packed batch of {n}")
+            _assert_all_equal(chain.packed_logprobs(model, seqs[-n:]), ref[-n:], f"packed batch of the last {n}")
+        _assert_all_equal(chain.packed_logprobs(model, seqs[::-1]), ref[::-1], "packed batch in reverse order")
         for side in ("left", "right"):
             _assert_all_equal(chain.padded_logprobs(model, seqs, side), ref, f"{side}-padded batch")
         _assert_all_equal(chain.decode_logprobs(model, seqs, prompt_len=4), ref, "KV-cache decode")
@@ -75,6 +77,7 @@ def test_mode_off_drift_on_gpu_is_measured(seed):
                  "decode": chain.max_abs_diff(chain.decode_logprobs(model, seqs[:8], prompt_len=4), ref[:8])}
     print(f"mode off drift on GPU (bf16): {drift}")
     assert all(d == d for d in drift.values())
+    assert max(drift.values()) > 0.0, f"mode off gave bitwise equal log-probs, so the mode-on checks show nothing: {drift}"
 
 
 def _grads(model, seqs, index):
@@ -106,7 +109,8 @@ def test_mode_on_backward_activation_grads_bitwise_weight_grads_within_contract(
 
 def test_mode_off_drift_is_measured(seed):
     """Control group: the same comparisons with the mode off give finite, measured differences
-    within the log-prob contract (bitwise equality is not promised there)."""
+    within the log-prob contract (bitwise equality is not promised there), and some are nonzero,
+    which is what makes the mode-on checks mean something on this machine."""
     model, seqs = _setup(seed, count=4, max_len=20)
     with torch.no_grad():
         ref = chain.packed_logprobs(model, seqs)
@@ -118,6 +122,8 @@ def test_mode_off_drift_is_measured(seed):
     tol = contract.tolerance("logprob", torch.float32)
     for what, d in drift.items():
         assert 0.0 <= d <= tol.atol + tol.rtol * max(float(r.abs().max()) for r in ref), f"{what}: {d}"
+    if max(drift.values()) == 0.0:
+        pytest.skip(f"this machine's CPU kernels gave bitwise equal log-probs with the mode off too: {drift}")
 
 
 def test_max_abs_diff_measures_the_largest_gap(seed):

@@ -118,3 +118,48 @@ def test_hf_model_rollout_equals_training_bitwise_with_mode_on(seed):
     assert torch.equal(alone[0], training[3])
     print(f"mode off: rollout vs training max |diff| {off:.3g}")
     assert off < 1e-3
+
+
+def _cli(monkeypatch, capsys, *extra):
+    from rl_kernel_core import cli
+
+    code = cli.main(["consistency", "--sequences", "3", "--min-len", "6", "--max-len", "10", "--rollout-batch", "2",
+                     "--device", "cpu", *extra])
+    return code, capsys.readouterr().out
+
+
+def test_cli_failure_names_the_first_divergent_module_and_exits_1(monkeypatch, capsys):
+    """A fault that only decode steps see (one token per sequence reaches the layer): mode on is
+    no longer bitwise, the run fails, and the probe names the faulty module."""
+    original = run.load
+
+    def faulty(settings):
+        subject = original(settings)
+        subject.model.layers[1].up_proj.register_forward_hook(
+            lambda m, inputs, out: out + 1e-3 if inputs[0].shape[0] <= settings.rollout_batch else out)
+        return subject
+
+    monkeypatch.setattr(run, "load", faulty)
+    code, out = _cli(monkeypatch, capsys, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["passed"] is False
+    on = report["modes"]["on"]
+    assert not on["bitwise_equal"] and not on["passed"] and on["max_abs_diff"] > 0
+    assert on["first_divergent"]["module"] == "layers.1.up_proj", on["first_divergent"]
+    code, out = _cli(monkeypatch, capsys)
+    assert code == 1 and "first divergent module (on): layers.1.up_proj" in out and out.rstrip().endswith("FAILED")
+
+
+def test_cli_stops_at_an_input_parity_mismatch(monkeypatch, capsys):
+    original = run.Subject.batches
+
+    def shifted(self, seqs):
+        rollout, training = original(self, seqs)
+        training.position_ids[1] += 1
+        return rollout, training
+
+    monkeypatch.setattr(run.Subject, "batches", shifted)
+    code, out = _cli(monkeypatch, capsys, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["passed"] is False and report["modes"] == {}
+    assert report["parity"].startswith("position ids") and "sequence 1" in report["parity"], report["parity"]
