@@ -9,8 +9,9 @@ Configurations (the same weights, sequences and seed):
   sequences at a time (left-padded prompts for a Hugging Face model).
 
 For each mode the report gives the max and mean |log-prob difference| over all compared tokens,
-a KL estimate (the mean of ``exp(d) - d - 1`` with ``d = lp_rollout - lp_training``, the k3
-estimator of KL(rollout || training) on the compared tokens) and the contract bound
+a KL estimate (the mean of ``exp(d) - d - 1`` with ``d = lp_rollout - lp_training``: the k3
+estimator of KL(training || rollout), averaged over the fixed sequences' tokens rather than over
+tokens drawn from the training-side model) and the contract bound
 (``logprob`` class for the model dtype: ``atol + rtol * |lp|`` per token). Mode on passes when
 the two are bitwise equal (the contract's bitwise invariances); mode off passes when it is within
 the bound. Before any comparison, :mod:`~rl_kernel_core.consistency.parity` checks that the two

@@ -12,7 +12,11 @@ read from device memory, and no per-call size is a kernel argument, so every cal
 compiled kernel. Tile sizes are fixed per dtype (:data:`TILES`).
 
 Backward: plain PyTorch per sequence from the forward's log-sum-exp (``P = exp(S - lse)``,
-``dV = P^T dO``, ``dS = P (dP - rowsum(dO O))``), correct to the contract, not batch-invariant.
+``dV = P^T dO``, ``dS = P (dP - rowsum(dO O))``), correct to the contract. Each sequence's
+gradients come from products over that sequence alone, so they do not depend on the other
+sequences of the call (the chain tests assert it through the activation gradients); they do not
+follow the forward's KV-block order, so a sequence's gradients in a padded or decode layout are
+not promised to equal those of the packed one.
 """
 
 from __future__ import annotations
