@@ -253,6 +253,28 @@ def test_mode_routes_matmul_drift_that_exists_outside(seed):
         pytest.skip("this machine's GEMM happened to be batch-invariant for these shapes")
 
 
+@pytest.mark.parametrize("op", ["linear_logprob", "logprob_from_logits", "sample"])
+def test_rl_kernel_ops_give_a_row_the_same_bits_at_any_batch_size_in_the_mode(seed, op):
+    """rl-kernel's own ops on the torch backend in the mode: a row's log-prob (and entropy, and
+    drawn token) is bitwise the same in a call over N rows and over any slice holding it."""
+    n, d, v = 67, 64, 3001
+    hidden = torch.randn(n, d)
+    weight = torch.randn(v, d) * d**-0.5
+    logits = (torch.randn(n, v) * 3).to(torch.bfloat16)
+    targets = torch.randint(0, v, (n,))
+    seeds = torch.randint(-2**62, 2**62, (n,))
+    calls = {
+        "linear_logprob": lambda rows: rk.linear_logprob(hidden[rows], weight, targets[rows], return_entropy=True, backend="torch"),
+        "logprob_from_logits": lambda rows: rk.logprob_from_logits(logits[rows], targets[rows], temperature=0.7, return_entropy=True, backend="torch"),
+        "sample": lambda rows: rk.sample(logits[rows], temperature=0.9, top_k=40, top_p=0.9, seeds=seeds[rows], backend="torch"),
+    }
+    with rk.batch_invariant():
+        full = calls[op](slice(None))
+        for rows in (slice(0, 1), slice(n - 5, n), slice(3, 40)):
+            for whole, part in zip(full, calls[op](rows)):
+                assert torch.equal(whole[rows], part), f"{op}: rows {rows} changed with the batch"
+
+
 def test_routing_table_names_each_op():
     from rl_kernel_core import invariance
 
