@@ -116,6 +116,31 @@ class KVCache:
         return torch.cat(self.keys[layer]), torch.cat(self.values[layer]), offsets
 
 
+class Attention(nn.Module):
+    """Causal GQA attention over each sequence's real tokens: :func:`varlen_attention` while the
+    batch-invariant mode is on, :func:`sdpa_attention` while it is off. A module of its own, so
+    the drift probe can name it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[torch.Tensor], cu: list[int],
+                layer: int, cache: Optional[KVCache]) -> torch.Tensor:
+        """q ``[N, Hq, hd]``, k/v ``[N, Hkv, hd]`` over all N rows (``rows``: the real ones, None:
+        all) -> ``[N, Hq * hd]``, zero on padding rows."""
+        n = q.shape[0]
+        if rows is not None:
+            q, k, v = q[rows], k[rows], v[rows]
+        cu_q = torch.tensor(cu)
+        attend = varlen_attention if is_batch_invariant() else sdpa_attention
+        if cache is None:
+            out = attend(q, k, v, cu_q)
+        else:
+            k_all, v_all, cu_k = cache.append(layer, k, v, cu)
+            out = attend(q, k_all, v_all, cu_q, cu_k)
+        out = out.reshape(out.shape[0], -1)
+        if rows is not None:
+            out = out.new_zeros((n, out.shape[1])).index_copy(0, rows, out)
+        return out
+
+
 class _Layer(nn.Module):
     def __init__(self, c: TinyConfig):
         super().__init__()
@@ -127,6 +152,7 @@ class _Layer(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
+        self.attn = Attention()
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
@@ -139,19 +165,7 @@ class _Layer(nn.Module):
         q = _rope(self.q_norm(self.q_proj(h).view(n, c.num_heads, c.head_dim)), positions, c.rope_theta)
         k = _rope(self.k_norm(self.k_proj(h).view(n, c.num_kv_heads, c.head_dim)), positions, c.rope_theta)
         v = self.v_proj(h).view(n, c.num_kv_heads, c.head_dim)
-        if rows is not None:
-            q, k, v = q[rows], k[rows], v[rows]
-        cu_q = torch.tensor(cu)
-        attend = varlen_attention if is_batch_invariant() else sdpa_attention
-        if cache is None:
-            attn = attend(q, k, v, cu_q)
-        else:
-            k_all, v_all, cu_k = cache.append(layer, k, v, cu)
-            attn = attend(q, k_all, v_all, cu_q, cu_k)
-        attn = attn.reshape(attn.shape[0], -1)
-        if rows is not None:
-            attn = attn.new_zeros((n, attn.shape[1])).index_copy(0, rows, attn)
-        x = x + self.o_proj(attn)
+        x = x + self.o_proj(self.attn(q, k, v, rows, cu, layer, cache))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 

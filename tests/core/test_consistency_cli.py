@@ -83,14 +83,25 @@ def test_probe_names_the_operator_that_diverges(seed):
     assert drifts["layers.0"].output_drift == 0.0 and drifts["lm_head"].output_drift > 0
 
 
-def test_probe_blames_code_between_modules_when_the_input_already_differs(seed, monkeypatch):
+def test_probe_names_attention(seed, monkeypatch):
     from rl_kernel_core.consistency import model as model_module
 
     original = model_module.F.scaled_dot_product_attention
     probe = _probe_with_fault(seed, lambda model: monkeypatch.setattr(
         model_module.F, "scaled_dot_product_attention", lambda *a, **k: original(*a, **k) * 1.01))
     first = probe.first_divergent()
-    assert first["module"] == "layers.0.o_proj" and "not a module" in first["cause"], first
+    assert first["module"] == "layers.0.attn" and first["kind"] == "Attention" and "input matches" in first["cause"], first
+
+
+def test_probe_blames_code_between_modules_when_the_input_already_differs(seed, monkeypatch):
+    from rl_kernel_core.consistency import model as model_module
+
+    original = model_module._rope
+    probe = _probe_with_fault(seed, lambda model: monkeypatch.setattr(
+        model_module, "_rope", lambda *a, **k: original(*a, **k) * 1.01))
+    first = probe.first_divergent()
+    assert first["module"] == "layers.0.attn" and "not a module" in first["cause"], first
+    assert "layers.0.v_proj and layers.0.attn" in first["cause"], first
 
 
 def _tiny_qwen3():
