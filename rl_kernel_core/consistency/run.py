@@ -12,7 +12,9 @@ For each mode the report gives the max and mean |log-prob difference| over all c
 a KL estimate (the mean of ``exp(d) - d - 1`` with ``d = lp_rollout - lp_training``: the k3
 estimator of KL(training || rollout), averaged over the fixed sequences' tokens rather than over
 tokens drawn from the training-side model) and the contract bound
-(``logprob`` class for the model dtype: ``atol + rtol * |lp|`` per token). Mode on passes when
+(``logprob`` class for the model dtype: ``atol + rtol * |lp|`` per token; the KL bound is the
+mean of ``exp(b) - b - 1`` over the per-token bounds ``b``, the largest k3 that tokens within
+their bounds can give). Mode on passes when
 the two are bitwise equal (the contract's bitwise invariances); mode off passes when it is within
 the bound. Before any comparison, :mod:`~rl_kernel_core.consistency.parity` checks that the two
 configurations' batches hold the same tokens, positions and masks. When a mode fails, or a plot
@@ -118,14 +120,17 @@ def _compare(rollout: list[torch.Tensor], training: list[torch.Tensor], dtype: t
     t = torch.cat([x.detach().double().cpu() for x in training])
     d = r - t
     tol = contract.tolerance("logprob", dtype)
-    excess = d.abs() - (tol.atol + tol.rtol * t.abs())
+    bound = tol.atol + tol.rtol * t.abs()
+    excess = d.abs() - bound
+    kl, kl_bound = float((d.exp() - d - 1).mean()), float((bound.exp() - bound - 1).mean())
     return {
         "tokens": int(d.numel()),
         "max_abs_diff": float(d.abs().max()),
         "mean_abs_diff": float(d.abs().mean()),
-        "kl_k3": float((d.exp() - d - 1).mean()),
+        "kl_k3": kl,
+        "kl_k3_bound": kl_bound,
         "bitwise_equal": bool(torch.equal(r, t)),
-        "within_contract": bool((excess <= 0).all()),
+        "within_contract": bool((excess <= 0).all()) and kl <= kl_bound,
         "worst_excess_over_contract": float(excess.max()),
     }
 
@@ -218,10 +223,10 @@ def text(report: dict) -> str:
              f"input parity: {report['parity']}"]
     c = report["contract"]
     lines.append(f"contract: logprob/{c['dtype']} atol={c['atol']} rtol={c['rtol']}; mode on must be bitwise equal")
-    lines.append(f"{'mode':<6}{'tokens':>8}{'max |diff|':>14}{'mean |diff|':>14}{'KL (k3)':>12}{'bitwise':>9}  result")
+    lines.append(f"{'mode':<6}{'tokens':>8}{'max |diff|':>14}{'mean |diff|':>14}{'KL (k3)':>12}{'KL bound':>12}{'bitwise':>9}  result")
     for mode, m in report["modes"].items():
         lines.append(f"{mode:<6}{m['tokens']:>8}{m['max_abs_diff']:>14.3g}{m['mean_abs_diff']:>14.3g}{m['kl_k3']:>12.3g}"
-                     f"{str(m['bitwise_equal']):>9}  {'PASS' if m['passed'] else 'FAIL'}")
+                     f"{m['kl_k3_bound']:>12.3g}{str(m['bitwise_equal']):>9}  {'PASS' if m['passed'] else 'FAIL'}")
         first = m.get("first_divergent")
         if first:
             lines.append(f"  first divergent module ({mode}): {first['module']} ({first['kind']}), output drift "

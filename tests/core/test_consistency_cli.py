@@ -24,7 +24,7 @@ def test_cli_reports_both_modes_as_json_and_plots(tmp_path):
     assert report["parity"] == "ok" and report["passed"] is True
     on, off = report["modes"]["on"], report["modes"]["off"]
     assert on["bitwise_equal"] and on["max_abs_diff"] == 0.0 and on["kl_k3"] == 0.0
-    assert off["within_contract"] and off["max_abs_diff"] >= 0.0
+    assert off["within_contract"] and off["max_abs_diff"] >= 0.0 and 0.0 <= off["kl_k3"] <= off["kl_k3_bound"]
     assert on["layers"][0]["name"] == "embed_tokens" and on["layers"][-1]["name"] == "lm_head"
     assert all(d["output_drift"] == 0.0 for d in on["layers"])
     assert png.stat().st_size > 10_000
@@ -174,3 +174,19 @@ def test_cli_stops_at_an_input_parity_mismatch(monkeypatch, capsys):
     report = json.loads(out)
     assert code == 1 and report["passed"] is False and report["modes"] == {}
     assert report["parity"].startswith("position ids") and "sequence 1" in report["parity"], report["parity"]
+
+
+def test_comparison_against_the_contract():
+    """Per-token differences at the contract bound pass (and their k3 sits at the KL bound); twice
+    the bound fails both."""
+    from rl_kernel_core import contract
+
+    training = [torch.tensor([-0.5, -3.0, -12.0]), torch.tensor([-1.0])]
+    tol = contract.tolerance("logprob", torch.float32)
+    at_bound = [t + 0.999 * (tol.atol + tol.rtol * t.abs()) for t in training]
+    result = run._compare(at_bound, training, torch.float32)
+    assert result["within_contract"] and not result["bitwise_equal"] and result["kl_k3"] <= result["kl_k3_bound"]
+    twice = [t - 2 * (tol.atol + tol.rtol * t.abs()) for t in training]
+    result = run._compare(twice, training, torch.float32)
+    assert not result["within_contract"] and result["kl_k3"] > result["kl_k3_bound"]
+    assert run._compare(training, training, torch.float32)["bitwise_equal"]
