@@ -197,8 +197,25 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parity_only(args: argparse.Namespace) -> int:
+    from rl_kernel_core.consistency import parity
+
+    try:
+        rollout, training = (parity.load(path) for path in args.parity)
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"rl-kernel consistency: error: {exc}", file=sys.stderr)
+        return 2
+    mismatch = parity.check(rollout, training)
+    result = "ok" if mismatch is None else str(mismatch)
+    print(json.dumps({"parity": result}) if args.json else f"input parity: {result}")
+    return 0 if mismatch is None else 1
+
+
 def _consistency(args: argparse.Namespace) -> int:
     from rl_kernel_core.consistency import run
+
+    if args.parity:
+        return _parity_only(args)
 
     settings = run.Settings(
         model=args.model, sequences=args.sequences, min_len=args.min_len, max_len=args.max_len,
@@ -269,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="store_true", help="run the layer-wise drift probe even when both modes pass")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a PNG of drift per module, mode off vs on (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--parity", nargs=2, metavar=("ROLLOUT", "TRAINING"), default=None,
+                   help="only the input parity precheck, of two batches saved by rl_kernel_core.consistency.parity.save "
+                        "(or torch.save of a dict of its fields); exit 1 at the first mismatch")
     p.set_defaults(func=_consistency)
     return parser
 

@@ -11,7 +11,7 @@ and token, or None.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
@@ -118,3 +118,32 @@ def from_sequences(seqs: list[torch.Tensor], side: str, loss_from: list[int], pa
         loss[b, start + loss_from[b]:start + len(s) - 1] = 1
     positions = (mask.cumsum(1) - 1).clamp(min=0) * mask
     return Batch(ids, mask, positions, loss, side, dict(special_tokens or {"pad": pad_id}))
+
+
+_TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "loss_mask")
+
+
+def save(batch: Batch, path: str) -> None:
+    """Write ``batch`` to ``path`` (``torch.save`` of a dict of its fields), for :func:`load`."""
+    torch.save(asdict(batch), path)
+
+
+def load(path: str) -> Batch:
+    """A :class:`Batch` from ``path``: a dict written by ``torch.save`` with the integer tensors
+    ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` (``[B, L]``), the string
+    ``padding_side`` and optionally ``special_tokens`` (``{name: id}``), as one's own rollout or
+    trainer code can write it. Raises ``ValueError`` naming the file and the missing or wrong field."""
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a dict of batch fields, got {type(data).__name__}")
+    for name in _TENSOR_FIELDS:
+        value = data.get(name)
+        if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
+            found = "missing" if value is None else (f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__)
+            raise ValueError(f"{path}: {name} must be an integer tensor [B, L], got {found}")
+    if not isinstance(data.get("padding_side"), str):
+        raise ValueError(f"{path}: padding_side must be 'left' or 'right', got {data.get('padding_side')!r}")
+    special = data.get("special_tokens", {})
+    if not isinstance(special, dict):
+        raise ValueError(f"{path}: special_tokens must be a dict of name -> token id, got {type(special).__name__}")
+    return Batch(*(data[name] for name in _TENSOR_FIELDS), data["padding_side"], dict(special))

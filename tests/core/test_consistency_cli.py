@@ -190,3 +190,22 @@ def test_comparison_against_the_contract():
     result = run._compare(twice, training, torch.float32)
     assert not result["within_contract"] and result["kl_k3"] > result["kl_k3_bound"]
     assert run._compare(training, training, torch.float32)["bitwise_equal"]
+
+
+def test_cli_parity_of_saved_batches(tmp_path, capsys):
+    from rl_kernel_core import cli
+
+    rollout, training = _batches()
+    paths = [str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")]
+    parity.save(rollout, paths[0])
+    parity.save(training, paths[1])
+    assert cli.main(["consistency", "--parity", *paths]) == 0
+    assert capsys.readouterr().out.strip() == "input parity: ok"
+    training.loss_mask[1, 0] = 0
+    parity.save(training, paths[1])
+    assert cli.main(["consistency", "--parity", *paths, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["parity"].startswith("loss mask differs at sequence 1, token 0")
+    torch.save({"input_ids": training.input_ids.float(), "padding_side": "right"}, paths[1])
+    assert cli.main(["consistency", "--parity", *paths]) == 2
+    err = capsys.readouterr().err
+    assert "training.pt: input_ids must be an integer tensor [B, L], got a torch.float32 tensor" in err, err
