@@ -59,16 +59,24 @@ def _sequences(count: int, length: int, vocab: int, seed: int, device: torch.dev
     return [torch.randint(1, vocab, (length,), generator=g).to(device) for _ in range(count)]
 
 
+def forwards(model: TinyDecoder, args: argparse.Namespace, device: torch.device, batch: int) -> tuple[int, dict]:
+    """``(tokens per sequence, {"off"|"on": the timed training-style forward of batch sequences})``."""
+    seq = min(args.seq, args.max_tokens // batch)
+    seqs = _sequences(batch, seq, model.config.vocab_size, args.seed, device)
+
+    def forward(mode: str):
+        with batch_invariant(mode == "on"), torch.no_grad():
+            return chain.packed_logprobs(model, seqs)
+
+    return seq, {mode: (lambda mode=mode: forward(mode)) for mode in ("off", "on")}
+
+
 def timing_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     for batch in _ints(args.batches):
-        seq = min(args.seq, args.max_tokens // batch)
-        seqs = _sequences(batch, seq, model.config.vocab_size, args.seed, device)
+        seq, calls = forwards(model, args, device, batch)
         row = {"batch": batch, "seq": seq, "tokens": batch * seq}
-        for mode in ("off", "on"):
-            def forward(mode=mode):
-                with batch_invariant(mode == "on"), torch.no_grad():
-                    return chain.packed_logprobs(model, seqs)
+        for mode, forward in calls.items():
             row[mode] = {**bench.time_ms(forward, device, warmup=args.warmup, reps=args.reps),
                          "peak_extra_gib": bench.peak_extra_gib(forward, device)}
         row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
@@ -82,13 +90,9 @@ def profile_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.dev
     wall = {r["batch"]: r for r in timed}
     rows = []
     for batch in _ints(args.profile_batches):
-        seq = min(args.seq, args.max_tokens // batch)
-        seqs = _sequences(batch, seq, model.config.vocab_size, args.seed, device)
+        seq, calls = forwards(model, args, device, batch)
         row = {"batch": batch, "seq": seq}
-        for mode in ("off", "on"):
-            def forward(mode=mode):
-                with batch_invariant(mode == "on"), torch.no_grad():
-                    return chain.packed_logprobs(model, seqs)
+        for mode, forward in calls.items():
             device_ms, kernels = bench.kernel_table(forward, args.warmup)
             row[mode] = {"device_ms": device_ms, "wall_median_ms": wall.get(batch, {}).get(mode, {}).get("median_ms"),
                          "kernels": kernels[:args.profile_top]}

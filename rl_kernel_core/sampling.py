@@ -76,7 +76,7 @@ def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: 
             return
         stats = [value.min(), value.max()]
         if smallest_nonzero:
-            stats.append(torch.where(value != 0, value.abs(), float("inf")).min().to(value.dtype))
+            stats.append(torch.where(value != 0, value.abs(), float("inf")).min())
         low, high, *small = torch.stack(stats).to(torch.float64).tolist()
         small = small[0] if small else float("inf")
     else:
