@@ -13,7 +13,7 @@ from typing import Optional, Union
 import torch
 
 from rl_kernel_core import _checks, dispatch
-from rl_kernel_core.invariance import batch_invariant
+from rl_kernel_core.invariance import routing_suspended
 from rl_kernel_core.reference import attention as _reference  # registers the torch backend
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -76,6 +76,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     impl = dispatch.select("varlen_attention", backend, q.device, q, k, v, cu_q, cu_k, causal, scale)
     # Every library call of both backends has a fixed shape already, so routing them through the
     # batch-invariant matmul as well would only cost time.
-    with batch_invariant(False):
+    with routing_suspended():
         out, lse = impl(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, causal, scale)
     return (out, lse) if return_lse else out

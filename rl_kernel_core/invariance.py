@@ -13,19 +13,23 @@ and :func:`is_batch_invariant`. The ``bi_*`` functions and :func:`rms_norm` here
 batch-invariant whether the mode is on or not.
 
 While the mode is on, a model's own PyTorch ops are routed onto them: ``aten`` ``mm``, ``addmm``,
-``bmm``, ``linear``, ``_log_softmax``, ``mean.dim`` and ``_fused_rms_norm`` on floating tensors
-run the batch-invariant implementations (:data:`ROUTED_OPS`). ``F.linear`` and ``torch.matmul``
-decompose into ``mm``/``addmm``/``bmm`` before they reach these, and ``F.rms_norm`` (and the
+``bmm``, ``_log_softmax``, ``mean.dim`` and ``_fused_rms_norm`` on floating tensors run the
+batch-invariant implementations (:data:`ROUTED_OPS`). ``F.linear`` and ``torch.matmul`` decompose
+into ``mm``/``addmm``/``bmm`` before they reach a kernel, and ``F.rms_norm`` (and the
 pow/mean/rsqrt RMSNorm of Hugging Face models) into ``mean.dim`` where no fused kernel serves it, so
-those are covered too. The routing is a ``TorchDispatchMode`` (the Python dispatch key), not a
-kernel registration for the CPU or CUDA keys: the batch-invariant implementations call the very
-library kernels they replace on fixed-shape tiles, which a registration over the ``aten`` kernel
-for that key would recurse into, while a dispatch mode runs its handler with itself switched off.
-It therefore serves every device the implementations serve (CPU and CUDA). It sits below autograd,
-so gradients keep PyTorch's formulas, and the backward's own ``mm``/``bmm`` calls are routed too.
-A dispatch mode lives on a thread's mode stack: the routing applies on the thread that turned the
-mode on (and the autograd engine's work for that thread); turning it off from another thread is an
-error. Nesting and exceptions restore the previous state exactly.
+those are covered too. The routing is a kernel registration (``torch.library``) for the CPU and
+CUDA dispatch keys of each routed op that has a kernel there, made when the mode turns on and
+removed when it turns off, which puts PyTorch's own kernels back. Only the routed ops pay for it:
+every other op dispatches exactly as without the mode (a ``TorchDispatchMode`` would put a Python
+call in front of each of them, which at batch 1 costs more than the forward's GPU time). The
+registered kernel keeps the replaced one (``torch.library.get_kernel``) and calls it for what it
+does not route (integer tensors) and for every routed op issued while a route runs on the same
+thread: the torch backend computes its fixed-shape tiles with the very library kernels it replaces.
+The registration sits below autograd, so gradients keep PyTorch's formulas, and the backward's own
+``mm``/``bmm`` calls are routed too; it serves ``torch.inference_mode`` alike. The mode is
+process-wide, as ``torch.use_deterministic_algorithms`` is: every thread's routed ops follow it
+while it is on. Nesting and exceptions restore the previous state exactly. It needs torch >= 2.9
+(``torch.library.get_kernel``); turning it on with an older torch raises.
 
 Backends: ``triton`` (:mod:`rl_kernel_core.triton.batch_invariant`: a persistent matmul with a
 fixed tile order and no split-K, one-program-per-row reductions) serves CUDA tensors under
@@ -43,53 +47,85 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Iterator, Optional, Sequence, Union
+import warnings
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.reference import batch_invariant as _reference  # registers the torch backend
 
 _enabled: bool = False
+_library: Optional[torch.library.Library] = None  # the routes' registrations while the mode is on
+_lock = threading.Lock()
+_route_running = threading.local()  # .on: a route (or routing_suspended) is running on this thread
+ROUTED_DISPATCH_KEYS: tuple[str, ...] = ("CPU", "CUDA")
+"""The dispatch keys whose kernels the mode replaces (where the op has a kernel for that key)."""
 
 
-class _AtenRouting(TorchDispatchMode):
-    """Routes :data:`ROUTED_OPS` on floating tensors to their batch-invariant implementations."""
+def _routed_kernel(route: Callable, original) -> Callable:
+    """A kernel for one dispatch key: ``route`` for floating tensors, else the replaced kernel."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        route = ROUTED_OPS.get(func)
-        if route is not None and isinstance(args[0], torch.Tensor) and args[0].dtype in _checks.FLOAT_DTYPES:
-            out = route(*args, **kwargs)
+    def kernel(keyset, *args, **kwargs):
+        if not getattr(_route_running, "on", False) and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype in _checks.FLOAT_DTYPES:
+            with routing_suspended():
+                out = route(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        return func(*args, **kwargs)
+        return original.call_boxed(keyset, *args, **kwargs)
+
+    return kernel
 
 
-_routing: Optional[_AtenRouting] = None
-_routing_thread: Optional[int] = None
+def _register_routes() -> torch.library.Library:
+    if not hasattr(torch.library, "get_kernel"):
+        raise RuntimeError(f"batch-invariant mode needs torch>=2.9 (torch.library.get_kernel); this is torch {torch.__version__}")
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # replacing the kernel is the point; PyTorch warns about it once
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            for op, route in ROUTED_OPS.items():
+                for key in ROUTED_DISPATCH_KEYS:
+                    # an op without a kernel for the key (a composite one) decomposes into routed ops above it
+                    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
+                        library.impl(op, _routed_kernel(route, torch.library.get_kernel(op, key)), key, with_keyset=True)
+    except BaseException:
+        library._destroy()
+        raise
+    return library
+
+
+@contextlib.contextmanager
+def routing_suspended() -> Iterator[None]:
+    """Context manager: inside, routed ops issued on this thread run PyTorch's own kernels, while
+    the mode stays on for other threads. For implementations whose library calls have fixed shapes
+    already (``varlen_attention``); every route runs inside it."""
+    previous = getattr(_route_running, "on", False)
+    _route_running.on = True
+    try:
+        yield
+    finally:
+        _route_running.on = previous
 
 
 def set_batch_invariant_mode(enabled: bool) -> bool:
-    """Turn batch-invariant mode on or off; returns the previous setting.
+    """Turn batch-invariant mode on or off (process-wide); returns the previous setting.
 
-    On: rl-kernel's ops and the ``aten`` ops in :data:`ROUTED_OPS` (on this thread) take their
-    batch-invariant paths. Off: every routed op is restored to PyTorch's own kernel.
+    On: rl-kernel's ops and the ``aten`` ops in :data:`ROUTED_OPS` take their batch-invariant
+    paths. Off: every routed op is restored to PyTorch's own kernel.
     """
-    global _enabled, _routing, _routing_thread
+    global _enabled, _library
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    previous = _enabled
-    if enabled and _routing is None:
-        _routing, _routing_thread = _AtenRouting(), threading.get_ident()
-        _routing.__enter__()
-    elif not enabled and _routing is not None:
-        if threading.get_ident() != _routing_thread:
-            raise RuntimeError("batch-invariant mode must be turned off on the thread that turned it on")
-        routing, _routing, _routing_thread = _routing, None, None
-        routing.__exit__(None, None, None)
-    _enabled = enabled
+    with _lock:
+        previous = _enabled
+        if enabled and _library is None:
+            _library = _register_routes()
+        elif not enabled and _library is not None:
+            library, _library = _library, None
+            library._destroy()
+        _enabled = enabled
     return previous
 
 
@@ -308,7 +344,6 @@ ROUTED_OPS = {
     _aten.mm.default: bi_matmul,
     _aten.addmm.default: _route_addmm,
     _aten.bmm.default: _route_bmm,
-    _aten.linear.default: bi_linear,
     _aten._log_softmax.default: _route_log_softmax,
     _aten.mean.dim: _route_mean,
     _aten._fused_rms_norm.default: _route_fused_rms_norm,

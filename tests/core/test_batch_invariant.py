@@ -279,8 +279,7 @@ def test_routing_table_names_each_op():
     from rl_kernel_core import invariance
 
     names = {str(op) for op in invariance.ROUTED_OPS}
-    for op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.linear.default",
-               "aten._log_softmax.default", "aten.mean.dim", "aten._fused_rms_norm.default"):
+    for op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._log_softmax.default", "aten.mean.dim", "aten._fused_rms_norm.default"):
         assert op in names
 
 
@@ -295,21 +294,63 @@ def test_fused_rms_norm_route_matches_torch(seed):
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
 
 
+def _routed_cpu_kernel(op: str) -> bool:
+    """Whether aten ``op``'s CPU kernel is currently the mode's route."""
+    table = torch._C._dispatch_dump_table(op)
+    return any(line.startswith("CPU:") and "invariance.py" in line for line in table.splitlines())
+
+
 def test_routing_is_restored_on_exit_nesting_and_exceptions(seed):
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    base = len(_get_current_dispatch_mode_stack())
+    assert not _routed_cpu_kernel("aten::mm")
     with rk.batch_invariant():
-        assert len(_get_current_dispatch_mode_stack()) == base + 1
+        assert _routed_cpu_kernel("aten::mm") and _routed_cpu_kernel("aten::mean.dim")
         with rk.batch_invariant():
-            assert len(_get_current_dispatch_mode_stack()) == base + 1
+            assert _routed_cpu_kernel("aten::mm")
         with rk.batch_invariant(False):
-            assert len(_get_current_dispatch_mode_stack()) == base
-        assert len(_get_current_dispatch_mode_stack()) == base + 1
-    assert len(_get_current_dispatch_mode_stack()) == base
+            assert not _routed_cpu_kernel("aten::mm")
+        assert _routed_cpu_kernel("aten::mm")
+    assert not _routed_cpu_kernel("aten::mm") and not _routed_cpu_kernel("aten::mean.dim")
     with pytest.raises(ValueError):
         with rk.batch_invariant():
             raise ValueError("inside")
-    assert len(_get_current_dispatch_mode_stack()) == base and not rk.is_batch_invariant()
+    assert not _routed_cpu_kernel("aten::mm") and not rk.is_batch_invariant()
+
+
+def test_mode_touches_no_other_op_and_no_dispatch_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    with rk.batch_invariant():
+        assert not _get_current_dispatch_mode_stack()
+        assert not _routed_cpu_kernel("aten::add.Tensor") and not _routed_cpu_kernel("aten::mul.Tensor")
+
+
+def test_mode_routes_other_threads_and_inference_mode(seed, monkeypatch):
+    import threading
+
+    from rl_kernel_core import invariance
+
+    routed = []
+
+    def recording_route(a, b):
+        routed.append(threading.current_thread().name)
+        return bi_matmul(a, b)
+
+    monkeypatch.setitem(invariance.ROUTED_OPS, torch.ops.aten.mm.default, recording_route)
+    a, b = torch.randn(40, 24), torch.randn(24, 16)
+    results = {}
+
+    def other_thread():
+        with torch.inference_mode():
+            results["mm"] = a @ b
+
+    with rk.batch_invariant():
+        worker = threading.Thread(target=other_thread, name="worker")
+        worker.start()
+        worker.join()
+        with invariance.routing_suspended():
+            results["suspended"] = a @ b
+    assert routed == ["worker"]
+    assert torch.equal(results["mm"], bi_matmul(a, b))
 
 
 def test_mode_keeps_gradients(seed):
