@@ -20,6 +20,8 @@ versions, shapes, dtype and command line. Target: mode on <= 1.15x mode off.
 ``--profile-batches`` (CUDA only) profiles one forward per mode at those batch sizes: the sum of
 its kernels' device time next to the wall-clock median (their gap is host time: launches and Python),
 and the kernels grouped by name, most time first, which says where the mode's extra time goes.
+On CUDA it also times the host side of one routed product (``routed_matmul_host``): microseconds
+per ``x @ w.T`` as issued with the mode off and on, and the Triton launch alone.
 
 The invariance check runs the same probe sequences (``--check-len`` tokens) alone and inside
 batches of ``--check-sizes`` and compares their log-probs bit for bit: mode on must be bitwise
@@ -37,6 +39,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -103,6 +106,35 @@ def profile_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.dev
     return rows
 
 
+def routed_matmul_host_us(args: argparse.Namespace, device: torch.device) -> dict:
+    """Host microseconds per call of one ``[512, D] @ [D, D]`` product: as the model issues it with
+    the mode off (cuBLAS) and on (the route, all of it), and the route's Triton launch alone."""
+    from rl_kernel_core.triton.batch_invariant import matmul_forward
+
+    d = QWEN3_06B["hidden_size"]
+    a = torch.randn(512, d, device=device, dtype=DTYPES[args.dtype])
+    w = torch.randn(d, d, device=device, dtype=DTYPES[args.dtype])
+    calls = 200
+
+    def per_call(fn) -> float:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize(device)
+        return host
+
+    with torch.no_grad():
+        out = {"mode_off": per_call(lambda: a @ w.T)}
+        with batch_invariant():
+            out["mode_on_routed"] = per_call(lambda: a @ w.T)
+        out["triton_launch_alone"] = per_call(lambda: matmul_forward(a, w, None))
+    return {"shape": [512, d, d], "calls": calls, "host_us_per_call": out}
+
+
 def invariance(model: TinyDecoder, args: argparse.Namespace, device: torch.device) -> dict:
     probes = _sequences(2, args.check_len, model.config.vocab_size, args.seed + 1, device)
     filler = _sequences(max(_ints(args.check_sizes)), args.check_len, model.config.vocab_size, args.seed + 2, device)
@@ -149,6 +181,9 @@ def main(argv=None) -> int:
     print(f"{'batch':>6}{'seq':>6}{'tokens':>8}{'off ms':>12}{'on ms':>12}{'on/off':>9}")
     rows = timing_rows(model, args, device)
     profile = profile_rows(model, args, device, rows) if device.type == "cuda" else []
+    host = routed_matmul_host_us(args, device) if device.type == "cuda" else None
+    if host:
+        print("host us per matmul call: " + ", ".join(f"{k} {v:.1f}" for k, v in host["host_us_per_call"].items()))
     check = invariance(model, args, device)
     backends = {op: d.backend for op, d in dispatch.explain().items()}
     print(f"invariance (seq {args.check_len}, sizes {args.check_sizes}): "
@@ -160,7 +195,7 @@ def main(argv=None) -> int:
         "command": bench.command_line(), "environment": bench.environment(device),
         "model": {"layers": args.layers, "of_real_model_layers": 28, **QWEN3_06B}, "dtype": args.dtype,
         "baseline": "mode off: cuBLAS, SDPA, PyTorch reductions", "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
-        "rows": rows, "profile": profile, "largest_on_over_off": worst, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
+        "rows": rows, "profile": profile, "routed_matmul_host": host, "largest_on_over_off": worst, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
     }
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -69,8 +69,13 @@ def _routed_kernel(route: Callable, original) -> Callable:
     def kernel(keyset, *args, **kwargs):
         if not getattr(_route_running, "on", False) and isinstance(args[0], torch.Tensor) \
                 and args[0].dtype in _checks.FLOAT_DTYPES:
-            with routing_suspended():
-                out = route(*args, **kwargs)
+            _route_running.on = True
+            try:
+                # below autograd (the op's own formula differentiates it): no graph to build in here
+                with torch.no_grad():
+                    out = route(*args, **kwargs)
+            finally:
+                _route_running.on = False
             if out is not NotImplemented:
                 return out
         return original.call_boxed(keyset, *args, **kwargs)

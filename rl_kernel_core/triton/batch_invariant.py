@@ -21,6 +21,7 @@ reductions' gradients are plain PyTorch, correct but not batch-invariant.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -74,10 +75,13 @@ def _persistent_matmul_kernel(
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _n_programs(tiles: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(tiles, 4)
+    return min(tiles, _sm_count(device) if device.type == "cuda" else 4)
 
 
 def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -87,18 +91,19 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    if interpreting():
+    interpreted = interpreting()
+    if interpreted:
         bm, bn, bk = _INTERPRETED_TILES
-        warps, stages = 4, 1
+        extra = {}
     else:
         bm, bn, bk, warps, stages = MATMUL_TILES[a.dtype]
+        extra = {"num_warps": warps, "num_stages": stages}
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     progs = _n_programs(tiles, a.device)
-    extra = {} if interpreting() else {"num_warps": warps, "num_stages": stages}
     _persistent_matmul_kernel[(progs,)](
         a, b_t, bias if bias is not None else a, out, m, n, k,
         a.stride(0), a.stride(1), b_t.stride(1), b_t.stride(0), out.stride(0), out.stride(1),
-        progs, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or interpreting(), UPCAST_DOT=interpreting(),
+        progs, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=_GROUP_M, **extra,
     )
     return out
