@@ -69,12 +69,14 @@ def _routed_kernel(route: Callable, original) -> Callable:
     def kernel(keyset, *args, **kwargs):
         if not getattr(_route_running, "on", False) and isinstance(args[0], torch.Tensor) \
                 and args[0].dtype in _checks.FLOAT_DTYPES:
+            # below autograd (the op's own formula differentiates it): no graph to build in here
+            grad_enabled = torch.is_grad_enabled()
             _route_running.on = True
+            torch._C._set_grad_enabled(False)
             try:
-                # below autograd (the op's own formula differentiates it): no graph to build in here
-                with torch.no_grad():
-                    out = route(*args, **kwargs)
+                out = route(*args, **kwargs)
             finally:
+                torch._C._set_grad_enabled(grad_enabled)
                 _route_running.on = False
             if out is not NotImplemented:
                 return out

@@ -270,4 +270,4 @@ def test_dispatch_on_gpu(seed, on_gpu, monkeypatch):
     monkeypatch.setenv("RL_KERNEL_BACKEND", "flashinfer")
     rk.sample(logits, top_k=5)
     assert explain("sample").backend == "flashinfer"
-    assert dispatch.backend_report()["flashinfer"] == "available"
+    assert dispatch.backend_report()["flashinfer"].startswith("installed")
