@@ -353,6 +353,13 @@ def test_mode_routes_other_threads_and_inference_mode(seed, monkeypatch):
     assert torch.equal(results["mm"], bi_matmul(a, b))
 
 
+def test_mode_refuses_a_torch_without_get_kernel(monkeypatch):
+    monkeypatch.delattr(torch.library, "get_kernel")
+    with pytest.raises(RuntimeError, match=r"needs torch>=2\.9"):
+        rk.set_batch_invariant_mode(True)
+    assert not rk.is_batch_invariant() and not _routed_cpu_kernel("aten::mm")
+
+
 def test_mode_keeps_gradients(seed):
     x = torch.randn(5, 40, requires_grad=True)
     w = torch.randn(30, 40, requires_grad=True)
