@@ -36,8 +36,6 @@ script, not a measurement).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -198,9 +196,7 @@ def main(argv=None) -> int:
         "rows": rows, "profile": profile, "routed_matmul_host": host, "largest_on_over_off": worst, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
     }
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_consistency.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        bench.write_json(args.out, "bench_consistency.json", result)
     return 0
 
 

@@ -14,8 +14,6 @@ plus the LM head once), as ``bench_consistency.py`` runs them.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Optional
 
@@ -95,9 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "shapes_k_n": shapes, "weights": weights, "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
               "rows": rows_out}
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "sweep_bi_matmul_tiles.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        bench.write_json(args.out, "sweep_bi_matmul_tiles.json", result)
     return 0
 
 

@@ -8,6 +8,7 @@ allocated before it (CUDA allocator statistics), i.e. extra memory over the inpu
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -53,6 +54,15 @@ def environment(device: torch.device) -> dict[str, Any]:
         info["sm_count"] = props.multi_processor_count
         info["capability"] = f"{props.major}.{props.minor}"
     return info
+
+
+def write_json(directory: str, name: str, result: dict) -> str:
+    """Write ``result`` as indented JSON to ``directory/name`` (creating the directory); return the path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    return path
 
 
 def free_memory_bytes(device: torch.device) -> int:
