@@ -17,6 +17,11 @@ forward (8192: 16 x 512; larger batches use shorter sequences, recorded per row)
 median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.bench``); the JSON names the GPU,
 versions, shapes, dtype and command line. Target: mode on <= 1.15x mode off.
 
+``--graph-batches`` (CUDA only) also times each mode's forward captured as a CUDA graph and
+replayed: the device's work alone, as an engine that captures its forward (vLLM's decode) runs it.
+Both timings are reported; the launched one includes the host's work, which the mode adds to (a
+Python call and a Triton launch per routed op).
+
 ``--profile-batches`` (CUDA only) profiles one forward per mode at those batch sizes: the sum of
 its kernels' device time next to the wall-clock median (their gap is host time: launches and Python),
 and the kernels grouped by name, most time first, which says where the mode's extra time goes.
@@ -83,6 +88,47 @@ def timing_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.devi
         row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
         rows.append(row)
         print(f"{batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
+              f"{row['on_over_off']:>9.3f}", flush=True)
+    return rows
+
+
+def _captured_forward(model: TinyDecoder, inputs: tuple, mode: str) -> tuple["torch.cuda.CUDAGraph", torch.Tensor, bool]:
+    """The training-style forward of ``inputs`` (``chain.packed_inputs``) captured as a CUDA graph
+    with the mode ``mode``, after two warm-up calls on a side stream (Triton compiles, and
+    ``varlen_attention`` copies this layout's tables to the device, outside the capture). Returns
+    the graph, its output tensor and whether one replay gives the eager call's bits."""
+    ids, positions, targets, cu = inputs
+    forward = lambda: chain.selected_logprobs(model.lm_head(model(ids, positions, cu)), targets)  # noqa: E731
+    graph = torch.cuda.CUDAGraph()
+    with batch_invariant(mode == "on"), torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                eager = forward()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = forward()
+    graph.replay()
+    return graph, out, torch.equal(out, eager)
+
+
+def graph_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """The same forwards replayed as CUDA graphs: device work only, no Python or launch cost (what
+    an engine that captures its forward, as vLLM does for decoding, pays)."""
+    rows = []
+    for batch in _ints(args.graph_batches):
+        seq = min(args.seq, args.max_tokens // batch)
+        inputs = chain.packed_inputs(_sequences(batch, seq, model.config.vocab_size, args.seed, device))
+        row = {"batch": batch, "seq": seq, "tokens": batch * seq}
+        for mode in ("off", "on"):
+            graph, out, same_bits = _captured_forward(model, inputs, mode)
+            row[mode] = {**bench.time_ms(graph.replay, device, warmup=args.warmup, reps=args.reps), "replay_equals_eager": same_bits}
+            del graph, out
+            torch.cuda.empty_cache()
+        row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
+        rows.append(row)
+        print(f"graph {batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
               f"{row['on_over_off']:>9.3f}", flush=True)
     return rows
 
@@ -167,6 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--graph-batches", default="1,2,4,8,16,32,64,128,256", help="batch sizes also timed as CUDA graphs (CUDA only; '' for none)")
     p.add_argument("--profile-batches", default="1,16,256", help="batch sizes profiled per kernel (CUDA only; '' for none)")
     p.add_argument("--profile-top", type=int, default=12, help="kernels kept per profiled forward")
     p.add_argument("--out", default=None, help="directory for bench_consistency.json")
@@ -178,6 +225,7 @@ def main(argv=None) -> int:
     print(f"consistency chain forward, Qwen3-0.6B shapes, {args.layers} layers, {args.dtype} on {device}")
     print(f"{'batch':>6}{'seq':>6}{'tokens':>8}{'off ms':>12}{'on ms':>12}{'on/off':>9}")
     rows = timing_rows(model, args, device)
+    graphs = graph_rows(model, args, device) if device.type == "cuda" else []
     profile = profile_rows(model, args, device, rows) if device.type == "cuda" else []
     host = routed_matmul_host_us(args, device) if device.type == "cuda" else None
     if host:
@@ -187,13 +235,16 @@ def main(argv=None) -> int:
     print(f"invariance (seq {args.check_len}, sizes {args.check_sizes}): "
           f"on bitwise={check['on']['bitwise_equal_at_every_size']}, off max |diff|={check['off']['max_abs_logprob_diff']:.3g}")
     worst = max(r["on_over_off"] for r in rows)
-    print(f"largest on/off ratio: {worst:.3f} (target <= 1.15); backends in the mode: {backends}")
+    worst_graph = max((r["on_over_off"] for r in graphs), default=None)
+    print(f"largest on/off ratio: {worst:.3f} launched from Python, "
+          f"{'n/a' if worst_graph is None else f'{worst_graph:.3f}'} as CUDA graphs (target <= 1.15); backends in the mode: {backends}")
     result = {
         "benchmark": "consistency chain forward, batch-invariant mode on vs off",
         "command": bench.command_line(), "environment": bench.environment(device),
         "model": {"layers": args.layers, "of_real_model_layers": 28, **QWEN3_06B}, "dtype": args.dtype,
         "baseline": "mode off: cuBLAS, SDPA, PyTorch reductions", "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
-        "rows": rows, "profile": profile, "routed_matmul_host": host, "largest_on_over_off": worst, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
+        "rows": rows, "graph_rows": graphs, "profile": profile, "routed_matmul_host": host, "largest_on_over_off": worst,
+        "largest_on_over_off_graph": worst_graph, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
     }
     if args.out:
         bench.write_json(args.out, "bench_consistency.json", result)

@@ -43,14 +43,23 @@ def _forward(model: TinyDecoder, probe: Optional[DriftProbe], keys: list, *args,
     return model(*args, **kwargs)
 
 
-def packed_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], probe: Optional[DriftProbe] = None) -> list[torch.Tensor]:
-    """One forward over the sequences packed back to back (``cu_seqlens`` layout)."""
+def packed_inputs(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The packed layout of ``seqs`` (1-D token ids on one device): ``(ids [T], positions [T],
+    targets [T], cu_seqlens)``; a token's target is the next token of its sequence, ``IGNORE`` at
+    each sequence's end. Built without waiting for the device."""
     lengths = [len(s) for s in seqs]
     cu = _offsets(lengths)
     ids = torch.cat(list(seqs))
     positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
-    targets = torch.cat([torch.cat([s[1:], s.new_tensor([IGNORE])]) for s in seqs])
-    keys = [(b, t) for b, n in enumerate(lengths) for t in range(n)]
+    ends = torch.tensor([end - 1 for end in cu[1:]]).to(ids.device, non_blocking=True)
+    targets = ids.roll(-1).index_fill_(0, ends, IGNORE)
+    return ids, positions, targets, cu
+
+
+def packed_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], probe: Optional[DriftProbe] = None) -> list[torch.Tensor]:
+    """One forward over the sequences packed back to back (``cu_seqlens`` layout)."""
+    ids, positions, targets, cu = packed_inputs(seqs)
+    keys = [(b, t) for b in range(len(seqs)) for t in range(cu[b + 1] - cu[b])]
     lp = _selected(model, _forward(model, probe, keys, ids, positions, cu), targets)
     return [lp[cu[b]:cu[b + 1] - 1] for b in range(len(seqs))]
 

@@ -8,8 +8,8 @@ in the same order whether it is computed in a full prefill or alone in a decode 
 cache. A block that is entirely masked for a query (past its causal end, visited for the tile's
 later rows) leaves its state bit for bit unchanged (rescale ``exp(0) = 1``, probabilities exactly
 0). The tile table (which sequence and first query each tile holds) and the sequence offsets are
-read from device memory, and no per-call size is a kernel argument, so every call runs the same
-compiled kernel. Tile sizes are fixed per dtype (:data:`TILES`).
+read from device memory (copied once per layout, see :func:`_tables`), and no per-call size is a
+kernel argument, so every call runs the same compiled kernel. Tile sizes are fixed per dtype (:data:`TILES`).
 
 Backward: plain PyTorch per sequence from the forward's log-sum-exp (``P = exp(S - lse)``,
 ``dV = P^T dO``, ``dS = P (dP - rowsum(dO O))``), correct to the contract. Each sequence's
@@ -21,6 +21,7 @@ not promised to equal those of the packed one.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -107,24 +108,41 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + (q0 + rows).to(tl.int64) * HQ + head, m + tl.log(l), mask=row_ok)
 
 
-def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
-    tq, hq, d = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
-    bm, bn = _INTERPRETED_TILES if interpreting() else TILES[q.dtype][:2]
+TABLE_CACHE_SIZE = 64
+"""Layouts (offsets and tile size) whose device tables :func:`_tables` keeps."""
+
+
+@functools.lru_cache(maxsize=TABLE_CACHE_SIZE)
+def _tables(device: torch.device, bm: int, cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> Optional[tuple[torch.Tensor, ...]]:
+    """Device int32 copies of the offsets and of the tile table (each ``BLOCK_M`` query tile's
+    sequence and first query), or None when there are no queries. Kept per layout: the layers of one
+    forward share them (one host-to-device copy per forward, not per layer), and a CUDA graph
+    captured after a call with the same layout reads tensors that stay alive while the layout is
+    among the last :data:`TABLE_CACHE_SIZE` used (capture itself cannot copy from host memory)."""
     tile_seq, tile_start = [], []
     for b in range(len(cu_q) - 1):
         for start in range(0, cu_q[b + 1] - cu_q[b], bm):
             tile_seq.append(b)
             tile_start.append(start)
     if not tile_seq:
+        return None
+    return tuple(torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True) for values in (cu_q, cu_k, tile_seq, tile_start))
+
+
+def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
+    tq, hq, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
+    interpreted = interpreting()
+    bm, bn = _INTERPRETED_TILES if interpreted else TILES[q.dtype][:2]
+    tables = _tables(q.device, bm, tuple(cu_q), tuple(cu_k))
+    if tables is None:
         return out, lse
-    index = lambda values: torch.tensor(values, dtype=torch.int32).to(q.device, non_blocking=True)
-    extra = {} if interpreting() else {"num_warps": TILES[q.dtype][2], "num_stages": TILES[q.dtype][3]}
-    _attention_fwd_kernel[(len(tile_seq), hq)](
-        q, k, v, out, lse, index(cu_q), index(cu_k), index(tile_seq), index(tile_start), float(scale),
+    extra = {} if interpreted else {"num_warps": TILES[q.dtype][2], "num_stages": TILES[q.dtype][3]}
+    _attention_fwd_kernel[(tables[2].shape[0], hq)](
+        q, k, v, out, lse, *tables, float(scale),
         HQ=hq, GROUP=hq // k.shape[1], D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        CAUSAL=causal, IEEE=q.dtype == torch.float32 or interpreting(), UPCAST_DOT=interpreting(),
+        CAUSAL=causal, IEEE=q.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted,
         BLOCK_M=bm, BLOCK_N=bn, **extra,
     )
     return out, lse
