@@ -98,3 +98,20 @@ def test_fp64_is_left_to_the_torch_backend(device):
     q, k, v, cu = _packed(device, [4], torch.float64)
     with pytest.raises(rk.BackendUnavailableError, match="fp64"):
         rk.varlen_attention(q, k, v, cu, backend="triton")
+
+
+def test_layout_tables_are_copied_once_per_layout(seed, device):
+    """A layout's device tables are built once and reused by later calls (the layers of one forward,
+    a CUDA graph captured after a call); another layout builds its own; results do not change."""
+    from rl_kernel_core.triton import attention as triton_attention
+
+    q, k, v, cu = _packed(device, _lengths(device))
+    triton_attention._tables.cache_clear()
+    first = rk.varlen_attention(q, k, v, cu, backend="triton")
+    again = rk.varlen_attention(q, k, v, cu, backend="triton")
+    info = triton_attention._tables.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    assert torch.equal(first, again)
+    q2, k2, v2, cu2 = _packed(device, [3, 4])
+    rk.varlen_attention(q2, k2, v2, cu2, backend="triton")
+    assert triton_attention._tables.cache_info().misses == 2
