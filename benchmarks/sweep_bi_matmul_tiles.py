@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import bench, contract
-from rl_kernel_core.triton.batch_invariant import MATMUL_TILES, matmul_forward
+from rl_kernel_core.triton.batch_invariant import matmul_forward, matmul_tile
 
 LAYER = {"q_proj": (1024, 2048), "k_proj": (1024, 1024), "v_proj": (1024, 1024), "o_proj": (2048, 1024),
          "gate_proj": (1024, 3072), "up_proj": (1024, 3072), "down_proj": (3072, 1024)}
@@ -89,7 +89,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"lm_head {times['lm_head']:.3f} ms, check ok={check['ok']}")
         rows_out.append(entry)
     result = {"benchmark": "batch-invariant matmul tile sweep", "command": bench.command_line(),
-              "environment": bench.environment(device), "dtype": args.dtype, "current_tile": list(MATMUL_TILES[dtype]),
+              "environment": bench.environment(device), "dtype": args.dtype, "current_tile": list(matmul_tile(dtype, device)),
               "shapes_k_n": shapes, "weights": weights, "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
               "rows": rows_out}
     if args.out:

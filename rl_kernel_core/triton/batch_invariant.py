@@ -39,7 +39,15 @@ MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
 }
 """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` per input dtype; never a function of N.
 The 16-bit tile is the fastest of ``benchmarks/sweep_bi_matmul_tiles.py``'s candidates on an H100
-over a Qwen3-0.6B layer's products and LM head at 8192 rows."""
+over a Qwen3-0.6B layer's products and LM head at 8192 rows; its pipeline needs 192 KiB of shared
+memory per block, more than GPUs before Hopper have (A100: 163 KiB), which take
+:data:`COMPACT_MATMUL_TILES` instead (see :func:`matmul_tile`)."""
+COMPACT_MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    torch.float32: (64, 64, 32, 4, 3),
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (128, 128, 64, 8, 3),
+}
+"""The tiles for GPUs whose shared memory per block cannot hold :data:`MATMUL_TILES`' pipeline."""
 _INTERPRETED_TILES = (16, 32, 16)
 """Tile used under the Triton interpreter (CPU tests): small so interpreted programs stay fast."""
 ROW_BLOCK: int = 1024
@@ -82,6 +90,25 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _pipeline_bytes(tile: tuple[int, int, int, int, int], dtype: torch.dtype) -> int:
+    bm, bn, bk, _, stages = tile
+    return stages * (bm * bk + bk * bn) * dtype.itemsize
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """The most shared memory one block of ``device`` can use, in bytes (0 where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
+@functools.cache
+def matmul_tile(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int]:
+    """The tile the persistent matmul uses for ``dtype`` on ``device``: :data:`MATMUL_TILES`' where its
+    pipeline fits the device's shared memory, else :data:`COMPACT_MATMUL_TILES`'. A function of the
+    dtype and the device only, never of the call's shape."""
+    tile = MATMUL_TILES[dtype]
+    return tile if _pipeline_bytes(tile, dtype) <= shared_memory_per_block(device) else COMPACT_MATMUL_TILES[dtype]
+
+
 def _n_programs(tiles: int, device: torch.device) -> int:
     return min(tiles, _sm_count(device) if device.type == "cuda" else 4)
 
@@ -90,7 +117,7 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
                    tile: Optional[tuple[int, int, int, int, int]] = None) -> torch.Tensor:
     """``a [M, K] @ b_t.T (+ bias)`` for ``b_t [N, K]`` (any strides): ``[M, N]`` in a's dtype, no
     autograd. ``tile``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` in place of
-    :data:`MATMUL_TILES`' (for tile sweeps; each fixed tile is batch-invariant on its own)."""
+    :func:`matmul_tile`'s (for tile sweeps; each fixed tile is batch-invariant on its own)."""
     m, k = a.shape
     n = b_t.shape[0]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -101,7 +128,7 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
         bm, bn, bk = _INTERPRETED_TILES
         extra = {}
     else:
-        bm, bn, bk, warps, stages = tile or MATMUL_TILES[a.dtype]
+        bm, bn, bk, warps, stages = tile or matmul_tile(a.dtype, a.device)
         extra = {"num_warps": warps, "num_stages": stages}
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     progs = _n_programs(tiles, a.device)
