@@ -65,10 +65,16 @@ def _sequences(count: int, length: int, vocab: int, seed: int, device: torch.dev
     return [torch.randint(1, vocab, (length,), generator=g).to(device) for _ in range(count)]
 
 
+def _batch(model: TinyDecoder, args: argparse.Namespace, device: torch.device, batch: int) -> tuple[int, list[torch.Tensor]]:
+    """``(tokens per sequence, the batch's sequences)``: ``--seq`` tokens, fewer where
+    ``--max-tokens`` caps the forward."""
+    seq = min(args.seq, args.max_tokens // batch)
+    return seq, _sequences(batch, seq, model.config.vocab_size, args.seed, device)
+
+
 def forwards(model: TinyDecoder, args: argparse.Namespace, device: torch.device, batch: int) -> tuple[int, dict]:
     """``(tokens per sequence, {"off"|"on": the timed training-style forward of batch sequences})``."""
-    seq = min(args.seq, args.max_tokens // batch)
-    seqs = _sequences(batch, seq, model.config.vocab_size, args.seed, device)
+    seq, seqs = _batch(model, args, device, batch)
 
     def forward(mode: str):
         with batch_invariant(mode == "on"), torch.no_grad():
@@ -118,8 +124,8 @@ def graph_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.devic
     an engine that captures its forward, as vLLM does for decoding, pays)."""
     rows = []
     for batch in _ints(args.graph_batches):
-        seq = min(args.seq, args.max_tokens // batch)
-        inputs = chain.packed_inputs(_sequences(batch, seq, model.config.vocab_size, args.seed, device))
+        seq, seqs = _batch(model, args, device, batch)
+        inputs = chain.packed_inputs(seqs)
         row = {"batch": batch, "seq": seq, "tokens": batch * seq}
         for mode in ("off", "on"):
             graph, out, same_bits = _captured_forward(model, inputs, mode)

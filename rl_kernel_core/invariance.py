@@ -55,8 +55,7 @@ import torch
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.reference import batch_invariant as _reference  # registers the torch backend
 
-_enabled: bool = False
-_library: Optional[torch.library.Library] = None  # the routes' registrations while the mode is on
+_library: Optional[torch.library.Library] = None  # the routes' registrations; set exactly while the mode is on
 _lock = threading.Lock()
 _route_running = threading.local()  # .on: a route (or routing_suspended) is running on this thread
 ROUTED_DISPATCH_KEYS: tuple[str, ...] = ("CPU", "CUDA")
@@ -107,7 +106,7 @@ def _register_routes() -> torch.library.Library:
 def routing_suspended() -> Iterator[None]:
     """Context manager: inside, routed ops issued on this thread run PyTorch's own kernels, while
     the mode stays on for other threads. For implementations whose library calls have fixed shapes
-    already (``varlen_attention``); every route runs inside it."""
+    already (``varlen_attention``). A running route sets the same per-thread flag itself."""
     previous = getattr(_route_running, "on", False)
     _route_running.on = True
     try:
@@ -122,23 +121,22 @@ def set_batch_invariant_mode(enabled: bool) -> bool:
     On: rl-kernel's ops and the ``aten`` ops in :data:`ROUTED_OPS` take their batch-invariant
     paths. Off: every routed op is restored to PyTorch's own kernel.
     """
-    global _enabled, _library
+    global _library
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
     with _lock:
-        previous = _enabled
+        previous = _library is not None
         if enabled and _library is None:
             _library = _register_routes()
         elif not enabled and _library is not None:
             library, _library = _library, None
             library._destroy()
-        _enabled = enabled
     return previous
 
 
 def is_batch_invariant() -> bool:
     """Whether batch-invariant mode is on."""
-    return _enabled
+    return _library is not None
 
 
 @contextlib.contextmanager
