@@ -96,6 +96,7 @@ HOOKS: dict[str, str] = {
     "logprobs": "rl_kernel_vllm.plugin:install_logprobs",
     "lm_head": "rl_kernel_vllm.lm_head:install",
     "sampler": "rl_kernel_vllm.plugin:install_sampler",
+    "batch_invariant": "rl_kernel_vllm.batch_invariant:install",
 }
 
 

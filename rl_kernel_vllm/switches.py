@@ -15,14 +15,17 @@ variable                           default  effect
 ``RL_KERNEL_VLLM_LM_HEAD``         ``0``    (b) LM head through rl-kernel's fp32,
                                             batch-invariant path (``LogitsProcessor`` OOT)
 ``RL_KERNEL_VLLM_SAMPLER``         ``0``    (c) seeded, batch-position-invariant sampler
+``RL_KERNEL_VLLM_BATCH_INVARIANT`` ``0``    (d) the whole forward in rl-kernel's
+                                            batch-invariant mode, so returned log-probs
+                                            equal the trainer's bit for bit
+                                            (:mod:`rl_kernel_vllm.batch_invariant`)
 ``RL_KERNEL_VLLM_STRICT``          ``0``    a missing or moved vLLM target is an error
 =================================  =======  ================================================
 
 While ``RL_KERNEL_VLLM`` is off the other variables are not read at all: a malformed
-sub-switch cannot stop vLLM from starting when the plugin is off. With it on, ``RL_KERNEL_VLLM_BATCH_INVARIANT`` is
-refused with an error: the plugin has no hook that makes vLLM's own attention, matmul and norm
-kernels batch-invariant (vLLM's ``VLLM_BATCH_INVARIANT=1`` does), and its own ops are row-invariant
-without one.
+sub-switch cannot stop vLLM from starting when the plugin is off. ``RL_KERNEL_VLLM_BATCH_INVARIANT``
+and vLLM's own ``VLLM_BATCH_INVARIANT`` are exclusive (an error names both): each replaces the
+same kernels with its own.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ HOOK_SWITCHES: dict[str, tuple[str, bool]] = {
     "logprobs": ("RL_KERNEL_VLLM_LOGPROBS", True),
     "lm_head": ("RL_KERNEL_VLLM_LM_HEAD", False),
     "sampler": ("RL_KERNEL_VLLM_SAMPLER", False),
+    "batch_invariant": ("RL_KERNEL_VLLM_BATCH_INVARIANT", False),
 }
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ class Switches:
         return self.enabled and self.hooks[hook]
 
 
-NOT_A_SWITCH = "RL_KERNEL_VLLM_BATCH_INVARIANT"
+VLLM_OWN_MODE = "VLLM_BATCH_INVARIANT"
 
 
 def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
@@ -66,14 +70,14 @@ def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
 
     Raises:
         rl_kernel_core.switches.SwitchError: a switch that is read holds an unaccepted value.
-        ValueError: the plugin is on and :data:`NOT_A_SWITCH` is set.
+        ValueError: ``RL_KERNEL_VLLM_BATCH_INVARIANT`` and vLLM's ``VLLM_BATCH_INVARIANT`` are both on.
     """
+    env = os.environ if environ is None else environ
     values = env_switch_family(MASTER, {**HOOK_SWITCHES, "strict": (STRICT, False)}, environ)
     if values is None:
         return Switches(enabled=False, strict=False, hooks={hook: False for hook in HOOK_SWITCHES})
-    if NOT_A_SWITCH in (os.environ if environ is None else environ):
-        raise ValueError(f"{NOT_A_SWITCH} is not an rl_kernel_vllm switch: the plugin does not make vLLM's layers "
-                         "batch-invariant; use vLLM's VLLM_BATCH_INVARIANT=1 for that (rl-kernel's own ops in vLLM "
-                         "are row-invariant already)")
+    if values["batch_invariant"] and env.get(VLLM_OWN_MODE, "0").strip().lower() not in ("", "0", "false", "no", "off"):
+        raise ValueError(f"{HOOK_SWITCHES['batch_invariant'][0]}=1 and vLLM's {VLLM_OWN_MODE}={env[VLLM_OWN_MODE]} "
+                         "are exclusive: each replaces the same kernels with its own; unset one")
     strict = values.pop("strict")
     return Switches(enabled=True, strict=strict, hooks=values)

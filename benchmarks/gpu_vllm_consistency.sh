@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On a CUDA machine with vLLM installed: rollout (vLLM) vs training (transformers) log-probs of the
+# same sampled tokens, at Qwen3-0.6B's shapes with random bf16 weights, three ways, each in a fresh
+# process, and vLLM's generation throughput for each:
+#   default    - vLLM as shipped (CUDA graphs, torch.compile), trainer forward as shipped (control)
+#   vllm_bi    - vLLM's own VLLM_BATCH_INVARIANT=1, trainer forward as shipped
+#   rl_kernel  - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1, trainer under rl-kernel's mode
+#   bash benchmarks/gpu_vllm_consistency.sh [OUT] [SETTINGS...]   (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_preamble.sh gpu-results "${1:-}"
+shift || true
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
+model=${MODEL_DIR:-/tmp/rl-kernel-qwen3-0.6b}
+[ -f "$model/config.json" ] || python3 benchmarks/make_random_model.py --preset qwen3-0.6b --out "$model" || exit 1
+args=(--model "$model" --prompts ${PROMPTS:-64} --prompt-len ${PROMPT_LEN:-64} --n ${SAMPLES:-8} --max-tokens ${MAX_TOKENS:-256}
+      --dtype bfloat16 --train-batch-size 32 --engine '{"max_model_len": 1024, "skip_tokenizer_init": true, "gpu_memory_utilization": 0.45}')
+run() {  # NAME TRAINER_FLAGS ENV_ASSIGNMENTS...
+  local name=$1 flags=$2; shift 2
+  echo "== $name"
+  env "$@" python3 -m rl_kernel_vllm.consistency "${args[@]}" $flags --out "$out/vllm_consistency_$name.json" \
+    >"$out/vllm_consistency_$name.log" 2>&1 || { status=1; tail -40 "$out/vllm_consistency_$name.log"; }
+  tail -1 "$out/vllm_consistency_$name.log"
+}
+for s in ${@:-default vllm_bi rl_kernel}; do
+  case $s in
+    default) run default '' RL_KERNEL_VLLM=0;;
+    vllm_bi) run vllm_bi '' RL_KERNEL_VLLM=0 VLLM_BATCH_INVARIANT=1;;
+    rl_kernel) run rl_kernel --batch-invariant RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
+  esac
+done
+echo "gpu_vllm_consistency status=$status"
+exit $status

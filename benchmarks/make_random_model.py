@@ -1,0 +1,47 @@
+"""Write a randomly initialised Hugging Face checkpoint with a real model's shapes (no download).
+
+``python benchmarks/make_random_model.py --preset qwen3-0.6b --dtype bfloat16 --out DIR``: the config
+of the preset, weights drawn N(0, 0.02) from a seeded generator (norm weights 1), no tokenizer
+(engines run with token ids: ``skip_tokenizer_init=True``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+PRESETS = {
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-0.6b", help="model shapes")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="weight dtype")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights")
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    args = parser.parse_args()
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**PRESETS[args.preset], bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(args.seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(getattr(torch, args.dtype))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
+    model.save_pretrained(args.out)
+    print(f"wrote {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

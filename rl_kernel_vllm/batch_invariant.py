@@ -1,0 +1,205 @@
+"""Hook (d): vLLM's forward in rl-kernel's batch-invariant mode (``RL_KERNEL_VLLM_BATCH_INVARIANT=1``).
+
+Goal: a sampled token's log-prob returned by vLLM has the same bits as the trainer's recomputation
+of the whole sequence (transformers under :func:`rl_kernel_core.batch_invariant` with
+:func:`rl_kernel_core.consistency.hf.use_mode_attention`), whatever else shares the engine step.
+In each vLLM process the hook:
+
+* turns the mode on (:func:`rl_kernel_core.set_batch_invariant_mode`): the model's ``aten``
+  matmuls, means and log-softmax run rl-kernel's fixed-reduction-order kernels;
+* registers :mod:`rl_kernel_vllm.attention`'s backend in place of the platform's default entry of
+  vLLM's attention-backend registry (``CPU_ATTN`` / ``FLASH_ATTN``), and selects that entry;
+* makes vLLM's CPU linear layers call ``torch.nn.functional.linear`` (routed) instead of the
+  oneDNN/SGL kernels vLLM packs weights for;
+* computes RMSNorm with the residual added in the model dtype first, as transformers does (vLLM's
+  native fused add-norm takes the mean square of the unrounded fp32 sum);
+* configures the engine so that no other arithmetic sneaks in: ``enforce_eager`` (no
+  ``torch.compile`` fusion, no CUDA graphs) and ``custom_ops=["none"]`` (vLLM's native PyTorch
+  RMSNorm, rotary and SiLU-and-mul instead of its fused kernels), announced once per process.
+
+Refused with an error naming the setting (at engine configuration): a model architecture outside
+:data:`ARCHITECTURES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
+model's, prefix caching is allowed (a cached block holds the same bits a recomputation gives), and
+an ``attention_backend`` other than the platform's default entry. Attention layers the backend does
+not cover are refused when built (:mod:`rl_kernel_vllm.attention`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from rl_kernel_core import adapters
+from rl_kernel_core.invariance import set_batch_invariant_mode
+from rl_kernel_vllm._log import log_once
+
+ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""Architectures whose vLLM forward, with these patches, is op for op transformers' forward."""
+
+OVERRIDES: tuple[str, ...] = (
+    "batch-invariant mode: enforce_eager=True, compilation_config.custom_ops=['none'], attention through "
+    "rl-kernel's varlen_attention over the paged KV cache, matmuls/means/log-softmax through rl-kernel's "
+    "batch-invariant kernels",
+)
+"""The vLLM settings this hook changes, announced once per process when it is live."""
+
+# platform -> (registry entry replaced, our class in rl_kernel_vllm.attention)
+BACKENDS: dict[str, tuple[str, str]] = {
+    "cpu": ("CPU_ATTN", "CPUAttentionBackend"),
+    "cuda": ("FLASH_ATTN", "FlashAttentionBackend"),
+}
+
+TARGETS: tuple[str, ...] = (
+    "vllm.platforms:current_platform",
+    "vllm.v1.attention.backends.registry:register_backend",
+    "vllm.model_executor.layers.layernorm:RMSNorm.forward_native",
+)
+"""What the hook needs from vLLM (the platform's ``check_and_update_config`` is patched on the class
+that defines it)."""
+CPU_GEMM_TARGET = "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm"
+
+
+def _platform_key(platform: Any) -> str:
+    if platform.is_cpu():
+        return "cpu"
+    if platform.is_cuda():
+        return "cuda"
+    raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1 covers vLLM on CPU and CUDA, not on {platform.device_name}")
+
+
+def check_config(vllm_config: Any, entry: str) -> list[str]:
+    """Refuse what the mode does not cover and set what it needs on ``vllm_config`` (a
+    ``VllmConfig`` being finalised); returns the settings changed, for the log."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    model = vllm_config.model_config
+    refusals = []
+    if model is not None:
+        archs = list(getattr(model, "architectures", None) or [])
+        if not set(archs) & set(ARCHITECTURES):
+            refusals.append(f"model architecture {archs} (covered: {', '.join(ARCHITECTURES)})")
+        if getattr(model, "quantization", None):
+            refusals.append(f"quantization={model.quantization!r}")
+    if vllm_config.speculative_config is not None:
+        refusals.append("speculative decoding (speculative_config is set)")
+    if vllm_config.lora_config is not None:
+        refusals.append("LoRA (enable_lora=True)")
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if cache_dtype != "auto":
+        refusals.append(f"kv_cache_dtype={cache_dtype!r} (only 'auto')")
+    attention = vllm_config.attention_config
+    wanted = AttentionBackendEnum[entry]
+    if attention.backend not in (None, wanted):
+        refusals.append(f"attention_backend={attention.backend.name} (the mode replaces {entry}; leave it unset)")
+    if refusals:
+        raise ValueError("RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover: " + "; ".join(refusals))
+    changed = []
+    if attention.backend is None:
+        attention.backend = wanted
+        changed.append(f"attention_backend={entry}")
+    if model is not None and not model.enforce_eager:
+        model.enforce_eager = True
+        changed.append("enforce_eager=True")
+    compilation = vllm_config.compilation_config
+    if compilation.mode != CompilationMode.NONE or compilation.cudagraph_mode != CUDAGraphMode.NONE:
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        changed.append("compilation mode NONE, no CUDA graphs")
+    if list(compilation.custom_ops) != ["none"]:
+        compilation.custom_ops = ["none"]
+        changed.append("custom_ops=['none']")
+    return changed
+
+
+def _wrap_check_and_update_config(entry: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        function = original.__func__ if isinstance(original, classmethod) else original
+
+        def check_and_update_config(cls, vllm_config):
+            function(cls, vllm_config)
+            changed = check_config(vllm_config, entry)
+            if changed:
+                log_once("batch-invariant config", "rl_kernel_vllm (pid %d) batch-invariant mode sets: %s",
+                         os.getpid(), ", ".join(changed))
+
+        return classmethod(check_and_update_config)
+
+    return make
+
+
+def _routed_cpu_gemm(original: Any) -> Callable[..., None]:
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if getattr(layer, "weight", None) is None or layer.weight.ndim != 2:
+            return original(layer, remove_weight)
+        # keep the weight and call F.linear, which the mode routes (vLLM would pack the weight
+        # for a oneDNN/SGL kernel whose blocking depends on the batch)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    return dispatch_cpu_unquantized_gemm
+
+
+def _hf_rms_norm(original: Any) -> Callable[..., Any]:
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if getattr(self, "variance_size_override", None) is not None or not getattr(self, "has_weight", True):
+            raise ValueError("RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover an RMSNorm with variance_size_override "
+                             "or without weight")
+        if residual is not None:
+            x = x + residual  # in the model dtype, as transformers adds the residual
+            residual = x
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = self.weight.data * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+    return forward_native
+
+
+def _defining_class(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO whose own namespace holds ``name`` (the platform classes inherit it)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass
+    raise adapters.TargetMissing(f"{cls.__qualname__} has no attribute {name!r}")
+
+
+def install(patches: adapters.Patches) -> dict[str, Any]:
+    """Install the hook in this process (see the module docstring); returns its status entry.
+
+    Every target is located before anything changes, so a vLLM whose targets moved is left untouched."""
+    targets: dict[str, str] = {}
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
+
+        entry, ours = BACKENDS[_platform_key(current_platform)]
+        member = AttentionBackendEnum[entry]
+        owner = _defining_class(type(current_platform), "check_and_update_config")
+        config_target = f"{owner.__module__}:{owner.__qualname__}.check_and_update_config"
+        wanted = [(config_target, _wrap_check_and_update_config(entry)), (TARGETS[2], _hf_rms_norm)]
+        if current_platform.is_cpu():
+            wanted.append((CPU_GEMM_TARGET, _routed_cpu_gemm))
+        for target, _ in wanted:
+            adapters.locate(target)
+    except (adapters.TargetMissing, ImportError, KeyError, AttributeError, ValueError) as exc:
+        return {"live": False, "targets": targets, "problems": [f"batch_invariant: {exc}"], "overrides": []}
+    previous = _ATTN_OVERRIDES.get(member)
+
+    def undo_backend() -> None:
+        if previous is None:
+            _ATTN_OVERRIDES.pop(member, None)
+        else:
+            _ATTN_OVERRIDES[member] = previous
+
+    register_backend(member, f"rl_kernel_vllm.attention.{ours}")
+    patches.on_restore(undo_backend)
+    targets[f"attention backend {entry}"] = f"rl_kernel_vllm.attention.{ours}"
+    for target, make in wanted:
+        targets[target] = patches.install(target, make)
+    set_batch_invariant_mode(True)
+    patches.on_restore(lambda: set_batch_invariant_mode(False))
+    return {"live": True, "targets": targets, "problems": [], "overrides": list(OVERRIDES)}

