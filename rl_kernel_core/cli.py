@@ -211,11 +211,40 @@ def _parity_only(args: argparse.Namespace) -> int:
     return 0 if mismatch is None else 1
 
 
+def _engine_consistency(args: argparse.Namespace) -> int:
+    """``--engine vllm``: vLLM's rollout vs the trainer's forward of a checkpoint, mode off and on."""
+    import tempfile
+
+    try:
+        from rl_kernel_vllm import consistency as engine
+    except ImportError as exc:
+        print(f"rl-kernel consistency: error: --engine vllm needs vLLM and transformers: {exc}", file=sys.stderr)
+        return 2
+    if args.model == "tiny":
+        print("rl-kernel consistency: error: --engine vllm needs --model PATH (a checkpoint directory)", file=sys.stderr)
+        return 2
+    extra = ["--prompts", str(args.sequences), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_len),
+             "--seed", str(args.seed), "--dtype", {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype],
+             "--engine", args.engine_args] + (["--device", args.device] if args.device else [])
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            pair = engine.off_and_on(args.model, extra, workdir)
+        if args.plot:
+            engine.plot(pair, args.plot)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"rl-kernel consistency: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(pair, indent=2) if args.json else engine.text(pair))
+    return 0 if pair["passed"] else 1
+
+
 def _consistency(args: argparse.Namespace) -> int:
     from rl_kernel_core.consistency import run
 
     if args.parity:
         return _parity_only(args)
+    if args.engine == "vllm":
+        return _engine_consistency(args)
 
     settings = run.Settings(
         model=args.model, sequences=args.sequences, min_len=args.min_len, max_len=args.max_len,
@@ -286,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="store_true", help="run the layer-wise drift probe even when both modes pass")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a PNG of drift per module, mode off vs on (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="builtin: transformers/our chain for both sides; vllm: a real vLLM engine's rollout (mode off: "
+                        "as shipped; on: RL_KERNEL_VLLM_BATCH_INVARIANT=1) vs the trainer's forward of --model "
+                        "(--sequences prompts of --prompt-len ids, --max-len new tokens each)")
+    p.add_argument("--engine-args", default="{}", metavar="JSON", help="extra vllm.LLM keyword arguments (--engine vllm)")
     p.add_argument("--parity", nargs=2, metavar=("ROLLOUT", "TRAINING"), default=None,
                    help="only the input parity precheck, of two batches saved by rl_kernel_core.consistency.parity.save "
                         "(or torch.save of a dict of its fields); exit 1 at the first mismatch")

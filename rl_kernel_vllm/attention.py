@@ -45,7 +45,7 @@ def split_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, t
     """Views of the key and value caches, each ``[num_blocks, Hkv, block_size, D]``, of vLLM's
     logical cache ``[num_blocks, Hkv, block_size, 2*D]``: a token's key in the first D columns, its
     value in the last D. The backend both writes (:func:`write_cache`) and reads
-    (:func:`gather_sequences`) this layout, whatever packing the base backend's own kernels use."""
+    (:func:`gather_index`) this layout, whatever packing the base backend's own kernels use."""
     key, value = kv_cache.split(head_size, dim=-1)
     return key, value
 
@@ -67,23 +67,36 @@ def write_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.T
     value_cache[blocks, :, rows] = value
 
 
-def gather_sequences(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's keys and values in position order, packed: ``[sum(seq_lens), Hkv, D]`` each.
-
-    Position ``p`` of sequence ``b`` lives in block ``block_table[b, p // block_size]`` at row
-    ``p % block_size``.
-    """
-    block_size = key_cache.shape[2]
-    device = key_cache.device
+def gather_index(block_table: torch.Tensor, seq_lens: list[int], block_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks, rows)``, each ``[sum(seq_lens)]`` int64: where every sequence's positions live, in
+    position order. Position ``p`` of sequence ``b`` is in block ``block_table[b, p // block_size]``
+    at row ``p % block_size``."""
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
     total = int(sum(seq_lens))
     seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens, output_size=total)
     starts = torch.cumsum(lens, 0) - lens
     pos = torch.arange(total, device=device) - starts[seq]
-    blocks = block_table.to(device)[seq, pos // block_size].long()
-    rows = pos % block_size
-    return key_cache[blocks, :, rows], value_cache[blocks, :, rows]
+    return block_table.to(device)[seq, pos // block_size].long(), pos % block_size
+
+
+def step_layout(attn_metadata, block_size: int, device: torch.device):
+    """``(blocks, rows, cu_q, cu_k)`` of one engine step: the gather index (:func:`gather_index`)
+    and the host offsets ``varlen_attention`` takes. Computed by the step's first attention layer
+    and kept on the step's metadata object, which vLLM shares among the layers of a KV-cache group
+    (one host sync per step instead of one per layer)."""
+    cached = getattr(attn_metadata, "_rl_kernel_layout", None)
+    if cached is not None:
+        return cached
+    num_reqs = attn_metadata.seq_lens.shape[0]
+    seq_lens = attn_metadata.seq_lens.tolist()
+    blocks, rows = gather_index(attn_metadata.block_table[:num_reqs], seq_lens, block_size, device)
+    cu_q = attn_metadata.query_start_loc[:num_reqs + 1].cpu()
+    cu_k = torch.zeros(num_reqs + 1, dtype=torch.int64)
+    cu_k[1:] = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0)
+    layout = (blocks, rows, cu_q, cu_k)
+    attn_metadata._rl_kernel_layout = layout
+    return layout
 
 
 def _check_supported(attn_type: Any, sliding_window, alibi_slopes, logits_soft_cap, sinks,
@@ -128,13 +141,9 @@ def _make_impl(base_impl: type) -> type:
             if attn_metadata is None:  # vLLM's profiling run
                 return output.fill_(0)
             n = attn_metadata.num_actual_tokens
-            num_reqs = attn_metadata.seq_lens.shape[0]
-            seq_lens = attn_metadata.seq_lens.tolist()
             key_cache, value_cache = split_cache(kv_cache, self.head_size)
-            k, v = gather_sequences(key_cache, value_cache, attn_metadata.block_table[:num_reqs], seq_lens)
-            cu_q = attn_metadata.query_start_loc[:num_reqs + 1].cpu()
-            cu_k = torch.zeros(num_reqs + 1, dtype=torch.int64)
-            cu_k[1:] = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0)
+            blocks, rows, cu_q, cu_k = step_layout(attn_metadata, key_cache.shape[2], key_cache.device)
+            k, v = key_cache[blocks, :, rows], value_cache[blocks, :, rows]
             out = varlen_attention(query[:n], k, v, cu_q, cu_k, causal=True, scale=self.rl_kernel_scale)
             output[:n].copy_(out.reshape(output[:n].shape))
             return output

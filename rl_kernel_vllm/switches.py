@@ -30,12 +30,10 @@ same kernels with its own.
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from rl_kernel_core.switches import env_switch_family
+from rl_kernel_core.switches import env_flag, env_switch_family
 
 MASTER = "RL_KERNEL_VLLM"
 STRICT = "RL_KERNEL_VLLM_STRICT"
@@ -72,12 +70,11 @@ def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
         rl_kernel_core.switches.SwitchError: a switch that is read holds an unaccepted value.
         ValueError: ``RL_KERNEL_VLLM_BATCH_INVARIANT`` and vLLM's ``VLLM_BATCH_INVARIANT`` are both on.
     """
-    env = os.environ if environ is None else environ
     values = env_switch_family(MASTER, {**HOOK_SWITCHES, "strict": (STRICT, False)}, environ)
     if values is None:
         return Switches(enabled=False, strict=False, hooks={hook: False for hook in HOOK_SWITCHES})
-    if values["batch_invariant"] and env.get(VLLM_OWN_MODE, "0").strip().lower() not in ("", "0", "false", "no", "off"):
-        raise ValueError(f"{HOOK_SWITCHES['batch_invariant'][0]}=1 and vLLM's {VLLM_OWN_MODE}={env[VLLM_OWN_MODE]} "
-                         "are exclusive: each replaces the same kernels with its own; unset one")
+    if values["batch_invariant"] and env_flag(VLLM_OWN_MODE, environ=environ):
+        raise ValueError(f"{HOOK_SWITCHES['batch_invariant'][0]}=1 and vLLM's {VLLM_OWN_MODE}=1 are exclusive: "
+                         "each replaces the same kernels with its own; unset one")
     strict = values.pop("strict")
     return Switches(enabled=True, strict=strict, hooks=values)

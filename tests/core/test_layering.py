@@ -22,7 +22,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rl_kernel_core"
 LAYERS: list[tuple[str, ...]] = [
-    ("switches", "adapters", "loss_codes", "_checks", "contract", "native_build"),
+    ("switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest"),
     ("opdef", "linear_chunks"),
     ("dispatch",),
     ("reference",),

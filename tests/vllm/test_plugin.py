@@ -146,8 +146,12 @@ def test_switch_values():
         switches.read({"RL_KERNEL_VLLM": "ture"})
     with pytest.raises(SwitchError, match="RL_KERNEL_VLLM_SAMPLER must be one of .*'ture'"):
         switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_SAMPLER": "ture"})
-    with pytest.raises(ValueError, match="RL_KERNEL_VLLM_BATCH_INVARIANT is not an rl_kernel_vllm switch.*VLLM_BATCH_INVARIANT=1"):
-        switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"})
+    assert switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "on"}).wanted("batch_invariant")
+    assert not switches.read({"RL_KERNEL_VLLM": "1"}).wanted("batch_invariant")
+    with pytest.raises(ValueError, match="RL_KERNEL_VLLM_BATCH_INVARIANT=1 and vLLM's VLLM_BATCH_INVARIANT=1 are exclusive"):
+        switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1", "VLLM_BATCH_INVARIANT": "1"})
+    # vLLM's own mode alone, or beside the plugin without ours, is vLLM's business
+    assert not switches.read({"RL_KERNEL_VLLM": "1", "VLLM_BATCH_INVARIANT": "1"}).wanted("batch_invariant")
 
 
 def test_master_off_reads_no_other_switch():

@@ -1,0 +1,54 @@
+"""Bit digests of tensors, to check that two copies of model weights hold the same bits.
+
+:func:`row_digests` reads a tensor's raw bits (no arithmetic on its values, so ``-0.0`` and ``0.0``
+or two NaN payloads differ) and reduces each row (index along the first dim) to one int64: the
+sum over the row's elements of ``bits * (2 * column + 1)``, wrapping modulo 2**64. A row digest is
+position-sensitive and changes with any single-bit change of the row. Digests per row, not per
+tensor, because engines store some weights as row blocks of several checkpoint tensors (vLLM's
+fused ``qkv_proj`` is ``q_proj``, ``k_proj`` and ``v_proj`` stacked): slicing the digest vector
+compares the blocks without copying weights. One pass over the weights on their device; the
+digests are small (one int64 per row).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+import torch
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def row_digests(t: torch.Tensor) -> torch.Tensor:
+    """``[R]`` int64 digests of ``t``'s rows (``t`` at least 1-D, any dtype; a 1-D tensor's
+    elements are its rows), on ``t``'s device."""
+    if t.dim() == 0:
+        raise ValueError("row_digests needs a tensor of at least 1 dim, got a 0-d tensor")
+    flat = t.detach().contiguous().view(t.shape[0], math.prod(t.shape[1:]))
+    bits = flat.view(_BITS[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(1, 2 * flat.shape[1] + 1, 2, dtype=torch.int64, device=t.device)
+    return (bits * weights).sum(dim=1)
+
+
+def named_digests(params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``{name: row_digests(tensor)}`` moved to the CPU (one transfer per tensor, after all are computed)."""
+    on_device = {name: row_digests(t) for name, t in params}
+    return {name: d.cpu() for name, d in on_device.items()}
+
+
+def mismatches(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor]) -> list[str]:
+    """Lines naming every tensor whose digests differ (with the first differing row), is missing
+    on one side, or has another row count."""
+    out = []
+    for name in sorted(set(expected) | set(actual)):
+        if name not in actual:
+            out.append(f"{name}: missing on the checked side")
+        elif name not in expected:
+            out.append(f"{name}: not in the reference")
+        elif expected[name].shape != actual[name].shape:
+            out.append(f"{name}: {expected[name].shape[0]} rows in the reference, {actual[name].shape[0]} checked")
+        elif not torch.equal(expected[name], actual[name]):
+            row = int((expected[name] != actual[name]).nonzero()[0])
+            out.append(f"{name}: bits differ (first at row {row})")
+    return out

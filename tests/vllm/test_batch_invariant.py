@@ -1,0 +1,104 @@
+"""The identity on a real vLLM engine (CPU build): with ``RL_KERNEL_VLLM=1
+RL_KERNEL_VLLM_BATCH_INVARIANT=1`` vLLM's returned log-probs equal the trainer's recomputation
+(transformers under rl-kernel's batch-invariant mode) bit for bit; without the switches they do not.
+
+Each side runs ``python -m rl_kernel_vllm.consistency`` in its own process (the plugin reads its
+switches once per process), on a seeded random checkpoint, with more requests than
+``max_num_seqs`` so that requests join and leave running batches (prefill, chunked steps and
+decode mixed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import vllm_tiny_model
+
+TIMEOUT_S = 600
+ENGINE = {"max_model_len": 96, "max_num_seqs": 5}
+
+
+def _run(model_dir: Path, out: Path, *, on: bool, dtype: str, temperature: float, seed: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    if on:
+        env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1")
+    cmd = [sys.executable, "-m", "rl_kernel_vllm.consistency", "--model", str(model_dir), "--out", str(out),
+           "--prompts", "6", "--prompt-len", "9", "--n", "2", "--max-tokens", "12", "--dtype", dtype,
+           "--temperature", str(temperature), "--seed", str(seed), "--device", "cpu", "--train-batch-size", "5",
+           "--engine", json.dumps(ENGINE)] + (["--batch-invariant"] if on else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=out.parent)
+    if proc.returncode != 0:
+        pytest.fail(f"consistency run (on={on}) exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bi_model") / "model"
+    vllm_tiny_model.build(path, seed=int(time.time()) % 10_000)
+    return path
+
+
+def test_rollout_logprobs_equal_training_bitwise(model_dir: Path, tmp_path: Path):
+    seed = int(torch.randint(0, 10_000, (1,)))
+    print(f"seed={seed}")
+    on = _run(model_dir, tmp_path / "on.json", on=True, dtype="float32", temperature=0.7, seed=seed)
+    assert on["plugin"]["hooks"]["batch_invariant"]["live"], on["plugin"]
+    assert on["gap"]["tokens"] == 6 * 2 * 12
+    assert on["gap"]["max"] == 0.0, on["gap"]
+    assert on["gap"]["equal_fraction"] == 1.0
+
+
+def test_cli_engine_mode_off_and_on(model_dir: Path, tmp_path: Path):
+    """``rl-kernel consistency --engine vllm`` (bf16): the control group shows a gap (so the
+    assertion is not vacuous on this machine), the mode closes it, the chart is written."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    chart = tmp_path / "gap.png"
+    cmd = [sys.executable, "-m", "rl_kernel_core.cli", "consistency", "--engine", "vllm", "--model", str(model_dir),
+           "--sequences", "6", "--prompt-len", "9", "--max-len", "12", "--dtype", "bf16", "--device", "cpu",
+           "--engine-args", json.dumps(ENGINE), "--json", "--plot", str(chart)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=2 * TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    pair = json.loads(proc.stdout)
+    assert pair["passed"] and pair["on"]["gap"]["max"] == 0.0
+    assert pair["off"]["gap"]["max"] > 0.0, pair["off"]["gap"]
+    assert chart.stat().st_size > 0
+
+
+WEIGHT_CHECK = """
+import sys, torch
+from vllm import LLM
+from rl_kernel_vllm import weights
+import vllm_tiny_model
+model = vllm_tiny_model.load(sys.argv[1])
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=64)
+print("same:", weights.check(llm, model.named_parameters()))
+with torch.no_grad():
+    w = model.model.layers[1].self_attn.k_proj.weight
+    w.view(torch.int32)[3, 7] ^= 1
+print("changed:", weights.check(llm, model.named_parameters()))
+"""
+
+
+def test_weight_check_sees_one_flipped_bit(model_dir: Path, tmp_path: Path):
+    """With the mode on (vLLM's CPU build otherwise repacks linear weights for oneDNN and empties them)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", RL_KERNEL_VLLM="1",
+               RL_KERNEL_VLLM_BATCH_INVARIANT="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", WEIGHT_CHECK, str(model_dir)], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, (out + proc.stderr)[-4000:]
+    assert "same: []" in out
+    assert "changed: ['model.layers.1.self_attn.qkv_proj.weight: bits differ (first at row" in out
