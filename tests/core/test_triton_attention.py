@@ -122,6 +122,21 @@ def test_gradients_match_dense_formula(seed, device, kind, causal, dtype):
         contract.assert_close(g, e, "gradient", dtype, name=f"d{name}")
 
 
+def test_gradients_at_other_head_dims_and_groups(seed, device):
+    """Head dims that are not a power of two or not 128 (masked and larger ``BLOCK_D``), and a GQA
+    group of 4 query heads per KV head, in bf16 against the dense fp64 formula."""
+    hq, hkv, lengths, dims = (4, 1, [5, 37, 1, 16], (12,)) if device.type == "cpu" else (8, 2, [300, 1, 129, 64], (64, 96, 256))
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    for d in dims:
+        q, k, v = (torch.randn(sum(lengths), h, d, device=device).to(torch.bfloat16) for h in (hq, hkv, hkv))
+        w = torch.randn(q.shape, device=device).to(torch.bfloat16).float()
+        got = _grads(q, k, v, cu, cu, True, w)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        expected = torch.autograd.grad((dense_attention(*leaves, cu.tolist(), cu.tolist(), True) * w.double()).sum(), leaves)
+        for name, g, e in zip("qkv", got, expected):
+            contract.assert_close(g, e, "gradient", torch.bfloat16, name=f"D={d} d{name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_is_deterministic_and_per_sequence(seed, device, dtype):
     """Bitwise equal gradients run to run, and a sequence's gradients alone bitwise equal to its
