@@ -221,7 +221,8 @@ def _print_row(row: dict) -> None:
         print(f"   {name:<26}{m['forward']['median_ms']:>10.3f}{m['backward']['median_ms']:>10.3f}"
               f"{m['forward_backward_ms']:>10.3f}{speed:>12}{peak:>10}")
     for text, s in row.get("sweep", {}).items():
-        print(f"   sweep {text:<24}" + (s["error"][:80] if "error" in s else f"bwd {s['backward_ms']:.3f} ms, rel diff {s['relative_diff_vs_current']:.1e}"))
+        done = "error" not in s
+        print(f"   sweep {text:<24}" + (f"bwd {s['backward_ms']:.3f} ms, rel diff {s['relative_diff_vs_current']:.1e}" if done else s["error"][:80]))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -14,8 +14,9 @@ tests/core/test_triton_losses.py.
 ``test_triton_kernels_compile_for_sm90`` runs Triton's full pipeline (TTIR, TTGIR, LLVM IR, PTX,
 cubin through the ``ptxas`` shipped with Triton) for every loss kernel and every compile-time
 branch, and for the ``linear_logprob`` tile and merge kernels (pointer loads), so a kernel that only the interpreter accepts fails on the CPU machine, not first on the
-GPU; and for the ``varlen_attention`` forward and both backward passes. It needs Triton's jit library compiled, not interpreted: in a process where Triton was
-imported under ``TRITON_INTERPRET=1`` it runs in a child process without it.
+GPU; and for the ``varlen_attention`` forward and both backward passes. It needs Triton's jit
+library compiled, not interpreted: in a process where Triton was imported under
+``TRITON_INTERPRET=1`` it runs in a child process without it.
 """
 
 from __future__ import annotations
