@@ -33,8 +33,9 @@ gradient is rounded once to the input dtype. Guarantees: every sum runs in a fix
 gradients are bitwise deterministic run to run; and a program reads one sequence's rows only, with
 tile boundaries counted from the sequence's start, so a sequence's gradients are bitwise
 independent of the other sequences of the call and of its place among them (packed or padded
-layouts alike). They are not bitwise equal to the torch reference's gradients, nor across
-different query counts of one sequence (a decode layout differentiates other queries).
+layouts alike). They do not have the torch reference's bits; and a layout that gives a sequence
+other queries (a decode step, a prefill chunk) differentiates another function, whose gradients
+are not comparable bit for bit with the whole sequence's.
 """
 
 from __future__ import annotations
