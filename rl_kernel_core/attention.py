@@ -49,7 +49,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Returns:
         ``[Tq, Hq, D]`` in q's dtype (and lse). A query's result is bitwise independent of the other
         sequences, of how many queries of its own sequence are computed with it (prefill vs decode)
-        and of its position in the packed batch. Differentiable in q, k and v.
+        and of its position in the packed batch. Differentiable in q, k and v; the Triton
+        backend's gradients are deterministic run to run, and a sequence's are bitwise independent
+        of the other sequences (:mod:`rl_kernel_core.triton.attention`).
     """
     _checks.tensor("q", q, dtypes=_checks.FLOAT_DTYPES, ndim=3)
     _checks.tensor("k", k, dtypes=(q.dtype,), ndim=3)

@@ -11,18 +11,36 @@ later rows) leaves its state bit for bit unchanged (rescale ``exp(0) = 1``, prob
 read from device memory (copied once per layout, see :func:`_tables`), and no per-call size is a
 kernel argument, so every call runs the same compiled kernel. Tile sizes are fixed per dtype (:data:`TILES`).
 
-Backward: plain PyTorch per sequence from the forward's log-sum-exp (``P = exp(S - lse)``,
-``dV = P^T dO``, ``dS = P (dP - rowsum(dO O))``), correct to the contract. Each sequence's
-gradients come from products over that sequence alone, so they do not depend on the other
-sequences of the call (the chain tests assert it through the activation gradients); they do not
-follow the forward's KV-block order, so a sequence's gradients in a padded or decode layout are
-not promised to equal those of the packed one.
+Backward (FlashAttention-2 style, from the forward's ``out`` and log-sum-exp), two launches of
+:func:`_attention_bwd_kernel`. Per sequence and query head, with ``S = Q K^T`` over the head's KV
+head, ``P = exp(S * scale - lse)`` (0 where masked: the softmax the forward computed) and
+``delta = rowsum(dO * O)``::
+
+    dV = P^T dO        dS = P * (dO V^T - delta)        dQ = dS K * scale        dK = dS^T Q * scale
+
+with dK and dV summed over the query heads of a GQA group: the gradient of the attention defined in
+:mod:`rl_kernel_core.reference.attention`.
+
+* dq pass, one program per (query tile, query head), over a tile table of the queries: the tile's
+  delta (stored for the next pass), then its key blocks in ascending order, as the forward.
+* dk/dv pass, one program per (key tile, KV head), over a tile table of the keys: the query heads
+  of the KV head's GQA group in ascending order and, for each, the query blocks that see the tile
+  in ascending order, summed into one fp32 accumulator (no atomics).
+
+Products accumulate in fp32 (IEEE fp32 products for fp32 inputs; for 16-bit inputs ``P`` and
+``dS`` are rounded to the input dtype before their products on CUDA, as FlashAttention does); each
+gradient is rounded once to the input dtype. Guarantees: every sum runs in a fixed order, so the
+gradients are bitwise deterministic run to run; and a program reads one sequence's rows only, with
+tile boundaries counted from the sequence's start, so a sequence's gradients are bitwise
+independent of the other sequences of the call and of its place among them (packed or padded
+layouts alike). They do not have the torch reference's bits; and a layout that gives a sequence
+other queries (a decode step, a prefill chunk) differentiates another function, whose gradients
+are not comparable bit for bit with the whole sequence's.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
@@ -30,7 +48,8 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.triton._jit import interpreting, launch_time_jit
+from rl_kernel_core.triton._jit import helper_jit, interpreting, launch_time_jit
+from rl_kernel_core.triton._tiles import dot_acc
 
 TILES: dict[torch.dtype, tuple[int, int, int, int]] = {
     torch.float32: (32, 32, 4, 2),
@@ -41,22 +60,30 @@ TILES: dict[torch.dtype, tuple[int, int, int, int]] = {
 _INTERPRETED_TILES = (16, 16)
 
 
-@launch_time_jit(do_not_specialize=["scale"])
-def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, scale,
-    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
+@helper_jit
+def _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr):
+    """Tile ``program_id(0)`` of a tile table (see :func:`_tables`): ``(its first row's index in its
+    sequence, the sequence's first query row, Lq, first key row, Lk)``."""
     tile = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
     seq = tl.load(tile_seq_ptr + tile)
     start = tl.load(tile_start_ptr + tile)
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.load(cu_q_ptr + seq + 1) - q0
     k0 = tl.load(cu_k_ptr + seq)
     lk = tl.load(cu_k_ptr + seq + 1) - k0
+    return start, q0, lq, k0, lk
+
+
+@helper_jit
+def _query_tile(q_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query tile ``program_id(0)`` at query head ``program_id(1)``: ``(head, KV head, first query
+    row q0, first key row k0, Lk, the tile's rows (query indices in the sequence), which exist,
+    dims, which exist, the queries [BLOCK_M, BLOCK_D] (zero where absent), their key positions,
+    how many key blocks the tile visits)``."""
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
     offset = lk - lq
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < lq
@@ -71,16 +98,37 @@ def _attention_fwd_kernel(
     if CAUSAL:
         last = offset + tl.minimum(start + BLOCK_M, lq) - 1
         n_blocks = tl.minimum(n_blocks, last // BLOCK_N + 1)
+    return head, kv_head, q0, k0, lk, rows, row_ok, dims, d_ok, q, qpos, n_blocks
+
+
+@helper_jit
+def _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HKV: tl.constexpr, D: tl.constexpr, dims, d_ok):
+    """Keys and values at positions ``kpos`` of a sequence (first key row ``k0``, ``lk`` keys) and
+    KV head ``kv_head`` of ``[Tk, HKV, D]`` tensors: ``(which positions exist, keys, values)``,
+    ``[len(kpos), BLOCK_D]``, zero where absent."""
+    k_ok = kpos < lk
+    kv_off = ((k0 + kpos)[:, None].to(tl.int64) * HKV + kv_head) * D + dims[None, :]
+    kb = tl.load(k_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    vb = tl.load(v_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    return k_ok, kb, vb
+
+
+@launch_time_jit(do_not_specialize=["scale"])
+def _attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, scale,
+    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    head, kv_head, q0, k0, lk, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
+        q_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     cols = tl.arange(0, BLOCK_N)
     for j in range(0, n_blocks):
         kpos = j * BLOCK_N + cols
-        k_ok = kpos < lk
-        kv_off = ((k0 + kpos)[:, None].to(tl.int64) * (HQ // GROUP) + kv_head) * D + dims[None, :]
-        kb = tl.load(k_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        vb = tl.load(v_ptr + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        k_ok, kb, vb = _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HQ // GROUP, D, dims, d_ok)
         if UPCAST_DOT:
             kb = kb.to(tl.float32)
             vb = vb.to(tl.float32)
@@ -108,14 +156,107 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + (q0 + rows).to(tl.int64) * HQ + head, m + tl.log(l), mask=row_ok)
 
 
+BWD_TILES: dict[torch.dtype, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
+    torch.float32: ((32, 32, 8, 2), (32, 32, 8, 2)),
+    torch.bfloat16: ((64, 32, 8, 2), (32, 64, 8, 2)),
+    torch.float16: ((64, 32, 8, 2), (32, 64, 8, 2)),
+}
+"""Backward tiles per dtype, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the dq pass (a program
+holds ``BLOCK_M`` queries and steps over keys ``BLOCK_N`` at a time) and of the dk/dv pass (a
+program holds ``BLOCK_N`` keys and steps over queries ``BLOCK_M`` at a time). Chosen for head_dim
+128 from ptxas's sm_90 register report (the 4-warp variants spill), not yet from timings; any
+choice gives correct, deterministic gradients (``benchmarks/bench_attention.py --sweep`` times others)."""
+
+
+@launch_time_jit(do_not_specialize=["scale"])
+def _attention_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+    cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, scale,
+    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV: tl.constexpr,
+):
+    """One program of the backward's dq pass (``DKDV`` false; grid: query tiles x query heads) or
+    of its dk/dv pass (grid: key tiles x KV heads), which reads the dq pass's delta."""
+    if not DKDV:
+        # dq of one query tile and head, and its delta; the tile's key blocks in ascending order.
+        head, kv_head, q0, k0, lk, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
+            q_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+        io_off = ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :]
+        io_mask = row_ok[:, None] & d_ok[None, :]
+        do = tl.load(do_ptr + io_off, mask=io_mask, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * tl.load(o_ptr + io_off, mask=io_mask, other=0.0).to(tl.float32), 1)
+        row_off = (q0 + rows).to(tl.int64) * HQ + head
+        tl.store(delta_ptr + row_off, delta, mask=row_ok)
+        lse = tl.load(lse_ptr + row_off, mask=row_ok, other=0.0)
+        cols = tl.arange(0, BLOCK_N)
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for j in range(0, n_blocks):
+            kpos = j * BLOCK_N + cols
+            k_ok, kb, vb = _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HQ // GROUP, D, dims, d_ok)
+            valid = tl.broadcast_to(k_ok[None, :], (BLOCK_M, BLOCK_N))
+            if CAUSAL:
+                valid = valid & (kpos[None, :] <= qpos[:, None])
+            s = dot_acc(q, tl.trans(kb), zeros, IEEE, UPCAST_DOT)
+            p = tl.exp(tl.where(valid, s * scale, float("-inf")) - lse[:, None])
+            ds = p * (dot_acc(do, tl.trans(vb), zeros, IEEE, UPCAST_DOT) - delta[:, None])
+            dq = dot_acc(ds if IEEE else ds.to(kb.dtype), kb, dq, IEEE, UPCAST_DOT)
+        tl.store(dq_ptr + io_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # dk, dv of one key tile and KV head, computed transposed (rows are keys): over the group's
+        # query heads in ascending order and, for each, over the query blocks that see the tile,
+        # in ascending order.
+        kv_head = tl.program_id(1)
+        start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
+        offset = lk - lq
+        kpos = start + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, BLOCK_D)
+        d_ok = dims < D
+        # Rows past the sequence's keys (zero keys and values) give dK/dV rows that are not stored.
+        k_ok, kb, vb = _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HQ // GROUP, D, dims, d_ok)
+        first = 0
+        if CAUSAL:  # the query block holding the first query that sees key `start`
+            first = tl.maximum(start - offset, 0) // BLOCK_M * BLOCK_M
+        cols = tl.arange(0, BLOCK_M)
+        zeros = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        for g in range(0, GROUP):
+            head = kv_head * GROUP + g
+            for m in range(first, lq, BLOCK_M):
+                rows = m + cols
+                row_ok = rows < lq
+                io_off = ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :]
+                io_mask = row_ok[:, None] & d_ok[None, :]
+                qb = tl.load(q_ptr + io_off, mask=io_mask, other=0.0)
+                dob = tl.load(do_ptr + io_off, mask=io_mask, other=0.0)
+                # Rows past the sequence's queries: lse = +inf makes their probabilities exactly 0.
+                row_off = (q0 + rows).to(tl.int64) * HQ + head
+                lse = tl.load(lse_ptr + row_off, mask=row_ok, other=float("inf"))
+                delta = tl.load(delta_ptr + row_off, mask=row_ok, other=0.0)
+                st = dot_acc(kb, tl.trans(qb), zeros, IEEE, UPCAST_DOT) * scale
+                if CAUSAL:
+                    st = tl.where(kpos[:, None] <= (offset + rows)[None, :], st, float("-inf"))
+                pt = tl.exp(st - lse[None, :])
+                dv = dot_acc(pt if IEEE else pt.to(dob.dtype), dob, dv, IEEE, UPCAST_DOT)
+                dst = pt * (dot_acc(vb, tl.trans(dob), zeros, IEEE, UPCAST_DOT) - delta[None, :])
+                dk = dot_acc(dst if IEEE else dst.to(qb.dtype), qb, dk, IEEE, UPCAST_DOT)
+        kv_off = ((k0 + kpos)[:, None].to(tl.int64) * (HQ // GROUP) + kv_head) * D + dims[None, :]
+        tl.store(dk_ptr + kv_off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=k_ok[:, None] & d_ok[None, :])
+        tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=k_ok[:, None] & d_ok[None, :])
+
+
 TABLE_CACHE_SIZE = 64
 """Layouts (offsets and tile size) whose device tables :func:`_tables` keeps."""
 
 
 @functools.lru_cache(maxsize=TABLE_CACHE_SIZE)
 def _tables(device: torch.device, bm: int, cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> Optional[tuple[torch.Tensor, ...]]:
-    """Device int32 copies of the offsets and of the tile table (each ``BLOCK_M`` query tile's
-    sequence and first query), or None when there are no queries. Kept per layout: the layers of one
+    """Device int32 copies of the offsets and of the tile table over the first offsets (each
+    ``bm``-row tile's sequence and first row), or None when they hold no rows. The forward and the
+    backward's dq pass tile the queries; the dk/dv pass passes the key offsets first and tiles the
+    keys. Kept per layout: the layers of one
     forward share them (one host-to-device copy per forward, not per layer), and a CUDA graph
     captured after a call with the same layout reads tensors that stay alive while the layout is
     among the last :data:`TABLE_CACHE_SIZE` used (capture itself cannot copy from host memory)."""
@@ -148,33 +289,31 @@ def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: flo
     return out, lse
 
 
-def _backward(q, k, v, out, lse, grad_out, cu_q, cu_k, causal, scale):
-    group = q.shape[1] // k.shape[1]
-    dq, dk, dv = torch.zeros_like(q, dtype=torch.float32), torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
-    for b in range(len(cu_q) - 1):
-        qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-        if qe == qs:
+def _backward(q, k, v, out, lse, grad_out, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
+              tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None):
+    """(dq, dk, dv) in q's dtype: the dq pass over query tiles (it also writes delta), then the
+    dk/dv pass over key tiles, which reads delta. ``tiles`` replaces :data:`BWD_TILES`'s entry
+    (compiled launches only; the tile sweep of ``benchmarks/bench_attention.py``)."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    interpreted = interpreting()
+    grad_out = grad_out.contiguous()
+    tiles = ((*_INTERPRETED_TILES, None, None),) * 2 if interpreted else tiles or BWD_TILES[q.dtype]
+    for dkdv, (bm, bn, warps, stages) in zip((False, True), tiles):
+        # A pass's tile table runs over the rows its programs hold: queries, or keys for dk/dv.
+        cu_tiled, cu_other = (cu_k, cu_q) if dkdv else (cu_q, cu_k)
+        tables = _tables(q.device, bn if dkdv else bm, tuple(cu_tiled), tuple(cu_other))
+        if tables is None:  # no rows to hold
             continue
-        qb = q[qs:qe].float().transpose(0, 1)                                    # [Hq, Lq, D]
-        kb = k[ks:ke].float().repeat_interleave(group, dim=1).transpose(0, 1)    # [Hq, Lk, D]
-        vb = v[ks:ke].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        go = grad_out[qs:qe].float().transpose(0, 1)
-        ob = out[qs:qe].float().transpose(0, 1)
-        s = torch.matmul(qb, kb.transpose(1, 2)) * scale
-        if causal:
-            lq, lk = qe - qs, ke - ks
-            future = torch.arange(lk, device=q.device)[None, :] > (lk - lq + torch.arange(lq, device=q.device))[:, None]
-            s = s.masked_fill(future, -math.inf)
-        p = torch.exp(s - lse[qs:qe].transpose(0, 1)[..., None])
-        dp = torch.matmul(go, vb.transpose(1, 2))
-        ds = p * (dp - (go * ob).sum(-1, keepdim=True)) * scale
-        dq[qs:qe] = torch.matmul(ds, kb).transpose(0, 1)
-        dk_h = torch.matmul(ds.transpose(1, 2), qb)                                # [Hq, Lk, D]
-        dv_h = torch.matmul(p.transpose(1, 2), go)
-        hkv = k.shape[1]
-        dk[ks:ke] = dk_h.view(hkv, group, ke - ks, -1).sum(1).transpose(0, 1)
-        dv[ks:ke] = dv_h.view(hkv, group, ke - ks, -1).sum(1).transpose(0, 1)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        cu_q_t, cu_k_t = (tables[1], tables[0]) if dkdv else tables[:2]
+        extra = {} if interpreted else {"num_warps": warps, "num_stages": stages}
+        _attention_bwd_kernel[(tables[2].shape[0], hkv if dkdv else hq)](
+            q, k, v, out, grad_out, lse, delta, dq, dk, dv, cu_q_t, cu_k_t, tables[2], tables[3], float(scale),
+            HQ=hq, GROUP=hq // hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
+            IEEE=q.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted, BLOCK_M=bm, BLOCK_N=bn, DKDV=dkdv, **extra,
+        )
+    return dq, dk, dv
 
 
 class _VarlenAttention(torch.autograd.Function):

@@ -363,7 +363,7 @@ def dense_attention(q, k, v, cu_q, cu_k, causal):
         s = qs @ ks.transpose(1, 2) / math.sqrt(q.shape[2])
         lq, lk = qs.shape[1], ks.shape[1]
         if causal:
-            allowed = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+            allowed = torch.arange(lk, device=q.device)[None, :] <= (lk - lq + torch.arange(lq, device=q.device))[:, None]
             s = s.masked_fill(~allowed, -math.inf)
         outs.append((torch.softmax(s, -1) @ vs).transpose(0, 1))
     return torch.cat(outs)

@@ -14,8 +14,9 @@ tests/core/test_triton_losses.py.
 ``test_triton_kernels_compile_for_sm90`` runs Triton's full pipeline (TTIR, TTGIR, LLVM IR, PTX,
 cubin through the ``ptxas`` shipped with Triton) for every loss kernel and every compile-time
 branch, and for the ``linear_logprob`` tile and merge kernels (pointer loads), so a kernel that only the interpreter accepts fails on the CPU machine, not first on the
-GPU. It needs Triton's jit library compiled, not interpreted: in a process where Triton was
-imported under ``TRITON_INTERPRET=1`` it runs in a child process without it.
+GPU; and for the ``varlen_attention`` forward and both backward passes. It needs Triton's jit
+library compiled, not interpreted: in a process where Triton was imported under
+``TRITON_INTERPRET=1`` it runs in a child process without it.
 """
 
 from __future__ import annotations
@@ -110,6 +111,17 @@ def _sm90_cases() -> list:
     for by_index, estimator, norm in [(False, 0, True), (True, 0, True), (True, 1, False), (False, 2, True)]:
         cases.append((adv._group_advantages_kernel, dict(order_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64", group_size="i64", eps_ptr="*fp64"),
                       dict(BY_INDEX=by_index, ESTIMATOR=estimator, NORM_BY_STD=norm, BLOCK=1024), 4))
+    from rl_kernel_core.triton import attention as attn
+
+    tables = dict(cu_q_ptr="*i32", cu_k_ptr="*i32", tile_seq_ptr="*i32", tile_start_ptr="*i32", scale=f32)
+    bm, bn, warps, _ = attn.TILES[torch.bfloat16]
+    cases.append((attn._attention_fwd_kernel, dict(tables, **{f"{n}_ptr": "*bf16" for n in "qkvo"}),
+                  dict(HQ=16, GROUP=2, D=128, BLOCK_D=128, CAUSAL=True, IEEE=False, UPCAST_DOT=False, BLOCK_M=bm, BLOCK_N=bn), warps))
+    for dtype, name, d, causal in [(torch.bfloat16, "bf16", 128, True), (torch.float32, "fp32", 64, False)]:
+        types = dict(tables, **{f"{n}_ptr": f"*{name}" for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")})
+        for dkdv, (bm, bn, warps, _) in zip((False, True), attn.BWD_TILES[dtype]):
+            cases.append((attn._attention_bwd_kernel, types, dict(HQ=16, GROUP=2, D=d, BLOCK_D=d, CAUSAL=causal, IEEE=dtype == torch.float32,
+                                                                  UPCAST_DOT=False, BLOCK_M=bm, BLOCK_N=bn, DKDV=dkdv), warps))
     return cases
 
 

@@ -1,11 +1,13 @@
 """Triton ``varlen_attention``: accuracy and gradients against the dense fp64 formula of
-test_attention, bitwise equality of KV-cache decode vs prefill and of a sequence alone vs packed.
+test_attention, bitwise equality of KV-cache decode vs prefill and of a sequence alone vs packed,
+and the backward's determinism and per-sequence independence.
 
 Runs on CPU under the Triton interpreter (``TRITON_INTERPRET=1`` per test) with small shapes and on
-CUDA (``gpu`` marker) at Qwen3-0.6B head shapes (16 query / 8 KV heads, head_dim 128). Under the
-interpreter ``tl.dot`` is numpy's BLAS matmul, which treats a row by its position in the tile, so
-the bitwise decode/packing properties (a query at another tile position) are asserted on CUDA and
-checked against the contract on CPU.
+CUDA (``gpu`` marker) at Qwen3-0.6B head shapes (16 query / 8 KV heads, head_dim 128; the gradient
+tests over 8 sequences of 512-1024 tokens and two short ones). Under the interpreter ``tl.dot`` is
+numpy's BLAS matmul, which treats a row by its position in the tile, so the bitwise decode/packing
+properties (a query at another tile position) are asserted on CUDA and checked against the
+contract on CPU.
 """
 
 from __future__ import annotations
@@ -82,16 +84,78 @@ def test_decode_and_packing_equal_prefill(seed, device, dtype):
         _equal_or_close(device, alone, full[sl], dtype, f"sequence {b} alone")
 
 
-def test_gradients_match_dense_formula(seed, device):
-    q, k, v, cu = _packed(device, [9, 18] if device.type == "cpu" else [9, 300])
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    w = torch.randn(q.shape, device=device)
-    got = torch.autograd.grad((rk.varlen_attention(q, k, v, cu, backend="triton") * w).sum(), (q, k, v))
-    leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
-    c = cu.tolist()
-    expected = torch.autograd.grad((dense_attention(*leaves, c, c, True) * w.double().cpu()).sum(), leaves)
+def _layout(device, kind):
+    """(query lengths, key lengths): ``packed`` self-attention, or ``kv_cache``: Lq <= Lk as in decode
+    steps and chunked prefill, with a sequence that has keys and no queries."""
+    if kind == "packed":
+        lengths = [5, 37, 1, 16] if device.type == "cpu" else [777, 1, 512, 1024, 640, 5, 1000, 513, 900, 700]
+        return lengths, lengths
+    if device.type == "cpu":
+        return [3, 1, 20, 0], [9, 40, 33, 5]
+    return [1, 64, 300, 0, 1], [700, 129, 512, 64, 1024]
+
+
+def _inputs(device, kind, dtype):
+    """q, k, v, offsets and an output-gradient weight (representable in dtype) for ``_layout``."""
+    lq, lk = _layout(device, kind)
+    q, _, _, cu_q = _packed(device, lq, dtype)
+    _, k, v, cu_k = _packed(device, lk, dtype)
+    return q, k, v, cu_q, cu_k, torch.randn(q.shape, device=device).to(dtype).float()
+
+
+def _grads(q, k, v, cu_q, cu_k, causal, w):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = rk.varlen_attention(*leaves, cu_q, cu_k, causal=causal, backend="triton")
+    return torch.autograd.grad((out.float() * w).sum(), leaves)
+
+
+@pytest.mark.parametrize("kind", ["packed", "kv_cache"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_match_dense_formula(seed, device, kind, causal, dtype):
+    q, k, v, cu_q, cu_k, w = _inputs(device, kind, dtype)
+    got = _grads(q, k, v, cu_q, cu_k, causal, w)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad((dense_attention(*leaves, cu_q.tolist(), cu_k.tolist(), causal) * w.double()).sum(), leaves)
     for name, g, e in zip("qkv", got, expected):
-        contract.assert_close(g, e, "gradient", torch.float32, name=f"d{name}")
+        assert g.dtype == dtype
+        contract.assert_close(g, e, "gradient", dtype, name=f"d{name}")
+
+
+def test_gradients_at_other_head_dims_and_groups(seed, device):
+    """Head dims that are not a power of two or not 128 (masked and larger ``BLOCK_D``), and a GQA
+    group of 4 query heads per KV head, in bf16 against the dense fp64 formula."""
+    hq, hkv, lengths, dims = (4, 1, [5, 37, 1, 16], (12,)) if device.type == "cpu" else (8, 2, [300, 1, 129, 64], (64, 96, 256))
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    for d in dims:
+        q, k, v = (torch.randn(sum(lengths), h, d, device=device).to(torch.bfloat16) for h in (hq, hkv, hkv))
+        w = torch.randn(q.shape, device=device).to(torch.bfloat16).float()
+        got = _grads(q, k, v, cu, cu, True, w)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        expected = torch.autograd.grad((dense_attention(*leaves, cu.tolist(), cu.tolist(), True) * w.double()).sum(), leaves)
+        for name, g, e in zip("qkv", got, expected):
+            contract.assert_close(g, e, "gradient", torch.bfloat16, name=f"D={d} d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_is_deterministic_and_per_sequence(seed, device, dtype):
+    """Bitwise equal gradients run to run, and a sequence's gradients alone bitwise equal to its
+    gradients inside the pack: its rows sit at the same tile positions either way (tiles count from
+    the sequence's start), so this holds under the interpreter too. Both layouts on CUDA, the
+    KV-cache one (every kind of sequence) under the interpreter."""
+    for kind in ("packed", "kv_cache") if device.type == "cuda" else ("kv_cache",):
+        q, k, v, cu_q, cu_k, w = _inputs(device, kind, dtype)
+        first = _grads(q, k, v, cu_q, cu_k, True, w)
+        again = _grads(q, k, v, cu_q, cu_k, True, w)
+        for name, a, b in zip("qkv", first, again):
+            assert torch.equal(a, b), f"{kind}: d{name} changed between two identical calls"
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        one = lambda n: torch.tensor([0, n], dtype=torch.int32, device=device)  # noqa: E731
+        for b in range(len(cq) - 1):
+            sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            alone = _grads(q[sq], k[sk], v[sk], one(cq[b + 1] - cq[b]), one(ck[b + 1] - ck[b]), True, w[sq])
+            for name, g, packed, rows in zip("qkv", alone, first, (sq, sk, sk)):
+                assert torch.equal(g, packed[rows]), f"{kind}: sequence {b}'s d{name} alone differs from inside the pack"
 
 
 def test_fp64_is_left_to_the_torch_backend(device):
