@@ -216,7 +216,7 @@ def policy_loss(
     Shapes: every tensor is ``[..., T]``: leading dims index sequences, the last one tokens
     (1-D input is one sequence). Float dtypes; ``mask`` bool or float (a float mask weighs
     tokens, as in verl's ``masked_sum``; weights must be >= 0: a negative or NaN weight raises
-    ``ValueError`` for CPU tensors, and for GPU tensors with ``RL_KERNEL_CHECK_VALUES=1``, which
+    ``ValueError`` for CPU tensors, and for GPU tensors with the switch ``RL_KERNEL_CHECK_VALUES`` on, which
     costs one host sync; unchecked on the GPU by default, where the loss never syncs).
 
     Per token, with ``r = exp(clamp(logprob - old_logprob, ±20))`` and ``A = advantages``::

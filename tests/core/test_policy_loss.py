@@ -15,8 +15,10 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
+from rl_kernel_core._checks import CHECK_VALUES_ENV, values_checked
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss import LOSS_AGG_MODES
+from rl_kernel_core.switches import SwitchError
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_ALIASES = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
@@ -641,14 +643,31 @@ def test_fused_bad_input_names_the_argument(over, err, name):
 
 # ----------------------------------------------------------------------------- GPU
 
+@pytest.mark.parametrize("raw,on", [(None, False), ("", False), ("0", False), ("off", False), ("1", True), ("true", True), (" Yes ", True)])
+def test_check_values_is_a_boolean_switch(monkeypatch, raw, on):
+    """Off the CPU (a meta tensor here), values are checked only with the switch on, in any accepted spelling."""
+    if raw is None:
+        monkeypatch.delenv(CHECK_VALUES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CHECK_VALUES_ENV, raw)
+    assert values_checked(torch.empty(2, device="meta")) is on
+    assert values_checked(torch.empty(2)) is True
+
+
+def test_check_values_refuses_an_unknown_spelling(monkeypatch):
+    monkeypatch.setenv(CHECK_VALUES_ENV, "sure")
+    with pytest.raises(SwitchError, match="RL_KERNEL_CHECK_VALUES must be one of"):
+        values_checked(torch.empty(2, device="meta"))
+
+
 @pytest.mark.gpu
 def test_mask_weights_checked_on_gpu_only_when_asked(seed, monkeypatch):
-    """GPU mask values are read back (a host sync) only with RL_KERNEL_CHECK_VALUES=1."""
+    """GPU mask values are read back (a host sync) only with RL_KERNEL_CHECK_VALUES on."""
     x = {k: v.cuda() for k, v in make_inputs((3, 4)).items()}
     bad = torch.tensor([[1.0, -0.5, 1.0, 0.0]] * 3, device="cuda")
     monkeypatch.delenv("RL_KERNEL_CHECK_VALUES", raising=False)
     rk.policy_loss(x["logprob"], x["old"], x["adv"], bad)
-    monkeypatch.setenv("RL_KERNEL_CHECK_VALUES", "1")
+    monkeypatch.setenv("RL_KERNEL_CHECK_VALUES", "true")
     with pytest.raises(ValueError, match="mask weights must be >= 0"):
         rk.policy_loss(x["logprob"], x["old"], x["adv"], bad)
 
