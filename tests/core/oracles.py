@@ -61,6 +61,7 @@ def check_logprob(logits, targets, temperature=1.0, with_entropy=True, ignore_in
     g_lp = upstream(lp.shape, lp.device)
     loss, loss64 = (lp * g_lp.float()).sum(), (lp64 * g_lp).sum()
     if with_entropy:
+        assert ent is not None
         assert_close(ent, ent64, "logprob", logits.dtype, "entropy")
         g_ent = upstream(ent.shape, ent.device)
         loss, loss64 = loss + (ent * g_ent.float()).sum(), loss64 + (ent64 * g_ent).sum()
@@ -171,7 +172,7 @@ def run_policy_loss(t, backend, g, **kw):
         rollout_is_weights=t["is_w"] if o["is_w"] else None, backend=backend,
     )
     (loss * g.float()).backward()
-    return loss.detach(), metrics, lp.grad, (entropy.grad if o["ent"] else None)
+    return loss.detach(), metrics, lp.grad, (None if entropy is None else entropy.grad)
 
 
 def check_policy_loss(t, backend="triton", **kw):

@@ -58,7 +58,7 @@ def _module_level_imports(module: str) -> set[str]:
     path = PACKAGE.parent / rel.with_suffix(".py")
     if not path.exists():
         path = PACKAGE.parent / rel / "__init__.py"
-    found = set()
+    found: set[str] = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)

@@ -68,7 +68,8 @@ def test_info_shows_why_native_is_unavailable():
     assert proc.returncode == 0, proc.stderr
     native = json.loads(proc.stdout)["backends"]["native"]
     assert native == f"unavailable: {native_build.unavailable_reason()}"
-    assert native_build.unavailable_reason() in _expected_reason()
+    reason = native_build.unavailable_reason()
+    assert reason is not None and reason in _expected_reason()
 
 
 def _aot_build() -> subprocess.CompletedProcess:

@@ -74,7 +74,7 @@ def agg_formula(values: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tenso
             continue
         seq_sum = (values[s] * w[s]).sum()
         per_seq.append(seq_sum / tokens if mode == "seq-mean-token-mean" else seq_sum)
-    out = sum(per_seq) / len(per_seq) if per_seq else values.sum() * 0
+    out = sum(per_seq, torch.zeros((), dtype=values.dtype)) / len(per_seq) if per_seq else values.sum() * 0
     return out / seq_len if mode == "seq-mean-token-sum-norm" else out
 
 
@@ -192,7 +192,7 @@ def test_ratio_kl_gradients_match_fp64_autograd(seed, dtype, kl_type):
     lp64 = d(lp).requires_grad_()
     expected = (ratio_formula(lp64, d(old)) * upstream_r.double()).sum() + (kl_formula(lp64, d(ref), KL_ALIASES[kl_type]) * upstream_k.double()).sum()
     (grad,) = torch.autograd.grad(expected, lp64)
-    assert lp.grad.dtype == dtype
+    assert lp.grad is not None and lp.grad.dtype == dtype
     assert_close(lp.grad, grad, "gradient", dtype, "d/dlogprob")
 
 
@@ -388,7 +388,7 @@ def test_policy_loss_empty_inputs_give_zero_loss_and_metrics(shape):
         assert loss.dim() == 0 and float(loss.detach()) == 0.0
         assert all(float(v) == 0.0 for v in metrics.values())
         loss.backward()
-        assert lp.grad.shape == lp.shape
+        assert lp.grad is not None and lp.grad.shape == lp.shape
 
 
 def test_policy_loss_all_masked_gives_zero_not_nan(seed):
@@ -422,7 +422,7 @@ class _VerlActorConfig(dict):
         self.clip_ratio = clip_ratio_low
         self.clip_ratio_low = clip_ratio_low
         self.clip_ratio_high = clip_ratio_high
-        self.global_batch_info = {}
+        self.global_batch_info: dict[str, object] = {}
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -601,7 +601,7 @@ def test_fused_one_sequence_and_empty(seed):
     loss, metrics = rk.fused_linear_policy_loss(h, weight, torch.zeros(0, 5, dtype=torch.int64), empty, empty, empty > 0)
     assert float(loss.detach()) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
     loss.backward()
-    assert h.grad.shape == h.shape
+    assert h.grad is not None and h.grad.shape == h.shape
 
 
 @pytest.mark.parametrize(

@@ -87,9 +87,9 @@ def test_gradients_match_dense_formula(seed, device):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     w = torch.randn(q.shape, device=device)
     got = torch.autograd.grad((rk.varlen_attention(q, k, v, cu, backend="triton") * w).sum(), (q, k, v))
-    leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    q64, k64, v64 = leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
     c = cu.tolist()
-    expected = torch.autograd.grad((dense_attention(*leaves, c, c, True) * w.double().cpu()).sum(), leaves)
+    expected = torch.autograd.grad((dense_attention(q64, k64, v64, c, c, True) * w.double().cpu()).sum(), leaves)
     for name, g, e in zip("qkv", got, expected):
         contract.assert_close(g, e, "gradient", torch.float32, name=f"d{name}")
 
