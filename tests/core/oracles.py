@@ -208,6 +208,28 @@ def check_policy_loss(t, backend="triton", **kw):
     return loss, metrics, g_lp, g_ent
 
 
+def check_ratio_kl(t, backend, kl_type):
+    """``backend``'s ratio_kl on the tokens ``t`` (:func:`make_tokens`): ratio, KL and the logprob
+    gradient against the fp64 formulas, and the values against the reference backend."""
+    dtype, device = t["lp"].dtype, t["lp"].device
+    lp = t["lp"].clone().requires_grad_()
+    ratio, kl = rk.ratio_kl(lp, t["old"], t["ref"], kl_type=kl_type, backend=backend)
+    lp64 = t["lp"].double().requires_grad_()
+    ratio64 = clamp(lp64 - t["old"].double(), -20.0, 20.0).exp()
+    kl64 = kl_oracle(lp64, t["ref"].double(), kl_type)
+    assert ratio.dtype == kl.dtype == torch.float32 and ratio.shape == lp.shape
+    assert_close(ratio, ratio64, "elementwise", dtype, "ratio")
+    assert_close(kl, kl64, "elementwise", dtype, "kl")
+    g1, g2 = upstream(ratio.shape, device), upstream(kl.shape, device)
+    ((ratio * g1.float()).sum() + (kl * g2.float()).sum()).backward()
+    ((ratio64 * g1).sum() + (kl64 * g2).sum()).backward()
+    assert lp.grad is not None and lp.grad.dtype == dtype
+    assert_close(lp.grad, lp64.grad, "gradient", dtype, "d logprob")
+    ref_ratio, ref_kl = rk.ratio_kl(t["lp"], t["old"], t["ref"], kl_type=kl_type, backend="torch")
+    assert_close(ratio, ref_ratio.double(), "elementwise", dtype, "ratio vs reference")
+    assert_close(kl, ref_kl.double(), "elementwise", dtype, "kl vs reference")
+
+
 def advantages_oracle(rewards, groups, estimator, norm_by_std, eps):
     """Per group, in fp64: mean, unbiased std; a group of one has mean 0 and std 1."""
     r = rewards.double().cpu()

@@ -27,7 +27,7 @@ from rl_kernel_core import dispatch, native_build
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss import METRIC_NAMES
 from oracles import (
-    AGG_MODES, KL_TYPE_CASES, advantages_oracle, check_compiled_equals_eager, check_logprob, check_policy_loss, clamp, kl_oracle, leaves, linear_oracle, linear_oracle_grads, logprob_oracle, make_inputs, make_logits, make_tokens, run_policy_loss, small_chunks, upstream,
+    AGG_MODES, KL_TYPE_CASES, advantages_oracle, check_compiled_equals_eager, check_logprob, check_policy_loss, check_ratio_kl, kl_oracle, leaves, linear_oracle, linear_oracle_grads, logprob_oracle, make_inputs, make_logits, make_tokens, run_policy_loss, small_chunks, upstream,
 )
 
 NATIVE = "native"
@@ -245,23 +245,7 @@ def test_logprob_realistic(seed, n, v):
 @pytest.mark.parametrize("kl_type", KL_TYPE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ratio_kl_values_and_gradients(seed, kl_type, dtype):
-    t = make_tokens((3, 53), "cuda", dtype)
-    lp = t["lp"].clone().requires_grad_()
-    ratio, kl = rk.ratio_kl(lp, t["old"], t["ref"], kl_type=kl_type, backend=NATIVE)
-    lp64 = t["lp"].double().requires_grad_()
-    ratio64 = clamp(lp64 - t["old"].double(), -20.0, 20.0).exp()
-    kl64 = kl_oracle(lp64, t["ref"].double(), kl_type)
-    assert ratio.dtype == kl.dtype == torch.float32 and ratio.shape == lp.shape
-    assert_close(ratio, ratio64, "elementwise", dtype, "ratio")
-    assert_close(kl, kl64, "elementwise", dtype, "kl")
-    g1, g2 = upstream(ratio.shape, "cuda"), upstream(kl.shape, "cuda")
-    ((ratio * g1.float()).sum() + (kl * g2.float()).sum()).backward()
-    ((ratio64 * g1).sum() + (kl64 * g2).sum()).backward()
-    assert lp.grad.dtype == dtype
-    assert_close(lp.grad, lp64.grad, "gradient", dtype, "d logprob")
-    ref_ratio, ref_kl = rk.ratio_kl(t["lp"], t["old"], t["ref"], kl_type=kl_type, backend="torch")
-    assert_close(ratio, ref_ratio.double(), "elementwise", dtype, "ratio vs reference")
-    assert_close(kl, ref_kl.double(), "elementwise", dtype, "kl vs reference")
+    check_ratio_kl(make_tokens((3, 53), "cuda", dtype), NATIVE, kl_type)
 
 
 @gpu
