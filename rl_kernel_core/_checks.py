@@ -7,10 +7,11 @@ Nothing here casts or moves tensors.
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Optional, Sequence
 
 import torch
+
+from .switches import env_flag
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
@@ -87,20 +88,26 @@ def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) 
 
 
 CHECK_VALUES_ENV = "RL_KERNEL_CHECK_VALUES"
-"""Set to ``1`` to check the values of GPU tensors too (:func:`non_negative_weights`), at one
-device->host sync per check."""
+"""A boolean switch (:mod:`rl_kernel_core.switches`): on, the values of GPU tensors are checked
+too (:func:`non_negative_weights`), at one device->host sync per check."""
+
+
+def values_checked(t: torch.Tensor) -> bool:
+    """Whether value checks read ``t``: always on CPU (no sync), elsewhere only with
+    ``RL_KERNEL_CHECK_VALUES`` on (read at each call; an unaccepted spelling raises ``SwitchError``)."""
+    return t.device.type == "cpu" or env_flag(CHECK_VALUES_ENV)
 
 
 def non_negative_weights(name: str, weights: torch.Tensor) -> None:
     """Every entry of a float weight tensor is >= 0 (NaN fails); a bool tensor passes.
 
     CPU tensors are always checked (no sync). Other devices are checked only when
-    ``RL_KERNEL_CHECK_VALUES=1``, since the check reads a flag back to the host (one sync, which
+    ``RL_KERNEL_CHECK_VALUES`` is on, since the check reads a flag back to the host (one sync, which
     the losses otherwise never make); under ``torch.compile`` it is a device-side assert.
     """
     if weights.dtype == torch.bool or weights.numel() == 0 or weights.is_meta:
         return
-    if weights.device.type != "cpu" and os.environ.get(CHECK_VALUES_ENV, "0") != "1":
+    if not values_checked(weights):
         return
     bad = ~(weights >= 0)
     if torch.compiler.is_compiling():

@@ -76,7 +76,7 @@ def group_advantages(
         if group_size <= 0 or n % group_size != 0:
             raise ValueError(f"group_size must be a positive divisor of N = rewards.shape[0] = {n}, got {group_size}")
     else:
-        _checks.tensor("group_index", group_index, dtypes=_checks.INDEX_DTYPES, ndim=1)
+        group_index = _checks.tensor("group_index", group_index, dtypes=_checks.INDEX_DTYPES, ndim=1)
         _checks.shape("group_index", group_index, (n,), f"[N] = ({n},) like rewards")
         _checks.same_device("rewards", rewards, group_index=group_index)
         _checks.needs_data("group_index", group_index, "its ids define the groups")

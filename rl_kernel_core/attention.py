@@ -8,7 +8,7 @@ is batch-invariant on its own, and they agree to the contract, not bit for bit."
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Literal, Optional, Union, overload
 
 import torch
 
@@ -27,6 +27,14 @@ def _offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:
     return values
 
 
+@overload
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None,
+                     return_lse: Literal[False] = False, backend: Optional[str] = "auto") -> torch.Tensor: ...
+@overload
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None,
+                     return_lse: Literal[True], backend: Optional[str] = "auto") -> tuple[torch.Tensor, torch.Tensor]: ...
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None,
                      return_lse: bool = False, backend: Optional[str] = "auto") -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

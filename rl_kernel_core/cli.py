@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -140,7 +140,7 @@ def _bench(args: argparse.Namespace) -> int:
         lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
         torch.autograd.grad(lp, (hidden, weight), upstream)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, fn in (("rl_kernel", ours_fwd_bwd), ("eager", eager_fwd_bwd)):
         timing = bench.time_ms(fn, device, warmup=args.warmup, reps=args.reps)
         rows.append({"impl": name, **timing, "peak_extra_gib": bench.peak_extra_gib(fn, device)})
@@ -150,7 +150,7 @@ def _bench(args: argparse.Namespace) -> int:
         "command": bench.command_line(),
         "shape": {"N": n, "D": d, "V": v},
         "dtype": args.dtype,
-        "backend": decision.backend if decision else None,
+        "backend": decision.backend,
         "environment": bench.environment(device),
         "results": rows,
         "ratio_to_eager": rows[0]["median_ms"] / rows[1]["median_ms"],

@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union, overload
 
 import torch
 
@@ -262,11 +262,21 @@ def _record(decision: Decision) -> None:
         )
 
 
-def explain(op: Optional[str] = None) -> dict[str, Decision] | Optional[Decision]:
-    """The last decision for ``op`` (or all ops when ``op`` is None)."""
+@overload
+def explain(op: None = None) -> dict[str, Decision]: ...
+@overload
+def explain(op: str) -> Decision: ...
+def explain(op: Optional[str] = None) -> Union[dict[str, Decision], Decision]:
+    """The last decision for ``op``, or ``{op: decision}`` for every op decided so far when ``op`` is None.
+
+    Raises:
+        LookupError: no call of ``op`` has chosen a backend in this process yet.
+    """
     if op is None:
         return dict(_last)
-    return _last.get(op)
+    if op not in _last:
+        raise LookupError(f"no call of {op} has chosen a backend in this process yet")
+    return _last[op]
 
 
 def backend_status() -> dict[str, Optional[str]]:

@@ -48,7 +48,7 @@ import contextlib
 import math
 import threading
 import warnings
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -345,7 +345,7 @@ def _route_fused_rms_norm(x: torch.Tensor, normalized_shape, weight: Optional[to
 
 
 _aten = torch.ops.aten
-ROUTED_OPS = {
+ROUTED_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     _aten.mm.default: bi_matmul,
     _aten.addmm.default: _route_addmm,
     _aten.bmm.default: _route_bmm,

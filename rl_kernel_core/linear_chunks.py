@@ -23,7 +23,7 @@ import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Protocol
 
 import torch
 
@@ -112,9 +112,10 @@ def tuning() -> LinearTuning:
 def tuned(**changes) -> Iterator[LinearTuning]:
     """Run the block with :func:`tuning` replaced by a copy with ``changes`` (field names of
     :class:`LinearTuning`); yields it. Restored on exit, also on error."""
-    token = _TUNING.set(dataclasses.replace(tuning(), **changes))
+    changed = dataclasses.replace(tuning(), **changes)
+    token = _TUNING.set(changed)
     try:
-        yield _TUNING.get()
+        yield changed
     finally:
         _TUNING.reset(token)
 
@@ -230,17 +231,26 @@ class ChunkBuffers:
         vocab, dim = weight.shape
         dev, dt = hidden.device, hidden.dtype
         self.route = route
-        self.logits = self.h_pad = self.dl = None
+        self.logits: Optional[torch.Tensor] = None
+        self.h_pad: Optional[torch.Tensor] = None
+        self._dl: Optional[torch.Tensor] = None
         if route == "chunked":
             self.rows = chunk_rows(vocab, 4)
             self.logits = torch.empty(self.rows, vocab, dtype=torch.float32, device=dev)
             self.h_pad = torch.empty(self.rows, dim, dtype=dt, device=dev)
-            self.dl = self.logits if dt == torch.float32 else self.logits.view(dt)[:, :vocab]
+            self._dl = self.logits if dt == torch.float32 else self.logits.view(dt)[:, :vocab]
         elif need_dl:
             self.rows = chunk_rows(vocab, hidden.element_size())
-            self.dl = torch.empty(self.rows, vocab, dtype=dt, device=dev)
+            self._dl = torch.empty(self.rows, vocab, dtype=dt, device=dev)
         else:
             self.rows = self.stats_rows(hidden, weight)
+
+    @property
+    def dl(self) -> torch.Tensor:
+        """The ``[rows, V]`` logit-gradient buffer of a pass built with ``need_dl`` (or on the chunked route)."""
+        if self._dl is None:
+            raise RuntimeError("these chunk buffers hold no dl: build them with need_dl=True")
+        return self._dl
 
     def stats_rows(self, hidden: torch.Tensor, weight: torch.Tensor) -> int:
         """Rows per chunk of a forward on a route other than chunked (no ``dl``, no logits buffer)."""
@@ -249,7 +259,7 @@ class ChunkBuffers:
     def source(self, hidden: torch.Tensor, weight: torch.Tensor, r0: int, n: int) -> torch.Tensor:
         """What the pass reads for rows ``[r0, r0+n)``: hidden rows, or (chunked route) their fp32
         logits computed by cuBLAS on the fixed ``[rows, D]`` shape, zero-padded."""
-        if self.route != "chunked":
+        if self.h_pad is None or self.logits is None:  # not the chunked route
             return hidden[r0 : r0 + n]
         self.h_pad[:n].copy_(hidden[r0 : r0 + n])
         if n < self.rows:
@@ -304,6 +314,15 @@ def forward_stats(
     return lp, ent, lse
 
 
+class Sink(Protocol):
+    """What :func:`backward_chunks` hands each chunk's ``dl`` to: a :class:`GradSink`, or a
+    vocab-parallel sink that all-reduces ``dh``."""
+
+    def add(self, dl: torch.Tensor, r0: int, n: int) -> None: ...
+
+    def grads(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]: ...
+
+
 class GradSink:
     """Consumes each chunk's ``dl``: ``dh`` rows, the ``dW`` accumulator and ``db``."""
 
@@ -331,18 +350,19 @@ class GradSink:
         if self.db is not None:
             self.db += dl[:n].sum(dim=0, dtype=torch.float32)
 
-    def grads(self) -> tuple[Optional[torch.Tensor], ...]:
+    def grads(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(dh, dW, db)`` in the inputs' dtypes (None where not needed)."""
-        return tuple(
+        dh, dw, db = (
             None if g is None else g.to(like.dtype)
             for g, like in ((self.dh, self.hidden), (self.dw, self.weight), (self.db, self.weight))
         )
+        return dh, dw, db
 
 
 def backward_chunks(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-    inv_temp: float, ignore_index: int, route: str, sink: GradSink, buffers: type[ChunkBuffers],
+    inv_temp: float, ignore_index: int, route: str, sink: Sink, buffers: type[ChunkBuffers],
 ) -> None:
     """Recompute each chunk's logits, form ``dl`` (``buffers``' pass) and hand it to ``sink``."""
     n_rows = hidden.shape[0]
@@ -374,7 +394,7 @@ def linear_backward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     lse: torch.Tensor, entropy: torch.Tensor, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
     temperature: float, ignore_index: int, need_h: bool, need_w: bool, need_b: bool, route: str,
-    buffers: type[ChunkBuffers], sink: Optional[GradSink] = None,
+    buffers: type[ChunkBuffers], sink: Optional[Sink] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``linear_logprob``'s backward custom-op body: ``(dh, dW, db)`` in the inputs' dtypes, ``[0]``
     where not asked for. ``sink`` replaces the single-process :class:`GradSink` (vocab parallel)."""
@@ -387,4 +407,5 @@ def linear_backward(
         1.0 / temperature, ignore_index, route, sink, buffers,
     )
     empty = hidden.new_empty(0)
-    return tuple(empty.clone() if g is None else g for g in sink.grads())
+    dh, dw, db = (empty.clone() if g is None else g for g in sink.grads())
+    return dh, dw, db

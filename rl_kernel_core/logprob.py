@@ -65,10 +65,11 @@ def _out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _empty(shape: torch.Size, dtype: torch.dtype, *sources: Optional[torch.Tensor]) -> torch.Tensor:
-    """An empty result of ``shape`` attached to the graph of ``sources`` (so ``backward`` works)."""
-    out = torch.zeros(shape, dtype=dtype, device=sources[0].device)
-    for src in sources:
+def _empty(shape: torch.Size, dtype: torch.dtype, first: torch.Tensor, *more: Optional[torch.Tensor]) -> torch.Tensor:
+    """An empty result of ``shape`` on ``first``'s device, attached to the graph of ``first`` and
+    ``more`` (so ``backward`` works)."""
+    out = torch.zeros(shape, dtype=dtype, device=first.device)
+    for src in (first, *more):
         if src is not None:
             out = out + src.reshape(-1)[:0].to(dtype).reshape(shape)
     return out
@@ -88,7 +89,10 @@ def _tp_world(tp_group) -> int:
 
 def _pack(logprob: torch.Tensor, entropy: Optional[torch.Tensor], shape: torch.Size, return_entropy: bool) -> Result:
     logprob = logprob.reshape(shape)
-    return (logprob, entropy.reshape(shape)) if return_entropy else logprob
+    if not return_entropy:
+        return logprob
+    assert entropy is not None, "a backend asked for the entropy returned none"
+    return logprob, entropy.reshape(shape)
 
 
 def linear_logprob(

@@ -143,7 +143,7 @@ def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, require
         _checks.tensor(name, value, dtypes=_checks.FLOAT_DTYPES)
     for name, value in optional.items():
         _checks.optional_tensor(name, value, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("mask", mask, dtypes=_MASK_DTYPES)
+    mask = _checks.tensor("mask", mask, dtypes=_MASK_DTYPES)
     _checks.same_shape(ref_name, ref, mask=mask, **required, **optional)
     _checks.same_device(ref_name, ref, mask=mask, **required, **optional)
     _checks.non_negative_weights("mask", mask)
@@ -216,7 +216,7 @@ def policy_loss(
     Shapes: every tensor is ``[..., T]``: leading dims index sequences, the last one tokens
     (1-D input is one sequence). Float dtypes; ``mask`` bool or float (a float mask weighs
     tokens, as in verl's ``masked_sum``; weights must be >= 0: a negative or NaN weight raises
-    ``ValueError`` for CPU tensors, and for GPU tensors with ``RL_KERNEL_CHECK_VALUES=1``, which
+    ``ValueError`` for CPU tensors, and for GPU tensors with the switch ``RL_KERNEL_CHECK_VALUES`` on, which
     costs one host sync; unchecked on the GPU by default, where the loss never syncs).
 
     Per token, with ``r = exp(clamp(logprob - old_logprob, ±20))`` and ``A = advantages``::
@@ -272,7 +272,7 @@ def policy_loss(
     if global_batch is not None:
         if not isinstance(global_batch, GlobalBatch):
             raise TypeError(f"global_batch must be a GlobalBatch or None, got {type(global_batch).__name__}")
-        mode, factor = _global_normaliser(settings.loss_agg_mode, args[3], global_batch)
+        mode, factor = _global_normaliser(settings.loss_agg_mode, mask, global_batch)
         settings = dataclasses.replace(settings, loss_agg_mode=mode)
     if logprob.numel() == 0:
         loss, metrics = _reference.policy_loss(*args, settings)

@@ -30,7 +30,7 @@ The semantics every backend must reproduce are stated in :mod:`rl_kernel_core.re
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Literal, Optional, Union, overload
 
 import torch
 
@@ -51,6 +51,10 @@ def _row_tensor(name: str, value: torch.Tensor, logits: torch.Tensor, dtypes: tu
     return value.to(out_dtype)
 
 
+@overload
+def _number(name: str, value: object, integer: Literal[True]) -> int: ...
+@overload
+def _number(name: str, value: object, integer: bool) -> Union[int, float]: ...
 def _number(name: str, value: object, integer: bool) -> Union[int, float]:
     """``value`` as a Python int (``integer``; it must fit in int64) or a finite-or-infinite float."""
     kind = int if integer else (int, float)
@@ -64,7 +68,7 @@ def _number(name: str, value: object, integer: bool) -> Union[int, float]:
     try:
         return float(value)
     except OverflowError:
-        raise ValueError(f"{name} must be representable as a float, got an int of {value.bit_length()} bits") from None
+        raise ValueError(f"{name} must be representable as a float, got an int of {int(value).bit_length()} bits") from None
 
 
 def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: float, lo_open: bool, hi_open: bool,
@@ -77,8 +81,8 @@ def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: 
         stats = [value.min(), value.max()]
         if smallest_nonzero:
             stats.append(torch.where(value != 0, value.abs(), float("inf")).min())
-        low, high, *small = torch.stack(stats).to(torch.float64).tolist()
-        small = small[0] if small else float("inf")
+        low, high, *rest = torch.stack(stats).to(torch.float64).tolist()
+        small = rest[0] if rest else float("inf")
     else:
         low = high = float(value)
         small = abs(low) if low != 0 else float("inf")
@@ -100,6 +104,7 @@ def _validated(name: str, value: Param, logits: torch.Tensor, *, integer: bool, 
     its kernel as scalars instead of launching a fill per parameter."""
     if value is None:
         return None
+    out: Union[int, float, torch.Tensor]
     if isinstance(value, torch.Tensor):
         dtypes = _checks.INDEX_DTYPES if integer else _checks.FLOAT_DTYPES
         out = _row_tensor(name, value, logits, dtypes, out_dtype)

@@ -69,7 +69,7 @@ def _fallback(state: EngineState, reason: str) -> None:
     _log_once(f"{reason}: running verl's own path for it")
 
 
-def unsupported_reason(engine: Any, engine_cls: type) -> Optional[str]:
+def unsupported_reason(engine: Any, engine_cls: type[Any]) -> Optional[str]:
     """Why this engine cannot be hooked, or None."""
     kind = type(engine)
     if not isinstance(engine, engine_cls):
@@ -233,12 +233,12 @@ def _add_metrics(state: EngineState, outputs: Any, pass_name: str) -> None:
     if not isinstance(outputs, dict) or not isinstance(outputs.get("metrics"), dict) or record is None:
         return
     values: dict[str, float] = {}
+    decisions = dispatch.explain()
     for region, ms in record["regions"].items():
         values[f"{METRIC_PREFIX}{region}_ms"] = float(ms)
         op = _OPS_BY_REGION.get(region)
-        decision = dispatch.explain(op) if op else None
-        if decision is not None:
-            values[f"{METRIC_PREFIX}backend/{op}/{decision.backend}"] = 1.0
+        if op in decisions:
+            values[f"{METRIC_PREFIX}backend/{op}/{decisions[op].backend}"] = 1.0
     values[f"{METRIC_PREFIX}fallback_micro_batches"] = float(fallbacks)
     as_list = pass_name == "train"
     outputs["metrics"].update({k: [v] if as_list else v for k, v in values.items()})

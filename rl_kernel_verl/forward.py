@@ -82,14 +82,14 @@ def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Req
     temperature = float(kwargs.pop("temperature", 1.0))
     for unused in ("return_dict", "use_cache"):
         kwargs.pop(unused, None)
-    outputs = self.model(use_cache=False, **kwargs)
+    outputs = self.get_submodule("model")(use_cache=False, **kwargs)
     hidden = outputs[0]
     with profiling.region("logprob", hidden.device):
-        log_probs, entropy = _run_as_forward(self.lm_head, _head_logprob, hidden, labels, temperature, rl_kernel.return_entropy)
+        log_probs, entropy = _run_as_forward(self.get_submodule("lm_head"), _head_logprob, hidden, labels, temperature, rl_kernel.return_entropy)
     return output_type(log_probs=log_probs, entropy=entropy, hidden_states=getattr(outputs, "hidden_states", None))
 
 
-def _head_logprob(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool):
+def _head_logprob(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool):
     """The head's work inside its (FSDP-managed) forward: layout and dtype, then ``linear_logprob``."""
     weight, bias = head.weight, getattr(head, "bias", None)
     if isinstance(weight, DTensor):

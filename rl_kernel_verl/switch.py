@@ -74,7 +74,7 @@ def read(model_config: Any) -> Switch:
         rl_kernel_core.switches.SwitchError: the switch is on and ``RL_KERNEL_VERL_STRICT`` holds
             an unaccepted value.
     """
-    options: Optional[Mapping] = _get(model_config, "fused_kernel_options") or {}
+    options: Mapping = _get(model_config, "fused_kernel_options") or {}
     on = _as_bool(SWITCH_KEY, options[SWITCH_KEY]) if SWITCH_KEY in options else False
     strict = _as_bool(STRICT_KEY, options[STRICT_KEY]) if STRICT_KEY in options else False
     for key in options:

@@ -142,7 +142,7 @@ def get_log_probs_and_entropy(
         )
     log_prob, entropy = out if with_entropy else (out, None)
     res = {"log_probs": layout.split_rows(log_prob, rows)}
-    if with_entropy:
+    if entropy is not None:
         res["entropy"] = layout.split_rows(entropy, rows)
     return torch.empty((0,), device=logits.device), res
 
@@ -289,12 +289,8 @@ def _step_fields(original: Callable, args: tuple, kwargs: dict[str, Any]) -> dic
     except (TypeError, ValueError):
         bound = {}
     fields = {name: bound[name] for name in ("rollout_id", "step_id") if isinstance(bound.get(name), int)}
-    backends = {}
-    for op in ("logprob_from_logits", "ratio_kl", "policy_loss"):
-        decision = dispatch.explain(op)
-        if decision is not None:
-            backends[op] = decision.backend
-    fields["backends"] = backends
+    decisions = dispatch.explain()
+    fields["backends"] = {op: decisions[op].backend for op in ("logprob_from_logits", "ratio_kl", "policy_loss") if op in decisions}
     fields["fallbacks"] = fallback.counts()
     return fields
 

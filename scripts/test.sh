@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up and runs every test tier. Each tier has its own cached virtual environment built by
 # scripts/env.sh from requirements/TIER.txt:
-#   core  - CPU PyTorch + Triton interpreter: tests/ except the framework tiers below
+#   core  - CPU PyTorch + Triton interpreter: tests/ except the framework tiers below, after the
+#           static type check (scripts/typecheck.sh: mypy over rl_kernel_* and tests/)
 #   verl  - the real verl on CPU:            tests/verl and the core tests' verl parity checks
 #   vllm  - the real vLLM CPU engine:        tests/vllm   (when requirements/vllm.txt exists)
 #   vllm-gpu - the vLLM GPU release, imported on CPU: its Model Runner V2 targets and the
@@ -20,6 +21,11 @@ run_tier() {
   echo "== tier $tier: preparing environment"
   local env
   env=$(scripts/env.sh "$tier") || { echo "== tier $tier: environment set-up FAILED"; status=1; return; }
+  if [ "$tier" = core ]; then
+    echo "== tier core: type check (scripts/typecheck.sh)"
+    if scripts/typecheck.sh "$env/bin/python"; then echo "== tier core: type check passed"
+    else echo "== tier core: type check FAILED"; status=1; fi
+  fi
   echo "== tier $tier: python -m pytest $*"
   "$env/bin/python" -m pytest "$@"
   local rc=$?

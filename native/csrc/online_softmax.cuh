@@ -1,5 +1,5 @@
 // Online softmax statistics shared by the row kernels of the rl-kernel native extension
-// (logprob.cu: logprob_from_logits; linear_logprob.cu: the per-chunk pass of linear_logprob).
+// (logprob_from_logits.cu: logprob_from_logits; linear_logprob.cu: the per-chunk pass of linear_logprob).
 //
 // A thread's state over the scaled logits it has seen: m the running max, s = sum exp(z - m) and
 // u = sum exp(z - m) (z - m); moving to a larger max m' rescales by a = exp(m - m'): s' = a s,

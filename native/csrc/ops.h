@@ -1,4 +1,4 @@
-// Host entry points of the rl-kernel native extension (bound to Python in bindings.cpp).
+// Host entry points of the rl-kernel native extension (bound to Python in bind_<family>.cpp).
 //
 // Arguments arrive validated by rl_kernel_core (shapes, dtypes, target ids); these functions
 // check only what would make a kernel read or write out of bounds. Every launch goes to the

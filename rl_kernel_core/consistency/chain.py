@@ -90,7 +90,7 @@ def decode_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], prompt_len
     lengths = [len(s) for s in seqs]
     if min(lengths) <= prompt_len or prompt_len < 1:
         raise ValueError(f"prompt_len must be in [1, shortest length {min(lengths)}), got {prompt_len}")
-    cache = KVCache(len(model.layers), len(seqs))
+    cache = KVCache(len(model.layers))
     prompt = [s[:prompt_len] for s in seqs]
     targets = torch.cat([s[1:prompt_len + 1] for s in seqs])
     keys = [(first_index + b, t) for b in range(len(seqs)) for t in range(prompt_len)]

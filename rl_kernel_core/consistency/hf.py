@@ -101,7 +101,7 @@ def rollout_logprobs(model, seqs: list[torch.Tensor], prompt_len: int, batch_siz
     receiving ``pad_id`` (attended, discarded) so the others keep their batch."""
     from transformers import DynamicCache
 
-    out = []
+    out: list[torch.Tensor] = []
     for first in range(0, len(seqs), batch_size):
         group = seqs[first:first + batch_size]
         idx = list(range(first, first + len(group)))

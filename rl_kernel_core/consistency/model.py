@@ -98,11 +98,12 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
 
 
 class KVCache:
-    """Per-layer, per-sequence cached keys and values ``[L_b, Hkv, hd]`` for incremental decoding."""
+    """Per-layer, per-sequence cached keys and values ``[L_b, Hkv, hd]`` for incremental decoding
+    (``{sequence: rows}`` per layer, sequences in order from the first :meth:`append`)."""
 
-    def __init__(self, num_layers: int, batch: int):
-        self.keys = [[None] * batch for _ in range(num_layers)]
-        self.values = [[None] * batch for _ in range(num_layers)]
+    def __init__(self, num_layers: int):
+        self.keys: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self.values: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Append sequence b's new rows ``k/v[cu[b]:cu[b+1]]``; return the packed cache and its offsets."""
@@ -110,10 +111,10 @@ class KVCache:
         for b in range(len(cu) - 1):
             for store, new in ((self.keys[layer], k), (self.values[layer], v)):
                 chunk = new[cu[b]:cu[b + 1]]
-                store[b] = chunk if store[b] is None else torch.cat([store[b], chunk])
+                store[b] = torch.cat([store[b], chunk]) if b in store else chunk
             lengths.append(self.keys[layer][b].shape[0])
         offsets = torch.tensor([0] + lengths).cumsum(0)
-        return torch.cat(self.keys[layer]), torch.cat(self.values[layer]), offsets
+        return torch.cat(list(self.keys[layer].values())), torch.cat(list(self.values[layer].values())), offsets
 
 
 class Attention(nn.Module):

@@ -146,4 +146,4 @@ def load(path: str) -> Batch:
     special = data.get("special_tokens", {})
     if not isinstance(special, dict):
         raise ValueError(f"{path}: special_tokens must be a dict of name -> token id, got {type(special).__name__}")
-    return Batch(*(data[name] for name in _TENSOR_FIELDS), data["padding_side"], dict(special))
+    return Batch(**{name: data[name] for name in _TENSOR_FIELDS}, padding_side=data["padding_side"], special_tokens=dict(special))

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 
 @dataclass
@@ -72,7 +73,7 @@ class DriftProbe:
         self._phase = "reference"
         self._saved: dict[tuple[str, str], dict] = {}
         self._drift: dict[tuple[str, str], float] = {}
-        self._handles = []
+        self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> "DriftProbe":
         for name, module in self.model.named_modules():
@@ -126,13 +127,13 @@ class DriftProbe:
                 if key is not None:
                     store[key] = cpu[i]
             return
-        store = self._saved.get(slot)
-        if store is None:
+        saved = self._saved.get(slot)
+        if saved is None:
             return
         worst = self._drift.get(slot, 0.0)
         cpu = rows.float().cpu()
         for i, key in enumerate(self._keys):
-            ref = store.get(key) if key is not None else None
+            ref = saved.get(key) if key is not None else None
             if ref is not None and ref.shape == cpu[i].shape:
                 d = float((cpu[i] - ref).abs().max()) if ref.numel() else 0.0
                 worst = max(worst, d if not math.isnan(d) else math.inf)

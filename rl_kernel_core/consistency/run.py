@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -104,7 +104,8 @@ def load(settings: Settings) -> Subject:
         raise RuntimeError(f"--model {settings.model!r} needs transformers (pip install transformers): {exc}") from None
     from rl_kernel_core.consistency import hf
 
-    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype).to(device).eval()
+    # transformers types PreTrainedModel.to through functools.wraps, whose type does not bind self
+    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     hf.use_mode_attention(model)
     pad_id = 0
     try:
@@ -146,7 +147,7 @@ def run(settings: Settings) -> dict:
     rollout_batch, training_batch = subject.batches(seqs)
     mismatch = parity.check(rollout_batch, training_batch)
     tol = contract.tolerance("logprob", DTYPES[settings.dtype])
-    report = {
+    report: dict[str, Any] = {
         "settings": asdict(settings), "model": subject.describe,
         "lengths": [len(s) for s in seqs],
         "contract": {"op_class": "logprob", "dtype": settings.dtype, "atol": tol.atol, "rtol": tol.rtol,
@@ -195,7 +196,8 @@ def plot(report: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
     names: list[str] = []
-    for mode, style in (("off", dict(color="tab:red", marker="o")), ("on", dict(color="tab:green", marker="s"))):
+    styles: dict[str, dict[str, Any]] = {"off": dict(color="tab:red", marker="o"), "on": dict(color="tab:green", marker="s")}
+    for mode, style in styles.items():
         layers = report["modes"].get(mode, {}).get("layers")
         if not layers:
             continue

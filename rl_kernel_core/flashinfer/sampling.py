@@ -6,8 +6,6 @@ Which calls it serves, and how each maps onto FlashInfer: :mod:`rl_kernel_core.f
 
 from __future__ import annotations
 
-from typing import Union
-
 import flashinfer.sampling as fi
 import torch
 
@@ -56,7 +54,7 @@ def draw(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, top_k: P
 
 
 @dispatch.register("sample", "flashinfer", supports=supports)
-def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds: torch.Tensor, positions: Param,
+def sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: Param,
            top_k: Param, top_p: Param, min_p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample``'s backend contract (:mod:`rl_kernel_core.sampling`) for the calls
     :func:`~rl_kernel_core.flashinfer.supports` accepts (no caller seeds, so ``positions`` do not

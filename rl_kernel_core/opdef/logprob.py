@@ -99,10 +99,10 @@ LINEAR_BACKWARD_SCHEMA = (
 )
 """Its backward: ``(dh, dW, db)``, each ``[0]`` when not asked for."""
 
-_GROUPS: dict[str, object] = {}
+_GROUPS: dict[str, torch.distributed.ProcessGroup] = {}
 
 
-def register_group(group: Optional[object]) -> Optional[str]:
+def register_group(group: Optional[torch.distributed.ProcessGroup]) -> Optional[str]:
     """The name under which the ops find ``group`` (a ``torch.distributed.ProcessGroup``; None: None)."""
     if group is None:
         return None
@@ -111,7 +111,7 @@ def register_group(group: Optional[object]) -> Optional[str]:
     return name
 
 
-def group_named(name: Optional[str]) -> Optional[object]:
+def group_named(name: Optional[str]) -> Optional[torch.distributed.ProcessGroup]:
     """The process group :func:`register_group` recorded under ``name`` (None: None)."""
     return None if name is None else _GROUPS[name]
 
@@ -121,7 +121,7 @@ def linear_implementation(forward_op: Callable) -> Callable[..., tuple[Tensor, O
 
     def linear_logprob(
         hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
-        ignore_index: int, return_entropy: bool, tp_group: Optional[object],
+        ignore_index: int, return_entropy: bool, tp_group: Optional[torch.distributed.ProcessGroup],
     ) -> tuple[Tensor, Optional[Tensor]]:
         """Backend implementation: ``(logprob [N], entropy [N] or None)`` fp32, differentiable in ``hidden``, ``weight`` and ``bias``."""
         logprob, entropy, _lse = forward_op(

@@ -318,12 +318,14 @@ def fused_loss_backward(backward_op: Callable) -> Callable:
 
 def scaled_gradients(grad_loss: Tensor, grad_hidden: Tensor, grad_weight: Tensor, grad_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The fused loss's backward body: each stored gradient (``[0]`` when absent) times ``grad_loss``, new tensors."""
-    return tuple(g * grad_loss.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias))
+    dh, dw, db = (g * grad_loss.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias))
+    return dh, dw, db
 
 
 def scaled_gradients_in_place(grad_loss: Tensor, grad_hidden: Tensor, grad_weight: Tensor, grad_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`scaled_gradients` in place, for the eager path: the stored gradients are the node's
     own buffers, used once (:func:`fused_loss_backward` refuses a second backward), and a copy of
     ``dW`` would double its memory."""
-    return tuple(g.mul_(grad_loss.to(g.dtype)) for g in (grad_hidden, grad_weight, grad_bias))
+    dh, dw, db = (g.mul_(grad_loss.to(g.dtype)) for g in (grad_hidden, grad_weight, grad_bias))
+    return dh, dw, db
 

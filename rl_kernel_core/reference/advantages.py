@@ -66,6 +66,7 @@ def group_advantages(
         return values.new_empty(0, dtype=out_dtype)
     device = values.device
     if group_index is None:
+        assert group_size is not None, "exactly one of group_size and group_index is set"
         num_groups = values.numel() // group_size
         counts = torch.full((num_groups,), group_size, dtype=torch.int64, device=device)
         group_of = torch.arange(num_groups, device=device).repeat_interleave(group_size)

@@ -23,7 +23,7 @@ backward passes are correct but are not themselves batch-invariant.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,8 @@ from rl_kernel_core import dispatch
 ROW_TILE: int = 32
 """Rows per library call in every batch-invariant reference op."""
 
-Outputs = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+Outputs = TypeVar("Outputs", torch.Tensor, tuple[torch.Tensor, ...])
+"""What a row-wise function of :func:`row_tiled` returns: a tensor or a tuple of tensors."""
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,7 +58,7 @@ def row_tiled(fn: Callable[..., Outputs], *tensors: torch.Tensor, tile: int = RO
     shape. Differentiable: padding and concatenation go through autograd.
     """
     n = tensors[0].shape[0]
-    outs = []
+    outs: list[Outputs] = []
     for start in range(0, max(n, 1), tile):
         outs.append(fn(*(_pad_rows(t[start:start + tile], tile) for t in tensors)))
     if isinstance(outs[0], torch.Tensor):

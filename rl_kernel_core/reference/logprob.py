@@ -133,9 +133,10 @@ def _chunk_grad(
     logp = z.sub_(lse.unsqueeze(1))
     p = torch.exp(logp)
     ent_term = None
-    if g_ent is not None:  # -e p (log p + H), formed in the log p buffer
+    if g_ent is not None and entropy is not None:  # -e p (log p + H), formed in the log p buffer
         ent_term = _finite(logp).add_(entropy.unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))
     if g_lp is None:
+        assert ent_term is not None, "a chunk's gradient needs grad_logprob or grad_entropy"
         grad = ent_term
     else:
         grad = p.mul_(-g_lp.unsqueeze(1))
@@ -222,11 +223,11 @@ class _LinearLogprob(torch.autograd.Function):
                 z, lse[sl], None if entropy is None else entropy[sl], local_t[sl], owned[sl],
                 None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], ctx.temperature,
             )
-            if need_h:
+            if dh is not None:
                 torch.mm(dl, w, out=dh[sl])
-            if need_w:
+            if dw is not None:
                 dw.addmm_(dl.t(), h)
-            if need_b:
+            if db is not None:
                 db.add_(dl.sum(dim=0))
             del z, dl, h
         if need_h and world > 1:

@@ -134,9 +134,10 @@ def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions, to
     positions = _as_rows(0 if positions is None else positions, b, torch.int64, dev)
     filters = {"top_k": _as_rows(top_k, b, torch.int64, dev), "top_p": _as_rows(top_p, b, torch.float64, dev),
                "min_p": _as_rows(min_p, b, torch.float32, dev)}
-    present = [name for name, value in filters.items() if value is not None]
+    present = {name: value for name, value in filters.items() if value is not None}
 
     def tile(lg: torch.Tensor, t: torch.Tensor, s: torch.Tensor, pos: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _sample_tile(lg, t, s, pos, **dict(zip(present, values)))
 
-    return row_tiled(tile, logits, temperature, seeds, positions, *(filters[name] for name in present))
+    tokens, logprobs = row_tiled(tile, logits, temperature, seeds, positions, *present.values())
+    return tokens, logprobs

@@ -164,7 +164,7 @@ class ShardGradSink:
             self.dh[r0 : r0 + n].copy_(part)
         self.local.add(dl, r0, n)
 
-    def grads(self) -> tuple[Optional[torch.Tensor], ...]:
+    def grads(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(dh, dW shard, db shard)`` in the inputs' dtypes (None where not needed)."""
         _, dw, db = self.local.grads()
         return self.dh, dw, db

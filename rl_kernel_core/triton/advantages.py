@@ -96,6 +96,7 @@ def group_advantages_fwd(
     if n == 0:
         return out
     if group_index is None:
+        assert group_size is not None, "exactly one of group_size and group_index is set"
         grid = n // group_size
         block = min(_MAX_BLOCK, triton.next_power_of_2(group_size))
         order = starts = ends = values  # unused by the contiguous variant

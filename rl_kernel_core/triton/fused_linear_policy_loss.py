@@ -63,6 +63,7 @@ def _token_grads(
         one, lp[None], old[None], adv[None], w[None], ref[None], None if rw is None else rw[None], one, one,
         token_sum, True, torch.float32 if want_ent else None,
     )
+    assert g_lp is not None, "asked for (need_logprob_grad=True)"
     return g_lp[0], None if g_ent is None else g_ent[0]
 
 
@@ -84,7 +85,7 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
     empty = hidden.new_empty(0)
     if not (need_h or need_w or need_b):
         lp, ent, _ = LC.forward_stats(h2d, weight, bias, t1d, inv_temp, ignore_index, route, True, TritonChunkBuffers)
-        loss, metrics = reference.policy_loss(lp.view(shape), old, adv, mask_eff, ref, ent.view(shape), rw, settings)
+        loss, metrics = reference.policy_loss(lp.view(shape), old, adv, mask_eff, ref, None if ent is None else ent.view(shape), rw, settings)
         return loss, _metrics_tensor(metrics), empty, empty.clone(), empty.clone()
     n_rows = h2d.shape[0]
     w = reference.aggregation_weights(mask_eff, settings.loss_agg_mode).reshape(-1)

@@ -189,8 +189,8 @@ def logprob_bwd(
     block = _block_v(vocab)
     with_lp = grad_logprob is not None
     with_ent = grad_entropy is not None
-    grad_lp = grad_logprob.to(torch.float32) if with_lp else lse
-    grad_ent = grad_entropy.to(torch.float32) if with_ent else lse
+    grad_lp = lse if grad_logprob is None else grad_logprob.to(torch.float32)
+    grad_ent = lse if grad_entropy is None else grad_entropy.to(torch.float32)
     _logprob_bwd_kernel[(n, triton.cdiv(vocab, block))](
         logits, logits.stride(0), logits.stride(1),
         targets, targets.stride(0),

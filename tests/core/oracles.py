@@ -61,6 +61,7 @@ def check_logprob(logits, targets, temperature=1.0, with_entropy=True, ignore_in
     g_lp = upstream(lp.shape, lp.device)
     loss, loss64 = (lp * g_lp.float()).sum(), (lp64 * g_lp).sum()
     if with_entropy:
+        assert ent is not None
         assert_close(ent, ent64, "logprob", logits.dtype, "entropy")
         g_ent = upstream(ent.shape, ent.device)
         loss, loss64 = loss + (ent * g_ent.float()).sum(), loss64 + (ent64 * g_ent).sum()
@@ -171,7 +172,7 @@ def run_policy_loss(t, backend, g, **kw):
         rollout_is_weights=t["is_w"] if o["is_w"] else None, backend=backend,
     )
     (loss * g.float()).backward()
-    return loss.detach(), metrics, lp.grad, (entropy.grad if o["ent"] else None)
+    return loss.detach(), metrics, lp.grad, (None if entropy is None else entropy.grad)
 
 
 def check_policy_loss(t, backend="triton", **kw):
@@ -205,6 +206,28 @@ def check_policy_loss(t, backend="triton", **kw):
         assert_close(metrics[name], ref_metrics[name].double(), "reduction", dt, f"{name} vs reference")
     assert_close(g_lp, ref_g_lp.double(), "gradient", dt, "d logprob vs reference")
     return loss, metrics, g_lp, g_ent
+
+
+def check_ratio_kl(t, backend, kl_type):
+    """``backend``'s ratio_kl on the tokens ``t`` (:func:`make_tokens`): ratio, KL and the logprob
+    gradient against the fp64 formulas, and the values against the reference backend."""
+    dtype, device = t["lp"].dtype, t["lp"].device
+    lp = t["lp"].clone().requires_grad_()
+    ratio, kl = rk.ratio_kl(lp, t["old"], t["ref"], kl_type=kl_type, backend=backend)
+    lp64 = t["lp"].double().requires_grad_()
+    ratio64 = clamp(lp64 - t["old"].double(), -20.0, 20.0).exp()
+    kl64 = kl_oracle(lp64, t["ref"].double(), kl_type)
+    assert ratio.dtype == kl.dtype == torch.float32 and ratio.shape == lp.shape
+    assert_close(ratio, ratio64, "elementwise", dtype, "ratio")
+    assert_close(kl, kl64, "elementwise", dtype, "kl")
+    g1, g2 = upstream(ratio.shape, device), upstream(kl.shape, device)
+    ((ratio * g1.float()).sum() + (kl * g2.float()).sum()).backward()
+    ((ratio64 * g1).sum() + (kl64 * g2).sum()).backward()
+    assert lp.grad is not None and lp.grad.dtype == dtype
+    assert_close(lp.grad, lp64.grad, "gradient", dtype, "d logprob")
+    ref_ratio, ref_kl = rk.ratio_kl(t["lp"], t["old"], t["ref"], kl_type=kl_type, backend="torch")
+    assert_close(ratio, ref_ratio.double(), "elementwise", dtype, "ratio vs reference")
+    assert_close(kl, ref_kl.double(), "elementwise", dtype, "kl vs reference")
 
 
 def advantages_oracle(rewards, groups, estimator, norm_by_std, eps):

@@ -48,7 +48,7 @@ def random_rewards(n: int, dtype=torch.float32) -> torch.Tensor:
 
 def random_groups(n: int) -> torch.Tensor:
     """Ids with varied group sizes, singletons included, in shuffled order."""
-    sizes = []
+    sizes: list[int] = []
     while sum(sizes) < n:
         sizes.append(min(int(torch.randint(1, 9, (1,))), n - sum(sizes)))
     sizes[0] = 1 if n > 1 else sizes[0]

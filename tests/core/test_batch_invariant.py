@@ -178,9 +178,9 @@ _BAD = [
     ("bi_linear bias", lambda: bi_linear(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4)), ValueError, "bias"),
     ("bi_linear weight K", lambda: bi_linear(torch.randn(2, 4), torch.randn(3, 5)), ValueError, "weight"),
     ("bi_log_softmax dim range", lambda: bi_log_softmax(torch.randn(2, 4), dim=2), ValueError, "dim"),
-    ("bi_log_softmax dim type", lambda: bi_log_softmax(torch.randn(2, 4), dim=1.0), TypeError, "dim"),
+    ("bi_log_softmax dim type", lambda: bi_log_softmax(torch.randn(2, 4), dim=1.0), TypeError, "dim"),  # type: ignore[arg-type]
     ("bi_mean repeated dim", lambda: bi_mean(torch.randn(2, 4), (1, -1)), ValueError, "dim"),
-    ("bi_mean keepdim", lambda: bi_mean(torch.randn(2, 4), 1, keepdim=1), TypeError, "keepdim"),
+    ("bi_mean keepdim", lambda: bi_mean(torch.randn(2, 4), 1, keepdim=1), TypeError, "keepdim"),  # type: ignore[arg-type]
 ]
 
 

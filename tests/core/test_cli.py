@@ -66,6 +66,7 @@ def _main(*args, capsys):
     """``rl-kernel ARGS`` in this process: (exit status, stdout, stderr)."""
     from rl_kernel_core.cli import main
 
+    code: int | str | None
     try:
         code = main(list(args))
     except SystemExit as exc:  # argparse refusals

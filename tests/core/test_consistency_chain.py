@@ -83,7 +83,12 @@ def test_mode_off_drift_on_gpu_is_measured(seed):
 def _grads(model, seqs, index):
     """Gradient of sequence ``index``'s summed log-prob w.r.t. its token activations and the weights."""
     acts = []
-    hook = model.embed_tokens.register_forward_hook(lambda mod, inp, out: acts.append(out) or out.retain_grad())
+
+    def keep(mod, inp, out):
+        acts.append(out)
+        out.retain_grad()
+
+    hook = model.embed_tokens.register_forward_hook(keep)
     try:
         lp = chain.packed_logprobs(model, seqs)
         model.zero_grad()

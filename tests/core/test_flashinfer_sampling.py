@@ -11,6 +11,7 @@ skip without CUDA or without FlashInfer.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 def _refusal(b: int = 4, v: int = 64, dtype: torch.dtype = torch.float32, **kwargs):
     """``supports`` on a call as ``sample`` passes it to dispatch (seeds None when not given)."""
-    args = {"temperature": 1.0, "seeds": None, "positions": None, "top_k": None, "top_p": None, "min_p": None}
+    args: dict[str, Any] = {"temperature": 1.0, "seeds": None, "positions": None, "top_k": None, "top_p": None, "min_p": None}
     args.update(kwargs)
     return supports(torch.randn(b, v).to(dtype), args["temperature"], args["seeds"], args["positions"],
                     args["top_k"], args["top_p"], args["min_p"])
@@ -107,7 +108,12 @@ def test_explain_names_the_refusal_and_unseeded_calls_get_drawn_seeds(seed, stan
 def test_auto_never_imports_or_considers_flashinfer(seed, monkeypatch):
     loaded = []
     load = dispatch._ensure_loaded
-    monkeypatch.setattr(dispatch, "_ensure_loaded", lambda backend, op: loaded.append(backend) or load(backend, op))
+
+    def recording_load(backend, op):
+        loaded.append(backend)
+        return load(backend, op)
+
+    monkeypatch.setattr(dispatch, "_ensure_loaded", recording_load)
     rk.sample(torch.randn(3, 30), top_k=5)
     assert "flashinfer" not in loaded and "flashinfer" not in explain("sample").skipped
 
@@ -235,6 +241,7 @@ def test_generator_state_decides_the_draw(seed, on_gpu):
     # two independent draws of row r agree with probability sum_i q_ri^2 over its kept set
     x = logits.double()
     keep = ref._keep_mask(logits, _rows(50, b, torch.int64), _rows(0.9, b, torch.float64), None)
+    assert keep is not None
     q = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
     collide = q.pow(2).sum(dim=-1)
     bound = collide.sum() + 6 * (collide * (1 - collide)).sum().sqrt()

@@ -7,6 +7,9 @@ sampler takes its log-probs from the Triton kernel), the public
 ops, and the tools on top (CLI, benchmarks' helpers, profiling, report, consistency). Only
 module-level imports count: a function may import a higher layer lazily (dispatch loads
 backends by name).
+
+The tests: no module under tests/ imports a test module (helpers shared by test modules live in
+tests/core/oracles.py and each tier's helper modules).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rl_kernel_core"
+TESTS = PACKAGE.parent / "tests"
 LAYERS: list[tuple[str, ...]] = [
     ("switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest"),
     ("opdef", "linear_chunks"),
@@ -58,7 +62,7 @@ def _module_level_imports(module: str) -> set[str]:
     path = PACKAGE.parent / rel.with_suffix(".py")
     if not path.exists():
         path = PACKAGE.parent / rel / "__init__.py"
-    found = set()
+    found: set[str] = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
@@ -107,3 +111,28 @@ def test_every_module_imports_alone(chunk):
     with ThreadPoolExecutor(2) as pool:
         failures = [f for f in pool.map(_import_alone, modules) if f]
     assert not failures, "\n".join(failures)
+
+
+def _imported_names(tree: ast.AST) -> list[str]:
+    """Every module or name any import statement (or ``importlib.import_module("...")``) in ``tree`` names."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names += [node.module or ""] + [a.name for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module" \
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            names.append(node.args[0].value)
+    return names
+
+
+def test_no_test_module_imports_a_test_module():
+    test_modules = {p.stem for p in TESTS.rglob("test_*.py")}
+    violations = [
+        f"{path.relative_to(TESTS.parent)} imports {name}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for name in _imported_names(ast.parse(path.read_text()))
+        if set(name.split(".")) & test_modules or name.split(".")[0] == "tests"
+    ]
+    assert not violations, "\n".join(violations)

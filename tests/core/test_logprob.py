@@ -144,7 +144,7 @@ def test_empty_input_returns_empty(lead):
     lp = rk.logprob_from_logits(logits, torch.randint(0, 30, lead))
     assert lp.shape == lead
     lp.sum().backward()
-    assert logits.grad.shape == logits.shape
+    assert logits.grad is not None and logits.grad.shape == logits.shape
 
 
 def test_deterministic_run_to_run(seed):
@@ -232,7 +232,7 @@ def test_logprob_from_logits_values_and_gradients(seed, dtype):
     x = logits.detach().double().requires_grad_()
     r_lp, r_ent = oracle(x, targets, 0.7, -100)
     (want,) = torch.autograd.grad((r_lp * g_lp).sum() + (r_ent * g_ent).sum(), x)
-    assert logits.grad.dtype == dtype
+    assert logits.grad is not None and logits.grad.dtype == dtype
     assert_close(logits.grad, want, "gradient", dtype, "dlogits")
     assert torch.all(logits.grad[targets == -100] == 0)
 
@@ -250,7 +250,7 @@ def test_masked_logits_stay_finite(seed, with_entropy):
     assert_close(lp, ref_lp, "logprob", torch.float32, "logprob")
     assert_close(ent, ref_ent, "logprob", torch.float32, "entropy")
     (lp.sum() + (ent.sum() if with_entropy else 0.0)).backward()
-    assert torch.isfinite(logits.grad).all()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
     assert torch.all(logits.grad[masked] == 0)
 
 

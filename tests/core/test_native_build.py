@@ -22,7 +22,9 @@ def test_native_sources_compile_for_sm90():
 
 
 def _enum(text: str, name: str) -> dict[str, int]:
-    body = re.search(rf"enum {name} : int \{{([^}}]*)\}};", text).group(1)
+    found = re.search(rf"enum {name} : int \{{([^}}]*)\}};", text)
+    assert found, f"no enum {name} : int {{...}}; in the source"
+    body = found.group(1)
     return {k.strip(): int(v) for k, v in (item.split("=") for item in body.split(","))}
 
 

@@ -15,8 +15,10 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
+from rl_kernel_core._checks import CHECK_VALUES_ENV, values_checked
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss import LOSS_AGG_MODES
+from rl_kernel_core.switches import SwitchError
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_ALIASES = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
@@ -72,7 +74,7 @@ def agg_formula(values: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tenso
             continue
         seq_sum = (values[s] * w[s]).sum()
         per_seq.append(seq_sum / tokens if mode == "seq-mean-token-mean" else seq_sum)
-    out = sum(per_seq) / len(per_seq) if per_seq else values.sum() * 0
+    out = sum(per_seq, torch.zeros((), dtype=values.dtype)) / len(per_seq) if per_seq else values.sum() * 0
     return out / seq_len if mode == "seq-mean-token-sum-norm" else out
 
 
@@ -190,7 +192,7 @@ def test_ratio_kl_gradients_match_fp64_autograd(seed, dtype, kl_type):
     lp64 = d(lp).requires_grad_()
     expected = (ratio_formula(lp64, d(old)) * upstream_r.double()).sum() + (kl_formula(lp64, d(ref), KL_ALIASES[kl_type]) * upstream_k.double()).sum()
     (grad,) = torch.autograd.grad(expected, lp64)
-    assert lp.grad.dtype == dtype
+    assert lp.grad is not None and lp.grad.dtype == dtype
     assert_close(lp.grad, grad, "gradient", dtype, "d/dlogprob")
 
 
@@ -386,7 +388,7 @@ def test_policy_loss_empty_inputs_give_zero_loss_and_metrics(shape):
         assert loss.dim() == 0 and float(loss.detach()) == 0.0
         assert all(float(v) == 0.0 for v in metrics.values())
         loss.backward()
-        assert lp.grad.shape == lp.shape
+        assert lp.grad is not None and lp.grad.shape == lp.shape
 
 
 def test_policy_loss_all_masked_gives_zero_not_nan(seed):
@@ -420,7 +422,7 @@ class _VerlActorConfig(dict):
         self.clip_ratio = clip_ratio_low
         self.clip_ratio_low = clip_ratio_low
         self.clip_ratio_high = clip_ratio_high
-        self.global_batch_info = {}
+        self.global_batch_info: dict[str, object] = {}
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -599,7 +601,7 @@ def test_fused_one_sequence_and_empty(seed):
     loss, metrics = rk.fused_linear_policy_loss(h, weight, torch.zeros(0, 5, dtype=torch.int64), empty, empty, empty > 0)
     assert float(loss.detach()) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
     loss.backward()
-    assert h.grad.shape == h.shape
+    assert h.grad is not None and h.grad.shape == h.shape
 
 
 @pytest.mark.parametrize(
@@ -641,14 +643,31 @@ def test_fused_bad_input_names_the_argument(over, err, name):
 
 # ----------------------------------------------------------------------------- GPU
 
+@pytest.mark.parametrize("raw,on", [(None, False), ("", False), ("0", False), ("off", False), ("1", True), ("true", True), (" Yes ", True)])
+def test_check_values_is_a_boolean_switch(monkeypatch, raw, on):
+    """Off the CPU (a meta tensor here), values are checked only with the switch on, in any accepted spelling."""
+    if raw is None:
+        monkeypatch.delenv(CHECK_VALUES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CHECK_VALUES_ENV, raw)
+    assert values_checked(torch.empty(2, device="meta")) is on
+    assert values_checked(torch.empty(2)) is True
+
+
+def test_check_values_refuses_an_unknown_spelling(monkeypatch):
+    monkeypatch.setenv(CHECK_VALUES_ENV, "sure")
+    with pytest.raises(SwitchError, match="RL_KERNEL_CHECK_VALUES must be one of"):
+        values_checked(torch.empty(2, device="meta"))
+
+
 @pytest.mark.gpu
 def test_mask_weights_checked_on_gpu_only_when_asked(seed, monkeypatch):
-    """GPU mask values are read back (a host sync) only with RL_KERNEL_CHECK_VALUES=1."""
+    """GPU mask values are read back (a host sync) only with RL_KERNEL_CHECK_VALUES on."""
     x = {k: v.cuda() for k, v in make_inputs((3, 4)).items()}
     bad = torch.tensor([[1.0, -0.5, 1.0, 0.0]] * 3, device="cuda")
     monkeypatch.delenv("RL_KERNEL_CHECK_VALUES", raising=False)
     rk.policy_loss(x["logprob"], x["old"], x["adv"], bad)
-    monkeypatch.setenv("RL_KERNEL_CHECK_VALUES", "1")
+    monkeypatch.setenv("RL_KERNEL_CHECK_VALUES", "true")
     with pytest.raises(ValueError, match="mask weights must be >= 0"):
         rk.policy_loss(x["logprob"], x["old"], x["adv"], bad)
 

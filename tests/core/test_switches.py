@@ -39,22 +39,22 @@ class _Recording(Mapping):
     """An environment that records which variables were looked up."""
 
     def __init__(self, values):
-        self.values = dict(values)
+        self.data = dict(values)
         self.read = []
 
     def __getitem__(self, key):
         self.read.append(key)
-        return self.values[key]
+        return self.data[key]
 
     def get(self, key, default=None):
         self.read.append(key)
-        return self.values.get(key, default)
+        return self.data.get(key, default)
 
     def __iter__(self):
-        return iter(self.values)
+        return iter(self.data)
 
     def __len__(self):
-        return len(self.values)
+        return len(self.data)
 
 
 MEMBERS = {"a": ("FAM_A", True), "b": ("FAM_B", False)}

@@ -109,8 +109,8 @@ def test_gradients_match_fp64(seed, device):
 
     leaves = (x, w, bias, norm_w)
     got = torch.autograd.grad(chain(*leaves, "triton"), leaves, g)
-    leaves64 = [t.detach().double().cpu().requires_grad_() for t in leaves]
-    expected = torch.autograd.grad(chain(*leaves64, "torch"), leaves64, g.double().cpu())
+    x64, w64, bias64, norm_w64 = leaves64 = [t.detach().double().cpu().requires_grad_() for t in leaves]
+    expected = torch.autograd.grad(chain(x64, w64, bias64, norm_w64, "torch"), leaves64, g.double().cpu())
     for name, a, e in zip(("x", "weight", "bias", "norm weight"), got, expected):
         contract.assert_close(a, e, "gradient", torch.float32, name=f"d{name}")
 

@@ -214,6 +214,6 @@ def test_shard_not_multiple_of_tile_is_refused(monkeypatch):
     targets = torch.randint(0, v_local, (3,))
     args = (hidden, weight, targets, None, 1.0, -100, False, object())  # supports never calls the group
     reason = dispatch.unavailable_reason("linear_logprob", "triton", hidden.device, *args)
-    assert "tp_group" in reason and f"V_local={v_local}" in reason and f"BLOCK_N={block_n}" in reason
+    assert reason is not None and "tp_group" in reason and f"V_local={v_local}" in reason and f"BLOCK_N={block_n}" in reason
     whole = torch.randn(2 * block_n, 8)
     assert dispatch.unavailable_reason("linear_logprob", "triton", hidden.device, hidden, whole, targets, None, 1.0, -100, False, object()) is None

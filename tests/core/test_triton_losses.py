@@ -28,7 +28,7 @@ import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss import METRIC_NAMES
 from oracles import (
-    AGG_MODES, KL_TYPE_CASES, advantages_oracle, check_logprob, check_policy_loss, clamp, kl_oracle, logprob_oracle, make_logits, make_tokens, run_policy_loss, upstream,
+    AGG_MODES, KL_TYPE_CASES, advantages_oracle, check_logprob, check_policy_loss, check_ratio_kl, kl_oracle, logprob_oracle, make_logits, make_tokens, run_policy_loss, upstream,
 )
 
 
@@ -201,22 +201,7 @@ def test_logprob_triton_refuses_fp64_by_name(seed):
 @pytest.mark.parametrize("kl_type", KL_TYPE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ratio_kl_values_and_gradients(seed, kl_type, dtype):
-    t = make_tokens((3, 50), DEVICE, dtype)
-    lp = t["lp"].clone().requires_grad_()
-    ratio, kl = rk.ratio_kl(lp, t["old"], t["ref"], kl_type=kl_type, backend="triton")
-    lp64 = t["lp"].double().requires_grad_()
-    ratio64 = clamp(lp64 - t["old"].double(), -20.0, 20.0).exp()
-    kl64 = kl_oracle(lp64, t["ref"].double(), kl_type)
-    assert ratio.dtype == kl.dtype == torch.float32 and ratio.shape == lp.shape
-    assert_close(ratio, ratio64, "elementwise", dtype, "ratio")
-    assert_close(kl, kl64, "elementwise", dtype, "kl")
-    g1, g2 = upstream(ratio.shape, DEVICE), upstream(kl.shape, DEVICE)
-    ((ratio * g1.float()).sum() + (kl * g2.float()).sum()).backward()
-    ((ratio64 * g1).sum() + (kl64 * g2).sum()).backward()
-    assert_close(lp.grad, lp64.grad, "gradient", dtype, "d logprob")
-    ref_ratio, ref_kl = rk.ratio_kl(t["lp"], t["old"], t["ref"], kl_type=kl_type, backend="torch")
-    assert_close(ratio, ref_ratio.double(), "elementwise", dtype, "ratio vs reference")
-    assert_close(kl, ref_kl.double(), "elementwise", dtype, "kl vs reference")
+    check_ratio_kl(make_tokens((3, 50), DEVICE, dtype), "triton", kl_type)
 
 
 def test_ratio_kl_gradient_of_one_output_and_default_ref(seed):

@@ -12,6 +12,8 @@ so the CPU distribution checks use a few hundred draws; the GPU ones use 100k.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -211,7 +213,7 @@ def test_named_triton_without_cuda_or_interpreter_says_why(seed, monkeypatch):
 
 def test_bad_input_names_the_argument(seed, interpret):
     logits = torch.randn(4, 10)
-    cases = [
+    cases: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"top_k": torch.tensor([1, 0, 2, 3])}, ValueError, "top_k"),
         ({"top_k": 2**64}, ValueError, "top_k"),
         ({"top_p": 1.5}, ValueError, "top_p"),

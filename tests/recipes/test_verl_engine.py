@@ -198,7 +198,7 @@ def test_vocabulary_note_names_the_uncovered_ids(tmp_path):
     ids = len(AutoTokenizer.from_pretrained(model_dir))
     assert ids < 512  # four problems train far fewer tokens than the tiny preset's vocabulary
     note = verl_engine.vocabulary_note(model_dir)
-    assert f"covers {ids} of the model's 512 ids" in note and f"{math.log(512 / ids):.3f}" in note
+    assert note is not None and f"covers {ids} of the model's 512 ids" in note and f"{math.log(512 / ids):.3f}" in note
 
 
 # ---------------------------------------------------------------- verl metrics -> step records

@@ -123,6 +123,7 @@ def test_configs_rl_kernel_does_not_implement_keep_verls_loss(actor_config, chan
     if "policy_loss" in change:
         change = {"policy_loss": dataclasses.replace(actor_config.policy_loss, **change["policy_loss"])}
     config = dataclasses.replace(actor_config, use_kl_loss=True, **change)
-    assert reason in unsupported_reason(config)
+    found = unsupported_reason(config)
+    assert found is not None and reason in found
     assert unsupported_reason(actor_config) is None
     assert isinstance(actor_config.policy_loss, PolicyLossConfig)

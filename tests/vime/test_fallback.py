@@ -132,7 +132,7 @@ def test_policy_loss_function_falls_back(monkeypatch, caplog, gen, overrides, re
     spy = _spy(monkeypatch, vime_loss, "policy_loss_function")
     logits, batch = make_batch(gen)
     args = make_args(**overrides)
-    call = lambda: hooks.policy_loss_function(args, batch, logits, sum)  # noqa: E731
+    call = lambda: hooks.policy_loss_function(args, batch, logits, lambda t: t.sum())  # noqa: E731
     _check(monkeypatch, caplog, spy, call, "grpo_loss", reason_part)
     assert spy.calls[0][0][0] is args and spy.calls[0][0][1] is batch
 

@@ -5,6 +5,8 @@ functions, on the same random fp32 inputs (packed samples of different lengths, 
 entropy, temperature), comparing values and gradients.
 """
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -35,6 +37,7 @@ def test_calculate_log_probs_and_entropy(gen, with_entropy, chunk_size):
     assert got_lp.shape == want_lp.shape == (13, 1) and got_lp.dtype == F32
     assert_close(got_lp, want_lp, "logprob", F32, "log_prob")
     if with_entropy:
+        assert got_ent is not None and want_ent is not None
         assert_close(got_ent, want_ent, "logprob", F32, "entropy")
         outputs_want, outputs_got = [want_lp, want_ent], [got_lp, got_ent]
     else:
@@ -51,6 +54,7 @@ def test_calculate_log_probs_and_entropy_empty(gen):
     tokens = torch.zeros(0, dtype=torch.long)
     want_lp, want_ent = ppo_utils.calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=True)
     got_lp, got_ent = hooks.calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=True)
+    assert got_ent is not None and want_ent is not None
     assert got_lp.shape == want_lp.shape and got_ent.shape == want_ent.shape
 
 
@@ -95,7 +99,7 @@ def test_compute_approx_kl(gen, kl_type):
     assert_close(g_got, g_want, "gradient", F32, "d log_probs")
 
 
-LOSS_CONFIGS = {
+LOSS_CONFIGS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "dual_clip_entropy": {"eps_clip_c": 3.0, "entropy_coef": 0.01},
     "per_token_loss": {"calculate_per_token_loss": True, "entropy_coef": 0.003},

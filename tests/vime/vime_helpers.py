@@ -1,6 +1,7 @@
 """Builders shared by the vime adapter tests: vime's arguments and a packed random micro-batch."""
 
 from argparse import Namespace
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ def make_batch(
 
     masks = [(torch.rand(r, generator=generator) > 0.25).float() for r in responses]
     masks[0][0] = 0.0  # at least one masked token
-    batch = {
+    batch: dict[str, Any] = {
         "unconcat_tokens": [torch.randint(0, vocab, (t,), generator=generator) for t in totals],
         "total_lengths": totals,
         "response_lengths": responses,

@@ -76,6 +76,7 @@ def runs(tmp_path_factory):
         procs[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root), log)
     reports = {}
     for name, (proc, log) in procs.items():
+        rc: int | str
         try:
             rc = proc.wait(timeout=ENGINE_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -31,7 +31,8 @@ def build(path: Path, seed: int) -> int:
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
     hf_tok.save_pretrained(path)
     vocab = len(hf_tok)
-    config = Qwen2Config(
+    # transformers types a config's __init__ without the keyword arguments it also accepts (head_dim, torch_dtype)
+    config = Qwen2Config(  # type: ignore[call-arg]
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
@@ -46,7 +47,7 @@ def build(path: Path, seed: int) -> int:
         torch_dtype="float32",
     )
     gen = torch.Generator().manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # PreTrainedModel.to typed without self
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:  # matrices: wide enough that the next-token distribution is not flat

@@ -77,7 +77,8 @@ def get_log_probs_and_entropy(
             logits_chunk, tokens_chunk, None, with_entropy=with_entropy, chunk_size=args.log_probs_chunk_size
         )
         log_probs_list.append(log_prob.squeeze(-1))
-        entropy_list.append(entropy)
+        if entropy is not None:
+            entropy_list.append(entropy)
     res = {"log_probs": log_probs_list}
     if with_entropy:
         res["entropy"] = entropy_list
@@ -106,7 +107,7 @@ def policy_loss_function(
         raise NotImplementedError("contract stand-in: only the PPO/GRPO policy loss is reproduced")
 
     advantages = torch.cat(batch["advantages"], dim=0)
-    old_log_probs = batch["rollout_log_probs"] if args.use_rollout_logprobs else batch["log_probs"]
+    old_log_probs_list = batch["rollout_log_probs"] if args.use_rollout_logprobs else batch["log_probs"]
 
     _, log_probs_and_entropy = get_log_probs_and_entropy(
         logits,
@@ -116,11 +117,11 @@ def policy_loss_function(
         response_lengths=batch["response_lengths"],
         with_entropy=True,
     )
-    log_probs = log_probs_and_entropy["log_probs"]
-    if not old_log_probs:
-        old_log_probs = [log_prob.detach() for log_prob in log_probs]
-    old_log_probs = torch.cat(old_log_probs, dim=0)
-    log_probs = torch.cat(log_probs, dim=0)
+    log_probs_list = log_probs_and_entropy["log_probs"]
+    if not old_log_probs_list:
+        old_log_probs_list = [log_prob.detach() for log_prob in log_probs_list]
+    old_log_probs = torch.cat(old_log_probs_list, dim=0)
+    log_probs = torch.cat(log_probs_list, dim=0)
     ppo_kl = old_log_probs - log_probs
 
     pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, eps_clip_c=args.eps_clip_c)
@@ -168,7 +169,7 @@ def loss_function(
     num_microbatches: int,
     step_global_batch_size: int,
     logits: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+) -> tuple[torch.Tensor, torch.Tensor | int, dict[str, Any]]:
     """Dispatch on ``args.loss_type`` (``policy_loss`` or ``custom_loss`` through
     ``args.custom_loss_function_path``) and rescale for gradient accumulation (one DP rank).
 

@@ -41,5 +41,6 @@ def train_one_step(
     optimizer.step()
     if opt_param_scheduler is not None:
         opt_param_scheduler.step(increment=step_global_batch_size)
+    assert keys is not None and total is not None, "num_microbatches must be >= 1"
     denominator = total[0] if args.calculate_per_token_loss else step_global_batch_size
     return {key: float(value / denominator) for key, value in zip(keys, total[1:])}, grad_norm
