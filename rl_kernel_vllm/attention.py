@@ -118,7 +118,7 @@ def _check_supported(attn_type: Any, sliding_window, alibi_slopes, logits_soft_c
 
 
 def _make_impl(base_impl: type) -> type:
-    class Impl(base_impl):  # type: ignore[misc,valid-type]
+    class Impl(base_impl):
         def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                      logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, sinks=None, **kwargs):
             _check_supported(attn_type, sliding_window, alibi_slopes, logits_soft_cap, sinks,

@@ -137,7 +137,7 @@ def _routed_cpu_gemm(original: Any) -> Callable[..., None]:
             return original(layer, remove_weight)
         # keep the weight and call F.linear, which the mode routes (vLLM would pack the weight
         # for a oneDNN/SGL kernel whose blocking depends on the batch)
-        layer.cpu_linear = torch.nn.functional.linear
+        setattr(layer, "cpu_linear", torch.nn.functional.linear)
 
     return dispatch_cpu_unquantized_gemm
 
@@ -201,5 +201,9 @@ def install(patches: adapters.Patches) -> dict[str, Any]:
     for target, make in wanted:
         targets[target] = patches.install(target, make)
     set_batch_invariant_mode(True)
-    patches.on_restore(lambda: set_batch_invariant_mode(False))
+
+    def mode_off() -> None:
+        set_batch_invariant_mode(False)
+
+    patches.on_restore(mode_off)
     return {"live": True, "targets": targets, "problems": [], "overrides": list(OVERRIDES)}

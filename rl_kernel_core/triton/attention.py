@@ -299,8 +299,9 @@ def _backward(q, k, v, out, lse, grad_out, cu_q: list[int], cu_k: list[int], cau
     delta = torch.empty_like(lse)
     interpreted = interpreting()
     grad_out = grad_out.contiguous()
-    tiles = ((*_INTERPRETED_TILES, None, None),) * 2 if interpreted else tiles or BWD_TILES[q.dtype]
-    for dkdv, (bm, bn, warps, stages) in zip((False, True), tiles):
+    passes: tuple[tuple[int, int, Optional[int], Optional[int]], ...] = (
+        ((*_INTERPRETED_TILES, None, None),) * 2 if interpreted else tiles or BWD_TILES[q.dtype])
+    for dkdv, (bm, bn, warps, stages) in zip((False, True), passes):
         # A pass's tile table runs over the rows its programs hold: queries, or keys for dk/dv.
         cu_tiled, cu_other = (cu_k, cu_q) if dkdv else (cu_q, cu_k)
         tables = _tables(q.device, bn if dkdv else bm, tuple(cu_tiled), tuple(cu_other))

@@ -116,7 +116,8 @@ def test_gradients_match_dense_formula(seed, device, kind, causal, dtype):
     q, k, v, cu_q, cu_k, w = _inputs(device, kind, dtype)
     got = _grads(q, k, v, cu_q, cu_k, causal, w)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    expected = torch.autograd.grad((dense_attention(*leaves, cu_q.tolist(), cu_k.tolist(), causal) * w.double()).sum(), leaves)
+    q64, k64, v64 = leaves
+    expected = torch.autograd.grad((dense_attention(q64, k64, v64, cu_q.tolist(), cu_k.tolist(), causal) * w.double()).sum(), leaves)
     for name, g, e in zip("qkv", got, expected):
         assert g.dtype == dtype
         contract.assert_close(g, e, "gradient", dtype, name=f"d{name}")
@@ -132,7 +133,8 @@ def test_gradients_at_other_head_dims_and_groups(seed, device):
         w = torch.randn(q.shape, device=device).to(torch.bfloat16).float()
         got = _grads(q, k, v, cu, cu, True, w)
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        expected = torch.autograd.grad((dense_attention(*leaves, cu.tolist(), cu.tolist(), True) * w.double()).sum(), leaves)
+        q64, k64, v64 = leaves
+        expected = torch.autograd.grad((dense_attention(q64, k64, v64, cu.tolist(), cu.tolist(), True) * w.double()).sum(), leaves)
         for name, g, e in zip("qkv", got, expected):
             contract.assert_close(g, e, "gradient", torch.bfloat16, name=f"D={d} d{name}")
 
