@@ -200,11 +200,15 @@ def _compare(args: argparse.Namespace) -> int:
 def _parity_only(args: argparse.Namespace) -> int:
     from rl_kernel_core.consistency import parity
 
-    try:
-        rollout, training = (parity.load(path) for path in args.parity)
-    except (OSError, ValueError, RuntimeError) as exc:
-        print(f"rl-kernel consistency: error: {exc}", file=sys.stderr)
-        return 2
+    batches = []
+    for path in args.parity:
+        try:
+            batches.append(parity.load(path))
+        except ValueError as exc:
+            return _fail("consistency", f"--parity {exc}")
+        except OSError as exc:
+            return _fail("consistency", f"--parity {path}: cannot be read: {exc.strerror or exc}")
+    rollout, training = batches
     mismatch = parity.check(rollout, training)
     result = "ok" if mismatch is None else str(mismatch)
     print(json.dumps({"parity": result}) if args.json else f"input parity: {result}")
@@ -288,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--parity", nargs=2, metavar=("ROLLOUT", "TRAINING"), default=None,
                    help="only the input parity precheck, of two batches saved by rl_kernel_core.consistency.parity.save "
-                        "(or torch.save of a dict of its fields); exit 1 at the first mismatch")
+                        "(or torch.save of a Batch or of a dict of its fields); exit 1 at the first mismatch, "
+                        "2 when a file is not such a batch")
     p.set_defaults(func=_consistency)
     return parser
 
