@@ -36,6 +36,21 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    """``--device``: ``cpu`` or ``cuda[:N]`` that this process can use."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N], got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text} needs CUDA, and torch.cuda.is_available() is False")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text} names a GPU this process does not see ({torch.cuda.device_count()} visible)")
+    return text
+
+
 def _fail(command: str, message: str) -> int:
     print(f"rl-kernel {command}: error: {message}", file=sys.stderr)
     return 2
@@ -113,8 +128,6 @@ def _bench(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return _fail("bench", str(exc))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return _fail("bench", f"--device {args.device} needs CUDA, and torch.cuda.is_available() is False")
     dtype = _DTYPES[args.dtype]
     n, d, v = args.tokens, args.hidden, args.vocab
     need = bench_bytes(n, d, v, dtype)
@@ -176,6 +189,8 @@ def _compare(args: argparse.Namespace) -> int:
         return _fail("compare", str(exc))
     except OSError as exc:
         return _fail("compare", f"--out {args.out!r} cannot be written: {exc.strerror or exc}")
+    for warning in report.step_warnings(off, on):
+        print(f"rl-kernel compare: warning: {warning}", file=sys.stderr)
     rows = report.compare_table(off, on, args.warmup_steps)
     notes = []
     for log, side in ((off, "OFF"), (on, "ON")):
@@ -252,14 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
 
     p = sub.add_parser("bench", help="time linear_logprob forward+backward against eager PyTorch")
-    p.add_argument("--tokens", "-N", type=_positive_int, default=2048)
-    p.add_argument("--hidden", "-D", type=_positive_int, default=256)
-    p.add_argument("--vocab", "-V", type=_positive_int, default=32000)
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--tokens", "-N", type=_positive_int, default=2048, help="tokens N, rows of hidden (default 2048)")
+    p.add_argument("--hidden", "-D", type=_positive_int, default=256, help="hidden size D (default 256)")
+    p.add_argument("--vocab", "-V", type=_positive_int, default=32000, help="vocabulary size V, rows of the LM head (default 32000)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="dtype of hidden and weight (default fp32)")
+    p.add_argument("--device", type=_device, default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--backend", default="auto", choices=("auto", *(b for b in dispatch.BACKENDS if dispatch.serves(b, "linear_logprob"))),
                    help="auto, native, triton or torch")
-    p.add_argument("--warmup", type=_non_negative_int, default=2)
+    p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed runs first (default 2)")
     p.add_argument("--reps", type=_positive_int, default=5, help="timed runs (the median is reported)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(func=_bench)
@@ -279,14 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "numerical contract. Exit 0: both pass; 1: a mode fails (the drift probe names the "
                                    "first divergent module); 2: an error.")
     p.add_argument("--model", default="tiny", help="'tiny' (built-in Qwen3-style decoder) or a Hugging Face model path")
-    p.add_argument("--sequences", type=int, default=8, help="number of sequences (default 8)")
-    p.add_argument("--min-len", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=24)
-    p.add_argument("--prompt-len", type=int, default=4, help="tokens prefilled before decoding (default 4)")
-    p.add_argument("--rollout-batch", type=int, default=3, help="sequences per rollout batch (default 3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--sequences", type=_positive_int, default=8, help="number of sequences (default 8)")
+    p.add_argument("--min-len", type=_positive_int, default=8, help="shortest sequence in tokens (default 8)")
+    p.add_argument("--max-len", type=_positive_int, default=24, help="longest sequence in tokens (default 24)")
+    p.add_argument("--prompt-len", type=_positive_int, default=4, help="tokens prefilled before decoding, < --min-len (default 4)")
+    p.add_argument("--rollout-batch", type=_positive_int, default=3, help="sequences per rollout batch (default 3)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the tiny model's weights and of the sequences (default 0)")
+    p.add_argument("--device", type=_device, default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="model dtype (default fp32)")
     p.add_argument("--probe", action="store_true", help="run the layer-wise drift probe even when both modes pass")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a PNG of drift per module, mode off vs on (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -8,7 +8,8 @@ reader adds ``region/actor_update``, the per-step sum of the policy-update regio
 are read one line at a time (a line over :data:`MAX_LINE_BYTES` is an error) and only numeric
 series are kept, so memory follows the number of values, not the file size. A malformed line is
 an error naming the file and line, except an unterminated last line (a run interrupted
-mid-write), which is skipped and counted. NaN and infinite values count as missing; statistics
+mid-write), which is skipped and counted. NaN and infinite values (and integers beyond the float
+range) count as missing; a ``step`` must fit in int64; statistics
 that overflow are written as ``null`` in JSON (:func:`json_safe`). A record with ``"oom": true``
 marks a run that ran out of memory at that step.
 
@@ -61,12 +62,14 @@ class StepLog:
     """The numeric content of one step log.
 
     ``series`` maps ``region/<name>`` and every numeric field to its ``(steps, values)`` arrays;
-    ``oom`` holds ``(step, error text)`` when the run ran out of memory; ``skipped_partial`` is 1
-    when an unterminated last line was skipped.
+    ``step_numbers`` holds each step record's ``step`` in file order; ``oom`` holds ``(step, error
+    text)`` when the run ran out of memory; ``skipped_partial`` is 1 when an unterminated last line
+    was skipped.
     """
 
     path: Path
     steps: int = 0
+    step_numbers: array = field(default_factory=lambda: array("q"))
     series: dict[str, tuple[array, array]] = field(default_factory=dict)
     oom: Optional[tuple[int, str]] = None
     skipped_partial: int = 0
@@ -79,7 +82,10 @@ class StepLog:
 def _number(value: Any) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond the float range, as infinite as 1e400
+        return None
     return value if math.isfinite(value) else None
 
 
@@ -146,6 +152,8 @@ def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
     step = record.get("step", log.steps)
     if isinstance(step, bool) or not isinstance(step, int):
         raise StepLogError(f"{where}: 'step' must be an integer, got {step!r}")
+    if not -(2**63) <= step < 2**63:
+        raise StepLogError(f"{where}: 'step' must fit in int64, got an integer of {len(str(abs(step)))} digits")
     regions = record.get("regions") or {}
     if not isinstance(regions, dict):
         raise StepLogError(f"{where}: 'regions' must be an object of name -> ms, got {type(regions).__name__}")
@@ -153,6 +161,7 @@ def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
         log.oom = (step, str(record.get("error", "out of memory")))
         return
     log.steps += 1
+    log.step_numbers.append(step)
     for name, ms in regions.items():
         _add(log, f"region/{name}", step, ms)
     actor = [_number(regions.get(name)) for name in ACTOR_REGIONS if name in regions]
@@ -161,6 +170,30 @@ def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
     for key, value in record.items():
         if key not in ("step", "regions"):
             _add(log, key, step, value)
+
+
+def step_warnings(off: StepLog, on: StepLog) -> list[str]:
+    """Why comparing ``off`` with ``on`` may mean little: a log without step records, a log that
+    repeats step numbers (runs appended to one file?), or two logs that share no step number."""
+    warnings = []
+    for log, side in ((off, "OFF"), (on, "ON")):
+        numbers = log.step_numbers
+        if not numbers:
+            warnings.append(f"{side} log {log.path} has no step records")
+            continue
+        seen: set[int] = set()
+        repeats = []
+        for n in numbers:
+            if n in seen:
+                repeats.append(n)
+            seen.add(n)
+        if repeats:
+            warnings.append(f"{side} log {log.path} repeats step numbers ({len(repeats)} of {len(numbers)} records, "
+                            f"first step {repeats[0]}): were runs appended to one file?")
+    if off.step_numbers and on.step_numbers and set(off.step_numbers).isdisjoint(on.step_numbers):
+        warnings.append(f"the logs share no step number (OFF steps {min(off.step_numbers)}..{max(off.step_numbers)}, "
+                        f"ON steps {min(on.step_numbers)}..{max(on.step_numbers)}): are they runs of the same schedule?")
+    return warnings
 
 
 def is_timing(key: str) -> bool:
