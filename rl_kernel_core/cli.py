@@ -198,6 +198,7 @@ def _compare(args: argparse.Namespace) -> int:
             notes.append(f"{side}: out of memory at step {log.oom[0]}: {log.oom[1]}")
         if log.skipped_partial:
             notes.append(f"{side}: skipped {log.skipped_partial} unterminated last line of {log.path} (interrupted run)")
+    notes += [f"timing noise: {warning}" for warning in report.timing_noise(rows)]
     if args.json:
         for note in notes:
             print(f"rl-kernel compare: {note}", file=sys.stderr)
