@@ -193,11 +193,12 @@ def sample(
 
     Raises:
         TypeError: a wrong type or dtype (names the argument, expected and found).
-        ValueError: a wrong shape, device, value range, an empty vocab, or both ``seeds`` and
-            ``generator``. Tensor parameters are range-checked with one host sync each.
+        ValueError: a wrong shape, device, value range, an empty vocab, meta ``logits``, or both
+            ``seeds`` and ``generator``. Tensor parameters are range-checked with one host sync each.
         rl_kernel_core.BackendUnavailableError: an explicit ``backend`` cannot run these inputs.
     """
     _checks.tensor("logits", logits, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    _checks.needs_data("logits", logits, "the draw reads its values")
     b, v = logits.shape
     if v == 0:
         raise ValueError(f"logits must have at least one vocab column, got shape {tuple(logits.shape)}")

@@ -293,6 +293,8 @@ def _bad_cases():
         ("int logits", lambda lg: rk.sample(lg.long()), TypeError, "logits"),
         ("1-D logits", lambda lg: rk.sample(lg[0]), ValueError, "logits"),
         ("empty vocab", lambda lg: rk.sample(lg[:, :0]), ValueError, "logits"),
+        ("meta logits", lambda lg: rk.sample(lg.to("meta")), ValueError, r"logits must hold data \(the draw reads its values\), got a meta tensor"),
+        ("meta logits and temperature", lambda lg: rk.sample(lg.to("meta"), temperature=meta), ValueError, "logits must hold data"),
         ("negative temperature", lambda lg: rk.sample(lg, temperature=-0.5), ValueError, "temperature"),
         ("string temperature", lambda lg: rk.sample(lg, temperature="hot"), TypeError, "temperature"),
         ("nan temperature row", lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, float("nan"), 1.0, 1.0])), ValueError, "temperature"),
