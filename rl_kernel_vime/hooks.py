@@ -259,6 +259,13 @@ def policy_loss_function(
         metrics ``loss``, ``pg_loss``, ``entropy_loss``, ``pg_clipfrac``, ``ppo_kl``, then
         ``train_rollout_logprob_abs_diff`` (when rollout log-probs are present) and ``kl_loss``
         (with ``use_kl_loss``).
+
+    Raises:
+        ValueError: a setting rl_kernel_core refuses (negative, NaN, infinite, or an int beyond
+            the float range), named as the op's argument it feeds: ``eps_clip`` ->
+            ``clip_ratio_low``, ``eps_clip_high`` -> ``clip_ratio_high``, ``eps_clip_c`` ->
+            ``clip_ratio_c``, ``kl_loss_coef`` -> ``kl_coef``, ``entropy_coef``,
+            and, through the ``logprob`` hook, ``rollout_temperature`` -> ``temperature``.
     """
     reason = _policy_loss_reason(args)
     if reason is not None:
