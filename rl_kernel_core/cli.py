@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -16,28 +17,48 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GIB = 2**30
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def integer(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]`` (no upper bound when ``high`` is None);
+    the recipe's options use it too."""
+    what = (f"an integer in [{low}, {high}]" if high is not None
+            else {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer >= {low}"))
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
+def number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``);
+    the recipe's options use it."""
+    what = (f"a finite number {'>' if low_open else '>='} {low:g}" if high == math.inf
+            else f"a number in {'(' if low_open else '['}{low:g}, {high:g}]")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _device(text: str) -> str:
-    """``--device``: ``cpu`` or ``cuda[:N]`` that this process can use."""
+_positive_int, _non_negative_int = integer(1), integer(0)
+
+
+def device_name(text: str) -> str:
+    """An argparse type for ``--device``: ``cpu`` or ``cuda[:N]`` that this process can use (the
+    recipe's ``--device`` uses it too)."""
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -272,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", "-D", type=_positive_int, default=256, help="hidden size D (default 256)")
     p.add_argument("--vocab", "-V", type=_positive_int, default=32000, help="vocabulary size V, rows of the LM head (default 32000)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="dtype of hidden and weight (default fp32)")
-    p.add_argument("--device", type=_device, default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--backend", default="auto", choices=("auto", *(b for b in dispatch.BACKENDS if dispatch.serves(b, "linear_logprob"))),
                    help="auto, native, triton or torch")
     p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed runs first (default 2)")
@@ -301,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=_positive_int, default=4, help="tokens prefilled before decoding, < --min-len (default 4)")
     p.add_argument("--rollout-batch", type=_positive_int, default=3, help="sequences per rollout batch (default 3)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the tiny model's weights and of the sequences (default 0)")
-    p.add_argument("--device", type=_device, default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="model dtype (default fp32)")
     p.add_argument("--probe", action="store_true", help="run the layer-wise drift probe even when both modes pass")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a PNG of drift per module, mode off vs on (needs matplotlib)")
