@@ -133,22 +133,32 @@ def read_step_log(path: str | Path) -> StepLog:
     return log
 
 
-def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
-    where = f"{log.path}:{lineno}"
+def json_object_line(raw: bytes, where: str, what: str, error: type[Exception] = StepLogError) -> Optional[dict[str, Any]]:
+    """The JSON object on one line of a JSONL file, None for a blank line; otherwise ``error``
+    naming ``where`` (``file:line``): not UTF-8, not JSON, or not an object (``what`` says which
+    object was expected). The recipe reads its GSM8K rows with it too."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise StepLogError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise error(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     if not text.strip():
-        return
+        return None
     try:
         record = json.loads(text)
     except RecursionError:
-        raise StepLogError(f"{where}: JSON nested too deeply") from None
+        raise error(f"{where}: JSON nested too deeply") from None
     except ValueError as exc:
-        raise StepLogError(f"{where}: not valid JSON ({exc})") from None
+        raise error(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(record, dict):
-        raise StepLogError(f"{where}: expected a JSON object (a step record), got {type(record).__name__}")
+        raise error(f"{where}: expected a JSON object ({what}), got {type(record).__name__}")
+    return record
+
+
+def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
+    where = f"{log.path}:{lineno}"
+    record = json_object_line(raw, where, "a step record")
+    if record is None:
+        return
     step = record.get("step", log.steps)
     if isinstance(step, bool) or not isinstance(step, int):
         raise StepLogError(f"{where}: 'step' must be an integer, got {step!r}")

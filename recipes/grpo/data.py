@@ -7,13 +7,14 @@ Prompts are built as verl's GSM8K preprocessing builds them: the question, a spa
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from rl_kernel_core.report import json_object_line
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SYNTHETIC = "synthetic"
@@ -52,11 +53,9 @@ def ground_truth_of(answer: str) -> str:
     return match.group(1).replace(",", "")
 
 
-def _problem(row: object, where: str) -> Problem:
-    """The problem in ``row`` (a mapping with the strings ``question`` and ``answer``), or a
+def _problem(row: dict, where: str) -> Problem:
+    """The problem in ``row`` (with the strings ``question`` and ``answer``), or a
     :class:`DataError` naming ``where``."""
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with 'question' and 'answer', got {type(row).__name__}")
     for name in ("question", "answer"):
         if not isinstance(row.get(name), str):
             found = "missing" if row.get(name) is None else type(row[name]).__name__
@@ -72,17 +71,9 @@ def _read_jsonl(path: Path) -> list[Problem]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start}); convert the file to UTF-8") from None
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except ValueError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc})") from None
-            problems.append(_problem(row, where))
+            row = json_object_line(raw, where, "a GSM8K row with 'question' and 'answer'", DataError)
+            if row is not None:
+                problems.append(_problem(row, where))
     return problems
 
 

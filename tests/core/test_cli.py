@@ -91,16 +91,20 @@ def test_bench_refuses_a_bad_backend_variable(monkeypatch, capsys, tmp_path):
     assert err.startswith("rl-kernel bench: error: RL_KERNEL_BACKEND must be") and "'garbage'" in err
 
 
-@pytest.mark.parametrize("args, says", [
-    (("--reps", "0"), "argument --reps: must be a positive integer, got 0"),
-    (("--reps", "x"), "argument --reps: must be a positive integer, got 'x'"),
-    (("--warmup", "-1"), "argument --warmup: must be a non-negative integer, got -1"),
-    (("-N", "0"), "argument --tokens/-N: must be a positive integer, got 0"),
-    (("-D", "-3"), "argument --hidden/-D: must be a positive integer, got -3"),
-    (("-V", "0"), "argument --vocab/-V: must be a positive integer, got 0"),
+@pytest.mark.parametrize("command, args, says", [
+    ("bench", ("--reps", "0"), "argument --reps: must be a positive integer, got 0"),
+    ("bench", ("--reps", "x"), "argument --reps: must be a positive integer, got 'x'"),
+    ("bench", ("--warmup", "-1"), "argument --warmup: must be a non-negative integer, got -1"),
+    ("bench", ("-N", "0"), "argument --tokens/-N: must be a positive integer, got 0"),
+    ("bench", ("-D", "-3"), "argument --hidden/-D: must be a positive integer, got -3"),
+    ("bench", ("-V", "0"), "argument --vocab/-V: must be a positive integer, got 0"),
+    ("consistency", ("--sequences", "0"), "argument --sequences: must be a positive integer, got 0"),
+    ("consistency", ("--prompt-len", "8"), "rl-kernel consistency: error: prompt_len must be in [1, min_len=8), got 8"),
+    ("consistency", ("--min-len", "30"), "rl-kernel consistency: error: max_len must be >= min_len=30, got 24"),
+    ("consistency", ("--seed", "-1"), "argument --seed: must be a non-negative integer, got -1"),
 ])
-def test_bench_refuses_bad_sizes_and_reps(capsys, args, says):
-    code, out, err = _main("bench", "--device", "cpu", *args, capsys=capsys)
+def test_bench_and_consistency_refuse_bad_sizes(capsys, command, args, says):
+    code, out, err = _main(command, "--device", "cpu", *args, capsys=capsys)
     assert code == 2 and out == ""
     assert says in err
 
@@ -193,17 +197,6 @@ def test_cuda_without_cuda_is_one_line_error(capsys, command):
     code, out, err = _main(command, "--device", "cuda", capsys=capsys)
     assert code == 2 and out == ""
     assert "argument --device: cuda needs CUDA, and torch.cuda.is_available() is False" in err
-
-
-@pytest.mark.parametrize("args, says", [
-    (("--sequences", "0"), "argument --sequences: must be a positive integer, got 0"),
-    (("--prompt-len", "8"), "rl-kernel consistency: error: prompt_len must be in [1, min_len=8), got 8"),
-    (("--min-len", "30"), "rl-kernel consistency: error: max_len must be >= min_len=30, got 24"),
-    (("--seed", "-1"), "argument --seed: must be a non-negative integer, got -1"),
-])
-def test_consistency_refuses_bad_sizes(capsys, args, says):
-    code, out, err = _main("consistency", "--device", "cpu", *args, capsys=capsys)
-    assert code == 2 and out == "" and says in err
 
 
 def _steps(path, steps, ms=1.0):

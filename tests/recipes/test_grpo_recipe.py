@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -222,12 +223,12 @@ def _gsm8k_line(question="Q?", answer="A. #### 7", **extra) -> str:
     (_gsm8k_line() + "\n" + json.dumps({"question": "Q?"}) + "\n", "train.jsonl:2: 'answer' must be a string, got missing"),
     (json.dumps({"question": 3, "answer": "#### 1"}) + "\n", "train.jsonl:1: 'question' must be a string, got int"),
     ("\n" + _gsm8k_line(answer="no final line") + "\n", "train.jsonl:2: GSM8K answer has no '#### <number>' line"),
-    ("[1, 2]\n", "train.jsonl:1: expected an object with 'question' and 'answer', got list"),
+    ("[1, 2]\n", "train.jsonl:1: expected a JSON object (a GSM8K row with 'question' and 'answer'), got list"),
     ("\n\n", "train.jsonl: holds no problems"),
 ])
 def test_bad_data_rows_name_file_and_line(tmp_path, capsys, content, says):
     (tmp_path / "train.jsonl").write_text(content, encoding="utf-8")
-    with pytest.raises(data.DataError, match=f"^{tmp_path}/{says}".replace("?", r"\?").replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(data.DataError, match="^" + re.escape(f"{tmp_path}/{says}")):
         data.load_problems(str(tmp_path))
     code, err = _main("--data", str(tmp_path), "--out", str(tmp_path / "run"), capsys=capsys)
     assert code == 2 and err.startswith(f"[grpo_gsm8k] error: {tmp_path}/{says}") and err.count("\n") == 1, err
