@@ -26,6 +26,7 @@ import torch
 from grpo import data as gsm8k
 from grpo import embedded
 from grpo.model import PRESETS, build_local_model
+import rl_kernel_core as rk
 from rl_kernel_core import bench, contract, dispatch, report
 from rl_kernel_core.cli import device_name, integer, number
 
@@ -173,8 +174,6 @@ def run_verl_side(cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Pat
 def equal_reward_residues(group_size: int, rewards: list[float]) -> list[tuple[float, float, float]]:
     """``(reward, off advantage, on advantage)`` for a group of ``group_size`` copies of each reward:
     the off path's fp32 ``(r - mean) / (std + eps)`` leaves a float residue, rl-kernel's is 0."""
-    import rl_kernel_core as rk
-
     out = []
     for r in rewards:
         group = torch.full((group_size,), r, dtype=torch.float32)

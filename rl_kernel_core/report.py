@@ -246,14 +246,15 @@ MIN_TIMED_STEPS = 3
 def timing_noise(rows: list[dict[str, Any]]) -> list[str]:
     """Plain-text warnings about the timing rows of :func:`compare_table`: the series whose off and
     on spreads overlap (their ratios are within step-to-step noise), and too few timed steps."""
-    timed = [r for r in rows if r["spreads_overlap"] is not None]
+    compared = [r for r in rows if r["spreads_overlap"] is not None]
     warnings = []
-    overlapping = [r["metric"] for r in timed if r["spreads_overlap"]]
+    overlapping = [r["metric"] for r in compared if r["spreads_overlap"]]
     if overlapping:
-        warnings.append(f"{len(overlapping)} of {len(timed)} timing series have overlapping off and on spreads "
+        warnings.append(f"{len(overlapping)} of {len(compared)} timing series have overlapping off and on spreads "
                         f"(min..max over steps): {', '.join(overlapping)}; their on/off ratios are within the "
                         "step-to-step noise of these runs, not a measured difference")
-    fewest = min((min(r["off"]["n"], r["on"]["n"]) for r in timed), default=None)
+    timing = [r for r in rows if is_timing(r["metric"])]
+    fewest = min(max(r[side]["n"] for r in timing) for side in ("off", "on")) if timing else None
     if fewest is not None and fewest < MIN_TIMED_STEPS:
         warnings.append(f"only {fewest} timed step(s) in a run: too few for its spread to show the noise")
     return warnings

@@ -151,3 +151,14 @@ def test_report_states_timing_noise_medians_and_step_warnings(tmp_path, monkeypa
     text = report.write_report(off, apart, tmp_path / "rep2").read_text()
     assert "- **warning:** the logs share no step number" in text
     assert "| logprob | 25.25 | 25.75 | 26.25 | 2.75 | 3.25 | 3.75 | 0.1262 | 0.1262 | apart |" in text
+
+
+def test_timing_noise_counts_a_run_s_timed_steps_not_a_one_sided_region(tmp_path):
+    off = report.read_step_log(_log(tmp_path / "off.jsonl", [{"step": i, "regions": {"step": 10.0 + i, "ratio_kl": 1.0}} for i in range(5)]))
+    on = report.read_step_log(_log(tmp_path / "on.jsonl", [{"step": i, "regions": {"step": 1.0 + i}} for i in range(5)]))
+    assert report.timing_noise(report.compare_table(off, on, warmup_steps=1)) == []  # ratio_kl is off's only
+    short = report.read_step_log(_log(tmp_path / "short.jsonl", [{"step": i, "regions": {"step": 1.0}} for i in range(2)]))
+    assert report.timing_noise(report.compare_table(off, short, warmup_steps=1)) == [
+        "only 1 timed step(s) in a run: too few for its spread to show the noise"]
+    assert report.timing_noise(report.compare_table(off, short, warmup_steps=2)) == [
+        "only 0 timed step(s) in a run: too few for its spread to show the noise"]
