@@ -26,7 +26,9 @@ import torch
 from grpo import data as gsm8k
 from grpo import embedded
 from grpo.model import PRESETS, build_local_model
+import rl_kernel_core as rk
 from rl_kernel_core import bench, contract, dispatch, report
+from rl_kernel_core.cli import device_name, integer, number
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +41,23 @@ PRESET_RUNS = {
                        lr=1e-5, temperature=1.0, kl_coef=1e-3, gradient_checkpointing=True,
                        max_prompt_tokens=256),
 }
+
+
+SEED_MAX = 2**32 - 1
+
+# the options that override a preset's run: name, argparse type, what it takes
+OVERRIDES = (
+    ("steps", integer(1), "GRPO steps, >= 1"),
+    ("prompts_per_step", integer(1), "prompts per step, >= 1"),
+    ("group_size", integer(2), "responses per prompt, >= 2 (a group's advantages need two)"),
+    ("max_new_tokens", integer(1), "response tokens at most, >= 1"),
+    ("micro_batch", integer(1), "sequences per forward/backward, >= 1"),
+    ("max_prompt_tokens", integer(1), "prompt tokens kept (longer prompts are truncated), >= 1"),
+    ("lr", number(0.0, low_open=True), "AdamW learning rate, > 0"),
+    ("temperature", number(0.0, low_open=True), "sampling and log-prob temperature, > 0"),
+    ("kl_coef", number(0.0), "coefficient of the KL-to-reference loss term, >= 0 (0: no reference model)"),
+    ("entropy_coef", number(0.0), "coefficient of the entropy bonus, >= 0"),
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,21 +75,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine", choices=("auto", "embedded", "verl"), default="auto",
                    help="auto: verl when verl, vLLM and a GPU are all present, else embedded")
     p.add_argument("--out", default=None, help="output directory (default: runs/grpo_gsm8k-<time>)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--sampler", choices=("torch", "rl-kernel"), default="torch",
                    help="rollout sampler of the embedded engine, the same in both runs")
     p.add_argument("--sides", default="off,on", help="which runs to make (default: off,on)")
-    p.add_argument("--limit", type=int, default=None, help="use the first N training problems")
+    p.add_argument("--limit", type=integer(1), default=None, help="use the first N training problems")
     p.add_argument("--reward-method", choices=("strict", "flexible"), default="flexible",
                    help="GSM8K answer extraction, as verl's scorer (default flexible)")
-    p.add_argument("--format-score", type=float, default=0.1,
-                   help="reward for an extracted but wrong answer (verl's format_score)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format-score", type=number(0.0, 1.0), default=0.1,
+                   help="reward in [0, 1] for an extracted but wrong answer (verl's format_score)")
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="seed of the model, data order and sampling (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    for field in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "micro_batch", "max_prompt_tokens"):
-        p.add_argument("--" + field.replace("_", "-"), type=int, default=None, help="override the preset")
-    for field in ("lr", "temperature", "kl_coef", "entropy_coef"):
-        p.add_argument("--" + field.replace("_", "-"), type=float, default=None, help="override the preset")
+    for field, kind, what in OVERRIDES:
+        p.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=f"{what} (overrides the preset)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="run rollout and training inside rl-kernel's batch-invariant mode (both runs): each "
                         "token's rollout and recomputed log-probs are bitwise equal (logprob_diff 0)")
@@ -80,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not args.sides or any(s not in ("off", "on") for s in args.sides):
         p.error(f"--sides must list off and/or on, got {','.join(args.sides)!r}")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out must be a directory, got {args.out!r}, which is a file")
     return args
 
 
@@ -152,6 +171,74 @@ def run_verl_side(cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Pat
             "backends": result["backends"] if side == "on" else "verl's own path"}
 
 
+def equal_reward_residues(group_size: int, rewards: list[float]) -> list[tuple[float, float, float]]:
+    """``(reward, off advantage, on advantage)`` for a group of ``group_size`` copies of each reward:
+    the off path's fp32 ``(r - mean) / (std + eps)`` leaves a float residue, rl-kernel's is 0."""
+    out = []
+    for r in rewards:
+        group = torch.full((group_size,), r, dtype=torch.float32)
+        off = embedded.OFF.advantages(group, group_size)
+        on = rk.group_advantages(group, group_size=group_size, estimator="grpo")
+        out.append((r, float(off.abs().max()), float(on.abs().max())))
+    return out
+
+
+def known_differences(engine: str, cfg: embedded.GRPOConfig, off_log: Path, on_log: Path) -> str:
+    """Markdown naming each known difference in meaning between the off and on paths, with its size
+    (computed, and measured in these runs' step logs where the engine records it)."""
+    residues = equal_reward_residues(cfg.group_size, sorted({0.0, cfg.format_score, 1.0}))
+    table = "\n".join([f"| reward of all {cfg.group_size} | off advantage (max abs) | on advantage (max abs) |", "|---|---|---|"]
+                      + [f"| {r:g} | {off:.3g} | {on:.3g} |" for r, off, on in residues])
+    if engine == "verl":
+        return ("**Advantages.** Both runs compute them with verl's `compute_grpo_outcome_advantage` (the verl adapter "
+                "replaces the log-prob and loss, not the advantages), so a group whose rewards are all equal gets the same "
+                "float residue in both runs (fp32 on CPU; rl-kernel's own `group_advantages` gives 0 there):\n\n" + table
+                + "\n\n**Loss.** rl-kernel's `policy_loss` differs from verl's only where a micro-batch has no response "
+                "token (0 instead of NaN) and in verl's `1e-8` added to token counts (below half an fp32 ulp); "
+                "neither arises here, every response having at least one token (`docs/semantics.md`).")
+    logs = {side: report.read_step_log(path) for side, path in (("off", off_log), ("on", on_log))}
+    measured = []
+    for side, log in logs.items():
+        steps, largest = log.series.get("equal_reward_advantage_max", ([], []))
+        groups = sum(log.values("equal_reward_groups"))
+        worst = max(largest, default=0.0)
+        nonzero = [step for step, value in zip(steps, largest) if value]
+        first = f", first nonzero at step {nonzero[0]}" if nonzero else ""
+        measured.append(f"{side}: {groups:g} such groups over {log.steps} steps, largest |advantage| {worst:.3g}{first}")
+    return ("**Advantages of a group whose rewards are all equal.** The off path computes `(r - mean) / (std + 1e-6)` "
+            "in fp32 as written (and as verl's `compute_grpo_outcome_advantage`): `r - mean` is a float residue, not "
+            "0, and the division by `1e-6` magnifies it. rl-kernel's `group_advantages` gives exactly 0 "
+            "(`docs/semantics.md`). Computed for this run's group size and rewards (fp32 on CPU):\n\n" + table
+            + "\n\nMeasured in these runs: " + "; ".join(measured) + ". A nonzero residue gives that group's tokens a "
+            "policy gradient on the off path only, so from the step after the first one the runs' weights, samples and "
+            "rewards are no longer the same.\n\n**Groups of unequal rewards.** The off path's group mean and std are "
+            "fp32, rl-kernel's fp64 rounded to fp32: their advantages differ in the last bits of fp32, not in meaning.\n\n"
+            "No other difference in meaning is known between the two paths' log-probs, entropy and loss; the first-step "
+            "check measures their numeric agreement.")
+
+
+def _error(message: str) -> int:
+    print(f"[grpo_gsm8k] error: {message}", file=sys.stderr)
+    return 2
+
+
+def model_problem(model: str) -> str | None:
+    """Why ``--model``'s config or tokenizer cannot be loaded (checked before any run), or None."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(model).expanduser()
+    if path.exists() and not path.is_dir():
+        return "not a directory (expected a Hugging Face model directory or hub id)"
+    if not path.exists() and (path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1):
+        return "no such directory (expected a Hugging Face model directory or hub id)"
+    try:
+        AutoConfig.from_pretrained(model)
+        AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:  # transformers' errors for a missing path, hub id or config
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
@@ -159,15 +246,23 @@ def main(argv=None) -> int:
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out or ROOT / "runs" / time.strftime("grpo_gsm8k-%Y%m%d-%H%M%S"))
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _error(f"--out {str(out)!r} cannot be created: {exc.strerror or exc}")
     engine, why = resolve_engine(args.engine, device)
     print(f"[grpo_gsm8k] engine: {engine} ({why}); device: {device}; output: {out}", flush=True)
+    if engine == "verl" and args.batch_invariant:
+        return _error("--batch-invariant is implemented by the embedded engine; run with --engine embedded")
+    if args.model:
+        problem = model_problem(args.model)
+        if problem:
+            return _error(f"--model {args.model}: {problem}")
 
     try:
         problems, source = gsm8k.load_problems(args.data, "train", args.limit, args.seed)
-    except gsm8k.DataUnavailableError as exc:
-        print(f"[grpo_gsm8k] error: {exc}", file=sys.stderr)
-        return 2
+    except (gsm8k.DataUnavailableError, gsm8k.DataError) as exc:
+        return _error(str(exc))
     print(f"[grpo_gsm8k] data: {source}", flush=True)
 
     if args.model:
@@ -189,10 +284,6 @@ def main(argv=None) -> int:
         "model": model_desc, "data": source, "git_commit": git_commit(),
         "config": dataclasses.asdict(cfg), "environment": bench.environment(device),
     }
-    if engine == "verl" and args.batch_invariant:
-        print("[grpo_gsm8k] error: --batch-invariant is implemented by the embedded engine; run with --engine embedded",
-              file=sys.stderr)
-        return 2
     first, failed = {}, []
     for side in args.sides:
         log = out / f"{side}.jsonl"
@@ -236,6 +327,8 @@ def main(argv=None) -> int:
 
         run_lines += filter(None, [verl_engine.vocabulary_note(model_dir)])
     sections.append(("Run", "\n".join(run_lines)))
+    sections.append(("Known differences between the off and on paths",
+                     known_differences(engine, cfg, out / "off.jsonl", out / "on.jsonl")))
     path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on",
                                sections=sections)
     print(f"[grpo_gsm8k] report: {path}", flush=True)

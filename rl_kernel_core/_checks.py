@@ -7,6 +7,7 @@ Nothing here casts or moves tensors.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -130,13 +131,26 @@ def needs_data(name: str, t: torch.Tensor, why: str) -> None:
         raise ValueError(f"{name} must hold data ({why}), got a meta tensor of shape {tuple(t.shape)}")
 
 
-def positive(name: str, value: float) -> float:
-    """A finite number > 0."""
+def number(name: str, value: float, expected: str = "a finite number") -> float:
+    """A finite int or float, as a float; an int beyond the float range is refused as infinity
+    is. ``expected`` is what the message says ``name`` must be."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (value > 0 and value != float("inf")):
+    try:
+        converted = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be {expected}, got an int of {int(value).bit_length()} bits") from None
+    if not math.isfinite(converted):
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return converted
+
+
+def positive(name: str, value: float) -> float:
+    """A finite number > 0."""
+    converted = number(name, value, "a finite number > 0")
+    if not converted > 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return float(value)
+    return converted
 
 
 SMALLEST_TEMPERATURE: float = torch.finfo(torch.float32).tiny
@@ -168,11 +182,10 @@ def int64(name: str, value: int) -> int:
 
 def non_negative(name: str, value: float) -> float:
     """A finite number >= 0."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (value >= 0 and value != float("inf")):
+    converted = number(name, value, "a finite number >= 0")
+    if not converted >= 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    return float(value)
+    return converted
 
 
 def choice(name: str, value: str, allowed: Sequence[str]) -> str:

@@ -49,9 +49,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         cu_seqlens_k: ``[B+1]`` offsets into k/v; defaults to ``cu_seqlens_q`` (self-attention).
         causal: a sequence's queries are its *last* Lq positions (bottom-right alignment, as in
             FlashAttention); query i sees keys ``0 .. Lk - Lq + i``. Decoding one token over a KV
-            cache is ``Lq = 1`` with the cache as k/v. Requires ``Lq <= Lk``.
-        scale: softmax scale; default ``D ** -0.5``.
-        return_lse: also return the log-sum-exp of the scaled scores, ``[Tq, Hq]`` fp32.
+            cache is ``Lq = 1`` with the cache as k/v. Requires ``Lq <= Lk``. Either way a
+            sequence with queries needs at least one key.
+        scale: softmax scale; default ``D ** -0.5`` (``D >= 1``).
+        return_lse: a bool: also return the log-sum-exp of the scaled scores, ``[Tq, Hq]`` fp32.
         backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
 
     Returns:
@@ -68,21 +69,25 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     _checks.same_shape("k", k, v=v)
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
+    if d == 0:
+        raise ValueError(f"q must have a head dim D >= 1, got shape {tuple(q.shape)}")
     _checks.shape("k", k, (k.shape[0], hkv, d), f"[Tk, Hkv, D={d}]")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"q's head count Hq={hq} must be a multiple of k's head count Hkv={hkv}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     scale = d ** -0.5 if scale is None else _checks.positive("scale", scale)
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     cu_k = cu_q if cu_seqlens_k is None else _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     if len(cu_k) != len(cu_q):
         raise ValueError(f"cu_seqlens_k must have as many entries as cu_seqlens_q ({len(cu_q)}), got {len(cu_k)}")
-    if causal:
-        for b in range(len(cu_q) - 1):
-            lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-            if lq > lk:
-                raise ValueError(f"causal attention needs Lq <= Lk per sequence; sequence {b} has Lq={lq}, Lk={lk}")
+    for b in range(len(cu_q) - 1):
+        lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if causal and lq > lk:
+            raise ValueError(f"causal attention needs Lq <= Lk per sequence; sequence {b} has Lq={lq}, Lk={lk}")
+        if lq > 0 and lk == 0:  # a softmax over no keys: 0/0
+            raise ValueError(f"cu_seqlens_k must give every sequence with queries at least one key; sequence {b} has Lq={lq}, Lk=0")
     impl = dispatch.select("varlen_attention", backend, q.device, q, k, v, cu_q, cu_k, causal, scale)
     # Every library call of both backends has a fixed shape already, so routing them through the
     # batch-invariant matmul as well would only cost time.

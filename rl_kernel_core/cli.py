@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -16,24 +17,59 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GIB = 2**30
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def integer(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]`` (no upper bound when ``high`` is None);
+    the recipe's options use it too."""
+    what = (f"an integer in [{low}, {high}]" if high is not None
+            else {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer >= {low}"))
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
+def number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``);
+    the recipe's options use it."""
+    what = (f"a finite number {'>' if low_open else '>='} {low:g}" if high == math.inf
+            else f"a number in {'(' if low_open else '['}{low:g}, {high:g}]")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int, _non_negative_int = integer(1), integer(0)
+
+
+def device_name(text: str) -> str:
+    """An argparse type for ``--device``: ``cpu`` or ``cuda[:N]`` that this process can use (the
+    recipe's ``--device`` uses it too)."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N], got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text} needs CUDA, and torch.cuda.is_available() is False")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text} names a GPU this process does not see ({torch.cuda.device_count()} visible)")
+    return text
 
 
 def _fail(command: str, message: str) -> int:
@@ -113,8 +149,6 @@ def _bench(args: argparse.Namespace) -> int:
         except ValueError as exc:
             return _fail("bench", str(exc))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return _fail("bench", f"--device {args.device} needs CUDA, and torch.cuda.is_available() is False")
     dtype = _DTYPES[args.dtype]
     n, d, v = args.tokens, args.hidden, args.vocab
     need = bench_bytes(n, d, v, dtype)
@@ -176,6 +210,8 @@ def _compare(args: argparse.Namespace) -> int:
         return _fail("compare", str(exc))
     except OSError as exc:
         return _fail("compare", f"--out {args.out!r} cannot be written: {exc.strerror or exc}")
+    for warning in report.step_warnings(off, on):
+        print(f"rl-kernel compare: warning: {warning}", file=sys.stderr)
     rows = report.compare_table(off, on, args.warmup_steps)
     notes = []
     for log, side in ((off, "OFF"), (on, "ON")):
@@ -183,6 +219,7 @@ def _compare(args: argparse.Namespace) -> int:
             notes.append(f"{side}: out of memory at step {log.oom[0]}: {log.oom[1]}")
         if log.skipped_partial:
             notes.append(f"{side}: skipped {log.skipped_partial} unterminated last line of {log.path} (interrupted run)")
+    notes += [f"timing noise: {warning}" for warning in report.timing_noise(rows)]
     if args.json:
         for note in notes:
             print(f"rl-kernel compare: {note}", file=sys.stderr)
@@ -200,11 +237,15 @@ def _compare(args: argparse.Namespace) -> int:
 def _parity_only(args: argparse.Namespace) -> int:
     from rl_kernel_core.consistency import parity
 
-    try:
-        rollout, training = (parity.load(path) for path in args.parity)
-    except (OSError, ValueError, RuntimeError) as exc:
-        print(f"rl-kernel consistency: error: {exc}", file=sys.stderr)
-        return 2
+    batches = []
+    for path in args.parity:
+        try:
+            batches.append(parity.load(path))
+        except ValueError as exc:
+            return _fail("consistency", f"--parity {exc}")
+        except OSError as exc:
+            return _fail("consistency", f"--parity {path}: cannot be read: {exc.strerror or exc}")
+    rollout, training = batches
     mismatch = parity.check(rollout, training)
     result = "ok" if mismatch is None else str(mismatch)
     print(json.dumps({"parity": result}) if args.json else f"input parity: {result}")
@@ -222,6 +263,13 @@ def _engine_consistency(args: argparse.Namespace) -> int:
         return 2
     if args.model == "tiny":
         print("rl-kernel consistency: error: --engine vllm needs --model PATH (a checkpoint directory)", file=sys.stderr)
+        return 2
+    try:
+        if not isinstance(json.loads(args.engine_args), dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        print(f"rl-kernel consistency: error: --engine-args must be a JSON object, got {args.engine_args!r} ({exc})",
+              file=sys.stderr)
         return 2
     extra = ["--prompts", str(args.sequences), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_len),
              "--seed", str(args.seed), "--dtype", {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype],
@@ -277,14 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
 
     p = sub.add_parser("bench", help="time linear_logprob forward+backward against eager PyTorch")
-    p.add_argument("--tokens", "-N", type=_positive_int, default=2048)
-    p.add_argument("--hidden", "-D", type=_positive_int, default=256)
-    p.add_argument("--vocab", "-V", type=_positive_int, default=32000)
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--tokens", "-N", type=_positive_int, default=2048, help="tokens N, rows of hidden (default 2048)")
+    p.add_argument("--hidden", "-D", type=_positive_int, default=256, help="hidden size D (default 256)")
+    p.add_argument("--vocab", "-V", type=_positive_int, default=32000, help="vocabulary size V, rows of the LM head (default 32000)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="dtype of hidden and weight (default fp32)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--backend", default="auto", choices=("auto", *(b for b in dispatch.BACKENDS if dispatch.serves(b, "linear_logprob"))),
                    help="auto, native, triton or torch")
-    p.add_argument("--warmup", type=_non_negative_int, default=2)
+    p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed runs first (default 2)")
     p.add_argument("--reps", type=_positive_int, default=5, help="timed runs (the median is reported)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.set_defaults(func=_bench)
@@ -304,14 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "numerical contract. Exit 0: both pass; 1: a mode fails (the drift probe names the "
                                    "first divergent module); 2: an error.")
     p.add_argument("--model", default="tiny", help="'tiny' (built-in Qwen3-style decoder) or a Hugging Face model path")
-    p.add_argument("--sequences", type=int, default=8, help="number of sequences (default 8)")
-    p.add_argument("--min-len", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=24)
-    p.add_argument("--prompt-len", type=int, default=4, help="tokens prefilled before decoding (default 4)")
-    p.add_argument("--rollout-batch", type=int, default=3, help="sequences per rollout batch (default 3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--sequences", type=_positive_int, default=8, help="number of sequences (default 8)")
+    p.add_argument("--min-len", type=_positive_int, default=8, help="shortest sequence in tokens (default 8)")
+    p.add_argument("--max-len", type=_positive_int, default=24, help="longest sequence in tokens (default 24)")
+    p.add_argument("--prompt-len", type=_positive_int, default=4, help="tokens prefilled before decoding, < --min-len (default 4)")
+    p.add_argument("--rollout-batch", type=_positive_int, default=3, help="sequences per rollout batch (default 3)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the tiny model's weights and of the sequences (default 0)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="model dtype (default fp32)")
     p.add_argument("--probe", action="store_true", help="run the layer-wise drift probe even when both modes pass")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a PNG of drift per module, mode off vs on (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -322,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-args", default="{}", metavar="JSON", help="extra vllm.LLM keyword arguments (--engine vllm)")
     p.add_argument("--parity", nargs=2, metavar=("ROLLOUT", "TRAINING"), default=None,
                    help="only the input parity precheck, of two batches saved by rl_kernel_core.consistency.parity.save "
-                        "(or torch.save of a dict of its fields); exit 1 at the first mismatch")
+                        "(or torch.save of a Batch or of a dict of its fields); exit 1 at the first mismatch, "
+                        "2 when a file is not such a batch")
     p.set_defaults(func=_consistency)
     return parser
 

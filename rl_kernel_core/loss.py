@@ -76,11 +76,10 @@ def _check_settings(
     """Validate the loss settings; return them as the :class:`LossSettings` implementations take."""
     c = None
     if clip_ratio_c is not None:
-        if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, (int, float)):
-            raise TypeError(f"clip_ratio_c must be None or a number, got {type(clip_ratio_c).__name__}")
-        if not 1.0 < clip_ratio_c < math.inf:
-            raise ValueError(f"clip_ratio_c must be None or a finite number > 1 (dual-clip lower bound), got {clip_ratio_c}")
-        c = float(clip_ratio_c)
+        expected = "None or a finite number > 1 (dual-clip lower bound)"
+        c = _checks.number("clip_ratio_c", clip_ratio_c, expected)
+        if not c > 1.0:
+            raise ValueError(f"clip_ratio_c must be {expected}, got {clip_ratio_c}")
     return LossSettings(
         clip_ratio_low=_checks.non_negative("clip_ratio_low", clip_ratio_low),
         clip_ratio_high=_checks.non_negative("clip_ratio_high", clip_ratio_high),

@@ -189,14 +189,16 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def summarize_values(values: Iterable[float]) -> dict[str, float]:
-    """``{"n", "mean", "p50", "p90", "p99"}`` of ``values`` (empty input gives ``{"n": 0}``)."""
+    """``{"n", "mean", "min", "p50", "p90", "p99", "max"}`` of ``values`` (empty input gives ``{"n": 0}``)."""
     vals = sorted(float(v) for v in values if v is not None)
     if not vals:
         return {"n": 0}
     return {
         "n": len(vals),
         "mean": sum(vals) / len(vals),
+        "min": vals[0],
         "p50": _percentile(vals, 0.5),
         "p90": _percentile(vals, 0.9),
         "p99": _percentile(vals, 0.99),
+        "max": vals[-1],
     }

@@ -8,7 +8,8 @@ reader adds ``region/actor_update``, the per-step sum of the policy-update regio
 are read one line at a time (a line over :data:`MAX_LINE_BYTES` is an error) and only numeric
 series are kept, so memory follows the number of values, not the file size. A malformed line is
 an error naming the file and line, except an unterminated last line (a run interrupted
-mid-write), which is skipped and counted. NaN and infinite values count as missing; statistics
+mid-write), which is skipped and counted. NaN and infinite values (and integers beyond the float
+range) count as missing; a ``step`` must fit in int64; statistics
 that overflow are written as ``null`` in JSON (:func:`json_safe`). A record with ``"oom": true``
 marks a run that ran out of memory at that step.
 
@@ -61,12 +62,14 @@ class StepLog:
     """The numeric content of one step log.
 
     ``series`` maps ``region/<name>`` and every numeric field to its ``(steps, values)`` arrays;
-    ``oom`` holds ``(step, error text)`` when the run ran out of memory; ``skipped_partial`` is 1
-    when an unterminated last line was skipped.
+    ``step_numbers`` holds each step record's ``step`` in file order; ``oom`` holds ``(step, error
+    text)`` when the run ran out of memory; ``skipped_partial`` is 1 when an unterminated last line
+    was skipped.
     """
 
     path: Path
     steps: int = 0
+    step_numbers: array = field(default_factory=lambda: array("q"))
     series: dict[str, tuple[array, array]] = field(default_factory=dict)
     oom: Optional[tuple[int, str]] = None
     skipped_partial: int = 0
@@ -79,7 +82,10 @@ class StepLog:
 def _number(value: Any) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond the float range, as infinite as 1e400
+        return None
     return value if math.isfinite(value) else None
 
 
@@ -127,25 +133,37 @@ def read_step_log(path: str | Path) -> StepLog:
     return log
 
 
-def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
-    where = f"{log.path}:{lineno}"
+def json_object_line(raw: bytes, where: str, what: str, error: type[Exception] = StepLogError) -> Optional[dict[str, Any]]:
+    """The JSON object on one line of a JSONL file, None for a blank line; otherwise ``error``
+    naming ``where`` (``file:line``): not UTF-8, not JSON, or not an object (``what`` says which
+    object was expected). The recipe reads its GSM8K rows with it too."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise StepLogError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise error(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     if not text.strip():
-        return
+        return None
     try:
         record = json.loads(text)
     except RecursionError:
-        raise StepLogError(f"{where}: JSON nested too deeply") from None
+        raise error(f"{where}: JSON nested too deeply") from None
     except ValueError as exc:
-        raise StepLogError(f"{where}: not valid JSON ({exc})") from None
+        raise error(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(record, dict):
-        raise StepLogError(f"{where}: expected a JSON object (a step record), got {type(record).__name__}")
+        raise error(f"{where}: expected a JSON object ({what}), got {type(record).__name__}")
+    return record
+
+
+def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
+    where = f"{log.path}:{lineno}"
+    record = json_object_line(raw, where, "a step record")
+    if record is None:
+        return
     step = record.get("step", log.steps)
     if isinstance(step, bool) or not isinstance(step, int):
         raise StepLogError(f"{where}: 'step' must be an integer, got {step!r}")
+    if not -(2**63) <= step < 2**63:
+        raise StepLogError(f"{where}: 'step' must fit in int64, got an integer of {len(str(abs(step)))} digits")
     regions = record.get("regions") or {}
     if not isinstance(regions, dict):
         raise StepLogError(f"{where}: 'regions' must be an object of name -> ms, got {type(regions).__name__}")
@@ -153,6 +171,7 @@ def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
         log.oom = (step, str(record.get("error", "out of memory")))
         return
     log.steps += 1
+    log.step_numbers.append(step)
     for name, ms in regions.items():
         _add(log, f"region/{name}", step, ms)
     actor = [_number(regions.get(name)) for name in ACTOR_REGIONS if name in regions]
@@ -163,18 +182,50 @@ def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
             _add(log, key, step, value)
 
 
+def step_warnings(off: StepLog, on: StepLog) -> list[str]:
+    """Why comparing ``off`` with ``on`` may mean little: a log without step records, a log that
+    repeats step numbers (runs appended to one file?), or two logs that share no step number."""
+    warnings = []
+    for log, side in ((off, "OFF"), (on, "ON")):
+        numbers = log.step_numbers
+        if not numbers:
+            warnings.append(f"{side} log {log.path} has no step records")
+            continue
+        seen: set[int] = set()
+        repeats = []
+        for n in numbers:
+            if n in seen:
+                repeats.append(n)
+            seen.add(n)
+        if repeats:
+            warnings.append(f"{side} log {log.path} repeats step numbers ({len(repeats)} of {len(numbers)} records, "
+                            f"first step {repeats[0]}): were runs appended to one file?")
+    if off.step_numbers and on.step_numbers and set(off.step_numbers).isdisjoint(on.step_numbers):
+        warnings.append(f"the logs share no step number (OFF steps {min(off.step_numbers)}..{max(off.step_numbers)}, "
+                        f"ON steps {min(on.step_numbers)}..{max(on.step_numbers)}): are they runs of the same schedule?")
+    return warnings
+
+
 def is_timing(key: str) -> bool:
     """Whether a series is a timing (regions and throughput), which warm-up steps distort."""
     return key.startswith("region/") or key == "tokens_per_s"
 
 
-def compare_table(off: StepLog, on: StepLog, warmup_steps: int = 0) -> list[dict[str, Any]]:
-    """Rows ``{"metric", "off", "on", "on_over_off"}``: statistics of every series in either log.
+def _ratio(off: dict[str, Any], on: dict[str, Any], stat: str) -> Optional[float]:
+    return on[stat] / off[stat] if off["n"] and on["n"] and off[stat] else None
 
-    ``off``/``on`` are :func:`rl_kernel_core.profiling.summarize_values` dicts; the ratio is of
-    means (None where either side lacks the metric or the off mean is 0). Timing series leave out
-    each log's first ``warmup_steps`` steps (compilation, autotuning and allocator growth land
-    there); other series keep every step. Headline metrics first.
+
+def compare_table(off: StepLog, on: StepLog, warmup_steps: int = 0) -> list[dict[str, Any]]:
+    """Rows ``{"metric", "off", "on", "on_over_off", "on_over_off_median", "spreads_overlap"}``:
+    statistics of every series in either log.
+
+    ``off``/``on`` are :func:`rl_kernel_core.profiling.summarize_values` dicts; ``on_over_off`` is
+    the ratio of the means, ``on_over_off_median`` of the medians (None where either side lacks
+    the metric or the off value is 0). ``spreads_overlap`` (timing series with values on both
+    sides, else None) says whether the runs' ``[min, max]`` ranges overlap, i.e. whether their
+    ratio is within the step-to-step noise. Timing series leave out each log's first
+    ``warmup_steps`` steps (compilation, autotuning and allocator growth land there); other series
+    keep every step. Headline metrics first.
     """
     keys = set(off.series) | set(on.series)
     ordered = [k for k in HEADLINE if k in keys] + sorted(keys - set(HEADLINE))
@@ -182,9 +233,31 @@ def compare_table(off: StepLog, on: StepLog, warmup_steps: int = 0) -> list[dict
     for key in ordered:
         skip = warmup_steps if is_timing(key) else 0
         a, b = summarize_values(off.values(key)[skip:]), summarize_values(on.values(key)[skip:])
-        ratio = b["mean"] / a["mean"] if a["n"] and b["n"] and a["mean"] else None
-        rows.append({"metric": key, "off": a, "on": b, "on_over_off": ratio})
+        overlap = a["min"] <= b["max"] and b["min"] <= a["max"] if is_timing(key) and a["n"] and b["n"] else None
+        rows.append({"metric": key, "off": a, "on": b, "on_over_off": _ratio(a, b, "mean"),
+                     "on_over_off_median": _ratio(a, b, "p50"), "spreads_overlap": overlap})
     return rows
+
+
+MIN_TIMED_STEPS = 3
+"""Fewer timed steps per run than this and a run's spread says little about its noise."""
+
+
+def timing_noise(rows: list[dict[str, Any]]) -> list[str]:
+    """Plain-text warnings about the timing rows of :func:`compare_table`: the series whose off and
+    on spreads overlap (their ratios are within step-to-step noise), and too few timed steps."""
+    compared = [r for r in rows if r["spreads_overlap"] is not None]
+    warnings = []
+    overlapping = [r["metric"] for r in compared if r["spreads_overlap"]]
+    if overlapping:
+        warnings.append(f"{len(overlapping)} of {len(compared)} timing series have overlapping off and on spreads "
+                        f"(min..max over steps): {', '.join(overlapping)}; their on/off ratios are within the "
+                        "step-to-step noise of these runs, not a measured difference")
+    timing = [r for r in rows if is_timing(r["metric"])]
+    fewest = min(max(r[side]["n"] for r in timing) for side in ("off", "on")) if timing else None
+    if fewest is not None and fewest < MIN_TIMED_STEPS:
+        warnings.append(f"only {fewest} timed step(s) in a run: too few for its spread to show the noise")
+    return warnings
 
 
 def json_safe(value: Any) -> Any:
@@ -205,13 +278,20 @@ def _fmt(value: Optional[float]) -> str:
     return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
 
 
+_TEXT_STATS = ("mean", "p50", "min", "max")
+
+
 def text_table(rows: list[dict[str, Any]]) -> str:
-    """The comparison rows as a fixed-width text table."""
-    head = f"{'metric':<26}" + "".join(f"{f'{s} {q}':>11}" for s in ("off", "on") for q in ("mean", "p50", "p90", "p99")) + f"{'on/off':>9}"
+    """The comparison rows as a fixed-width text table: each side's mean, median, min and max, the
+    on/off ratios of the means and of the medians, and ``~`` after a timing series whose off and on
+    spreads overlap."""
+    head = (f"{'metric':<26}" + "".join(f"{f'{s} {q}':>11}" for s in ("off", "on") for q in _TEXT_STATS)
+            + f"{'on/off':>9}{'p50 on/off':>11}")
     lines = [head]
     for row in rows:
-        cells = "".join(_fmt(row[s].get(q)).rjust(11) for s in ("off", "on") for q in ("mean", "p50", "p90", "p99"))
-        lines.append(f"{row['metric']:<26}{cells}{_fmt(row['on_over_off']).rjust(9)}")
+        cells = "".join(_fmt(row[s].get(q)).rjust(11) for s in ("off", "on") for q in _TEXT_STATS)
+        mark = " ~" if row["spreads_overlap"] else ""
+        lines.append(f"{row['metric']:<26}{cells}{_fmt(row['on_over_off']).rjust(9)}{_fmt(row['on_over_off_median']).rjust(11)}{mark}")
     return "\n".join(lines)
 
 
@@ -351,19 +431,32 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
             lines.append(f"- **{side} ran out of memory at step {log.oom[0]}** (caught and recorded): `{log.oom[1]}`")
         if log.skipped_partial:
             lines.append(f"- {side}: an unterminated last line was skipped (interrupted run)")
+    for warning in step_warnings(off, on):
+        lines.append(f"- **warning:** {warning}")
     warm = (f" Timings (step and module times, tokens/s) leave out the first {warmup_steps} step(s) of each run "
             "(compilation, autotuning, allocator growth); the plots show every step." if warmup_steps else "")
-    lines += ["", "## Summary", "", f"Statistics over steps; on/off is the ratio of the means.{warm}", ""]
-    lines.append(_md_table(["metric", "off mean", "off p50", "off p90", "off p99", "on mean", "on p50", "on p90", "on p99", "on/off"],
-                           [[r["metric"]] + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("mean", "p50", "p90", "p99")]
-                            + [_fmt(r["on_over_off"])] for r in rows if r["metric"] in HEADLINE]))
+    lines += ["", "## Summary", "",
+              "Statistics over steps; on/off is given as the ratio of the means and of the medians (a few slow steps "
+              f"move the mean, not the median).{warm}", ""]
+    lines.append(_md_table(["metric", "off mean", "off median", "on mean", "on median", "on/off (means)", "on/off (medians)"],
+                           [[r["metric"]] + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("mean", "p50")]
+                            + [_fmt(r["on_over_off"]), _fmt(r["on_over_off_median"])] for r in rows if r["metric"] in HEADLINE]))
+    noise = timing_noise(rows)
+    lines += ["", "**Timing noise.** " + ("; ".join(noise) + "." if noise else
+                                         "No timing series has overlapping off and on spreads (min..max over steps). "
+                                         "Each side is one run: the noise between repeated runs is not measured.")]
     modules = [r for r in rows if r["metric"].removeprefix("region/") in MODULES and r["metric"].startswith("region/")]
     if modules:
         modules.sort(key=lambda r: MODULES.index(r["metric"].removeprefix("region/")))
-        lines += ["", "## Per-module time (ms per step)", ""]
-        lines.append(_md_table(["module", "off mean", "on mean", "on/off"],
-                               [[r["metric"].removeprefix("region/"), _fmt(r["off"].get("mean")), _fmt(r["on"].get("mean")),
-                                 _fmt(r["on_over_off"])] for r in modules]))
+        lines += ["", "## Per-module time (ms per step)", "",
+                  "Each run's min, median and max over steps; \"overlap\": the two runs' ranges overlap, so the "
+                  "ratio is within the step-to-step noise.", ""]
+        lines.append(_md_table(["module", "off min", "off median", "off max", "on min", "on median", "on max",
+                                "on/off (medians)", "on/off (means)", "spread"],
+                               [[r["metric"].removeprefix("region/")] + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("min", "p50", "max")]
+                                + [_fmt(r["on_over_off_median"]), _fmt(r["on_over_off"]),
+                                   "-" if r["spreads_overlap"] is None else ("overlap" if r["spreads_overlap"] else "apart")]
+                                for r in modules]))
     for heading, body in sections:
         lines += ["", f"## {heading}", "", body]
     if plots:
@@ -374,7 +467,7 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
     path = out_dir / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     summary = {"off": names["off"], "on": names["on"], "steps": {"off": off.steps, "on": on.steps},
-               "timing_warmup_steps": warmup_steps,
+               "timing_warmup_steps": warmup_steps, "timing_noise": noise, "warnings": step_warnings(off, on),
                "oom": {"off": off.oom, "on": on.oom},
                "skipped_partial_lines": {"off": off.skipped_partial, "on": on.skipped_partial}, "rows": rows}
     (out_dir / "comparison.json").write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False), encoding="utf-8")

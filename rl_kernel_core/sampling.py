@@ -163,7 +163,9 @@ def sample(
         temperature: 0 or a finite number >= the smallest normal fp32 (about 1.18e-38, so that
             ``1 / temperature`` is finite in fp32), or a float tensor ``[B]`` of such values; a row
             with temperature 0 is greedy (argmax of its logits, the first index among ties;
-            filters do not apply).
+            filters do not apply). A temperature so small that ``fp32(l) * fp32(1 / T)``
+            overflows to +inf for some logit leaves that row without a distribution (see
+            Returns); use 0 for greedy.
         top_k: None, an int >= 1 (fitting in int64) or an int64/int32 tensor ``[B]`` of values
             >= 1; a value >= V keeps every token.
         top_p: None, a number in (0, 1] or a float tensor ``[B]``; 1 keeps every token.
@@ -188,15 +190,20 @@ def sample(
         ``(tokens, logprobs)``: ``tokens`` int64 ``[B]``; ``logprobs`` fp32 ``[B]``, the sampled
         token's log-prob under the FULL tempered distribution ``log_softmax(fp32(logits) / T)``
         before any top-k/top-p/min-p filtering (what a trainer recomputes from the same logits);
-        greedy rows use ``T = 1``. Nothing is differentiable.
+        greedy rows use ``T = 1``. Nothing is differentiable. A row whose tempered logits hold no
+        distribution (every entry -inf, a NaN, or a +inf, from the logits or from overflow at a
+        tiny temperature) gets token 0 and log-prob NaN on every backend, so the NaN reaches
+        whatever consumes the log-prob; no error is raised, since finding such rows before the
+        draw would cost a pass over the logits and a host sync.
 
     Raises:
         TypeError: a wrong type or dtype (names the argument, expected and found).
-        ValueError: a wrong shape, device, value range, an empty vocab, or both ``seeds`` and
-            ``generator``. Tensor parameters are range-checked with one host sync each.
+        ValueError: a wrong shape, device, value range, an empty vocab, meta ``logits``, or both
+            ``seeds`` and ``generator``. Tensor parameters are range-checked with one host sync each.
         rl_kernel_core.BackendUnavailableError: an explicit ``backend`` cannot run these inputs.
     """
     _checks.tensor("logits", logits, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    _checks.needs_data("logits", logits, "the draw reads its values")
     b, v = logits.shape
     if v == 0:
         raise ValueError(f"logits must have at least one vocab column, got shape {tuple(logits.shape)}")
@@ -214,4 +221,17 @@ def sample(
         k = k.clamp(max=v) if isinstance(k, torch.Tensor) else min(k, v)
     impl = dispatch.select("sample", backend, logits.device, logits, temp, given, pos, k, p, mp)
     with torch.no_grad():
-        return impl(logits, temp, s, pos, k, p, mp)
+        tokens, logprobs = impl(logits, temp, s, pos, k, p, mp)
+        return _without_distribution(tokens, logprobs)
+
+
+def _without_distribution(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token 0 and log-prob NaN for the rows whose tempered logits hold no distribution.
+
+    Such a row (every entry -inf, or a NaN, or a +inf, including one from ``l / T`` overflowing
+    fp32) has a log-sum-exp of NaN, +inf or -inf on every backend, so its log-prob is not finite
+    there, while a row with a distribution always gets a finite one; which token each backend
+    draws from such a row differs, so it is replaced by one they all return. Costs two ``[B]``
+    ops and no sync."""
+    bad = ~torch.isfinite(logprobs)
+    return tokens.masked_fill(bad, 0), logprobs.masked_fill(bad, float("nan"))

@@ -15,6 +15,7 @@ or raise :class:`rl_kernel_vime.fallback.FallbackError` under ``VIME_RL_KERNEL_S
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from argparse import Namespace
@@ -55,11 +56,29 @@ def _entropy_detached(kwargs: dict[str, Any]) -> bool:
     return kwargs.get("with_entropy_grad", True) is False or kwargs.get("entropy_no_grad", False) is True
 
 
+def _vime_after_restore(key: str) -> Callable[[Callable], Callable]:
+    """The hook for target ``key``, calling vime's function instead once :func:`rl_kernel_vime.restore`
+    put it back: restore rebinds vime's own modules, not a module elsewhere that imported the
+    hook by name, which would otherwise keep running rl-kernel while ``status()`` says off."""
+
+    def wrap(hook: Callable) -> Callable:
+        @functools.wraps(hook)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if registry.restored(key):
+                return registry.original(key)(*args, **kwargs)
+            return hook(*args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 def _live(module: str, attr: str) -> Callable:
     """What vime's ``module.attr`` is now: our hook when its op is on, vime's function otherwise."""
     return getattr(importlib.import_module(module), attr)
 
 
+@_vime_after_restore(f"{PPO_UTILS}:calculate_log_probs_and_entropy")
 def calculate_log_probs_and_entropy(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -97,6 +116,7 @@ def calculate_log_probs_and_entropy(
     return (log_prob if logits.size(0) == 0 else log_prob.unsqueeze(-1)), entropy
 
 
+@_vime_after_restore(f"{LOSS}:get_log_probs_and_entropy")
 def get_log_probs_and_entropy(
     logits: torch.Tensor,
     *,
@@ -147,6 +167,7 @@ def get_log_probs_and_entropy(
     return torch.empty((0,), device=logits.device), res
 
 
+@_vime_after_restore(f"{PPO_UTILS}:compute_approx_kl")
 def compute_approx_kl(
     log_probs: torch.Tensor,
     log_probs_base: torch.Tensor,
@@ -208,6 +229,7 @@ def _policy_loss_reason(args: Namespace) -> Optional[str]:
     return layout.parallel_reason(args)
 
 
+@_vime_after_restore(f"{LOSS}:policy_loss_function")
 def policy_loss_function(
     args: Namespace,
     batch: dict[str, Any],
@@ -237,6 +259,13 @@ def policy_loss_function(
         metrics ``loss``, ``pg_loss``, ``entropy_loss``, ``pg_clipfrac``, ``ppo_kl``, then
         ``train_rollout_logprob_abs_diff`` (when rollout log-probs are present) and ``kl_loss``
         (with ``use_kl_loss``).
+
+    Raises:
+        ValueError: a setting rl_kernel_core refuses (negative, NaN, infinite, or an int beyond
+            the float range), named as the op's argument it feeds: ``eps_clip`` ->
+            ``clip_ratio_low``, ``eps_clip_high`` -> ``clip_ratio_high``, ``eps_clip_c`` ->
+            ``clip_ratio_c``, ``kl_loss_coef`` -> ``kl_coef``, ``entropy_coef``,
+            and, through the ``logprob`` hook, ``rollout_temperature`` -> ``temperature``.
     """
     reason = _policy_loss_reason(args)
     if reason is not None:
@@ -295,6 +324,7 @@ def _step_fields(original: Callable, args: tuple, kwargs: dict[str, Any]) -> dic
     return fields
 
 
+@_vime_after_restore(f"{MODEL}:train_one_step")
 def train_one_step(*args: Any, **kwargs: Any) -> Any:
     """vime's ``train_one_step``, timed: closes the step's profiling record.
 

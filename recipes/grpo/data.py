@@ -7,13 +7,14 @@ Prompts are built as verl's GSM8K preprocessing builds them: the question, a spa
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from rl_kernel_core.report import json_object_line
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SYNTHETIC = "synthetic"
@@ -40,6 +41,10 @@ class DataUnavailableError(RuntimeError):
     """No GSM8K source could be read; the message names every source tried."""
 
 
+class DataError(ValueError):
+    """A GSM8K file or row that is not a problem; the message names the file and line (or row)."""
+
+
 def ground_truth_of(answer: str) -> str:
     """The number after ``#### `` in a GSM8K solution, commas removed (verl's extraction)."""
     match = _ANSWER.search(answer)
@@ -48,30 +53,65 @@ def ground_truth_of(answer: str) -> str:
     return match.group(1).replace(",", "")
 
 
-def _from_rows(rows) -> list[Problem]:
-    return [Problem(r["question"], r["answer"], ground_truth_of(r["answer"])) for r in rows]
+def _problem(row: dict, where: str) -> Problem:
+    """The problem in ``row`` (with the strings ``question`` and ``answer``), or a
+    :class:`DataError` naming ``where``."""
+    for name in ("question", "answer"):
+        if not isinstance(row.get(name), str):
+            found = "missing" if row.get(name) is None else type(row[name]).__name__
+            raise DataError(f"{where}: '{name}' must be a string, got {found}")
+    try:
+        return Problem(row["question"], row["answer"], ground_truth_of(row["answer"]))
+    except ValueError as exc:
+        raise DataError(f"{where}: {exc}") from None
+
+
+def _read_jsonl(path: Path) -> list[Problem]:
+    problems = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            row = json_object_line(raw, where, "a GSM8K row with 'question' and 'answer'", DataError)
+            if row is not None:
+                problems.append(_problem(row, where))
+    return problems
+
+
+def _read_parquet(path: Path) -> list[Problem]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataUnavailableError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
+                                   "or give the data as train.jsonl/test.jsonl") from None
+    try:
+        rows = pq.read_table(path, columns=["question", "answer"]).to_pylist()
+    except Exception as exc:  # pyarrow raises ArrowInvalid, KeyError, OSError, ... for a file it cannot read
+        raise DataError(f"{path}: not a parquet file with the columns 'question' and 'answer' "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return [_problem(row, f"{path}: row {i}") for i, row in enumerate(rows)]
 
 
 def _read_dir(directory: Path, split: str) -> list[Problem]:
     jsonl = directory / f"{split}.jsonl"
     if jsonl.is_file():
-        with open(jsonl, encoding="utf-8") as f:
-            return _from_rows(json.loads(line) for line in f if line.strip())
-    parquets = sorted(directory.rglob(f"{split}*.parquet"))
-    if parquets:
-        import pandas as pd
-
-        frame = pd.concat([pd.read_parquet(p, columns=["question", "answer"]) for p in parquets])
-        return _from_rows(frame.to_dict("records"))
-    raise DataUnavailableError(
-        f"data directory {directory} holds neither {split}.jsonl nor {split}*.parquet "
-        "(GSM8K rows with 'question' and 'answer')")
+        files, problems = [jsonl], _read_jsonl(jsonl)
+    else:
+        files = sorted(directory.rglob(f"{split}*.parquet"))
+        problems = [p for path in files for p in _read_parquet(path)]
+    if not files:
+        raise DataUnavailableError(
+            f"data directory {directory} holds neither {split}.jsonl nor {split}*.parquet "
+            "(GSM8K rows with 'question' and 'answer')")
+    if not problems:
+        raise DataError(f"{', '.join(map(str, files))}: holds no problems")
+    return problems
 
 
 def _read_hub(split: str) -> list[Problem]:
     import datasets  # optional: only this source needs it
 
-    return _from_rows(datasets.load_dataset(HUB_DATASET, "main", split=split))
+    rows = datasets.load_dataset(HUB_DATASET, "main", split=split)
+    return [_problem(row, f"hub {HUB_DATASET} ({split}) row {i}") for i, row in enumerate(rows)]
 
 
 _NAMES = ("Ava", "Ben", "Chen", "Dana", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo")
@@ -105,10 +145,13 @@ def load_problems(source: Optional[str], split: str = "train", limit: Optional[i
                   seed: int = 0) -> tuple[list[Problem], str]:
     """GSM8K problems and a description of where they came from.
 
-    ``source``: a directory (``{split}.jsonl`` or ``{split}*.parquet``), ``"synthetic"``, or
-    None, which tries ``$GSM8K_DIR`` and then the hub (``datasets``, ``openai/gsm8k``). When
-    nothing is reachable, :class:`DataUnavailableError` names the three ways to provide data.
-    ``limit`` keeps the first ``limit`` problems.
+    ``source``: a directory (``{split}.jsonl``, UTF-8, or ``{split}*.parquet``, read with
+    pyarrow), ``"synthetic"``, or None, which tries ``$GSM8K_DIR`` and then the hub
+    (``datasets``, ``openai/gsm8k``). When nothing is reachable, :class:`DataUnavailableError`
+    names the three ways to provide data; a line or row that is not a GSM8K problem (not UTF-8,
+    not JSON, no string ``question``/``answer``, no ``#### <number>`` in the answer) raises
+    :class:`DataError` naming the file and line (or row). ``limit`` keeps the first ``limit``
+    problems.
     """
     if source == SYNTHETIC:
         problems = synthetic_problems(limit or 1000, seed)
@@ -126,6 +169,8 @@ def load_problems(source: Optional[str], split: str = "train", limit: Optional[i
     else:
         try:
             problems, where = _read_hub(split), f"hub {HUB_DATASET} ({split})"
+        except DataError:
+            raise
         except Exception as exc:  # any failure to reach the hub ends in the same advice
             raise DataUnavailableError(
                 "no GSM8K data: pass --data DIR (train.jsonl/test.jsonl or parquet), set GSM8K_DIR, "

@@ -388,8 +388,8 @@ class Engine:
                              max_length=cfg.max_prompt_tokens, add_special_tokens=False)
         prompt_ids, prompt_mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
         s = prompt_ids.shape[0]
-        row_seeds = torch.tensor([(cfg.seed * 1_000_003 + step) * 100_003 + i for i in range(s)],
-                                 dtype=torch.int64, device=dev) % _SEED_MOD
+        row_seeds = torch.tensor([((cfg.seed * 1_000_003 + step) * 100_003 + i) % _SEED_MOD for i in range(s)],
+                                 dtype=torch.int64, device=dev)
 
         self.model.eval()
         with profiling.region("rollout"), self.autocast:
@@ -403,6 +403,7 @@ class Engine:
                   for text, p in zip(responses, (p for p in problems for _ in range(g)))]
         rewards = torch.tensor(scores, dtype=torch.float32, device=dev)
         advantages = side.advantages(rewards, g)
+        equal = (rewards.view(-1, g) == rewards.view(-1, g)[:, :1]).all(-1)
 
         with profiling.region("old_logprob"):
             old_lp = self._recompute(self.model, ro, side)
@@ -457,6 +458,9 @@ class Engine:
             "logprob_diff": float(diff.mean()) if diff.numel() else 0.0,
             "logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
             "grad_norm": float(grad_norm),
+            # the groups whose advantages differ in meaning off and on (a float residue vs 0)
+            "equal_reward_groups": int(equal.sum()),
+            "equal_reward_advantage_max": float(advantages.view(-1, g)[equal].abs().max()) if bool(equal.any()) else 0.0,
             **metric_sums,
         }
         if self.ref is None:

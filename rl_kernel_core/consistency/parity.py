@@ -129,11 +129,23 @@ def save(batch: Batch, path: str) -> None:
 
 
 def load(path: str) -> Batch:
-    """A :class:`Batch` from ``path``: a dict written by ``torch.save`` with the integer tensors
-    ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` (``[B, L]``), the string
-    ``padding_side`` and optionally ``special_tokens`` (``{name: id}``), as one's own rollout or
-    trainer code can write it. Raises ``ValueError`` naming the file and the missing or wrong field."""
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    """A :class:`Batch` from ``path``: what :func:`save` writes (a dict written by ``torch.save``
+    with the integer tensors ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask``
+    (``[B, L]``, dense), the string ``padding_side`` and optionally ``special_tokens``
+    (``{name: int id}``), as one's own rollout or trainer code can write it), or ``torch.save`` of
+    a :class:`Batch` itself. Raises ``ValueError`` naming the file and the missing or wrong field,
+    or saying why the file is not such a batch; ``OSError`` when it cannot be read."""
+    try:
+        with torch.serialization.safe_globals([Batch]):
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as exc:  # torch.load raises KeyError, EOFError, UnpicklingError, ... for a file it cannot read
+        reason = type(exc).__name__ + (f": {str(exc).strip().splitlines()[0]}" if str(exc).strip() else "")
+        raise ValueError(f"{path}: not a batch written by rl_kernel_core.consistency.parity.save "
+                         f"(torch.load with weights_only=True failed: {reason[:200]})") from None
+    if isinstance(data, Batch):
+        data = asdict(data)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict of batch fields, got {type(data).__name__}")
     for name in _TENSOR_FIELDS:
@@ -141,9 +153,16 @@ def load(path: str) -> Batch:
         if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
             found = "missing" if value is None else (f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__)
             raise ValueError(f"{path}: {name} must be an integer tensor [B, L], got {found}")
+        stored = value.untyped_storage().nbytes() // value.element_size()
+        if value.numel() > stored:  # an expanded view: checking it would materialise every element
+            raise ValueError(f"{path}: {name} must be a dense tensor, got shape {tuple(value.shape)} over "
+                             f"{stored} stored elements (an expanded view; save .contiguous())")
     if not isinstance(data.get("padding_side"), str):
         raise ValueError(f"{path}: padding_side must be 'left' or 'right', got {data.get('padding_side')!r}")
     special = data.get("special_tokens", {})
     if not isinstance(special, dict):
         raise ValueError(f"{path}: special_tokens must be a dict of name -> token id, got {type(special).__name__}")
+    for key, token in special.items():
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise ValueError(f"{path}: special_tokens[{key!r}] must be an int token id, got {type(token).__name__}")
     return Batch(**{name: data[name] for name in _TENSOR_FIELDS}, padding_side=data["padding_side"], special_tokens=dict(special))

@@ -138,12 +138,14 @@ def _compare(rollout: list[torch.Tensor], training: list[torch.Tensor], dtype: t
 
 def run(settings: Settings) -> dict:
     """Run both configurations with the mode off and on; returns the report (JSON-serialisable)."""
+    if settings.prompt_len < 1 or settings.prompt_len >= settings.min_len:
+        raise ValueError(f"prompt_len must be in [1, min_len={settings.min_len}), got {settings.prompt_len}")
+    if settings.max_len < settings.min_len:
+        raise ValueError(f"max_len must be >= min_len={settings.min_len}, got {settings.max_len}")
     subject = load(settings)
     device = torch.device(settings.device)
     vocab_hi = min(subject.vocab, 32000)
     seqs = [s.to(device) for s in chain.fixed_sequences(vocab_hi, settings.sequences, settings.min_len, settings.max_len, settings.seed)]
-    if settings.prompt_len < 1 or settings.prompt_len >= settings.min_len:
-        raise ValueError(f"prompt_len must be in [1, min_len={settings.min_len}), got {settings.prompt_len}")
     rollout_batch, training_batch = subject.batches(seqs)
     mismatch = parity.check(rollout_batch, training_batch)
     tol = contract.tolerance("logprob", DTYPES[settings.dtype])

@@ -30,6 +30,9 @@ For one row with logits ``l [V]``, temperature ``T``, filters and a 64-bit ``see
 5. ``logprob`` of the token under the full vocab before any filter, with ``T = 1`` for greedy
    rows: the bits of ``logprob_from_logits(l, token, temperature=T)`` on this backend (fp32
    ``l / T``, its max, sum of exponentials and log), row by row.
+6. A row whose tempered logits hold no distribution (every entry -inf, a NaN, or a +inf, from the
+   logits or from ``l / T`` overflowing fp32) has no such token: its log-prob is NaN and the public
+   op returns token 0 for it on every backend (the draws above pick different tokens there).
 
 Every row-wise step runs in fixed-shape row tiles
 (:func:`rl_kernel_core.reference.batch_invariant.row_tiled`), so the tokens and the log-prob bits

@@ -193,6 +193,7 @@ META = torch.device("meta")
         (torch.ones(6), dict(group_size=2, estimator="ppo"), ValueError, "estimator"),
         (torch.ones(6), dict(group_size=2, norm_by_std=1), TypeError, "norm_by_std"),
         (torch.ones(6), dict(group_size=2, eps=-1e-6), ValueError, "eps"),
+        (torch.ones(6), dict(group_size=2, eps=10**400), ValueError, "eps must be a finite number >= 0, got an int of 1329 bits"),
     ],
 )
 def test_bad_input_names_the_argument(rewards, kw, err, name):

@@ -88,3 +88,17 @@ def test_bad_input_names_the_argument():
         rk.varlen_attention(q, k[:4], v[:4], cu, torch.tensor([0, 2, 4]))
     with pytest.raises(TypeError, match="k"):
         rk.varlen_attention(q, k.double(), v, cu)
+    with pytest.raises(ValueError, match="cu_seqlens_k.*sequence 1 has Lq=4, Lk=0"):
+        rk.varlen_attention(q, k[:4], v[:4], cu, torch.tensor([0, 4, 4]), causal=False)
+    with pytest.raises(ValueError, match=r"q must have a head dim D >= 1, got shape \(8, 4, 0\)"):
+        rk.varlen_attention(q[..., :0], k[..., :0], v[..., :0], cu)
+    with pytest.raises(TypeError, match="return_lse must be a bool, got str"):
+        rk.varlen_attention(q, k, v, cu, return_lse="yes")
+
+
+def test_sequence_without_queries_may_have_no_keys(seed):
+    q, k, v, cu = _packed([4, 4])
+    cu_q = torch.tensor([0, 4, 4, 8])
+    cu_k = torch.tensor([0, 4, 4, 8])
+    out = rk.varlen_attention(q, k, v, cu_q, cu_k, causal=False)
+    torch.testing.assert_close(out, rk.varlen_attention(q, k, v, cu, causal=False), atol=0, rtol=0)

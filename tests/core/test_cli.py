@@ -92,16 +92,20 @@ def test_bench_refuses_a_bad_backend_variable(monkeypatch, capsys, tmp_path):
     assert err.startswith("rl-kernel bench: error: RL_KERNEL_BACKEND must be") and "'garbage'" in err
 
 
-@pytest.mark.parametrize("args, says", [
-    (("--reps", "0"), "argument --reps: must be a positive integer, got 0"),
-    (("--reps", "x"), "argument --reps: must be a positive integer, got 'x'"),
-    (("--warmup", "-1"), "argument --warmup: must be a non-negative integer, got -1"),
-    (("-N", "0"), "argument --tokens/-N: must be a positive integer, got 0"),
-    (("-D", "-3"), "argument --hidden/-D: must be a positive integer, got -3"),
-    (("-V", "0"), "argument --vocab/-V: must be a positive integer, got 0"),
+@pytest.mark.parametrize("command, args, says", [
+    ("bench", ("--reps", "0"), "argument --reps: must be a positive integer, got 0"),
+    ("bench", ("--reps", "x"), "argument --reps: must be a positive integer, got 'x'"),
+    ("bench", ("--warmup", "-1"), "argument --warmup: must be a non-negative integer, got -1"),
+    ("bench", ("-N", "0"), "argument --tokens/-N: must be a positive integer, got 0"),
+    ("bench", ("-D", "-3"), "argument --hidden/-D: must be a positive integer, got -3"),
+    ("bench", ("-V", "0"), "argument --vocab/-V: must be a positive integer, got 0"),
+    ("consistency", ("--sequences", "0"), "argument --sequences: must be a positive integer, got 0"),
+    ("consistency", ("--prompt-len", "8"), "rl-kernel consistency: error: prompt_len must be in [1, min_len=8), got 8"),
+    ("consistency", ("--min-len", "30"), "rl-kernel consistency: error: max_len must be >= min_len=30, got 24"),
+    ("consistency", ("--seed", "-1"), "argument --seed: must be a non-negative integer, got -1"),
 ])
-def test_bench_refuses_bad_sizes_and_reps(capsys, args, says):
-    code, out, err = _main("bench", "--device", "cpu", *args, capsys=capsys)
+def test_bench_and_consistency_refuse_bad_sizes(capsys, command, args, says):
+    code, out, err = _main(command, "--device", "cpu", *args, capsys=capsys)
     assert code == 2 and out == ""
     assert says in err
 
@@ -162,3 +166,78 @@ def test_compare_refuses_bad_out_and_warmup(tmp_path, capsys):
     assert code == 2 and err.startswith(f"rl-kernel compare: error: --out {str(blocker / 'rep')!r} cannot be written")
     code, out, err = _main("compare", str(good), str(good), "--warmup-steps", "-1", capsys=capsys)
     assert code == 2 and "argument --warmup-steps: must be a non-negative integer, got -1" in err
+
+
+def test_every_option_has_help():
+    import argparse
+
+    from rl_kernel_core.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {'/'.join(action.option_strings) or action.dest}"
+               for name, command in sub.choices.items() for action in command._actions
+               if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize("command", ["bench", "consistency"])
+@pytest.mark.parametrize("device, says", [
+    ("foo", "argument --device: must be cpu or cuda[:N], got 'foo'"),
+    ("meta", "argument --device: must be cpu or cuda[:N], got 'meta'"),
+    ("cuda:99", "argument --device: cuda:99 "),
+])
+def test_bad_device_is_one_line_error(capsys, command, device, says):
+    code, out, err = _main(command, "--device", device, capsys=capsys)
+    assert code == 2 and out == "" and says in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["bench", "consistency"])
+def test_cuda_without_cuda_is_one_line_error(capsys, command):
+    code, out, err = _main(command, "--device", "cuda", capsys=capsys)
+    assert code == 2 and out == ""
+    assert "argument --device: cuda needs CUDA, and torch.cuda.is_available() is False" in err
+
+
+def _steps(path, steps, ms=1.0):
+    path.write_text("".join(json.dumps({"step": i, "regions": {"step": ms}}) + "\n" for i in steps))
+    return str(path)
+
+
+def test_compare_warns_on_empty_disjoint_and_repeated_steps(tmp_path, capsys):
+    good = _steps(tmp_path / "good.jsonl", range(3))
+    cases = [
+        (_steps(tmp_path / "empty.jsonl", []), f"warning: ON log {tmp_path / 'empty.jsonl'} has no step records"),
+        (_steps(tmp_path / "late.jsonl", range(10, 13)), "warning: the logs share no step number (OFF steps 0..2, ON steps 10..12)"),
+        (_steps(tmp_path / "twice.jsonl", [0, 1, 2, 0, 1, 2]),
+         f"warning: ON log {tmp_path / 'twice.jsonl'} repeats step numbers (3 of 6 records, first step 0)"),
+    ]
+    for other, says in cases:
+        for extra in ((), ("--json",)):
+            code, out, err = _main("compare", good, other, *extra, capsys=capsys)
+            assert code == 0 and err.count("warning:") == 1 and says in err, err
+    code, out, err = _main("compare", good, good, capsys=capsys)
+    assert code == 0 and "warning:" not in err
+
+
+def test_compare_reads_huge_numbers_as_missing_and_refuses_a_huge_step(tmp_path, capsys):
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"step": 0, "regions": {"step": 1.0}, "loss": ' + "9" * 401 + "}\n")
+    code, out, err = _main("compare", str(big), str(big), "--json", capsys=capsys)
+    assert code == 0 and "loss" not in {r["metric"] for r in json.loads(out)}
+    big.write_text('{"step": ' + "9" * 401 + ', "regions": {"step": 1.0}}\n')
+    code, out, err = _main("compare", str(big), str(big), capsys=capsys)
+    assert code == 2 and err.strip() == f"rl-kernel compare: error: {big}:1: 'step' must fit in int64, got an integer of 401 digits"
+
+
+def test_compare_shows_medians_spreads_and_timing_noise(tmp_path, capsys):
+    off = _steps(tmp_path / "off.jsonl", range(5), ms=10.0)
+    noisy = tmp_path / "noisy.jsonl"
+    noisy.write_text("".join(json.dumps({"step": i, "regions": {"step": ms}}) + "\n" for i, ms in enumerate([99, 5, 6, 7, 60])))
+    code, out, err = _main("compare", off, str(noisy), capsys=capsys)
+    row = next(line for line in out.splitlines() if line.startswith("region/step"))
+    assert code == 0 and row.endswith(" ~") and "0.65" in row and "1.95" in row  # medians 6.5/10, means 19.5/10
+    assert "timing noise: 1 of 1 timing series have overlapping off and on spreads" in out
+    code, out, err = _main("compare", off, _steps(tmp_path / "fast.jsonl", range(5), ms=5.0), capsys=capsys)
+    assert code == 0 and "timing noise" not in out and not out.rstrip().endswith("~")

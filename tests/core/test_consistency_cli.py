@@ -209,3 +209,51 @@ def test_cli_parity_of_saved_batches(tmp_path, capsys):
     assert cli.main(["consistency", "--parity", *paths]) == 2
     err = capsys.readouterr().err
     assert "training.pt: input_ids must be an integer tensor [B, L], got a torch.float32 tensor" in err, err
+
+
+def test_cli_parity_of_files_that_are_not_saved_batches(tmp_path, capsys):
+    """A pickled Batch is read; anything else exits 2 with one line naming the file and field,
+    without unpickling arbitrary objects or materialising an expanded tensor."""
+    from dataclasses import asdict
+
+    from rl_kernel_core import cli
+
+    rollout, training = _batches()
+    good, bad = str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")
+    parity.save(rollout, good)
+    torch.save(training, bad)
+    assert cli.main(["consistency", "--parity", good, bad]) == 0
+    capsys.readouterr()
+    expanded = {**asdict(training), "loss_mask": torch.zeros(1, 1, dtype=torch.long).expand(10**6, 10**6)}
+    cases = [
+        (b"not a torch file", "training.pt: not a batch written by rl_kernel_core.consistency.parity.save"),
+        (b"", "training.pt: not a batch written by rl_kernel_core.consistency.parity.save (torch.load with weights_only=True failed: EOFError)"),
+        ({"x": torch.nn.Linear(1, 1)}, "training.pt: not a batch written by rl_kernel_core.consistency.parity.save"),
+        (expanded, "training.pt: loss_mask must be a dense tensor, got shape (1000000, 1000000) over 1 stored elements"),
+        ({**asdict(training), "special_tokens": {"pad": torch.tensor([0, 1])}}, "training.pt: special_tokens['pad'] must be an int token id, got Tensor"),
+    ]
+    for content, message in cases:
+        if isinstance(content, bytes):
+            with open(bad, "wb") as f:
+                f.write(content)
+        else:
+            torch.save(content, bad)
+        assert cli.main(["consistency", "--parity", good, bad]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert cli.main(["consistency", "--parity", good, str(tmp_path / "missing.pt")]) == 2
+    assert "--parity " + str(tmp_path / "missing.pt") + ": cannot be read: No such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--engine", "vllm"], "--engine vllm needs --model PATH"),
+    (["--engine", "vllm", "--model", "m", "--engine-args", "{bad"], "--engine-args must be a JSON object"),
+    (["--engine", "vllm", "--model", "m", "--engine-args", "[1]"], "--engine-args must be a JSON object"),
+])
+def test_engine_mode_refuses_bad_input_in_one_line(argv, message, capsys):
+    from rl_kernel_core import cli
+
+    pytest.importorskip("rl_kernel_vllm.consistency")
+    assert cli.main(["consistency", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

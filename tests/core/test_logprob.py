@@ -372,6 +372,7 @@ def test_out_of_range_message_names_range():
         (torch.randn(2, 5), torch.ones(2, dtype=torch.long).to_sparse(), {}, TypeError, "targets must be a dense"),
         (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"temperature": 0}, ValueError, "temperature"),
         (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"temperature": 1e-45}, ValueError, "temperature"),
+        (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"temperature": 10**400}, ValueError, "temperature must be a finite number > 0, got an int of"),
         (torch.randn(2, 5), torch.ones(2, dtype=torch.int32), {"ignore_index": -(2**70)}, ValueError, "ignore_index"),
         (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"return_entropy": "yes"}, TypeError, "return_entropy"),
     ],

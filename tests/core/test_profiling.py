@@ -49,6 +49,7 @@ def test_summary_percentiles_match_numpy():
     for q, key in ((50, "p50"), (90, "p90"), (99, "p99")):
         assert stats[key] == pytest.approx(float(np.percentile(values, q)))
     assert stats["mean"] == pytest.approx(sum(values) / 101)
+    assert (stats["min"], stats["max"]) == (min(values), max(values))
     assert profiling.summarize_values([]) == {"n": 0}
 
 

@@ -129,3 +129,36 @@ def test_the_reader_streams(tmp_path):
         tracemalloc.stop()
     assert log.steps == 8000 and log.values("region/step")[-1] == 1.0
     assert peak < 4 * 2**20, peak
+
+
+def test_report_states_timing_noise_medians_and_step_warnings(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "write_plots", lambda *args: [])
+    off = _log(tmp_path / "off.jsonl", [_rec(i, 100.0 + i, reward=0.5) for i in range(6)])
+    on = _log(tmp_path / "on.jsonl", [_rec(i, ms, reward=0.5) for i, ms in enumerate([500.0, 50.0, 51.0, 52.0, 53.0, 400.0])])
+    text = report.write_report(off, on, tmp_path / "rep").read_text()
+    assert "| metric | off mean | off median | on mean | on median | on/off (means) | on/off (medians) |" in text
+    # step: off 101..105 (median 103), on 50..53 and 400 (median 52, mean 121.2): the spreads overlap
+    assert "| region/step | 103 | 103 | 121.2 | 52 | 1.177 | 0.5049 |" in text
+    assert "**Timing noise.** " in text and "timing series have overlapping off and on spreads" in text
+    assert "| logprob | 25.25 | 25.75 | 26.25 | 12.5 | 13 | 100 | 0.5049 | 1.177 | overlap |" in text
+    doc = json.loads((tmp_path / "rep" / "comparison.json").read_text())
+    assert "region/step" in doc["timing_noise"][0] and doc["warnings"] == []
+    rows = {r["metric"]: r for r in doc["rows"]}
+    assert rows["region/step"]["spreads_overlap"] is True and rows["reward"]["spreads_overlap"] is None
+    assert rows["region/loss"]["spreads_overlap"] is True and rows["region/update"]["on_over_off_median"] == 1.0
+
+    apart = _log(tmp_path / "apart.jsonl", [_rec(i + 100, 10.0 + i) for i in range(6)])
+    text = report.write_report(off, apart, tmp_path / "rep2").read_text()
+    assert "- **warning:** the logs share no step number" in text
+    assert "| logprob | 25.25 | 25.75 | 26.25 | 2.75 | 3.25 | 3.75 | 0.1262 | 0.1262 | apart |" in text
+
+
+def test_timing_noise_counts_a_run_s_timed_steps_not_a_one_sided_region(tmp_path):
+    off = report.read_step_log(_log(tmp_path / "off.jsonl", [{"step": i, "regions": {"step": 10.0 + i, "ratio_kl": 1.0}} for i in range(5)]))
+    on = report.read_step_log(_log(tmp_path / "on.jsonl", [{"step": i, "regions": {"step": 1.0 + i}} for i in range(5)]))
+    assert report.timing_noise(report.compare_table(off, on, warmup_steps=1)) == []  # ratio_kl is off's only
+    short = report.read_step_log(_log(tmp_path / "short.jsonl", [{"step": i, "regions": {"step": 1.0}} for i in range(2)]))
+    assert report.timing_noise(report.compare_table(off, short, warmup_steps=1)) == [
+        "only 1 timed step(s) in a run: too few for its spread to show the noise"]
+    assert report.timing_noise(report.compare_table(off, short, warmup_steps=2)) == [
+        "only 0 timed step(s) in a run: too few for its spread to show the noise"]

