@@ -36,3 +36,15 @@ def test_readme_coverage_table_matches_dispatch():
                 serves = backend == "torch" or op in dispatch.SERVES[backend]
                 assert serves == (cell != "no"), f"README says {backend} {cell!r} for {op}"
     assert listed == set().union(*dispatch.SERVES.values()), sorted(listed ^ set().union(*dispatch.SERVES.values()))
+
+
+def test_example_uses_one_temperature():
+    """The example's log-probs, fused loss and sampling agree on the temperature (mixing them
+    would compare log-probs of different distributions)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = text[text.index("```python"):]
+    example = example[:example.index("```\n", 9)]
+    assert len(set(re.findall(r"temperature=([0-9.]+)", example))) == 1
