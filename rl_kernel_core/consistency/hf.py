@@ -53,6 +53,8 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout != 0.0 and module.training:
         raise ValueError(f"batch-invariant attention has no dropout; got dropout={dropout}")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"batch-invariant attention has no sliding window; got sliding_window={kwargs['sliding_window']}")
     b, hq, lq, d = query.shape
     lk = key.shape[2]
     cu = _packed_offsets(kwargs.get("position_ids"), b, lq, lk)

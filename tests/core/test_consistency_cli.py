@@ -153,6 +153,17 @@ def test_hf_model_packed_row_equals_padded_batch_bitwise_with_mode_on(seed):
     assert_close(packed_off, packed, "logprob", torch.float32, name="packed logits, mode off vs on")
 
 
+def test_hf_mode_attention_refuses_a_sliding_window():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+                                   sliding_window=4, max_window_layers=0, layer_types=["sliding_attention"])
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    hf.use_mode_attention(model)
+    with torch.no_grad(), rk.batch_invariant(), pytest.raises(ValueError, match="no sliding window; got sliding_window=4"):
+        model(input_ids=torch.ones(1, 6, dtype=torch.long))
+
+
 def _cli(monkeypatch, capsys, *extra):
     from rl_kernel_core import cli
 
