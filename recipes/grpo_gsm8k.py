@@ -72,8 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for field in ("lr", "temperature", "kl_coef", "entropy_coef"):
         p.add_argument("--" + field.replace("_", "-"), type=float, default=None, help="override the preset")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="run rollout and training inside rl-kernel's batch-invariant mode (both runs): each "
-                        "token's rollout and recomputed log-probs are bitwise equal (logprob_diff 0)")
+                   help="rollout and training in rl-kernel's batch-invariant mode, so each token's rollout and "
+                        "recomputed log-probs are bitwise equal. Embedded engine: both runs (logprob_diff 0). "
+                        "verl engine: the on run, with the adapter's rl_kernel_batch_invariant option and "
+                        "RL_KERNEL_VLLM_BATCH_INVARIANT=1 for verl's vLLM server (verl's "
+                        "training/rollout_probs_diff_max 0); the off run is verl's own, the control group")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="override the preset")
     args = p.parse_args(argv)
@@ -147,7 +150,8 @@ def run_verl_side(cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Pat
 
     print(f"[grpo_gsm8k] {side}: verl's trainer, log in {out / f'verl-{side}' / 'verl.log'}", flush=True)
     result = verl_engine.run_verl(dataclasses.asdict(cfg), out, side == "on", model_dir, problems, device.type)
-    return {"verl_command": shlex.join(result["command"]), "verl_returncode": result["returncode"],
+    return {"verl_command": shlex.join(result["command"]), "verl_rl_kernel_environment": result["rl_kernel_environment"],
+            "verl_returncode": result["returncode"],
             "verl_steps": result["steps"], "verl_log": result["log"],
             "backends": result["backends"] if side == "on" else "verl's own path"}
 
@@ -189,10 +193,6 @@ def main(argv=None) -> int:
         "model": model_desc, "data": source, "git_commit": git_commit(),
         "config": dataclasses.asdict(cfg), "environment": bench.environment(device),
     }
-    if engine == "verl" and args.batch_invariant:
-        print("[grpo_gsm8k] error: --batch-invariant is implemented by the embedded engine; run with --engine embedded",
-              file=sys.stderr)
-        return 2
     first, failed = {}, []
     for side in args.sides:
         log = out / f"{side}.jsonl"
@@ -234,6 +234,10 @@ def main(argv=None) -> int:
     if engine == "verl":
         from grpo import verl_engine
 
+        if cfg.batch_invariant:
+            run_lines.append("- batch-invariant: the on run with the verl adapter's rl_kernel_batch_invariant option and "
+                             "RL_KERNEL_VLLM_BATCH_INVARIANT=1 in verl's vLLM server; the off run is verl's own (the "
+                             "control group). verl's train/rollout difference: `rollout_probs_diff_max`")
         run_lines += filter(None, [verl_engine.vocabulary_note(model_dir)])
     sections.append(("Run", "\n".join(run_lines)))
     path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on",
