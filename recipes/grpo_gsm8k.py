@@ -89,8 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for field, kind, what in OVERRIDES:
         p.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=f"{what} (overrides the preset)")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="run rollout and training inside rl-kernel's batch-invariant mode (both runs): each "
-                        "token's rollout and recomputed log-probs are bitwise equal (logprob_diff 0)")
+                   help="rollout and training in rl-kernel's batch-invariant mode, so each token's rollout and "
+                        "recomputed log-probs are bitwise equal. Embedded engine: both runs (logprob_diff 0). "
+                        "verl engine: the on run, with the adapter's rl_kernel_batch_invariant option and "
+                        "RL_KERNEL_VLLM_BATCH_INVARIANT=1 for verl's vLLM server (verl's "
+                        "training/rollout_probs_diff_max 0); the off run is verl's own, the control group")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="override the preset")
     args = p.parse_args(argv)
@@ -166,7 +169,8 @@ def run_verl_side(cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Pat
 
     print(f"[grpo_gsm8k] {side}: verl's trainer, log in {out / f'verl-{side}' / 'verl.log'}", flush=True)
     result = verl_engine.run_verl(dataclasses.asdict(cfg), out, side == "on", model_dir, problems, device.type)
-    return {"verl_command": shlex.join(result["command"]), "verl_returncode": result["returncode"],
+    return {"verl_command": shlex.join(result["command"]), "verl_rl_kernel_environment": result["rl_kernel_environment"],
+            "verl_returncode": result["returncode"],
             "verl_steps": result["steps"], "verl_log": result["log"],
             "backends": result["backends"] if side == "on" else "verl's own path"}
 
@@ -325,6 +329,10 @@ def main(argv=None) -> int:
     if engine == "verl":
         from grpo import verl_engine
 
+        if cfg.batch_invariant:
+            run_lines.append("- batch-invariant: the on run with the verl adapter's rl_kernel_batch_invariant option and "
+                             "RL_KERNEL_VLLM_BATCH_INVARIANT=1 in verl's vLLM server; the off run is verl's own (the "
+                             "control group). verl's train/rollout difference: `rollout_probs_diff_max`")
         run_lines += filter(None, [verl_engine.vocabulary_note(model_dir)])
     sections.append(("Run", "\n".join(run_lines)))
     sections.append(("Known differences between the off and on paths",

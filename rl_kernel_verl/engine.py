@@ -14,11 +14,19 @@ engine whose model config has the switch off, in the same process, runs verl's c
   ``use_remove_padding``, the next-token labels verl's logits path uses.
 * ``train_batch`` / ``infer_batch``: close a profiling step and add the timings and the backends
   used to the metrics verl returns (``update_actor``, ``compute_log_prob``, ``compute_ref_log_prob``).
+
+With the batch-invariant option (``rl_kernel_batch_invariant``) the model also gets
+:func:`rl_kernel_core.consistency.hf.use_mode_attention` when built, each ``train_batch`` /
+``infer_batch`` (forward, backward and optimizer step) runs inside
+:func:`rl_kernel_core.batch_invariant`, the forward computes the rollout's log-prob definition
+(:mod:`rl_kernel_verl.forward`) over the tokenizer's ids, and every fallback is an error: a
+micro-batch on verl's own path would break the identity the option exists for.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import weakref
@@ -27,23 +35,30 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rl_kernel_core import adapters, dispatch, profiling
+from rl_kernel_core import adapters, dispatch, invariance, profiling
 from rl_kernel_verl import forward, loss, targets
 
 logger = logging.getLogger("rl_kernel.verl")
 
 METRIC_PREFIX = "rl_kernel/"
 _OPS_BY_REGION = {"logprob": "linear_logprob", "loss": "policy_loss"}
+_OPS_BY_REGION_BATCH_INVARIANT = {**_OPS_BY_REGION, "logprob": "logprob_from_logits"}
 _RELIED_ON = ("prepare_model_outputs",)
 """Methods not hooked but relied on (their fused-kernel branch); an engine overriding them is unsupported."""
 
 
 @dataclass
 class EngineState:
-    """What the adapter did to one engine: its hooks, loss and micro-batch routing."""
+    """What the adapter did to one engine: its hooks, loss and micro-batch routing.
+
+    ``vocab_size``: under ``batch_invariant``, the number of ids the log-probs normalise over (the
+    tokenizer's length, as verl's vLLM server masks the rest); None: the model's whole vocabulary.
+    """
 
     role: str
     strict: bool
+    batch_invariant: bool = False
+    vocab_size: Optional[int] = None
     hooks: dict[str, str] = field(default_factory=dict)
     forward: str = "model not built yet"
     loss: str = "no loss seen yet"
@@ -64,6 +79,9 @@ def _log_once(message: str) -> None:
 
 
 def _fallback(state: EngineState, reason: str) -> None:
+    if state.batch_invariant:
+        raise RuntimeError(f"rl_kernel_verl: rl_kernel_batch_invariant is set but {reason}, which would run verl's own "
+                           f"path and break rollout = training")
     if state.strict:
         raise RuntimeError(f"rl_kernel_verl (strict): {reason}; this would run verl's own path")
     _log_once(f"{reason}: running verl's own path for it")
@@ -83,11 +101,11 @@ def unsupported_reason(engine: Any, engine_cls: type[Any]) -> Optional[str]:
     return None
 
 
-def install(engine: Any, *, strict: bool) -> bool:
+def install(engine: Any, *, strict: bool, batch_invariant: bool = False) -> bool:
     """Hook ``engine`` (idempotent). Returns whether its hooks are live.
 
     A missing verl target or an unsupported engine leaves the engine on verl's path with a
-    warning, or raises in strict mode.
+    warning, or raises in strict mode and with ``batch_invariant``.
     """
     if isinstance(engine.__dict__.get("_rl_kernel"), EngineState):
         return True
@@ -98,16 +116,22 @@ def install(engine: Any, *, strict: bool) -> bool:
         for name in targets.ENGINE_METHODS + _RELIED_ON:
             adapters.resolve(f"{targets.ENGINE_CLASS}.{name}")
     except adapters.TargetMissing as exc:
-        targets.missing(exc, strict=strict, consequence="this engine runs verl's own path")
+        targets.missing(exc, strict=strict or batch_invariant, consequence="this engine runs verl's own path")
         return False
     reason = unsupported_reason(engine, engine_cls)
+    if reason is None and batch_invariant:
+        reason = _batch_invariant_reason(engine)
     if reason is not None:
+        if batch_invariant:
+            raise RuntimeError(f"rl_kernel_verl: rl_kernel_batch_invariant is set but {reason}")
         if strict:
             raise RuntimeError(f"rl_kernel_verl (strict): use_rl_kernel_backend is set but {reason}")
         _log_once(f"use_rl_kernel_backend is set but {reason}; the rl-kernel backend is OFF for this engine")
         return False
     role = "ref" if getattr(engine.engine_config, "forward_only", False) else "actor"
-    state = EngineState(role=role, strict=strict)
+    tokenizer = getattr(engine.model_config, "tokenizer", None)
+    state = EngineState(role=role, strict=strict, batch_invariant=batch_invariant,
+                        vocab_size=len(tokenizer) if batch_invariant and tokenizer is not None else None)
     engine._rl_kernel = state
     for name, make in (
         ("_build_module", _hook_build_module),
@@ -121,8 +145,20 @@ def install(engine: Any, *, strict: bool) -> bool:
     _engines.add(engine)
     if not profiling.is_enabled() and not profiling.enable_from_env():
         profiling.enable(None)
-    logger.info("rl_kernel_verl: %s engine: log-probs from hidden states via linear_logprob, loss via policy_loss", role)
+    if batch_invariant:
+        logger.info("rl_kernel_verl: %s engine: batch-invariant mode, log-probs from the logits via logprob_from_logits "
+                    "over %s ids, loss via policy_loss", role, state.vocab_size or "all")
+    else:
+        logger.info("rl_kernel_verl: %s engine: log-probs from hidden states via linear_logprob, loss via policy_loss", role)
     return True
+
+
+def _batch_invariant_reason(engine: Any) -> Optional[str]:
+    """Why the batch-invariant option cannot serve this engine, or None."""
+    sp = getattr(engine, "ulysses_sequence_parallel_size", 1)
+    if sp != 1:
+        return f"ulysses_sequence_parallel_size={sp} (the option covers sequences whole on one rank)"
+    return None
 
 
 def _hook_build_module(state: EngineState, original: Callable) -> Callable:
@@ -132,6 +168,10 @@ def _hook_build_module(state: EngineState, original: Callable) -> Callable:
         reason = forward.unsupported_reason(module)
         if reason is None:
             forward.install(module)
+            if state.batch_invariant:
+                from rl_kernel_core.consistency.hf import use_mode_attention
+
+                use_mode_attention(module)
             state.forward = "live"
         else:
             state.forward = reason
@@ -205,7 +245,8 @@ def _hook_prepare_model_inputs(state: EngineState, original: Callable) -> Callab
         model_inputs, output_args = original(micro_batch)
         if get(data=micro_batch, key="rl_kernel_route", default=False):
             model_inputs["rl_kernel"] = forward.Request(
-                return_entropy=bool(get(data=micro_batch, key="calculate_entropy", default=False))
+                return_entropy=bool(get(data=micro_batch, key="calculate_entropy", default=False)),
+                batch_invariant=state.batch_invariant, vocab_size=state.vocab_size,
             )
             if not get(data=micro_batch, key="use_remove_padding", default=True):
                 # verl's logits path labels token t with the next token of the *packed* batch;
@@ -233,21 +274,29 @@ def _add_metrics(state: EngineState, outputs: Any, pass_name: str) -> None:
     if not isinstance(outputs, dict) or not isinstance(outputs.get("metrics"), dict) or record is None:
         return
     values: dict[str, float] = {}
+    ops = _OPS_BY_REGION_BATCH_INVARIANT if state.batch_invariant else _OPS_BY_REGION
     decisions = dispatch.explain()
     for region, ms in record["regions"].items():
         values[f"{METRIC_PREFIX}{region}_ms"] = float(ms)
-        op = _OPS_BY_REGION.get(region)
+        op = ops.get(region)
         if op in decisions:
             values[f"{METRIC_PREFIX}backend/{op}/{decisions[op].backend}"] = 1.0
     values[f"{METRIC_PREFIX}fallback_micro_batches"] = float(fallbacks)
+    values[f"{METRIC_PREFIX}batch_invariant"] = float(state.batch_invariant)
     as_list = pass_name == "train"
     outputs["metrics"].update({k: [v] if as_list else v for k, v in values.items()})
+
+
+def _mode(state: EngineState):
+    """Batch-invariant mode for a switched-on engine's call under the option; else nothing."""
+    return invariance.batch_invariant() if state.batch_invariant else contextlib.nullcontext()
 
 
 def _hook_train_batch(state: EngineState, original: Callable) -> Callable:
     @functools.wraps(original)
     def train_batch(data, loss_function):
-        outputs = original(data, loss_function)
+        with _mode(state):
+            outputs = original(data, loss_function)
         _add_metrics(state, outputs, "train")
         return outputs
 
@@ -259,7 +308,7 @@ def _hook_infer_batch(state: EngineState, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def infer_batch(data, loss_function=None):
-        with profiling.region(pass_name):
+        with profiling.region(pass_name), _mode(state):
             outputs = original(data, loss_function)
         _add_metrics(state, outputs, pass_name)
         return outputs
@@ -276,6 +325,8 @@ def engines_status() -> list[dict[str, Any]]:
             "engine": f"{type(engine).__name__}@{id(engine):#x}",
             "role": state.role,
             "strict": state.strict,
+            "batch_invariant": state.batch_invariant,
+            "vocab_size": state.vocab_size,
             "hooks": dict(state.hooks),
             "forward": state.forward,
             "loss": state.loss,

@@ -4,6 +4,14 @@ It returns what verl's fused-kernel branch of ``FSDPEngineWithLMHead.prepare_mod
 reads (``CausalLMOutputForPPO`` with ``log_probs`` and ``entropy``), so verl keeps doing all the
 unpadding, sequence-parallel gathering and nesting; no ``[N, V]`` logits tensor is formed.
 
+Under the batch-invariant option (:attr:`Request.batch_invariant`) the log-probs take the
+definition vLLM's rollout returns under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` instead: the model's
+own forward to its logits, in the model's dtype, the ids past the rollout's vocabulary set to
+``-inf`` (verl's vLLM server does that to every step's logits), then
+``rl_kernel_core.logprob_from_logits`` at the temperature. ``linear_logprob`` never rounds the
+logits to the model dtype, so it gives other bits; the logits definition costs the ``[N, V]``
+logits in the model dtype (what verl's own path holds, without its fp32 ``log_softmax`` copy).
+
 The forward is bound to the model *instance* (the class is left alone). It only takes the
 rl-kernel path when the engine hook passes a :class:`Request` (the ``rl_kernel`` keyword);
 without one it calls the class's own forward, so a micro-batch the adapter does not serve runs
@@ -29,15 +37,22 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from rl_kernel_core import adapters, linear_logprob, profiling
+from rl_kernel_core import adapters, linear_logprob, logprob_from_logits, profiling
 from rl_kernel_verl import targets
 
 
 @dataclass(frozen=True)
 class Request:
-    """What the engine hook asks the forward for (passed as the ``rl_kernel`` keyword)."""
+    """What the engine hook asks the forward for (passed as the ``rl_kernel`` keyword).
+
+    ``batch_invariant``: log-probs from the logits (the rollout's definition; the engine hook runs
+    the call in batch-invariant mode). ``vocab_size``: with it, ids ``>= vocab_size`` get
+    probability 0, as verl's vLLM server gives them (the tokenizer's length); None: every id.
+    """
 
     return_entropy: bool
+    batch_invariant: bool = False
+    vocab_size: Optional[int] = None
 
 
 def unsupported_reason(module: torch.nn.Module) -> Optional[str]:
@@ -65,7 +80,8 @@ def install(module: torch.nn.Module) -> None:
 
 
 def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Request] = None, **kwargs: Any):
-    """Decoder → hidden states → per-token log-probs (and entropies) of the shifted labels.
+    """Decoder → hidden states → per-token log-probs (and entropies) of the shifted labels (with
+    ``rl_kernel.batch_invariant``: the model's logits → ``logprob_from_logits``).
 
     Keyword arguments are those verl's fused branch passes: ``input_ids [B, T]`` (or ``[1, nnz]``
     packed), ``attention_mask``, ``position_ids``, ``temperature`` (float) and ``shift_labels``
@@ -82,11 +98,27 @@ def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Req
     temperature = float(kwargs.pop("temperature", 1.0))
     for unused in ("return_dict", "use_cache"):
         kwargs.pop(unused, None)
+    if rl_kernel.batch_invariant:
+        log_probs, entropy = _logits_logprob(self, kwargs, labels, temperature, rl_kernel)
+        return output_type(log_probs=log_probs, entropy=entropy)
     outputs = self.get_submodule("model")(use_cache=False, **kwargs)
     hidden = outputs[0]
     with profiling.region("logprob", hidden.device):
         log_probs, entropy = _run_as_forward(self.get_submodule("lm_head"), _head_logprob, hidden, labels, temperature, rl_kernel.return_entropy)
     return output_type(log_probs=log_probs, entropy=entropy, hidden_states=getattr(outputs, "hidden_states", None))
+
+
+def _logits_logprob(model: torch.nn.Module, kwargs: dict, labels: torch.Tensor, temperature: float, request: Request):
+    """The model's own forward to its logits ``[B, T, V]`` (model dtype), ids ``>= vocab_size``
+    masked to ``-inf``, then ``logprob_from_logits``: fp32 ``[B, T]`` log-probs and entropies (None
+    unless requested; the log-probs have the same bits either way)."""
+    logits = type(model).forward(model, use_cache=False, **kwargs).logits
+    with profiling.region("logprob", logits.device):
+        if request.vocab_size is not None and request.vocab_size < logits.shape[-1]:
+            logits[..., request.vocab_size:] = float("-inf")
+        with torch.autocast(logits.device.type, enabled=False):
+            out = logprob_from_logits(logits, labels, temperature=temperature, return_entropy=request.return_entropy)
+    return out if request.return_entropy else (out, None)
 
 
 def _head_logprob(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool):

@@ -38,7 +38,7 @@ def _engine_created(engine: Any) -> None:
         return
     sw = switch.read(model_config)
     if sw.on:
-        engine_hooks.install(engine, strict=sw.strict)
+        engine_hooks.install(engine, strict=sw.strict, batch_invariant=sw.batch_invariant)
 
 
 def _wrap_new(raw: Any) -> classmethod:

@@ -10,6 +10,11 @@ actor update, the old-log-prob pass and the reference pass. ``rl_kernel_strict=T
 (or ``RL_KERNEL_VERL_STRICT=1`` in the environment, read only when the switch is on) turns every
 fallback into an error.
 
+``rl_kernel_batch_invariant=True`` (:data:`BATCH_INVARIANT_OVERRIDE`) runs the backend in
+rl-kernel's batch-invariant mode, with log-probs defined as vLLM's rollout under
+``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` returns them (see :mod:`rl_kernel_verl.forward`). It turns the
+backend on by itself; with ``use_rl_kernel_backend=False`` written beside it, it is an error.
+
 A key that looks like the switch but is not it (``use_rl_kernel``, ``use_rl_kernel_backends``,
 the switch put in ``override_config``...) is reported with a loud warning: the backend stays off,
 and the warning says so, instead of silently running verl's path.
@@ -30,17 +35,21 @@ logger = logging.getLogger("rl_kernel.verl")
 
 SWITCH_KEY = "use_rl_kernel_backend"
 STRICT_KEY = "rl_kernel_strict"
+BATCH_INVARIANT_KEY = "rl_kernel_batch_invariant"
 OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{SWITCH_KEY}=True"
-_OUR_KEYS = (SWITCH_KEY, STRICT_KEY)
+BATCH_INVARIANT_OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{BATCH_INVARIANT_KEY}=True"
+_OUR_KEYS = (SWITCH_KEY, STRICT_KEY, BATCH_INVARIANT_KEY)
 _VERL_KEYS = ("impl_backend",)
 
 
 @dataclass(frozen=True)
 class Switch:
-    """What the config asks for: ``on`` (use the rl-kernel backend) and ``strict``."""
+    """What the config asks for: ``on`` (use the rl-kernel backend), ``strict`` and
+    ``batch_invariant`` (the backend in batch-invariant mode; implies ``on``)."""
 
     on: bool
     strict: bool
+    batch_invariant: bool = False
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -70,18 +79,27 @@ def read(model_config: Any) -> Switch:
     it). ``RL_KERNEL_VERL_STRICT`` is read only when the switch is on.
 
     Raises:
-        ValueError: the switch or ``rl_kernel_strict`` holds something other than a boolean.
+        ValueError: the switch, ``rl_kernel_strict`` or ``rl_kernel_batch_invariant`` holds
+            something other than a boolean, or ``rl_kernel_batch_invariant=True`` sits beside
+            ``use_rl_kernel_backend=False``.
         rl_kernel_core.switches.SwitchError: the switch is on and ``RL_KERNEL_VERL_STRICT`` holds
             an unaccepted value.
     """
     options: Mapping = _get(model_config, "fused_kernel_options") or {}
-    on = _as_bool(SWITCH_KEY, options[SWITCH_KEY]) if SWITCH_KEY in options else False
     strict = _as_bool(STRICT_KEY, options[STRICT_KEY]) if STRICT_KEY in options else False
+    batch_invariant = _as_bool(BATCH_INVARIANT_KEY, options[BATCH_INVARIANT_KEY]) if BATCH_INVARIANT_KEY in options else False
+    on = _as_bool(SWITCH_KEY, options[SWITCH_KEY]) if SWITCH_KEY in options else batch_invariant
+    if batch_invariant and not on:
+        raise ValueError(f"fused_kernel_options.{BATCH_INVARIANT_KEY}=True runs the rl-kernel backend, but "
+                         f"{SWITCH_KEY}=False turns it off: drop {SWITCH_KEY} or set it to True")
     for key in options:
         if key not in _OUR_KEYS and key not in _VERL_KEYS and _looks_like_ours(str(key)):
+            meant = (difflib.get_close_matches(str(key), _OUR_KEYS, n=1, cutoff=0.75) or [SWITCH_KEY])[0]
             _warn(
-                f"fused_kernel_options.{key} is not a key rl-kernel reads (did you mean {SWITCH_KEY}?); "
-                f"the rl-kernel backend is {'ON' if on else 'OFF'} for this model. The switch is: {OVERRIDE}"
+                f"fused_kernel_options.{key} is not a key rl-kernel reads (did you mean {meant}?); "
+                f"the rl-kernel backend is {'ON' if on else 'OFF'} for this model"
+                f"{', batch-invariant' if batch_invariant else ''}. The switch is: {OVERRIDE}"
+                f"{f'; the batch-invariant option: {BATCH_INVARIANT_OVERRIDE}' if meant == BATCH_INVARIANT_KEY else ''}"
             )
     override = _get(model_config, "override_config") or {}
     nested = override.get("model_config", {}) if isinstance(override, Mapping) else {}
@@ -93,7 +111,7 @@ def read(model_config: Any) -> Switch:
             )
     if not on:
         return Switch(on=False, strict=False)
-    return Switch(on=True, strict=strict or adapters.strict_switch(targets.STRICT_ENV))
+    return Switch(on=True, strict=strict or adapters.strict_switch(targets.STRICT_ENV), batch_invariant=batch_invariant)
 
 
 def _get(config: Any, key: str) -> Any:

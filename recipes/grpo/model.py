@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 EOS = "<|endoftext|>"
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
@@ -24,7 +24,13 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder's shape: what ``Qwen3Config`` needs, and the tokenizer's trained vocabulary."""
+    """A decoder's shape: what ``Qwen3Config`` needs, and the tokenizer's trained vocabulary.
+
+    ``vocab_size`` None: the model's vocabulary is the trained tokenizer's ids, no more (a small
+    data set trains fewer than ``tokenizer_vocab``), so verl's vLLM server, which masks the ids
+    past the tokenizer, and verl's trainer normalise over the same ids. A number: the model has
+    that many ids whatever the tokenizer covers (a real checkpoint's shape).
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -32,14 +38,14 @@ class Shape:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    vocab_size: int
+    vocab_size: Optional[int]
     tokenizer_vocab: int
     tie_word_embeddings: bool
 
 
 PRESETS: dict[str, Shape] = {
     # finishes the whole recipe (two runs and the report) on a 2-core CPU in minutes
-    "tiny": Shape(64, 192, 2, 2, 1, 32, 512, 512, False),
+    "tiny": Shape(64, 192, 2, 2, 1, 32, None, 512, False),
     # Qwen3-0.6B's shapes (D=1024, 28 layers, V=151936); the tokenizer uses the first ids only
     "qwen3-0.6b": Shape(1024, 3072, 28, 16, 8, 128, 151936, 8192, True),
 }
@@ -81,7 +87,7 @@ def build_local_model(preset: str, out_dir: Path, texts: Iterable[str], seed: in
         hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-        vocab_size=shape.vocab_size, tie_word_embeddings=shape.tie_word_embeddings,
+        vocab_size=shape.vocab_size or len(tokenizer), tie_word_embeddings=shape.tie_word_embeddings,
         max_position_embeddings=4096, rope_theta=1_000_000.0,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,

@@ -12,11 +12,21 @@ On a machine without a GPU the run uses verl's FSDP2 engine on CPU (:mod:`grpo.v
 registered in every process through ``VERL_USE_EXTERNAL_MODULES``) and vLLM's CPU build as the
 rollout server, fp32 throughout.
 
+``batch_invariant`` (``--batch-invariant``) makes the on run rl-kernel's train = rollout
+identity: the verl adapter's batch-invariant option on the trainer
+(``rl_kernel_batch_invariant=True``, which turns the backend on) and ``RL_KERNEL_VLLM=1
+RL_KERNEL_VLLM_BATCH_INVARIANT=1`` in the environment of every process of the run, so verl's vLLM
+rollout server takes them. verl's own train/rollout metric (``training/rollout_probs_diff_max``,
+computed from the rollout's and the old-log-prob pass's log-probs of every response token) is then
+exactly 0 on every step. The off run is verl untouched: the control group.
+
 verl's vLLM server masks the ids past the tokenizer's (its ``monkey_patch_model``), so the rollout
-samples and scores over the tokenizer's ids while verl's trainer normalises over the model's whole
-vocabulary: when the local model's tokenizer covers fewer ids than the model (a small data
-set), the rollout and training log-probs differ per token, by about ``log(vocab / tokenizer size)``
-for a random-weight model (``rollout_log_ppl_abs_diff`` in the step records).
+samples and scores over the tokenizer's ids while verl's own trainer normalises over the model's
+whole vocabulary (the adapter's batch-invariant option normalises over the tokenizer's ids, like
+the rollout). The tiny preset's model has no ids past its tokenizer; a model that has (the
+``qwen3-0.6b`` preset, a real checkpoint padded past its tokenizer) shows verl's own rollout and
+training log-probs differing per token, by about ``log(vocab / tokenizer size)`` for a
+random-weight model (``rollout_log_ppl_abs_diff`` in the step records).
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from .data import HUB_DATASET, Problem
 
 RECIPES = Path(__file__).resolve().parent.parent
 SWITCH = "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend"
+BATCH_INVARIANT = "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True"
+VLLM_BATCH_INVARIANT = {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"}
 
 # verl stage timer -> the profiler's region name. update_actor is verl's whole policy update
 # (forward, loss, backward, optimizer step), recorded as ``update``; the report sums it into the
@@ -99,7 +111,8 @@ def overrides(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: 
     the reference policy only when ``kl_coef > 0``, as in the embedded engine),
     verl's GSM8K rows scored by the recipe's scorer (:func:`grpo.scoring.verl_compute_score`).
     ``device`` ``"cpu"`` adds what the CPU run needs (fp32, sdpa attention without remove-padding,
-    eager vLLM without sleep mode).
+    eager vLLM without sleep mode). The on run of a ``cfg["batch_invariant"]`` config adds the
+    adapter's batch-invariant option.
     """
     prompts, group = cfg["prompts_per_step"], cfg["group_size"]
     micro = max(1, min(cfg["micro_batch"], prompts * group))
@@ -148,6 +161,7 @@ def overrides(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: 
         f"+reward.custom_reward_function.reward_kwargs.method={cfg['reward_method']}",
         f"+reward.custom_reward_function.reward_kwargs.format_score={cfg['format_score']}",
         f"{SWITCH}={rl_kernel_on}",
+        *([BATCH_INVARIANT] if rl_kernel_on and cfg["batch_invariant"] else []),
         f"trainer.total_training_steps={cfg['steps']}",
         "trainer.total_epochs=1000",
         "trainer.use_v1=False",
@@ -191,11 +205,14 @@ def command(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: Pa
             *overrides(cfg, rl_kernel_on, model_dir, train, val, run_dir, device)]
 
 
-def environment(run_dir: Path, device: str) -> dict[str, str]:
-    """The run's environment: the file logger's path, ``grpo`` importable in every process, and,
+def environment(run_dir: Path, device: str, batch_invariant: bool = False) -> dict[str, str]:
+    """The run's environment: the file logger's path, ``grpo`` importable in every process, with
+    ``batch_invariant`` the vLLM plugin's batch-invariant mode (:data:`VLLM_BATCH_INVARIANT`) and,
     on CPU, verl's CPU platform (:mod:`grpo.verl_cpu`, imported by every process that imports
     verl) and vLLM's KV-cache size (GiB)."""
     env = dict(os.environ)
+    if batch_invariant:
+        env.update(VLLM_BATCH_INVARIANT)
     env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "verl_metrics.jsonl")
     env["PYTHONPATH"] = os.pathsep.join([str(RECIPES), str(RECIPES.parent), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -296,24 +313,27 @@ def backends(step_log: Path) -> dict[str, str]:
 
 def run_verl(cfg: dict, out_dir: Path, rl_kernel_on: bool, model_dir: Path, problems: Sequence[Problem],
              device: str = "cpu") -> dict[str, Any]:
-    """Train ``cfg["steps"]`` GRPO steps with verl's trainer, switch off or on.
+    """Train ``cfg["steps"]`` GRPO steps with verl's trainer, switch off or on (on and
+    ``cfg["batch_invariant"]``: both batch-invariant switches, see the module docstring).
 
     Writes ``out_dir/verl-<side>/`` (the parquet data, verl's console log ``verl.log`` and metrics
     ``verl_metrics.jsonl``) and ``out_dir/<side>.jsonl`` (the step records). Returns ``{"command",
-    "returncode", "steps", "log", "backends"}`` (``backends``: :func:`backends` of the step log); a
-    failed run keeps its console log and the steps it logged.
+    "rl_kernel_environment", "returncode", "steps", "log", "backends"}`` (the run's ``RL_KERNEL_*``
+    variables; ``backends``: :func:`backends` of the step log); a failed run keeps its console log
+    and the steps it logged.
     """
     side = "on" if rl_kernel_on else "off"
     run_dir = Path(out_dir) / f"verl-{side}"
     run_dir.mkdir(parents=True, exist_ok=True)
     train, val = write_parquet(problems, run_dir / "data")
     cmd = command(cfg, rl_kernel_on, Path(model_dir), train, val, run_dir, device)
-    env = environment(run_dir, device)
+    env = environment(run_dir, device, batch_invariant=rl_kernel_on and cfg["batch_invariant"])
     verl_log = Path(env["VERL_FILE_LOGGER_PATH"])
     verl_log.unlink(missing_ok=True)
     with open(run_dir / "verl.log", "w", encoding="utf-8") as console:
         proc = subprocess.run(cmd, env=env, cwd=run_dir, stdout=console, stderr=subprocess.STDOUT)
     step_log = Path(out_dir) / f"{side}.jsonl"
     steps = convert_log(verl_log, step_log, side) if verl_log.is_file() else 0
-    return {"command": cmd, "returncode": proc.returncode, "steps": steps, "log": str(run_dir / "verl.log"),
+    return {"command": cmd, "rl_kernel_environment": {k: v for k, v in env.items() if k.startswith("RL_KERNEL_")},
+            "returncode": proc.returncode, "steps": steps, "log": str(run_dir / "verl.log"),
             "backends": backends(step_log) if steps else {}}

@@ -3,11 +3,11 @@ follows the mode.
 
 :func:`use_mode_attention` registers ``"rl_kernel_varlen"`` with transformers' attention and mask
 interfaces and selects it on a model. While batch-invariant mode is on, each attention call packs
-the real tokens of every row (from the padding mask) and runs
-:func:`rl_kernel_core.varlen_attention` (fixed KV split order, so a decode step over a KV cache,
-a full forward, left or right padding and any batch size give the same bits); while the mode is
-off it runs transformers' own ``sdpa`` implementation on the same mask, so the control group is the
-library default. The dense ops (projections, RMSNorm, MLP, LM head, log-softmax) are covered by
+the real tokens of every row (from the padding mask), or takes the sequences already packed in one
+row (from the position ids), and runs :func:`rl_kernel_core.varlen_attention` (fixed KV split
+order, so a decode step over a KV cache, a full forward, left or right padding, packing and any
+batch size give the same bits); while the mode is off it runs transformers' own ``sdpa``
+implementation on the same mask, so the control group is the library default. The dense ops (projections, RMSNorm, MLP, LM head, log-softmax) are covered by
 the mode's ``aten`` routing.
 """
 
@@ -36,10 +36,16 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     (the cache included), ``attention_mask`` ``[B, 1, Lq, Lk]`` boolean (True: attend) ->
     ``([B, Lq, Hq, D], None)``.
 
-    Mode on: a row's real keys are those its last query may attend to (padding masks keys only, and
-    every padded position comes before or after all of the row's real tokens); its real queries are
-    the real keys among the last Lq positions. They are packed and attended causally with
-    bottom-right alignment; padded query rows get zeros.
+    Mode on, padded rows: a row's real keys are those its last query may attend to (padding masks
+    keys only, and every padded position comes before or after all of the row's real tokens); its
+    real queries are the real keys among the last Lq positions. They are packed and attended
+    causally with bottom-right alignment; padded query rows get zeros.
+
+    Mode on, packed sequences (one row holding several sequences back to back, no cache, as verl's
+    ``use_remove_padding`` layout passes them): transformers hands the decoder layer's
+    ``position_ids`` ``[1, L]`` to the attention function, and a sequence starts wherever a
+    position is not its predecessor's plus one (transformers' own rule for the packed mask,
+    ``find_packed_sequence_indices``). Each sequence attends causally to itself.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -47,8 +53,15 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout != 0.0 and module.training:
         raise ValueError(f"batch-invariant attention has no dropout; got dropout={dropout}")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"batch-invariant attention has no sliding window; got sliding_window={kwargs['sliding_window']}")
     b, hq, lq, d = query.shape
     lk = key.shape[2]
+    cu = _packed_offsets(kwargs.get("position_ids"), b, lq, lk)
+    if cu is not None:
+        out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
+                               causal=True, scale=scaling)
+        return out[None], None
     if attention_mask is None:
         key_ok = torch.ones(b, lk, dtype=torch.bool, device=query.device)
     else:
@@ -65,6 +78,19 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     full = query.new_zeros((b, lq, hq, d))
     full[query_ok] = out
     return full, None
+
+
+def _packed_offsets(position_ids, b: int, lq: int, lk: int):
+    """Offsets ``[S+1]`` (int64, CPU) of the sequences packed in a single row of ``lq`` tokens, from
+    its ``position_ids`` ``[1, lq]``; None when the input is not packed (several rows, a KV cache,
+    no position ids, or one sequence)."""
+    if position_ids is None or b != 1 or lq != lk or position_ids.shape[-1] != lq:
+        return None
+    positions = position_ids.reshape(-1, lq)[0].cpu()
+    starts = (positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1
+    if starts.numel() == 0:
+        return None
+    return torch.cat([torch.zeros(1, dtype=torch.int64), starts, torch.tensor([lq])])
 
 
 def use_mode_attention(model) -> None:

@@ -10,6 +10,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.consistency import chain, hf, parity, run
+from rl_kernel_core.contract import assert_close
 from rl_kernel_core.consistency.model import TinyConfig, TinyDecoder
 from rl_kernel_core.consistency.probe import DriftProbe
 
@@ -129,6 +130,38 @@ def test_hf_model_rollout_equals_training_bitwise_with_mode_on(seed):
     assert torch.equal(alone[0], training[3])
     print(f"mode off: rollout vs training max |diff| {off:.3g}")
     assert off < 1e-3
+
+
+def test_hf_model_packed_row_equals_padded_batch_bitwise_with_mode_on(seed):
+    """Sequences packed back to back in one row, position ids restarting at 0 and no attention mask
+    (verl's ``use_remove_padding`` layout), give each token the bits of the padded batch."""
+    torch.manual_seed(seed)
+    model = _tiny_qwen3()
+    seqs = chain.fixed_sequences(101, 5, 1, 14, seed)
+    seqs[2] = seqs[2][:1]  # a one-token sequence between two others
+    padded = parity.from_sequences(seqs, "right", [0] * 5, 0)
+    ids = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad(), rk.batch_invariant():
+        rows = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
+                     position_ids=padded.position_ids).logits
+        packed = model(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False).logits[0]
+        with rk.batch_invariant(False):
+            packed_off = model(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False).logits[0]
+    assert torch.equal(packed, torch.cat([rows[b, :len(s)] for b, s in enumerate(seqs)]))
+    # mode off, sdpa on transformers' packed mask: the same sequences (within the contract)
+    assert_close(packed_off, packed, "logprob", torch.float32, name="packed logits, mode off vs on")
+
+
+def test_hf_mode_attention_refuses_a_sliding_window():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+                                   sliding_window=4, max_window_layers=0, layer_types=["sliding_attention"])
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    hf.use_mode_attention(model)
+    with torch.no_grad(), rk.batch_invariant(), pytest.raises(ValueError, match="no sliding window; got sliding_window=4"):
+        model(input_ids=torch.ones(1, 6, dtype=torch.long))
 
 
 def _cli(monkeypatch, capsys, *extra):

@@ -131,14 +131,16 @@ def test_command_is_main_ppo_with_grpo_settings():
         assert expected in args, expected
 
 
-def test_off_and_on_differ_only_in_the_switch():
-    cfg = _cfg()
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_off_and_on_differ_only_in_the_switches(batch_invariant):
+    cfg = _cfg(batch_invariant=batch_invariant)
     off, on = _overrides(cfg, False), _overrides(cfg, True)
     diff = sorted(set(off) ^ set(on))
     assert diff == sorted([
         "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=False",
         "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True",
         "trainer.experiment_name=off", "trainer.experiment_name=on",
+        *(["+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True"] if batch_invariant else []),
     ])
 
 
@@ -154,18 +156,21 @@ def test_cpu_environment_registers_verls_cpu_platform(tmp_path):
     assert (env["VERL_PLATFORM"], env["VERL_ENGINE_DEVICE"], env["VERL_USE_EXTERNAL_MODULES"]) == ("cpu", "cuda", "grpo.verl_cpu")
     assert str(ROOT / "recipes") in env["PYTHONPATH"].split(":")
     assert "VERL_PLATFORM" not in verl_engine.environment(tmp_path, "cuda")
+    invariant = verl_engine.environment(tmp_path, "cpu", batch_invariant=True)
+    assert (invariant["RL_KERNEL_VLLM"], invariant["RL_KERNEL_VLLM_BATCH_INVARIANT"]) == ("1", "1")
+    assert {k: v for k, v in invariant.items() if k not in verl_engine.VLLM_BATCH_INVARIANT} == env
 
 
 @needs_verl
-@pytest.mark.parametrize("on", [False, True])
-def test_overrides_compose_against_verls_config(on):
+@pytest.mark.parametrize("on, batch_invariant", [(False, False), (True, False), (True, True)])
+def test_overrides_compose_against_verls_config(on, batch_invariant):
     """Every override names a key of verl's ``ppo_trainer`` config (or adds one with ``+``) and
     composes with verl's own Hydra config to the values the recipe asked for."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     import verl
 
-    cfg = _cfg()
+    cfg = _cfg(batch_invariant=batch_invariant)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
         composed = compose("ppo_trainer", overrides=_overrides(cfg, on))
@@ -175,6 +180,8 @@ def test_overrides_compose_against_verls_config(on):
     assert arr.actor.use_kl_loss is True and arr.actor.kl_loss_type == "low_var_kl"
     assert arr.actor.kl_loss_coef == cfg["kl_coef"] and arr.actor.ppo_mini_batch_size == cfg["prompts_per_step"]
     assert arr.model.fused_kernel_options.use_rl_kernel_backend is on
+    assert arr.model.fused_kernel_options.get("rl_kernel_batch_invariant", False) is batch_invariant
+    assert arr.rollout.calculate_log_probs  # verl's train/rollout metrics need the rollout's log-probs
     assert composed.reward.custom_reward_function.reward_kwargs.method == cfg["reward_method"]
     assert composed.trainer.total_training_steps == cfg["steps"] and list(composed.trainer.logger) == ["console", "file"]
     assert composed.trainer.device == "cpu" and arr.actor.fsdp_config.mixed_precision.param_dtype == "fp32"
@@ -187,17 +194,21 @@ def test_metric_prefix_is_the_adapters():
     assert verl_engine.RL_KERNEL_PREFIX == engine.METRIC_PREFIX
 
 
-def test_vocabulary_note_names_the_uncovered_ids(tmp_path):
+def test_vocabulary_note_names_the_uncovered_ids(tmp_path, monkeypatch):
+    import dataclasses
     import math
 
-    from grpo.model import build_local_model
-    from transformers import AutoTokenizer
+    from grpo import model
+    from transformers import AutoConfig, AutoTokenizer
 
-    problems = _problems(4)
-    model_dir = build_local_model("tiny", tmp_path, [p.question + " " + p.answer for p in problems])
-    ids = len(AutoTokenizer.from_pretrained(model_dir))
-    assert ids < 512  # four problems train far fewer tokens than the tiny preset's vocabulary
-    note = verl_engine.vocabulary_note(model_dir)
+    texts = [p.question + " " + p.answer for p in _problems(4)]
+    tiny = model.build_local_model("tiny", tmp_path, texts)
+    ids = len(AutoTokenizer.from_pretrained(tiny))
+    assert ids < 512  # four problems train far fewer tokens than the tokenizer's target
+    assert AutoConfig.from_pretrained(tiny).vocab_size == ids  # the tiny model has no ids past its tokenizer
+    assert verl_engine.vocabulary_note(tiny) is None
+    monkeypatch.setitem(model.PRESETS, "wide", dataclasses.replace(model.PRESETS["tiny"], vocab_size=512))
+    note = verl_engine.vocabulary_note(model.build_local_model("wide", tmp_path, texts))
     assert note is not None and f"covers {ids} of the model's 512 ids" in note and f"{math.log(512 / ids):.3f}" in note
 
 
@@ -268,15 +279,17 @@ def test_convert_log_is_read_by_the_report(tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
-STEPS = 2
+STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def verl_run(tmp_path_factory):
+    """``--engine verl --batch-invariant``: the off run is verl untouched (the control group), the on
+    run has the adapter's batch-invariant option and the vLLM plugin's batch-invariant mode."""
     out = tmp_path_factory.mktemp("grpo_verl")
     cmd = [sys.executable, str(ROOT / "recipes" / "grpo_gsm8k.py"), "--engine", "verl", "--data", "synthetic",
            "--limit", "16", "--preset", "tiny", "--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "4",
-           "--max-new-tokens", "8", "--kl-coef", "0.001", "--out", str(out), "--no-progress"]
+           "--max-new-tokens", "8", "--kl-coef", "0.001", "--batch-invariant", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(out.glob("verl-*/verl.log")))
@@ -289,7 +302,10 @@ def _records(path: Path) -> list[dict]:
 
 
 @needs_verl
-def test_verl_engine_end_to_end_off_and_on(verl_run):
+def test_verl_engine_end_to_end_off_and_batch_invariant_on(verl_run):
+    """verl's own train/rollout metric, from every response token's rollout (vLLM) and old-log-prob
+    pass (FSDP actor) log-probs: exactly 0 on every step with both batch-invariant switches, above 0
+    in the control group; the training pass gives the old-log-prob pass's bits (``ppo_kl`` 0)."""
     out, proc = verl_run
     assert "engine: verl" in proc.stdout
     for name in ("off.jsonl", "on.jsonl", "off.meta.json", "on.meta.json", "report.md", "comparison.json",
@@ -307,19 +323,27 @@ def test_verl_engine_end_to_end_off_and_on(verl_run):
     # the switch reached verl's workers: only the on run's actor reports rl-kernel metrics
     assert not [k for r in off for k in r if k.startswith("rl_kernel/")]
     assert all(r["rl_kernel/fallback_micro_batches"] == 0.0 and r["rl_kernel/logprob_ms"] > 0 for r in on)
+    assert all(r["rl_kernel/batch_invariant"] == 1.0 for r in on)
+    print("rollout_probs_diff_max off:", [r["rollout_probs_diff_max"] for r in off],
+          "on:", [r["rollout_probs_diff_max"] for r in on])
+    assert all(r["rollout_probs_diff_max"] > 0 for r in off)
+    assert all(r["rollout_probs_diff_max"] == 0.0 and r["rollout_probs_diff"] == 0.0 for r in on)
+    assert all(r["rollout_log_ppl_abs_diff"] == 0.0 and r["ppo_kl"] == 0.0 for r in on)
     meta = {side: json.loads((out / f"{side}.meta.json").read_text()) for side in ("off", "on")}
-    assert meta["on"]["backends"] == {"linear_logprob": "torch", "policy_loss": "torch"}  # CPU, auto
+    assert meta["on"]["backends"] == {"logprob_from_logits": "torch", "policy_loss": "torch"}  # CPU, auto
     for side in ("off", "on"):
         m = meta[side]
         assert m["engine"] == "verl" and m["verl_returncode"] == 0 and m["verl_steps"] == STEPS
         assert m["verl_command"].split()[1:3] == ["-m", "verl.trainer.main_ppo"]
         assert f"use_rl_kernel_backend={side == 'on'}" in m["verl_command"]
+        assert ("rl_kernel_batch_invariant=True" in m["verl_command"]) is (side == "on")
+        assert (m["verl_rl_kernel_environment"].get("RL_KERNEL_VLLM_BATCH_INVARIANT") == "1") is (side == "on")
         assert m["config"]["steps"] == STEPS and m["git_commit"]
     text = (out / "report.md").read_text()
     assert "engine: verl" in text and "rollout: verl's vLLM server" in text
-    assert "vocabulary: the tokenizer covers" in text  # 16 problems train fewer tokens than the model's ids
+    assert "batch-invariant: the on run" in text
+    assert "vocabulary:" not in text  # the tiny model has no ids past its tokenizer
     assert "## Known differences between the off and on paths" in text and "same float residue in both runs" in text
-    assert all(r["rollout_log_ppl_abs_diff"] > 0 for r in off + on)
     rows = {r["metric"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
     for side, records in (("off", off), ("on", on)):
         assert rows["reward"][side]["mean"] == pytest.approx(sum(r["reward"] for r in records) / STEPS)

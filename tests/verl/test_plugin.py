@@ -85,6 +85,32 @@ def test_switch_read_from_verls_model_config(model_dirs, caplog):
     assert strict.on and strict.strict
 
 
+def test_batch_invariant_option_turns_the_backend_on(model_dirs, caplog):
+    from rl_kernel_verl import switch
+
+    option = switch.BATCH_INVARIANT_OVERRIDE
+    with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
+        assert switch.read(_model_config(model_dirs, option)) == switch.Switch(on=True, strict=False, batch_invariant=True)
+        assert switch.read(_model_config(model_dirs, option, SWITCH_ON)).batch_invariant
+        assert not switch.read(_model_config(model_dirs, SWITCH_ON)).batch_invariant
+    assert not caplog.records
+    with pytest.raises(ValueError, match="rl_kernel_batch_invariant=True runs the rl-kernel backend, but "
+                                         "use_rl_kernel_backend=False turns it off"):
+        switch.read(_model_config(model_dirs, option, "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=False"))
+    with pytest.raises(ValueError, match="rl_kernel_batch_invariant must be true or false, got 'on'"):
+        switch.read(_model_config(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=on"))
+
+
+def test_batch_invariant_lookalike_names_the_option(model_dirs, caplog):
+    from rl_kernel_verl import switch
+
+    with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
+        sw = switch.read(_model_config(model_dirs, SWITCH_ON, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariance=True"))
+    assert sw.on and not sw.batch_invariant
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "did you mean rl_kernel_batch_invariant?" in message and switch.BATCH_INVARIANT_OVERRIDE in message
+
+
 @pytest.mark.parametrize(
     "override, says",
     [
