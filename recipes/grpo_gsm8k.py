@@ -256,8 +256,6 @@ def main(argv=None) -> int:
         return _error(f"--out {str(out)!r} cannot be created: {exc.strerror or exc}")
     engine, why = resolve_engine(args.engine, device)
     print(f"[grpo_gsm8k] engine: {engine} ({why}); device: {device}; output: {out}", flush=True)
-    if engine == "verl" and args.batch_invariant:
-        return _error("--batch-invariant is implemented by the embedded engine; run with --engine embedded")
     if args.model:
         problem = model_problem(args.model)
         if problem:
