@@ -7,10 +7,10 @@ call and whatever the other rows hold (see ``BITWISE_INVARIANCES`` in
 split-K and thread partitions from the call's shape, so a rollout engine running a prompt in a
 batch of 7 and a trainer recomputing it in a batch of 300 get different bits.
 
-The mode: :func:`set_batch_invariant_mode` (a switch, like ``torch.use_deterministic_algorithms``),
-:func:`batch_invariant` (a context manager that sets it and restores the previous value on exit)
-and :func:`is_batch_invariant`. The ``bi_*`` functions and :func:`rms_norm` here are
-batch-invariant whether the mode is on or not.
+The mode: :func:`batch_invariant` (a context manager holding it for a block),
+:func:`set_batch_invariant_mode` (a switch, like ``torch.use_deterministic_algorithms``) and
+:func:`is_batch_invariant`. The ``bi_*`` functions and :func:`rms_norm` here are batch-invariant
+whether the mode is on or not.
 
 While the mode is on, a model's own PyTorch ops are routed onto them: ``aten`` ``mm``, ``addmm``,
 ``bmm``, ``_log_softmax``, ``mean.dim`` and ``_fused_rms_norm`` on floating tensors run the
@@ -18,17 +18,26 @@ batch-invariant implementations (:data:`ROUTED_OPS`). ``F.linear`` and ``torch.m
 into ``mm``/``addmm``/``bmm`` before they reach a kernel, and ``F.rms_norm`` (and the
 pow/mean/rsqrt RMSNorm of Hugging Face models) into ``mean.dim`` where no fused kernel serves it, so
 those are covered too. The routing is a kernel registration (``torch.library``) for the CPU and
-CUDA dispatch keys of each routed op that has a kernel there, made when the mode turns on and
-removed when it turns off, which puts PyTorch's own kernels back. Only the routed ops pay for it:
-every other op dispatches exactly as without the mode (a ``TorchDispatchMode`` would put a Python
-call in front of each of them, which at batch 1 costs more than the forward's GPU time). The
-registered kernel keeps the replaced one (``torch.library.get_kernel``) and calls it for what it
-does not route (integer tensors) and for every routed op issued while a route runs on the same
-thread: the torch backend computes its fixed-shape tiles with the very library kernels it replaces.
-The registration sits below autograd, so gradients keep PyTorch's formulas, and the backward's own
-``mm``/``bmm`` calls are routed too; it serves ``torch.inference_mode`` alike. The mode is
-process-wide, as ``torch.use_deterministic_algorithms`` is: every thread's routed ops follow it
-while it is on. Nesting and exceptions restore the previous state exactly. It needs torch >= 2.9
+CUDA dispatch keys of each routed op that has a kernel there, made when the mode first turns on.
+Only the routed ops pay for it: every other op dispatches exactly as without the mode (a
+``TorchDispatchMode`` would put a Python call in front of each of them, which at batch 1 costs
+more than the forward's GPU time). The registered kernel keeps the replaced one
+(``torch.library.get_kernel``) and calls it for what it does not route (integer tensors), for
+every routed op issued while a route runs on the same thread (the torch backend computes its
+fixed-shape tiles with the very library kernels it replaces) and while the mode is off. The
+registration sits below autograd, so gradients keep PyTorch's formulas, and the backward's own
+``mm``/``bmm`` calls are routed too; it serves ``torch.inference_mode`` alike. When the mode turns
+off, the registration is removed, putting PyTorch's own kernels back at no cost, if no other Python
+thread is alive; otherwise it stays, passing each call to PyTorch's kernel (one Python call per
+routed op) until a thread alone in the process next leaves the mode: PyTorch's dispatcher reads
+its kernel table without a lock, and removing a kernel that another thread is about to call
+crashes that thread.
+
+The mode is process-wide, as ``torch.use_deterministic_algorithms`` is, and counted: while a
+``batch_invariant()`` block on any thread or the switch holds it, every thread's routed ops are
+routed; blocks on different threads may overlap in any order, and the mode turns off when the last
+holder lets go. ``batch_invariant(False)`` takes one thread out of it for a block. Nesting and
+exceptions restore the previous state exactly. It needs torch >= 2.9
 (``torch.library.get_kernel``); turning it on with an older torch raises.
 
 Backends: ``triton`` (:mod:`rl_kernel_core.triton.batch_invariant`: a persistent matmul with a
@@ -55,28 +64,38 @@ import torch
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.reference import batch_invariant as _reference  # registers the torch backend
 
-_library: Optional[torch.library.Library] = None  # the routes' registrations; set exactly while the mode is on
-_lock = threading.Lock()
-_route_running = threading.local()  # .on: a route (or routing_suspended) is running on this thread
+_lock = threading.Lock()  # guards the state below; taken when the mode is entered or left, never per op
+_library: Optional[torch.library.Library] = None  # the routes' registrations
+_blocks = 0  # batch_invariant() blocks inside, on all threads
+_switch = False  # set_batch_invariant_mode's setting
+_on = False  # routes route (read by every routed call); True exactly while _blocks or _switch holds the mode
 ROUTED_DISPATCH_KEYS: tuple[str, ...] = ("CPU", "CUDA")
 """The dispatch keys whose kernels the mode replaces (where the op has a kernel for that key)."""
 
 
+class _ThreadState(threading.local):
+    suspended = False  # a route or routing_suspended() is running on this thread
+    block: Optional[bool] = None  # the innermost batch_invariant(enabled) block on this thread, if any
+
+
+_thread = _ThreadState()
+
+
 def _routed_kernel(route: Callable, original) -> Callable:
-    """A kernel for one dispatch key: ``route`` for floating tensors, else the replaced kernel."""
+    """A kernel for one dispatch key: ``route`` for floating tensors while the mode routes this
+    thread's ops, else (and where ``route`` returns ``NotImplemented``) the replaced kernel."""
 
     def kernel(keyset, *args, **kwargs):
-        if not getattr(_route_running, "on", False) and isinstance(args[0], torch.Tensor) \
-                and args[0].dtype in _checks.FLOAT_DTYPES:
+        if _on and not _thread.suspended and _thread.block is not False and args[0].dtype in _checks.FLOAT_DTYPES:
             # below autograd (the op's own formula differentiates it): no graph to build in here
             grad_enabled = torch.is_grad_enabled()
-            _route_running.on = True
+            _thread.suspended = True
             torch._C._set_grad_enabled(False)
             try:
                 out = route(*args, **kwargs)
             finally:
                 torch._C._set_grad_enabled(grad_enabled)
-                _route_running.on = False
+                _thread.suspended = False
             if out is not NotImplemented:
                 return out
         return original.call_boxed(keyset, *args, **kwargs)
@@ -102,46 +121,76 @@ def _register_routes() -> torch.library.Library:
     return library
 
 
+def _set_holders(blocks: int, switch: bool) -> None:
+    """Record the mode's holders (call with ``_lock`` held): routing starts with the first holder
+    and stops with the last. The registrations are made when first needed and removed only by a
+    thread alone in the process (the module docstring says why)."""
+    global _library, _blocks, _switch, _on
+    wanted = blocks > 0 or switch
+    if wanted and not _on:
+        if _library is None:
+            _library = _register_routes()
+        _on = True
+    elif not wanted and _on:
+        _on = False
+        if threading.active_count() == 1:  # no other thread can be inside a routed kernel
+            library, _library = _library, None
+            library._destroy()
+    _blocks, _switch = blocks, switch
+
+
 @contextlib.contextmanager
 def routing_suspended() -> Iterator[None]:
     """Context manager: inside, routed ops issued on this thread run PyTorch's own kernels, while
     the mode stays on for other threads. For implementations whose library calls have fixed shapes
     already (``varlen_attention``). A running route sets the same per-thread flag itself."""
-    previous = getattr(_route_running, "on", False)
-    _route_running.on = True
+    previous = _thread.suspended
+    _thread.suspended = True
     try:
         yield
     finally:
-        _route_running.on = previous
+        _thread.suspended = previous
+
+
+def _check_enabled(enabled: object) -> None:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
 
 
 def set_batch_invariant_mode(enabled: bool) -> bool:
-    """Turn batch-invariant mode on or off (process-wide); returns the previous setting.
+    """Set the mode's process-wide switch; returns its previous setting.
 
-    On: rl-kernel's ops and the ``aten`` ops in :data:`ROUTED_OPS` take their batch-invariant
-    paths. Off: every routed op is restored to PyTorch's own kernel.
+    On: the switch holds the mode (rl-kernel's ops and the ``aten`` ops in :data:`ROUTED_OPS`
+    take their batch-invariant paths on every thread) until it is set off. Off: the switch lets go;
+    the mode stays on while a :func:`batch_invariant` block on any thread holds it. Raises
+    ``RuntimeError`` where the call would not change this thread's mode: off inside a
+    ``batch_invariant()`` block, or on inside a ``batch_invariant(False)`` one.
     """
-    global _library
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _check_enabled(enabled)
+    if _thread.block is not None and _thread.block != enabled:
+        raise RuntimeError(f"set_batch_invariant_mode({enabled}) inside a batch_invariant({_thread.block}) block cannot "
+                           f"change this thread's mode; use `with batch_invariant({enabled}):` instead")
     with _lock:
-        previous = _library is not None
-        if enabled and _library is None:
-            _library = _register_routes()
-        elif not enabled and _library is not None:
-            library, _library = _library, None
-            library._destroy()
+        previous = _switch
+        _set_holders(_blocks, enabled)
     return previous
 
 
 def is_batch_invariant() -> bool:
-    """Whether batch-invariant mode is on."""
-    return _library is not None
+    """Whether batch-invariant mode is on for this thread: held by the switch or a block on any
+    thread, and this thread is not inside ``batch_invariant(False)``."""
+    return _on and _thread.block is not False
 
 
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True) -> Iterator[None]:
-    """Context manager: batch-invariant mode is ``enabled`` inside, the previous setting after.
+    """Context manager: batch-invariant mode on (``enabled=True``) or off (``False``) inside.
+
+    On: the block holds the mode, process-wide (every thread's routed ops take their
+    batch-invariant paths), from entry to exit; blocks on any threads nest and overlap freely, and
+    the mode stays on until the last one exits (and the switch of :func:`set_batch_invariant_mode`
+    is off). Off: this thread's ops run PyTorch's own kernels inside, whoever holds the mode;
+    other threads keep theirs. Nesting and exceptions restore the previous state.
 
     Example::
 
@@ -149,11 +198,18 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
             logits = model(input_ids)          # matmuls, log_softmax, means: batch-invariant
             logprob = rl_kernel_core.linear_logprob(hidden, weight, targets)
     """
-    previous = set_batch_invariant_mode(enabled)
+    _check_enabled(enabled)
+    if enabled:
+        with _lock:
+            _set_holders(_blocks + 1, _switch)
+    previous, _thread.block = _thread.block, enabled
     try:
         yield
     finally:
-        set_batch_invariant_mode(previous)
+        _thread.block = previous
+        if enabled:
+            with _lock:
+                _set_holders(_blocks - 1, _switch)
 
 
 def _dims(name: str, dim: Union[int, Sequence[int]], ndim: int) -> list[int]:
