@@ -226,6 +226,12 @@ def _routed_calls():
         "log_softmax": lambda x: torch.log_softmax(x * 3, dim=-1),
         "mean": lambda x: x.pow(2).mean(-1, keepdim=True),
         "F.rms_norm": lambda x: torch.nn.functional.rms_norm(x, (200,), b.new_ones(200) + 0.1, 1e-6),
+        "mm out=": lambda x: torch.mm(x, w.T, out=torch.empty(0)),
+        "addmm out=": lambda x: torch.addmm(b, x, w.T, beta=0.5, alpha=2, out=torch.empty(0)),
+        "addmm_": lambda x: b.repeat(x.shape[0], 1).addmm_(x, w.T),
+        "baddbmm": lambda x: torch.baddbmm(b[:8], x.view(x.shape[0], 4, 50), torch.ones(x.shape[0], 50, 8) * w3[:50, :8]),
+        "log_softmax out=": lambda x: torch.log_softmax(x * 3, -1, out=torch.empty(0)),
+        "mean out=": lambda x: torch.mean(x.pow(2), -1, keepdim=True, out=torch.empty(0)),
     }
 
 
@@ -279,7 +285,9 @@ def test_routing_table_names_each_op():
     from rl_kernel_core import invariance
 
     names = {str(op) for op in invariance.ROUTED_OPS}
-    for op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._log_softmax.default", "aten.mean.dim", "aten._fused_rms_norm.default"):
+    for op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._log_softmax.default", "aten.mean.dim",
+               "aten._fused_rms_norm.default", "aten.mm.out", "aten.addmm.out", "aten.addmm_.default", "aten.bmm.out",
+               "aten.baddbmm.default", "aten.baddbmm.out", "aten.baddbmm_.default", "aten._log_softmax.out", "aten.mean.out"):
         assert op in names
 
 
