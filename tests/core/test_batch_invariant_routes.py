@@ -13,7 +13,8 @@ the ``out``/``self`` tensor itself, the same shape, strides and dtype, and value
 * elsewhere within the rounding bound of the op accumulated in fp32 (fp64 for fp64 inputs) and
   rounded to the output dtype, against fp64; PyTorch's own result must meet the bound too.
 
-The example budget is fixed for CI; ``RL_KERNEL_HYPOTHESIS_EXAMPLES=N`` runs a longer search.
+Inputs are made on the CPU and moved to the device (an expanded operand arrives contiguous on
+CUDA). The example budget is fixed for CI; ``RL_KERNEL_HYPOTHESIS_EXAMPLES=N`` runs a longer search.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ EXAMPLES = int(os.environ.get("RL_KERNEL_HYPOTHESIS_EXAMPLES", "150"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize="RL_KERNEL_HYPOTHESIS_EXAMPLES" not in os.environ,
                     suppress_health_check=[HealthCheck.too_slow])
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 SIZES = st.sampled_from([0, 1, 3, 33])  # 33: more rows than one tile of the torch backend
 LAYOUTS = st.sampled_from(["contiguous", "contiguous", "transposed", "sliced", "expanded"])
 SCALARS = st.sampled_from([1, 1, 0, 0.5, -2, 3, True])
@@ -233,8 +235,10 @@ class Outcome:
     is_target: bool = False
 
 
-def _run(call: Call, inside: bool) -> Outcome:
+def _run(call: Call, inside: bool, device: str) -> Outcome:
     fn, args, kwargs = call.make()
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -259,8 +263,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def _check(call: Call) -> None:
-    outside, inside = _run(call, False), _run(call, True)
+def _check(call: Call, device: str) -> None:
+    outside, inside = _run(call, False, device), _run(call, True, device)
     if outside.error is not None:
         assert inside.error is not None, f"{call}: returned where PyTorch raises {outside.error!r}"
         assert type(inside.error) is type(outside.error) and str(inside.error) == str(outside.error), \
@@ -269,7 +273,7 @@ def _check(call: Call) -> None:
     assert inside.error is None, f"{call}: raised {inside.error!r} where PyTorch returns"
     assert inside.warnings == outside.warnings, f"{call}: warned {inside.warnings}, PyTorch {outside.warnings}"
     assert inside.is_target == outside.is_target, f"{call}: the returned tensor is not the one PyTorch returns"
-    again = _run(call, False)
+    again = _run(call, False, device)
     for got, want, want_again in zip(_tensors(inside.result), _tensors(outside.result), _tensors(again.result)):
         assert _layout(got) == _layout(want), f"{call}: layout {_layout(got)}, PyTorch {_layout(want)}"
         if call.exact:
@@ -279,27 +283,30 @@ def _check(call: Call) -> None:
         _, args, kwargs = call.make()  # fresh: an in-place call wrote to its inputs
         value, bound = call.reference(args, kwargs)
         for name, t in (("mode", got), ("PyTorch", want)):
-            err = (t.double() - value).abs()
+            err = (t.cpu().double() - value).abs()
             assert bool(torch.isfinite(t).all()), f"{call}: {name}'s result is not finite"
             assert bool((err <= bound).all()), f"{call}: {name}'s error {float((err - bound).max()):.3g} above the bound"
 
 
+@DEVICES
 @SETTINGS
 @given(product_calls())
-def test_products_match_pytorch(call):
-    _check(call)
+def test_products_match_pytorch(device, call):
+    _check(call, device)
 
 
+@DEVICES
 @SETTINGS
 @given(log_softmax_calls())
-def test_log_softmax_matches_pytorch(call):
-    _check(call)
+def test_log_softmax_matches_pytorch(device, call):
+    _check(call, device)
 
 
+@DEVICES
 @SETTINGS
 @given(mean_calls())
-def test_mean_matches_pytorch(call):
-    _check(call)
+def test_mean_matches_pytorch(device, call):
+    _check(call, device)
 
 
 @pytest.mark.parametrize("call", [
