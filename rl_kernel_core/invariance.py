@@ -40,6 +40,13 @@ routed op) until a thread alone in the process next leaves the mode: PyTorch's d
 its kernel table without a lock, and removing a kernel that another thread is about to call
 crashes that thread.
 
+``torch.compile``: while the mode is on, torch.compile's stance is ``"force_eager"``
+(``torch.compiler.set_stance``), so compiled functions and modules run their Python eagerly, their
+ops are routed and a compiled model gives the eager model's bits (the fused kernels of its compiled
+code would reach no route); the stance in force before comes back when the mode turns off.
+Turning the mode on inside a compiled function raises: torch.compile refuses a stance change
+there. A CUDA graph replays the kernels captured in it, routed only if captured in the mode.
+
 The mode is process-wide, as ``torch.use_deterministic_algorithms`` is, and counted: while a
 ``batch_invariant()`` block on any thread or the switch holds it, every thread's routed ops are
 routed; blocks on different threads may overlap in any order, and the mode turns off when the last
@@ -77,6 +84,7 @@ _library: Optional[torch.library.Library] = None  # the routes' registrations
 _blocks = 0  # batch_invariant() blocks inside, on all threads
 _switch = False  # set_batch_invariant_mode's setting
 _on = False  # routes route (read by every routed call); True exactly while _blocks or _switch holds the mode
+_compile_stance = None  # torch.compile's stance before the mode turned on, put back when it turns off
 ROUTED_DISPATCH_KEYS: tuple[str, ...] = ("CPU", "CUDA")
 """The dispatch keys whose kernels the mode replaces (where the op has a kernel for that key)."""
 
@@ -133,18 +141,29 @@ def _set_holders(blocks: int, switch: bool) -> None:
     """Record the mode's holders (call with ``_lock`` held): routing starts with the first holder
     and stops with the last. The registrations are made when first needed and removed only by a
     thread alone in the process (the module docstring says why)."""
-    global _library, _blocks, _switch, _on
+    global _library, _blocks, _switch, _on, _compile_stance
     wanted = blocks > 0 or switch
     if wanted and not _on:
-        if _library is None:
-            _library = _register_routes()
-        _on = True
+        # compiled code would run its own fused kernels, which no route reaches: run it eagerly
+        stance = torch.compiler.set_stance("force_eager").prev
+        try:
+            if _library is None:
+                _library = _register_routes()
+        except BaseException:
+            _set_compile_stance(stance)
+            raise
+        _compile_stance, _on = stance, True
     elif not wanted and _on:
         _on = False
+        _set_compile_stance(_compile_stance)
         if threading.active_count() == 1:  # no other thread can be inside a routed kernel
             library, _library = _library, None
             library._destroy()
     _blocks, _switch = blocks, switch
+
+
+def _set_compile_stance(stance) -> None:
+    torch.compiler.set_stance(stance.stance, skip_guard_eval_unsafe=stance.skip_guard_eval_unsafe, force_backend=stance.backend)
 
 
 @contextlib.contextmanager

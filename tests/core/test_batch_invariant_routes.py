@@ -368,3 +368,69 @@ def test_out_in_place_and_baddbmm_forms_are_routed(monkeypatch):
         for call in forms.values():
             call(a, b, c)
     assert routed == list(forms)
+
+
+# ---- torch.compile: compiled code runs eagerly inside the mode ----
+
+def _marking_backend(compiled: list):
+    """A torch.compile backend whose graphs add 1000 to every output, so a result shows whether
+    compiled code ran; ``compiled`` counts the graphs it was handed."""
+
+    def backend(graph, example_inputs):
+        compiled.append(graph)
+
+        def run(*args):
+            return tuple(t + 1000 for t in graph(*args))
+
+        return run
+
+    return backend
+
+
+def _small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.RMSNorm(64), torch.nn.Linear(64, 30), torch.nn.LogSoftmax(-1))
+
+
+def test_compiled_code_runs_eagerly_in_the_mode_and_compiled_after(seed):
+    model = _small_model()
+    x = torch.randn(37, 40)
+    compiled = []
+    fast = torch.compile(model, backend=_marking_backend(compiled))
+    with torch.no_grad():
+        outside = fast(x)
+        assert len(compiled) == 1 and torch.allclose(outside - 1000, model(x), atol=1e-5)
+        with rk.batch_invariant():
+            eager = model(x)
+            assert torch.equal(fast(x), eager), "a compiled model in the mode differs from the eager model in the mode"
+            assert torch.equal(fast(x[:5]), eager[:5])
+            fresh = torch.compile(_small_model(), backend=_marking_backend(compiled))
+            assert torch.equal(fresh(x), eager) and len(compiled) == 1, "code compiled inside the mode"
+        assert torch.equal(fast(x), outside), "the compiled code is used again after the mode"
+
+
+def test_entering_the_mode_inside_a_compiled_function_raises(seed):
+    @torch.compile(backend="eager")
+    def step(x):
+        with rk.batch_invariant():
+            return x @ x.T
+
+    with pytest.raises(Exception, match="set_stance"):
+        step(torch.randn(3, 4))
+    assert not rk.is_batch_invariant()
+    with rk.batch_invariant():  # the mode's state is whole
+        assert rk.is_batch_invariant()
+    assert not rk.is_batch_invariant()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_inductor_model_in_the_mode_gives_the_eager_bits(seed, dtype):
+    model = _small_model().to("cuda", dtype)
+    x = torch.randn(37, 40, device="cuda", dtype=dtype)
+    fast = torch.compile(model)
+    with torch.no_grad():
+        fast(x)  # compiled outside the mode
+        with rk.batch_invariant():
+            assert torch.equal(fast(x), model(x))
+            assert torch.equal(fast(x[:5]), fast(x)[:5])
