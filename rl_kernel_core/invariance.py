@@ -462,7 +462,7 @@ def _route_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None)
     if dtype is not None:
         if dtype not in _checks.FLOAT_DTYPES:
             return NotImplemented
-        # as PyTorch: in the wider of the two dtypes, one rounding to dtype at the end
+        # as PyTorch: computed in the wider of the two dtypes, then rounded to dtype
         x = x.to(torch.promote_types(x.dtype, dtype))
     dims = dim or range(x.dim())  # None and [] reduce every dim
     if x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0 or x.dim() == 0 \

@@ -355,6 +355,8 @@ def test_mode_routes_other_threads_and_inference_mode(seed, monkeypatch):
         worker.join()
         with invariance.routing_suspended():
             results["suspended"] = a @ b
+        with rk.batch_invariant(False):
+            results["opted out"] = a @ b
     assert routed == ["worker"]
     assert torch.equal(results["mm"], bi_matmul(a, b))
 
