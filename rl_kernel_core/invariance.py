@@ -7,28 +7,51 @@ call and whatever the other rows hold (see ``BITWISE_INVARIANCES`` in
 split-K and thread partitions from the call's shape, so a rollout engine running a prompt in a
 batch of 7 and a trainer recomputing it in a batch of 300 get different bits.
 
-The mode: :func:`set_batch_invariant_mode` (a switch, like ``torch.use_deterministic_algorithms``),
-:func:`batch_invariant` (a context manager that sets it and restores the previous value on exit)
-and :func:`is_batch_invariant`. The ``bi_*`` functions and :func:`rms_norm` here are
-batch-invariant whether the mode is on or not.
+The mode: :func:`batch_invariant` (a context manager holding it for a block),
+:func:`set_batch_invariant_mode` (a switch, like ``torch.use_deterministic_algorithms``) and
+:func:`is_batch_invariant`. The ``bi_*`` functions and :func:`rms_norm` here are batch-invariant
+whether the mode is on or not.
 
 While the mode is on, a model's own PyTorch ops are routed onto them: ``aten`` ``mm``, ``addmm``,
-``bmm``, ``_log_softmax``, ``mean.dim`` and ``_fused_rms_norm`` on floating tensors run the
-batch-invariant implementations (:data:`ROUTED_OPS`). ``F.linear`` and ``torch.matmul`` decompose
-into ``mm``/``addmm``/``bmm`` before they reach a kernel, and ``F.rms_norm`` (and the
-pow/mean/rsqrt RMSNorm of Hugging Face models) into ``mean.dim`` where no fused kernel serves it, so
-those are covered too. The routing is a kernel registration (``torch.library``) for the CPU and
-CUDA dispatch keys of each routed op that has a kernel there, made when the mode turns on and
-removed when it turns off, which puts PyTorch's own kernels back. Only the routed ops pay for it:
-every other op dispatches exactly as without the mode (a ``TorchDispatchMode`` would put a Python
-call in front of each of them, which at batch 1 costs more than the forward's GPU time). The
-registered kernel keeps the replaced one (``torch.library.get_kernel``) and calls it for what it
-does not route (integer tensors) and for every routed op issued while a route runs on the same
-thread: the torch backend computes its fixed-shape tiles with the very library kernels it replaces.
-The registration sits below autograd, so gradients keep PyTorch's formulas, and the backward's own
-``mm``/``bmm`` calls are routed too; it serves ``torch.inference_mode`` alike. The mode is
-process-wide, as ``torch.use_deterministic_algorithms`` is: every thread's routed ops follow it
-while it is on. Nesting and exceptions restore the previous state exactly. It needs torch >= 2.9
+``bmm``, ``baddbmm``, ``_log_softmax``, ``mean.dim`` and ``_fused_rms_norm`` on floating tensors,
+and the ``out=`` and in-place forms of all but the last, run the batch-invariant implementations
+(:data:`ROUTED_OPS`). ``F.linear`` and ``torch.matmul`` decompose into ``mm``/``addmm``/``bmm``
+before they reach a kernel, and ``F.rms_norm`` (and the pow/mean/rsqrt RMSNorm of Hugging Face
+models) into ``mean.dim`` where no fused kernel serves it, so those are covered too. A routed call
+gives what PyTorch's gives: the same output dtype, shape and strides (contiguous), ``out=``
+resized and written as PyTorch does, ``beta=0`` ignoring the addend (NaN included), and values
+within the contract. What PyTorch refuses, and what computes no reduction (a zero size, a 0-d
+tensor, ``alpha=0``), goes to PyTorch's own kernel, so its error (of its type) and its bits come
+back. Other products (``addbmm``, ``mv``/``addmv``, ``dot``, ``_addmm_activation``) are not
+routed.
+
+The routing is a kernel registration (``torch.library``) for the CPU and CUDA dispatch keys of
+each routed op that has a kernel there, made when the mode first turns on. Only the routed ops pay
+for it: every other op dispatches exactly as without the mode (a ``TorchDispatchMode`` would put a
+Python call in front of each of them, which at batch 1 costs more than the forward's GPU time).
+The registered kernel keeps the replaced one (``torch.library.get_kernel``) and calls it for what
+it does not route (integer tensors, the cases above), for every routed op issued while a route runs on the same thread (the torch backend computes its
+fixed-shape tiles with the very library kernels it replaces) and while the mode is off. The
+registration sits below autograd, so gradients keep PyTorch's formulas, and the backward's own
+``mm``/``bmm`` calls are routed too; it serves ``torch.inference_mode`` alike. When the mode turns
+off, the registration is removed, putting PyTorch's own kernels back at no cost, if no other Python
+thread is alive; otherwise it stays, passing each call to PyTorch's kernel (one Python call per
+routed op) until a thread alone in the process next leaves the mode: PyTorch's dispatcher reads
+its kernel table without a lock, and removing a kernel that another thread is about to call
+crashes that thread.
+
+``torch.compile``: while the mode is on, torch.compile's stance is ``"force_eager"``
+(``torch.compiler.set_stance``), so compiled functions and modules run their Python eagerly, their
+ops are routed and a compiled model gives the eager model's bits (the fused kernels of its compiled
+code would reach no route); the stance in force before comes back when the mode turns off.
+Turning the mode on inside a compiled function raises: torch.compile refuses a stance change
+there. A CUDA graph replays the kernels captured in it, routed only if captured in the mode.
+
+The mode is process-wide, as ``torch.use_deterministic_algorithms`` is, and counted: while a
+``batch_invariant()`` block on any thread or the switch holds it, every thread's routed ops are
+routed; blocks on different threads may overlap in any order, and the mode turns off when the last
+holder lets go. ``batch_invariant(False)`` takes one thread out of it for a block. Nesting and
+exceptions restore the previous state exactly. It needs torch >= 2.9
 (``torch.library.get_kernel``); turning it on with an older torch raises.
 
 Backends: ``triton`` (:mod:`rl_kernel_core.triton.batch_invariant`: a persistent matmul with a
@@ -51,32 +74,44 @@ import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
+from torch._prims_common.wrappers import _maybe_resize_out
 
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.reference import batch_invariant as _reference  # registers the torch backend
 
-_library: Optional[torch.library.Library] = None  # the routes' registrations; set exactly while the mode is on
-_lock = threading.Lock()
-_route_running = threading.local()  # .on: a route (or routing_suspended) is running on this thread
+_lock = threading.Lock()  # guards the state below; taken when the mode is entered or left, never per op
+_library: Optional[torch.library.Library] = None  # the routes' registrations
+_blocks = 0  # batch_invariant() blocks inside, on all threads
+_switch = False  # set_batch_invariant_mode's setting
+_on = False  # routes route (read by every routed call); True exactly while _blocks or _switch holds the mode
+_compile_stance = None  # torch.compile's stance before the mode turned on, put back when it turns off
 ROUTED_DISPATCH_KEYS: tuple[str, ...] = ("CPU", "CUDA")
 """The dispatch keys whose kernels the mode replaces (where the op has a kernel for that key)."""
 
 
+class _ThreadState(threading.local):
+    suspended = False  # a route or routing_suspended() is running on this thread
+    block: Optional[bool] = None  # the innermost batch_invariant(enabled) block on this thread, if any
+
+
+_thread = _ThreadState()
+
+
 def _routed_kernel(route: Callable, original) -> Callable:
-    """A kernel for one dispatch key: ``route`` for floating tensors, else the replaced kernel."""
+    """A kernel for one dispatch key: ``route`` while the mode routes this thread's ops, else (and
+    where ``route`` returns ``NotImplemented``) the replaced kernel."""
 
     def kernel(keyset, *args, **kwargs):
-        if not getattr(_route_running, "on", False) and isinstance(args[0], torch.Tensor) \
-                and args[0].dtype in _checks.FLOAT_DTYPES:
+        if _on and not _thread.suspended and _thread.block is not False:
             # below autograd (the op's own formula differentiates it): no graph to build in here
             grad_enabled = torch.is_grad_enabled()
-            _route_running.on = True
+            _thread.suspended = True
             torch._C._set_grad_enabled(False)
             try:
                 out = route(*args, **kwargs)
             finally:
                 torch._C._set_grad_enabled(grad_enabled)
-                _route_running.on = False
+                _thread.suspended = False
             if out is not NotImplemented:
                 return out
         return original.call_boxed(keyset, *args, **kwargs)
@@ -102,46 +137,87 @@ def _register_routes() -> torch.library.Library:
     return library
 
 
+def _set_holders(blocks: int, switch: bool) -> None:
+    """Record the mode's holders (call with ``_lock`` held): routing starts with the first holder
+    and stops with the last. The registrations are made when first needed and removed only by a
+    thread alone in the process (the module docstring says why)."""
+    global _library, _blocks, _switch, _on, _compile_stance
+    wanted = blocks > 0 or switch
+    if wanted and not _on:
+        # compiled code would run its own fused kernels, which no route reaches: run it eagerly
+        stance = torch.compiler.set_stance("force_eager").prev
+        try:
+            if _library is None:
+                _library = _register_routes()
+        except BaseException:
+            _set_compile_stance(stance)
+            raise
+        _compile_stance, _on = stance, True
+    elif not wanted and _on:
+        _on = False
+        _set_compile_stance(_compile_stance)
+        if threading.active_count() == 1 and _library is not None:  # no other thread can be inside a routed kernel
+            library, _library = _library, None
+            library._destroy()
+    _blocks, _switch = blocks, switch
+
+
+def _set_compile_stance(stance) -> None:
+    torch.compiler.set_stance(stance.stance, skip_guard_eval_unsafe=stance.skip_guard_eval_unsafe, force_backend=stance.backend)
+
+
 @contextlib.contextmanager
 def routing_suspended() -> Iterator[None]:
     """Context manager: inside, routed ops issued on this thread run PyTorch's own kernels, while
     the mode stays on for other threads. For implementations whose library calls have fixed shapes
     already (``varlen_attention``). A running route sets the same per-thread flag itself."""
-    previous = getattr(_route_running, "on", False)
-    _route_running.on = True
+    previous = _thread.suspended
+    _thread.suspended = True
     try:
         yield
     finally:
-        _route_running.on = previous
+        _thread.suspended = previous
+
+
+def _check_enabled(enabled: object) -> None:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
 
 
 def set_batch_invariant_mode(enabled: bool) -> bool:
-    """Turn batch-invariant mode on or off (process-wide); returns the previous setting.
+    """Set the mode's process-wide switch; returns its previous setting.
 
-    On: rl-kernel's ops and the ``aten`` ops in :data:`ROUTED_OPS` take their batch-invariant
-    paths. Off: every routed op is restored to PyTorch's own kernel.
+    On: the switch holds the mode (rl-kernel's ops and the ``aten`` ops in :data:`ROUTED_OPS`
+    take their batch-invariant paths on every thread) until it is set off. Off: the switch lets go;
+    the mode stays on while a :func:`batch_invariant` block on any thread holds it. Raises
+    ``RuntimeError`` where the call would not change this thread's mode: off inside a
+    ``batch_invariant()`` block, or on inside a ``batch_invariant(False)`` one.
     """
-    global _library
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _check_enabled(enabled)
+    if _thread.block is not None and _thread.block != enabled:
+        raise RuntimeError(f"set_batch_invariant_mode({enabled}) inside a batch_invariant({_thread.block}) block cannot "
+                           f"change this thread's mode; use `with batch_invariant({enabled}):` instead")
     with _lock:
-        previous = _library is not None
-        if enabled and _library is None:
-            _library = _register_routes()
-        elif not enabled and _library is not None:
-            library, _library = _library, None
-            library._destroy()
+        previous = _switch
+        _set_holders(_blocks, enabled)
     return previous
 
 
 def is_batch_invariant() -> bool:
-    """Whether batch-invariant mode is on."""
-    return _library is not None
+    """Whether batch-invariant mode is on for this thread: held by the switch or a block on any
+    thread, and this thread is not inside ``batch_invariant(False)``."""
+    return _on and _thread.block is not False
 
 
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True) -> Iterator[None]:
-    """Context manager: batch-invariant mode is ``enabled`` inside, the previous setting after.
+    """Context manager: batch-invariant mode on (``enabled=True``) or off (``False``) inside.
+
+    On: the block holds the mode, process-wide (every thread's routed ops take their
+    batch-invariant paths), from entry to exit; blocks on any threads nest and overlap freely, and
+    the mode stays on until the last one exits (and the switch of :func:`set_batch_invariant_mode`
+    is off). Off: this thread's ops run PyTorch's own kernels inside, whoever holds the mode;
+    other threads keep theirs. Nesting and exceptions restore the previous state.
 
     Example::
 
@@ -149,11 +225,18 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
             logits = model(input_ids)          # matmuls, log_softmax, means: batch-invariant
             logprob = rl_kernel_core.linear_logprob(hidden, weight, targets)
     """
-    previous = set_batch_invariant_mode(enabled)
+    _check_enabled(enabled)
+    if enabled:
+        with _lock:
+            _set_holders(_blocks + 1, _switch)
+    previous, _thread.block = _thread.block, enabled
     try:
         yield
     finally:
-        set_batch_invariant_mode(previous)
+        _thread.block = previous
+        if enabled:
+            with _lock:
+                _set_holders(_blocks - 1, _switch)
 
 
 def _dims(name: str, dim: Union[int, Sequence[int]], ndim: int) -> list[int]:
@@ -187,11 +270,14 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, *, backend: Optional[str] = "aut
     _checks.same_device("a", a, b=b)
     k = a.shape[-1]
     _checks.shape("b", b, (k, b.shape[1]), f"[K={k}, M]")
-    a2d = a.reshape(-1, k).contiguous()
+    return _matmul(a.reshape(-1, k).contiguous(), b, backend).reshape(*a.shape[:-1], b.shape[1])
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, backend: Optional[str] = "auto") -> torch.Tensor:
+    """:func:`bi_matmul` of checked operands: contiguous ``a [N, K]``, ``b [K, M]``."""
     # b keeps its strides (a model's mm gets the transposed weight as a view): each backend reads
     # it in a fixed way, and copying a large weight on every call would cost more than the product
-    impl = dispatch.select("bi_matmul", backend, a.device, a2d, b)
-    return impl(a2d, b).reshape(*a.shape[:-1], b.shape[1])
+    return dispatch.select("bi_matmul", backend, a.device, a, b)(a, b)
 
 
 def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, backend: Optional[str] = "auto") -> torch.Tensor:
@@ -229,15 +315,16 @@ def bi_log_softmax(x: torch.Tensor, dim: int = -1, *, backend: Optional[str] = "
         backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
 
     Returns:
-        ``x``'s shape and dtype; accumulated in fp32 (fp64 for fp64 inputs). Each slice along
-        ``dim`` is bitwise independent of the sizes and values of the other dims.
+        ``x``'s shape and dtype, contiguous (as ``torch.log_softmax``'s); accumulated in fp32
+        (fp64 for fp64 inputs). Each slice along ``dim`` is bitwise independent of the sizes and
+        values of the other dims.
     """
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
     (d,) = _dims("dim", dim, x.dim())
     moved = x.movedim(d, -1)
     rows = moved.reshape(-1, moved.shape[-1]).contiguous()
     impl = dispatch.select("bi_log_softmax", backend, x.device, rows)
-    return impl(rows).reshape(moved.shape).movedim(-1, d)
+    return impl(rows).reshape(moved.shape).movedim(-1, d).contiguous()
 
 
 def bi_mean(x: torch.Tensor, dim: Union[int, Sequence[int]], keepdim: bool = False, *, backend: Optional[str] = "auto") -> torch.Tensor:
@@ -300,39 +387,99 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backen
     return impl(x2d, weight, eps).reshape(x.shape)
 
 
-def _route_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    prod = bi_matmul(a, b)
+# ---- the routes: each computes one aten overload as PyTorch does (result, dtype, shape, strides)
+# with batch-invariant rows. Each returns NotImplemented, handing the call to PyTorch's own kernel,
+# where PyTorch refuses the input (so its error, of its type, is raised) and where no reduction is
+# computed (a zero size, a 0-d tensor, alpha=0), whose result is PyTorch's bit for bit.
+
+
+def _product_args(a: torch.Tensor, b: torch.Tensor, ndim: int) -> bool:
+    """Whether ``a @ b`` (``mm`` for ndim 2, ``bmm`` for 3) is a product PyTorch computes with a
+    reduction: floating ``a`` and ``b`` of one dtype and device, matching batch and inner dims, no
+    zero size."""
+    return (a.dim() == ndim and b.dim() == ndim and a.dtype == b.dtype and a.dtype in _checks.FLOAT_DTYPES
+            and a.device == b.device and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
+            and a.numel() > 0 and b.numel() > 0)
+
+
+def _addend_args(bias: torch.Tensor, a: torch.Tensor, shape: Sequence[int], beta, alpha) -> bool:
+    """Whether PyTorch's ``addmm``/``baddbmm`` takes ``bias`` for a product ``a @ b`` of ``shape``
+    and computes the product: ``a``'s dtype and device, broadcastable to ``shape`` without more
+    dims, real scalars, ``alpha != 0``."""
+    return (bias.dtype == a.dtype and bias.device == a.device and bias.dim() <= len(shape)
+            and all(s == 1 or s == t for s, t in zip(reversed(bias.shape), reversed(shape)))
+            and isinstance(beta, (int, float)) and isinstance(alpha, (int, float)) and alpha != 0)
+
+
+def _scaled_sum(prod: torch.Tensor, bias: torch.Tensor, beta, alpha) -> torch.Tensor:
+    """``alpha * prod + beta * bias``, written into the fresh ``prod``; ``beta == 0`` ignores
+    ``bias``, NaN and inf included, as PyTorch's ``addmm`` and ``baddbmm`` do."""
     if alpha != 1:
-        prod = prod * alpha
-    return prod + (bias if beta == 1 else bias * beta)
+        prod.mul_(alpha)
+    if beta != 0:
+        prod.add_(bias, alpha=float(beta))  # a bool beta too
+    return prod
+
+
+def _route_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _matmul(a.contiguous(), b) if _product_args(a, b, 2) else NotImplemented
+
+
+def _route_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    if not (_product_args(a, b, 2) and _addend_args(bias, a, (a.shape[0], b.shape[1]), beta, alpha)):
+        return NotImplemented
+    return _scaled_sum(_matmul(a.contiguous(), b), bias, beta, alpha)
+
+
+def _batched_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # One fixed-shape row-tiled product per batch entry: an entry's result does not depend on how
+    # many entries the batch has.
+    a = a.contiguous()
+    return torch.stack([_matmul(a[i], b[i]) for i in range(a.shape[0])])
 
 
 def _route_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # One fixed-shape row-tiled product per batch entry: a slice's result does not depend on how
-    # many entries the batch has.
-    if a.shape[0] == 0:
-        return a.new_empty((0, a.shape[1], b.shape[2]))
-    return torch.stack([bi_matmul(a[i], b[i]) for i in range(a.shape[0])])
+    return _batched_product(a, b) if _product_args(a, b, 3) else NotImplemented
+
+
+def _route_baddbmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    if not (_product_args(a, b, 3) and _addend_args(bias, a, (a.shape[0], a.shape[1], b.shape[2]), beta, alpha)):
+        return NotImplemented
+    return _scaled_sum(_batched_product(a, b), bias, beta, alpha)
 
 
 def _route_log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-    return bi_log_softmax(x.float() if half_to_float else x, dim)
+    if half_to_float:  # PyTorch converts fp16 on CUDA only
+        if x.dtype != torch.float16 or x.device.type != "cuda":
+            return NotImplemented
+        x = x.float()
+    if x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0 or not -x.dim() <= dim < x.dim():
+        return NotImplemented
+    return bi_log_softmax(x, dim)
 
 
 def _route_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
     if dtype is not None:
         if dtype not in _checks.FLOAT_DTYPES:
             return NotImplemented
-        x = x.to(dtype)
-    dims = list(range(x.dim())) if not dim else list(dim)
-    if x.dim() == 0:
+        # as PyTorch: computed in the wider of the two dtypes, then rounded to dtype
+        x = x.to(torch.promote_types(x.dtype, dtype))
+    dims = dim or range(x.dim())  # None and [] reduce every dim
+    if x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0 or x.dim() == 0 \
+            or not all(-x.dim() <= d < x.dim() for d in dims) or len({d % x.dim() for d in dims}) != len(dims):
         return NotImplemented
-    return bi_mean(x, dims, keepdim)
+    out = bi_mean(x, list(dims), keepdim)
+    return out if dtype is None else out.to(dtype)
 
 
 def _route_fused_rms_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor], eps: Optional[float]):
     # Returns (output, rstd) as the aten op does; rstd keeps the reduced dims with size 1.
-    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    n = len(normalized_shape)
+    if x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0 or not 0 < n <= x.dim() \
+            or list(x.shape[x.dim() - n:]) != list(normalized_shape) \
+            or (weight is not None and (weight.shape != x.shape[x.dim() - n:] or weight.device != x.device)):
+        return NotImplemented
+    dims = list(range(x.dim() - n, x.dim()))
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     acc = _reference.acc_dtype(x.dtype)
@@ -344,13 +491,56 @@ def _route_fused_rms_norm(x: torch.Tensor, normalized_shape, weight: Optional[to
     return out.to(x.dtype), rstd
 
 
+def _into_out(route: Callable) -> Callable:
+    """The ``out=`` overload of a functional route: its result written into ``out`` as PyTorch
+    writes one (``out`` resized, with PyTorch's warning where it held elements, unless it has the
+    result's shape; its strides kept otherwise). PyTorch's kernel, and its error, where ``out``'s
+    dtype or device is not the result's."""
+
+    def route_out(*args, out: torch.Tensor, **kwargs):
+        result = route(*args, **kwargs)
+        if result is NotImplemented or result.dtype != out.dtype or result.device != out.device:
+            return NotImplemented
+        return _maybe_resize_out(out, result.shape).copy_(result)
+
+    return route_out
+
+
+def _route_mean_out(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None, out: torch.Tensor):
+    if dtype is None and x.dtype in _checks.FLOAT_DTYPES:  # PyTorch's mean.out then computes in out's dtype
+        dtype = out.dtype
+    return _into_out(_route_mean)(x, dim, keepdim, dtype=dtype, out=out)
+
+
+def _in_place(route: Callable) -> Callable:
+    """The in-place overload (``self`` is the addend and the output) of ``addmm``/``baddbmm``'s
+    route; PyTorch's kernel, and its error, where the result does not have ``self``'s shape."""
+
+    def route_(self: torch.Tensor, *args, **kwargs):
+        result = route(self, *args, **kwargs)
+        if result is NotImplemented or result.shape != self.shape:
+            return NotImplemented
+        return self.copy_(result)
+
+    return route_
+
+
 _aten = torch.ops.aten
 ROUTED_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
-    _aten.mm.default: bi_matmul,
+    _aten.mm.default: _route_mm,
+    _aten.mm.out: _into_out(_route_mm),
     _aten.addmm.default: _route_addmm,
+    _aten.addmm.out: _into_out(_route_addmm),
+    _aten.addmm_.default: _in_place(_route_addmm),
     _aten.bmm.default: _route_bmm,
+    _aten.bmm.out: _into_out(_route_bmm),
+    _aten.baddbmm.default: _route_baddbmm,
+    _aten.baddbmm.out: _into_out(_route_baddbmm),
+    _aten.baddbmm_.default: _in_place(_route_baddbmm),
     _aten._log_softmax.default: _route_log_softmax,
+    _aten._log_softmax.out: _into_out(_route_log_softmax),
     _aten.mean.dim: _route_mean,
+    _aten.mean.out: _route_mean_out,
     _aten._fused_rms_norm.default: _route_fused_rms_norm,
 }
 """The ``aten`` overloads routed while batch-invariant mode is on, and their implementations."""

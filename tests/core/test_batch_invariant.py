@@ -226,6 +226,12 @@ def _routed_calls():
         "log_softmax": lambda x: torch.log_softmax(x * 3, dim=-1),
         "mean": lambda x: x.pow(2).mean(-1, keepdim=True),
         "F.rms_norm": lambda x: torch.nn.functional.rms_norm(x, (200,), b.new_ones(200) + 0.1, 1e-6),
+        "mm out=": lambda x: torch.mm(x, w.T, out=torch.empty(0)),
+        "addmm out=": lambda x: torch.addmm(b, x, w.T, beta=0.5, alpha=2, out=torch.empty(0)),
+        "addmm_": lambda x: b.repeat(x.shape[0], 1).addmm_(x, w.T),
+        "baddbmm": lambda x: torch.baddbmm(b[:8], x.view(x.shape[0], 4, 50), torch.ones(x.shape[0], 50, 8) * w3[:50, :8]),
+        "log_softmax out=": lambda x: torch.log_softmax(x * 3, -1, out=torch.empty(0)),
+        "mean out=": lambda x: torch.mean(x.pow(2), -1, keepdim=True, out=torch.empty(0)),
     }
 
 
@@ -279,7 +285,9 @@ def test_routing_table_names_each_op():
     from rl_kernel_core import invariance
 
     names = {str(op) for op in invariance.ROUTED_OPS}
-    for op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._log_softmax.default", "aten.mean.dim", "aten._fused_rms_norm.default"):
+    for op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._log_softmax.default", "aten.mean.dim",
+               "aten._fused_rms_norm.default", "aten.mm.out", "aten.addmm.out", "aten.addmm_.default", "aten.bmm.out",
+               "aten.baddbmm.default", "aten.baddbmm.out", "aten.baddbmm_.default", "aten._log_softmax.out", "aten.mean.out"):
         assert op in names
 
 
@@ -306,8 +314,6 @@ def test_routing_is_restored_on_exit_nesting_and_exceptions(seed):
         assert _routed_cpu_kernel("aten::mm") and _routed_cpu_kernel("aten::mean.dim")
         with rk.batch_invariant():
             assert _routed_cpu_kernel("aten::mm")
-        with rk.batch_invariant(False):
-            assert not _routed_cpu_kernel("aten::mm")
         assert _routed_cpu_kernel("aten::mm")
     assert not _routed_cpu_kernel("aten::mm") and not _routed_cpu_kernel("aten::mean.dim")
     with pytest.raises(ValueError):
@@ -349,6 +355,8 @@ def test_mode_routes_other_threads_and_inference_mode(seed, monkeypatch):
         worker.join()
         with invariance.routing_suspended():
             results["suspended"] = a @ b
+        with rk.batch_invariant(False):
+            results["opted out"] = a @ b
     assert routed == ["worker"]
     assert torch.equal(results["mm"], bi_matmul(a, b))
 
@@ -378,3 +386,138 @@ def test_mode_leaves_integer_ops_alone():
     a = torch.arange(12).view(3, 4)
     with rk.batch_invariant():
         assert torch.equal(a @ a.T, torch.tensor([[14, 38, 62], [38, 126, 214], [62, 214, 366]]))
+
+
+# ---- the mode under threads ----
+
+def _on_thread(fn):
+    """Run ``fn`` on a new thread and return its result (re-raising its exception here)."""
+    import threading
+
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as error:  # handed to the calling thread
+            result["error"] = error
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def test_mode_blocks_on_several_threads_keep_a_count():
+    """Overlapping blocks on two threads: the mode stays on until the last one exits; a thread
+    inside batch_invariant(False) runs without it while the other thread's block holds it."""
+    import threading
+
+    step = [threading.Event() for _ in range(3)]
+    seen = {}
+
+    def other():
+        with rk.batch_invariant():
+            step[0].set()
+            step[1].wait()
+            seen["other, after main left"] = rk.is_batch_invariant()
+        step[2].set()
+
+    thread = threading.Thread(target=other)
+    with rk.batch_invariant():
+        thread.start()
+        step[0].wait()
+    assert rk.is_batch_invariant(), "main left its block: the other thread's block still holds the mode"
+    with rk.batch_invariant(False):
+        assert not rk.is_batch_invariant()
+        assert _on_thread(rk.is_batch_invariant), "a thread's batch_invariant(False) turned the mode off for another"
+    step[1].set()
+    step[2].wait()
+    thread.join()
+    assert seen == {"other, after main left": True}
+    assert not rk.is_batch_invariant()
+
+
+def test_set_batch_invariant_mode_refuses_to_contradict_the_threads_block():
+    with rk.batch_invariant():
+        with pytest.raises(RuntimeError, match=r"set_batch_invariant_mode\(False\).*batch_invariant\(False\)"):
+            rk.set_batch_invariant_mode(False)
+        with rk.batch_invariant(False):
+            with pytest.raises(RuntimeError, match=r"set_batch_invariant_mode\(True\)"):
+                rk.set_batch_invariant_mode(True)
+        assert rk.set_batch_invariant_mode(True) is False  # agrees with the block: the switch holds it too
+    assert rk.is_batch_invariant()
+    assert rk.set_batch_invariant_mode(False) is True
+    assert not rk.is_batch_invariant()
+
+
+def test_registrations_stay_while_another_thread_lives_and_pass_calls_through(seed):
+    import threading
+
+    a, b = torch.randn(40, 24), torch.randn(24, 16)
+    release = threading.Event()
+    idle = threading.Thread(target=release.wait)
+    idle.start()
+    try:
+        with rk.batch_invariant():
+            pass
+        assert not rk.is_batch_invariant() and _routed_cpu_kernel("aten::mm")
+        assert torch.equal(a @ b, torch.ops.aten.mm.default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), a, b))
+    finally:
+        release.set()
+        idle.join()
+    with rk.batch_invariant():
+        pass
+    assert not _routed_cpu_kernel("aten::mm"), "alone again, leaving the mode removes the registrations"
+
+
+def test_mode_entered_and_left_on_one_thread_while_others_compute(seed):
+    """Stress: one thread enters and leaves the mode over and over while two others run routed ops.
+    No call fails, and each result is bit for bit either PyTorch's or the batch-invariant one."""
+    import threading
+    import time
+
+    a, b, bias = torch.randn(16, 32), torch.randn(32, 24), torch.randn(24)
+    x = torch.randn(16, 40) * 3
+    calls = {
+        "mm": lambda: torch.mm(a, b),
+        "addmm": lambda: torch.addmm(bias, a, b),
+        "log_softmax": lambda: torch.log_softmax(x, -1),
+    }
+    allowed = {name: {fn().numpy().tobytes()} for name, fn in calls.items()}
+    with rk.batch_invariant():
+        for name, fn in calls.items():
+            allowed[name].add(fn().numpy().tobytes())
+    stop = threading.Event()
+    failures, rounds = [], [0, 0]
+
+    def compute(worker):
+        try:
+            while not stop.is_set():
+                for name, fn in calls.items():
+                    if fn().numpy().tobytes() not in allowed[name]:
+                        failures.append(f"{name}: bits neither PyTorch's nor the mode's")
+                rounds[worker] += 1
+        except Exception as error:
+            failures.append(repr(error))
+
+    workers = [threading.Thread(target=compute, args=(i,), daemon=True) for i in range(2)]
+    # for 3 s at least: the registration races this guards against crashed within 50 to 1,100 toggles
+    toggles, start = 0, time.monotonic()
+    try:
+        for worker in workers:
+            worker.start()
+        while (time.monotonic() < start + 3 or toggles < 300 or min(rounds) < 100) and not failures \
+                and time.monotonic() < start + 60:
+            with rk.batch_invariant():
+                torch.mm(a, b)
+            toggles += 1
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+    assert not failures, failures[:3]
+    assert min(rounds) >= 100, f"the workers ran only {rounds} rounds"
+    assert not rk.is_batch_invariant()
