@@ -158,14 +158,16 @@ def _attention_fwd_kernel(
 
 BWD_TILES: dict[torch.dtype, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
     torch.float32: ((32, 32, 8, 2), (32, 32, 8, 2)),
-    torch.bfloat16: ((64, 32, 8, 2), (32, 64, 8, 2)),
-    torch.float16: ((64, 32, 8, 2), (32, 64, 8, 2)),
+    torch.bfloat16: ((64, 32, 4, 2), (32, 64, 4, 2)),
+    torch.float16: ((64, 32, 4, 2), (32, 64, 4, 2)),
 }
 """Backward tiles per dtype, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the dq pass (a program
 holds ``BLOCK_M`` queries and steps over keys ``BLOCK_N`` at a time) and of the dk/dv pass (a
-program holds ``BLOCK_N`` keys and steps over queries ``BLOCK_M`` at a time). Chosen for head_dim
-128 from ptxas's sm_90 register report (the 4-warp variants spill), not yet from timings; any
-choice gives correct, deterministic gradients (``benchmarks/bench_attention.py --sweep`` times others)."""
+program holds ``BLOCK_N`` keys and steps over queries ``BLOCK_M`` at a time). 16-bit: the fastest of
+``benchmarks/bench_attention.py --sweep`` on an H200 at head_dim 128 (bf16; 0.57 vs 1.01 ms for the
+8-warp pair at 8x1024 tokens, though ptxas reports spills; the same gradient bits:
+``benchmarks/results/attention_h200/``); fp16 follows bf16 untimed. fp32 from ptxas's register
+report, untimed. Any choice gives correct, deterministic gradients."""
 
 
 @launch_time_jit(do_not_specialize=["scale"])
