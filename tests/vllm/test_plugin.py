@@ -30,7 +30,7 @@ SCENARIOS = {
     "moved": ("moved", {"RL_KERNEL_VLLM": "1"}),
     "moved_strict": ("moved", {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_STRICT": "1"}),
     # every hook on (spelt " On "), then restore()
-    "all": ("restore", {f"RL_KERNEL_VLLM{suffix}": " On " for suffix in ("", "_LM_HEAD", "_SAMPLER")}),
+    "all": ("restore", {f"RL_KERNEL_VLLM{suffix}": " On " for suffix in ("", "_LM_HEAD", "_SAMPLER", "_BATCH_INVARIANT")}),
 }
 
 
@@ -78,6 +78,7 @@ def test_restore_puts_every_original_back(probes):
     restored = report["restored"]
     assert all(restored["targets"].values()), restored["targets"]
     assert restored["oot"] and restored["status_registered"] is False
+    assert restored["attention_override"] == {} and restored["mode_on"] is False
 
 
 def test_on_patches_each_target_once(on):
@@ -110,11 +111,12 @@ def test_every_hook_on(probes):
     assert not any(report["unchanged"].values()), report["unchanged"]
     assert all(report["wraps_original"].values()) and all(report["idempotent"].values())
     assert report["oot_added"] == ["LogitsProcessor"]
-    assert report["log"].count("live hooks: logprobs, lm_head, sampler") == 1
+    assert report["log"].count("live hooks: logprobs, lm_head, sampler, batch_invariant") == 1
+    assert report["during"] == {"attention_override": {"CPU_ATTN": "rl_kernel_vllm.attention.CPUAttentionBackend"}, "mode_on": True}
     # every override of a vLLM setting is announced once, beside the live-hooks line
-    from rl_kernel_vllm import lm_head
+    from rl_kernel_vllm import batch_invariant, lm_head
 
-    for override in (*logprobs.OVERRIDES, *lm_head.OVERRIDES, *sampler.OVERRIDES):
+    for override in (*logprobs.OVERRIDES, *lm_head.OVERRIDES, *sampler.OVERRIDES, *batch_invariant.OVERRIDES):
         assert report["log"].count(f"overrides: {override}") == 1, override
 
 

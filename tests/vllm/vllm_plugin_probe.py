@@ -27,11 +27,13 @@ def main(scenario: str) -> None:
     import rl_kernel_vllm
     from rl_kernel_core import adapters
     from rl_kernel_core.switches import SwitchError
-    from rl_kernel_vllm import logprobs, sampler
+    from rl_kernel_vllm import batch_invariant, logprobs, sampler
 
     if scenario == "moved":
         logprobs.RUNNERS["v1"] = logprobs.V1_TARGETS + ("vllm.v1.sample.sampler:Sampler.no_such_method",)
     targets = [*logprobs.WRAPPERS, *sampler.TARGETS]
+    if scenario == "restore":  # every hook on
+        targets += [batch_invariant.TARGETS[2], batch_invariant.CPU_GEMM_TARGET]
     before = {t: adapters.locate(t)[2] for t in targets}
     oot_before = dict(op_registry_oot)
     error = None
@@ -53,14 +55,30 @@ def main(scenario: str) -> None:
         "oot_added": sorted(set(op_registry_oot) - set(oot_before)),
     }
     report["restored"] = None
+    during = {"attention_override": _attention_overrides(), "mode_on": _mode_on()}
     if scenario == "restore":
         rl_kernel_vllm.restore()
         report["restored"] = {
             "targets": {t: adapters.locate(t)[2] is before[t] for t in targets},
             "oot": dict(op_registry_oot) == oot_before,
             "status_registered": rl_kernel_vllm.status()["registered"],
+            "attention_override": _attention_overrides(),
+            "mode_on": _mode_on(),
         }
+        report["during"] = during
     print("PROBE " + json.dumps(report))
+
+
+def _attention_overrides() -> dict[str, str]:
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
+
+    return {member.name: path for member, path in _ATTN_OVERRIDES.items()}
+
+
+def _mode_on() -> bool:
+    import rl_kernel_core
+
+    return rl_kernel_core.is_batch_invariant()
 
 
 if __name__ == "__main__":
