@@ -56,6 +56,17 @@ def number(low: float, high: float = math.inf, *, low_open: bool = False) -> Cal
 _positive_int, _non_negative_int = integer(1), integer(0)
 
 
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (``--engine-args``; ``rl_kernel_vllm.consistency``'s ``--engine``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def device_name(text: str) -> str:
     """An argparse type for ``--device``: ``cpu`` or ``cuda[:N]`` that this process can use (the
     recipe's ``--device`` uses it too)."""
@@ -264,16 +275,9 @@ def _engine_consistency(args: argparse.Namespace) -> int:
     if args.model == "tiny":
         print("rl-kernel consistency: error: --engine vllm needs --model PATH (a checkpoint directory)", file=sys.stderr)
         return 2
-    try:
-        if not isinstance(json.loads(args.engine_args), dict):
-            raise ValueError("not an object")
-    except ValueError as exc:
-        print(f"rl-kernel consistency: error: --engine-args must be a JSON object, got {args.engine_args!r} ({exc})",
-              file=sys.stderr)
-        return 2
     extra = ["--prompts", str(args.sequences), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_len),
              "--seed", str(args.seed), "--dtype", {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype],
-             "--engine", args.engine_args] + (["--device", args.device] if args.device else [])
+             "--engine", json.dumps(args.engine_args)] + (["--device", args.device] if args.device else [])
     try:
         with tempfile.TemporaryDirectory() as workdir:
             pair = engine.off_and_on(args.model, extra, workdir)
@@ -367,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="builtin: transformers/our chain for both sides; vllm: a real vLLM engine's rollout (mode off: "
                         "as shipped; on: RL_KERNEL_VLLM_BATCH_INVARIANT=1) vs the trainer's forward of --model "
                         "(--sequences prompts of --prompt-len ids, --max-len new tokens each)")
-    p.add_argument("--engine-args", default="{}", metavar="JSON", help="extra vllm.LLM keyword arguments (--engine vllm)")
+    p.add_argument("--engine-args", type=json_object, default={}, metavar="JSON",
+                   help="extra vllm.LLM keyword arguments, a JSON object (--engine vllm)")
     p.add_argument("--parity", nargs=2, metavar=("ROLLOUT", "TRAINING"), default=None,
                    help="only the input parity precheck, of two batches saved by rl_kernel_core.consistency.parity.save "
                         "(or torch.save of a Batch or of a dict of its fields); exit 1 at the first mismatch, "

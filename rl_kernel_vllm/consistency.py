@@ -225,29 +225,29 @@ def plot(pair: dict[str, Any], path: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_kernel_vllm.consistency", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="checkpoint directory (config, weights, tokenizer)")
-    parser.add_argument("--out", required=True, help="report JSON to write")
-    parser.add_argument("--prompts", type=int, default=8, help="number of random prompts")
-    parser.add_argument("--prompt-len", type=int, default=16, help="prompt length in tokens")
-    parser.add_argument("--n", type=int, default=2, help="samples per prompt")
-    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per sample")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of sampling")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="trainer device")
-    parser.add_argument("--batch-invariant", action="store_true", help="trainer forward in rl-kernel's batch-invariant mode")
-    parser.add_argument("--train-batch-size", type=int, default=16, help="sequences per trainer forward")
-    parser.add_argument("--engine", default="{}", help="extra vllm.LLM keyword arguments as JSON")
+    from rl_kernel_core.cli import device_name, integer, json_object, number
+
+    add = parser.add_argument
+    add("--model", required=True, help="checkpoint directory (config, weights; a tokenizer is not needed)")
+    add("--out", required=True, help="report JSON to write")
+    for flag, default, what in (("--prompts", 8, "number of random prompts"), ("--prompt-len", 16, "prompt length in tokens"),
+                                ("--n", 2, "samples per prompt"), ("--max-tokens", 32, "new tokens per sample"),
+                                ("--train-batch-size", 16, "sequences per trainer forward")):
+        add(flag, type=integer(1), default=default, help=f"{what} (default {default})")
+    add("--temperature", type=number(0.0, low_open=True), default=1.0, help="sampling temperature, > 0 (default 1)")
+    add("--seed", type=integer(0, 2**31 - 1), default=0, help="seed of the prompts and of sampling (default 0)")
+    add("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype (default float32)")
+    add("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="trainer device")
+    add("--batch-invariant", action="store_true", help="trainer forward in rl-kernel's batch-invariant mode")
+    add("--engine", type=json_object, default={}, help="extra vllm.LLM keyword arguments, a JSON object")
     args = parser.parse_args(argv)
-    if not args.temperature > 0:
-        parser.error(f"--temperature must be > 0, got {args.temperature}")
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, args.seed)
     report = compare(args.model, prompts=prompts, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                      seed=args.seed, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant,
-                     train_batch_size=args.train_batch_size, engine=json.loads(args.engine))
+                     train_batch_size=args.train_batch_size, engine=args.engine)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     gap = report["gap"]
