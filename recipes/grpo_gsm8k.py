@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -148,7 +149,7 @@ def first_step_check(off: dict, on: dict, dtype: torch.dtype) -> dict:
     samples and weights. Each side is within the contract's bound of the exact value, so their
     difference is held to twice the bound of the off values.
     """
-    result = {"dtype": contract.dtype_key(dtype)}
+    result: dict[str, Any] = {"dtype": contract.dtype_key(dtype)}
     mask = on["response_mask"].bool()
     for name, op_class in (("old_logprob", "logprob"), ("logprob", "logprob"), ("entropy", "logprob")):
         a, b = off[name][mask].double(), on[name][mask].double()
@@ -335,9 +336,9 @@ def main(argv=None) -> int:
     sections.append(("Run", "\n".join(run_lines)))
     sections.append(("Known differences between the off and on paths",
                      known_differences(engine, cfg, out / "off.jsonl", out / "on.jsonl")))
-    path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on",
-                               sections=sections)
-    print(f"[grpo_gsm8k] report: {path}", flush=True)
+    report_path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on",
+                                      sections=sections)
+    print(f"[grpo_gsm8k] report: {report_path}", flush=True)
     return 0
 
 

@@ -71,7 +71,7 @@ def test_verl_reward_function_scores_like_the_recipe():
                 == scoring.compute_score(text, p.ground_truth, method, fmt)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed (recipe-verl tier)")
+@pytest.mark.skipif(importlib.util.find_spec("pandas") is None, reason="pandas not installed (recipe-verl tier)")
 def test_parquet_files_hold_the_rows(tmp_path):
     import pandas as pd
 
