@@ -79,6 +79,7 @@ def test_restore_puts_every_original_back(probes):
     assert all(restored["targets"].values()), restored["targets"]
     assert restored["oot"] and restored["status_registered"] is False
     assert restored["attention_override"] == {} and restored["mode_on"] is False
+    assert report["during"]["mode_on"] is report["bi_platform"]
 
 
 def test_on_patches_each_target_once(on):
@@ -107,16 +108,26 @@ def test_every_hook_on(probes):
     report = probes["all"]
     assert report["error"] is None
     hooks = report["status"]["hooks"]
-    assert all(info["wanted"] and info["live"] for info in hooks.values()), hooks
+    assert all(info["wanted"] for info in hooks.values()), hooks
+    assert all(info["live"] for name, info in hooks.items() if name != "batch_invariant"), hooks
     assert not any(report["unchanged"].values()), report["unchanged"]
     assert all(report["wraps_original"].values()) and all(report["idempotent"].values())
     assert report["oot_added"] == ["LogitsProcessor"]
-    assert report["log"].count("live hooks: logprobs, lm_head, sampler, batch_invariant") == 1
-    assert report["during"] == {"attention_override": {"CPU_ATTN": "rl_kernel_vllm.attention.CPUAttentionBackend"}, "mode_on": True}
-    # every override of a vLLM setting is announced once, beside the live-hooks line
     from rl_kernel_vllm import batch_invariant, lm_head
 
-    for override in (*logprobs.OVERRIDES, *lm_head.OVERRIDES, *sampler.OVERRIDES, *batch_invariant.OVERRIDES):
+    overrides = [*logprobs.OVERRIDES, *lm_head.OVERRIDES, *sampler.OVERRIDES]
+    if report["bi_platform"]:
+        assert hooks["batch_invariant"]["live"], hooks["batch_invariant"]
+        assert report["log"].count("live hooks: logprobs, lm_head, sampler, batch_invariant") == 1
+        assert report["during"] == {"attention_override": {"CPU_ATTN": "rl_kernel_vllm.attention.CPUAttentionBackend"},
+                                    "mode_on": True}
+        overrides += batch_invariant.OVERRIDES
+    else:  # the GPU release imported on a CPU-only machine: no CPU or CUDA platform, the hook says so
+        assert not hooks["batch_invariant"]["live"]
+        assert "covers vLLM on CPU and CUDA" in hooks["batch_invariant"]["problems"][0]
+        assert report["log"].count("live hooks: logprobs, lm_head, sampler") == 1
+    # every override of a vLLM setting is announced once, beside the live-hooks line
+    for override in overrides:
         assert report["log"].count(f"overrides: {override}") == 1, override
 
 

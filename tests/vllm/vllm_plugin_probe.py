@@ -32,7 +32,12 @@ def main(scenario: str) -> None:
     if scenario == "moved":
         logprobs.RUNNERS["v1"] = logprobs.V1_TARGETS + ("vllm.v1.sample.sampler:Sampler.no_such_method",)
     targets = [*logprobs.WRAPPERS, *sampler.TARGETS]
-    if scenario == "restore":  # every hook on
+    from vllm.platforms import current_platform
+
+    # the batch-invariant hook covers the CPU and CUDA platforms (the GPU release imported on a
+    # CPU-only machine has neither)
+    bi_platform = bool(current_platform.is_cpu() or current_platform.is_cuda())
+    if scenario == "restore" and bi_platform:  # every hook on
         targets += [batch_invariant.TARGETS[2], batch_invariant.CPU_GEMM_TARGET]
     before = {t: adapters.locate(t)[2] for t in targets}
     oot_before = dict(op_registry_oot)
@@ -53,6 +58,7 @@ def main(scenario: str) -> None:
         "oot_unchanged": {k: op_registry_oot.get(k) is v for k, v in oot_before.items()} == {k: True for k in oot_before}
         and set(op_registry_oot) == set(oot_before),
         "oot_added": sorted(set(op_registry_oot) - set(oot_before)),
+        "bi_platform": bi_platform,
     }
     report["restored"] = None
     during = {"attention_override": _attention_overrides(), "mode_on": _mode_on()}
