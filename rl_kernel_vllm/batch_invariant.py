@@ -19,9 +19,9 @@ In each vLLM process the hook:
 
 Refused with an error naming the setting (at engine configuration): a model architecture outside
 :data:`ARCHITECTURES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
-model's, prefix caching is allowed (a cached block holds the same bits a recomputation gives), and
-an ``attention_backend`` other than the platform's default entry. Attention layers the backend does
-not cover are refused when built (:mod:`rl_kernel_vllm.attention`).
+model's, and an ``attention_backend`` other than the platform's default entry. Attention layers
+the backend does not cover are refused when built (:mod:`rl_kernel_vllm.attention`). Prefix
+caching stays on: a cached block holds the bits a recomputation would give.
 """
 
 from __future__ import annotations
@@ -51,13 +51,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "cuda": ("FLASH_ATTN", "FlashAttentionBackend"),
 }
 
-TARGETS: tuple[str, ...] = (
-    "vllm.platforms:current_platform",
-    "vllm.v1.attention.backends.registry:register_backend",
-    "vllm.model_executor.layers.layernorm:RMSNorm.forward_native",
-)
-"""What the hook needs from vLLM (the platform's ``check_and_update_config`` is patched on the class
-that defines it)."""
+RMS_NORM_TARGET = "vllm.model_executor.layers.layernorm:RMSNorm.forward_native"
 CPU_GEMM_TARGET = "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm"
 
 
@@ -180,7 +174,7 @@ def install(patches: adapters.Patches) -> dict[str, Any]:
         member = AttentionBackendEnum[entry]
         owner = _defining_class(type(current_platform), "check_and_update_config")
         config_target = f"{owner.__module__}:{owner.__qualname__}.check_and_update_config"
-        wanted = [(config_target, _wrap_check_and_update_config(entry)), (TARGETS[2], _hf_rms_norm)]
+        wanted = [(config_target, _wrap_check_and_update_config(entry)), (RMS_NORM_TARGET, _hf_rms_norm)]
         if current_platform.is_cpu():
             wanted.append((CPU_GEMM_TARGET, _routed_cpu_gemm))
         for target, _ in wanted:

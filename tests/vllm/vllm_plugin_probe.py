@@ -38,7 +38,7 @@ def main(scenario: str) -> None:
     # CPU-only machine has neither)
     bi_platform = bool(current_platform.is_cpu() or current_platform.is_cuda())
     if scenario == "restore" and bi_platform:  # every hook on
-        targets += [batch_invariant.TARGETS[2], batch_invariant.CPU_GEMM_TARGET]
+        targets += [batch_invariant.RMS_NORM_TARGET, batch_invariant.CPU_GEMM_TARGET]
     before = {t: adapters.locate(t)[2] for t in targets}
     oot_before = dict(op_registry_oot)
     error = None
