@@ -125,7 +125,6 @@ def _make_impl(base_impl: type) -> type:
                              kv_sharing_target_layer_name, kv_cache_dtype)
             super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                              logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks, **kwargs)
-            self.rl_kernel_scale = float(scale)
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
             """Write this step's keys/values ``[T, Hkv, D]`` into the cache (vLLM calls it before ``forward``)."""
@@ -144,7 +143,7 @@ def _make_impl(base_impl: type) -> type:
             key_cache, value_cache = split_cache(kv_cache, self.head_size)
             blocks, rows, cu_q, cu_k = step_layout(attn_metadata, key_cache.shape[2], key_cache.device)
             k, v = key_cache[blocks, :, rows], value_cache[blocks, :, rows]
-            out = varlen_attention(query[:n], k, v, cu_q, cu_k, causal=True, scale=self.rl_kernel_scale)
+            out = varlen_attention(query[:n], k, v, cu_q, cu_k, causal=True, scale=self.scale)
             output[:n].copy_(out.reshape(output[:n].shape))
             return output
 

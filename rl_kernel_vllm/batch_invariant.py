@@ -21,7 +21,7 @@ Refused with an error naming the setting (at engine configuration): a model arch
 :data:`ARCHITECTURES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
 model's, and an ``attention_backend`` other than the platform's default entry. Attention layers
 the backend does not cover are refused when built (:mod:`rl_kernel_vllm.attention`). Prefix
-caching stays on: a cached block holds the bits a recomputation would give.
+caching stays on: a cached block holds the bits a recomputation would give (not separately tested).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the real tokens of every row (from the padding mask), or takes the sequences alr
 row (from the position ids), and runs :func:`rl_kernel_core.varlen_attention` (fixed KV split
 order, so a decode step over a KV cache, a full forward, left or right padding, packing and any
 batch size give the same bits); while the mode is off it runs transformers' own ``sdpa``
-implementation on the same mask, so the control group is the library default. The dense ops (projections, RMSNorm, MLP, LM head, log-softmax) are covered by
-the mode's ``aten`` routing.
+implementation on the same mask, so the control group is the library default. The dense ops
+(projections, RMSNorm, MLP, LM head, log-softmax) are covered by the mode's ``aten`` routing.
 """
 
 from __future__ import annotations
