@@ -76,7 +76,7 @@ def test_cli_engine_mode_off_and_on(model_dir: Path, tmp_path: Path):
 
 
 WEIGHT_CHECK = """
-import sys, torch
+import gc, sys, torch
 from vllm import LLM
 from rl_kernel_vllm import weights
 import vllm_tiny_model
@@ -86,7 +86,9 @@ print("same:", weights.check(llm, model.named_parameters()))
 with torch.no_grad():
     w = model.model.layers[1].self_attn.k_proj.weight
     w.view(torch.int32)[3, 7] ^= 1
-print("changed:", weights.check(llm, model.named_parameters()))
+print("changed:", weights.check(llm, model.named_parameters()), flush=True)
+del llm  # the engine shut down before interpreter teardown (left to exit, it aborts now and then)
+gc.collect()
 """
 
 
