@@ -6,6 +6,10 @@ users who prefer flags name them directly::
     --loss-type custom_loss --custom-loss-function-path rl_kernel_vime.hooks.policy_loss_function
     --custom-megatron-init-path rl_kernel_vime.hooks.megatron_init   # all hooks, as the switch does
 
+vime's provider boundary for log-probs takes rl-kernel without any hook
+(``--linear-logp-provider rl_kernel_vime.provider.provider``, :mod:`rl_kernel_vime.provider`);
+the switch makes that provider the default (:func:`linear_logp_provider_path`).
+
 Each function keeps its vime counterpart's signature and return convention, rearranges vime's
 layout (packed sequences, per-sample lists) and calls rl_kernel_core's public ops; it holds no
 formula of its own. Inputs it cannot serve (context or tensor parallelism, loss features
@@ -26,7 +30,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_vime import fallback, layout, registry, timing
-from rl_kernel_vime.targets import LOSS, MODEL, PPO_UTILS
+from rl_kernel_vime.targets import LOSS, MODEL, PPO_UTILS, PROVIDER_BOUNDARY, PROVIDER_PATH
 
 IGNORE_INDEX = -100
 KL_TYPES: tuple[str, ...] = ("k1", "k2", "low_var_kl")
@@ -342,6 +346,19 @@ def train_one_step(*args: Any, **kwargs: Any) -> Any:
     if step_metrics and isinstance(result, tuple) and result and isinstance(result[0], dict) and result[0]:
         result[0].update(step_metrics)
     return result
+
+
+@_vime_after_restore(f"{PROVIDER_BOUNDARY}:linear_logp_provider_path")
+def linear_logp_provider_path(args: Any) -> Optional[str]:
+    """vime's ``linear_logp_provider_path`` with rl-kernel's provider as the default.
+
+    vime asks this on every log-prob call which provider to load. The answer is the user's
+    ``--linear-logp-provider`` when given (read by vime's own function), else
+    ``"rl_kernel_vime.provider.provider"`` (:func:`rl_kernel_vime.provider.provider`), run in
+    the ``--linear-logp-provider-mode`` vime reads (default ``auto``).
+    """
+    user_path = registry.original(f"{PROVIDER_BOUNDARY}:linear_logp_provider_path")(args)
+    return user_path or PROVIDER_PATH
 
 
 def megatron_init(args: Namespace) -> None:

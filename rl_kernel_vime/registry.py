@@ -1,9 +1,11 @@
-"""Which vime functions are replaced, their originals, each target's state, and the record of
-every change made to vime (:data:`patches`). Standard library only."""
+"""Which vime functions are replaced, their originals, each target's state, the record of
+every change made to vime (:data:`patches`), and what the provider answered vime. Standard
+library only."""
 
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from typing import Callable
 
 from rl_kernel_core.adapters import Patches
@@ -14,6 +16,7 @@ patches = Patches()
 
 _originals: dict[str, Callable] = {}
 _states: dict[str, str] = {}
+_provider_calls: Counter[str] = Counter()
 
 LIVE = "live"
 RESTORED = "restored"
@@ -68,3 +71,19 @@ def reset_states() -> None:
 def states() -> dict[str, str]:
     """``{key: state}`` of every target seen so far."""
     return dict(_states)
+
+
+def record_provider_call(outcome: str) -> None:
+    """Count one answer of :func:`rl_kernel_vime.provider.provider`: ``"rl_kernel:<backend> via <op>"``
+    or ``"unavailable: <reason>"``."""
+    _provider_calls[outcome] += 1
+
+
+def provider_calls() -> dict[str, int]:
+    """``{outcome: count}`` of the provider's answers in this process."""
+    return dict(_provider_calls)
+
+
+def reset_provider_calls() -> None:
+    """Forget the provider's answers (tests, or a new run in a long-lived process)."""
+    _provider_calls.clear()

@@ -16,6 +16,10 @@ PACKAGE = "vime"
 PPO_UTILS = "vime.utils.ppo_utils"
 LOSS = "vime.backends.megatron_utils.loss"
 MODEL = "vime.backends.megatron_utils.model"
+PROVIDER_BOUNDARY = "vime.backends.megatron_utils.linear_logp_provider"
+"""vime's provider boundary for selected log-probs (``--linear-logp-provider``)."""
+PROVIDER_PATH = "rl_kernel_vime.provider.provider"
+"""What a vime user passes as ``--linear-logp-provider`` (and what ``VIME_RL_KERNEL=1`` makes the default)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ TARGETS: tuple[Target, ...] = (
     Target(LOSS, "get_log_probs_and_entropy", "logprob", ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy")),
     Target(LOSS, "policy_loss_function", "grpo_loss", ("args", "batch", "logits", "sum_of_sample_mean")),
     Target(MODEL, "train_one_step", None, ("args", "rollout_id", "step_id")),
+    Target(PROVIDER_BOUNDARY, "linear_logp_provider_path", "logprob", ("args",)),
 )
 
 MODULES: frozenset[str] = frozenset(t.module for t in TARGETS)

@@ -32,6 +32,7 @@ def _clean_state(monkeypatch):
     yield
     patch.restore()
     registry.reset_states()
+    registry.reset_provider_calls()
     fallback.reset()
     from rl_kernel_core import profiling
 

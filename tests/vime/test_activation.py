@@ -16,7 +16,8 @@ PACKAGE_DIR = Path(rl_kernel_vime.__file__).parent
 STANDIN = Path(__file__).parent / "standin"
 
 PROBE = r"""
-import json, sys
+import argparse, json, sys
+import vime.backends.megatron_utils.linear_logp_provider as boundary
 import vime.backends.megatron_utils.loss as loss
 import vime.backends.megatron_utils.model as model
 import vime.utils.ppo_utils as ppo
@@ -32,8 +33,10 @@ def snapshot():
         "loss.get_log_probs_and_entropy": loss.get_log_probs_and_entropy,
         "loss.policy_loss_function": loss.policy_loss_function,
         "model.train_one_step": model.train_one_step,
+        "boundary.linear_logp_provider_path": boundary.linear_logp_provider_path,
     }
     out = {"owner": {k: f.__module__ for k, f in fns.items()},
+           "provider_without_flag": boundary.linear_logp_provider_path(argparse.Namespace(linear_logp_provider=None)),
            "same_object_in_loss": loss.compute_approx_kl is ppo.compute_approx_kl,
            "rl_kernel_modules": sorted(m for m in sys.modules if m.startswith("rl_kernel"))}
     if "rl_kernel_vime" in sys.modules:
@@ -97,6 +100,7 @@ def _result(outcome):
 REPLACED = [
     "ppo.calculate_log_probs_and_entropy", "ppo.compute_approx_kl", "loss.calculate_log_probs_and_entropy",
     "loss.compute_approx_kl", "loss.get_log_probs_and_entropy", "loss.policy_loss_function", "model.train_one_step",
+    "boundary.linear_logp_provider_path",
 ]
 
 
@@ -105,6 +109,7 @@ def test_off_changes_nothing_and_imports_nothing(probes):
     assert out["rl_kernel_modules"] == []
     assert all(owner.startswith("vime.") for owner in out["owner"].values())
     assert out["same_object_in_loss"]
+    assert out["provider_without_flag"] is None  # vime runs its native log-probs
 
 
 START_UP = ["rl_kernel_core", "rl_kernel_core.adapters", "rl_kernel_core.switches"]  # standard library only
@@ -143,9 +148,11 @@ def test_on_replaces_the_functions_as_vime_imports_them(probes):
     for name in REPLACED:
         assert out["owner"][name] == "rl_kernel_vime.hooks", name
     assert out["owner"]["ppo.compute_policy_loss"] == "vime.utils.ppo_utils"  # not replaced: see targets.NOT_REPLACED
+    assert out["provider_without_flag"] == "rl_kernel_vime.provider.provider"  # rl-kernel is vime's default provider
     status = out["status"]
     assert status["enabled"] and status["ops"] == ["grpo_loss", "logprob", "ratio_kl"]
     assert set(status["targets"].values()) == {"live"}
+    assert status["provider"] == {"path": "rl_kernel_vime.provider.provider", "calls": {}}
 
 
 def test_ops_selects_and_late_activation_patches_loaded_modules(probes):
@@ -155,6 +162,8 @@ def test_ops_selects_and_late_activation_patches_loaded_modules(probes):
     assert out["owner"]["loss.policy_loss_function"] == "vime.backends.megatron_utils.loss"
     assert out["owner"]["model.train_one_step"] == "rl_kernel_vime.hooks"  # step timing is always on
     assert out["status"]["targets"]["vime.backends.megatron_utils.loss:policy_loss_function"].startswith("off")
+    assert out["owner"]["boundary.linear_logp_provider_path"] == "vime.backends.megatron_utils.linear_logp_provider"
+    assert out["provider_without_flag"] is None  # the logprob op is not selected: no default provider
 
 
 def test_invalid_switch_fails_the_vime_import_loudly(site_dir):
@@ -208,6 +217,7 @@ def test_status_command_imports_vime_and_reports(capsys):
         ("vime.utils.ppo_utils", "calculate_log_probs_and_entropy"), ("vime.utils.ppo_utils", "compute_approx_kl"),
         ("vime.backends.megatron_utils.loss", "get_log_probs_and_entropy"),
         ("vime.backends.megatron_utils.loss", "policy_loss_function"), ("vime.backends.megatron_utils.model", "train_one_step"),
+        ("vime.backends.megatron_utils.linear_logp_provider", "linear_logp_provider_path"),
     ]}
     assert "vime.utils.ppo_utils:compute_policy_loss" in out["not_replaced"]
 

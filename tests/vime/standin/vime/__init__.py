@@ -11,6 +11,9 @@ documented interface (the rl-kernel adapter issue) and slime's public sources
   ``calculate_log_probs_and_entropy`` (and the helpers they use).
 * ``vime.backends.megatron_utils.loss``: ``get_log_probs_and_entropy``,
   ``policy_loss_function``, ``loss_function``.
+* ``vime.backends.megatron_utils.linear_logp_provider``: the provider boundary for selected
+  log-probs (``--linear-logp-provider``, ``--linear-logp-provider-mode``), as at RL-Align/vime
+  commit 33254c738f1d43250916ae6887f7981e77dbe411.
 * ``vime.backends.megatron_utils.cp_utils``: ``get_sum_of_sample_mean``.
 * ``vime.backends.megatron_utils.model``: ``train_one_step`` (simplified: one process, no
   pipeline, the same return convention).

@@ -88,27 +88,28 @@ def calculate_log_probs_and_entropy(
     tp_group,
     with_entropy: bool = False,
     chunk_size: int = -1,
+    with_entropy_grad: bool = True,
+    log_prob_keep_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs ``[T, 1]`` of ``tokens`` and, with ``with_entropy``, entropies ``[T]``.
 
     ``logits [T, V/TP]``; ``chunk_size > 0`` processes rows in chunks. ``T = 0`` gives 1-D empties.
+    ``with_entropy_grad=False`` returns the entropy detached (a metric only). The rollout top-p
+    replay mask ``log_prob_keep_mask [T, V/TP]`` (bool) sets dropped tokens to ``-inf`` for the
+    log-probs only; the entropy stays that of the unmasked logits. (vime's native function as
+    its provider boundary calls it.)
     """
     logits = logits.contiguous()
+    scored = logits if log_prob_keep_mask is None else logits.masked_fill(~log_prob_keep_mask, float("-inf"))
     entropy = None
     if logits.size(0) != 0:
-        if chunk_size > 0:
-            num_chunks = (logits.size(0) - 1) // chunk_size + 1
-            tokens_chunks = tokens.chunk(num_chunks, dim=0)
-            logits_chunks = logits.chunk(num_chunks, dim=0)
-            log_prob = torch.cat(
-                [compute_log_probs(lc.clone(), tc, tp_group) for tc, lc in zip(tokens_chunks, logits_chunks)], dim=0
-            )
-            if with_entropy:
-                entropy = torch.cat([compute_entropy_from_logits(lc.clone(), tp_group) for lc in logits_chunks], dim=0)
-        else:
-            log_prob = compute_log_probs(logits.clone(), tokens, tp_group)
-            if with_entropy:
-                entropy = compute_entropy_from_logits(logits.clone(), tp_group)
+        num_chunks = (logits.size(0) - 1) // chunk_size + 1 if chunk_size > 0 else 1
+        tokens_chunks = tokens.chunk(num_chunks, dim=0)
+        scored_chunks = scored.chunk(num_chunks, dim=0)
+        log_prob = torch.cat([compute_log_probs(sc.clone(), tc, tp_group) for tc, sc in zip(tokens_chunks, scored_chunks)], dim=0)
+        if with_entropy:
+            with torch.set_grad_enabled(with_entropy_grad and torch.is_grad_enabled()):
+                entropy = torch.cat([compute_entropy_from_logits(lc.clone(), tp_group) for lc in logits.chunk(num_chunks, dim=0)], dim=0)
     else:
         log_prob = logits.new_zeros((0,))
         if with_entropy:

@@ -5,16 +5,19 @@ context-parallel rank. Parallel sizes are read from Megatron's argument names
 (``args.tensor_model_parallel_size``, ``args.context_parallel_size``) because the stand-in has no
 process groups; sizes above 1 raise ``NotImplementedError``, as do policy-loss features outside
 the PPO/GRPO path. ``calculate_log_probs_and_entropy``, ``compute_approx_kl`` and
-``compute_policy_loss`` are imported by name, as slime does.
+``compute_policy_loss`` are imported by name, as slime does. Log-probs go through vime's
+provider boundary (:mod:`vime.backends.megatron_utils.linear_logp_provider`), as vime's loss
+module does since pull requests 423/424.
 """
 
 from argparse import Namespace
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from vime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+from vime.backends.megatron_utils.linear_logp_provider import LinearLogpRequest, TokenLayout, compute_linear_logp
 from vime.utils.misc import load_function
 from vime.utils.ppo_utils import calculate_log_probs_and_entropy, compute_approx_kl, compute_policy_loss
 
@@ -29,27 +32,14 @@ def _single_rank(args: Namespace) -> None:
             raise NotImplementedError(f"contract stand-in: {name} > 1 is not reproduced (needs Megatron process groups)")
 
 
-def get_responses(
-    logits: torch.Tensor,
-    *,
-    args: Namespace,
-    unconcat_tokens: list[torch.Tensor],
-    total_lengths: list[int],
-    response_lengths: list[int],
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield each sample's response-aligned ``(logits [R, V], tokens [R])`` from packed ``logits [1, T, V]``."""
-    assert logits.dtype == torch.float32, f"{logits.dtype}"
-    assert len(logits.shape) == 3, f"{logits.shape}"
-    assert logits.size(0) == 1, f"{logits.shape}"
-    _single_rank(args)
-    logits = logits.squeeze(0)
-    if args.rollout_temperature != 1.0:
-        logits = logits.div(args.rollout_temperature)
-    end = 0
-    for tokens, total_length, response_length in zip(unconcat_tokens, total_lengths, response_lengths):
-        end += total_length
-        start = end - response_length
-        yield logits[start - 1 : end - 1], tokens[-response_length:]
+def _shifted_targets(num_rows: int, unconcat_tokens: list[torch.Tensor], total_lengths: list[int], device: torch.device) -> torch.Tensor:
+    """``[T]`` int64: row ``p`` of each sample holds the token at ``p + 1`` (0 at sample ends and padding)."""
+    full_tokens = torch.zeros(num_rows, dtype=torch.long, device=device)
+    offset = 0
+    for tokens, total_length in zip(unconcat_tokens, total_lengths):
+        full_tokens[offset : offset + total_length - 1] = tokens[1:total_length]
+        offset += total_length
+    return full_tokens
 
 
 def get_log_probs_and_entropy(
@@ -64,21 +54,45 @@ def get_log_probs_and_entropy(
 ) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
     """Per-sample response log-probs (and entropies) from packed ``logits [1, T, V/TP]`` fp32.
 
+    As vime's provider-era function: every row of the micro-batch is scored at once through the
+    provider boundary (:func:`compute_linear_logp`, with ``calculate_log_probs_and_entropy`` as
+    the native path), then each sample's response rows are cut out. The request carries no
+    hidden-state context (the call site of the commit the boundary mirrors is not reproduced;
+    this follows its predecessor, which built the request from the tempered logits alone).
+
     Returns ``(torch.empty(0), {"log_probs": [R_i] tensors, "entropy": [R_i] tensors})``; the
     ``entropy`` key only with ``with_entropy``.
     """
     assert non_loss_data
+    assert logits.dtype == torch.float32, f"{logits.dtype}"
+    assert len(logits.shape) == 3 and logits.size(0) == 1, f"{logits.shape}"
+    _single_rank(args)
+    logits = logits.squeeze(0)
+    if args.rollout_temperature != 1.0:
+        logits = logits / args.rollout_temperature
+    logits = logits.contiguous()
+    request = LinearLogpRequest(
+        logits=logits,
+        target_ids=_shifted_targets(logits.size(0), unconcat_tokens, total_lengths, logits.device),
+        tensor_parallel_group=None,
+        token_layout=TokenLayout(world_size=1, rank=0, layout="single"),
+        with_entropy=with_entropy,
+        with_entropy_grad=with_entropy,
+        chunk_size=args.log_probs_chunk_size,
+        temperature=args.rollout_temperature,
+        metadata={"logits_are_temperature_scaled": True},
+    )
+    log_prob_full, entropy_full = compute_linear_logp(args=args, request=request, native=calculate_log_probs_and_entropy)
+    log_prob_full = log_prob_full.squeeze(-1)
     log_probs_list = []
     entropy_list = []
-    for logits_chunk, tokens_chunk in get_responses(
-        logits, args=args, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
-    ):
-        log_prob, entropy = calculate_log_probs_and_entropy(
-            logits_chunk, tokens_chunk, None, with_entropy=with_entropy, chunk_size=args.log_probs_chunk_size
-        )
-        log_probs_list.append(log_prob.squeeze(-1))
-        if entropy is not None:
-            entropy_list.append(entropy)
+    end = 0
+    for total_length, response_length in zip(total_lengths, response_lengths):
+        end += total_length
+        rows = slice(end - response_length - 1, end - 1)
+        log_probs_list.append(log_prob_full[rows])
+        if entropy_full is not None:
+            entropy_list.append(entropy_full[rows])
     res = {"log_probs": log_probs_list}
     if with_entropy:
         res["entropy"] = entropy_list

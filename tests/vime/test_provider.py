@@ -1,0 +1,341 @@
+"""rl-kernel as vime's ``linear_logp`` provider, through the stand-in of vime's provider boundary.
+
+The boundary (``vime.backends.megatron_utils.linear_logp_provider`` in ``standin/``) follows
+RL-Align/vime commit 33254c738f1d43250916ae6887f7981e77dbe411: requests are built with its
+dataclasses and answered through its ``compute_linear_logp`` (``auto``/``strict``), with the
+stand-in's ``calculate_log_probs_and_entropy`` as vime's native path and as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from argparse import Namespace
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rl_kernel_vime
+from rl_kernel_core import dispatch
+from rl_kernel_core.contract import assert_close
+from rl_kernel_vime import fallback, registry, targets
+from rl_kernel_vime.provider import provider
+from vime.backends.megatron_utils import linear_logp_provider as boundary
+from vime.backends.megatron_utils import loss as vime_loss
+from vime.utils import ppo_utils
+from vime_helpers import make_args, make_batch
+
+F32 = torch.float32
+PATH = targets.PROVIDER_PATH
+
+
+def _request(logits, targets_, *, context=None, with_entropy=False, with_entropy_grad=None, keep=None, temperature=None, layout=None):
+    return boundary.LinearLogpRequest(
+        logits=logits, target_ids=targets_, tensor_parallel_group=None,
+        token_layout=layout or boundary.TokenLayout(world_size=1, rank=0, layout="single"),
+        with_entropy=with_entropy, with_entropy_grad=with_entropy if with_entropy_grad is None else with_entropy_grad,
+        chunk_size=-1, log_prob_keep_mask=keep, context=context, temperature=temperature,
+    )
+
+
+def _native(request) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    return ppo_utils.calculate_log_probs_and_entropy(
+        request.logits, request.target_ids, None, with_entropy=request.with_entropy,
+        with_entropy_grad=request.with_entropy_grad, chunk_size=-1, log_prob_keep_mask=request.log_prob_keep_mask,
+    )
+
+
+def _must_not_run(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("vime's native path ran where the provider should have answered or vime refused")
+
+
+def _args(path: Optional[str] = PATH, mode: str = "auto") -> Namespace:
+    return Namespace(linear_logp_provider=path, linear_logp_provider_mode=mode)
+
+
+def _weighted(outputs, gen):
+    return sum((torch.randn(o.shape, generator=gen) * o).sum() for o in outputs if o is not None and o.requires_grad)
+
+
+def _logits_case(gen, rows=11, vocab=23):
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).requires_grad_()
+    return logits, torch.randint(0, vocab, (rows,), generator=gen)
+
+
+@pytest.mark.parametrize("with_entropy, with_entropy_grad", [(False, False), (True, True), (True, False)])
+def test_logits_path_matches_vime_native(gen, with_entropy, with_entropy_grad):
+    logits, tgt = _logits_case(gen)
+    request = _request(logits, tgt, with_entropy=with_entropy, with_entropy_grad=with_entropy_grad)
+    result = provider(request)
+    assert isinstance(result, boundary.LinearLogpResult)
+    want_lp, want_ent = _native(request)
+    assert result.logp.shape == (11, 1) and result.logp.dtype == F32
+    assert_close(result.logp, want_lp, "logprob", F32, "logp")
+    if with_entropy:
+        assert result.entropy is not None and want_ent is not None
+        assert_close(result.entropy, want_ent, "logprob", F32, "entropy")
+        assert result.entropy.requires_grad == with_entropy_grad
+    else:
+        assert result.entropy is None
+    assert result.backend_id == "rl_kernel:" + dispatch.explain("logprob_from_logits").backend
+    assert result.contract_id == "rl_kernel_core.contract:logprob:fp32"
+    assert result.provenance["op"] == "logprob_from_logits" and result.provenance["input"] == "logits"
+    upstream = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    (g_want,) = torch.autograd.grad(_weighted([want_lp, want_ent], upstream.clone_state()), [logits])
+    (g_got,) = torch.autograd.grad(_weighted([result.logp, result.entropy], upstream), [logits])
+    assert_close(g_got, g_want, "gradient", F32, "d logits")
+    assert registry.provider_calls() == {f"{result.backend_id} via logprob_from_logits": 1}
+
+
+def _hidden_case(gen, rows=9, hidden=13, vocab=29, bias=True):
+    h = torch.randn(rows, hidden, generator=gen).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5 * 3).requires_grad_()
+    b = torch.randn(vocab, generator=gen).requires_grad_() if bias else None
+    return h, w, b, torch.randint(0, vocab, (rows,), generator=gen)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("temperature", [None, 0.7, "tensor1", "tensorT"])
+def test_hidden_path_matches_vime_native_without_reading_logits(gen, bias, with_entropy, temperature):
+    """With hidden states and the LM head, logits are never read: they are NaN here."""
+    h, w, b, tgt = _hidden_case(gen, bias=bias)
+    t = {None: None, 0.7: 0.7, "tensor1": torch.tensor([1.3]), "tensorT": torch.full((9,), 0.8)}[temperature]
+    scale = 1.0 if t is None else float(t) if not isinstance(t, torch.Tensor) else float(t.reshape(-1)[0])
+    context = boundary.LinearLogpContext(
+        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
+        vocab_partition=boundary.VocabPartition(local_start=0, local_size=29, real_size=27, padded_size=29),
+    )
+    poisoned = torch.full((9, 29), float("nan"), requires_grad=True)
+    result = provider(_request(poisoned, tgt, context=context, with_entropy=with_entropy, temperature=t))
+    true_logits = F.linear(h, w, b) / scale
+    want_lp, want_ent = _native(_request(true_logits, tgt, with_entropy=with_entropy))
+    assert_close(result.logp, want_lp, "logprob", F32, "logp")
+    if with_entropy:
+        assert result.entropy is not None and want_ent is not None
+        assert_close(result.entropy, want_ent, "logprob", F32, "entropy")
+    assert result.backend_id == "rl_kernel:" + dispatch.explain("linear_logprob").backend
+    assert result.provenance["op"] == "linear_logprob" and result.provenance["temperature"] == pytest.approx(scale)
+    assert result.provenance["vocab_partition"] == {"local_start": 0, "local_size": 29, "real_size": 27, "padded_size": 29}
+    leaves = [x for x in (h, w, b) if x is not None]
+    upstream = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    g_want = torch.autograd.grad(_weighted([want_lp, want_ent], upstream.clone_state()), leaves)
+    g_got = torch.autograd.grad(_weighted([result.logp, result.entropy], upstream), leaves)
+    for name, got, want in zip(("d hidden", "d weight", "d bias"), g_got, g_want):
+        assert_close(got, want, "gradient", F32, name)
+
+
+def test_strict_boundary_accepts_the_result_and_cp_layout_is_recorded(gen):
+    logits, tgt = _logits_case(gen)
+    layout = boundary.TokenLayout(world_size=2, rank=1, layout="zigzag")
+    request = _request(logits, tgt, with_entropy=True, layout=layout)
+    lp, ent = boundary.compute_linear_logp(args=_args(mode="strict"), request=request, native=_must_not_run)
+    want_lp, want_ent = _native(request)
+    assert_close(lp, want_lp, "logprob", F32, "logp")
+    assert ent is not None and want_ent is not None
+    assert_close(ent, want_ent, "logprob", F32, "entropy")
+    assert provider(request).provenance["token_layout"] == {"world_size": 2, "rank": 1, "layout": "zigzag"}
+
+
+def test_no_rows(gen):
+    logits = torch.randn(0, 7, generator=gen, requires_grad=True)
+    result = provider(_request(logits, torch.zeros(0, dtype=torch.long), with_entropy=True))
+    assert result.logp.shape == (0, 1) and result.entropy is not None and result.entropy.shape == (0,)
+    assert result.backend_id == "rl_kernel:none (no rows)"
+
+
+def _keep_mask_request(gen):
+    logits, tgt = _logits_case(gen)
+    keep = torch.rand(11, 23, generator=gen) > 0.4
+    keep[torch.arange(11), tgt] = True
+    return _request(logits, tgt, with_entropy=True, keep=keep)
+
+
+def _per_row_temperature_request(gen):
+    h, w, b, tgt = _hidden_case(gen)
+    context = boundary.LinearLogpContext(
+        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
+        vocab_partition=boundary.VocabPartition(local_start=0, local_size=29, real_size=29, padded_size=29),
+    )
+    temperature = torch.rand(9, generator=gen) + 0.5
+    return _request(F.linear(h, w, b) / temperature[:, None], tgt, context=context, temperature=temperature)
+
+
+def _offset_shard_request(gen):
+    h, w, b, tgt = _hidden_case(gen)
+    context = boundary.LinearLogpContext(
+        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
+        vocab_partition=boundary.VocabPartition(local_start=3, local_size=29, real_size=32, padded_size=32),
+    )
+    return _request(F.linear(h, w, b), tgt, context=context)
+
+
+UNSERVED = {
+    "top-p replay": (_keep_mask_request, "rollout top-p replay (log_prob_keep_mask) is not supported"),
+    "per-row temperature": (_per_row_temperature_request, "per-row temperatures differ"),
+    "offset vocab shard": (_offset_shard_request, "is not TP rank 0's contiguous share"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSERVED))
+def test_auto_falls_back_to_vime_native(gen, caplog, case):
+    build, reason = UNSERVED[case]
+    request = build(gen)
+    calls = []
+
+    def native(*args: Any, **kwargs: Any):
+        calls.append(1)
+        return ppo_utils.calculate_log_probs_and_entropy(*args, **kwargs)
+
+    lp, ent = boundary.compute_linear_logp(args=_args(), request=request, native=native)
+    want_lp, want_ent = _native(request)
+    assert calls == [1]
+    assert torch.equal(lp, want_lp) and (ent is None) == (want_ent is None)
+    assert any(reason in r.getMessage() for r in caplog.records), caplog.text  # vime's warning names our reason
+    ((outcome, count),) = registry.provider_calls().items()
+    assert outcome.startswith("unavailable: ") and reason in outcome and count == 1
+
+
+@pytest.mark.parametrize("case", list(UNSERVED))
+def test_strict_refuses_in_one_line(gen, case):
+    build, reason = UNSERVED[case]
+    with pytest.raises(RuntimeError) as info:
+        boundary.compute_linear_logp(args=_args(mode="strict"), request=build(gen), native=_must_not_run)
+    message = str(info.value)
+    assert message.startswith(f"linear_logp provider {PATH!r} is unavailable: rl_kernel_vime: ") and reason in message
+    assert "\n" not in message
+
+
+def test_strict_switch_forbids_vime_native_even_in_auto(gen, monkeypatch):
+    monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
+    with pytest.raises(fallback.FallbackError, match="rollout top-p replay.*VIME_RL_KERNEL_STRICT=1"):
+        boundary.compute_linear_logp(args=_args(), request=_keep_mask_request(gen), native=_must_not_run)
+
+
+def test_switch_makes_it_vime_default_provider(gen):
+    """``activate()`` (what ``VIME_RL_KERNEL=1`` runs): vime's own ``get_log_probs_and_entropy``,
+    launched without ``--linear-logp-provider``, gets its log-probs from the provider."""
+    vime_get = vime_loss.get_log_probs_and_entropy  # vime's function, before the hook replaces it
+    rl_kernel_vime.activate()
+    key = f"{targets.PROVIDER_BOUNDARY}:linear_logp_provider_path"
+    assert rl_kernel_vime.status()["targets"][key] == "live"
+    assert boundary.linear_logp_provider_path(Namespace()) == PATH
+    assert boundary.linear_logp_provider_path(_args("user.module.provider")) == "user.module.provider"  # the user's flag wins
+    logits, batch = make_batch(gen)
+    args = make_args(rollout_temperature=0.8)  # no linear_logp_provider attribute: the flag is absent
+    kwargs = dict(
+        args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"], with_entropy=True,
+    )
+    _, got = vime_get(logits, **kwargs)
+    calls = rl_kernel_vime.status()["provider"]["calls"]
+    assert calls == {f"rl_kernel:{dispatch.explain('logprob_from_logits').backend} via logprob_from_logits": 1}
+    rl_kernel_vime.restore()
+    assert boundary.linear_logp_provider_path(Namespace()) is None
+    _, want = vime_get(logits, **kwargs)  # vime's native path now
+    assert rl_kernel_vime.status()["provider"]["calls"] == calls
+    for key_ in ("log_probs", "entropy"):
+        for i, (g, w) in enumerate(zip(got[key_], want[key_])):
+            assert_close(g, w, "logprob", F32, f"{key_}[{i}]")
+
+
+def test_switch_off_leaves_vime_untouched(gen):
+    assert boundary.linear_logp_provider_path.__module__ == boundary.__name__
+    assert boundary.linear_logp_provider_path(Namespace()) is None
+    logits, tgt = _logits_case(gen)
+    calls = []
+
+    def native(*args: Any, **kwargs: Any):
+        calls.append(1)
+        return ppo_utils.calculate_log_probs_and_entropy(*args, **kwargs)
+
+    boundary.compute_linear_logp(args=Namespace(), request=_request(logits, tgt), native=native)
+    assert calls == [1] and registry.provider_calls() == {}
+    assert rl_kernel_vime.status()["targets"][f"{targets.PROVIDER_BOUNDARY}:linear_logp_provider_path"] == "off"
+
+
+_TP_WORKER = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+    from vime.backends.megatron_utils import linear_logp_provider as boundary
+    from rl_kernel_vime.provider import provider
+
+    rank, store, inputs, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    case = torch.load(inputs)
+    local = case["weight"].shape[0] // 2
+    shard = slice(rank * local, (rank + 1) * local)
+    h = case["hidden"].clone().requires_grad_()
+    w = case["weight"][shard].clone().requires_grad_()
+    b = case["bias"][shard].clone().requires_grad_()
+    context = boundary.LinearLogpContext(
+        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
+        vocab_partition=boundary.VocabPartition(local_start=rank * local, local_size=local, real_size=2 * local - 3, padded_size=2 * local),
+    )
+    def request(ctx):
+        return boundary.LinearLogpRequest(
+            logits=torch.nn.functional.linear(h, w, b).detach() / case["temperature"], target_ids=case["targets"],
+            tensor_parallel_group=dist.group.WORLD, token_layout=boundary.TokenLayout(world_size=1, rank=0, layout="single"),
+            with_entropy=True, with_entropy_grad=True, chunk_size=-1, context=ctx, temperature=case["temperature"],
+        )
+    result = provider(request(context))
+    ((result.logp.squeeze(-1) * case["g_lp"]).sum() + (result.entropy * case["g_ent"]).sum()).backward()
+    try:
+        provider(request(None))
+        refused = ""
+    except Exception as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    torch.save(dict(lp=result.logp.detach(), ent=result.entropy.detach(), dh=h.grad, dw=w.grad, db=b.grad, shard=(shard.start, shard.stop),
+                    backend_id=result.backend_id, provenance=dict(result.provenance), refused=refused), out)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
+    """TP = 2 (gloo, two CPU processes): each rank holds its contiguous LM-head shard; every
+    rank's log-probs and entropies equal vime's native path on the full vocabulary, and the
+    shard gradients match; logits without hidden states are refused."""
+    rows, hidden, vocab = 10, 12, 34
+    h, w, b, tgt = _hidden_case(gen, rows=rows, hidden=hidden, vocab=vocab)
+    case = dict(
+        hidden=h.detach(), weight=w.detach(), bias=b.detach(), targets=tgt, temperature=0.9,
+        g_lp=torch.randn(rows, generator=gen), g_ent=torch.randn(rows, generator=gen),
+    )
+    torch.save(case, tmp_path / "inputs.pt")
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here / "standin"), str(here.parents[1])])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TP_WORKER, str(r), str(tmp_path / "store"), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{r}.pt")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr
+    want_lp, want_ent = _native(_request(F.linear(h, w, b) / 0.9, tgt, with_entropy=True))
+    assert want_ent is not None and b is not None
+    leaves = [h, w, b]
+    g_want = torch.autograd.grad((want_lp.squeeze(-1) * case["g_lp"]).sum() + (want_ent * case["g_ent"]).sum(), leaves)
+    for r in range(2):
+        got = torch.load(tmp_path / f"out{r}.pt")
+        shard = slice(*got["shard"])
+        assert_close(got["lp"], want_lp, "logprob", F32, f"rank {r} logp")
+        assert_close(got["ent"], want_ent, "logprob", F32, f"rank {r} entropy")
+        assert_close(got["dh"], g_want[0], "gradient", F32, f"rank {r} d hidden")
+        assert_close(got["dw"], g_want[1][shard], "gradient", F32, f"rank {r} d weight shard")
+        assert_close(got["db"], g_want[2][shard], "gradient", F32, f"rank {r} d bias shard")
+        assert got["backend_id"].startswith("rl_kernel:")
+        assert got["provenance"]["tp_world_size"] == 2 and got["provenance"]["tp_rank"] == r
+        assert got["refused"].startswith("LinearLogpProviderUnavailable: rl_kernel_vime: vocab-parallel logits (TP=2) without hidden states")
