@@ -52,7 +52,7 @@ def save(batch: MultimodalBatch, path: str) -> None:
 def _spans(path: str, name: str, rows: Any) -> list[list[Span]]:
     if not isinstance(rows, list):
         raise ValueError(f"{path}: {name} must be a list per sequence, got {type(rows).__name__}")
-    out = []
+    out: list[list[Span]] = []
     for b, row in enumerate(rows):
         if not isinstance(row, list):
             raise ValueError(f"{path}: {name}[{b}] must be a list of [kind, start, length, media_index], got {type(row).__name__}")
@@ -84,8 +84,8 @@ def load(path: str) -> MultimodalBatch:
     fields = {f.name for f in dataclasses.fields(ProcessorFingerprint)}
     fingerprint = data.get("fingerprint")
     if not isinstance(fingerprint, dict) or set(fingerprint) != fields:
-        found = sorted(fingerprint) if isinstance(fingerprint, dict) else type(fingerprint).__name__
-        raise ValueError(f"{path}: fingerprint must be a dict of {sorted(fields)}, got {found}")
+        keys = sorted(fingerprint) if isinstance(fingerprint, dict) else type(fingerprint).__name__
+        raise ValueError(f"{path}: fingerprint must be a dict of {sorted(fields)}, got {keys}")
     missing = [name for name in ("input_ids", "media_ids", "vision_token_offsets", "media_cache_keys", "attention_mask",
                                  "position_ids") if name not in data]
     if missing:
