@@ -159,3 +159,24 @@ def test_bad_processor_arguments_are_refused(seed):
         MultimodalBatch.from_processor(processor, {**encoded, "input_ids": encoded["input_ids"].tolist()}, loss_spans=answer_spans(encoded))
     with pytest.raises(ValueError, match=r"encoded\['pixel_values'\]: \d+ patch rows, but image_grid_thw needs"):
         MultimodalBatch.from_processor(processor, {**encoded, "pixel_values": encoded["pixel_values"][1:]}, loss_spans=answer_spans(encoded))
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_scored_rows_score_the_loss_spans_tokens(seed, padding_side):
+    import rl_kernel_core as rk
+
+    batch, encoded = build(seed, padding_side=padding_side)
+    ids = batch.padded_input_ids(1)
+    hidden = torch.randn(*ids.shape, 8)
+    weight = torch.randn(64, 8)
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], 1)], dim=1)
+    rows = batch.scored_rows()
+    scored = rk.linear_logprob(hidden, weight, targets, loss_spans=rows)
+    for b, spans in enumerate(batch.loss_spans):
+        real = batch.attention_mask[b].nonzero().flatten()
+        for s in spans:
+            positions = real[s.start - 1:s.end - 1]
+            assert torch.equal(targets[b, positions], batch.input_ids[b][s.start:s.end])
+            want = rk.linear_logprob(hidden[b, positions], weight, batch.input_ids[b][s.start:s.end])
+            assert torch.equal(scored[b, positions], want)
+    assert int((scored != 0).sum()) == sum(s.length for spans in batch.loss_spans for s in spans)
