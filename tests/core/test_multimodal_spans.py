@@ -23,15 +23,23 @@ ONE_NUMBER: Any = (1,)  # not a (start, length) pair
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
 
-@pytest.fixture(params=["torch", "triton"])
+@pytest.fixture(params=["torch", "triton", pytest.param("native", marks=pytest.mark.gpu)])
 def backend(request):
     return request.param
 
 
 @pytest.fixture
 def device(backend, triton_device):
-    """Triton runs interpreted on CPU (``TRITON_INTERPRET=1``), compiled on CUDA; torch runs on either."""
+    """Triton runs interpreted on CPU (``TRITON_INTERPRET=1``), compiled on CUDA; torch runs on
+    either; native (CUDA only) on CUDA."""
+    if backend == "native" and triton_device.type == "cpu":
+        pytest.skip("the native backend runs on CUDA only")
     return triton_device
+
+
+def served(backend: str, op: str) -> None:
+    if not dispatch.serves(backend, op):
+        pytest.skip(f"the {backend} backend does not serve {op}")
 
 
 def random_spans(b: int, t: int, device) -> LossSpans:
@@ -126,6 +134,7 @@ def test_float_offsets_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_logprob_on_spans_equals_the_dense_mask(seed, backend, device, dtype, monkeypatch):
+    served(backend, "linear_logprob")
     hidden, weight, targets = inputs(device, dtype)
     spans = random_spans(3, 13, device)
     mask = spans.dense_mask()
@@ -172,6 +181,7 @@ def test_policy_loss_on_spans_equals_the_dense_mask(seed, mode):
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_fused_loss_on_spans_equals_the_dense_mask(seed, backend, device, mode, monkeypatch):
+    served(backend, "fused_linear_policy_loss")
     dtype = torch.bfloat16 if mode == "seq-mean-token-mean" else torch.float32
     hidden, weight, targets = inputs(device, dtype, b=3, t=11)
     spans = random_spans(3, 11, device)
