@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "rms_norm": "rl_kernel_core.invariance",
     "sample": "rl_kernel_core.sampling",
     "set_batch_invariant_mode": "rl_kernel_core.invariance",
+    "token_advantages": "rl_kernel_core.rewards",
     "varlen_attention": "rl_kernel_core.attention",
 }
 

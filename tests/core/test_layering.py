@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),
     ("reference",),
     ("triton", "native", "flashinfer"),
-    ("logprob", "loss", "advantages", "sampling", "attention", "invariance"),
+    ("logprob", "loss", "advantages", "sampling", "attention", "invariance", "rewards"),
     ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
 ]
 
