@@ -72,6 +72,8 @@ class LossSpans:
     """
 
     def __init__(self, rows: list[list[int]], seq_len: int, device: Optional[Union[str, torch.device]] = None) -> None:
+        """``rows[b]``: sequence b's scored rows, ascending, each in ``[0, seq_len)``, unchecked;
+        :meth:`from_pairs` and :meth:`from_cu_offsets` check their spans and build it."""
         self.num_seqs, self.seq_len = len(rows), seq_len
         counts = [len(r) for r in rows]
         self.cu_seqlens = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
