@@ -73,9 +73,7 @@ def trainer_digest(name: str, tensor: torch.Tensor, engine_dtypes: Mapping[str, 
     holds it in (``engine_dtypes``: engine name -> dtype; a name the engine lacks keeps the tensor's
     dtype, and the comparison reports it missing). On ``tensor``'s device."""
     dtype: Optional[torch.dtype] = engine_dtypes.get(engine_name(name))
-    if dtype is not None and dtype != tensor.dtype and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return row_digests(tensor)
+    return row_digests(tensor, dtype if tensor.is_floating_point() else None)
 
 
 def in_engine_layout(digests: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

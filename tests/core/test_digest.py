@@ -46,6 +46,8 @@ def test_blocks_of_rows_give_the_whole_tensors_digests(monkeypatch):
     for chunk in (1, 15, 16, 40):  # one row (wider than the block), one row exactly, two rows and a bit, several
         monkeypatch.setattr(digest, "CHUNK_ELEMENTS", chunk)
         assert torch.equal(row_digests(t), whole)
+        assert torch.equal(row_digests(t, torch.bfloat16), row_digests(t.bfloat16()))
+        assert torch.equal(row_digests(t.transpose(1, 2), torch.float16), row_digests(t.transpose(1, 2).half()))
 
 
 def test_mismatches_name_each_problem():
