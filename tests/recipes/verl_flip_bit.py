@@ -45,8 +45,8 @@ def plant() -> None:
                 raw.view({2: torch.int16, 4: torch.int32}[raw.element_size()])[ELEMENT] ^= 1
         return loaded
 
-    load_weights._flip_bit = True  # type: ignore[attr-defined]
-    Qwen3ForCausalLM.load_weights = load_weights  # type: ignore[method-assign]
+    setattr(load_weights, "_flip_bit", True)
+    Qwen3ForCausalLM.load_weights = load_weights
 
 
 if "vllm" in sys.modules:

@@ -96,7 +96,8 @@ def test_armed_process_refuses_what_it_cannot_check(model_dirs, monkeypatch):
     engine = _engine(on_config)
     probe._engine_created(engine)
     try:
-        assert adapters.is_patched(vars(BaseRollout)["__init__"]) and weight_check.status()["every"] == 2
+        status = weight_check.status()
+        assert adapters.is_patched(vars(BaseRollout)["__init__"]) and status is not None and status["every"] == 2
         with pytest.raises(RuntimeError, match="rl_kernel_weight_check_every=2 is set but no vLLM rollout was built"):
             engine.train_batch({"x": 1}, None)
         assert engine.calls == []  # refused before verl's update ran
@@ -129,7 +130,8 @@ def test_refusals_name_the_setting(model_dirs, monkeypatch, setting, says):
     vllm_kind = type("ServerAdapter", (), {"__module__": targets.VLLM_ROLLOUT.partition(":")[0]})
     rollout = vllm_kind()
     rollout.config = rollout_config
-    assert says in weight_check._refusal(rollout)
+    reason = weight_check._refusal(rollout)
+    assert reason is not None and says in reason
 
 
 class _Worker:
@@ -192,7 +194,7 @@ def test_checked_sync_compares_trainer_bits_rounded_to_the_engine_dtype(seed, ca
     with caplog.at_level(logging.INFO, logger="rl_kernel.verl"):
         asyncio.run(sync(iter(trainer.items()), global_steps=0))
     assert state.last is not None and state.last["rl_kernel/weight_bits_differ"] == 0.0 and state.checks == 1
-    assert state.engine_dtypes["model.norm.weight"] == torch.bfloat16
+    assert state.engine_dtypes is not None and state.engine_dtypes["model.norm.weight"] == torch.bfloat16
     assert "0 of 5 parameters differ" in caplog.text
     asyncio.run(sync(iter(trainer.items()), global_steps=1))  # sync 1 of every 2: not checked
     assert state.last is None and state.checks == 1 and state.syncs == 2
