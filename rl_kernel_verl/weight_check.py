@@ -41,12 +41,12 @@ import torch
 
 from rl_kernel_core import adapters
 from rl_kernel_verl import switch, targets
+from rl_kernel_verl.engine import METRIC_PREFIX
 
 logger = logging.getLogger("rl_kernel.verl")
 
-METRIC_DIFFER = "rl_kernel/weight_bits_differ"
-METRIC_CHECKS = "rl_kernel/weight_checks"
-METRIC_MS = "rl_kernel/weight_check_ms"
+METRIC_DIFFER, METRIC_CHECKS, METRIC_MS = (METRIC_PREFIX + m for m in ("weight_bits_differ", "weight_checks",
+                                                                          "weight_check_ms"))
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 """vLLM's server passes a function to its workers through ``collective_rpc`` only with this set."""
 
