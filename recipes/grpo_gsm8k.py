@@ -95,12 +95,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "verl engine: the on run, with the adapter's rl_kernel_batch_invariant option and "
                         "RL_KERNEL_VLLM_BATCH_INVARIANT=1 for verl's vLLM server (verl's "
                         "training/rollout_probs_diff_max 0); the off run is verl's own, the control group")
+    p.add_argument("--weight-check-every", type=integer(0), default=0, metavar="N",
+                   help="verl engine, on run: check every N-th weight sync into verl's vLLM rollout bit for bit "
+                        "(the adapter's rl_kernel_weight_check_every option; 0, the default: off)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="override the preset")
     args = p.parse_args(argv)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not args.sides or any(s not in ("off", "on") for s in args.sides):
         p.error(f"--sides must list off and/or on, got {','.join(args.sides)!r}")
+    if args.weight_check_every and args.engine != "verl":
+        p.error(f"--weight-check-every applies to --engine verl (the embedded engine samples from the model it "
+                f"trains: no weight sync), got --engine {args.engine}")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         p.error(f"--out must be a directory, got {args.out!r}, which is a file")
     return args
@@ -281,7 +287,8 @@ def main(argv=None) -> int:
         overrides["entropy_coef"] = args.entropy_coef
     cfg = embedded.GRPOConfig(**{**PRESET_RUNS[args.preset], **overrides, "sampler": args.sampler,
                                  "reward_method": args.reward_method, "format_score": args.format_score,
-                                 "batch_invariant": args.batch_invariant, "seed": args.seed})
+                                 "batch_invariant": args.batch_invariant,
+                                 "weight_check_every": args.weight_check_every, "seed": args.seed})
     meta_common = {
         "command": " ".join(["bash recipes/grpo_gsm8k.sh", *bench.command_line().split(" ")[2:]]), "engine": engine, "engine_choice": why, "preset": args.preset,
         "model": model_desc, "data": source, "git_commit": git_commit(),
@@ -332,6 +339,10 @@ def main(argv=None) -> int:
             run_lines.append("- batch-invariant: the on run with the verl adapter's rl_kernel_batch_invariant option and "
                              "RL_KERNEL_VLLM_BATCH_INVARIANT=1 in verl's vLLM server; the off run is verl's own (the "
                              "control group). verl's train/rollout difference: `rollout_probs_diff_max`")
+        if cfg.weight_check_every:
+            run_lines.append(f"- weight check: the on run checks every {cfg.weight_check_every}-th weight sync into "
+                             "verl's vLLM rollout bit for bit (`rl_kernel/weight_bits_differ`, parameters whose bits "
+                             "differ)")
         run_lines += filter(None, [verl_engine.vocabulary_note(model_dir)])
     sections.append(("Run", "\n".join(run_lines)))
     sections.append(("Known differences between the off and on paths",

@@ -6,29 +6,38 @@ sum over the row's elements of ``bits * (2 * column + 1)``, wrapping modulo 2**6
 position-sensitive and changes with any single-bit change of the row. Digests per row, not per
 tensor, because engines store some weights as row blocks of several checkpoint tensors (vLLM's
 fused ``qkv_proj`` is ``q_proj``, ``k_proj`` and ``v_proj`` stacked): slicing the digest vector
-compares the blocks without copying weights. One pass over the weights on their device; the
-digests are small (one int64 per row).
+compares the blocks without copying weights. One pass over the weights on their device, a block
+of rows at a time (:data:`CHUNK_ELEMENTS`: the temporaries stay under 24 bytes times that, whatever
+the tensor's size, a cast to another dtype included); the digests are small (one int64 per row).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 import torch
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+CHUNK_ELEMENTS = 1 << 22
+"""Elements per block of rows :func:`row_digests` widens to int64 at once (at least one row)."""
 
 
-def row_digests(t: torch.Tensor) -> torch.Tensor:
+def row_digests(t: torch.Tensor, as_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``[R]`` int64 digests of ``t``'s rows (``t`` at least 1-D, any dtype; a 1-D tensor's
-    elements are its rows), on ``t``'s device."""
+    elements are its rows), on ``t``'s device. ``as_dtype``: the digests of ``t.to(as_dtype)``,
+    cast a block of rows at a time (no copy of the whole tensor)."""
     if t.dim() == 0:
         raise ValueError("row_digests needs a tensor of at least 1 dim, got a 0-d tensor")
-    flat = t.detach().contiguous().view(t.shape[0], math.prod(t.shape[1:]))
-    bits = flat.view(_BITS[flat.element_size()]).to(torch.int64)
+    flat = t.detach().reshape(t.shape[0], math.prod(t.shape[1:]))
+    dtype = as_dtype or flat.dtype
     weights = torch.arange(1, 2 * flat.shape[1] + 1, 2, dtype=torch.int64, device=t.device)
-    return (bits * weights).sum(dim=1)
+    rows = max(1, CHUNK_ELEMENTS // max(1, flat.shape[1]))
+    out = torch.empty(flat.shape[0], dtype=torch.int64, device=t.device)
+    for start in range(0, flat.shape[0], rows):
+        block = flat[start:start + rows].to(dtype).contiguous()
+        out[start:start + rows] = (block.view(_BITS[block.element_size()]).to(torch.int64) * weights).sum(dim=1)
+    return out
 
 
 def named_digests(params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

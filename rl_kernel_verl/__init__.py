@@ -35,16 +35,21 @@ def register() -> None:
 
 
 def restore() -> None:
-    """Disarm the plugin: ``EngineRegistry.new`` is verl's own again and the import hook is removed
-    (engines already switched on keep their hooks; :func:`register` arms it again)."""
+    """Disarm the plugin: ``EngineRegistry.new`` and ``BaseRollout.__init__`` are verl's own again
+    and the import hook is removed (engines and rollouts already hooked keep their hooks;
+    :func:`register` arms it again)."""
+    from rl_kernel_verl import weight_check
+
     probe.disarm()
+    weight_check.disarm()
 
 
 def status() -> dict[str, Any]:
-    """Which hooks are live: the probe, and per switched-on engine its hooks, loss and routing."""
-    from rl_kernel_verl import engine
+    """Which hooks are live: the probe, per switched-on engine its hooks, loss and routing, and
+    the weight check (None when not armed in this process)."""
+    from rl_kernel_verl import engine, weight_check
 
-    return {**probe.status(), "engines": engine.engines_status()}
+    return {**probe.status(), "engines": engine.engines_status(), "weight_check": weight_check.status()}
 
 
 register()

@@ -6,8 +6,9 @@ every verl training engine is made by) as soon as ``verl.workers.engine.base`` i
 importing it early: importing verl's engines from inside ``import verl`` would fix verl's device
 platform before a user could register one. The wrapper calls verl's factory unchanged, reads the
 switch from the new engine's model config and, only when it is on, hooks that one engine instance
-(:func:`rl_kernel_verl.engine.install`). With the switch off the engine is returned untouched and
-nothing else in verl is modified.
+(:func:`rl_kernel_verl.engine.install`); an actor engine whose config asks for the weight check
+arms it (:func:`rl_kernel_verl.weight_check.arm`). With both off the engine is returned untouched
+and nothing else in verl is modified.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def _engine_created(engine: Any) -> None:
     sw = switch.read(model_config)
     if sw.on:
         engine_hooks.install(engine, strict=sw.strict, batch_invariant=sw.batch_invariant)
+    if sw.weight_check_every and not getattr(getattr(engine, "engine_config", None), "forward_only", False):
+        from rl_kernel_verl import weight_check
+
+        weight_check.arm(engine, sw.weight_check_every)
 
 
 def _wrap_new(raw: Any) -> classmethod:

@@ -15,6 +15,10 @@ rl-kernel's batch-invariant mode, with log-probs defined as vLLM's rollout under
 ``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` returns them (see :mod:`rl_kernel_verl.forward`). It turns the
 backend on by itself; with ``use_rl_kernel_backend=False`` written beside it, it is an error.
 
+``rl_kernel_weight_check_every=N`` (:data:`WEIGHT_CHECK_OVERRIDE`; a non-negative integer, 0 or
+absent: off) checks every N-th weight sync into verl's vLLM rollout bit for bit
+(:mod:`rl_kernel_verl.weight_check`). It is independent of the backend switch.
+
 A key that looks like the switch but is not it (``use_rl_kernel``, ``use_rl_kernel_backends``,
 the switch put in ``override_config``...) is reported with a loud warning: the backend stays off,
 and the warning says so, instead of silently running verl's path.
@@ -36,20 +40,24 @@ logger = logging.getLogger("rl_kernel.verl")
 SWITCH_KEY = "use_rl_kernel_backend"
 STRICT_KEY = "rl_kernel_strict"
 BATCH_INVARIANT_KEY = "rl_kernel_batch_invariant"
+WEIGHT_CHECK_KEY = "rl_kernel_weight_check_every"
 OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{SWITCH_KEY}=True"
 BATCH_INVARIANT_OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{BATCH_INVARIANT_KEY}=True"
-_OUR_KEYS = (SWITCH_KEY, STRICT_KEY, BATCH_INVARIANT_KEY)
+WEIGHT_CHECK_OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{WEIGHT_CHECK_KEY}=1"
+_OUR_KEYS = (SWITCH_KEY, STRICT_KEY, BATCH_INVARIANT_KEY, WEIGHT_CHECK_KEY)
 _VERL_KEYS = ("impl_backend",)
 
 
 @dataclass(frozen=True)
 class Switch:
-    """What the config asks for: ``on`` (use the rl-kernel backend), ``strict`` and
-    ``batch_invariant`` (the backend in batch-invariant mode; implies ``on``)."""
+    """What the config asks for: ``on`` (use the rl-kernel backend), ``strict``,
+    ``batch_invariant`` (the backend in batch-invariant mode; implies ``on``) and
+    ``weight_check_every`` (check every N-th weight sync; 0: never; whatever ``on`` is)."""
 
     on: bool
     strict: bool
     batch_invariant: bool = False
+    weight_check_every: int = 0
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -58,6 +66,12 @@ def _as_bool(name: str, value: Any) -> bool:
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise ValueError(f"fused_kernel_options.{name} must be true or false, got {value!r} ({type(value).__name__})")
+
+
+def _as_count(name: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"fused_kernel_options.{name} must be an integer >= 0 (0: off), got {value!r} ({type(value).__name__})")
 
 
 def _looks_like_ours(key: str) -> bool:
@@ -80,8 +94,9 @@ def read(model_config: Any) -> Switch:
 
     Raises:
         ValueError: the switch, ``rl_kernel_strict`` or ``rl_kernel_batch_invariant`` holds
-            something other than a boolean, or ``rl_kernel_batch_invariant=True`` sits beside
-            ``use_rl_kernel_backend=False``.
+            something other than a boolean, ``rl_kernel_batch_invariant=True`` sits beside
+            ``use_rl_kernel_backend=False``, or ``rl_kernel_weight_check_every`` is not an
+            integer >= 0.
         rl_kernel_core.switches.SwitchError: the switch is on and ``RL_KERNEL_VERL_STRICT`` holds
             an unaccepted value.
     """
@@ -89,6 +104,7 @@ def read(model_config: Any) -> Switch:
     strict = _as_bool(STRICT_KEY, options[STRICT_KEY]) if STRICT_KEY in options else False
     batch_invariant = _as_bool(BATCH_INVARIANT_KEY, options[BATCH_INVARIANT_KEY]) if BATCH_INVARIANT_KEY in options else False
     on = _as_bool(SWITCH_KEY, options[SWITCH_KEY]) if SWITCH_KEY in options else batch_invariant
+    every = _as_count(WEIGHT_CHECK_KEY, options[WEIGHT_CHECK_KEY]) if WEIGHT_CHECK_KEY in options else 0
     if batch_invariant and not on:
         raise ValueError(f"fused_kernel_options.{BATCH_INVARIANT_KEY}=True runs the rl-kernel backend, but "
                          f"{SWITCH_KEY}=False turns it off: drop {SWITCH_KEY} or set it to True")
@@ -100,6 +116,7 @@ def read(model_config: Any) -> Switch:
                 f"the rl-kernel backend is {'ON' if on else 'OFF'} for this model"
                 f"{', batch-invariant' if batch_invariant else ''}. The switch is: {OVERRIDE}"
                 f"{f'; the batch-invariant option: {BATCH_INVARIANT_OVERRIDE}' if meant == BATCH_INVARIANT_KEY else ''}"
+                f"{f'; the weight check: {WEIGHT_CHECK_OVERRIDE}' if meant == WEIGHT_CHECK_KEY else ''}"
             )
     override = _get(model_config, "override_config") or {}
     nested = override.get("model_config", {}) if isinstance(override, Mapping) else {}
@@ -110,8 +127,9 @@ def read(model_config: Any) -> Switch:
                 f"rl-kernel does not read it there and the backend is {'ON' if on else 'OFF'}. The switch is: {OVERRIDE}"
             )
     if not on:
-        return Switch(on=False, strict=False)
-    return Switch(on=True, strict=strict or adapters.strict_switch(targets.STRICT_ENV), batch_invariant=batch_invariant)
+        return Switch(on=False, strict=False, weight_check_every=every)
+    return Switch(on=True, strict=strict or adapters.strict_switch(targets.STRICT_ENV), batch_invariant=batch_invariant,
+                  weight_check_every=every)
 
 
 def _get(config: Any, key: str) -> Any:

@@ -33,6 +33,15 @@ PADDING = "verl.workers.utils.padding:no_padding_2_padding"
 METRIC = "verl.utils.metric:Metric"
 AGGREGATION = "verl.utils.metric:AggregationType"
 
+ROLLOUT_INIT = "verl.workers.rollout.base:BaseRollout.__init__"
+"""Wrapped, only in a process whose actor engine asks for the weight check, to hook the rollout built beside it."""
+
+VLLM_ROLLOUT = "verl.workers.rollout.vllm_rollout.vllm_rollout:ServerAdapter"
+"""verl's vLLM rollout (server mode); the weight check shadows ``update_weights`` on its instance and
+reaches the vLLM workers through ``_execute_method`` (``collective_rpc`` on verl's rollout server)."""
+
+VLLM_ROLLOUT_METHODS: tuple[str, ...] = ("update_weights", "_execute_method")
+
 STRICT_ENV = "RL_KERNEL_VERL_STRICT"
 """The process-wide strict switch, read with :func:`rl_kernel_core.adapters.strict_switch` when the backend is on."""
 

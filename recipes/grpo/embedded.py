@@ -72,6 +72,7 @@ class GRPOConfig:
     sampler: str = "torch"
     gradient_checkpointing: bool = False
     batch_invariant: bool = False
+    weight_check_every: int = 0  # the verl engine's on run only (the embedded engine syncs no weights)
     seed: int = 0
 
 

@@ -44,7 +44,10 @@ from .data import HUB_DATASET, Problem
 RECIPES = Path(__file__).resolve().parent.parent
 SWITCH = "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend"
 BATCH_INVARIANT = "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True"
+WEIGHT_CHECK = "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_weight_check_every"
 VLLM_BATCH_INVARIANT = {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"}
+VLLM_FUNCTION_RPC = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+"""What the weight check needs in verl's vLLM server: it runs a function in the vLLM worker."""
 
 # verl stage timer -> the profiler's region name. update_actor is verl's whole policy update
 # (forward, loss, backward, optimizer step), recorded as ``update``; the report sums it into the
@@ -112,7 +115,7 @@ def overrides(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: 
     verl's GSM8K rows scored by the recipe's scorer (:func:`grpo.scoring.verl_compute_score`).
     ``device`` ``"cpu"`` adds what the CPU run needs (fp32, sdpa attention without remove-padding,
     eager vLLM without sleep mode). The on run of a ``cfg["batch_invariant"]`` config adds the
-    adapter's batch-invariant option.
+    adapter's batch-invariant option, that of a ``cfg["weight_check_every"]`` config its weight check.
     """
     prompts, group = cfg["prompts_per_step"], cfg["group_size"]
     micro = max(1, min(cfg["micro_batch"], prompts * group))
@@ -162,6 +165,7 @@ def overrides(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: 
         f"+reward.custom_reward_function.reward_kwargs.format_score={cfg['format_score']}",
         f"{SWITCH}={rl_kernel_on}",
         *([BATCH_INVARIANT] if rl_kernel_on and cfg["batch_invariant"] else []),
+        *([f"{WEIGHT_CHECK}={cfg['weight_check_every']}"] if rl_kernel_on and cfg.get("weight_check_every") else []),
         f"trainer.total_training_steps={cfg['steps']}",
         "trainer.total_epochs=1000",
         "trainer.use_v1=False",
@@ -205,19 +209,24 @@ def command(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: Pa
             *overrides(cfg, rl_kernel_on, model_dir, train, val, run_dir, device)]
 
 
-def environment(run_dir: Path, device: str, batch_invariant: bool = False) -> dict[str, str]:
+def environment(run_dir: Path, device: str, batch_invariant: bool = False, weight_check: bool = False) -> dict[str, str]:
     """The run's environment: the file logger's path, ``grpo`` importable in every process, with
-    ``batch_invariant`` the vLLM plugin's batch-invariant mode (:data:`VLLM_BATCH_INVARIANT`) and,
+    ``batch_invariant`` the vLLM plugin's batch-invariant mode (:data:`VLLM_BATCH_INVARIANT`), with
+    ``weight_check`` what the weight check needs in verl's vLLM server (:data:`VLLM_FUNCTION_RPC`) and,
     on CPU, verl's CPU platform (:mod:`grpo.verl_cpu`, imported by every process that imports
-    verl) and vLLM's KV-cache size (GiB)."""
+    verl, before the modules the caller's ``VERL_USE_EXTERNAL_MODULES`` names) and vLLM's KV-cache
+    size (GiB)."""
     env = dict(os.environ)
     if batch_invariant:
         env.update(VLLM_BATCH_INVARIANT)
+    if weight_check:
+        env.update(VLLM_FUNCTION_RPC)
     env["VERL_FILE_LOGGER_PATH"] = str(run_dir / "verl_metrics.jsonl")
     env["PYTHONPATH"] = os.pathsep.join([str(RECIPES), str(RECIPES.parent), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if device == "cpu":
-        env.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "VERL_USE_EXTERNAL_MODULES": "grpo.verl_cpu",
+        modules = ",".join(filter(None, ["grpo.verl_cpu", env.get("VERL_USE_EXTERNAL_MODULES")]))
+        env.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "VERL_USE_EXTERNAL_MODULES": modules,
                     "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1")})
         env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray checks its logical GPU count against it
     return env
@@ -327,7 +336,8 @@ def run_verl(cfg: dict, out_dir: Path, rl_kernel_on: bool, model_dir: Path, prob
     run_dir.mkdir(parents=True, exist_ok=True)
     train, val = write_parquet(problems, run_dir / "data")
     cmd = command(cfg, rl_kernel_on, Path(model_dir), train, val, run_dir, device)
-    env = environment(run_dir, device, batch_invariant=rl_kernel_on and cfg["batch_invariant"])
+    env = environment(run_dir, device, batch_invariant=rl_kernel_on and cfg["batch_invariant"],
+                      weight_check=rl_kernel_on and bool(cfg.get("weight_check_every")))
     verl_log = Path(env["VERL_FILE_LOGGER_PATH"])
     verl_log.unlink(missing_ok=True)
     with open(run_dir / "verl.log", "w", encoding="utf-8") as console:

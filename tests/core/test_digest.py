@@ -37,6 +37,19 @@ def test_stacked_rows_are_the_blocks_digests():
         row_digests(torch.tensor(1.0))
 
 
+def test_blocks_of_rows_give_the_whole_tensors_digests(monkeypatch):
+    from rl_kernel_core import digest
+
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(13, 5, 3, generator=gen)
+    whole = row_digests(t)
+    for chunk in (1, 15, 16, 40):  # one row (wider than the block), one row exactly, two rows and a bit, several
+        monkeypatch.setattr(digest, "CHUNK_ELEMENTS", chunk)
+        assert torch.equal(row_digests(t), whole)
+        assert torch.equal(row_digests(t, torch.bfloat16), row_digests(t.bfloat16()))
+        assert torch.equal(row_digests(t.transpose(1, 2), torch.float16), row_digests(t.transpose(1, 2).half()))
+
+
 def test_mismatches_name_each_problem():
     a = named_digests([("w", torch.ones(3, 2)), ("b", torch.ones(3)), ("gone", torch.ones(1))])
     changed = torch.ones(3, 2)

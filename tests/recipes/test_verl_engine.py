@@ -144,6 +144,19 @@ def test_off_and_on_differ_only_in_the_switches(batch_invariant):
     ])
 
 
+def test_weight_check_is_the_on_runs_option_and_environment(tmp_path, monkeypatch):
+    cfg = _cfg(weight_check_every=2)
+    off, on = _overrides(cfg, False), _overrides(cfg, True)
+    assert sorted(set(on) - set(off)) == sorted([
+        "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True", "trainer.experiment_name=on",
+        "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_weight_check_every=2"])
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in verl_engine.environment(tmp_path, "cpu")
+    assert verl_engine.environment(tmp_path, "cpu", weight_check=True)["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "my_plugin")  # the caller's modules are kept, after the platform
+    assert verl_engine.environment(tmp_path, "cpu")["VERL_USE_EXTERNAL_MODULES"] == "grpo.verl_cpu,my_plugin"
+
+
 def test_no_reference_policy_without_kl_and_no_cpu_settings_on_cuda():
     assert "actor_rollout_ref.actor.use_kl_loss=False" in _overrides(_cfg(kl_coef=0.0), True)
     cuda = _overrides(_cfg(), True, "cuda")
@@ -170,7 +183,7 @@ def test_overrides_compose_against_verls_config(on, batch_invariant):
     from hydra.core.global_hydra import GlobalHydra
     import verl
 
-    cfg = _cfg(batch_invariant=batch_invariant)
+    cfg = _cfg(batch_invariant=batch_invariant, weight_check_every=3)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
         composed = compose("ppo_trainer", overrides=_overrides(cfg, on))
@@ -181,6 +194,7 @@ def test_overrides_compose_against_verls_config(on, batch_invariant):
     assert arr.actor.kl_loss_coef == cfg["kl_coef"] and arr.actor.ppo_mini_batch_size == cfg["prompts_per_step"]
     assert arr.model.fused_kernel_options.use_rl_kernel_backend is on
     assert arr.model.fused_kernel_options.get("rl_kernel_batch_invariant", False) is batch_invariant
+    assert arr.model.fused_kernel_options.get("rl_kernel_weight_check_every", 0) == (3 if on else 0)
     assert arr.rollout.calculate_log_probs  # verl's train/rollout metrics need the rollout's log-probs
     assert composed.reward.custom_reward_function.reward_kwargs.method == cfg["reward_method"]
     assert composed.trainer.total_training_steps == cfg["steps"] and list(composed.trainer.logger) == ["console", "file"]
@@ -284,12 +298,14 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def verl_run(tmp_path_factory):
-    """``--engine verl --batch-invariant``: the off run is verl untouched (the control group), the on
-    run has the adapter's batch-invariant option and the vLLM plugin's batch-invariant mode."""
+    """``--engine verl --batch-invariant --weight-check-every 1``: the off run is verl untouched (the
+    control group), the on run has the adapter's batch-invariant option, the vLLM plugin's
+    batch-invariant mode and the weight check on every sync."""
     out = tmp_path_factory.mktemp("grpo_verl")
     cmd = [sys.executable, str(ROOT / "recipes" / "grpo_gsm8k.py"), "--engine", "verl", "--data", "synthetic",
            "--limit", "16", "--preset", "tiny", "--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "4",
-           "--max-new-tokens", "8", "--kl-coef", "0.001", "--batch-invariant", "--out", str(out), "--no-progress"]
+           "--max-new-tokens", "8", "--kl-coef", "0.001", "--batch-invariant", "--weight-check-every", "1",
+           "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(out.glob("verl-*/verl.log")))
@@ -329,6 +345,12 @@ def test_verl_engine_end_to_end_off_and_batch_invariant_on(verl_run):
     assert all(r["rollout_probs_diff_max"] > 0 for r in off)
     assert all(r["rollout_probs_diff_max"] == 0.0 and r["rollout_probs_diff"] == 0.0 for r in on)
     assert all(r["rollout_log_ppl_abs_diff"] == 0.0 and r["ppo_kl"] == 0.0 for r in on)
+    # the weight check ran on every sync (the one before step 1 included): each step's rollout ran on
+    # the trainer's bits
+    print("weight check on:", [(r["rl_kernel/weight_checks"], r["rl_kernel/weight_bits_differ"],
+                                r["rl_kernel/weight_check_ms"]) for r in on])
+    assert [r["rl_kernel/weight_checks"] for r in on] == [float(s + 1) for s in range(STEPS)]
+    assert all(r["rl_kernel/weight_bits_differ"] == 0.0 for r in on)
     meta = {side: json.loads((out / f"{side}.meta.json").read_text()) for side in ("off", "on")}
     assert meta["on"]["backends"] == {"logprob_from_logits": "torch", "policy_loss": "torch"}  # CPU, auto
     for side in ("off", "on"):
@@ -337,6 +359,7 @@ def test_verl_engine_end_to_end_off_and_batch_invariant_on(verl_run):
         assert m["verl_command"].split()[1:3] == ["-m", "verl.trainer.main_ppo"]
         assert f"use_rl_kernel_backend={side == 'on'}" in m["verl_command"]
         assert ("rl_kernel_batch_invariant=True" in m["verl_command"]) is (side == "on")
+        assert ("rl_kernel_weight_check_every=1" in m["verl_command"]) is (side == "on")
         assert (m["verl_rl_kernel_environment"].get("RL_KERNEL_VLLM_BATCH_INVARIANT") == "1") is (side == "on")
         assert m["config"]["steps"] == STEPS and m["git_commit"]
     text = (out / "report.md").read_text()
@@ -347,3 +370,27 @@ def test_verl_engine_end_to_end_off_and_batch_invariant_on(verl_run):
     rows = {r["metric"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
     for side, records in (("off", off), ("on", on)):
         assert rows["reward"][side]["mean"] == pytest.approx(sum(r["reward"] for r in records) / STEPS)
+
+
+@needs_verl
+def test_weight_check_names_a_flipped_bit(tmp_path):
+    """A bit flipped in vLLM's copy of one weight by the first sync (:mod:`verl_flip_bit`, planted in
+    vLLM's worker) is named in the log and counted in step 1's metrics; the next sync loads the
+    weight intact and step 2 counts 0."""
+    import os
+
+    import verl_flip_bit
+
+    out = tmp_path / "run"
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="verl_flip_bit",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, str(ROOT / "recipes" / "grpo_gsm8k.py"), "--engine", "verl", "--data", "synthetic",
+           "--limit", "8", "--preset", "tiny", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+           "--max-new-tokens", "4", "--sides", "on", "--weight-check-every", "1", "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env)
+    log = (out / "verl-on" / "verl.log").read_text() if (out / "verl-on" / "verl.log").is_file() else ""
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}\n{log[-4000:]}"
+    records = _records(out / "on.jsonl")
+    assert [r["rl_kernel/weight_checks"] for r in records] == [1.0, 2.0]
+    assert [r["rl_kernel/weight_bits_differ"] for r in records] == [1.0, 0.0]
+    assert f"{verl_flip_bit.PARAMETER}: bits differ (first at row {verl_flip_bit.ELEMENT[0]})" in log
