@@ -160,9 +160,14 @@ def import_verl(device: str) -> dict[str, Any]:
 
 
 def init_process_group(device: str) -> None:
-    """World size 1, the environment verl's ``Worker`` reads, nccl on CUDA and gloo on CPU."""
+    """World size 1, the environment verl's ``Worker`` reads, nccl on CUDA and gloo on CPU (a
+    process group of world size 1 that exists already, a test's, is used as it is)."""
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(f"bench_verl_actor runs in one process: expected world size 1, got {dist.get_world_size()}")
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -219,27 +224,18 @@ def grpo_batch(args: argparse.Namespace, vocab: int, gen: torch.Generator) -> di
     """A padded rollout batch as verl's trainer holds it (CPU tensors, left-padded prompts,
     right-padded responses), plus ``advantages`` ``[B, response_len]`` (GRPO, random 0/1 rewards)."""
     from rl_kernel_core import group_advantages
+    from rl_kernel_verl.rollout import padded_rollout
 
     p, r, g = args.prompt_len, args.response_len, args.samples
     prompt_len = torch.randint(max(1, p // 2), p + 1, (args.prompts,), generator=gen).repeat_interleave(g)
     response_len = torch.randint(max(1, r // 4), r + 1, (args.prompts, g), generator=gen)
     response_len[:, 0] = r
-    response_len = response_len.flatten()
-    prompt_mask = (torch.arange(p)[None] >= (p - prompt_len)[:, None]).long()
-    response_mask = (torch.arange(r)[None] < response_len[:, None]).long()
-    prompts = torch.randint(0, vocab, (args.prompts, p), generator=gen).repeat_interleave(g, dim=0) * prompt_mask
-    responses = torch.randint(0, vocab, (args.prompts * g, r), generator=gen) * response_mask
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    prompts = torch.randint(0, vocab, (args.prompts, p), generator=gen).repeat_interleave(g, dim=0)
+    responses = torch.randint(0, vocab, (args.prompts * g, r), generator=gen)
+    batch = padded_rollout(prompts, responses, prompt_len, response_len.flatten())
     rewards = torch.randint(0, 2, (args.prompts * g,), generator=gen).float()
-    return {
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "prompts": prompts,
-        "responses": responses,
-        "advantages": group_advantages(rewards, group_size=g)[:, None] * response_mask,
-    }
+    batch["advantages"] = group_advantages(rewards, group_size=g)[:, None] * batch["response_mask"]
+    return batch
 
 
 def engine_batch(tensors: dict[str, torch.Tensor], **meta: Any):
@@ -463,13 +459,17 @@ def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, r
     worker = None
     try:
         worker = build_worker(overrides(args, model_dir, "packed", variant))
+        if "old_log_probs" not in batch:  # no timing run before this one
+            per_token_inputs(batch, response_values(log_prob_call(worker, batch)(), batch, "log_probs"), args.seed + 2)
         tokens = args.max_token_len
         while tokens <= args.max_microbatch_limit:
             fn = update_call(worker, batch, max_token_len_per_gpu=tokens)
             try:
                 peak = bench.peak_extra_gib(fn, device)
-            except torch.OutOfMemoryError as exc:
-                row["tried"].append({"tokens": tokens, "fits": False, "error": scrub(str(exc).splitlines()[0])})
+            except Exception as exc:  # the end of the search: out of memory, or an error recorded as such
+                oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+                row["tried"].append({"tokens": tokens, "fits": False, "out_of_memory": oom,
+                                     "error": scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")})
                 break
             row["tried"].append({"tokens": tokens, "fits": True, "peak_extra_gib": peak})
             row["largest_fitting_tokens"] = tokens
