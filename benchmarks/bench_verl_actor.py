@@ -27,21 +27,27 @@ response-len`` tokens (one per group full length), random token ids, GRPO advant
 log-probs plus N(0, 0.1^2) noise (so the clip acts on some tokens), reference log-probs likewise,
 KL loss ``low_var_kl`` 0.001, entropy coefficient 0 (verl's GRPO example settings).
 
-Timing: the first call of each op is the check call (it also warms up), then ``--warmup`` more
-calls, then the median of ``--reps`` calls (CUDA events on GPU, wall clock on CPU), then one call
-for memory: ``torch.cuda.max_memory_allocated`` during the call minus the memory allocated before
-it (null on CPU). Times include verl's host-side packing of the batch, as in training.
+Timing (bf16): a first call of each op (warm-up: compilation, autotuning, allocator growth), then
+``--warmup`` more, then the median of ``--reps`` calls (CUDA events on GPU, wall clock on CPU), then
+one call for memory: ``torch.cuda.max_memory_allocated`` during it minus the memory allocated
+before it (null on CPU). Times include verl's host-side packing of the batch, as in training.
 
-Checks, against ``verl_default`` on the same layout, with ``rl_kernel_core.contract``'s bf16 rows
-(verl computes in bf16): response log-probs and entropies (``logprob``), the loss metrics of
-``update_actor`` (``logprob``: they are functions of the per-token log-probs), its ``grad_norm``
-and every parameter's gradient before the optimizer step (``gradient``). For ``rl_kernel`` the
-adapter's ``status()`` must show its hooks live and every micro-batch served by rl-kernel; for
+Checks: a separate worker per variant and layout with fp32 compute (verl's
+``fsdp_config.mixed_precision`` all fp32) on the first ``--check-prompts`` prompts' groups, against
+``verl_default``'s, with ``rl_kernel_core.contract``'s fp32 rows as the CPU tier's tests: response
+log-probs and entropies (``logprob``), ``update_actor``'s loss metrics and grad norm
+(``reduction``) and every parameter's gradient before the optimizer step (``gradient``). Not in
+bf16: verl's bf16 path without flash-attn takes log-probs from a bf16 ``log_softmax``
+(``logprobs_from_logits_v2``), already outside the bf16 contract. For ``rl_kernel`` the adapter's
+``status()`` must show its hooks live and every micro-batch served by rl-kernel, in both runs; for
 the others no engine is hooked and no ``rl_kernel/`` metric appears.
 
-``--max-microbatch``: for each variant, ``update_actor`` on the packed layout with
-``max_token_len_per_gpu`` doubled from ``--max-token-len`` until it runs out of memory (CUDA only),
-or until the micro-batch holds the whole batch; the largest that ran is recorded.
+``--max-microbatch``: for each variant, ``update_actor`` with its micro-batch doubled until CUDA
+runs out of memory, or until one micro-batch holds the whole batch; the largest that ran is
+recorded, in tokens per micro-batch. ``--search-layout padded`` (the default) doubles the sequences
+per micro-batch; ``packed`` doubles ``max_token_len_per_gpu``. The default is padded because with
+``sdpa`` transformers attends over a packed micro-batch through an ``N x N`` mask (the sequences
+found from the position ids), whose memory would decide the search at large N.
 
 A variant that cannot run here (verl's Triton kernels without Triton, say) is recorded as
 unavailable with its error; nothing is substituted for it. Results go to
@@ -104,6 +110,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-microbatch", action="store_true", help="search the largest micro-batch each variant fits (CUDA)")
     p.add_argument("--max-microbatch-limit", type=int, default=1 << 20, help="stop doubling past this many tokens")
+    p.add_argument("--search-layout", choices=LAYOUTS, default="padded",
+                   help="layout of the search (padded: sdpa over a packed micro-batch masks N x N, which would dominate)")
     p.add_argument("--check-prompts", type=int, default=2, help="prompts (with their samples) of the fp32 check run; 0: none")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -154,8 +162,10 @@ def import_verl(device: str) -> dict[str, Any]:
     if device == "cpu":
         sys.path.insert(0, os.path.join(REPO, "recipes"))
         from grpo import verl_cpu  # noqa: F401  (the CPU platform; unpinned offload)
-    import rl_kernel_verl  # noqa: F401  (registers when verl did not load it: an install without entry points)
+    import rl_kernel_verl  # (registers when verl did not load it: an install without entry points)
 
+    if VARIANTS["rl_kernel"] != (rl_kernel_verl.OVERRIDE,):
+        raise RuntimeError(f"the rl_kernel variant's override {VARIANTS['rl_kernel']} is not the switch {rl_kernel_verl.OVERRIDE}")
     return {"loaded_by_verl_entry_point": loaded_by_verl}
 
 
@@ -452,31 +462,39 @@ def guarded(row: dict, key: str, fn: Callable[[], dict], rec: Recorder) -> None:
 
 
 def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, rec: Recorder) -> dict:
-    """Double ``max_token_len_per_gpu`` of ``update_actor`` from ``--max-token-len`` until CUDA runs
-    out of memory or one micro-batch holds the whole batch."""
-    row: dict[str, Any] = {"variant": variant, "layout": "packed", "tried": [], "largest_fitting_tokens": None}
-    total = int(batch["attention_mask"].sum())
+    """The largest micro-batch ``update_actor`` fits: doubled until CUDA runs out of memory or one
+    micro-batch holds the whole batch. ``--search-layout packed`` doubles ``max_token_len_per_gpu``
+    from ``--max-token-len``; ``padded`` doubles ``micro_batch_size_per_gpu`` from
+    ``--micro-batch-size`` (tokens: sequences x padded length). Both are keys verl's worker takes
+    from the batch before its config."""
+    layout = args.search_layout
+    seq = args.prompt_len + args.response_len
+    row: dict[str, Any] = {"variant": variant, "layout": layout, "tried": [], "largest_fitting_tokens": None}
+    total = int(batch["attention_mask"].sum()) if layout == "packed" else batch["attention_mask"].numel()
     worker = None
     try:
-        worker = build_worker(overrides(args, model_dir, "packed", variant))
+        worker = build_worker(overrides(args, model_dir, layout, variant))
         if "old_log_probs" not in batch:  # no timing run before this one
             per_token_inputs(batch, response_values(log_prob_call(worker, batch)(), batch, "log_probs"), args.seed + 2)
-        tokens = args.max_token_len
-        while tokens <= args.max_microbatch_limit:
-            fn = update_call(worker, batch, max_token_len_per_gpu=tokens)
+        size = args.max_token_len if layout == "packed" else args.micro_batch_size
+        while (tokens := size if layout == "packed" else size * seq) <= args.max_microbatch_limit:
+            meta = {"max_token_len_per_gpu": size} if layout == "packed" else {"micro_batch_size_per_gpu": size}
+            fn = update_call(worker, batch, **meta)
             try:
+                if not row["tried"]:
+                    fn()  # the first update creates the optimizer's state: not part of a micro-batch's memory
                 peak = bench.peak_extra_gib(fn, device)
             except Exception as exc:  # the end of the search: out of memory, or an error recorded as such
                 oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-                row["tried"].append({"tokens": tokens, "fits": False, "out_of_memory": oom,
+                row["tried"].append({"tokens": tokens, **meta, "fits": False, "out_of_memory": oom,
                                      "error": scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")})
                 break
-            row["tried"].append({"tokens": tokens, "fits": True, "peak_extra_gib": peak})
+            row["tried"].append({"tokens": tokens, **meta, "fits": True, "peak_extra_gib": peak})
             row["largest_fitting_tokens"] = tokens
             if tokens >= total:
                 row["note"] = f"one micro-batch holds the whole batch ({total} tokens): the limit is higher"
                 break
-            tokens *= 2
+            size *= 2
             rec.flush()
     except Exception as exc:  # recorded, as in guarded()
         row.update(error_record(exc))
