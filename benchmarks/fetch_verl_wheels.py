@@ -73,7 +73,17 @@ def pip_download(spec: str, dest: str, *extra: str) -> None:
 
 
 def build_antlr(dest: str, work: str) -> str:
-    """The antlr4 4.9.3 wheel built from its pinned sdist; returns its path."""
+    """The antlr4 4.9.3 wheel built from its pinned sdist; returns its path.
+
+    Raises:
+        SystemExit: this Python cannot build wheels without build isolation (it needs setuptools
+            >= 70.1, or setuptools with the ``wheel`` package).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("setuptools.command.bdist_wheel") is None and importlib.util.find_spec("wheel") is None:
+        raise SystemExit(f"{sys.executable}: building antlr4-python3-runtime 4.9.3's wheel needs setuptools >= 70.1 or the "
+                         "wheel package in this Python; run this script with a Python that has one")
     pip_download("antlr4-python3-runtime==4.9.3", work, "--no-binary=:all:")
     sdist = os.path.join(work, ANTLR_SDIST[0])
     expect(sdist, ANTLR_SDIST[1])
