@@ -2,7 +2,8 @@
 
 ``python benchmarks/make_random_model.py --preset qwen3-0.6b --dtype bfloat16 --out DIR``: the config
 of the preset, weights drawn N(0, 0.02) from a seeded generator (norm weights 1), no tokenizer
-(engines run with token ids: ``skip_tokenizer_init=True``).
+(engines run with token ids: ``skip_tokenizer_init=True``). Other scripts call
+:func:`write_random_model`. ``tiny`` is a two-layer Qwen3 for CPU smoke runs of those scripts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,35 @@ PRESETS = {
     "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
                        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
+                 rms_norm_eps=1e-6, max_position_embeddings=1024, tie_word_embeddings=True),
 }
+
+
+def write_random_model(preset: str, out: str, *, dtype: str = "bfloat16", seed: int = 0) -> str:
+    """Save a random ``Qwen3ForCausalLM`` with ``PRESETS[preset]``'s config to ``out``; return ``out``.
+
+    Matrices (every parameter of 2 or more dims) are N(0, 0.02) from a generator seeded with
+    ``seed``; norm weights are 1. Built on the GPU when there is one. ``dtype``: a torch dtype name
+    (``bfloat16``, ``float16``, ``float32``), the dtype the weights are saved in.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**PRESETS[preset], bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
+    model.save_pretrained(out)
+    print(f"wrote {preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) to {out}")
+    return out
 
 
 def main() -> None:
@@ -28,19 +57,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights")
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     args = parser.parse_args()
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**PRESETS[args.preset], bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device).manual_seed(args.seed)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(getattr(torch, args.dtype))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
-    model.save_pretrained(args.out)
-    print(f"wrote {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}) to {args.out}")
+    write_random_model(args.preset, args.out, dtype=args.dtype, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -135,3 +135,29 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, op_class: str, dt
             f"contract (atol={tol.atol}, rtol={tol.rtol}); worst at flat index {i}: "
             f"actual={a.flatten()[i].item():.8g} expected={e.flatten()[i].item():.8g} err={err.flatten()[i].item():.3g}"
         )
+
+
+def verdict(actual: torch.Tensor, expected: torch.Tensor, op_class: str, dtype: torch.dtype, name: str = "value") -> dict:
+    """:func:`assert_close` as a record instead of an exception, for benchmarks that report every check.
+
+    Returns ``{"within_contract": bool, "max_abs_err": float, "worst_fraction": float}`` (the
+    largest ``|actual - expected|`` over its bound: at most 1 passes) plus ``"error"``, the
+    :func:`assert_close` message, when it fails.
+    """
+    try:
+        assert_close(actual, expected, op_class, dtype, name)
+        message = None
+    except AssertionError as exc:
+        message = str(exc)
+    row: dict = {"within_contract": message is None}
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.shape == e.shape and a.numel():
+        err = (a - e).abs()
+        row["max_abs_err"] = float(err.max())
+        row["worst_fraction"] = float((err / error_bound(e, op_class, dtype)).max())
+    else:
+        row["max_abs_err"] = row["worst_fraction"] = 0.0 if a.shape == e.shape else float("inf")
+    if message is not None:
+        row["error"] = message
+    return row

@@ -114,22 +114,14 @@ def random_rollout(generator: torch.Generator, batch: int = 4, prompt: int = 5, 
 
     Lengths and token ids are random (every prompt and response non-empty).
     """
+    from rl_kernel_verl.rollout import padded_rollout
+
     prompt_len = torch.randint(1, prompt + 1, (batch,), generator=generator)
     response_len = torch.randint(1, response + 1, (batch,), generator=generator)
     response_len[0] = response  # at least one full-length response
-    prompt_mask = (torch.arange(prompt)[None] >= (prompt - prompt_len)[:, None]).long()
-    response_mask = (torch.arange(response)[None] < response_len[:, None]).long()
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    prompts = torch.randint(0, VOCAB, (batch, prompt), generator=generator) * prompt_mask
-    responses = torch.randint(0, VOCAB, (batch, response), generator=generator) * response_mask
-    return {
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "prompts": prompts,
-        "responses": responses,
-    }
+    prompts = torch.randint(0, VOCAB, (batch, prompt), generator=generator)
+    responses = torch.randint(0, VOCAB, (batch, response), generator=generator)
+    return padded_rollout(prompts, responses, prompt_len, response_len)
 
 
 def to_engine_batch(tensors: dict, **meta):

@@ -1,0 +1,75 @@
+"""``benchmarks/bench_verl_actor.py`` end to end on CPU at the tiny shape, so the GPU benchmark cannot rot.
+
+The script's ``main`` runs in this process (on the tier's gloo group of world size 1), on verl
+0.9.1's FSDP2 actor; its JSON must hold every variant on both layouts, the fp32 off-vs-on checks
+against verl's default passed for rl-kernel's switch, the adapter's hooks live for the switch and
+absent otherwise, and verl's fused Triton kernels either passed or recorded as unavailable with
+verl's error (they need CUDA).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VARIANTS = ("verl_default", "rl_kernel", "verl_fused_triton")
+LAYOUTS = ("packed", "padded")
+CHECKED = {"log_probs", "entropy", "actor/pg_loss", "actor/ppo_kl", "kl_loss", "loss", "grad_norm", "gradients"}
+
+
+def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
+    from transformers import Qwen3ForCausalLM
+
+    spec = importlib.util.spec_from_file_location("bench_verl_actor", os.path.join(REPO, "benchmarks", "bench_verl_actor.py"))
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    forward = Qwen3ForCausalLM.forward
+    try:
+        rc = bench.main(["--model-shape", "tiny", "--device", "cpu", "--prompts", "2", "--samples", "2", "--prompt-len", "8",
+                         "--response-len", "8", "--max-token-len", "48", "--check-prompts", "1", "--reps", "1",
+                         "--seed", str(seed), "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "out")])
+    finally:  # verl's use_fused_kernels replaced the class's forward for the whole process
+        Qwen3ForCausalLM.forward = forward  # type: ignore[method-assign]
+    with open(tmp_path / "out" / "bench_verl_actor_tiny_packed-padded.json", encoding="utf-8") as f:
+        return rc, json.load(f)
+
+
+def test_bench_verl_actor_tiny_cpu(tmp_path):
+    seed = int(torch.randint(0, 2**16, ()))
+    rc, doc = _run_bench(tmp_path, seed)
+    assert rc == 0, f"seed {seed}: {json.dumps(doc['results'])[:3000]}"
+    assert doc["environment"]["verl"] == "0.9.1" and doc["settings"]["model_shape"] == "tiny"
+    rows = {(r["layout"], r["variant"]): r for r in doc["results"]}
+    assert set(rows) == {(layout, variant) for layout in LAYOUTS for variant in VARIANTS}
+    for layout in LAYOUTS:
+        for variant in ("verl_default", "rl_kernel"):
+            row = rows[(layout, variant)]
+            assert row["check"]["status"] == "ok" and row["timing"]["status"] == "ok", row
+            for op in ("log_prob", "update"):
+                timing = row["timing"][op]
+                assert timing["median_ms"] > 0 and timing["reps"] == 1 and timing["peak_extra_gib"] is None
+            for run in ("check", "timing"):
+                assert row[run]["hooks"]["ok"] and row[run]["hooks"]["probe"] == "live"
+        on = rows[(layout, "rl_kernel")]
+        assert CHECKED <= on["check"]["checks"].keys()
+        failed = {k: v for k, v in on["check"]["checks"].items() if not v["within_contract"]}
+        assert not failed, f"seed {seed}: {failed}"
+        assert on["check"]["checks"]["gradients"]["parameters"] > 0
+        for run in ("check", "timing"):
+            engine = on[run]["hooks"]["engine"]
+            assert set(engine["hooks"].values()) == {"live"} and engine["micro_batches_served"] > 0
+            assert not engine["micro_batches_on_verl_path"]
+            assert any(k.startswith("rl_kernel/backend/linear_logprob/") for k in on[run]["hooks"]["rl_kernel_metrics"])
+        off = rows[(layout, "verl_default")]
+        assert not off["timing"]["hooks"]["engine_hooked"] and not off["timing"]["hooks"]["rl_kernel_metrics"]
+        fused = rows[(layout, "verl_fused_triton")]
+        if fused["timing"]["status"] == "ok":
+            assert fused["check"]["status"] == "ok" and all(c["within_contract"] for c in fused["check"]["checks"].values())
+        else:  # verl's Triton kernels on a machine without CUDA: recorded with verl's error, nothing in its place
+            assert fused["timing"]["status"] == "unavailable" and fused["timing"]["error"] and "log_prob" not in fused["timing"]
+    assert {(s["layout"], s["variant"]) for s in doc["summary"]} >= {(layout, "rl_kernel") for layout in LAYOUTS}
