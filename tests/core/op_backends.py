@@ -1,4 +1,5 @@
-"""The backends an op's shared cases run on, as pytest parameters for the ``backend`` fixture.
+"""The backends an op's shared cases run on, as pytest parameters for the ``backend`` fixture
+(tests/conftest.py).
 
 ``@on_backends("policy_loss")`` parametrises a test over every backend that serves the op (as
 ``rl_kernel_core.dispatch`` declares it): ``torch`` on CPU always; ``triton`` on CPU under the
