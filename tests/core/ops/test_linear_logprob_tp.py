@@ -150,19 +150,23 @@ def _fp64(case):
     return dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=None if b is None else b.grad)
 
 
-def _run_world(world, sizes, cases, tmp_path):
+def _run_world(worker, world, cases, tmp_path, *args, interpret=False, timeout=150):
+    """Run ``worker`` (argv: rank, world, store, inputs, output, ``args``) on ``world`` processes over
+    the saved ``cases``; each rank's saved results."""
     torch.save(cases, tmp_path / "inputs.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(r), str(world), str(tmp_path / "store"), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{r}.pt"), ",".join(map(str, sizes))],
+            [sys.executable, "-c", worker, str(r), str(world), str(tmp_path / "store"), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{r}.pt"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for r in range(world)
     ]
     for p in procs:
         try:
-            _, err = p.communicate(timeout=150)
+            _, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -177,7 +181,7 @@ def test_vocab_parallel_bitwise_across_tp_sizes(seed, tmp_path, monkeypatch, wor
         _case(torch.bfloat16, bias=True, entropy=True, temperature=0.7, ignore_index=-100),
         _case(torch.float32, bias=False, entropy=False, temperature=1.0, ignore_index=5),
     ]
-    ranks = _run_world(world, sizes, cases, tmp_path)
+    ranks = _run_world(_WORKER, world, cases, tmp_path, ",".join(map(str, sizes)), interpret=True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for i, case in enumerate(cases):
         dtype = case["hidden"].dtype
@@ -250,7 +254,7 @@ _REFERENCE_WORKER = textwrap.dedent(
         w = case["weight"][shard].clone().requires_grad_()
         b = case["bias"][shard].clone().requires_grad_()
         lp, ent = rk.linear_logprob(h, w, case["targets"], bias=b, temperature=case["temperature"],
-                                    return_entropy=True, tp_group=dist.group.REFERENCE_WORLD, backend="torch")
+                                    return_entropy=True, tp_group=dist.group.WORLD, backend="torch")
         ((lp * case["g_lp"]).sum() + (ent * case["g_ent"]).sum()).backward()
         results.append(dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=b.grad))
     torch.save(results, out)
@@ -286,28 +290,9 @@ def _reference_single_process(case):
     return dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=b.grad)
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 def test_reference_vocab_parallel_matches_single_process(seed, tmp_path):
     cases = [_reference_case(torch.float32), _reference_case(torch.bfloat16), _reference_case(torch.float32, masked_shard=True)]
-    torch.save(cases, tmp_path / "inputs.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _REFERENCE_WORKER, str(r), str(REFERENCE_WORLD), str(tmp_path / "store"), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{r}.pt")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        for r in range(REFERENCE_WORLD)
-    ]
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, err[-3000:]
-    ranks = [torch.load(tmp_path / f"out{r}.pt") for r in range(REFERENCE_WORLD)]
-
+    ranks = _run_world(_REFERENCE_WORKER, REFERENCE_WORLD, cases, tmp_path, timeout=120)
     for case, *per_rank in zip(cases, *ranks):
         dtype = case["hidden"].dtype
         want = _reference_single_process(case)
