@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_preamble.sh gpu-results "$@"
 python3 -m rl_kernel_core.cli info > "$out/info.txt" 2>&1
-python3 -m pytest -q -m gpu tests/core/test_sampling.py tests/core/test_triton_sampling.py -p no:cacheprovider --durations=15 2>&1 \
+python3 -m pytest -q -m gpu tests/core/ops/test_sample.py -p no:cacheprovider --durations=15 2>&1 \
   | tee "$out/sampling_gpu_tests.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 - > "$out/sampling_kernels.txt" 2>&1 <<'PY'

@@ -1,5 +1,5 @@
-"""Shared pytest set-up: the ``gpu`` marker skips cleanly without CUDA; the ``seed`` and
-``triton_device`` fixtures."""
+"""Shared pytest set-up: the ``gpu`` marker skips cleanly without CUDA; the ``seed``,
+``triton_device``, ``backend`` and ``tune`` fixtures."""
 
 import os
 
@@ -41,6 +41,19 @@ def triton_device(request, monkeypatch):
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return torch.device(request.param)
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    """The ``op_backends.Backend`` (tests/core/op_backends.py) a test is parametrised with through
+    ``op_backends.on_backends``: Triton on CPU runs in its interpreter (``TRITON_INTERPRET=1`` for
+    this test), on CUDA it compiles."""
+    chosen = request.param
+    if chosen.interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    elif chosen.device == "cuda":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return chosen
 
 
 @pytest.fixture

@@ -273,16 +273,12 @@ def make_inputs(device, n, d, v, dtype, bias=True, scale=3.0, ignore_frac=0.2):
     return hidden, weight, b, targets
 
 
-def linear_oracle(hidden, weight, bias, targets, temperature):
-    """fp64 log p(target) and entropy of softmax((h W^T + b) / T); ignored rows 0."""
+def linear_oracle(hidden, weight, bias, targets, temperature, ignore_index=-100):
+    """fp64 log p(target) and entropy of softmax((h W^T + b) / T); rows at ``ignore_index`` 0."""
     logits = hidden.double() @ weight.double().T
     if bias is not None:
         logits = logits + bias.double()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    keep = targets != -100
-    lp = logp.gather(-1, torch.where(keep, targets, 0).unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
+    return logprob_oracle(logits, targets, temperature, ignore_index)
 
 
 def leaves(*tensors):
@@ -294,6 +290,29 @@ def linear_oracle_grads(hidden, weight, bias, targets, temperature, g_lp, g_ent)
     lp, ent = linear_oracle(h, w, b, targets, temperature)
     loss = (lp * g_lp).sum() + (ent * g_ent).sum()
     return torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None])
+
+
+# (N prime, D not a multiple of the K tile, V not a multiple of the vocab tile)
+LINEAR_CPU_SHAPE = dict(n=37, d=40, v=300)
+LINEAR_GPU_SHAPES = [dict(n=1031, d=896, v=151936), dict(n=257, d=4096, v=128256)]
+
+
+def linear_shapes(device, all_gpu_shapes=False):
+    """The CPU shape, or the first GPU shape (every GPU shape when ``all_gpu_shapes``)."""
+    if device.type == "cpu":
+        return [LINEAR_CPU_SHAPE]
+    return LINEAR_GPU_SHAPES if all_gpu_shapes else LINEAR_GPU_SHAPES[:1]
+
+
+def run_linear(hidden, weight, bias, targets, temperature, g_lp=None, g_ent=None, backend="triton"):
+    """``(logprob, entropy, grads of (hidden, weight[, bias]))`` through the public op on
+    ``backend`` (no grads without ``g_lp``)."""
+    h, w, b = leaves(hidden, weight, bias)
+    lp, ent = rk.linear_logprob(h, w, targets, bias=b, temperature=temperature, return_entropy=True, backend=backend)
+    if g_lp is None:
+        return lp, ent, ()
+    grads = torch.autograd.grad((lp * g_lp.float()).sum() + (ent * g_ent.float()).sum(), [x for x in (h, w, b) if x is not None])
+    return lp, ent, grads
 
 
 # ============================================================== sample
@@ -442,3 +461,103 @@ def check_compiled_equals_eager(backend, compiler, device, dtype):
             assert_close(metrics[name], eager_metrics[name].double(), "reduction", dtype, f"compiled {name}")
         assert grad.dtype == dtype
         assert_close(grad, eager_grad.double(), "gradient", dtype, "compiled d logits")
+
+
+# ============================================================== ratio_kl, policy_loss, fused_linear_policy_loss: verl's formulas, piecewise
+
+# Written from verl 0.9.1's definitions in a different form from the implementation (the clipped
+# surrogate piecewise by the sign of the advantage, aggregation as Python loops over sequences),
+# so a shared mistake is unlikely; the loss-side tests of every backend read them.
+
+KL_ALIASES = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy")
+
+
+def kl_formula(lp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    """Schulman's estimators with verl's clamps, fp64."""
+    if kind == "k1":
+        return lp - ref
+    if kind == "abs":
+        return torch.abs(lp - ref)
+    if kind == "k2":
+        return (lp - ref) ** 2 / 2
+    x = torch.minimum(torch.maximum(ref - lp, torch.full_like(lp, -20.0)), torch.full_like(lp, 20.0))
+    k3 = torch.exp(x) - x - 1
+    return torch.minimum(torch.maximum(k3, torch.full_like(lp, -10.0)), torch.full_like(lp, 10.0))
+
+
+def ratio_formula(lp: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.minimum(torch.maximum(lp - old, torch.full_like(lp, -20.0)), torch.full_like(lp, 20.0)))
+
+
+def surrogate_formula(lp, old, adv, lo, hi, c):
+    """Per-token PPO loss, clip flags, dual-clip flags; piecewise in the sign of A."""
+    r = ratio_formula(lp, old)
+    pos = -adv * torch.minimum(r, torch.full_like(r, 1 + hi))
+    neg_ratio = torch.maximum(r, torch.full_like(r, 1 - lo))
+    if c is not None:
+        neg_ratio = torch.minimum(neg_ratio, torch.full_like(r, c))
+    neg = -adv * neg_ratio
+    loss = torch.where(adv > 0, pos, torch.where(adv < 0, neg, torch.zeros_like(r)))
+    clipped = ((adv > 0) & (r > 1 + hi)) | ((adv < 0) & (r < 1 - lo))
+    lower = (adv < 0) & (r > c) if c is not None else torch.zeros_like(clipped)
+    return loss, clipped, lower
+
+
+def agg_formula(values: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
+    """verl's agg_loss (dp_size 1) as loops; an empty mask gives 0."""
+    num_seqs, seq_len = values.shape
+    if mode in ("token-mean", "token-sum"):
+        total = (values * w).sum()
+        if mode == "token-sum":
+            return total
+        return total / w.sum() if float(w.sum()) > 0 else total * 0
+    per_seq = []
+    for s in range(num_seqs):
+        tokens = w[s].sum()
+        if float(tokens) == 0:
+            continue
+        seq_sum = (values[s] * w[s]).sum()
+        per_seq.append(seq_sum / tokens if mode == "seq-mean-token-mean" else seq_sum)
+    out = sum(per_seq, torch.zeros((), dtype=values.dtype)) / len(per_seq) if per_seq else values.sum() * 0
+    return out / seq_len if mode == "seq-mean-token-sum-norm" else out
+
+
+def loss_formula(lp, old, adv, w, *, ref=None, lo=0.2, hi=0.2, c=None, kl="k3", kl_coef=0.0, ent=None, ent_coef=0.0, mode="token-mean", is_w=None):
+    """fp64 loss and metrics; inputs [S, T] fp64 (w: mask as numbers)."""
+    ref = old if ref is None else ref
+    pg_tok, clipped, lower = surrogate_formula(lp, old, adv, lo, hi, c)
+    if is_w is not None:
+        pg_tok = pg_tok * is_w
+    pg = agg_formula(pg_tok, w, mode)
+    kl_loss = agg_formula(kl_formula(lp, ref, kl), w, mode)
+    ent_loss = agg_formula(ent, w, mode) if ent is not None else lp.sum() * 0
+    loss = pg + kl_coef * kl_loss - ent_coef * ent_loss
+    tmean = lambda v: agg_formula(v.double(), w, "token-mean")  # noqa: E731
+    metrics = {
+        "pg_loss": pg, "pg_clipfrac": tmean(clipped), "pg_clipfrac_lower": tmean(lower),
+        "ppo_kl": tmean(-(torch.log(ratio_formula(lp, old)))), "kl_loss": kl_loss, "entropy": ent_loss,
+    }
+    return loss, metrics
+
+
+def make_loss_inputs(shape, dtype=torch.float32, *, spread=0.3, empty_row=False):
+    """Random, never-zero per-token inputs; ratios spread across both clip bounds."""
+    logprob = -(torch.rand(shape) * 4 + 0.05)
+    old = logprob + spread * torch.randn(shape)
+    ref = logprob + 0.5 * torch.randn(shape)
+    adv = torch.randn(shape)
+    adv = adv + 0.05 * torch.sign(adv)
+    mask = torch.rand(shape) > 0.3
+    mask[..., 0] = True
+    if empty_row:
+        mask.reshape(-1, shape[-1])[1] = False
+    entropy = torch.rand(shape) * 3 + 0.1
+    is_w = torch.rand(shape) * 1.5 + 0.25
+    cast = lambda t: t.to(dtype)  # noqa: E731
+    return dict(logprob=cast(logprob), old=cast(old), ref=cast(ref), adv=cast(adv), mask=mask, entropy=cast(entropy), is_w=cast(is_w))
+
+
+def as_fp64(t):
+    """``t`` detached in fp64 (``None`` stays ``None``)."""
+    return None if t is None else t.detach().double()

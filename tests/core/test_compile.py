@@ -7,9 +7,8 @@ argument checks, the dispatch, the backend call) cannot be traced. The step chai
 against the same step run_step eagerly (values, metrics and the logits gradient, within the contract).
 
 On CPU the step runs the reference (``torch``) backend under the ``aot_eager`` compiler (Dynamo
-and AOTAutograd, without Inductor's slow C++ build). On a GPU it runs the Triton custom ops
-under Inductor. The Triton custom ops are also compiled on CPU under the interpreter, in
-tests/core/test_triton_losses.py.
+and AOTAutograd, without Inductor's slow C++ build), and the Triton custom ops under the
+interpreter. On a GPU it runs the Triton and the native custom ops under Inductor.
 
 ``test_triton_kernels_compile_for_sm90`` runs Triton's full pipeline (TTIR, TTGIR, LLVM IR, PTX,
 cubin through the ``ptxas`` shipped with Triton) for every loss kernel and every compile-time
@@ -30,16 +29,9 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from oracles import check_compiled_equals_eager
-
-
-
-
-
-
-
-
-
+from rl_kernel_core.loss import METRIC_NAMES
+from op_backends import Backend, on_backends
+from oracles import check_compiled_equals_eager, make_logits, make_tokens
 
 
 def test_compiled_loss_step_fullgraph_reference_cpu(seed):
@@ -57,11 +49,41 @@ def test_compiled_step_checks_target_ids_on_device(seed):
         fn(logits, torch.tensor([1, 2, 30, 4]))
 
 
-@pytest.mark.gpu
+@on_backends("policy_loss", exclude=("torch", "triton-interpret"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_loss_step_fullgraph_triton_gpu(seed, dtype):
+def test_compiled_loss_step_fullgraph_gpu(seed, backend: Backend, dtype):
     torch._dynamo.reset()
-    check_compiled_equals_eager("triton", "inductor", "cuda", dtype)
+    check_compiled_equals_eager(backend.name, "inductor", "cuda", dtype)
+
+
+@on_backends("policy_loss", exclude=("torch", "native-cuda"))
+def test_compiled_loss_step_fullgraph_triton(seed, backend: Backend):
+    """logprob_from_logits -> ratio_kl -> policy_loss under torch.compile(fullgraph=True) (a graph break raises)."""
+    device = backend.device
+    logits, targets = make_logits(2 * 12, 96, torch.float32, device)
+    logits, targets = logits.view(2, 12, 96), targets.view(2, 12)
+    t = make_tokens((2, 12), device)
+
+    def step(x):
+        lp, ent = rk.logprob_from_logits(x, targets, temperature=0.9, return_entropy=True, backend="triton")
+        ratio, kl = rk.ratio_kl(lp, t["old"], t["ref"], backend="triton")
+        loss, metrics = rk.policy_loss(lp, t["old"], t["adv"], t["mask"] & (targets != -100), ref_logprob=t["ref"], kl_coef=0.1,
+                                       entropy=ent, entropy_coef=0.01, clip_ratio_c=3.0, backend="triton")
+        return loss + 0.5 * (ratio * kl).mean(), metrics
+
+    compiler = "inductor" if device == "cuda" else "aot_eager"  # inductor's CPU C++ build is too slow for CI
+    compiled = torch.compile(step, fullgraph=True, backend=compiler)
+    results = []
+    for fn in (step, compiled):
+        x = logits.clone().requires_grad_()
+        loss, metrics = fn(x)
+        loss.backward()
+        results.append((loss.detach(), metrics, x.grad))
+    (eager_loss, eager_m, eager_g), (comp_loss, comp_m, comp_g) = results
+    assert_close(comp_loss, eager_loss.double(), "reduction", torch.float32, "compiled loss")
+    for name in METRIC_NAMES:
+        assert_close(comp_m[name], eager_m[name].double(), "reduction", torch.float32, f"compiled {name}")
+    assert_close(comp_g, eager_g.double(), "gradient", torch.float32, "compiled d logits")
 
 
 # ---------------------------------------------------------------- Triton kernels for sm_90

@@ -1,7 +1,12 @@
-"""The native sources compile for sm_90 without a GPU, and declare the loss codes the Python side uses."""
+"""The native backend as a build: its sources compile for sm_90 without a GPU, are warp-size
+agnostic and declare the loss codes the Python side uses; without a usable extension the backend
+says why (``backend="native"`` raises the reason, ``rl-kernel info`` shows it, the ahead-of-time
+build exits with it); on a CUDA machine (``gpu``) the ahead-of-time build succeeds and ``auto``
+follows the order measured on that GPU. The ops' values are checked in tests/core/ops."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -9,8 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from rl_kernel_core import loss_codes
+import rl_kernel_core as rk
+from rl_kernel_core import dispatch, loss_codes, native_build
+from oracles import make_logits, make_tokens
+
+NATIVE = "native"
+SOURCES = Path(__file__).resolve().parents[2] / "native" / "csrc"
+gpu = pytest.mark.gpu
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH")
@@ -29,7 +41,7 @@ def _enum(text: str, name: str) -> dict[str, int]:
 
 
 def test_native_codes_match_python():
-    text = (Path(__file__).resolve().parents[2] / "native" / "csrc" / "codes.h").read_text()
+    text = (SOURCES / "codes.h").read_text()
     kl = {"kK1": "k1", "kAbs": "abs", "kK2": "k2", "kK3": "k3"}
     assert {kl[k]: v for k, v in _enum(text, "KlCode").items()} == loss_codes.KL_CODES
     agg = {"kTokenMean": "token-mean", "kSeqMeanTokenSum": "seq-mean-token-sum", "kSeqMeanTokenMean": "seq-mean-token-mean",
@@ -113,10 +125,94 @@ def test_a_build_cache_of_another_user_is_refused(tmp_path):
 @pytest.mark.parametrize("private", ["absent", "0700", "0755"])
 def test_a_private_or_absent_build_cache_passes_the_check(tmp_path, private):
     if shutil.which("nvcc") is not None:
-        pytest.skip("with a toolchain this would run a full build; test_native covers building")
+        pytest.skip("with a toolchain this would run a full build; test_ahead_of_time_build_succeeds_and_reuses_the_cache covers building")
     cache = tmp_path / "cache"
     if private != "absent":
         cache.mkdir()
         cache.chmod(int(private, 8))
     proc = _build_in(cache)
     assert "build cache" not in proc.stderr  # any failure left is the toolchain's (no nvcc, CPU-only torch)
+
+
+# ============================================================== without a usable extension
+
+
+def _expected_reason() -> str:
+    status = dispatch.backend_status()["native"]
+    assert status, "the native backend loaded"
+    return status
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the extension can be built here")
+def test_explicit_native_raises_the_reason():
+    reason = _expected_reason()
+    assert "CPU-only" in reason or "CUDA" in reason or "nvcc" in reason or "ninja" in reason, reason
+    logits, targets = torch.randn(3, 5), torch.tensor([1, 2, -100])
+    cases = [
+        lambda: rk.logprob_from_logits(logits, targets, backend=NATIVE),
+        lambda: rk.ratio_kl(torch.randn(4), torch.randn(4), backend=NATIVE),
+        lambda: rk.policy_loss(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool), backend=NATIVE),
+        lambda: rk.group_advantages(torch.randn(4), group_size=2, backend=NATIVE),
+        lambda: rk.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), targets, backend=NATIVE),
+    ]
+    for call in cases:
+        with pytest.raises(rk.BackendUnavailableError, match=r"backend='native' cannot run: ") as info:
+            call()
+        assert reason in str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the extension can be built here")
+def test_info_shows_why_native_is_unavailable():
+    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "info", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    native = json.loads(proc.stdout)["backends"]["native"]
+    assert native == f"unavailable: {native_build.unavailable_reason()}"
+    reason = native_build.unavailable_reason()
+    assert reason is not None and reason in _expected_reason()
+
+
+def _aot_build() -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "build"], capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="this PyTorch can build CUDA extensions")
+def test_ahead_of_time_build_on_cpu_only_torch_exits_with_the_reason():
+    proc = _aot_build()
+    assert proc.returncode == 1
+    assert f"cannot build: PyTorch {torch.__version__} is a CPU-only build" in proc.stderr
+
+
+def test_sources_are_warp_size_agnostic_and_hipify_friendly():
+    """No warp shuffles or 32-lane masks (wavefront 64), no CUDA-only half/bfloat16 headers, no raw streams."""
+    sources = sorted(SOURCES.glob("*.cu")) + sorted(SOURCES.glob("*.cuh")) + sorted(SOURCES.glob("*.cpp")) + sorted(SOURCES.glob("*.h"))
+    assert any(p.suffix == ".cu" for p in sources)
+    forbidden = [r"__shfl", r"0xffffffff", r"warpSize", r"cuda_bf16\.h", r"cuda_fp16\.h", r"cudaStreamCreate", r"atomicAdd"]
+    for path in sources:
+        text = path.read_text()
+        for pattern in forbidden:
+            assert not re.search(pattern, text), f"{path.name} uses {pattern}"
+
+
+# ============================================================== on a CUDA machine
+
+
+@gpu
+def test_auto_follows_the_measured_order_on_this_gpu(seed):
+    from rl_kernel_core import native
+
+    major, minor = torch.cuda.get_device_capability()
+    measured = native.MEASURED_PREFERENCE.get(f"{major}.{minor}", {})
+    logits, targets = make_logits(3, 64, torch.float32, "cuda")
+    rk.logprob_from_logits(logits, targets)
+    expected = measured.get("logprob_from_logits", ("native", "triton", "torch"))[0]
+    assert dispatch.explain("logprob_from_logits").backend == expected
+    t = make_tokens((2, 8), "cuda")
+    rk.policy_loss(t["lp"], t["old"], t["adv"], t["mask"])
+    assert dispatch.explain("policy_loss").backend == measured.get("policy_loss", ("native",))[0]
+
+
+@gpu
+def test_ahead_of_time_build_succeeds_and_reuses_the_cache():
+    proc = _aot_build()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "rl-kernel native: built " in proc.stdout

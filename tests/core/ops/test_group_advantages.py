@@ -1,4 +1,7 @@
-"""group_advantages against fp64 formulas written here as verl writes them (dicts of groups).
+"""group_advantages against fp64 formulas written here as verl writes them (dicts of groups), and
+the shared cases on every backend (``op_backends.on_backends``: ``torch`` on CPU, ``triton`` under
+the interpreter on CPU and compiled on CUDA, ``native`` on CUDA) against the per-group fp64 oracle
+(``oracles.advantages_oracle``) and the reference backend.
 
 Tolerances come from rl_kernel_core.contract only.
 """
@@ -14,6 +17,8 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
+from op_backends import Backend, on_backends
+from oracles import advantages_oracle
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -269,3 +274,52 @@ def test_equal_rewards_and_zero_eps_give_zero_on_every_backend(seed, backend_on)
             got = rk.group_advantages(rewards, eps=eps, backend=backend, **kw)
             assert torch.equal(got[:12], torch.zeros(12, device=device)), f"eps={eps} {list(kw)}: {got[:12].tolist()}"
             assert_close(got[12:], advantages_formula(rewards[12:].cpu(), ids[:4], "grpo", eps=eps), "reduction", torch.float32, f"eps={eps}")
+
+
+# ============================================================== shared cases, every backend
+
+
+@on_backends("group_advantages")
+@pytest.mark.parametrize("estimator,norm_by_std", [("grpo", True), ("grpo", False), ("dr_grpo", True), ("rloo", True)])
+def test_group_advantages_by_size_and_by_index(seed, backend: Backend, estimator, norm_by_std):
+    device = backend.device
+    rewards = torch.randn(48).to(device)
+    kw = dict(estimator=estimator, norm_by_std=norm_by_std, eps=1e-6, backend=backend.name)
+    by_size = rk.group_advantages(rewards, group_size=8, **kw)
+    assert by_size.dtype == torch.float32 and by_size.shape == (48,)
+    expected = advantages_oracle(rewards, [list(range(g, g + 8)) for g in range(0, 48, 8)], estimator, norm_by_std, 1e-6)
+    assert_close(by_size, expected, "reduction", torch.float32, "by size")
+    index = torch.randint(0, 9, (48,))
+    index[:2] = 100  # a group of two, and (likely) some of one
+    index[2] = 101
+    groups = [torch.nonzero(index == g).flatten().tolist() for g in index.unique()]
+    by_index = rk.group_advantages(rewards, group_index=index.to(device), **kw)
+    assert_close(by_index, advantages_oracle(rewards, groups, estimator, norm_by_std, 1e-6), "reduction", torch.float32, "by index")
+    ref = rk.group_advantages(rewards, group_index=index.to(device), **{**kw, "backend": "torch"})
+    assert_close(by_index, ref.double(), "reduction", torch.float32, "by index vs reference")
+    assert torch.equal(by_index, rk.group_advantages(rewards, group_index=index.to(device).to(torch.int32), **kw))
+
+
+@on_backends("group_advantages")
+def test_group_advantages_large_groups_bf16_rewards(seed, backend: Backend):
+    rewards = (torch.randn(2 * 1500) * 2 + 1).to(torch.bfloat16).to(backend.device)  # groups span several blocks
+    out = rk.group_advantages(rewards, group_size=1500, backend=backend.name)
+    groups = [list(range(0, 1500)), list(range(1500, 3000))]
+    assert_close(out, advantages_oracle(rewards, groups, "grpo", True, 1e-6), "reduction", torch.bfloat16, "bf16 rewards")
+    assert torch.equal(out, rk.group_advantages(rewards, group_size=1500, backend=backend.name))
+
+
+@on_backends("group_advantages", exclude=("triton-interpret", "triton-cuda"))  # triton refuses fp64 rewards
+def test_group_advantages_fp64_rewards_stay_fp64(seed, backend: Backend):
+    r64 = torch.randn(300, dtype=torch.float64).to(backend.device)
+    out64 = rk.group_advantages(r64, group_size=30, estimator="rloo", backend=backend.name)
+    assert out64.dtype == torch.float64
+    ref64 = rk.group_advantages(r64, group_size=30, estimator="rloo", backend="torch")
+    assert_close(out64, ref64, "reduction", torch.float64, "fp64 rewards vs reference")
+
+
+@on_backends("group_advantages", exclude=("torch",))
+def test_group_advantages_custom_op_passes_opcheck(seed, backend: Backend):
+    """The fake impl and schema agree with the real kernel."""
+    op = getattr(torch.ops.rl_kernel, f"{backend.name}_group_advantages")
+    torch.library.opcheck(op, (torch.randn(12, device=backend.device), 4, None, "grpo", True, 1e-6))

@@ -26,14 +26,6 @@ CPU_SHAPE = dict(n=45, k=40, m=70, sizes=(1, 7, 45))
 GPU_SHAPE = dict(n=1031, k=1024, m=3072, sizes=(1, 7, 64, 300, 1031))
 
 
-
-
-@pytest.fixture
-def device(triton_device):
-    """CPU (the Triton interpreter) or CUDA (compiled); see tests/conftest.py."""
-    return triton_device
-
-
 def _shape(device):
     return CPU_SHAPE if device.type == "cpu" else GPU_SHAPE
 

@@ -1,4 +1,11 @@
-"""Vocab-parallel Triton ``linear_logprob``: gloo worlds of 2 and 4 CPU processes under the Triton interpreter.
+"""Vocab-parallel ``linear_logprob`` (``tp_group``) on CPU processes joined by gloo.
+
+The reference (``torch``): 2 processes against the single-process result; each rank loads the
+inputs, keeps its contiguous vocab shard of ``weight``/``bias``, runs forward and backward
+(log-prob and entropy terms, non-uniform upstream gradients, ignored rows, a chunk small enough to
+split the rows, a shard whose logits are all ``-inf``) and saves its outputs.
+
+Triton: gloo worlds of 2 and 4 CPU processes under the Triton interpreter.
 
 The parent draws the inputs and saves them. The ranks of a world of 2 processes form groups of
 TP = 1 (each rank alone) and TP = 2; those of a world of 4, groups of TP = 2 (rank pairs) and
@@ -143,19 +150,23 @@ def _fp64(case):
     return dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=None if b is None else b.grad)
 
 
-def _run_world(world, sizes, cases, tmp_path):
+def _run_world(worker, world, cases, tmp_path, *args, interpret=False, timeout=150):
+    """Run ``worker`` (argv: rank, world, store, inputs, output, ``args``) on ``world`` processes over
+    the saved ``cases``; each rank's saved results."""
     torch.save(cases, tmp_path / "inputs.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(r), str(world), str(tmp_path / "store"), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{r}.pt"), ",".join(map(str, sizes))],
+            [sys.executable, "-c", worker, str(r), str(world), str(tmp_path / "store"), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{r}.pt"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for r in range(world)
     ]
     for p in procs:
         try:
-            _, err = p.communicate(timeout=150)
+            _, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -170,7 +181,7 @@ def test_vocab_parallel_bitwise_across_tp_sizes(seed, tmp_path, monkeypatch, wor
         _case(torch.bfloat16, bias=True, entropy=True, temperature=0.7, ignore_index=-100),
         _case(torch.float32, bias=False, entropy=False, temperature=1.0, ignore_index=5),
     ]
-    ranks = _run_world(world, sizes, cases, tmp_path)
+    ranks = _run_world(_WORKER, world, cases, tmp_path, ",".join(map(str, sizes)), interpret=True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for i, case in enumerate(cases):
         dtype = case["hidden"].dtype
@@ -217,3 +228,82 @@ def test_shard_not_multiple_of_tile_is_refused(monkeypatch):
     assert reason is not None and "tp_group" in reason and f"V_local={v_local}" in reason and f"BLOCK_N={block_n}" in reason
     whole = torch.randn(2 * block_n, 8)
     assert dispatch.unavailable_reason("linear_logprob", "triton", hidden.device, hidden, whole, targets, None, 1.0, -100, False, object()) is None
+
+
+# ============================================================== the reference (torch)
+
+REFERENCE_WORLD = 2
+
+_REFERENCE_WORKER = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+    import rl_kernel_core as rk
+    from rl_kernel_core.reference import logprob as reference
+
+    rank, world, store, inputs, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    cases = torch.load(inputs)
+    results = []
+    for case in cases:
+        reference.CHUNK_ELEMENTS = case["chunk_elements"]
+        vl = case["weight"].shape[0] // world
+        shard = slice(rank * vl, (rank + 1) * vl)
+        h = case["hidden"].clone().requires_grad_()
+        w = case["weight"][shard].clone().requires_grad_()
+        b = case["bias"][shard].clone().requires_grad_()
+        lp, ent = rk.linear_logprob(h, w, case["targets"], bias=b, temperature=case["temperature"],
+                                    return_entropy=True, tp_group=dist.group.WORLD, backend="torch")
+        ((lp * case["g_lp"]).sum() + (ent * case["g_ent"]).sum()).backward()
+        results.append(dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=b.grad))
+    torch.save(results, out)
+    dist.barrier()  # no rank tears gloo down while its peer still talks to it
+    dist.destroy_process_group()
+    """
+)
+
+
+def _reference_case(dtype, n=13, d=16, v=40, chunk_rows=3, masked_shard=False):
+    """``masked_shard``: a -inf bias over the last rank's whole shard (and a few entries of the
+    first), every target in the first shard."""
+    hidden = torch.randn(n, d).to(dtype)
+    weight = (torch.randn(v, d) * (3.0 / d**0.5)).to(dtype)
+    bias = torch.randn(v).to(dtype)
+    targets = torch.randint(0, v, (n,))
+    targets[:2] = torch.tensor([3, v - 2])  # one target in each shard, at least
+    if masked_shard:
+        bias[v - v // REFERENCE_WORLD :] = float("-inf")
+        bias[5:9] = float("-inf")
+        targets = torch.randint(9, v - v // REFERENCE_WORLD, (n,))
+    targets[5] = -100
+    g_lp = torch.rand(n) + 0.5
+    g_ent = -(torch.rand(n) + 0.5)
+    return dict(hidden=hidden, weight=weight, bias=bias, targets=targets, g_lp=g_lp, g_ent=g_ent,
+                temperature=0.7, chunk_elements=(v // REFERENCE_WORLD) * chunk_rows)
+
+
+def _reference_single_process(case):
+    h, w, b = (case[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    lp, ent = rk.linear_logprob(h, w, case["targets"], bias=b, temperature=case["temperature"], return_entropy=True, backend="torch")
+    ((lp * case["g_lp"]).sum() + (ent * case["g_ent"]).sum()).backward()
+    return dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=b.grad)
+
+
+def test_reference_vocab_parallel_matches_single_process(seed, tmp_path):
+    cases = [_reference_case(torch.float32), _reference_case(torch.bfloat16), _reference_case(torch.float32, masked_shard=True)]
+    ranks = _run_world(_REFERENCE_WORKER, REFERENCE_WORLD, cases, tmp_path, timeout=120)
+    for case, *per_rank in zip(cases, *ranks):
+        dtype = case["hidden"].dtype
+        want = _reference_single_process(case)
+        for key in ("lp", "ent", "dh"):  # replicated: every rank holds the same bits
+            assert all(torch.equal(per_rank[0][key], r[key]) for r in per_rank[1:]), key
+        got = per_rank[0]
+        assert not any(r[key].isnan().any() for r in per_rank for key in ("lp", "ent", "dh", "dw", "db"))
+        assert_close(got["lp"], want["lp"], "logprob", dtype, "logprob")
+        assert_close(got["ent"], want["ent"], "logprob", dtype, "entropy")
+        assert torch.all(got["lp"][case["targets"] == -100] == 0)
+        assert_close(got["dh"], want["dh"], "gradient", dtype, "dhidden")
+        assert_close(torch.cat([r["dw"] for r in per_rank]), want["dw"], "gradient", dtype, "dweight")
+        assert_close(torch.cat([r["db"] for r in per_rank]), want["db"], "gradient", dtype, "dbias")
+        assert got["dh"].dtype == got["dw"].dtype == dtype

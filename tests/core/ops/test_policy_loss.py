@@ -1,9 +1,13 @@
-"""ratio_kl, policy_loss and fused_linear_policy_loss against fp64 formulas written here.
+"""policy_loss: the shared cases on every backend, the reference against verl's formulas, bad input.
 
-The formulas below are written from verl 0.9.1's definitions in a different form from the
-implementation (the clipped surrogate piecewise by the sign of the advantage, aggregation as
-Python loops over sequences), so a shared mistake is unlikely. Tolerances come from
-rl_kernel_core.contract only.
+The shared cases run on each backend serving the op (``op_backends.on_backends``: ``torch`` on CPU,
+``triton`` under the interpreter on CPU and compiled on CUDA, ``native`` on CUDA): loss, metrics
+and gradients (non-uniform upstream) against the fp64 oracle (``oracles.policy_loss_oracle``:
+verl's surrogate and aggregation written as loops) and against the reference backend; every
+aggregation mode, dual clip, every KL type, float masks, optional terms, long and many sequences,
+an empty mask; determinism and strided inputs bitwise. The reference's own cases compare with
+verl's formulas written piecewise (``oracles.loss_formula``) and with verl itself where it
+installs. Tolerances come from rl_kernel_core.contract only.
 """
 
 from __future__ import annotations
@@ -17,211 +21,179 @@ import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core._checks import CHECK_VALUES_ENV, values_checked
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.loss import LOSS_AGG_MODES
+from rl_kernel_core.loss import LOSS_AGG_MODES, METRIC_NAMES
 from rl_kernel_core.switches import SwitchError
+from op_backends import Backend, on_backends
+from oracles import (
+    AGG_MODES, KL_TYPE_CASES, METRICS, as_fp64, check_policy_loss, loss_formula, make_loss_inputs, make_tokens, run_policy_loss, upstream,
+)
 
-AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KL_ALIASES = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
 DTYPES = [torch.float32, torch.bfloat16]
-METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy")
+on_every_backend = on_backends("policy_loss")
+on_fast_backends = on_backends("policy_loss", exclude=("torch",))
+on_gpu_backends = on_backends("policy_loss", exclude=("torch", "triton-interpret"))
 
 
-# ----------------------------------------------------------------------------- fp64 formulas
-
-def kl_formula(lp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
-    """Schulman's estimators with verl's clamps, fp64."""
-    if kind == "k1":
-        return lp - ref
-    if kind == "abs":
-        return torch.abs(lp - ref)
-    if kind == "k2":
-        return (lp - ref) ** 2 / 2
-    x = torch.minimum(torch.maximum(ref - lp, torch.full_like(lp, -20.0)), torch.full_like(lp, 20.0))
-    k3 = torch.exp(x) - x - 1
-    return torch.minimum(torch.maximum(k3, torch.full_like(lp, -10.0)), torch.full_like(lp, 10.0))
+# ============================================================== shared cases, every backend
 
 
-def ratio_formula(lp: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    return torch.exp(torch.minimum(torch.maximum(lp - old, torch.full_like(lp, -20.0)), torch.full_like(lp, 20.0)))
+@on_every_backend
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_policy_loss_aggregation_modes_and_dual_clip(seed, backend: Backend, mode, dual):
+    t = make_tokens((5, 37), backend.device)
+    t["mask"][1] = False  # an empty sequence
+    kl_type = KL_TYPE_CASES[(AGG_MODES.index(mode) * 2 + (dual is None)) % len(KL_TYPE_CASES)]
+    check_policy_loss(t, backend.name, mode=mode, c=dual, kl_type=kl_type)
 
 
-def surrogate_formula(lp, old, adv, lo, hi, c):
-    """Per-token PPO loss, clip flags, dual-clip flags; piecewise in the sign of A."""
-    r = ratio_formula(lp, old)
-    pos = -adv * torch.minimum(r, torch.full_like(r, 1 + hi))
-    neg_ratio = torch.maximum(r, torch.full_like(r, 1 - lo))
-    if c is not None:
-        neg_ratio = torch.minimum(neg_ratio, torch.full_like(r, c))
-    neg = -adv * neg_ratio
-    loss = torch.where(adv > 0, pos, torch.where(adv < 0, neg, torch.zeros_like(r)))
-    clipped = ((adv > 0) & (r > 1 + hi)) | ((adv < 0) & (r < 1 - lo))
-    lower = (adv < 0) & (r > c) if c is not None else torch.zeros_like(clipped)
-    return loss, clipped, lower
+@on_every_backend
+@pytest.mark.parametrize("kl_type", KL_TYPE_CASES)
+def test_policy_loss_every_kl_type(seed, backend: Backend, kl_type):
+    check_policy_loss(make_tokens((3, 41), backend.device), backend.name, kl_type=kl_type, kl_coef=0.3, mode="seq-mean-token-mean")
 
 
-def agg_formula(values: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tensor:
-    """verl's agg_loss (dp_size 1) as loops; an empty mask gives 0."""
-    num_seqs, seq_len = values.shape
-    if mode in ("token-mean", "token-sum"):
-        total = (values * w).sum()
-        if mode == "token-sum":
-            return total
-        return total / w.sum() if float(w.sum()) > 0 else total * 0
-    per_seq = []
-    for s in range(num_seqs):
-        tokens = w[s].sum()
-        if float(tokens) == 0:
-            continue
-        seq_sum = (values[s] * w[s]).sum()
-        per_seq.append(seq_sum / tokens if mode == "seq-mean-token-mean" else seq_sum)
-    out = sum(per_seq, torch.zeros((), dtype=values.dtype)) / len(per_seq) if per_seq else values.sum() * 0
-    return out / seq_len if mode == "seq-mean-token-sum-norm" else out
+@on_every_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # fp32: the direct-load path
+def test_policy_loss_float_mask(seed, backend: Backend, dtype):
+    check_policy_loss(make_tokens((4, 33), backend.device, dtype, mask_kind="float"), backend.name, mode="seq-mean-token-sum")
 
 
-def loss_formula(lp, old, adv, w, *, ref=None, lo=0.2, hi=0.2, c=None, kl="k3", kl_coef=0.0, ent=None, ent_coef=0.0, mode="token-mean", is_w=None):
-    """fp64 loss and metrics; inputs [S, T] fp64 (w: mask as numbers)."""
-    ref = old if ref is None else ref
-    pg_tok, clipped, lower = surrogate_formula(lp, old, adv, lo, hi, c)
-    if is_w is not None:
-        pg_tok = pg_tok * is_w
-    pg = agg_formula(pg_tok, w, mode)
-    kl_loss = agg_formula(kl_formula(lp, ref, kl), w, mode)
-    ent_loss = agg_formula(ent, w, mode) if ent is not None else lp.sum() * 0
-    loss = pg + kl_coef * kl_loss - ent_coef * ent_loss
-    tmean = lambda v: agg_formula(v.double(), w, "token-mean")  # noqa: E731
-    metrics = {
-        "pg_loss": pg, "pg_clipfrac": tmean(clipped), "pg_clipfrac_lower": tmean(lower),
-        "ppo_kl": tmean(-(torch.log(ratio_formula(lp, old)))), "kl_loss": kl_loss, "entropy": ent_loss,
-    }
-    return loss, metrics
+@on_every_backend
+@pytest.mark.parametrize("opts", [dict(ref=False, ent=False, is_w=False, kl_coef=0.0), dict(ent=False, c=None), dict(is_w=False, kl_coef=0.0)])
+def test_policy_loss_optional_terms(seed, backend: Backend, opts):
+    check_policy_loss(make_tokens((2, 3, 21), backend.device), backend.name, **opts)
 
 
-# ----------------------------------------------------------------------------- inputs
-
-def make_inputs(shape, dtype=torch.float32, *, spread=0.3, empty_row=False):
-    """Random, never-zero per-token inputs; ratios spread across both clip bounds."""
-    logprob = -(torch.rand(shape) * 4 + 0.05)
-    old = logprob + spread * torch.randn(shape)
-    ref = logprob + 0.5 * torch.randn(shape)
-    adv = torch.randn(shape)
-    adv = adv + 0.05 * torch.sign(adv)
-    mask = torch.rand(shape) > 0.3
-    mask[..., 0] = True
-    if empty_row:
-        mask.reshape(-1, shape[-1])[1] = False
-    entropy = torch.rand(shape) * 3 + 0.1
-    is_w = torch.rand(shape) * 1.5 + 0.25
-    cast = lambda t: t.to(dtype)  # noqa: E731
-    return dict(logprob=cast(logprob), old=cast(old), ref=cast(ref), adv=cast(adv), mask=mask, entropy=cast(entropy), is_w=cast(is_w))
+@on_every_backend
+@pytest.mark.parametrize("shape", [(2, 2100), (1, 9001)])
+def test_policy_loss_sequence_shapes(seed, backend: Backend, shape):
+    # several token blocks per sequence (T > 1024: partial sums joined, the last block partial),
+    # one long sequence
+    check_policy_loss(make_tokens(shape, backend.device), backend.name, mode="seq-mean-token-mean")
 
 
-def d(t):
-    return None if t is None else t.detach().double()
+@on_backends("policy_loss", exclude=("triton-interpret",))  # a program per sequence: 36 s interpreted
+def test_policy_loss_many_short_sequences(seed, backend: Backend):
+    check_policy_loss(make_tokens((1031, 7), backend.device), backend.name, mode="seq-mean-token-mean")
 
 
-# ----------------------------------------------------------------------------- ratio_kl
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kl_type", list(KL_ALIASES))
-def test_ratio_kl_matches_formula_including_clamps(seed, dtype, kl_type):
-    shape = (7, 33)
-    lp = -(torch.rand(shape) * 5 + 0.01)
-    ref = lp + (torch.rand(shape) * 60 - 30)  # log-ratios up to ±30: k3 hits ±20 and its result hits 10
-    old = lp + (torch.rand(shape) * 60 - 30)
-    lp, ref, old = lp.to(dtype), ref.to(dtype), old.to(dtype)
-    assert ((ref.double() - lp.double()).abs() > 20).any() and ((old.double() - lp.double()).abs() > 20).any()
-    raw = (ref.double() - lp.double()).clamp(-20, 20)
-    assert ((raw.exp() - raw - 1) > 10).any()
-
-    ratio, kl = rk.ratio_kl(lp, old, ref, kl_type=kl_type)
-    assert ratio.dtype == torch.float32 and kl.dtype == torch.float32 and kl.shape == shape
-    assert_close(ratio, ratio_formula(d(lp), d(old)), "elementwise", dtype, "ratio")
-    assert_close(kl, kl_formula(d(lp), d(ref), KL_ALIASES[kl_type]), "elementwise", dtype, f"kl[{kl_type}]")
-    if KL_ALIASES[kl_type] == "k3":
-        assert float(kl.max()) == 10.0
+@on_every_backend
+def test_policy_loss_empty_mask_gives_zero_and_zero_gradients(seed, backend: Backend):
+    t = make_tokens((3, 9), backend.device)
+    t["mask"][:] = False
+    t["old"][0, 0] = float("nan")  # outside the mask: must not leak
+    loss, metrics, g_lp, g_ent = check_policy_loss(t, backend.name, mode="token-mean")
+    assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
+    assert torch.equal(g_lp, torch.zeros_like(g_lp)) and torch.equal(g_ent, torch.zeros_like(g_ent))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_ratio_kl_infinite_log_ratios_stay_finite_through_the_clamps(seed, dtype):
-    """The ±20 clamps are what keep k3 and the ratio finite when a log-prob is -inf."""
-    lp = -(torch.rand(2, 8) * 3 + 0.1)
-    ref = lp + torch.randn(2, 8)
-    lp[0, :3] = float("-inf")
-    ref[1, :3] = float("-inf")
-    lp, ref = lp.to(dtype), ref.to(dtype)
-    ratio, kl = rk.ratio_kl(lp, ref, ref, kl_type="k3")
-    assert bool(torch.isfinite(kl).all()) and bool(torch.isfinite(ratio).all())
-    assert_close(kl, kl_formula(d(lp), d(ref), "k3"), "elementwise", dtype, "kl")
-    assert_close(ratio, ratio_formula(d(lp), d(ref)), "elementwise", dtype, "ratio")
+@on_every_backend
+def test_policy_loss_non_contiguous_inputs(seed, backend: Backend):
+    t = make_tokens((4, 60), backend.device)
+    strided = {k: v[:, ::2] for k, v in t.items()}
+    contiguous = {k: v.contiguous() for k, v in strided.items()}
+    g = upstream((), backend.device)
+    a, b = run_policy_loss(strided, backend.name, g), run_policy_loss(contiguous, backend.name, g)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+    check_policy_loss(strided, backend.name, mode="seq-mean-token-sum-norm")
 
 
-@pytest.mark.parametrize("kl_type", list(KL_ALIASES))
-def test_ratio_kl_without_ref_measures_against_old(seed, kl_type):
-    x = make_inputs((4, 9))
-    _, kl = rk.ratio_kl(x["logprob"], x["old"], kl_type=kl_type)
-    assert_close(kl, kl_formula(d(x["logprob"]), d(x["old"]), KL_ALIASES[kl_type]), "elementwise", torch.float32, "kl")
+@on_every_backend
+def test_policy_loss_deterministic(seed, backend: Backend):
+    t = make_tokens((6, 1500), backend.device)
+    g = upstream((), backend.device)
+    first = run_policy_loss(t, backend.name, g, mode="seq-mean-token-mean")
+    second = run_policy_loss(t, backend.name, g, mode="seq-mean-token-mean")
+    assert torch.equal(first[0], second[0]) and torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
+    for name in METRIC_NAMES:
+        assert torch.equal(first[1][name], second[1][name])
 
 
-def test_ratio_kl_any_shape_empty_and_non_contiguous(seed):
-    for shape in [(0,), (3, 0), ()]:
-        lp = -torch.rand(shape) - 0.1
-        old = lp - torch.rand(shape) - 0.1
-        ratio, kl = rk.ratio_kl(lp, old, kl_type="k2")
-        assert ratio.shape == shape and kl.shape == shape and ratio.dtype == torch.float32
-        assert_close(kl, kl_formula(d(lp), d(old), "k2"), "elementwise", torch.float32, "kl")
-        assert_close(ratio, ratio_formula(d(lp), d(old)), "elementwise", torch.float32, "ratio")
-    x = make_inputs((6, 4))
-    views = [x[k].t() for k in ("logprob", "old", "ref")]
-    a = rk.ratio_kl(*views, kl_type="low_var_kl")
-    b = rk.ratio_kl(*(v.contiguous() for v in views), kl_type="low_var_kl")
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+# ============================================================== shared cases, the fast backends
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kl_type", list(KL_ALIASES))
-def test_ratio_kl_gradients_match_fp64_autograd(seed, dtype, kl_type):
-    shape = (5, 17)
-    lp0 = -(torch.rand(shape) * 4 + 0.05)
-    ref = (lp0 + 3 * torch.randn(shape)).to(dtype)
-    old = (lp0 + 0.5 * torch.randn(shape)).to(dtype)
-    lp = lp0.to(dtype).requires_grad_()
-    upstream_r, upstream_k = torch.rand(shape) + 0.5, torch.rand(shape) + 0.5
-    ratio, kl = rk.ratio_kl(lp, old, ref, kl_type=kl_type)
-    ((ratio * upstream_r).sum() + (kl * upstream_k).sum()).backward()
-
-    lp64 = d(lp).requires_grad_()
-    expected = (ratio_formula(lp64, d(old)) * upstream_r.double()).sum() + (kl_formula(lp64, d(ref), KL_ALIASES[kl_type]) * upstream_k.double()).sum()
-    (grad,) = torch.autograd.grad(expected, lp64)
-    assert lp.grad is not None and lp.grad.dtype == dtype
-    assert_close(lp.grad, grad, "gradient", dtype, "d/dlogprob")
+@on_fast_backends
+def test_policy_loss_refuses_what_it_does_not_serve(seed, backend: Backend):
+    t = make_tokens((2, 8), backend.device)
+    with pytest.raises(rk.BackendUnavailableError, match="advantages requires grad"):
+        rk.policy_loss(t["lp"], t["old"], t["adv"].clone().requires_grad_(), t["mask"], backend=backend.name)
+    with pytest.raises(rk.BackendUnavailableError, match="float64"):
+        rk.policy_loss(t["lp"].double(), t["old"], t["adv"], t["mask"], backend=backend.name)
 
 
-@pytest.mark.parametrize("kl_type", ["k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+"])
-def test_straight_through_kl_has_base_value_and_k2_gradient(seed, kl_type):
-    x = make_inputs((3, 11), spread=1.0)
-    lp = x["logprob"].clone().requires_grad_()
-    _, kl = rk.ratio_kl(lp, x["old"], x["ref"], kl_type=kl_type)
-    base = KL_ALIASES[kl_type[:-1]]
-    assert_close(kl, kl_formula(d(lp), d(x["ref"]), base), "elementwise", torch.float32, "kl value")
-    kl.sum().backward()
-    assert_close(lp.grad, d(lp) - d(x["ref"]), "gradient", torch.float32, "k2 gradient")
+@on_fast_backends
+def test_policy_loss_custom_op_passes_opcheck(seed, backend: Backend):
+    """The fake impl, schema and autograd registration agree with the real kernels."""
+    t = make_tokens((3, 11), backend.device)
+    torch.library.opcheck(
+        getattr(torch.ops.rl_kernel, f"{backend.name}_policy_loss"),
+        (t["lp"], t["old"], t["adv"], t["mask"], t["ref"], t["ent"].requires_grad_(), t["is_w"], 0.2, 0.28, 3.0, "k3+", 0.1, 0.01, "seq-mean-token-mean"),
+    )
 
 
-def test_ratio_kl_gradcheck_fp64(seed):
-    x = make_inputs((3, 5))
-    lp = d(x["logprob"]).requires_grad_()
-    for kl_type in ("k1", "abs", "k2", "k3"):
-        torch.autograd.gradcheck(lambda t: rk.ratio_kl(t, d(x["old"]), d(x["ref"]), kl_type=kl_type), (lp,))
+@on_backends("policy_loss", exclude=("torch", "native-cuda"))
+def test_triton_eager_path_matches_custom_op_bitwise(seed, backend: Backend):
+    """Eager calls take a torch.autograd.Function over the kernels, torch.compile the custom op:
+    same values and gradients, bit for bit; neither backward can be differentiated again (the
+    eager one refuses create_graph=True at once, naming the op)."""
+    from rl_kernel_core.triton import loss as triton_loss
+
+    t = make_tokens((3, 11), backend.device)
+    args = (t["old"], t["adv"], t["mask"], t["ref"], None, t["is_w"], 0.2, 0.28, 3.0, "k3+", 0.1, 0.0, "seq-mean-token-mean")
+    outs = []
+    for op in (torch.ops.rl_kernel.triton_policy_loss, triton_loss._policy_loss_op):
+        lp = t["lp"].detach().clone().requires_grad_()
+        loss, metrics, _, _ = op(lp, *args)
+        (grad,) = torch.autograd.grad(loss, (lp,), retain_graph=True)
+        outs.append((loss, metrics, grad))
+        scale = torch.ones((), device=backend.device, requires_grad=True)  # an upstream gradient that requires grad
+        if op is triton_loss._policy_loss_op:
+            with pytest.raises(RuntimeError, match="rl_kernel::triton_policy_loss has no double backward"):
+                torch.autograd.grad(loss * scale, (lp,), create_graph=True)
+        else:
+            (grad2,) = torch.autograd.grad(loss * scale, (lp,), create_graph=True)
+            with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+                grad2.sum().backward()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
-# ----------------------------------------------------------------------------- policy_loss
+@on_gpu_backends
+@pytest.mark.parametrize("shape,mode", [((2048, 512), "token-mean"), ((256, 4096), "seq-mean-token-mean"), ((997, 1031), "seq-mean-token-sum-norm")])
+def test_policy_loss_realistic(seed, backend: Backend, shape, mode):
+    check_policy_loss(make_tokens(shape, "cuda"), backend.name, mode=mode, kl_type="k3+")
+
+
+@on_gpu_backends
+def test_losses_never_sync_with_the_host(seed, backend: Backend):
+    t = make_tokens((512, 1024), "cuda")
+    g = upstream((), "cuda")
+    rewards = t["adv"][:, 0].contiguous()
+
+    def step():
+        run_policy_loss(t, backend.name, g)
+        rk.group_advantages(rewards, group_size=8, backend=backend.name)
+        rk.ratio_kl(t["lp"], t["old"], t["ref"], backend=backend.name)
+
+    step()  # compile and warm up outside the guarded region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# ============================================================== the reference (torch) on CPU
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_policy_loss_each_agg_mode_matches_formula(seed, dtype, mode):
-    x = make_inputs((6, 19), dtype, spread=0.4, empty_row=True)
+    x = make_loss_inputs((6, 19), dtype, spread=0.4, empty_row=True)
     loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], loss_agg_mode=mode)
-    exp_loss, exp_metrics = loss_formula(d(x["logprob"]), d(x["old"]), d(x["adv"]), x["mask"].double(), mode=mode)
+    exp_loss, exp_metrics = loss_formula(as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), mode=mode)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert_close(loss, exp_loss, "reduction", dtype, f"loss[{mode}]")
     for name in METRICS:
@@ -231,10 +203,10 @@ def test_policy_loss_each_agg_mode_matches_formula(seed, dtype, mode):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("clip_ratio_c", [None, 3.0])
 def test_policy_loss_clipping_and_dual_clip(seed, dtype, clip_ratio_c):
-    x = make_inputs((5, 40), dtype, spread=1.5)  # ratios from ~0.01 to ~100: every branch is taken
+    x = make_loss_inputs((5, 40), dtype, spread=1.5)  # ratios from ~0.01 to ~100: every branch is taken
     lo, hi = 0.2, 0.28
     loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], clip_ratio_low=lo, clip_ratio_high=hi, clip_ratio_c=clip_ratio_c)
-    exp_loss, exp_metrics = loss_formula(d(x["logprob"]), d(x["old"]), d(x["adv"]), x["mask"].double(), lo=lo, hi=hi, c=clip_ratio_c)
+    exp_loss, exp_metrics = loss_formula(as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), lo=lo, hi=hi, c=clip_ratio_c)
     assert_close(loss, exp_loss, "reduction", dtype, "loss")
     for name in METRICS:
         assert_close(metrics[name], exp_metrics[name], "reduction", dtype, name)
@@ -250,12 +222,12 @@ def test_policy_loss_clipping_and_dual_clip(seed, dtype, clip_ratio_c):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_policy_loss_kl_entropy_and_is_weights(seed, dtype, mode):
-    x = make_inputs((4, 23), dtype, spread=0.5, empty_row=True)
+    x = make_loss_inputs((4, 23), dtype, spread=0.5, empty_row=True)
     kw = dict(ref_logprob=x["ref"], clip_ratio_c=3.0, kl_type="low_var_kl", kl_coef=0.1, entropy=x["entropy"], entropy_coef=0.01, loss_agg_mode=mode, rollout_is_weights=x["is_w"])
     loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], **kw)
     exp_loss, exp_metrics = loss_formula(
-        d(x["logprob"]), d(x["old"]), d(x["adv"]), x["mask"].double(), ref=d(x["ref"]), c=3.0, kl="k3", kl_coef=0.1,
-        ent=d(x["entropy"]), ent_coef=0.01, mode=mode, is_w=d(x["is_w"]),
+        as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), ref=as_fp64(x["ref"]), c=3.0, kl="k3", kl_coef=0.1,
+        ent=as_fp64(x["entropy"]), ent_coef=0.01, mode=mode, is_w=as_fp64(x["is_w"]),
     )
     assert_close(loss, exp_loss, "reduction", dtype, "loss")
     for name in METRICS:
@@ -266,7 +238,7 @@ def test_policy_loss_kl_entropy_and_is_weights(seed, dtype, mode):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_policy_loss_gradients_match_fp64_autograd(seed, dtype, mode):
-    x = make_inputs((4, 15), dtype, spread=0.5, empty_row=True)
+    x = make_loss_inputs((4, 15), dtype, spread=0.5, empty_row=True)
     lp = x["logprob"].clone().requires_grad_()
     ent = x["entropy"].clone().requires_grad_()
     loss, _ = rk.policy_loss(
@@ -274,10 +246,10 @@ def test_policy_loss_gradients_match_fp64_autograd(seed, dtype, mode):
         entropy=ent, entropy_coef=0.05, loss_agg_mode=mode, rollout_is_weights=x["is_w"],
     )
     loss.backward()
-    lp64, ent64 = d(lp).requires_grad_(), d(ent).requires_grad_()
+    lp64, ent64 = as_fp64(lp).requires_grad_(), as_fp64(ent).requires_grad_()
     exp_loss, _ = loss_formula(
-        lp64, d(x["old"]), d(x["adv"]), x["mask"].double(), ref=d(x["ref"]), c=3.0, kl="k3", kl_coef=0.2,
-        ent=ent64, ent_coef=0.05, mode=mode, is_w=d(x["is_w"]),
+        lp64, as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), ref=as_fp64(x["ref"]), c=3.0, kl="k3", kl_coef=0.2,
+        ent=ent64, ent_coef=0.05, mode=mode, is_w=as_fp64(x["is_w"]),
     )
     g_lp, g_ent = torch.autograd.grad(exp_loss, (lp64, ent64))
     assert lp.grad.dtype == dtype and ent.grad.dtype == dtype
@@ -287,8 +259,8 @@ def test_policy_loss_gradients_match_fp64_autograd(seed, dtype, mode):
 
 
 def test_policy_loss_gradcheck_fp64(seed):
-    x = make_inputs((3, 6), spread=0.5)
-    args = {k: d(v) for k, v in x.items() if k != "mask"}
+    x = make_loss_inputs((3, 6), spread=0.5)
+    args = {k: as_fp64(v) for k, v in x.items() if k != "mask"}
     lp = args["logprob"].requires_grad_()
     ent = args["entropy"].requires_grad_()
     for mode in AGG_MODES:
@@ -301,7 +273,7 @@ def test_policy_loss_gradcheck_fp64(seed):
 
 
 def test_policy_loss_metrics_are_detached_0d_and_loss_is_attached(seed):
-    x = make_inputs((3, 8))
+    x = make_loss_inputs((3, 8))
     lp = x["logprob"].clone().requires_grad_()
     ent = x["entropy"].clone().requires_grad_()
     loss, metrics = rk.policy_loss(lp, x["old"], x["adv"], x["mask"], kl_coef=0.1, entropy=ent, entropy_coef=0.1)
@@ -328,7 +300,7 @@ def test_policy_loss_runs_on_meta_tensors_so_never_syncs(seed):
 
 
 def test_policy_loss_float_mask_weighs_tokens(seed):
-    x = make_inputs((5, 12), empty_row=True)
+    x = make_loss_inputs((5, 12), empty_row=True)
     binary = x["mask"].float()
     for mode in AGG_MODES:
         a = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], loss_agg_mode=mode, entropy=x["entropy"])
@@ -337,13 +309,13 @@ def test_policy_loss_float_mask_weighs_tokens(seed):
     weights = x["mask"] * (torch.rand(5, 12) + 0.1)
     for mode in AGG_MODES:
         loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], weights, loss_agg_mode=mode)
-        exp_loss, exp_metrics = loss_formula(d(x["logprob"]), d(x["old"]), d(x["adv"]), weights.double(), mode=mode)
+        exp_loss, exp_metrics = loss_formula(as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), weights.double(), mode=mode)
         assert_close(loss, exp_loss, "reduction", torch.float32, f"weighted loss[{mode}]")
         assert_close(metrics["ppo_kl"], exp_metrics["ppo_kl"], "reduction", torch.float32, "weighted ppo_kl")
 
 
 def test_policy_loss_ignores_non_finite_values_outside_the_mask(seed):
-    x = make_inputs((4, 10))
+    x = make_loss_inputs((4, 10))
     poisoned = {k: x[k].clone() for k in ("logprob", "old", "adv", "entropy")}
     for k, v in poisoned.items():
         v[~x["mask"]] = float("nan") if k != "adv" else float("inf")
@@ -354,20 +326,20 @@ def test_policy_loss_ignores_non_finite_values_outside_the_mask(seed):
 
 
 def test_policy_loss_shapes_leading_dims_and_one_sequence(seed):
-    x = make_inputs((2, 3, 11), empty_row=True)
+    x = make_loss_inputs((2, 3, 11), empty_row=True)
     flat = {k: v.reshape(6, 11) for k, v in x.items()}
     for mode in AGG_MODES:
         a = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], loss_agg_mode=mode)
         b = rk.policy_loss(flat["logprob"], flat["old"], flat["adv"], flat["mask"], loss_agg_mode=mode)
         assert torch.equal(a[0], b[0])
-    one = make_inputs((13,))
+    one = make_loss_inputs((13,))
     a = rk.policy_loss(one["logprob"], one["old"], one["adv"], one["mask"], loss_agg_mode="seq-mean-token-sum")
     b = rk.policy_loss(*(one[k][None] for k in ("logprob", "old", "adv", "mask")), loss_agg_mode="seq-mean-token-sum")
     assert torch.equal(a[0], b[0])
 
 
 def test_policy_loss_non_contiguous_equals_contiguous(seed):
-    x = make_inputs((9, 5))  # transposed below: [5, 9] views with strides (1, 5)
+    x = make_loss_inputs((9, 5))  # transposed below: [5, 9] views with strides (1, 5)
     views = {k: v.t() for k, v in x.items()}
     assert not views["logprob"].is_contiguous()
     for mode in AGG_MODES:
@@ -392,7 +364,7 @@ def test_policy_loss_empty_inputs_give_zero_loss_and_metrics(shape):
 
 
 def test_policy_loss_all_masked_gives_zero_not_nan(seed):
-    x = make_inputs((3, 6))
+    x = make_loss_inputs((3, 6))
     none = torch.zeros(3, 6, dtype=torch.bool)
     for mode in AGG_MODES:
         loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], none, kl_coef=0.1, loss_agg_mode=mode)
@@ -400,7 +372,7 @@ def test_policy_loss_all_masked_gives_zero_not_nan(seed):
 
 
 def test_policy_loss_backend_choice_and_errors(seed):
-    x = make_inputs((2, 5))
+    x = make_loss_inputs((2, 5))
     args = (x["logprob"], x["old"], x["adv"], x["mask"])
     a = rk.policy_loss(*args)
     b = rk.policy_loss(*args, backend="torch")
@@ -429,7 +401,7 @@ class _VerlActorConfig(dict):
 def test_matches_verl_core_algos_when_installed(seed, mode):
     """Parity with verl's own functions (skipped where verl is not installed)."""
     core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
-    x = make_inputs((6, 21), spread=1.0, empty_row=True)
+    x = make_loss_inputs((6, 21), spread=1.0, empty_row=True)
     cfg = _VerlActorConfig(0.2, 0.28, 3.0)
     for kl_type in ("k1", "abs", "k2", "low_var_kl", "k3+"):
         lp_verl, lp_ours = x["logprob"].clone().requires_grad_(), x["logprob"].clone().requires_grad_()
@@ -458,7 +430,7 @@ def test_matches_verl_core_algos_when_installed(seed, mode):
 # ----------------------------------------------------------------------------- bad input
 
 def _good():
-    x = make_inputs((3, 4))
+    x = make_loss_inputs((3, 4))
     return dict(logprob=x["logprob"], old_logprob=x["old"], advantages=x["adv"], mask=x["mask"])
 
 
@@ -511,141 +483,7 @@ META = torch.device("meta")
 def test_policy_loss_bad_input_names_the_argument(over, err, name):
     with pytest.raises(err, match=name):
         _call_policy(**over)
-
-
-@pytest.mark.parametrize(
-    "args, kw, err, name",
-    [
-        ((torch.randn(3), torch.randn(4)), {}, ValueError, "old_logprob"),
-        ((torch.randn(3), torch.randn(3, dtype=torch.float64).to(torch.int64)), {}, TypeError, "old_logprob"),
-        ((torch.randn(3), torch.randn(3)), dict(ref_logprob=torch.randn(3, device=META)), ValueError, "ref_logprob"),
-        ((torch.randn(3), torch.randn(3)), dict(kl_type="full"), ValueError, "kl_type"),
-        (("x", torch.randn(3)), {}, TypeError, "logprob"),
-        ((torch.randn(3), None), {}, TypeError, "old_logprob"),
-    ],
-)
-def test_ratio_kl_bad_input_names_the_argument(args, kw, err, name):
-    with pytest.raises(err, match=name):
-        rk.ratio_kl(*args, **kw)
-
-
-# ----------------------------------------------------------------------------- fused_linear_policy_loss
-
-def _fused_inputs(dtype, seqs=3, seq_len=7, dim=16, vocab=50):
-    hidden = (torch.randn(seqs, seq_len, dim) * 0.5).to(dtype)
-    weight = (torch.randn(vocab, dim) * 0.3).to(dtype)
-    bias = (torch.randn(vocab) * 0.1).to(dtype)
-    targets = torch.randint(0, vocab, (seqs, seq_len))
-    x = make_inputs((seqs, seq_len), spread=0.4, empty_row=seqs > 1)
-    return hidden, weight, bias, targets, x
-
-
-def _logprob_entropy_fp64(hidden, weight, bias, targets, temperature):
-    logits = (hidden.double() @ weight.double().T + bias.double()) / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    safe = targets.clamp(min=0)
-    lp = logp.gather(-1, safe[..., None])[..., 0]
-    ent = -(logp.exp() * logp).sum(-1)
-    return lp, ent
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_matches_fp64_formula_values_and_gradients(seed, dtype):
-    hidden, weight, bias, targets, x = _fused_inputs(dtype)
-    temp = 0.7
-    kw = dict(clip_ratio_c=3.0, kl_coef=0.1, entropy_coef=0.02, loss_agg_mode="seq-mean-token-mean")
-    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    loss, metrics = rk.fused_linear_policy_loss(
-        h, w, targets, x["old"], x["adv"], x["mask"], bias=b, temperature=temp, ref_logprob=x["ref"], rollout_is_weights=x["is_w"], **kw,
-    )
-    loss.backward()
-
-    h64, w64, b64 = (d(t).requires_grad_() for t in (hidden, weight, bias))
-    lp, ent = _logprob_entropy_fp64(h64, w64, b64, targets, temp)
-    exp_loss, exp_metrics = loss_formula(
-        lp, d(x["old"]), d(x["adv"]), x["mask"].double(), ref=d(x["ref"]), c=3.0, kl="k3", kl_coef=0.1, ent=ent,
-        ent_coef=0.02, mode="seq-mean-token-mean", is_w=d(x["is_w"]),
-    )
-    grads = torch.autograd.grad(exp_loss, (h64, w64, b64))
-    assert_close(loss, exp_loss, "logprob", dtype, "loss")
-    for name in METRICS:
-        assert_close(metrics[name], exp_metrics[name], "logprob", dtype, name)
-    for got, want, name in zip((h.grad, w.grad, b.grad), grads, ("hidden", "weight", "bias")):
-        assert got.dtype == dtype
-        assert_close(got, want, "gradient", dtype, f"d/d{name}")
-
-
-@pytest.mark.parametrize("mode", AGG_MODES)
-def test_fused_equals_linear_logprob_then_policy_loss(seed, mode):
-    hidden, weight, bias, targets, x = _fused_inputs(torch.float32)
-    targets[0, 2] = -100
-    targets[2, 5] = -100
-    kw = dict(clip_ratio_c=3.0, kl_type="k2", kl_coef=0.1, loss_agg_mode=mode, rollout_is_weights=x["is_w"], ref_logprob=x["ref"])
-    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
-    loss, metrics = rk.fused_linear_policy_loss(h1, weight, targets, x["old"], x["adv"], x["mask"], bias=bias, temperature=1.3, entropy_coef=0.05, **kw)
-    lp, ent = rk.linear_logprob(h2, weight, targets, bias=bias, temperature=1.3, return_entropy=True)
-    scored = x["mask"] & (targets != -100)
-    exp_loss, exp_metrics = rk.policy_loss(lp, x["old"], x["adv"], scored, entropy=ent, entropy_coef=0.05, **kw)
-    loss.backward()
-    exp_loss.backward()
-    assert_close(loss, exp_loss.double(), "logprob", torch.float32, "loss")
-    for name in METRICS:
-        assert_close(metrics[name], exp_metrics[name].double(), "logprob", torch.float32, name)
-    assert_close(h1.grad, h2.grad.double(), "gradient", torch.float32, "d/dhidden")
-    assert bool((h1.grad[0, 2] == 0).all()) and bool((h1.grad[2, 5] == 0).all())
-
-
-def test_fused_one_sequence_and_empty(seed):
-    hidden, weight, _, targets, x = _fused_inputs(torch.float32, seqs=1)
-    a = rk.fused_linear_policy_loss(hidden[0], weight, targets[0], x["old"][0], x["adv"][0], x["mask"][0])
-    b = rk.fused_linear_policy_loss(hidden, weight, targets, x["old"], x["adv"], x["mask"])
-    assert torch.equal(a[0], b[0])
-    h = torch.randn(0, 5, 16, requires_grad=True)
-    empty = torch.randn(0, 5)
-    loss, metrics = rk.fused_linear_policy_loss(h, weight, torch.zeros(0, 5, dtype=torch.int64), empty, empty, empty > 0)
-    assert float(loss.detach()) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
-    loss.backward()
-    assert h.grad is not None and h.grad.shape == h.shape
-
-
-@pytest.mark.parametrize(
-    "over, err, name",
-    [
-        (dict(hidden=torch.randn(16)), ValueError, "hidden"),
-        (dict(weight=torch.randn(50, 15)), ValueError, "weight"),
-        (dict(weight=torch.randn(50, 16, dtype=torch.float64)), TypeError, "weight"),
-        (dict(targets=torch.randint(0, 50, (3, 6))), ValueError, "targets"),
-        (dict(targets=torch.rand(3, 7)), TypeError, "targets"),
-        (dict(targets=torch.full((3, 7), 50)), ValueError, "targets"),
-        (dict(bias=torch.randn(49)), ValueError, "bias"),
-        (dict(old_logprob=torch.randn(3, 6)), ValueError, "old_logprob"),
-        (dict(advantages=None), TypeError, "advantages"),
-        (dict(mask=torch.ones(3, 7, dtype=torch.int64)), TypeError, "mask"),
-        (dict(weight=torch.randn(50, 16, device=META)), ValueError, "weight"),
-        (dict(temperature=0.0), ValueError, "temperature"),
-        (dict(temperature=1e-40), ValueError, "temperature"),
-        (dict(ignore_index=1.5), TypeError, "ignore_index"),
-        (dict(ignore_index=2**70), ValueError, "ignore_index"),
-        (dict(mask=-torch.ones(3, 7)), ValueError, "mask weights"),
-        (dict(hidden=torch.randn(3, 7, 16, device=META), weight=torch.randn(50, 16, device=META), bias=None,
-              targets=torch.zeros(3, 7, dtype=torch.long, device=META), old_logprob=torch.randn(3, 7, device=META),
-              advantages=torch.randn(3, 7, device=META), mask=torch.ones(3, 7, dtype=torch.bool, device=META)), ValueError, "targets must hold data"),
-        (dict(hidden=torch.randn(3, 7, 16).to_sparse()), TypeError, "hidden must be a dense"),
-        (dict(kl_type="full"), ValueError, "kl_type"),
-        (dict(clip_ratio_c=1.0), ValueError, "clip_ratio_c"),
-        (dict(loss_agg_mode="sum"), ValueError, "loss_agg_mode"),
-    ],
-)
-def test_fused_bad_input_names_the_argument(over, err, name):
-    hidden, weight, bias, targets, x = _fused_inputs(torch.float32)
-    kw = dict(hidden=hidden, weight=weight, targets=targets, old_logprob=x["old"], advantages=x["adv"], mask=x["mask"], bias=bias)
-    kw.update(over)
-    pos = [kw.pop(k) for k in ("hidden", "weight", "targets", "old_logprob", "advantages", "mask")]
-    with pytest.raises(err, match=name):
-        rk.fused_linear_policy_loss(*pos, **kw)
-
-
-# ----------------------------------------------------------------------------- GPU
+# ----------------------------------------------------------------------------- value checks, GPU, aggregation weights
 
 @pytest.mark.parametrize("raw,on", [(None, False), ("", False), ("0", False), ("off", False), ("1", True), ("true", True), (" Yes ", True)])
 def test_check_values_is_a_boolean_switch(monkeypatch, raw, on):
@@ -667,7 +505,7 @@ def test_check_values_refuses_an_unknown_spelling(monkeypatch):
 @pytest.mark.gpu
 def test_mask_weights_checked_on_gpu_only_when_asked(seed, monkeypatch):
     """GPU mask values are read back (a host sync) only with RL_KERNEL_CHECK_VALUES on."""
-    x = {k: v.cuda() for k, v in make_inputs((3, 4)).items()}
+    x = {k: v.cuda() for k, v in make_loss_inputs((3, 4)).items()}
     bad = torch.tensor([[1.0, -0.5, 1.0, 0.0]] * 3, device="cuda")
     monkeypatch.delenv("RL_KERNEL_CHECK_VALUES", raising=False)
     rk.policy_loss(x["logprob"], x["old"], x["adv"], bad)
@@ -678,7 +516,7 @@ def test_mask_weights_checked_on_gpu_only_when_asked(seed, monkeypatch):
 
 @pytest.mark.gpu
 def test_policy_loss_cuda_matches_cpu_and_is_deterministic(seed):
-    x = make_inputs((8, 64), spread=0.6, empty_row=True)
+    x = make_loss_inputs((8, 64), spread=0.6, empty_row=True)
     kw = dict(clip_ratio_c=3.0, kl_coef=0.1, loss_agg_mode="seq-mean-token-mean")
     cpu, cpu_m = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], ref_logprob=x["ref"], entropy=x["entropy"], entropy_coef=0.01, **kw)
     gpu = {k: v.cuda() for k, v in x.items()}
@@ -715,7 +553,7 @@ def test_global_batch_makes_the_aggregate_a_share_of_the_global_one(seed):
     aggregate metrics (pg_loss, kl_loss, entropy); the token-mean metrics stay local."""
     from rl_kernel_core.loss import GlobalBatch
 
-    x = make_inputs((6, 32), empty_row=True)
+    x = make_loss_inputs((6, 32), empty_row=True)
     ent = torch.rand(6, 32) * 2
     common = dict(ref_logprob=x["old"] + 0.1, kl_coef=0.05, entropy=ent, entropy_coef=0.01)
 
