@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "is_batch_invariant": "rl_kernel_core.invariance",
     "linear_logprob": "rl_kernel_core.logprob",
     "logprob_from_logits": "rl_kernel_core.logprob",
+    "MultimodalBatch": "rl_kernel_core.multimodal.schema",
     "policy_loss": "rl_kernel_core.loss",
     "ratio_kl": "rl_kernel_core.loss",
     "rms_norm": "rl_kernel_core.invariance",

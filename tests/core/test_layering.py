@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("reference",),
     ("triton", "native", "flashinfer"),
     ("logprob", "loss", "advantages", "sampling", "attention", "invariance"),
-    ("cli", "bench", "profiling", "report", "consistency"),
+    ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
 ]
 
 

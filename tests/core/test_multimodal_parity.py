@@ -1,0 +1,139 @@
+"""Processor-layout parity: rollout vs training multimodal batches; each planted mismatch is
+caught and named."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from rl_kernel_core.multimodal import parity
+from rl_kernel_core.multimodal.schema import MultimodalBatch, Span
+from tiny_vlm_processor import IMAGE, random_images, tiny_processor
+
+TEXTS = [f"<|im_start|> w1 {IMAGE} w2 w3 {IMAGE} <|im_end|> w5 w6 w7", f"w4 {IMAGE} w5 w9 w11"]
+SIZES = [(56, 84), (28, 56), (56, 56)]
+
+
+def side(seed, *, padding_side="right", answer=3, **processor_kwargs):
+    processor = tiny_processor(**processor_kwargs)
+    processor.tokenizer.padding_side = padding_side
+    encoded = processor(text=TEXTS, images=random_images(np.random.default_rng(seed), SIZES), padding=True, return_tensors="pt")
+    real = encoded["attention_mask"].sum(-1).tolist()
+    return MultimodalBatch.from_processor(processor, encoded, loss_spans=[[(n - answer, answer)] for n in real])
+
+
+def test_same_layout_padded_on_either_side_agrees(seed):
+    rollout, training = side(seed, padding_side="left"), side(seed, padding_side="right")
+    assert parity.compare(rollout, training) == []
+    parity.check(rollout, training)
+
+
+def test_only_the_image_token_count_per_image_differs(seed):
+    # the training side's image processor resizes to fewer pixels: same text, same images,
+    # same fingerprint, fewer image tokens for some images
+    rollout, training = side(seed), side(seed, max_pixels=28 * 28 * 2)
+    assert rollout.fingerprint == training.fingerprint
+    lines = parity.compare(rollout, training)
+    image = rollout.modality_spans[0][1]
+    fewer = training.modality_spans[0][1].length
+    assert image.length != fewer
+    assert lines[0] == (f"modality_spans[0] image 0: rollout image at {image.start}, {image.length} tokens vs training image "
+                        f"at {image.start}, {fewer} tokens ({image.length} vs {fewer} image tokens)")
+    assert lines[1].startswith("attention_mask[0]: rollout")
+    with pytest.raises(parity.ParityError, match=r"^modality_spans\[0\] image 0: "):
+        parity.check(rollout, training)
+
+
+def test_image_count_difference_at_the_same_length_is_named_first(seed):
+    # one image's tokens moved to another image: the total stays, the per-image counts do not
+    rollout = side(seed)
+    spans = list(rollout.modality_spans[0])
+    first, second = [i for i, s in enumerate(spans) if s.kind == "image"]
+    a, b = spans[first], spans[second]
+    text = spans[first + 1]
+    moved = [*spans[:first], Span("image", a.start, a.length - 1, 0), Span("text", a.end - 1, text.length, None),
+             Span("image", text.end - 1, b.length + 1, 1), *spans[second + 1:]]
+    ids = rollout.input_ids[0].clone()
+    ids[a.end - 1:text.end - 1] = rollout.input_ids[0][text.start:text.end]
+    ids[text.end - 1] = 4
+    offsets = [0, a.length - 1]
+    training = dataclasses.replace(rollout, input_ids=[ids, rollout.input_ids[1]], modality_spans=[moved, rollout.modality_spans[1]],
+                                   vision_token_offsets=[offsets, rollout.vision_token_offsets[1]])
+    lines = parity.compare(rollout, training)
+    assert lines[0] == (f"modality_spans[0] image 0: rollout image at {a.start}, {a.length} tokens vs training image at "
+                        f"{a.start}, {a.length - 1} tokens ({a.length} vs {a.length - 1} image tokens)")
+    assert lines[1].startswith(f"input_ids[0][{a.end - 1}]: rollout 4 vs training")
+
+
+def _fault(name):
+    def token(batch):
+        ids = batch.input_ids[1].clone()
+        ids[1] = 7 if int(ids[1]) != 7 else 8
+        return dataclasses.replace(batch, input_ids=[batch.input_ids[0], ids])
+
+    def position_3d(batch):
+        pos = batch.position_ids.clone()
+        pos[1, 0, 5] += 1
+        return dataclasses.replace(batch, position_ids=pos)
+
+    def position_1d(batch):
+        return dataclasses.replace(batch, position_ids=batch.position_ids[0])
+
+    def loss(batch):
+        (span,) = batch.loss_spans[0]
+        return dataclasses.replace(batch, loss_spans=[[Span("text", span.start + 1, span.length - 1)], batch.loss_spans[1]])
+
+    def media(batch):
+        return dataclasses.replace(batch, media_ids=[batch.media_ids[0], ["other"]])
+
+    def cache_key(batch):
+        return dataclasses.replace(batch, media_cache_keys=[["sha256:0", batch.media_cache_keys[0][1]], batch.media_cache_keys[1]])
+
+    def fingerprint(batch):
+        return dataclasses.replace(batch, fingerprint=dataclasses.replace(batch.fingerprint, chat_template_sha256="0" * 64))
+
+    return {"token": token, "position_3d": position_3d, "position_1d": position_1d, "loss": loss, "media": media,
+            "cache_key": cache_key, "fingerprint": fingerprint}[name]
+
+
+@pytest.mark.parametrize("fault, first", [
+    ("token", "input_ids[1][1]: rollout "),
+    ("position_3d", "position_ids[0][5]: rollout "),
+    ("position_1d", "position_ids[0]: rollout 3-D vs training 1-D positions"),
+    ("loss", "loss_spans[0][0]: rollout text at "),
+    ("media", "media_ids[1][0]: rollout 'sha256:"),
+    ("cache_key", "media_cache_keys[0][0]: rollout 'sha256:"),
+    ("fingerprint", "fingerprint.chat_template_sha256: rollout '"),
+])
+def test_each_planted_mismatch_is_named_first(seed, fault, first):
+    rollout = side(seed)
+    training = _fault(fault)(side(seed, padding_side="left"))
+    lines = parity.compare(rollout, training)
+    assert lines and lines[0].startswith(first), lines
+    with pytest.raises(parity.ParityError) as info:
+        parity.check(rollout, training)
+    assert str(info.value) == lines[0]
+
+
+def test_position_mismatch_names_the_token_and_its_three_axes(seed):
+    rollout = side(seed)
+    training = _fault("position_3d")(side(seed))
+    (line,) = parity.compare(rollout, training)
+    before = rollout.real_positions(0)[:, 5].tolist()
+    after = list(before)
+    after[1] += 1
+    assert line == f"position_ids[0][5]: rollout {before} vs training {after}"
+
+
+def test_sequence_count_and_malformed_sides(seed):
+    rollout = side(seed)
+    one = dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name)[:1] for f in dataclasses.fields(rollout)
+                                          if f.name not in ("fingerprint", "position_ids")},
+                              position_ids=rollout.position_ids[:, :1])
+    assert parity.compare(rollout, one)[0] == "sequence count: rollout 2 vs training 1"
+    broken = dataclasses.replace(rollout, loss_spans=[[Span("text", 0, 1)], rollout.loss_spans[1]])
+    with pytest.raises(ValueError, match=r"^training batch: loss_spans\[0\]\[0\]: start 0 must be >= 1"):
+        parity.compare(rollout, broken)
+    with pytest.raises(TypeError, match="rollout must be a MultimodalBatch, got dict"):
+        parity.compare({}, rollout)  # type: ignore[arg-type]
