@@ -147,7 +147,7 @@ def rl_kernel_sampler(temperature: float) -> Callable:
 def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              eos_id: int, draw: Callable, row_seeds: torch.Tensor,
              head_logprob: Optional[Callable] = None, position_ids: Optional[torch.Tensor] = None,
-             prompt_inputs: Optional[dict] = None) -> Rollout:
+             prompt_inputs: Optional[dict] = None, drop_ids: Optional[torch.Tensor] = None) -> Rollout:
     """Incremental decoding over a KV cache from left-padded prompts ``[S, P]``.
 
     Each row stops after its first ``eos_id`` (which is kept as its last response token);
@@ -158,7 +158,10 @@ def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_
     ``position_ids``: the prompts' positions, ``[S, P]`` (default :func:`positions` of the mask)
     or a multimodal model's ``[3, S, P]`` rotary index; each decode step takes the last column's
     plus one. ``prompt_inputs``: more keyword arguments of the prefill forward (a VLM's
-    ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``).
+    ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``). ``drop_ids`` (int64 ``[K]``):
+    tokens that end a row where they are sampled without being kept (masked out, as after its
+    end): a VLM's media placeholders, which a response cannot hold (the trainer would read one as
+    an image's token).
     """
     from transformers import DynamicCache
 
@@ -181,6 +184,8 @@ def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_
         tok, lp = draw(logits, row_seeds, t)
         if head_logprob is not None:
             lp = head_logprob(model, hidden, tok[:, None])[:, 0]
+        if drop_ids is not None:
+            alive = alive & ~torch.isin(tok, drop_ids)
         tok = torch.where(alive, tok, torch.full_like(tok, eos_id))
         tokens.append(tok)
         logprobs.append(torch.where(alive, lp.float(), torch.zeros_like(lp, dtype=torch.float32)))
@@ -337,6 +342,7 @@ class Engine:
     def __init__(self, model_dir: Path, cfg: GRPOConfig, side: Path_, device: torch.device,
                  cross_check: Optional[Path_] = None):
         self.cfg, self.side, self.device, self.cross_check = cfg, side, device, cross_check
+        self.drop_ids: Optional[torch.Tensor] = None  # generate()'s: tokens a response cannot hold
         torch.manual_seed(cfg.seed)
         self.tokenizer, self.model = self.load(model_dir)
         self.tokenizer.padding_side = "left"
@@ -445,7 +451,7 @@ class Engine:
             ro = generate(self.model, prompts.ids, prompts.mask, max_new_tokens=cfg.max_new_tokens,
                           eos_id=self.tokenizer.eos_token_id, draw=self.draw, row_seeds=row_seeds,
                           head_logprob=partial(_head_logprob, side.head, cfg.temperature) if cfg.batch_invariant else None,
-                          position_ids=prompts.position_ids, prompt_inputs=prompts.inputs)
+                          position_ids=prompts.position_ids, prompt_inputs=prompts.inputs, drop_ids=self.drop_ids)
         ro.context = prompts.context
         self.check(step, ro)
         responses = self.tokenizer.batch_decode(
