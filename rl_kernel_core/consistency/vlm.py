@@ -42,7 +42,8 @@ def _patch_product(conv: torch.nn.modules.conv._ConvNd, x: torch.Tensor) -> torc
     kernel = conv.kernel_size
     k = len(kernel)
     grid = [s // kk for s, kk in zip(x.shape[2:], kernel)]
-    x = x[(Ellipsis, *[slice(0, g * kk) for g, kk in zip(grid, kernel)])]
+    for d, (g, kk) in enumerate(zip(grid, kernel)):
+        x = x.narrow(2 + d, 0, g * kk)
     shape = [x.shape[0], x.shape[1]]
     for g, kk in zip(grid, kernel):
         shape += [g, kk]
@@ -54,7 +55,7 @@ def _patch_product(conv: torch.nn.modules.conv._ConvNd, x: torch.Tensor) -> torc
 
 
 def _mode_conv_class(base: type) -> type:
-    class ModePatchConv(base):  # type: ignore[misc, valid-type]
+    class ModePatchConv(base):
         """A patchify convolution: the per-patch product while batch-invariant mode is on
         (:func:`use_mode_vlm`), the library convolution while off."""
 
@@ -67,13 +68,13 @@ def _mode_conv_class(base: type) -> type:
     return ModePatchConv
 
 
-_MODE_CONVS = {base: _mode_conv_class(base) for base in _CONV_TYPES}
+_MODE_CONVS: dict[type, type] = {base: _mode_conv_class(base) for base in _CONV_TYPES}
 
 
-def _is_patchify(conv: torch.nn.Module) -> bool:
+def _is_patchify(conv: torch.nn.modules.conv._ConvNd) -> bool:
     return (type(conv) in _MODE_CONVS and tuple(conv.kernel_size) == tuple(conv.stride)
-            and all(p == 0 for p in conv.padding) and all(d == 1 for d in conv.dilation)
-            and conv.groups == 1 and conv.padding_mode == "zeros")
+            and not isinstance(conv.padding, str) and all(p == 0 for p in conv.padding)
+            and all(d == 1 for d in conv.dilation) and conv.groups == 1 and conv.padding_mode == "zeros")
 
 
 def use_mode_patch_convolutions(module: torch.nn.Module) -> list[str]:
@@ -90,7 +91,7 @@ def use_mode_patch_convolutions(module: torch.nn.Module) -> list[str]:
     for name, sub in module.named_modules():
         if isinstance(sub, tuple(_MODE_CONVS.values())):
             switched.append(name)
-        elif isinstance(sub, _CONV_TYPES):
+        elif isinstance(sub, torch.nn.modules.conv._ConvNd):
             if not _is_patchify(sub):
                 raise ValueError(f"model: convolution {name!r} ({sub}) is not a patchify convolution (kernel == "
                                  "stride, no padding, dilation 1, one group); batch-invariant mode does not cover it")

@@ -1,5 +1,5 @@
 """The VLM consistency chain: a tiny random transformers Qwen2-VL (vision tower, patch merger,
-language model with 3-D rotary positions) gives each response token the same log-prob bits in
+language model with 3-D rotary positions; and a Qwen2.5-VL in fp32) gives each response token the same log-prob bits in
 ``generate`` over a KV cache and in a training forward, across batch sizes, image counts per batch
 and padding side, with batch-invariant mode on (fp32 and bf16 on CPU); the control group (mode
 off) shows the drift."""
@@ -18,19 +18,26 @@ IMAGE_IDS = (120, 121, 122, 123)  # image, video, vision start, vision end
 NEW_TOKENS = 5
 
 
-def _model(seed: int, dtype: torch.dtype):
-    cfg = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=1, pad_token_id=PAD,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=IMAGE_IDS[0], video_token_id=IMAGE_IDS[1], vision_start_token_id=IMAGE_IDS[2],
-        vision_end_token_id=IMAGE_IDS[3])
+def _model(seed: int, dtype: torch.dtype, family: str = "qwen2_vl"):
+    """A random tiny Qwen2-VL, or Qwen2.5-VL (its vision tower: windowed attention in block 0, full in
+    block 1, RMSNorm, a gated MLP)."""
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=1, pad_token_id=PAD,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    patches = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    tokens = dict(image_token_id=IMAGE_IDS[0], video_token_id=IMAGE_IDS[1], vision_start_token_id=IMAGE_IDS[2],
+                  vision_end_token_id=IMAGE_IDS[3])
+    if family == "qwen2_vl":
+        cfg = transformers.Qwen2VLConfig(text_config=text, **tokens, vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, **patches))
+        model_class = transformers.Qwen2VLForConditionalGeneration
+    else:
+        cfg = transformers.Qwen2_5_VLConfig(text_config=text, **tokens, vision_config=dict(
+            depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, window_size=16,
+            fullatt_block_indexes=[1], **patches))
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(cfg).eval().to(dtype)
-    return model, cfg
+    return model_class(cfg).eval().to(dtype), cfg
 
 
 def _prompts(seed: int, cfg, dtype: torch.dtype) -> list[vlm.Sample]:
@@ -63,9 +70,10 @@ def _layouts(model, prompts):
     return samples, rollout, others
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padding(seed, dtype):
-    model, cfg = _model(seed, dtype)
+@pytest.mark.parametrize("dtype, family", [(torch.float32, "qwen2_vl"), (torch.bfloat16, "qwen2_vl"),
+                                           (torch.float32, "qwen2_5_vl")])
+def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padding(seed, dtype, family):
+    model, cfg = _model(seed, dtype, family)
     assert vlm.use_mode_vlm(model) == ["model.visual.patch_embed.proj"]
     prompts = _prompts(seed, cfg, dtype)
     with torch.no_grad():
