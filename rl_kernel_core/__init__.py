@@ -19,12 +19,14 @@ _EXPORTS: dict[str, str] = {
     "is_batch_invariant": "rl_kernel_core.invariance",
     "linear_logprob": "rl_kernel_core.logprob",
     "logprob_from_logits": "rl_kernel_core.logprob",
+    "LossSpans": "rl_kernel_core.spans",
     "MultimodalBatch": "rl_kernel_core.multimodal.schema",
     "policy_loss": "rl_kernel_core.loss",
     "ratio_kl": "rl_kernel_core.loss",
     "rms_norm": "rl_kernel_core.invariance",
     "sample": "rl_kernel_core.sampling",
     "set_batch_invariant_mode": "rl_kernel_core.invariance",
+    "token_advantages": "rl_kernel_core.rewards",
     "varlen_attention": "rl_kernel_core.attention",
 }
 

@@ -246,21 +246,35 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _parity_only(args: argparse.Namespace) -> int:
+    """``--parity ROLLOUT TRAINING``: two saved text batches (``consistency.parity``) or two saved
+    multimodal batches (``multimodal.storage``), compared; the kind is read from each file."""
     from rl_kernel_core.consistency import parity
+    from rl_kernel_core.multimodal import parity as layout, storage
+    from rl_kernel_core.multimodal.schema import MultimodalBatch
 
-    batches = []
+    batches: list[Any] = []
     for path in args.parity:
         try:
-            batches.append(parity.load(path))
+            try:
+                batches.append(storage.load(path))
+            except storage.NotMultimodal:
+                batches.append(parity.load(path))
         except ValueError as exc:
             return _fail("consistency", f"--parity {exc}")
         except OSError as exc:
             return _fail("consistency", f"--parity {path}: cannot be read: {exc.strerror or exc}")
     rollout, training = batches
-    mismatch = parity.check(rollout, training)
-    result = "ok" if mismatch is None else str(mismatch)
+    if type(rollout) is not type(training):
+        kinds = ["a multimodal" if isinstance(b, MultimodalBatch) else "a text" for b in batches]
+        return _fail("consistency", f"--parity {args.parity[0]} holds {kinds[0]} batch but {args.parity[1]} holds {kinds[1]} one")
+    if isinstance(rollout, MultimodalBatch):
+        lines = layout.compare(rollout, training)
+        result = "ok" if not lines else lines[0]
+    else:
+        mismatch = parity.check(rollout, training)
+        result = "ok" if mismatch is None else str(mismatch)
     print(json.dumps({"parity": result}) if args.json else f"input parity: {result}")
-    return 0 if mismatch is None else 1
+    return 0 if result == "ok" else 1
 
 
 def _engine_consistency(args: argparse.Namespace) -> int:
@@ -375,8 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra vllm.LLM keyword arguments, a JSON object (--engine vllm)")
     p.add_argument("--parity", nargs=2, metavar=("ROLLOUT", "TRAINING"), default=None,
                    help="only the input parity precheck, of two batches saved by rl_kernel_core.consistency.parity.save "
-                        "(or torch.save of a Batch or of a dict of its fields); exit 1 at the first mismatch, "
-                        "2 when a file is not such a batch")
+                        "(or torch.save of a Batch or of a dict of its fields), or two multimodal batches saved by "
+                        "rl_kernel_core.multimodal.storage.save (token ids, image-token insertion, 3-D positions, loss "
+                        "spans, media, processor fingerprint); exit 1 at the first mismatch, 2 when a file is not such a batch")
     p.set_defaults(func=_consistency)
     return parser
 

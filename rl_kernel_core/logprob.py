@@ -49,6 +49,7 @@ import torch
 
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.reference import logprob as _reference  # noqa: F401  (registers the torch backend)
+from rl_kernel_core.spans import LossSpans
 
 Result = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -105,11 +106,13 @@ def linear_logprob(
     ignore_index: int = -100,
     return_entropy: bool = False,
     tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    loss_spans: Optional[LossSpans] = None,
     backend: Optional[str] = "auto",
 ) -> Result:
     """Log-probability of ``targets`` (and entropy) under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     Never materialises the ``[N, V]`` logits: extra memory is bounded by a fixed chunk whatever N.
+    With ``loss_spans`` only the scored rows reach the LM head.
 
     Args:
         hidden: ``[..., D]`` float32/bfloat16/float16/float64 hidden states; leading dims flatten to N.
@@ -126,6 +129,12 @@ def linear_logprob(
         return_entropy: also return the entropy of the tempered distribution.
         tp_group: vocab-parallel process group, or None. Every rank passes the same ``hidden`` and
             ``targets`` and gets the same (replicated) results; upstream gradients must match too.
+        loss_spans: a :class:`rl_kernel_core.spans.LossSpans` over ``targets`` as ``[B, T]``
+            (leading dims flatten to B), on ``hidden``'s device, or None (every row). With it,
+            the scored rows are gathered into a compact ``[N_scored, D]`` and only they are
+            scored: rows outside the spans give 0 log-prob, 0 entropy and no gradient (as rows at
+            ``ignore_index`` do), and their targets are not read. Each scored row's values have
+            the same bits as without spans (a row never depends on the others).
         backend: ``"auto"`` (or None; ``RL_KERNEL_BACKEND=<name>`` makes ``auto`` mean that
             backend), ``"native"``, ``"triton"`` or ``"torch"``; see :mod:`rl_kernel_core.dispatch`.
 
@@ -155,6 +164,9 @@ def linear_logprob(
     _checks.shape("targets", targets, hidden.shape[:-1], f"hidden's leading shape {tuple(hidden.shape[:-1])}")
     temperature = _scalars(temperature, ignore_index, return_entropy)
     world = _tp_world(tp_group)
+    if loss_spans is not None:
+        return _on_spans(loss_spans, hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
+                         return_entropy=return_entropy, tp_group=tp_group, backend=backend)
     _checks.target_ids("targets", targets, weight.shape[0] * world, ignore_index)
 
     if targets.numel() == 0:
@@ -167,6 +179,22 @@ def linear_logprob(
     impl = dispatch.select("linear_logprob", backend, hidden.device, h2d, weight, t1d, bias, temperature, ignore_index, return_entropy, tp_group)
     logprob, entropy = impl(h2d, weight, t1d, bias, temperature, ignore_index, return_entropy, tp_group)
     return _pack(logprob, entropy, targets.shape, return_entropy)
+
+
+def _on_spans(spans: LossSpans, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, return_entropy: bool,
+              **kwargs) -> Result:
+    """:func:`linear_logprob` of the rows ``spans`` selects, scattered back to ``targets``' shape."""
+    if not isinstance(spans, LossSpans):
+        raise TypeError(f"loss_spans must be a rl_kernel_core.spans.LossSpans or None, got {type(spans).__name__}")
+    spans.check_layout("targets", targets, 0)
+    rows = (spans.num_seqs, spans.seq_len)
+    out = linear_logprob(spans.gather(hidden.reshape(*rows, hidden.shape[-1])), weight, spans.gather(targets.reshape(rows)),
+                         return_entropy=return_entropy, **kwargs)
+    if not return_entropy:
+        assert isinstance(out, torch.Tensor)
+        return spans.scatter(out).reshape(targets.shape)
+    logprob, entropy = out
+    return spans.scatter(logprob).reshape(targets.shape), spans.scatter(entropy).reshape(targets.shape)
 
 
 def logprob_from_logits(

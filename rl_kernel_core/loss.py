@@ -41,6 +41,7 @@ import torch
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.opdef.loss import METRIC_NAMES, LossSettings
 from rl_kernel_core.reference import loss as _reference  # registers the torch backend
+from rl_kernel_core.spans import LossSpans
 
 __all__ = ["KL_TYPES", "LOSS_AGG_MODES", "METRIC_NAMES", "GlobalBatch", "LossSettings", "fused_linear_policy_loss", "policy_loss", "ratio_kl"]
 
@@ -136,6 +137,11 @@ def _global_normaliser(mode: str, mask: torch.Tensor, batch: GlobalBatch) -> tup
 _AGGREGATE_METRICS = ("pg_loss", "kl_loss", "entropy")
 
 
+def _scaled(loss: torch.Tensor, metrics: dict[str, torch.Tensor], factor: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and the aggregate metrics times ``factor`` (the other metrics are token means)."""
+    return loss * factor, {name: value * factor if name in _AGGREGATE_METRICS else value for name, value in metrics.items()}
+
+
 def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, required: dict, optional: dict) -> None:
     """Per-token tensors: float dtypes (mask bool or float), ``ref``'s shape and device."""
     for name, value in required.items():
@@ -146,6 +152,50 @@ def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, require
     _checks.same_shape(ref_name, ref, mask=mask, **required, **optional)
     _checks.same_device(ref_name, ref, mask=mask, **required, **optional)
     _checks.non_negative_weights("mask", mask)
+
+
+def _mask_or_spans(mask: Optional[torch.Tensor], loss_spans: Optional[LossSpans], ref_name: str, ref: torch.Tensor) -> Any:
+    """The dense mask: ``mask`` itself, or ``loss_spans``' as a bool tensor of ``ref``'s shape;
+    exactly one of them must be given."""
+    if (mask is None) == (loss_spans is None):
+        raise ValueError("exactly one of mask and loss_spans must be given, got "
+                         f"{'neither' if mask is None else 'both'}")
+    if loss_spans is None:
+        return mask
+    if not isinstance(loss_spans, LossSpans):
+        raise TypeError(f"loss_spans must be a rl_kernel_core.spans.LossSpans or None, got {type(loss_spans).__name__}")
+    loss_spans.check_layout(ref_name, ref, 0)
+    return loss_spans.dense_mask().reshape(ref.shape)
+
+
+_Compact = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], float]
+
+
+def _compact(spans: LossSpans, mode: str, ignore_index: int, hidden: torch.Tensor, targets: torch.Tensor,
+             old_logprob: torch.Tensor, advantages: torch.Tensor, ref_logprob: Optional[torch.Tensor],
+             rollout_is_weights: Optional[torch.Tensor]) -> _Compact:
+    """The scored rows of a fused loss's inputs in a layout that aggregates as the dense one:
+    one sequence ``[1, N_scored]`` for the token modes; ``[B, W]`` (W the most scored rows of a
+    sequence, padding masked out, its targets at ``ignore_index``) for the ``seq-mean-*`` modes.
+    Returns the compact hidden, targets, old_logprob, advantages, mask, ref_logprob,
+    rollout_is_weights and the factor that turns the compact loss into the dense one
+    (``seq-mean-token-sum-norm`` divides by the layout's T)."""
+    rows = (spans.num_seqs, spans.seq_len)
+    if mode in ("token-mean", "token-sum"):
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return spans.gather(t.reshape(*rows, *t.shape[targets.dim():]))[None]
+
+        mask = torch.ones((1, spans.total), dtype=torch.bool, device=hidden.device)
+        compact_targets = pick(targets)
+    else:
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return spans.gather_padded(t.reshape(*rows, *t.shape[targets.dim():]))[0]
+
+        mask = spans.gather_padded(targets.reshape(rows))[1]
+        compact_targets = torch.where(mask, pick(targets), ignore_index)
+    factor = spans.max_seqlen / max(spans.seq_len, 1) if mode == "seq-mean-token-sum-norm" else 1.0
+    optional = [None if t is None else pick(t) for t in (ref_logprob, rollout_is_weights)]
+    return pick(hidden), compact_targets, pick(old_logprob), pick(advantages), mask, optional[0], optional[1], factor
 
 
 def _as_sequences(t: Optional[torch.Tensor], num_seqs: int, seq_len: int) -> Optional[torch.Tensor]:
@@ -195,8 +245,9 @@ def policy_loss(
     logprob: torch.Tensor,
     old_logprob: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
     *,
+    loss_spans: Optional[LossSpans] = None,
     ref_logprob: Optional[torch.Tensor] = None,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
@@ -233,6 +284,10 @@ def policy_loss(
     An empty mask (or N = 0) gives 0, not verl's 0/0.
 
     Args:
+        mask: ``[..., T]`` bool or float, the tokens that count; or None with ``loss_spans``.
+        loss_spans: a :class:`rl_kernel_core.spans.LossSpans` over the ``[B, T]`` tokens
+            (leading dims flatten to B) instead of ``mask``: the same as its dense bool mask.
+            Exactly one of ``mask`` and ``loss_spans``.
         clip_ratio_low, clip_ratio_high: >= 0.
         clip_ratio_c: None (no dual clip) or > 1.
         kl_type: see :func:`ratio_kl`. kl_coef, entropy_coef: >= 0; ``entropy_coef`` > 0 needs
@@ -254,6 +309,7 @@ def policy_loss(
         (agg(kl)), ``entropy`` (agg(entropy); 0 without ``entropy``).
     """
     _checks.tensor("logprob", logprob, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    mask = _mask_or_spans(mask, loss_spans, "logprob", logprob)
     _check_token_tensors(
         "logprob", logprob, mask, {"old_logprob": old_logprob, "advantages": advantages},
         {"ref_logprob": ref_logprob, "entropy": entropy, "rollout_is_weights": rollout_is_weights},
@@ -280,7 +336,7 @@ def policy_loss(
         loss, metrics = fn(*args, settings)
     if factor is None:
         return loss, metrics
-    return loss * factor, {name: value * factor if name in _AGGREGATE_METRICS else value for name, value in metrics.items()}
+    return _scaled(loss, metrics, factor)
 
 
 def fused_linear_policy_loss(
@@ -289,8 +345,9 @@ def fused_linear_policy_loss(
     targets: torch.Tensor,
     old_logprob: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
     *,
+    loss_spans: Optional[LossSpans] = None,
     bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     ignore_index: int = -100,
@@ -320,6 +377,12 @@ def fused_linear_policy_loss(
             one host sync).
         old_logprob, advantages, mask, ref_logprob, rollout_is_weights: ``[..., T]`` as in
             :func:`policy_loss`.
+        loss_spans: a :class:`rl_kernel_core.spans.LossSpans` over the ``[B, T]`` tokens instead
+            of ``mask`` (exactly one of them): only the scored rows' hidden states reach the LM
+            head (gathered into ``[1, N_scored, D]`` for the token modes, into ``[B, W, D]``, W
+            the most scored rows of a sequence, for the ``seq-mean-*`` modes), their targets
+            alone are read, and the gradient reaches exactly those rows of ``hidden``. Equal to
+            the dense path with the spans' bool mask within the numerical contract.
         temperature: >= the smallest normal fp32 (``1 / temperature`` finite in fp32); logits
             are divided by it.
         ignore_index: an int64.
@@ -345,12 +408,17 @@ def fused_linear_policy_loss(
         _checks.shape("bias", bias, (vocab,), f"[V={vocab}]")
     _checks.shape("targets", targets, hidden.shape[:-1], f"hidden's leading shape {tuple(hidden.shape[:-1])}")
     _check_token_tensors(
-        "targets", targets, mask, {"old_logprob": old_logprob, "advantages": advantages},
+        "targets", targets, _mask_or_spans(mask, loss_spans, "targets", targets), {"old_logprob": old_logprob, "advantages": advantages},
         {"ref_logprob": ref_logprob, "rollout_is_weights": rollout_is_weights},
     )
     temperature = _checks.temperature("temperature", temperature)
     _checks.int64("ignore_index", ignore_index)
     settings = _check_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
+    factor = 1.0
+    if loss_spans is not None:
+        hidden, targets, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, factor = _compact(
+            loss_spans, settings.loss_agg_mode, ignore_index, hidden, targets, old_logprob, advantages, ref_logprob, rollout_is_weights)
+    assert mask is not None
     _checks.target_ids("targets", targets, vocab, ignore_index)
     seq_len = targets.shape[-1]
     num_seqs = math.prod(targets.shape[:-1])
@@ -362,6 +430,10 @@ def fused_linear_policy_loss(
     args = [hidden.reshape(num_seqs, seq_len, dim), weight, *per_token, bias, ref, _as_sequences(rollout_is_weights, num_seqs, seq_len)]
     kwargs = {"temperature": temperature, "ignore_index": ignore_index, "settings": settings}
     if targets.numel() == 0:
-        return _reference.fused_linear_policy_loss(*args, **kwargs)
-    fn = dispatch.select("fused_linear_policy_loss", backend, hidden.device, *args, **kwargs)
-    return fn(*args, **kwargs)
+        loss, metrics = _reference.fused_linear_policy_loss(*args, **kwargs)
+    else:
+        fn = dispatch.select("fused_linear_policy_loss", backend, hidden.device, *args, **kwargs)
+        loss, metrics = fn(*args, **kwargs)
+    if factor == 1.0:
+        return loss, metrics
+    return _scaled(loss, metrics, factor)

@@ -142,8 +142,8 @@ def load(path: str) -> Batch:
         raise
     except Exception as exc:  # torch.load raises KeyError, EOFError, UnpicklingError, ... for a file it cannot read
         reason = type(exc).__name__ + (f": {str(exc).strip().splitlines()[0]}" if str(exc).strip() else "")
-        raise ValueError(f"{path}: not a batch written by rl_kernel_core.consistency.parity.save "
-                         f"(torch.load with weights_only=True failed: {reason[:200]})") from None
+        raise ValueError(f"{path}: not a batch written by rl_kernel_core.consistency.parity.save or "
+                         f"rl_kernel_core.multimodal.storage.save (torch.load with weights_only=True failed: {reason[:200]})") from None
     if isinstance(data, Batch):
         data = asdict(data)
     if not isinstance(data, dict):

@@ -25,6 +25,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from rl_kernel_core.spans import LossSpans
+
 SPAN_KINDS: tuple[str, ...] = ("text", "image", "video", "tool")
 """What a modality span holds: text tokens, an image's placeholder tokens, a video's, or a tool
 observation's text (tokens the policy did not generate)."""
@@ -158,6 +160,17 @@ class MultimodalBatch:
         for b, ids in enumerate(self.input_ids):
             out[b][self.attention_mask[b].bool()] = ids.to(out.device)
         return out
+
+    def scored_rows(self) -> LossSpans:
+        """The loss spans as :class:`~rl_kernel_core.spans.LossSpans` over the padded ``[B, L]``
+        rows of the model's output, shifted by one: the row that predicts a scored token is the
+        one before it. Pass it as ``loss_spans=`` with ``hidden [B, L, D]`` and next-token
+        ``targets [B, L]`` (``targets[b, p]`` = the token at padded position ``p + 1``)."""
+        pairs = []
+        for b, spans in enumerate(self.loss_spans):
+            first = int(self.attention_mask[b].nonzero()[0]) if spans else 0
+            pairs.append([(first + s.start - 1, s.length) for s in spans])
+        return LossSpans.from_pairs(pairs, self.attention_mask.shape[1], device=self.attention_mask.device)
 
     @classmethod
     def from_processor(cls, processor: Any, encoded: Mapping[str, Any], *, loss_spans: Sequence[Sequence[SpanLike]],

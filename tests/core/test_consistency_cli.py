@@ -260,7 +260,7 @@ def test_cli_parity_of_files_that_are_not_saved_batches(tmp_path, capsys):
     expanded = {**asdict(training), "loss_mask": torch.zeros(1, 1, dtype=torch.long).expand(10**6, 10**6)}
     cases = [
         (b"not a torch file", "training.pt: not a batch written by rl_kernel_core.consistency.parity.save"),
-        (b"", "training.pt: not a batch written by rl_kernel_core.consistency.parity.save (torch.load with weights_only=True failed: EOFError)"),
+        (b"", "training.pt: not a batch written by rl_kernel_core.consistency.parity.save or rl_kernel_core.multimodal.storage.save (torch.load with weights_only=True failed: EOFError)"),
         ({"x": torch.nn.Linear(1, 1)}, "training.pt: not a batch written by rl_kernel_core.consistency.parity.save"),
         (expanded, "training.pt: loss_mask must be a dense tensor, got shape (1000000, 1000000) over 1 stored elements"),
         ({**asdict(training), "special_tokens": {"pad": torch.tensor([0, 1])}}, "training.pt: special_tokens['pad'] must be an int token id, got Tensor"),

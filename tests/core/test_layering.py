@@ -26,12 +26,12 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "rl_kernel_core"
 TESTS = PACKAGE.parent / "tests"
 LAYERS: list[tuple[str, ...]] = [
-    ("switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest"),
+    ("switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest", "spans"),
     ("opdef", "linear_chunks"),
     ("dispatch",),
     ("reference",),
     ("triton", "native", "flashinfer"),
-    ("logprob", "loss", "advantages", "sampling", "attention", "invariance"),
+    ("logprob", "loss", "advantages", "sampling", "attention", "invariance", "rewards"),
     ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
 ]
 

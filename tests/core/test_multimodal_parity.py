@@ -2,6 +2,7 @@
 caught and named."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -137,3 +138,63 @@ def test_sequence_count_and_malformed_sides(seed):
         parity.compare(rollout, broken)
     with pytest.raises(TypeError, match="rollout must be a MultimodalBatch, got dict"):
         parity.compare({}, rollout)  # type: ignore[arg-type]
+
+
+def test_saved_batches_round_trip(tmp_path, seed):
+    from rl_kernel_core.multimodal import storage
+
+    batch = side(seed, padding_side="left")
+    path = str(tmp_path / "batch.pt")
+    storage.save(batch, path)
+    loaded = storage.load(path)
+    assert parity.compare(batch, loaded) == []
+    assert loaded.fingerprint == batch.fingerprint and loaded.vision_token_offsets == batch.vision_token_offsets
+    assert torch.equal(loaded.attention_mask, batch.attention_mask) and torch.equal(loaded.position_ids, batch.position_ids)
+
+
+def test_cli_parity_of_saved_multimodal_batches(tmp_path, capsys, seed):
+    from rl_kernel_core import cli
+    from rl_kernel_core.multimodal import storage
+
+    paths = [str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")]
+    storage.save(side(seed, padding_side="left"), paths[0])
+    storage.save(side(seed), paths[1])
+    capsys.readouterr()
+    assert cli.main(["consistency", "--parity", *paths]) == 0
+    assert capsys.readouterr().out.strip() == "input parity: ok"
+    storage.save(side(seed, max_pixels=28 * 28 * 2), paths[1])
+    assert cli.main(["consistency", "--parity", *paths, "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)["parity"]
+    assert result.startswith("modality_spans[0] image 0: rollout image at ") and "image tokens)" in result, result
+
+
+def test_cli_parity_refuses_bad_multimodal_files_in_one_line(tmp_path, capsys, seed):
+    from rl_kernel_core import cli
+    from rl_kernel_core.consistency import parity as text_parity
+    from rl_kernel_core.multimodal import storage
+
+    good, bad = str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")
+    storage.save(side(seed), good)
+    saved = torch.load(good, weights_only=True)
+
+    def refused(content, expected):
+        torch.save(content, bad)
+        assert cli.main(["consistency", "--parity", good, bad]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and expected in err, err
+
+    refused({**saved, "loss_spans": [[["text", 0, 2, None]], saved["loss_spans"][1]]},
+            "training.pt: loss_spans[0][0]: start 0 must be >= 1")
+    refused({**saved, "modality_spans": [saved["modality_spans"][0], [["text", 0]]]},
+            "training.pt: modality_spans[1][0] must be [kind, start, length, media_index], got ['text', 0]")
+    refused({**saved, "fingerprint": {"processor_class": "X"}}, "training.pt: fingerprint must be a dict of")
+    refused({k: v for k, v in saved.items() if k != "position_ids"}, "training.pt: missing field position_ids")
+    refused({**saved, "input_ids": [t.float() for t in saved["input_ids"]]}, "training.pt: input_ids[0]: must be a 1-D int64 tensor")
+    with open(bad, "wb") as f:
+        f.write(b"not a torch file")
+    assert cli.main(["consistency", "--parity", good, bad]) == 2
+    assert "training.pt: not a batch written by rl_kernel_core.consistency.parity.save or rl_kernel_core.multimodal.storage.save" in capsys.readouterr().err
+    text = text_parity.from_sequences([torch.tensor([5, 6, 7])], "left", [0], 0)
+    text_parity.save(text, bad)
+    assert cli.main(["consistency", "--parity", good, bad]) == 2
+    assert "holds a multimodal batch but" in capsys.readouterr().err

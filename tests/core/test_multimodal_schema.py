@@ -159,3 +159,49 @@ def test_bad_processor_arguments_are_refused(seed):
         MultimodalBatch.from_processor(processor, {**encoded, "input_ids": encoded["input_ids"].tolist()}, loss_spans=answer_spans(encoded))
     with pytest.raises(ValueError, match=r"encoded\['pixel_values'\]: \d+ patch rows, but image_grid_thw needs"):
         MultimodalBatch.from_processor(processor, {**encoded, "pixel_values": encoded["pixel_values"][1:]}, loss_spans=answer_spans(encoded))
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_scored_rows_score_the_loss_spans_tokens(seed, padding_side):
+    import rl_kernel_core as rk
+
+    batch, encoded = build(seed, padding_side=padding_side)
+    ids = batch.padded_input_ids(1)
+    hidden = torch.randn(*ids.shape, 8)
+    weight = torch.randn(64, 8)
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], 1)], dim=1)
+    rows = batch.scored_rows()
+    scored = rk.linear_logprob(hidden, weight, targets, loss_spans=rows)
+    for b, spans in enumerate(batch.loss_spans):
+        real = batch.attention_mask[b].nonzero().flatten()
+        for s in spans:
+            positions = real[s.start - 1:s.end - 1]
+            assert torch.equal(targets[b, positions], batch.input_ids[b][s.start:s.end])
+            want = rk.linear_logprob(hidden[b, positions], weight, batch.input_ids[b][s.start:s.end])
+            assert torch.equal(scored[b, positions], want)
+    assert int((scored != 0).sum()) == sum(s.length for spans in batch.loss_spans for s in spans)
+
+
+def test_llava_processor_one_image_per_run_and_1d_positions(seed):
+    """A processor without image_grid_thw (LLaVA: each image one run of its token, pixel_values
+    [num_images, C, H, W]) gives one image span per run and 1-D positions."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    vocab = ["<unk>", "<pad>", "<image>", *(f"w{i}" for i in range(20))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", additional_special_tokens=["<image>"])
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default")
+    pictures = random_images(np.random.default_rng(seed % 2**32), [(40, 40), (30, 50), (40, 40)])
+    encoded = processor(text=["w1 <image> w2 w3", "w3 w4 <image> w5 <image> w6"], images=pictures, padding=True, return_tensors="pt")
+    per_image = 4 - 1  # (28 / 14)² patches, the CLS feature dropped ("default" strategy)
+    batch = MultimodalBatch.from_processor(processor, encoded, loss_spans=[[(5, 1)], [(9, 1)]])
+    assert [[(s.start, s.length) for s in spans if s.kind == "image"] for spans in batch.modality_spans] == \
+        [[(1, per_image)], [(2, per_image), (6, per_image)]]
+    assert batch.fingerprint.patch_size == 14 and batch.fingerprint.merge_size is None and batch.fingerprint.image_token_id == 2
+    assert batch.position_ids.shape == encoded["input_ids"].shape
+    assert batch.real_positions(1).tolist() == list(range(10))
+    assert len({k for keys in batch.media_cache_keys for k in keys}) == 3

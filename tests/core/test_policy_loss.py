@@ -480,7 +480,7 @@ META = torch.device("meta")
         (dict(old_logprob=torch.randn(3, 5)), ValueError, "old_logprob"),
         (dict(old_logprob=None), TypeError, "old_logprob"),
         (dict(advantages=None), TypeError, "advantages"),
-        (dict(mask=None), TypeError, "mask"),
+        (dict(mask=None), ValueError, "exactly one of mask and loss_spans must be given, got neither"),
         (dict(advantages=torch.ones(3, 4, dtype=torch.int32)), TypeError, "advantages"),
         (dict(mask=torch.ones(3, 4, dtype=torch.int64)), TypeError, "mask"),
         (dict(mask=torch.ones(4, 3, dtype=torch.bool)), ValueError, "mask"),
