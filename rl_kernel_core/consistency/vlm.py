@@ -22,6 +22,7 @@ the scatter of image features into the text embeddings).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -49,7 +50,7 @@ def _patch_product(conv: torch.nn.modules.conv._ConvNd, x: torch.Tensor) -> torc
         shape += [g, kk]
     # [B, C, g1, k1, .., gk, kk] -> [B, g1..gk, C, k1..kk]: a patch's values in the kernel's order
     order = [0] + [2 + 2 * i for i in range(k)] + [1] + [3 + 2 * i for i in range(k)]
-    patches = x.reshape(shape).permute(order).reshape(-1, conv.in_channels * int(torch.tensor(kernel).prod()))
+    patches = x.reshape(shape).permute(order).reshape(-1, conv.in_channels * math.prod(kernel))
     out = F.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
     return out.reshape(x.shape[0], *grid, conv.out_channels).movedim(-1, 1)
 

@@ -9,7 +9,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract
-from rl_kernel_core.consistency import chain, vlm
+from rl_kernel_core.consistency import chain, hf, vlm
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,3 +159,12 @@ def test_layouts_reject_bad_arguments(seed):
         vlm.image_prompt([[5], [6]], [(1, 3, 4)], cfg)
     with pytest.raises(ValueError, match="at least one image grid"):
         vlm.image_prompt([[5]], [], cfg)
+
+
+def test_mode_attention_full_attention_needs_as_many_queries_as_keys(seed):
+    """A full-attention call (a vision block's) with fewer queries than keys has no bottom-right
+    reading; the mode refuses it rather than attend causally."""
+    torch.manual_seed(seed)
+    q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    with rk.batch_invariant(), pytest.raises(ValueError, match="full attention needs as many queries as keys; got Lq=3, Lk=5"):
+        hf.mode_attention(torch.nn.Module(), q, kv, kv, None, is_causal=False)
