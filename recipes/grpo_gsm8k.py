@@ -14,22 +14,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from grpo import data as gsm8k
 from grpo import embedded
 from grpo.model import PRESETS, build_local_model
+from grpo.runs import (add_run_options, device_and_output, embedded_side, first_step_section, git_commit,
+                       parse_run_options, run_config)
 import rl_kernel_core as rk
-from rl_kernel_core import bench, contract, dispatch, report
-from rl_kernel_core.cli import device_name, integer, number
+from rl_kernel_core import bench, report
+from rl_kernel_core.cli import integer, number
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,23 +40,6 @@ PRESET_RUNS = {
                        lr=1e-5, temperature=1.0, kl_coef=1e-3, gradient_checkpointing=True,
                        max_prompt_tokens=256),
 }
-
-
-SEED_MAX = 2**32 - 1
-
-# the options that override a preset's run: name, argparse type, what it takes
-OVERRIDES = (
-    ("steps", integer(1), "GRPO steps, >= 1"),
-    ("prompts_per_step", integer(1), "prompts per step, >= 1"),
-    ("group_size", integer(2), "responses per prompt, >= 2 (a group's advantages need two)"),
-    ("max_new_tokens", integer(1), "response tokens at most, >= 1"),
-    ("micro_batch", integer(1), "sequences per forward/backward, >= 1"),
-    ("max_prompt_tokens", integer(1), "prompt tokens kept (longer prompts are truncated), >= 1"),
-    ("lr", number(0.0, low_open=True), "AdamW learning rate, > 0"),
-    ("temperature", number(0.0, low_open=True), "sampling and log-prob temperature, > 0"),
-    ("kl_coef", number(0.0), "coefficient of the KL-to-reference loss term, >= 0 (0: no reference model)"),
-    ("entropy_coef", number(0.0), "coefficient of the entropy bonus, >= 0"),
-)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,20 +56,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default: $GSM8K_DIR, else the hub (openai/gsm8k)")
     p.add_argument("--engine", choices=("auto", "embedded", "verl"), default="auto",
                    help="auto: verl when verl, vLLM and a GPU are all present, else embedded")
-    p.add_argument("--out", default=None, help="output directory (default: runs/grpo_gsm8k-<time>)")
-    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--sampler", choices=("torch", "rl-kernel"), default="torch",
                    help="rollout sampler of the embedded engine, the same in both runs")
-    p.add_argument("--sides", default="off,on", help="which runs to make (default: off,on)")
     p.add_argument("--limit", type=integer(1), default=None, help="use the first N training problems")
     p.add_argument("--reward-method", choices=("strict", "flexible"), default="flexible",
                    help="GSM8K answer extraction, as verl's scorer (default flexible)")
     p.add_argument("--format-score", type=number(0.0, 1.0), default=0.1,
                    help="reward in [0, 1] for an extracted but wrong answer (verl's format_score)")
-    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="seed of the model, data order and sampling (default 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    for field, kind, what in OVERRIDES:
-        p.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=f"{what} (overrides the preset)")
+    add_run_options(p)
     p.add_argument("--batch-invariant", action="store_true",
                    help="rollout and training in rl-kernel's batch-invariant mode, so each token's rollout and "
                         "recomputed log-probs are bitwise equal. Embedded engine: both runs (logprob_diff 0). "
@@ -100,15 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(the adapter's rl_kernel_weight_check_every option; 0, the default: off)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="override the preset")
-    args = p.parse_args(argv)
-    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not args.sides or any(s not in ("off", "on") for s in args.sides):
-        p.error(f"--sides must list off and/or on, got {','.join(args.sides)!r}")
+    args = parse_run_options(p, argv)
     if args.weight_check_every and args.engine != "verl":
         p.error(f"--weight-check-every applies to --engine verl (the embedded engine samples from the model it "
                 f"trains: no weight sync), got --engine {args.engine}")
-    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
-        p.error(f"--out must be a directory, got {args.out!r}, which is a file")
     return args
 
 
@@ -128,46 +98,6 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
-
-
-def git_commit() -> str:
-    """The checkout's commit (``+uncommitted`` when the tree differs from it).
-
-    ``RL_KERNEL_GIT_COMMIT``, when set, is taken instead: for copies of the tree whose ``.git``
-    is missing or not the tree's own.
-    """
-    if os.environ.get("RL_KERNEL_GIT_COMMIT"):
-        return os.environ["RL_KERNEL_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if out.returncode != 0:
-        return "unknown"
-    return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
-
-
-def first_step_check(off: dict, on: dict, dtype: torch.dtype) -> dict:
-    """Off vs on values on step 0's samples: log-prob/entropy/loss agreement within the contract.
-
-    ``on`` is the on run's step 0 (with its samples); ``off`` the off path evaluated on those same
-    samples and weights. Each side is within the contract's bound of the exact value, so their
-    difference is held to twice the bound of the off values.
-    """
-    result: dict[str, Any] = {"dtype": contract.dtype_key(dtype)}
-    mask = on["response_mask"].bool()
-    for name, op_class in (("old_logprob", "logprob"), ("logprob", "logprob"), ("entropy", "logprob")):
-        a, b = off[name][mask].double(), on[name][mask].double()
-        diff = (a - b).abs()
-        bound = 2 * contract.error_bound(a, op_class, dtype)
-        result[name] = {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-                        "within_contract": bool((diff <= bound).all()), "worst_bound_fraction": float((diff / bound).max())}
-    tol = contract.tolerance("reduction", dtype)
-    loss_diff = abs(off["loss"] - on["loss"])
-    result["loss"] = {"off": off["loss"], "on": on["loss"], "abs_diff": loss_diff,
-                      "within_contract": loss_diff <= 2 * (tol.atol + tol.rtol * abs(off["loss"]))}
-    return result
 
 
 def run_verl_side(cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Path, problems, device: torch.device) -> dict:
@@ -252,15 +182,10 @@ def model_problem(model: str) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    out = Path(args.out or ROOT / "runs" / time.strftime("grpo_gsm8k-%Y%m%d-%H%M%S"))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return _error(f"--out {str(out)!r} cannot be created: {exc.strerror or exc}")
+        device, out = device_and_output(args, "grpo_gsm8k")
+    except ValueError as exc:
+        return _error(str(exc))
     engine, why = resolve_engine(args.engine, device)
     print(f"[grpo_gsm8k] engine: {engine} ({why}); device: {device}; output: {out}", flush=True)
     if args.model:
@@ -282,13 +207,9 @@ def main(argv=None) -> int:
         model_desc = f"local {args.preset} (Qwen3-style, random weights, tokenizer trained on the data): {model_dir.name}"
     print(f"[grpo_gsm8k] model: {model_desc}", flush=True)
 
-    overrides = {k: getattr(args, k) for k in PRESET_RUNS[args.preset] if getattr(args, k, None) is not None}
-    if args.entropy_coef is not None:
-        overrides["entropy_coef"] = args.entropy_coef
-    cfg = embedded.GRPOConfig(**{**PRESET_RUNS[args.preset], **overrides, "sampler": args.sampler,
-                                 "reward_method": args.reward_method, "format_score": args.format_score,
-                                 "batch_invariant": args.batch_invariant,
-                                 "weight_check_every": args.weight_check_every, "seed": args.seed})
+    cfg = run_config(args, PRESET_RUNS[args.preset], sampler=args.sampler, reward_method=args.reward_method,
+                     format_score=args.format_score, batch_invariant=args.batch_invariant,
+                     weight_check_every=args.weight_check_every, seed=args.seed)
     meta_common = {
         "command": " ".join(["bash recipes/grpo_gsm8k.sh", *bench.command_line().split(" ")[2:]]), "engine": engine, "engine_choice": why, "preset": args.preset,
         "model": model_desc, "data": source, "git_commit": git_commit(),
@@ -296,38 +217,24 @@ def main(argv=None) -> int:
     }
     first, failed = {}, []
     for side in args.sides:
-        log = out / f"{side}.jsonl"
-        log.unlink(missing_ok=True)
         if engine == "verl":
+            (out / f"{side}.jsonl").unlink(missing_ok=True)
             meta = {**meta_common, "side": side, **run_verl_side(cfg, out, side, model_dir, problems, device)}
             if meta["verl_returncode"] != 0:
                 failed.append(side)
                 print(f"[grpo_gsm8k] {side}: verl exited with {meta['verl_returncode']} after {meta['verl_steps']} "
                       f"step(s); its log: {meta['verl_log']}", flush=True)
         else:
-            path = embedded.OFF if side == "off" else embedded.ON
-            result = embedded.run(model_dir, problems, cfg, path, log, device, progress=not args.no_progress,
-                                  cross_check=embedded.OFF if side == "on" else None)
+            result, fields = embedded_side("grpo_gsm8k", side, model_dir, problems, cfg, out, device, not args.no_progress)
             first[side] = result["first_step"]
-            meta = {**meta_common, "side": side, "oom": result["oom"],
-                    "backends": {op: d.backend for op, d in dispatch.explain().items()} if side == "on" else "plain PyTorch"}
-            if result["oom"]:
-                print(f"[grpo_gsm8k] {side}: out of memory, run stopped: {result['oom']}", flush=True)
+            meta = {**meta_common, "side": side, **fields}
         (out / f"{side}.meta.json").write_text(json.dumps(meta, indent=2, default=str))
 
     if failed or len(args.sides) < 2:
         return 1 if failed else 0
     sections = []
     if first.get("on"):
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        cross = first["on"]["cross_check"]
-        check = {"error": cross["error"]} if "error" in cross else first_step_check(cross, first["on"], dtype)
-        off_first = first.get("off")
-        check["samples_identical_across_runs"] = bool(
-            off_first is not None and torch.equal(off_first["response_ids"], first["on"]["response_ids"])
-            and torch.equal(off_first["response_mask"], first["on"]["response_mask"]))
-        (out / "first_step.json").write_text(json.dumps(check, indent=2))
-        sections.append(("First step, off vs on", report.first_step_markdown(check)))
+        sections.append(first_step_section(first, device, out))
     rollout = (f"- rollout: verl's vLLM server, {cfg.group_size} samples per prompt" if engine == "verl"
                else f"- sampler: {cfg.sampler} (the same in both runs)")
     run_lines = [f"- engine: {engine} ({why})", f"- data: {source}", f"- model: {model_desc}", rollout,

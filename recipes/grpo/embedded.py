@@ -35,7 +35,7 @@ import random
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -77,6 +77,19 @@ class GRPOConfig:
 
 
 @dataclass
+class Prompts:
+    """A step's encoded prompts: ``ids``/``mask`` ``[S, P]`` left-padded; ``position_ids`` for the
+    prefill (None: :func:`positions` of the mask); ``inputs``: more prefill keyword arguments;
+    ``context``: kept on the :class:`Rollout` for the engine's training inputs."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    position_ids: Optional[torch.Tensor] = None
+    inputs: Optional[dict] = None
+    context: Any = None
+
+
+@dataclass
 class Rollout:
     """A batch of generated sequences: ``[S, P]`` left-padded prompts and ``[S, R]`` responses."""
 
@@ -85,6 +98,7 @@ class Rollout:
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     rollout_logprob: torch.Tensor
+    context: Any = None  # what an engine's training inputs need besides the tokens (a VLM's media)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -133,13 +147,22 @@ def rl_kernel_sampler(temperature: float) -> Callable:
 @torch.no_grad()
 def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              eos_id: int, draw: Callable, row_seeds: torch.Tensor,
-             head_logprob: Optional[Callable] = None) -> Rollout:
+             head_logprob: Optional[Callable] = None, position_ids: Optional[torch.Tensor] = None,
+             prompt_inputs: Optional[dict] = None, drop_ids: Optional[torch.Tensor] = None) -> Rollout:
     """Incremental decoding over a KV cache from left-padded prompts ``[S, P]``.
 
     Each row stops after its first ``eos_id`` (which is kept as its last response token);
     ``rollout_logprob`` holds each sampled token's log-prob as the sampler computed it, or, with
     ``head_logprob(model, hidden [S, 1, D], tokens [S, 1]) -> [S, 1]``, as that head function
     computes it from the step's final hidden state.
+
+    ``position_ids``: the prompts' positions, ``[S, P]`` (default :func:`positions` of the mask)
+    or a multimodal model's ``[3, S, P]`` rotary index; each decode step takes the last column's
+    plus one. ``prompt_inputs``: more keyword arguments of the prefill forward (a VLM's
+    ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``). ``drop_ids`` (int64 ``[K]``):
+    tokens that end a row where they are sampled without being kept (masked out, as after its
+    end): a VLM's media placeholders, which a response cannot hold (the trainer would read one as
+    an image's token).
     """
     from transformers import DynamicCache
 
@@ -147,21 +170,23 @@ def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_
         """``(last position's logits [S, V], its final hidden state [S, 1, D] or None)``."""
         if head_logprob is None:
             return model(**kwargs, logits_to_keep=1).logits[:, -1], None
-        hidden = model.get_decoder()(**kwargs).last_hidden_state[:, -1:]
+        hidden = model.base_model(**kwargs).last_hidden_state[:, -1:]
         return model.get_output_embeddings()(hidden)[:, -1], hidden
 
     cache = DynamicCache(config=model.config)
-    pos = positions(prompt_mask)
+    pos = positions(prompt_mask) if position_ids is None else position_ids
     logits, hidden = forward(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos,
-                             past_key_values=cache, use_cache=True)
+                             past_key_values=cache, use_cache=True, **(prompt_inputs or {}))
     s = prompt_ids.shape[0]
     alive = torch.ones(s, dtype=torch.bool, device=prompt_ids.device)
     mask, tokens, logprobs, masks = prompt_mask, [], [], []
-    next_pos = pos[:, -1:] + 1
+    next_pos = pos[..., -1:] + 1
     for t in range(max_new_tokens):
         tok, lp = draw(logits, row_seeds, t)
         if head_logprob is not None:
             lp = head_logprob(model, hidden, tok[:, None])[:, 0]
+        if drop_ids is not None:
+            alive = alive & ~torch.isin(tok, drop_ids)
         tok = torch.where(alive, tok, torch.full_like(tok, eos_id))
         tokens.append(tok)
         logprobs.append(torch.where(alive, lp.float(), torch.zeros_like(lp, dtype=torch.float32)))
@@ -215,19 +240,19 @@ def rl_kernel_head(model, hidden, targets, temperature):
     return rl_kernel_head_logprob(hidden, model.get_output_embeddings(), targets, temperature, False)[0]
 
 
-def plain_logprob(model, input_ids, attention_mask, targets, temperature, with_entropy):
-    """The model's full logits, then :func:`plain_head_logprob` on the response positions."""
+def plain_logprob(model, inputs: dict, targets, temperature, with_entropy):
+    """The model's full logits on ``inputs`` (its keyword arguments: ``input_ids`` ``[S, P + R]``,
+    ``attention_mask``, positions, media), then :func:`plain_head_logprob` on the response
+    positions of ``targets`` ``[S, R]``."""
     r = targets.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=positions(attention_mask)).logits
+    logits = model(**inputs).logits
     return plain_head_logprob(logits[:, -r - 1:-1], targets, temperature, with_entropy)
 
 
-def rl_kernel_logprob(model, input_ids, attention_mask, targets, temperature, with_entropy):
-    """The decoder's final hidden states, then :func:`rl_kernel_head_logprob` (no logits)."""
+def rl_kernel_logprob(model, inputs: dict, targets, temperature, with_entropy):
+    """The base model's final hidden states, then :func:`rl_kernel_head_logprob` (no logits)."""
     r = targets.shape[1]
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=positions(attention_mask)).last_hidden_state
+    hidden = model.base_model(**inputs).last_hidden_state
     return rl_kernel_head_logprob(hidden[:, -r - 1:-1], model.get_output_embeddings(), targets,
                                   temperature, with_entropy)
 
@@ -309,26 +334,27 @@ ON = Path_("on", rl_kernel_logprob,
 
 
 class Engine:
-    """Holds the policy, the optional frozen reference, the optimizer and the tokenized prompts."""
+    """Holds the policy, the optional frozen reference, the optimizer and the tokenized prompts.
+
+    A text causal LM; a subclass serving another kind of model overrides :meth:`load`,
+    :meth:`use_mode`, :meth:`encode`, :meth:`model_inputs`, :meth:`score` and :meth:`check`.
+    """
 
     def __init__(self, model_dir: Path, cfg: GRPOConfig, side: Path_, device: torch.device,
                  cross_check: Optional[Path_] = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.cfg, self.side, self.device, self.cross_check = cfg, side, device, cross_check
+        self.drop_ids: Optional[torch.Tensor] = None  # generate()'s: tokens a response cannot hold
         torch.manual_seed(cfg.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer, self.model = self.load(model_dir)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        self.model = self.model.to(device)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.config.use_cache = True
         if cfg.batch_invariant:
-            from rl_kernel_core.consistency.hf import use_mode_attention
-
-            use_mode_attention(self.model)
+            self.use_mode()
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -344,11 +370,43 @@ class Engine:
         else:
             raise ValueError(f"sampler must be 'torch' or 'rl-kernel', got {cfg.sampler!r}")
 
+    def load(self, model_dir: Path):
+        """``(tokenizer, fp32 model)`` from ``model_dir``."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        return (AutoTokenizer.from_pretrained(model_dir),
+                AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+
+    def use_mode(self) -> None:
+        """Make the policy's attention follow batch-invariant mode."""
+        from rl_kernel_core.consistency.hf import use_mode_attention
+
+        use_mode_attention(self.model)
+
     def prompt_text(self, problem: Problem) -> str:
         if self.tokenizer.chat_template:
             return self.tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}],
                                                       tokenize=False, add_generation_prompt=True)
         return problem.prompt + "\n"
+
+    def encode(self, problems: list) -> Prompts:
+        """The left-padded prompts of ``problems`` (one row each), on the engine's device."""
+        enc = self.tokenizer([self.prompt_text(p) for p in problems], return_tensors="pt", padding=True,
+                             truncation=True, max_length=self.cfg.max_prompt_tokens, add_special_tokens=False)
+        return Prompts(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device))
+
+    def model_inputs(self, ro: Rollout, sl: slice) -> dict:
+        """The policy's keyword arguments for rows ``sl`` of ``ro``'s prompts and responses."""
+        attn = ro.attention_mask[sl]
+        return {"input_ids": ro.input_ids[sl], "attention_mask": attn, "position_ids": positions(attn)}
+
+    def score(self, text: str, problem) -> float:
+        """The reward of response ``text`` to ``problem``."""
+        return scoring.compute_score(text, problem.ground_truth, self.cfg.reward_method, self.cfg.format_score)
+
+    def check(self, step: int, ro: Rollout) -> None:
+        """Called after each rollout, before any log-prob or update; raises to stop the run (the
+        text engine has nothing to check)."""
 
     def _batches(self, n: int):
         mb = self.cfg.micro_batch
@@ -356,11 +414,11 @@ class Engine:
 
     @torch.no_grad()
     def _recompute(self, model, ro: Rollout, side: Path_, with_entropy: bool = False):
-        ids, attn, targets = ro.input_ids, ro.attention_mask, ro.targets
+        targets = ro.targets
         lps, ents = [], []
-        for sl in self._batches(ids.shape[0]):
+        for sl in self._batches(targets.shape[0]):
             with self.autocast:
-                lp, ent = side.logprob(model, ids[sl], attn[sl], targets[sl], self.cfg.temperature, with_entropy)
+                lp, ent = side.logprob(model, self.model_inputs(ro, sl), targets[sl], self.cfg.temperature, with_entropy)
             lps.append(lp.float())
             ents.append(None if ent is None else ent.float())
         return (torch.cat(lps), torch.cat(ents)) if with_entropy else torch.cat(lps)
@@ -384,24 +442,23 @@ class Engine:
     def _step(self, step: int, problems: list[Problem]) -> dict:
         cfg, side, dev = self.cfg, self.side, self.device
         g = cfg.group_size
-        texts = [self.prompt_text(p) for p in problems for _ in range(g)]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                             max_length=cfg.max_prompt_tokens, add_special_tokens=False)
-        prompt_ids, prompt_mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
-        s = prompt_ids.shape[0]
+        prompts = self.encode([p for p in problems for _ in range(g)])
+        s = prompts.ids.shape[0]
         row_seeds = torch.tensor([((cfg.seed * 1_000_003 + step) * 100_003 + i) % _SEED_MOD for i in range(s)],
                                  dtype=torch.int64, device=dev)
 
         self.model.eval()
         with profiling.region("rollout"), self.autocast:
-            ro = generate(self.model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens,
+            ro = generate(self.model, prompts.ids, prompts.mask, max_new_tokens=cfg.max_new_tokens,
                           eos_id=self.tokenizer.eos_token_id, draw=self.draw, row_seeds=row_seeds,
-                          head_logprob=partial(_head_logprob, side.head, cfg.temperature) if cfg.batch_invariant else None)
+                          head_logprob=partial(_head_logprob, side.head, cfg.temperature) if cfg.batch_invariant else None,
+                          position_ids=prompts.position_ids, prompt_inputs=prompts.inputs, drop_ids=self.drop_ids)
+        ro.context = prompts.context
+        self.check(step, ro)
         responses = self.tokenizer.batch_decode(
             [row[m.bool()].tolist() for row, m in zip(ro.response_ids.cpu(), ro.response_mask.cpu())],
             skip_special_tokens=True)
-        scores = [scoring.compute_score(text, p.ground_truth, cfg.reward_method, cfg.format_score)
-                  for text, p in zip(responses, (p for p in problems for _ in range(g)))]
+        scores = [self.score(text, p) for text, p in zip(responses, (p for p in problems for _ in range(g)))]
         rewards = torch.tensor(scores, dtype=torch.float32, device=dev)
         advantages = side.advantages(rewards, g)
         equal = (rewards.view(-1, g) == rewards.view(-1, g)[:, :1]).all(-1)
@@ -425,14 +482,14 @@ class Engine:
         self.model.train()
         mask = ro.response_mask.bool()
         total = mask.sum().clamp_min(1)
-        ids, attn, targets = ro.input_ids, ro.attention_mask, ro.targets
+        targets = ro.targets
         metric_sums: dict[str, float] = {}
         first = {}
         for i, sl in enumerate(self._batches(s)):
             scale = float(mask[sl].sum() / total)
             adv = advantages[sl, None].expand_as(targets[sl]).float()
             with profiling.region("logprob"), self.autocast:
-                lp, entropy = side.logprob(self.model, ids[sl], attn[sl], targets[sl], cfg.temperature, True)
+                lp, entropy = side.logprob(self.model, self.model_inputs(ro, sl), targets[sl], cfg.temperature, True)
             loss, metrics = side.loss(lp, old_lp[sl], adv, mask[sl], entropy=entropy, cfg=cfg, scale=scale,
                                       ref_lp=None if ref_lp is None else ref_lp[sl])
             with profiling.region("backward"):
@@ -494,8 +551,9 @@ def problem_schedule(problems: list[Problem], cfg: GRPOConfig) -> list[list[Prob
             for k in range(cfg.steps)]
 
 
-def run(model_dir: Path, problems: list[Problem], cfg: GRPOConfig, side: Path_, log_path: Path,
-        device: torch.device, progress: bool = True, cross_check: Optional[Path_] = None) -> dict:
+def run(model_dir: Path, problems: list, cfg: GRPOConfig, side: Path_, log_path: Path,
+        device: torch.device, progress: bool = True, cross_check: Optional[Path_] = None,
+        engine_class: type = Engine) -> dict:
     """Train ``cfg.steps`` GRPO steps, one profiler record per step appended to ``log_path``.
 
     With ``cross_check`` (the other side), step 0 also evaluates that side's old log-probs,
@@ -504,10 +562,11 @@ def run(model_dir: Path, problems: list[Problem], cfg: GRPOConfig, side: Path_, 
     A CUDA out-of-memory error ends the run early; it is recorded as a step with ``"oom": true``
     and the error text, and the function returns normally. Returns ``{"steps", "oom",
     "first_step"}`` where ``first_step`` holds step 0's tensors (samples, log-probs, entropy, loss).
+    ``engine_class``: the :class:`Engine` (or a subclass, for another kind of model) to train with.
     """
     from tqdm.auto import tqdm
 
-    engine = Engine(model_dir, cfg, side, device, cross_check)
+    engine = engine_class(model_dir, cfg, side, device, cross_check)
     profiling.enable(str(log_path))
     first_step: Optional[dict] = None
     oom: Optional[str] = None

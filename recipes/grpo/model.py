@@ -51,18 +51,29 @@ PRESETS: dict[str, Shape] = {
 }
 
 
-def _train_tokenizer(texts: Iterable[str], vocab: int):
+def train_tokenizer(texts: Iterable[str], vocab: int, extra_special: tuple[str, ...] = (),
+                    chat_template: str = CHAT_TEMPLATE):
+    """A byte-level BPE tokenizer of at most ``vocab`` ids trained on ``texts``, with the ChatML
+    turn tokens and ``extra_special`` as special tokens (ids 0, 1, 2, then ``extra_special``'s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS, TURN_START, TURN_END],
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS, TURN_START, TURN_END, *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=chat_template)
+
+
+def build_path(out_dir: Path, name: str, key: list, files: tuple[str, ...]) -> tuple[Path, bool]:
+    """``out_dir/<name>-<digest of key>`` (``key``: what the build depends on, JSON-serialisable)
+    and whether a finished build is there (every one of ``files`` present)."""
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
+    path = Path(out_dir) / f"{name}-{digest}"
+    return path, all((path / f).is_file() for f in files)
 
 
 def build_local_model(preset: str, out_dir: Path, texts: Iterable[str], seed: int = 0) -> Path:
@@ -78,11 +89,10 @@ def build_local_model(preset: str, out_dir: Path, texts: Iterable[str], seed: in
 
     shape = PRESETS[preset]
     texts = list(texts)
-    digest = hashlib.sha256(json.dumps([asdict(shape), seed, CHAT_TEMPLATE, texts]).encode()).hexdigest()[:12]
-    path = Path(out_dir) / f"{preset}-{digest}"
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+    path, built = build_path(out_dir, preset, [asdict(shape), seed, CHAT_TEMPLATE, texts], ("config.json", "tokenizer.json"))
+    if built:
         return path
-    tokenizer = _train_tokenizer(texts, shape.tokenizer_vocab)
+    tokenizer = train_tokenizer(texts, shape.tokenizer_vocab)
     config = Qwen3Config(
         hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,

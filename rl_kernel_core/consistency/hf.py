@@ -46,6 +46,10 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     ``position_ids`` ``[1, L]`` to the attention function, and a sequence starts wherever a
     position is not its predecessor's plus one (transformers' own rule for the packed mask,
     ``find_packed_sequence_indices``). Each sequence attends causally to itself.
+
+    Full (non-causal) attention, as a vision tower's blocks ask for it (``is_causal=False``, or a
+    module whose ``is_causal`` is False; Qwen2-VL's ``VisionAttention`` calls once per image with no
+    mask): every query of a row attends to all of the row's real keys.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -55,12 +59,16 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         raise ValueError(f"batch-invariant attention has no dropout; got dropout={dropout}")
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"batch-invariant attention has no sliding window; got sliding_window={kwargs['sliding_window']}")
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     b, hq, lq, d = query.shape
     lk = key.shape[2]
+    if not causal and lq != lk:
+        raise ValueError(f"batch-invariant full attention needs as many queries as keys; got Lq={lq}, Lk={lk}")
     cu = _packed_offsets(kwargs.get("position_ids"), b, lq, lk)
     if cu is not None:
         out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
-                               causal=True, scale=scaling)
+                               causal=causal, scale=scaling)
         return out[None], None
     if attention_mask is None:
         key_ok = torch.ones(b, lk, dtype=torch.bool, device=query.device)
@@ -74,7 +82,7 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     zero = torch.zeros(1, dtype=torch.int64)
     cu_q = torch.cat([zero, query_ok.sum(1).cpu().cumsum(0)])
     cu_k = torch.cat([zero, key_ok.sum(1).cpu().cumsum(0)])
-    out = varlen_attention(q, k, v, cu_q, cu_k, causal=True, scale=scaling)
+    out = varlen_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scaling)
     full = query.new_zeros((b, lq, hq, d))
     full[query_ok] = out
     return full, None

@@ -1,0 +1,156 @@
+"""What the GRPO recipes share: their common options and the ones that override a preset's run,
+the output directory and device, the run config, one embedded run of a side, the checkout's
+commit for the run's metadata, and the first-step off-vs-on check of the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rl_kernel_core import contract, dispatch, report
+from rl_kernel_core.cli import device_name, integer, number
+
+from . import embedded
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SEED_MAX = 2**32 - 1
+
+# the options that override a preset's run: name, argparse type, what it takes
+OVERRIDES = (
+    ("steps", integer(1), "GRPO steps, >= 1"),
+    ("prompts_per_step", integer(1), "prompts per step, >= 1"),
+    ("group_size", integer(2), "responses per prompt, >= 2 (a group's advantages need two)"),
+    ("max_new_tokens", integer(1), "response tokens at most, >= 1"),
+    ("micro_batch", integer(1), "sequences per forward/backward, >= 1"),
+    ("max_prompt_tokens", integer(1), "prompt tokens kept (longer prompts are truncated), >= 1"),
+    ("lr", number(0.0, low_open=True), "AdamW learning rate, > 0"),
+    ("temperature", number(0.0, low_open=True), "sampling and log-prob temperature, > 0"),
+    ("kl_coef", number(0.0), "coefficient of the KL-to-reference loss term, >= 0 (0: no reference model)"),
+    ("entropy_coef", number(0.0), "coefficient of the entropy bonus, >= 0"),
+)
+
+
+def git_commit() -> str:
+    """The checkout's commit (``+uncommitted`` when the tree differs from it).
+
+    ``RL_KERNEL_GIT_COMMIT``, when set, is taken instead: for copies of the tree whose ``.git``
+    is missing or not the tree's own.
+    """
+    if os.environ.get("RL_KERNEL_GIT_COMMIT"):
+        return os.environ["RL_KERNEL_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
+
+
+def first_step_check(off: dict, on: dict, dtype: torch.dtype) -> dict:
+    """Off vs on values on step 0's samples: log-prob/entropy/loss agreement within the contract.
+
+    ``on`` is the on run's step 0 (with its samples); ``off`` the off path evaluated on those same
+    samples and weights. Each side is within the contract's bound of the exact value, so their
+    difference is held to twice the bound of the off values.
+    """
+    result: dict[str, Any] = {"dtype": contract.dtype_key(dtype)}
+    mask = on["response_mask"].bool()
+    for name, op_class in (("old_logprob", "logprob"), ("logprob", "logprob"), ("entropy", "logprob")):
+        a, b = off[name][mask].double(), on[name][mask].double()
+        diff = (a - b).abs()
+        bound = 2 * contract.error_bound(a, op_class, dtype)
+        result[name] = {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+                        "within_contract": bool((diff <= bound).all()), "worst_bound_fraction": float((diff / bound).max())}
+    tol = contract.tolerance("reduction", dtype)
+    loss_diff = abs(off["loss"] - on["loss"])
+    result["loss"] = {"off": off["loss"], "on": on["loss"], "abs_diff": loss_diff,
+                      "within_contract": loss_diff <= 2 * (tol.atol + tol.rtol * abs(off["loss"]))}
+    return result
+
+
+def first_step_section(first: dict, device: torch.device, out: Path) -> tuple[str, str]:
+    """The report's first-step section from the runs' step-0 tensors (``first["on"]`` with its
+    ``cross_check``, ``first["off"]`` when run); writes ``first_step.json`` into ``out``."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cross = first["on"]["cross_check"]
+    check = {"error": cross["error"]} if "error" in cross else first_step_check(cross, first["on"], dtype)
+    off_first = first.get("off")
+    check["samples_identical_across_runs"] = bool(
+        off_first is not None and torch.equal(off_first["response_ids"], first["on"]["response_ids"])
+        and torch.equal(off_first["response_mask"], first["on"]["response_mask"]))
+    (out / "first_step.json").write_text(json.dumps(check, indent=2))
+    return "First step, off vs on", report.first_step_markdown(check)
+
+
+def add_run_options(p: argparse.ArgumentParser, overrides: tuple = OVERRIDES) -> None:
+    """The options of every recipe: ``--out``, ``--device``, ``--sides``, ``--seed``,
+    ``--no-progress`` and ``--<field>`` for each of ``overrides`` (name, argparse type, what it takes)."""
+    p.add_argument("--out", default=None, help="output directory (default: runs/<recipe>-<time>)")
+    p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--sides", default="off,on", help="which runs to make (default: off,on)")
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="seed of the model, data order and sampling (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for field, kind, what in overrides:
+        p.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=f"{what} (overrides the preset)")
+
+
+def parse_run_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """``p.parse_args(argv)`` with ``--sides`` as a list; ``p.error`` (one line, exit 2) where
+    ``--sides`` lists something other than off/on or ``--out`` is a file."""
+    args = p.parse_args(argv)
+    args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not args.sides or any(s not in ("off", "on") for s in args.sides):
+        p.error(f"--sides must list off and/or on, got {','.join(args.sides)!r}")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out must be a directory, got {args.out!r}, which is a file")
+    return args
+
+
+def device_and_output(args: argparse.Namespace, recipe: str) -> tuple[torch.device, Path]:
+    """``--device`` (default cuda when available) and ``--out`` (default ``runs/<recipe>-<time>``),
+    created; ``ValueError`` with a one-line message when it cannot be. Turns transformers'
+    progress bars off."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(args.out or ROOT / "runs" / time.strftime(f"{recipe}-%Y%m%d-%H%M%S"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r} cannot be created: {exc.strerror or exc}") from None
+    return device, out
+
+
+def run_config(args: argparse.Namespace, preset_run: dict, **fixed) -> embedded.GRPOConfig:
+    """The run's config: ``preset_run``'s defaults, the overrides given on the command line, then ``fixed``."""
+    overrides = {k: getattr(args, k) for k in preset_run if getattr(args, k, None) is not None}
+    if args.entropy_coef is not None:
+        overrides["entropy_coef"] = args.entropy_coef
+    return embedded.GRPOConfig(**{**preset_run, **overrides, **fixed})
+
+
+def embedded_side(recipe: str, side: str, model_dir: Path, problems: list, cfg: embedded.GRPOConfig, out: Path,
+                  device: torch.device, progress: bool, engine_class: Callable = embedded.Engine) -> tuple[dict, dict]:
+    """One run of the embedded engine (``side`` "off" or "on", the on run cross-checked against
+    the off path on step 0) logging to ``out/<side>.jsonl``; returns :func:`grpo.embedded.run`'s
+    result and the side's fields of its meta."""
+    log = out / f"{side}.jsonl"
+    log.unlink(missing_ok=True)
+    path = embedded.OFF if side == "off" else embedded.ON
+    result = embedded.run(model_dir, problems, cfg, path, log, device, progress=progress,
+                          cross_check=embedded.OFF if side == "on" else None, engine_class=engine_class)
+    if result["oom"]:
+        print(f"[{recipe}] {side}: out of memory, run stopped: {result['oom']}", flush=True)
+    return result, {"oom": result["oom"],
+                    "backends": {op: d.backend for op, d in dispatch.explain().items()} if side == "on" else "plain PyTorch"}

@@ -1,0 +1,126 @@
+"""The vision recipe's policy: a tiny Qwen2-VL (vision tower, patch merger, language model with
+3-D rotary positions) with random weights, and its processor, built locally and saved as an
+ordinary HF directory (``AutoModelForImageTextToText`` loads the model, :func:`load_processor` the
+processor), so the recipe runs offline.
+
+The processor is transformers' own ``Qwen2VLProcessor``: its image processor (the PIL backend,
+which needs no torchvision) resizes each image to a multiple of ``patch_size * merge_size`` within
+``[min_pixels, max_pixels]`` and flattens it into patches; the processor expands each
+``<|image_pad|>`` of the chat template into ``grid_t * grid_h * grid_w / merge_size**2`` copies.
+It is built without a video processor (:func:`load_processor`): Qwen2-VL's needs torchvision,
+which the CPU environment does not have, and the recipe has no videos.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+from transformers import Qwen2VLProcessor
+
+from .model import TURN_END, TURN_START, build_path, train_tokenizer
+
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+# Qwen2-VL's ChatML: an image item becomes <|vision_start|><|image_pad|><|vision_end|>
+CHAT_TEMPLATE = (
+    "{% for message in messages %}" + TURN_START + "{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}" + VISION_START + IMAGE_PAD + VISION_END + "{% else %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}" + TURN_END + "\n{% endfor %}{% if add_generation_prompt %}" + TURN_START + "assistant\n{% endif %}")
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The local VLM's shape (language model, vision tower) and its image processor's settings."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    mrope_section: tuple[int, int, int]
+    vision_depth: int
+    vision_embed_dim: int
+    vision_heads: int
+    patch_size: int
+    merge_size: int
+    max_pixels: int
+    tokenizer_vocab: int
+
+
+PRESETS: dict[str, VisionShape] = {
+    # a 32x32 image is 8x8 patches of 4 pixels, 16 tokens after the 2x2 merge; minutes on a 2-core CPU
+    "tiny": VisionShape(64, 192, 2, 4, 2, (2, 3, 3), 2, 32, 2, 4, 2, 32 * 32, 384),
+}
+
+
+def image_processor(shape: VisionShape, max_pixels: int | None = None):
+    """transformers' Qwen2-VL image processor (PIL backend) for ``shape``; ``max_pixels`` overrides
+    the shape's resolution budget (a smaller one gives fewer patches, so fewer image tokens)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    factor = shape.patch_size * shape.merge_size
+    return Qwen2VLImageProcessorPil(patch_size=shape.patch_size, merge_size=shape.merge_size, temporal_patch_size=2,
+                                    min_pixels=factor * factor, max_pixels=max_pixels or shape.max_pixels)
+
+
+def build_local_vlm(preset: str, out_dir: Path, texts: Iterable[str], seed: int = 0) -> Path:
+    """Build (once) and return an HF directory holding the ``preset`` VLM, its tokenizer and
+    processor under ``out_dir``; the name carries a digest of the shape, seed and texts."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    shape = PRESETS[preset]
+    texts = list(texts)
+    path, built = build_path(out_dir, f"vision-{preset}", [asdict(shape), seed, CHAT_TEMPLATE, texts],
+                             ("config.json", "preprocessor_config.json"))
+    if built:
+        return path
+    tokenizer = train_tokenizer(texts, shape.tokenizer_vocab, (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD), CHAT_TEMPLATE)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)}
+    eos = tokenizer.eos_token_id
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=shape.hidden_size,
+                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+                         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+                         max_position_embeddings=4096, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                                          "mrope_section": list(shape.mrope_section)}),
+        vision_config=dict(depth=shape.vision_depth, embed_dim=shape.vision_embed_dim, hidden_size=shape.hidden_size,
+                           mlp_ratio=2, num_heads=shape.vision_heads, patch_size=shape.patch_size,
+                           spatial_merge_size=shape.merge_size, temporal_patch_size=2, in_channels=3),
+        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = eos
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    image_processor(shape).save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
+    """transformers' ``Qwen2VLProcessor`` (its ``__init__`` and ``__call__`` unchanged) whose
+    sub-processors are the image processor and the tokenizer: ``ProcessorMixin`` takes them from
+    this list, so the video processor it would require (torchvision) is not asked for."""
+
+    @classmethod
+    def get_attributes(cls):
+        return ["image_processor", "tokenizer"]
+
+
+def load_processor(model_dir: Path, max_pixels: int | None = None):
+    """The ``Qwen2VLProcessor`` of a directory :func:`build_local_vlm` wrote (or any with a
+    tokenizer and a Qwen2-VL image processor config); ``max_pixels`` overrides the image
+    processor's resolution budget."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    images = Qwen2VLImageProcessorPil.from_pretrained(model_dir, **({"max_pixels": max_pixels} if max_pixels else {}))
+    return Qwen2VLImageOnlyProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
