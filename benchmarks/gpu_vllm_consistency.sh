@@ -5,7 +5,11 @@
 #   default    - vLLM as shipped (CUDA graphs, torch.compile), trainer forward as shipped (control)
 #   vllm_bi    - vLLM's own VLLM_BATCH_INVARIANT=1, trainer forward as shipped
 #   rl_kernel  - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1, trainer under rl-kernel's mode
-#   bash benchmarks/gpu_vllm_consistency.sh [OUT] [SETTINGS...]   (default: all three)
+# and two more for the plugin's other hooks (vLLM's own kernels, CUDA graphs on; their throughput
+# against `default` of the same job is what the hooks cost):
+#   plugin_default - RL_KERNEL_VLLM=1: the default hook set (returned log-probs only)
+#   plugin_sampler - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1: rl-kernel's sampler as well
+#   bash benchmarks/gpu_vllm_consistency.sh [OUT] [SETTINGS...]   (default: default vllm_bi rl_kernel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_preamble.sh gpu-results "${1:-}"
@@ -27,6 +31,9 @@ for s in ${@:-default vllm_bi rl_kernel}; do
     default) run default '' RL_KERNEL_VLLM=0;;
     vllm_bi) run vllm_bi '' RL_KERNEL_VLLM=0 VLLM_BATCH_INVARIANT=1;;
     rl_kernel) run rl_kernel --batch-invariant RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
+    plugin_default) run plugin_default '' RL_KERNEL_VLLM=1;;
+    plugin_sampler) run plugin_sampler '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1;;
+    *) echo "unknown setting $s: default vllm_bi rl_kernel plugin_default plugin_sampler"; status=1;;
   esac
 done
 echo "gpu_vllm_consistency status=$status"

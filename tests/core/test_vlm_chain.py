@@ -18,7 +18,7 @@ IMAGE_IDS = (120, 121, 122, 123)  # image, video, vision start, vision end
 NEW_TOKENS = 5
 
 
-def _model(seed: int, dtype: torch.dtype, family: str = "qwen2_vl"):
+def _model(seed: int, dtype: torch.dtype, family: str = "qwen2_vl", device: str = "cpu"):
     """A random tiny Qwen2-VL, or Qwen2.5-VL (its vision tower: windowed attention in block 0, full in
     block 1, RMSNorm, a gated MLP)."""
     text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -37,7 +37,7 @@ def _model(seed: int, dtype: torch.dtype, family: str = "qwen2_vl"):
             fullatt_block_indexes=[1], **patches))
         model_class = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
-    return model_class(cfg).eval().to(dtype), cfg
+    return model_class(cfg).eval().to(device=device, dtype=dtype), cfg
 
 
 def _prompts(seed: int, cfg, dtype: torch.dtype) -> list[vlm.Sample]:
@@ -70,10 +70,14 @@ def _layouts(model, prompts):
     return samples, rollout, others
 
 
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+
+
+@DEVICES
 @pytest.mark.parametrize("dtype, family", [(torch.float32, "qwen2_vl"), (torch.bfloat16, "qwen2_vl"),
                                            (torch.float32, "qwen2_5_vl")])
-def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padding(seed, dtype, family):
-    model, cfg = _model(seed, dtype, family)
+def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padding(seed, dtype, family, device):
+    model, cfg = _model(seed, dtype, family, device)
     assert vlm.use_mode_vlm(model) == ["model.visual.patch_embed.proj"]
     prompts = _prompts(seed, cfg, dtype)
     with torch.no_grad():
@@ -90,13 +94,14 @@ def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padd
         contract.assert_close(a, b, "logprob", dtype, name=f"sample {r}, mode on vs off")
 
 
-def test_mode_off_drift_is_measured(seed):
+@DEVICES
+def test_mode_off_drift_is_measured(seed, device):
     """Control group: the same comparisons with the mode off give finite differences within the
     log-prob contract, and some are nonzero (in fp32 or bf16), which is what makes the mode-on
     checks mean something on this machine."""
     drift = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model, cfg = _model(seed, dtype)
+        model, cfg = _model(seed, dtype, device=device)
         vlm.use_mode_vlm(model)
         with torch.no_grad():
             _, rollout, others = _layouts(model, _prompts(seed, cfg, dtype))
