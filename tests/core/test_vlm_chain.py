@@ -1,7 +1,7 @@
 """The VLM consistency chain: a tiny random transformers Qwen2-VL (vision tower, patch merger,
 language model with 3-D rotary positions; and a Qwen2.5-VL in fp32) gives each response token the same log-prob bits in
 ``generate`` over a KV cache and in a training forward, across batch sizes, image counts per batch
-and padding side, with batch-invariant mode on (fp32 and bf16 on CPU); the control group (mode
+and padding side, with batch-invariant mode on (fp32 and bf16, on CPU and on CUDA); the control group (mode
 off) shows the drift."""
 
 import pytest
