@@ -17,6 +17,9 @@ and per variant
 * ``verl_fused_triton``: ``use_fused_kernels=True`` with ``fused_kernel_options.impl_backend=triton``
   (verl's Triton linear cross-entropy);
 * ``rl_kernel``: ``+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True``;
+* ``rl_kernel_batch_invariant``: ``+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True``
+  (the backend in rl-kernel's batch-invariant mode: the trainer's side of rollout = training;
+  its ``update_mode_cost`` in the summary is its ``update_actor`` time over ``rl_kernel``'s);
 
 it times ``compute_log_prob`` (the old-log-prob pass; the reference pass is the same computation
 on a forward-only engine) and ``update_actor`` (one mini-batch of the whole batch, one optimizer
@@ -83,7 +86,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "verl_fused_triton": ("actor_rollout_ref.model.use_fused_kernels=True",
                           "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"),
     "rl_kernel": ("+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True",),
+    "rl_kernel_batch_invariant": ("+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True",),
 }
+HOOKED = ("rl_kernel", "rl_kernel_batch_invariant")  # the variants whose engines rl-kernel's adapter hooks
 BASELINE = "verl_default"
 LAYOUTS = ("packed", "padded")
 FP32 = "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
@@ -164,8 +169,11 @@ def import_verl(device: str) -> dict[str, Any]:
         from grpo import verl_cpu  # noqa: F401  (the CPU platform; unpinned offload)
     import rl_kernel_verl  # (registers when verl did not load it: an install without entry points)
 
-    if VARIANTS["rl_kernel"] != (rl_kernel_verl.OVERRIDE,):
-        raise RuntimeError(f"the rl_kernel variant's override {VARIANTS['rl_kernel']} is not the switch {rl_kernel_verl.OVERRIDE}")
+    from rl_kernel_verl.switch import BATCH_INVARIANT_OVERRIDE
+
+    for variant, switch in (("rl_kernel", rl_kernel_verl.OVERRIDE), ("rl_kernel_batch_invariant", BATCH_INVARIANT_OVERRIDE)):
+        if VARIANTS[variant] != (switch,):
+            raise RuntimeError(f"the {variant} variant's override {VARIANTS[variant]} is not the switch {switch}")
     return {"loaded_by_verl_entry_point": loaded_by_verl}
 
 
@@ -320,20 +328,21 @@ def check_gradients(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
 
 
 def hooks_report(worker, variant: str, metric_keys: list[str]) -> dict[str, Any]:
-    """The adapter's ``status()`` for this engine: live hooks for ``rl_kernel``, none otherwise."""
+    """The adapter's ``status()`` for this engine: live hooks (in the mode or not, as the variant
+    asks) for the :data:`HOOKED` variants, none otherwise."""
     import rl_kernel_verl
 
     engine = worker.actor.engine
     status = rl_kernel_verl.status()
     mine = [e for e in status["engines"] if e["engine"] == f"{type(engine).__name__}@{id(engine):#x}"]
     ours = sorted(k for k in metric_keys if k.startswith("rl_kernel/"))
-    if variant != "rl_kernel":
+    if variant not in HOOKED:
         return {"probe": status["probe"], "engine_hooked": bool(mine), "rl_kernel_metrics": ours,
                 "ok": not mine and not ours and status["probe"] == "live"}
     entry = mine[0] if mine else None
     ok = (entry is not None and status["probe"] == "live" and entry["forward"] == "live"
           and set(entry["hooks"].values()) == {"live"} and entry["micro_batches_served"] > 0
-          and not entry["micro_batches_on_verl_path"])
+          and not entry["micro_batches_on_verl_path"] and entry["batch_invariant"] == (variant == "rl_kernel_batch_invariant"))
     return {"probe": status["probe"], "engine": entry, "rl_kernel_metrics": ours, "ok": ok}
 
 
@@ -508,8 +517,12 @@ def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, r
 # -- report -----------------------------------------------------------------------------------
 
 def summary(results: list[dict]) -> list[dict]:
-    """Per layout and variant: time and memory ratios against the baseline on the same layout."""
-    base = {r["layout"]: r["timing"] for r in results if r["variant"] == BASELINE and r.get("timing", {}).get("status") == "ok"}
+    """Per layout and variant: time and memory ratios against the baseline on the same layout; for
+    ``rl_kernel_batch_invariant`` also ``update_mode_cost`` and ``log_prob_mode_cost``, its times
+    over ``rl_kernel``'s (what the mode costs the trainer)."""
+    timed = lambda variant: {r["layout"]: r["timing"] for r in results  # noqa: E731
+                             if r["variant"] == variant and r.get("timing", {}).get("status") == "ok"}
+    base, backend = timed(BASELINE), timed("rl_kernel")
     rows = []
     for r in results:
         t, b = r.get("timing", {}), base.get(r["layout"])
@@ -520,6 +533,8 @@ def summary(results: list[dict]) -> list[dict]:
             row[f"{op}_speedup"] = b[op]["median_ms"] / t[op]["median_ms"]
             if t[op]["peak_extra_gib"] is not None and b[op]["peak_extra_gib"]:
                 row[f"{op}_peak_memory_ratio"] = t[op]["peak_extra_gib"] / b[op]["peak_extra_gib"]
+            if r["variant"] == "rl_kernel_batch_invariant" and r["layout"] in backend:
+                row[f"{op}_mode_cost"] = t[op]["median_ms"] / backend[r["layout"]][op]["median_ms"]
         rows.append(row)
     return rows
 
@@ -533,18 +548,22 @@ def passed(row: dict) -> bool:
 
 def print_table(doc: dict) -> None:
     gib = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    print(f"{'layout':7} {'variant':18} {'logprob ms':>11} {'GiB+':>7} {'update ms':>11} {'GiB+':>7}  checks (fp32, vs {BASELINE})")
+    print(f"{'layout':7} {'variant':25} {'logprob ms':>11} {'GiB+':>7} {'update ms':>11} {'GiB+':>7}  checks (fp32, vs {BASELINE})")
     for r in doc["results"]:
         t, c = r.get("timing", {}), r.get("check", {})
         verdict = ("reference" if r["variant"] == BASELINE and c.get("status") == "ok" else "passed" if passed(r)
                    else f"FAILED {c.get('error', t.get('error', ''))[:70]}")
         if t.get("status") == "ok":
-            print(f"{r['layout']:7} {r['variant']:18} {t['log_prob']['median_ms']:11.1f} {gib(t['log_prob']['peak_extra_gib']):>7} "
+            print(f"{r['layout']:7} {r['variant']:25} {t['log_prob']['median_ms']:11.1f} {gib(t['log_prob']['peak_extra_gib']):>7} "
                   f"{t['update']['median_ms']:11.1f} {gib(t['update']['peak_extra_gib']):>7}  {verdict}")
         else:
-            print(f"{r['layout']:7} {r['variant']:18} unavailable: {t.get('error', '')[:100]}")
+            print(f"{r['layout']:7} {r['variant']:25} unavailable: {t.get('error', '')[:100]}")
+    for row in doc.get("summary", []):
+        if "update_mode_cost" in row:
+            print(f"batch-invariant mode, {row['layout']}: update_actor {row['update_mode_cost']:.2f}x, "
+                  f"compute_log_prob {row['log_prob_mode_cost']:.2f}x the rl_kernel variant's time")
     for m in doc["max_microbatch"]:
-        print(f"max micro-batch {m['variant']:18} {m['largest_fitting_tokens']} tokens {m.get('error', '')}")
+        print(f"max micro-batch {m['variant']:25} {m['largest_fitting_tokens']} tokens {m.get('error', '')}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -560,7 +579,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parts = "-".join(args.layouts or ["nolayout"]) + ("-search" if args.max_microbatch else "")
     versions = {name: md.version(name) for name in ("verl", "transformers", "tensordict", "ray", "hydra-core")}
     doc: dict[str, Any] = {
-        "benchmark": "verl FSDP2 actor: compute_log_prob and update_actor, verl default vs verl fused kernels vs rl-kernel",
+        "benchmark": "verl FSDP2 actor: compute_log_prob and update_actor, verl default vs verl fused kernels vs rl-kernel (and in its batch-invariant mode)",
         "command": bench.command_line().replace(model_dir, "<model_dir>"),
         "environment": {**bench.environment(device), **versions},
         "settings": {

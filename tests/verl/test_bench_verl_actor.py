@@ -16,7 +16,8 @@ import os
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VARIANTS = ("verl_default", "rl_kernel", "verl_fused_triton")
+VARIANTS = ("verl_default", "rl_kernel", "rl_kernel_batch_invariant", "verl_fused_triton")
+HOOKED = ("rl_kernel", "rl_kernel_batch_invariant")
 LAYOUTS = ("packed", "padded")
 CHECKED = {"log_probs", "entropy", "actor/pg_loss", "actor/ppo_kl", "kl_loss", "loss", "grad_norm", "gradients"}
 
@@ -47,7 +48,7 @@ def test_bench_verl_actor_tiny_cpu(tmp_path):
     rows = {(r["layout"], r["variant"]): r for r in doc["results"]}
     assert set(rows) == {(layout, variant) for layout in LAYOUTS for variant in VARIANTS}
     for layout in LAYOUTS:
-        for variant in ("verl_default", "rl_kernel"):
+        for variant in ("verl_default", *HOOKED):
             row = rows[(layout, variant)]
             assert row["check"]["status"] == "ok" and row["timing"]["status"] == "ok", row
             for op in ("log_prob", "update"):
@@ -55,16 +56,18 @@ def test_bench_verl_actor_tiny_cpu(tmp_path):
                 assert timing["median_ms"] > 0 and timing["reps"] == 1 and timing["peak_extra_gib"] is None
             for run in ("check", "timing"):
                 assert row[run]["hooks"]["ok"] and row[run]["hooks"]["probe"] == "live"
-        on = rows[(layout, "rl_kernel")]
-        assert CHECKED <= on["check"]["checks"].keys()
-        failed = {k: v for k, v in on["check"]["checks"].items() if not v["within_contract"]}
-        assert not failed, f"seed {seed}: {failed}"
-        assert on["check"]["checks"]["gradients"]["parameters"] > 0
-        for run in ("check", "timing"):
-            engine = on[run]["hooks"]["engine"]
-            assert set(engine["hooks"].values()) == {"live"} and engine["micro_batches_served"] > 0
-            assert not engine["micro_batches_on_verl_path"]
-            assert any(k.startswith("rl_kernel/backend/linear_logprob/") for k in on[run]["hooks"]["rl_kernel_metrics"])
+        for variant, op in (("rl_kernel", "linear_logprob"), ("rl_kernel_batch_invariant", "logprob_from_logits")):
+            on = rows[(layout, variant)]
+            assert CHECKED <= on["check"]["checks"].keys()
+            failed = {k: v for k, v in on["check"]["checks"].items() if not v["within_contract"]}
+            assert not failed, f"seed {seed}, {variant}: {failed}"
+            assert on["check"]["checks"]["gradients"]["parameters"] > 0
+            for run in ("check", "timing"):
+                engine = on[run]["hooks"]["engine"]
+                assert set(engine["hooks"].values()) == {"live"} and engine["micro_batches_served"] > 0
+                assert not engine["micro_batches_on_verl_path"]
+                assert engine["batch_invariant"] == (variant == "rl_kernel_batch_invariant")
+                assert any(k.startswith(f"rl_kernel/backend/{op}/") for k in on[run]["hooks"]["rl_kernel_metrics"])
         off = rows[(layout, "verl_default")]
         assert not off["timing"]["hooks"]["engine_hooked"] and not off["timing"]["hooks"]["rl_kernel_metrics"]
         fused = rows[(layout, "verl_fused_triton")]
@@ -72,4 +75,7 @@ def test_bench_verl_actor_tiny_cpu(tmp_path):
             assert fused["check"]["status"] == "ok" and all(c["within_contract"] for c in fused["check"]["checks"].values())
         else:  # verl's Triton kernels on a machine without CUDA: recorded with verl's error, nothing in its place
             assert fused["timing"]["status"] == "unavailable" and fused["timing"]["error"] and "log_prob" not in fused["timing"]
-    assert {(s["layout"], s["variant"]) for s in doc["summary"]} >= {(layout, "rl_kernel") for layout in LAYOUTS}
+    assert {(s["layout"], s["variant"]) for s in doc["summary"]} >= {(layout, v) for layout in LAYOUTS for v in HOOKED}
+    for s in doc["summary"]:
+        if s["variant"] == "rl_kernel_batch_invariant":
+            assert s["update_mode_cost"] > 0 and s["log_prob_mode_cost"] > 0, s
