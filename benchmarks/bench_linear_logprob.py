@@ -4,9 +4,8 @@ Everything runs in one process on one GPU, on the same inputs (bf16 unless ``--d
 
 * ``linear_logprob`` forward+backward (upstream gradient non-uniform, as an RL loss sends) and
   forward-only under ``torch.no_grad()``: ours; eager ``log_softmax((h @ W.T).float()).gather``;
-  eager in row chunks under activation checkpointing; Liger-Kernel
-  ``LigerFusedLinearCrossEntropyLoss(reduction="none")``; Cut-Cross-Entropy
-  ``linear_cross_entropy(..., reduction="none")``; the floor is one cuBLAS ``h @ W.T``.
+  eager in row chunks under activation checkpointing; the peers below; the floor is one cuBLAS
+  ``h @ W.T`` of the same run (``x_floor``: a row's median over the floor's).
 * ``fused_linear_policy_loss`` forward+backward (GRPO: token-mean, clip 0.2, no KL term) against
   Liger's ``LigerFusedLinearGRPOLoss``; the floor is the three cuBLAS products logits, dh, dW.
 * accuracy: max |error| and ``||error|| / ||reference||`` of log-probs, dh and dW against an
@@ -18,11 +17,53 @@ Everything runs in one process on one GPU, on the same inputs (bf16 unless ``--d
   (cuBLAS) and ours; max |difference| (ours must be 0).
 * ``--part tiles``: the gemm-route tile shapes, forward-only, to choose ``LinearTuning.gemm_tiles``.
 
+Peers (each one's module imported once before anything is timed; one that cannot be imported
+gives one ``error`` row per (peer, shape) with the exception text and ``unavailable``; a call that
+fails at a shape gives an ``error`` row for it), as read in the released wheels' sources:
+
+* ``liger_flce``: Liger-Kernel's Triton path, ``LigerFusedLinearCrossEntropyLoss(reduction="none")``
+  (liger-kernel 0.8.5 ``liger_kernel/transformers/fused_linear_cross_entropy.py``: it passes
+  ``ce_impl=None``, so ``liger_kernel/ops/fused_linear_cross_entropy.py`` runs its Triton
+  ``liger_cross_entropy_kernel`` whether or not the CuTe DSL is installed).
+* ``liger_cute``: Liger-Kernel's CuTe-DSL SM90 path (the ``cutedsl`` extra: nvidia-cutlass-dsl),
+  ``LigerFusedScaledCrossEntropySM90Function.apply(h, W, t)`` of
+  ``liger_kernel/ops/cutedsl/ops/fused_scaled_cross_entropy_sm90.py`` (0.8.5): per-token NLL
+  ``[N]`` fp32, backward takes the per-token upstream gradient; bf16 and compute capability 9.0
+  only (it raises otherwise). It is what ``LigerFusedLinearScaledCrossEntropyFunction`` of
+  ``liger_kernel/ops/fused_linear_scaled_cross_entropy.py`` picks on a 9.0 device; called directly
+  so that no other device gets that front end's eager fallback timed under this name.
+* ``liger_cute_flce``: Liger-Kernel's CuTe-DSL SM90 fused linear cross-entropy,
+  ``liger_fused_linear_cross_entropy_sm90(h, W, t, reduction="sum")`` of
+  ``liger_kernel/ops/cutedsl/ops/fused_linear_cross_entropy_sm90.py`` (0.8.5): reduction
+  ``mean``/``sum`` only (a scalar), N a multiple of 128 and V of 256 (it raises otherwise); its
+  forward also computes dh ("gradient-in-forward"), so its forward row is not a forward-only cost.
+* ``quack``: QuACK's linear cross-entropy, ``chunked_linear_cross_entropy(h, W, t,
+  reduction="sum")`` of ``quack/linear_cross_entropy.py`` (quack-kernels 0.6.5): reduction
+  ``mean``/``sum`` only (its ``reduction="none"`` path, ``linear_cross_entropy_func``, writes the
+  whole ``[N, V]`` logits); it takes its scaled-exp pipeline by itself on SM90 with bf16 and V a
+  multiple of 128 (``scaled_exp_lce_supported``); under ``no_grad`` it computes the loss only.
+* ``cce`` / ``cce_exact``: Cut-Cross-Entropy ``linear_cross_entropy(..., reduction="none")``,
+  with its gradient filter (``filter_eps="auto"``) and without it (``None``).
+
+A peer with a scalar output is timed as that peer's cost (forward+backward of the summed loss,
+upstream gradient 1, as its API allows); its rows say so in ``output`` and its accuracy rows are
+skipped (no per-token log-probs to compare). TF/s (``tflops``) on every timed row counts
+``2*N*D*V`` per ``N x D x V`` GEMM whatever a method actually runs: forward 1 (2NDV), forward+
+backward 4 (8NDV: logits, logits again, dh, dW), the GRPO loss's floor 3; the JSON's
+``settings.flops`` says so.
+
 Timings are medians of ``--reps`` CUDA-event-timed calls after ``--warmup`` calls. Results are
 appended to ``<out>/bench_linear_logprob.json`` after every measurement (a cut-off run keeps
 what it measured), with the GPU, versions and the command line.
 
     python benchmarks/bench_linear_logprob.py --out benchmarks/results --part all
+    python benchmarks/bench_linear_logprob.py --out OUT --part logprob --grid 896,1024 --inputs flat,peaked \
+        --methods ours,eager,cce,liger_flce,liger_cute,liger_cute_flce,quack
+
+``--grid`` times the shapes ``d<D>_v<V>_n<N>`` for D in the given list (default 896, 1024, 2048,
+4096), V in 128256, 151936 and N in 4096, 16384 (issue 20); ``--shapes`` takes such names too.
+``--inputs`` takes both regimes in one run: the logprob and accuracy parts run once per regime
+(rows tagged ``inputs``), the other parts on the first regime.
 """
 
 from __future__ import annotations
@@ -30,10 +71,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
+import importlib
+import importlib.metadata
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -53,6 +98,25 @@ SHAPES = {  # name -> (N, D, V); "tiny" is a CPU smoke test of this script under
     "n1000": (1000, 4096, 128256),
     "tiny": (96, 32, 500),
 }
+GRID_D = (896, 1024, 2048, 4096)
+GRID_V = (128256, 151936)
+GRID_N = (4096, 16384)
+
+
+def grid_shapes(ds: tuple[int, ...] = GRID_D) -> list[str]:
+    """The ``--grid`` shape names ``d<D>_v<V>_n<N>``: each of ``ds`` x :data:`GRID_V` x :data:`GRID_N`."""
+    return [f"d{d}_v{v}_n{n}" for d in ds for v in GRID_V for n in GRID_N]
+
+
+def shape_of(name: str) -> tuple[int, int, int]:
+    """``(N, D, V)`` of a :data:`SHAPES` name or of ``d<D>_v<V>_n<N>``; ``KeyError`` otherwise."""
+    if name in SHAPES:
+        return SHAPES[name]
+    m = re.fullmatch(r"d(\d+)_v(\d+)_n(\d+)", name)
+    if m is None:
+        raise KeyError(name)
+    d, v, n = (int(x) for x in m.groups())
+    return n, d, v
 
 
 class Recorder:
@@ -65,7 +129,9 @@ class Recorder:
             "command": bench.command_line(),
             "environment": bench.environment(DEV),
             "tuning_defaults": _tuning_dict(LC.tuning()),
-            "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows, "inputs": args.inputs},
+            "peer_versions": peer_versions(),
+            "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows, "inputs": args.inputs.split(","),
+                         "flops": FLOPS},
             "notes": [],
             "results": [],
         }
@@ -83,6 +149,14 @@ class Recorder:
     def _flush(self) -> None:
         with open(self.path, "w") as f:
             json.dump(self.doc, f, indent=1)
+
+
+FLOPS = {
+    "unit": "tflops = flops / median time; a GEMM of N x D x V counts 2*N*D*V, whatever a method actually runs",
+    "floor, forward, tiles": "2*N*D*V (one GEMM)",
+    "fwd+bwd, memory fwd+bwd, loss fwd+bwd": "8*N*D*V (four GEMMs: logits, logits again, dh, dW)",
+    "loss_floor": "6*N*D*V (three GEMMs: logits, dh, dW)",
+}
 
 
 def _tuning_dict(t: LC.LinearTuning) -> dict:
@@ -208,13 +282,78 @@ def cce_exact(h, w, t):
     return cce(h, w, t, filter_eps=None)
 
 
-METHODS = {"ours": ours, "eager": eager, "eager_chunked_ckpt": eager_chunked_ckpt, "liger_flce": liger, "cce": cce, "cce_exact": cce_exact}
+def liger_cute(h, w, t):
+    from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import LigerFusedScaledCrossEntropySM90Function
+
+    return -LigerFusedScaledCrossEntropySM90Function.apply(h, w, t)
+
+
+def liger_cute_flce(h, w, t):
+    """Minus the summed loss (a scalar): the API has reduction ``mean``/``sum`` only."""
+    from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import liger_fused_linear_cross_entropy_sm90
+
+    return -liger_fused_linear_cross_entropy_sm90(h, w, t, reduction="sum")
+
+
+def quack(h, w, t):
+    """Minus the summed loss (a scalar): the fused API has reduction ``mean``/``sum`` only."""
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    return -chunked_linear_cross_entropy(h, w, t, reduction="sum")
+
+
+METHODS = {"ours": ours, "eager": eager, "eager_chunked_ckpt": eager_chunked_ckpt, "liger_flce": liger, "cce": cce, "cce_exact": cce_exact,
+           "liger_cute": liger_cute, "liger_cute_flce": liger_cute_flce, "quack": quack}
+PEER_MODULES = {  # method -> the module its call imports; probed once, before any timing
+    "liger_flce": "liger_kernel.transformers.fused_linear_cross_entropy",
+    "cce": "cut_cross_entropy", "cce_exact": "cut_cross_entropy",
+    "liger_cute": "liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90",
+    "liger_cute_flce": "liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90",
+    "quack": "quack.linear_cross_entropy",
+}
+PEER_PACKAGES = ("liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13",
+                 "nvidia-cutlass-dsl-libs-cu12", "apache-tvm-ffi")
+SCALAR_OUTPUT = {
+    "liger_cute_flce": "minus the summed loss (reduction='sum'; the API has no per-token output); backward of that scalar",
+    "quack": "minus the summed loss (reduction='sum'; the fused API has no per-token output); backward of that scalar",
+}
+FORWARD_NOTES = {"liger_cute_flce": "its forward also computes dh (gradient-in-forward): not a forward-only cost"}
+
+
+@functools.cache
+def import_error(method: str) -> str | None:
+    """``"Type: message"`` of importing ``method``'s peer module, or ``None`` when it imports (or is ours/eager)."""
+    if method not in PEER_MODULES:
+        return None
+    try:
+        importlib.import_module(PEER_MODULES[method])
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def peer_versions() -> dict[str, str]:
+    """Installed version of each of :data:`PEER_PACKAGES`, or ``"not installed"``."""
+    out = {}
+    for name in PEER_PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def tflops(ms: float | None, n: int, d: int, v: int, gemms: int) -> float | None:
+    """TF/s of ``gemms`` GEMMs of ``N x D x V`` (``2*N*D*V`` flops each) done in ``ms``."""
+    return round(2 * gemms * n * d * v / ms / 1e9, 1) if ms else None
 
 
 def fwd_bwd(method, h, w, t, g_lp):
+    """Log-prob ``[N]`` (a scalar for the peers of :data:`SCALAR_OUTPUT`) and ``(dh, dW)`` for the
+    upstream gradient ``g_lp`` (for a scalar: 1)."""
     hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
     lp = method(hl, wl, t)
-    dh, dw = torch.autograd.grad((lp.float() * g_lp).sum(), (hl, wl))
+    dh, dw = torch.autograd.grad((lp.float() * g_lp).sum() if lp.ndim else lp, (hl, wl))
     return lp.detach(), dh, dw
 
 
@@ -231,7 +370,7 @@ def part_floor(shape: str, n: int, d: int, v: int, dtype, args, rec: Recorder) -
     # at least 5 warm-up products: the floor is the first thing timed on a cold GPU
     res = measure(lambda: h @ w.T, argparse.Namespace(warmup=max(5, args.warmup), reps=args.reps))
     rec.add({"part": "floor", "shape": shape, "N": n, "D": d, "V": v, "method": "cublas h@W.T", **res,
-             "tflops": round(2 * n * d * v / res["median_ms"] / 1e9, 1)})
+             "tflops": tflops(res.get("median_ms"), n, d, v, 1)})
     return res["median_ms"]
 
 
@@ -244,23 +383,26 @@ def _with_tuning(**overrides) -> contextlib.ExitStack:
 
 def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
     h, w, t, g = make(n, d, v, dtype)
+    where = {"shape": shape, "N": n, "D": d, "V": v, "inputs": INPUTS}
     for name in methods:
         for vname, over in (variants if name == "ours" else [("", {})]):
             scope = _with_tuning(**over)
+            label = name + (f"[{vname}]" if vname else "")
+            notes = {"output": SCALAR_OUTPUT[name]} if name in SCALAR_OUTPUT else {}
             try:
-                label = name + (f"[{vname}]" if vname else "")
                 m = METHODS[name]
                 res_f = measure(lambda: fwd_only(m, h, w, t), args, out_bytes=_nbytes)
                 if DEV.type == "cuda":
                     res_f.update(paired_ratio(lambda: fwd_only(m, h, w, t), lambda: h @ w.T, args))
                 route = LC.tuning().route_for(h) if name == "ours" else None
-                rec.add({"part": "forward", "shape": shape, "N": n, "D": d, "V": v, "method": label, "route": route, **res_f,
-                         "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3)})
+                fwd_notes = {"note": FORWARD_NOTES[name]} if name in FORWARD_NOTES else {}
+                rec.add({"part": "forward", **where, "method": label, "route": route, **res_f, **notes, **fwd_notes,
+                         "tflops": tflops(res_f.get("median_ms"), n, d, v, 1), "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3)})
                 res_b = measure(lambda: fwd_bwd(m, h, w, t, g), args, out_bytes=lambda r: _nbytes(*r))
-                rec.add({"part": "fwd+bwd", "shape": shape, "N": n, "D": d, "V": v, "method": label, **res_b,
-                         "x_floor": round(res_b.get("median_ms", math.nan) / floor_ms, 3)})
+                rec.add({"part": "fwd+bwd", **where, "method": label, **res_b, **notes,
+                         "tflops": tflops(res_b.get("median_ms"), n, d, v, 4), "x_floor": round(res_b.get("median_ms", math.nan) / floor_ms, 3)})
             except Exception as exc:
-                rec.add({"part": "logprob", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
+                rec.add({"part": "logprob", **where, "method": label, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()
             finally:
                 scope.close()
@@ -281,15 +423,19 @@ def part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants):
     lp64 = lp64.detach()
     del hl, wl
     _free()
+    where = {"shape": shape, "N": rows, "D": d, "V": v, "inputs": INPUTS}
     for name in methods:
+        if name in SCALAR_OUTPUT:
+            rec.add({"part": "accuracy", **where, "method": name, "skipped": "scalar output: no per-token log-probs to compare"})
+            continue
         for vname, over in (variants if name == "ours" else [("", {})]):
             scope = _with_tuning(**over)
+            label = name + (f"[{vname}]" if vname else "")
             try:
                 lp, dh, dw = fwd_bwd(METHODS[name], h, w, t, g)
-                rec.add({"part": "accuracy", "shape": shape, "N": rows, "D": d, "V": v, "method": name + (f"[{vname}]" if vname else ""),
-                         "logprob": _err(lp, lp64), "dhidden": _err(dh, dh64), "dweight": _err(dw, dw64)})
+                rec.add({"part": "accuracy", **where, "method": label, "logprob": _err(lp, lp64), "dhidden": _err(dh, dh64), "dweight": _err(dw, dw64)})
             except Exception as exc:
-                rec.add({"part": "accuracy", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
+                rec.add({"part": "accuracy", **where, "method": label, "error": f"{type(exc).__name__}: {exc}"})
             finally:
                 scope.close()
                 _free()
@@ -310,7 +456,7 @@ def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
             res = measure(lambda: fwd_only(ours, h, w, t), args)
             paired = paired_ratio(lambda: fwd_only(ours, h, w, t), lambda: h @ w.T, args) if DEV.type == "cuda" else {}
             rec.add({"part": "tiles", "shape": shape, "N": n, "D": d, "V": v, "tiles": dataclasses.asdict(cfg), **res,
-                     "x_floor": round(res.get("median_ms", math.nan) / floor_ms, 3), **paired})
+                     "tflops": tflops(res.get("median_ms"), n, d, v, 1), "x_floor": round(res.get("median_ms", math.nan) / floor_ms, 3), **paired})
         except Exception as exc:
             rec.add({"part": "tiles", "shape": shape, "tiles": dataclasses.asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
         finally:
@@ -362,7 +508,8 @@ def part_loss(shape, b, tl, d, v, dtype, args, rec, methods, variants):
     dl = torch.randn(n, v, device=DEV).to(dtype)
     floor = measure(lambda: (hh @ w.T, dl @ w, dl.T @ hh), args)["median_ms"]
     del dl
-    rec.add({"part": "loss_floor", "shape": shape, "N": n, "D": d, "V": v, "method": "cublas logits+dh+dW", "median_ms": floor})
+    rec.add({"part": "loss_floor", "shape": shape, "N": n, "D": d, "V": v, "method": "cublas logits+dh+dW", "median_ms": floor,
+             "tflops": tflops(floor, n, d, v, 3)})
     for name in methods:
         for vname, over in (variants if name == "ours" else [("", {})]):
             scope = _with_tuning(**over)
@@ -370,7 +517,8 @@ def part_loss(shape, b, tl, d, v, dtype, args, rec, methods, variants):
                 res = measure(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), args, out_bytes=lambda r: _nbytes(*r))
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "B": b, "T": tl, "N": n, "D": d, "V": v,
                          "method": name + (f"[{vname}]" if vname else ""),
-                         "route": LC.tuning().route_for(hh) if name == "ours" else None, **res, "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
+                         "route": LC.tuning().route_for(hh) if name == "ours" else None, **res,
+                         "tflops": tflops(res.get("median_ms"), n, d, v, 4), "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
             except Exception as exc:
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()
@@ -397,7 +545,7 @@ def part_memory(d, v, dtype, args, rec, sizes):
         h, w, t, g = make(n, d, v, dtype)
         for name in ("ours", "eager"):
             res = measure(lambda: fwd_bwd(METHODS[name], h, w, t, g), argparse.Namespace(warmup=1, reps=2), out_bytes=lambda r: _nbytes(*r))
-            rec.add({"part": "memory fwd+bwd", "N": n, "D": d, "V": v, "method": name, **res})
+            rec.add({"part": "memory fwd+bwd", "N": n, "D": d, "V": v, "method": name, **res, "tflops": tflops(res.get("median_ms"), n, d, v, 4)})
         del h, w, t, g
         _free()
 
@@ -416,12 +564,14 @@ def part_invariance(d, v, dtype, args, rec):
         _free()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--part", default="all", help="comma list: tiles,logprob,accuracy,loss,memory,invariance or all")
-    p.add_argument("--shapes", default="llama8b,qwen0.5b,n1000,d2048")
-    p.add_argument("--methods", default="ours,eager,eager_chunked_ckpt,liger_flce,cce")
+    p.add_argument("--shapes", default=None, help="comma list of SHAPES names or d<D>_v<V>_n<N> (default llama8b,qwen0.5b,n1000,d2048)")
+    p.add_argument("--grid", nargs="?", const=",".join(map(str, GRID_D)), default=None, metavar="D,...",
+                   help="the issue-20 grid at these D (default all of GRID_D) x GRID_V x GRID_N, instead of --shapes")
+    p.add_argument("--methods", default="ours,eager,eager_chunked_ckpt,liger_flce,cce", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--variants", default="", help="ours variants: name=field:value;field:value,... (LinearTuning overrides)")
     p.add_argument("--memory-sizes", default="4096,16384,65536,131072")
     p.add_argument("--dtype", default="bfloat16")
@@ -429,37 +579,66 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--acc-rows", type=int, default=2048)
     p.add_argument("--device", default="cuda", help="cuda; or cpu with TRITON_INTERPRET=1 and --shapes tiny (smoke test)")
-    p.add_argument("--inputs", default="flat", choices=("flat", "peaked"), help="input regime (see INPUTS)")
-    args = p.parse_args()
+    p.add_argument("--inputs", default="flat", help="comma list of input regimes, flat and/or peaked (see INPUTS)")
+    args = p.parse_args(argv)
     global DEV, INPUTS
+    regimes = [r for r in args.inputs.split(",") if r]
+    if not regimes or any(r not in ("flat", "peaked") for r in regimes):
+        p.error(f"--inputs: expected a comma list of flat, peaked; got {args.inputs!r}")
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods or any(m not in METHODS for m in methods):
+        p.error(f"--methods: expected a comma list of {', '.join(METHODS)}; got {args.methods!r}")
+    if args.grid is not None and args.shapes is not None:
+        p.error("--grid: give --grid or --shapes, not both")
+    if args.grid is not None:
+        try:
+            shapes = grid_shapes(tuple(int(x) for x in args.grid.split(",")))
+        except ValueError:
+            p.error(f"--grid: expected a comma list of hidden sizes D, got {args.grid!r}")
+    else:
+        shapes = (args.shapes or "llama8b,qwen0.5b,n1000,d2048").split(",")
+    for shape in shapes:
+        try:
+            shape_of(shape)
+        except KeyError:
+            p.error(f"--shapes: unknown shape {shape!r} (one of {', '.join(SHAPES)} or d<D>_v<V>_n<N>)")
     DEV = torch.device(args.device)
-    INPUTS = args.inputs
+    INPUTS = regimes[0]
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     parts = set(args.part.split(",")) if args.part != "all" else {"logprob", "accuracy", "loss", "memory", "invariance"}
-    methods = [m for m in args.methods.split(",") if m]
     variants = [("", {})] + [_parse_variant(s) for s in args.variants.split(",") if s]
     rec = Recorder(os.path.join(args.out, "bench_linear_logprob.json"), args)
     if DEV.type == "cuda":
         rec.note(f"torch.mm(out_dtype=fp32): {LC.fp32_logits_supported(DEV, torch.bfloat16)}; addmm(out_dtype=fp32, in place): {LC._dtype_mm_supported('addmm')}")
+    missing = {m: import_error(m) for m in methods if import_error(m) is not None}
+    runnable = [m for m in methods if m not in missing]
     t0 = time.time()
     if "invariance" in parts and DEV.type == "cuda":
         for d in (896, 2048):
             part_invariance(d, 128256, dtype, args, rec)
     if "memory" in parts and DEV.type == "cuda":
         part_memory(4096, 128256, dtype, args, rec, [int(x) for x in args.memory_sizes.split(",")])
-    for shape in args.shapes.split(","):
-        n, d, v = SHAPES[shape]
+    for shape in shapes:
+        n, d, v = shape_of(shape)
+        if parts & {"logprob", "accuracy"}:
+            for name, error in missing.items():
+                rec.add({"part": "logprob", "shape": shape, "N": n, "D": d, "V": v, "inputs": regimes, "method": name,
+                         "unavailable": True, "error": error})
+        INPUTS = regimes[0]
         floor = part_floor(shape, n, d, v, dtype, args, rec)
         if "tiles" in parts:
             part_tiles(shape, n, d, v, dtype, args, rec, floor)
-        if "logprob" in parts:
-            part_logprob(shape, n, d, v, dtype, args, rec, floor, methods, variants)
-        if "accuracy" in parts:
-            part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants)
+        for regime in regimes:
+            INPUTS = regime
+            if "logprob" in parts:
+                part_logprob(shape, n, d, v, dtype, args, rec, floor, runnable, variants)
+            if "accuracy" in parts:
+                part_accuracy(shape, n, d, v, dtype, args, rec, runnable, variants)
+        INPUTS = regimes[0]
         if "loss" in parts and n in (16384, 96):
             # Liger's GRPO loss compiles per shape (torch.compile): measured on the first shape only
-            loss_methods = ["ours"] + (["liger_grpo"] if "liger_flce" in methods and shape == args.shapes.split(",")[0] else [])
+            loss_methods = ["ours"] + (["liger_grpo"] if "liger_flce" in runnable and shape == shapes[0] else [])
             part_loss(shape, 32, n // 32, d, v, dtype, args, rec, loss_methods, variants)
             part_loss_accuracy(d, v, dtype, args, rec, loss_methods)
         print(f"-- {shape} done at {time.time() - t0:.0f}s", flush=True)
@@ -485,13 +664,16 @@ def _parse_variant(spec: str) -> tuple[str, dict]:
 
 
 def _table(rows: list) -> None:
-    print(f"{'part':16} {'shape':9} {'method':34} {'ms':>9} {'x_floor':>8} {'GiB+':>7} {'GiB+out':>8}")
+    print(f"{'part':16} {'shape':20} {'inputs':7} {'method':28} {'ms':>9} {'TF/s':>6} {'x_floor':>8} {'GiB+':>7} {'GiB+out':>8}")
     for r in rows:
+        inputs = r.get("inputs", "")
+        inputs = ",".join(inputs) if isinstance(inputs, list) else inputs
+        head = f"{r['part']:16} {str(r.get('shape', '')):20} {inputs:7.7} {str(r.get('method', r.get('tiles', ''))):28.28}"
         if "median_ms" in r:
-            print(f"{r['part']:16} {str(r.get('shape', '')):9} {str(r.get('method', r.get('tiles', ''))):34.34} {r['median_ms']:9.2f} "
-                  f"{r.get('x_floor', r.get('x_floor3', '')):>8} {r.get('peak_extra_gib', ''):>7} {r.get('peak_beyond_outputs_gib', ''):>8}")
+            print(f"{head} {r['median_ms']:9.2f} {str(r.get('tflops', '')):>6} {r.get('x_floor', r.get('x_floor3', '')):>8} "
+                  f"{r.get('peak_extra_gib', ''):>7} {r.get('peak_beyond_outputs_gib', ''):>8}")
         elif "error" in r:
-            print(f"{r['part']:16} {str(r.get('shape', '')):9} {str(r.get('method', '')):34.34} ERROR {r['error'][:80]}")
+            print(f"{head} ERROR {r['error'][:80]}")
 
 
 if __name__ == "__main__":
