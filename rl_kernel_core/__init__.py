@@ -8,27 +8,12 @@ adapter that is off loads nothing else.
 
 import importlib
 
+from rl_kernel_core import ops
+
 __version__ = "0.1.0"
 
-# public name -> the module that holds it
-_EXPORTS: dict[str, str] = {
-    "BackendUnavailableError": "rl_kernel_core.dispatch",
-    "batch_invariant": "rl_kernel_core.invariance",
-    "fused_linear_policy_loss": "rl_kernel_core.loss",
-    "group_advantages": "rl_kernel_core.advantages",
-    "is_batch_invariant": "rl_kernel_core.invariance",
-    "linear_logprob": "rl_kernel_core.logprob",
-    "logprob_from_logits": "rl_kernel_core.logprob",
-    "LossSpans": "rl_kernel_core.spans",
-    "MultimodalBatch": "rl_kernel_core.multimodal.schema",
-    "policy_loss": "rl_kernel_core.loss",
-    "ratio_kl": "rl_kernel_core.loss",
-    "rms_norm": "rl_kernel_core.invariance",
-    "sample": "rl_kernel_core.sampling",
-    "set_batch_invariant_mode": "rl_kernel_core.invariance",
-    "token_advantages": "rl_kernel_core.rewards",
-    "varlen_attention": "rl_kernel_core.attention",
-}
+# public name -> the module that holds it (the manifest's public ops and the other public names)
+_EXPORTS: dict[str, str] = ops.exports()
 
 __all__ = sorted(_EXPORTS)
 
