@@ -9,8 +9,9 @@ implementation that serves its (already validated) inputs.
 Rules:
 
 * ``backend="auto"`` (the default) takes the first backend in the op's preference order that
-  declares the op (:data:`SERVES`, from the manifest :data:`rl_kernel_core.ops.OPS`), can run on the inputs' device and whose ``supports`` predicate
-  accepts them; backends that do not declare the op are never imported for it. ``flashinfer`` is
+  declares the op (:data:`SERVES`, from the manifest :data:`rl_kernel_core.ops.OPS`), can run on
+  the inputs' device and whose ``supports`` predicate accepts them; backends that do not declare
+  the op are never imported for it. ``flashinfer`` is
   in no default order: its draws depend on a row's place in the batch (it serves only calls
   without per-row seeds) and are not the tokens the other backends draw from the same generator
   state, so ``auto`` takes it only where the user asks for it (``RL_KERNEL_BACKEND=flashinfer``
