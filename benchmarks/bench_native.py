@@ -19,8 +19,8 @@ What it measures (every implementation in the same run, on the same inputs):
 
 Errors are max |value - fp64 reference| on the same inputs. For each op the faster of native and
 Triton (CUDA-graph time where capture worked, else launched time; forward+backward where there is
-a backward) goes first in ``auto_order``: that is the order ``rl_kernel_core.native``'s
-``MEASURED_PREFERENCE`` records for this GPU architecture.
+a backward) goes first in ``auto_order``: that is the order each op's ``measured_order`` in
+``rl_kernel_core.ops.OPS`` records for this GPU architecture.
 
     python benchmarks/bench_native.py --out benchmarks/results
 """

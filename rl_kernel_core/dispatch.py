@@ -9,8 +9,9 @@ implementation that serves its (already validated) inputs.
 Rules:
 
 * ``backend="auto"`` (the default) takes the first backend in the op's preference order that
-  declares the op (:data:`SERVES`), can run on the inputs' device and whose ``supports`` predicate
-  accepts them; backends that do not declare the op are never imported for it. ``flashinfer`` is
+  declares the op (:data:`SERVES`, from the manifest :data:`rl_kernel_core.ops.OPS`), can run on
+  the inputs' device and whose ``supports`` predicate accepts them; backends that do not declare
+  the op are never imported for it. ``flashinfer`` is
   in no default order: its draws depend on a row's place in the batch (it serves only calls
   without per-row seeds) and are not the tokens the other backends draw from the same generator
   state, so ``auto`` takes it only where the user asks for it (``RL_KERNEL_BACKEND=flashinfer``
@@ -24,6 +25,11 @@ Rules:
   silent fallback anywhere: a skipped candidate under ``auto`` is recorded with its reason.
 * Triton kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set and
   the backend is named explicitly (``auto`` never picks the interpreter: it is a test tool).
+
+What an op is (its backends' modules, its ``auto`` order) is declared in :mod:`rl_kernel_core.ops`;
+what this process has registered, chosen and logged is :data:`REGISTRY` (a :class:`Registry`).
+Tests replace an implementation within a block with :func:`override` or :meth:`Registry.scoped`,
+never by editing the registry's tables.
 """
 
 from __future__ import annotations
@@ -33,48 +39,21 @@ import importlib.util
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union, overload
 
 import torch
 
+from rl_kernel_core import ops
+from rl_kernel_core.ops import BACKENDS
+
 logger = logging.getLogger("rl_kernel")
 
-BACKENDS: tuple[str, ...] = ("native", "triton", "torch", "flashinfer")
-_DEFAULT_PREFERENCE: tuple[str, ...] = ("native", "triton", "torch")
-_TRITON_BATCH_INVARIANT = "rl_kernel_core.triton.batch_invariant"
-BACKEND_MODULES: dict[str, dict[str, str]] = {
-    "triton": {
-        "linear_logprob": "rl_kernel_core.triton.linear_logprob",
-        "logprob_from_logits": "rl_kernel_core.triton.logprob_from_logits",
-        "ratio_kl": "rl_kernel_core.triton.loss",
-        "policy_loss": "rl_kernel_core.triton.loss",
-        "fused_linear_policy_loss": "rl_kernel_core.triton.fused_linear_policy_loss",
-        "group_advantages": "rl_kernel_core.triton.advantages",
-        "sample": "rl_kernel_core.triton.sampling",
-        "bi_matmul": _TRITON_BATCH_INVARIANT,
-        "bi_linear": _TRITON_BATCH_INVARIANT,
-        "bi_log_softmax": _TRITON_BATCH_INVARIANT,
-        "bi_mean": _TRITON_BATCH_INVARIANT,
-        "rms_norm": _TRITON_BATCH_INVARIANT,
-        "varlen_attention": "rl_kernel_core.triton.attention",
-    },
-    "native": {
-        "linear_logprob": "rl_kernel_core.native.linear_logprob",
-        "logprob_from_logits": "rl_kernel_core.native.logprob_from_logits",
-        "ratio_kl": "rl_kernel_core.native.loss",
-        "policy_loss": "rl_kernel_core.native.loss",
-        "group_advantages": "rl_kernel_core.native.advantages",
-    },
-    "flashinfer": {"sample": "rl_kernel_core.flashinfer.sampling"},
-}
-"""``{backend: {op: the module that registers it}}`` for the fast backends; ``torch`` serves every
-op from the reference modules the public ops import. Choosing a backend for an op imports that
-op's module only (for ``native``, building that op family's extension only), never a backend
-or module that has no implementation of the op."""
-SERVES: dict[str, frozenset[str]] = {backend: frozenset(ops) for backend, ops in BACKEND_MODULES.items()}
-"""The ops each fast backend serves (:data:`BACKEND_MODULES`' keys). :func:`register` refuses an
-implementation its backend does not declare."""
+SERVES: dict[str, frozenset[str]] = {backend: frozenset(ops.modules(backend)) for backend in BACKENDS}
+"""The ops each backend serves, from the manifest (:attr:`rl_kernel_core.ops.OpSpec.backends`).
+:func:`register` refuses an implementation its backend does not declare."""
 
 Supports = Callable[..., Optional[str]]
 
@@ -87,6 +66,7 @@ class BackendUnavailableError(RuntimeError):
 class _Impl:
     fn: Callable
     supports: Optional[Supports]
+    any_device: bool = False  # a stand-in of override(any_device=True): runs on every device, nothing imported for it
 
 
 @dataclass
@@ -100,14 +80,60 @@ class Decision:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-_impls: dict[tuple[str, str], _Impl] = {}
-_preference: dict[str, tuple[str, ...]] = {}
-_load_errors: dict[str, str] = {}
-_loaded: set[str] = set()
-_measured_order: dict[tuple[str, str], Optional[tuple[str, ...]]] = {}
-_last: dict[str, Decision] = {}
-_logged: set[tuple[str, str, str]] = set()
-_lock = threading.Lock()
+class Registry:
+    """This process's dispatch state, all of it (one instance: :data:`REGISTRY`).
+
+    Attributes:
+        impls: ``{(op, backend): implementation}``, filled by :func:`register` as the backends'
+            modules are imported.
+        stand_ins: ``{(op, backend): implementation}`` put in place by :func:`override` for the
+            length of a block; consulted before ``impls``, and the backend counts as serving the op.
+        preference: ``{op: auto order}`` set by :func:`set_preference`, over the manifest's order.
+        load_errors: ``{backend module: why importing it failed}``.
+        loaded: the backend modules whose import has been tried.
+        capabilities: ``{CUDA device: its compute capability "major.minor"}``, as asked so far.
+        last: ``{op: the last Decision}`` (:func:`explain`).
+        logged: the ``(op, backend, device type)`` choices already logged.
+        lock: held while a backend module is imported.
+    """
+
+    def __init__(self) -> None:
+        self.impls: dict[tuple[str, str], _Impl] = {}
+        self.stand_ins: dict[tuple[str, str], _Impl] = {}
+        self.preference: dict[str, tuple[str, ...]] = {}
+        self.load_errors: dict[str, str] = {}
+        self.loaded: set[str] = set()
+        self.capabilities: dict[str, str] = {}
+        self.last: dict[str, Decision] = {}
+        self.logged: set[tuple[str, str, str]] = set()
+        self.lock = threading.Lock()
+
+    def implementation(self, op: str, backend: str) -> Optional[_Impl]:
+        """The stand-in or registered implementation of ``op`` on ``backend``, or None."""
+        return self.stand_ins.get((op, backend)) or self.impls.get((op, backend))
+
+    @contextmanager
+    def scoped(self) -> Iterator["Registry"]:
+        """A block after which the stand-ins, preferences, decisions and logged choices are as
+        before it. What importing a backend module did (its registrations, ``loaded``,
+        ``load_errors``) and the devices' capabilities stay: they are facts of the process, and
+        a module is imported once."""
+        stand_ins, preference, last, logged = dict(self.stand_ins), dict(self.preference), dict(self.last), set(self.logged)
+        try:
+            yield self
+        finally:
+            self.stand_ins.clear()
+            self.stand_ins.update(stand_ins)
+            self.preference.clear()
+            self.preference.update(preference)
+            self.last.clear()
+            self.last.update(last)
+            self.logged.clear()
+            self.logged.update(logged)
+
+
+REGISTRY = Registry()
+"""The dispatch state of this process."""
 
 
 def register(op: str, backend: str, *, supports: Optional[Supports] = None) -> Callable[[Callable], Callable]:
@@ -119,18 +145,36 @@ def register(op: str, backend: str, *, supports: Optional[Supports] = None) -> C
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not serves(backend, op):
-        raise ValueError(f"{backend} does not declare {op} in dispatch.SERVES; add it there to register it")
+        raise ValueError(f"{backend} does not serve {op} in the manifest rl_kernel_core.ops.OPS; declare it there to register it")
 
     def deco(fn: Callable) -> Callable:
-        _impls[(op, backend)] = _Impl(fn, supports)
+        REGISTRY.impls[(op, backend)] = _Impl(fn, supports)
         return fn
 
     return deco
 
 
+@contextmanager
+def override(op: str, backend: str, impl: Callable, *, supports: Optional[Supports] = None,
+             any_device: bool = False) -> Iterator[None]:
+    """A block in which ``impl`` is ``backend``'s implementation of ``op`` (for tests: a toy op, a
+    stand-in for a backend this machine lacks), whether or not the manifest declares it.
+
+    ``supports`` is as for :func:`register`. Nothing is imported for the stand-in; it runs on
+    the devices ``backend`` runs on, or on every device with ``any_device=True``. On exit the
+    registry is as on entry (:meth:`Registry.scoped`): the stand-in, preferences set and
+    decisions taken in the block are gone.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    with REGISTRY.scoped():
+        REGISTRY.stand_ins[(op, backend)] = _Impl(impl, supports, any_device)
+        yield
+
+
 def serves(backend: str, op: str) -> bool:
     """Whether ``backend`` declares an implementation of ``op`` (nothing is imported to answer)."""
-    return backend == "torch" or op in SERVES.get(backend, frozenset())
+    return op in SERVES.get(backend, frozenset()) or (op, backend) in REGISTRY.stand_ins
 
 
 def set_preference(op: str, order: tuple[str, ...]) -> None:
@@ -138,7 +182,7 @@ def set_preference(op: str, order: tuple[str, ...]) -> None:
     bad = [b for b in order if b not in BACKENDS]
     if bad:
         raise ValueError(f"order must hold backends from {BACKENDS}, got {bad}")
-    _preference[op] = tuple(order)
+    REGISTRY.preference[op] = tuple(order)
 
 
 def default_backend() -> str:
@@ -152,18 +196,19 @@ def default_backend() -> str:
 @torch.compiler.assume_constant_result  # traced code (torch.compile) runs the import eagerly, once
 def _ensure_loaded(backend: str, op: str) -> Optional[str]:
     """Import the module of ``backend`` that registers ``op`` once; return its import failure as a reason, or None."""
-    module = BACKEND_MODULES.get(backend, {}).get(op)
+    spec = ops.OPS.get(op)
+    module = None if spec is None else spec.backends.get(backend)
     if module is None:
         return None
-    if module not in _loaded:
-        with _lock:
-            if module not in _loaded:
+    if module not in REGISTRY.loaded:
+        with REGISTRY.lock:
+            if module not in REGISTRY.loaded:
                 try:
                     importlib.import_module(module)
                 except Exception as exc:  # the reason is reported, never swallowed
-                    _load_errors[module] = f"{backend} backend failed to import: {type(exc).__name__}: {exc}"
-                _loaded.add(module)
-    return _load_errors.get(module)
+                    REGISTRY.load_errors[module] = f"{backend} backend failed to import: {type(exc).__name__}: {exc}"
+                REGISTRY.loaded.add(module)
+    return REGISTRY.load_errors.get(module)
 
 
 def _interpreting() -> bool:
@@ -186,14 +231,17 @@ def unavailable_reason(op: str, backend: str, device: torch.device, *args, expli
     """Why ``backend`` cannot run ``op`` on these inputs, or None when it can."""
     if not serves(backend, op):
         return f"{op} has no {backend} implementation"
+    stand_in = REGISTRY.stand_ins.get((op, backend))
     # a named backend reports why it cannot load before the device; auto imports nothing for a device it cannot serve
-    if explicit:
+    if stand_in is not None:
+        reason = None if stand_in.any_device else _device_reason(backend, device, explicit)
+    elif explicit:
         reason = _ensure_loaded(backend, op) or _device_reason(backend, device, explicit)
     else:
         reason = _device_reason(backend, device, explicit) or _ensure_loaded(backend, op)
     if reason:
         return reason
-    impl = _impls.get((op, backend))
+    impl = REGISTRY.implementation(op, backend)
     if impl is None:
         return f"{op} has no {backend} implementation"
     if impl.supports is not None:
@@ -222,38 +270,52 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
         if reason:
             raise BackendUnavailableError(f"{op}: backend={requested!r} cannot run: {reason}")
         _record(Decision(op, requested, requested, device.type))
-        return _impls[(op, requested)].fn
+        return _chosen(op, requested)
     for candidate in _auto_order(op, device):
         if candidate in skipped:
             continue
         reason = unavailable_reason(op, candidate, device, *args, explicit=False, **kwargs)
         if reason is None:
             _record(Decision(op, "auto", candidate, device.type, skipped))
-            return _impls[(op, candidate)].fn
+            return _chosen(op, candidate)
         skipped[candidate] = reason
     raise BackendUnavailableError(f"{op}: no backend can run these inputs: {skipped}")
 
 
-def _auto_order(op: str, device: torch.device) -> tuple[str, ...]:
-    """``auto``'s order for ``op``: :func:`set_preference`'s, else the native backend's measured
-    order on this GPU (:func:`rl_kernel_core.native.auto_order`, which builds nothing), else the default."""
-    if op in _preference:
-        return _preference[op]
-    if device.type != "cuda" or not serves("native", op):
-        return _DEFAULT_PREFERENCE
-    key = (op, str(device))
-    if key not in _measured_order:
-        from rl_kernel_core import native
+def _chosen(op: str, backend: str) -> Callable:
+    """The implementation :func:`unavailable_reason` has just found runnable."""
+    impl = REGISTRY.implementation(op, backend)
+    assert impl is not None, (op, backend)
+    return impl.fn
 
-        _measured_order[key] = native.auto_order(op, device)
-    return _measured_order[key] or _DEFAULT_PREFERENCE
+
+def _auto_order(op: str, device: torch.device) -> tuple[str, ...]:
+    """``auto``'s order for ``op``: :func:`set_preference`'s, else the manifest's measured order
+    for this GPU's architecture, else its :attr:`~rl_kernel_core.ops.OpSpec.auto_order`."""
+    if op in REGISTRY.preference:
+        return REGISTRY.preference[op]
+    spec = ops.OPS.get(op)
+    if spec is None:
+        return ops.DEFAULT_AUTO_ORDER
+    if device.type == "cuda" and spec.measured_order:
+        return spec.measured_order.get(_capability(device), spec.auto_order)
+    return spec.auto_order
+
+
+def _capability(device: torch.device) -> str:
+    """``"major.minor"``, the compute capability of the CUDA ``device``."""
+    key = str(device)
+    if key not in REGISTRY.capabilities:
+        major, minor = torch.cuda.get_device_capability(device)
+        REGISTRY.capabilities[key] = f"{major}.{minor}"
+    return REGISTRY.capabilities[key]
 
 
 def _record(decision: Decision) -> None:
-    _last[decision.op] = decision
+    REGISTRY.last[decision.op] = decision
     key = (decision.op, decision.backend, decision.device)
-    if key not in _logged and not torch.compiler.is_compiling():  # logging would break the graph
-        _logged.add(key)
+    if key not in REGISTRY.logged and not torch.compiler.is_compiling():  # logging would break the graph
+        REGISTRY.logged.add(key)
         detail = "; ".join(f"{b}: {r}" for b, r in decision.skipped.items())
         logger.info(
             "rl_kernel: %s on %s uses backend=%s (requested %s)%s",
@@ -273,21 +335,21 @@ def explain(op: Optional[str] = None) -> Union[dict[str, Decision], Decision]:
         LookupError: no call of ``op`` has chosen a backend in this process yet.
     """
     if op is None:
-        return dict(_last)
-    if op not in _last:
+        return dict(REGISTRY.last)
+    if op not in REGISTRY.last:
         raise LookupError(f"no call of {op} has chosen a backend in this process yet")
-    return _last[op]
+    return REGISTRY.last[op]
 
 
 def backend_status() -> dict[str, Optional[str]]:
     """Each backend's import status: None when every module it declares loaded, else the first
     reason one did not. Loads every module (building every native extension if need be);
     :func:`backend_report` does not."""
-    status: dict[str, Optional[str]] = {"torch": None}
-    for backend, modules in BACKEND_MODULES.items():
-        reasons = [_ensure_loaded(backend, op) for op in modules]
+    status: dict[str, Optional[str]] = {}
+    for backend in BACKENDS:
+        reasons = [_ensure_loaded(backend, op) for op in ops.modules(backend)]
         status[backend] = next((r for r in reasons if r), None)
-    return {b: status[b] for b in BACKENDS}
+    return status
 
 
 def backend_report() -> dict[str, str]:
@@ -304,9 +366,10 @@ def backend_report() -> dict[str, str]:
         report["triton"] = f"unavailable: triton failed to import: {type(exc).__name__}: {exc}"
     from rl_kernel_core import native_build
 
-    failed = sorted({_load_errors[m] for m in BACKEND_MODULES["native"].values() if m in _load_errors})
+    errors = REGISTRY.load_errors
+    failed = sorted({errors[m] for m in ops.modules("native").values() if m in errors})
     report["native"] = native_build.status() + "".join(f"; {reason}" for reason in failed)
-    flashinfer_error = _load_errors.get(BACKEND_MODULES["flashinfer"]["sample"])
+    flashinfer_error = errors.get(ops.modules("flashinfer")["sample"])
     if flashinfer_error:
         report["flashinfer"] = f"unavailable: {flashinfer_error}"
     elif importlib.util.find_spec("flashinfer") is None:

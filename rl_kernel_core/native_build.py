@@ -32,6 +32,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from rl_kernel_core import ops
+
 # A checkout (or editable install) builds from the repository's native/csrc; a wheel carries a
 # copy inside the package (setup.py puts it there).
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -40,14 +42,9 @@ SOURCE_DIR = next(
     _PACKAGE_DIR.parent / "native" / "csrc",
 )
 EXTENSION_PREFIX = "rl_kernel_native_"
-GROUPS: dict[str, tuple[str, ...]] = {
-    "logprob_from_logits": ("logprob_from_logits.cu", "bind_logprob_from_logits.cpp"),
-    "loss": ("loss.cu", "bind_loss.cpp"),
-    "advantages": ("advantages.cu", "bind_advantages.cpp"),
-    "linear_logprob": ("linear_logprob.cu", "bind_linear_logprob.cpp"),
-}
-"""``{group: its sources in native/csrc}``: each group is one extension, holding the kernels of one
-op family (``loss``: ``ratio_kl`` and ``policy_loss``)."""
+GROUPS: dict[str, tuple[str, ...]] = {group: (f"{group}.cu", f"bind_{group}.cpp") for group in ops.native_groups()}
+"""``{group: its sources in native/csrc}``: each group is one extension, holding the kernels of the
+ops whose :attr:`rl_kernel_core.ops.OpSpec.native_group` it is (``loss``: ``ratio_kl`` and ``policy_loss``)."""
 _ERROR_TAIL_CHARS = 4000
 
 

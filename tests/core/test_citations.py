@@ -12,8 +12,8 @@ Read: README.md, CONTRIBUTING.md, docs/*.md (the whole text) and the comments of
   such as ``verl/trainer/...``, a metric such as ``actor/pg_loss``, a user's ``result.json``) is
   not a path of this tree.
 - **Dotted names** ``rl_kernel_<package>.module.name``: a module or package of this tree, then a
-  name it defines at top level (function, class, assignment, import, an ``_EXPORTS`` entry of a
-  package's ``__init__``), then a member of that class.
+  name it defines at top level (function, class, assignment, import; for ``rl_kernel_core``, a
+  lazy export read from the manifest of ops), then a member of that class.
 - **Code names**: a Markdown code span that is a name (``_stats_kernel``, ``dispatch.explain``,
   ``linear_chunks.tuned(...)``): each snake_case identifier in it occurs in the code (``.py``,
   CUDA/C++, shell, TOML files), so a renamed or removed function is not cited. Names of other
@@ -35,6 +35,8 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 
 import pytest
+
+from rl_kernel_core import ops
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("rl_kernel_core", "rl_kernel_vllm", "rl_kernel_verl", "rl_kernel_vime")
@@ -149,7 +151,7 @@ def _module_file(dotted: str) -> Path | None:
 
 
 def _defined(body: list[ast.stmt]) -> dict[str, ast.AST]:
-    """Names bound at the top of ``body``: functions, classes, assignments, imports, ``_EXPORTS`` keys."""
+    """Names bound at the top of ``body``: functions, classes, assignments, imports."""
     names: dict[str, ast.AST] = {}
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -160,8 +162,6 @@ def _defined(body: list[ast.stmt]) -> dict[str, ast.AST]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 names.update({n.id: node for n in ast.walk(target) if isinstance(n, ast.Name)})
-            if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets) and isinstance(node.value, ast.Dict):
-                names.update({k.value: node for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)})
         elif isinstance(node, (ast.If, ast.Try)):
             names.update(_defined(node.body))
     return names
@@ -177,6 +177,8 @@ def resolves(dotted: str) -> bool:
     else:
         return False
     rest = parts[split:]
+    if module == ROOT / "rl_kernel_core" / "__init__.py" and len(rest) == 1 and rest[0] in ops.exports():
+        return True
     body = ast.parse(module.read_text()).body
     for name in rest:
         node = _defined(body).get(name)

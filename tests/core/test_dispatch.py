@@ -5,21 +5,25 @@ import logging
 import pytest
 import torch
 
-from rl_kernel_core import dispatch
+from rl_kernel_core import dispatch, ops
 from rl_kernel_core.dispatch import BackendUnavailableError
 
 
 @pytest.fixture
-def toy_op(monkeypatch):
+def toy_op():
+    """An op served by torch and by triton (where x > 0), gone from dispatch after the test."""
     name = "test_toy_op"
-    monkeypatch.setitem(dispatch.SERVES, "triton", dispatch.SERVES["triton"] | {name})
-    dispatch.register(name, "torch")(lambda x: ("torch", x))
-    dispatch.register(name, "triton", supports=lambda x: None if x > 0 else "x must be positive")(lambda x: ("triton", x))
-    yield name
-    for backend in dispatch.BACKENDS:
-        dispatch._impls.pop((name, backend), None)
-    dispatch._preference.pop(name, None)
-    dispatch._logged.difference_update({key for key in dispatch._logged if key[0] == name})
+    with dispatch.override(name, "torch", lambda x: ("torch", x)), \
+            dispatch.override(name, "triton", lambda x: ("triton", x), supports=lambda x: None if x > 0 else "x must be positive"):
+        yield name
+
+
+@pytest.fixture
+def torch_only_op():
+    """An op only torch serves, gone from dispatch after the test."""
+    name = "test_torch_only_op"
+    with dispatch.override(name, "torch", lambda x: ("torch", x)):
+        yield name
 
 
 def test_auto_on_cpu_picks_torch_and_records_why_others_were_skipped(toy_op, caplog):
@@ -96,51 +100,58 @@ def test_backend_status_names_native_reason():
         assert status["native"] and ("CPU-only" in status["native"] or "CUDA" in status["native"])
 
 
-def test_backends_that_do_not_declare_an_op_are_never_loaded_for_it(monkeypatch):
-    name = "test_torch_only_op"
-    dispatch.register(name, "torch")(lambda x: ("torch", x))
+def test_backends_that_do_not_declare_an_op_are_never_loaded_for_it(torch_only_op, monkeypatch):
+    name = torch_only_op
     loaded = []
     monkeypatch.setattr(dispatch, "_ensure_loaded", lambda backend, op: None if backend == "torch" else loaded.append(backend))
-    try:
-        assert dispatch.select(name, "auto", torch.device("cuda"), 1)(1) == ("torch", 1)
-        assert loaded == []
-        assert dispatch.explain(name).skipped == {"native": f"{name} has no native implementation",
-                                                  "triton": f"{name} has no triton implementation"}
-        with pytest.raises(BackendUnavailableError, match="has no native implementation"):
-            dispatch.select(name, "native", torch.device("cuda"), 1)
-        assert loaded == []
-    finally:
-        dispatch._impls.pop((name, "torch"), None)
+    assert dispatch.select(name, "auto", torch.device("cuda"), 1)(1) == ("torch", 1)
+    assert loaded == []
+    assert dispatch.explain(name).skipped == {"native": f"{name} has no native implementation",
+                                              "triton": f"{name} has no triton implementation"}
+    with pytest.raises(BackendUnavailableError, match="has no native implementation"):
+        dispatch.select(name, "native", torch.device("cuda"), 1)
+    assert loaded == []
 
 
 def test_registering_an_undeclared_op_is_refused():
-    with pytest.raises(ValueError, match="SERVES"):
+    with pytest.raises(ValueError, match="rl_kernel_core.ops.OPS"):
         dispatch.register("test_undeclared_op", "triton")
 
 
-def test_env_backend_is_a_preference_for_ops_it_does_not_serve(toy_op, monkeypatch, caplog):
-    name = "test_torch_only_op"
-    dispatch.register(name, "torch")(lambda x: ("torch", x))
+def test_env_backend_is_a_preference_for_ops_it_does_not_serve(torch_only_op, monkeypatch, caplog):
+    name = torch_only_op
     monkeypatch.setenv("RL_KERNEL_BACKEND", "native")
-    try:
-        with caplog.at_level(logging.INFO, logger="rl_kernel"):
-            assert dispatch.select(name, None, torch.device("cpu"), 1)(1) == ("torch", 1)
-        assert "RL_KERNEL_BACKEND=native" in dispatch.explain(name).skipped["native"]
-        assert any("RL_KERNEL_BACKEND=native" in r.getMessage() for r in caplog.records)
-        with pytest.raises(BackendUnavailableError, match="native"):  # an explicit backend stays strict
-            dispatch.select(name, "native", torch.device("cpu"), 1)
-    finally:
-        dispatch._impls.pop((name, "torch"), None)
-        dispatch._logged.difference_update({key for key in dispatch._logged if key[0] == name})
+    with caplog.at_level(logging.INFO, logger="rl_kernel"):
+        assert dispatch.select(name, None, torch.device("cpu"), 1)(1) == ("torch", 1)
+    assert "RL_KERNEL_BACKEND=native" in dispatch.explain(name).skipped["native"]
+    assert any("RL_KERNEL_BACKEND=native" in r.getMessage() for r in caplog.records)
+    with pytest.raises(BackendUnavailableError, match="native"):  # an explicit backend stays strict
+        dispatch.select(name, "native", torch.device("cpu"), 1)
+
+
+def test_override_and_scope_leave_the_registry_as_they_found_it(monkeypatch):
+    """A stand-in, a preference and the decisions taken inside the block are gone after it."""
+    before = (dict(dispatch.REGISTRY.impls), dict(dispatch.REGISTRY.preference), dispatch.explain(), set(dispatch.REGISTRY.logged))
+    with dispatch.override("sample", "flashinfer", lambda *args: "stand-in", any_device=True):
+        dispatch.set_preference("sample", ("flashinfer", "torch"))
+        assert dispatch.select("sample", "auto", torch.device("cpu"))() == "stand-in"
+        assert dispatch.explain("sample").backend == "flashinfer"
+    with dispatch.REGISTRY.scoped():
+        dispatch.set_preference("logprob_from_logits", ("torch",))
+    after = (dict(dispatch.REGISTRY.impls), dict(dispatch.REGISTRY.preference), dispatch.explain(), set(dispatch.REGISTRY.logged))
+    assert after == before and not dispatch.REGISTRY.stand_ins
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with dispatch.override("sample", "cuda", lambda: None):
+            pass
 
 
 def test_triton_registers_exactly_what_it_declares():
     pytest.importorskip("triton")
     import importlib
 
-    for module in dispatch.BACKEND_MODULES["triton"].values():
+    for module in ops.modules("triton").values():
         importlib.import_module(module)
-    registered = {op for (op, backend) in dispatch._impls if backend == "triton" and not op.startswith("test_")}
+    registered = {op for (op, backend) in dispatch.REGISTRY.impls if backend == "triton"}
     assert registered == dispatch.SERVES["triton"]
 
 
@@ -148,9 +159,9 @@ def test_triton_registers_exactly_what_it_declares():
 def test_native_registers_exactly_what_it_declares():
     import importlib
 
-    for module in dispatch.BACKEND_MODULES["native"].values():
+    for module in ops.modules("native").values():
         importlib.import_module(module)
-    registered = {op for (op, backend) in dispatch._impls if backend == "native" and not op.startswith("test_")}
+    registered = {op for (op, backend) in dispatch.REGISTRY.impls if backend == "native"}
     assert registered == dispatch.SERVES["native"]
 
 

@@ -1,6 +1,6 @@
 """The package's import graph: every module imports alone (no cycle), and no module imports a layer above its own.
 
-Layers, bottom up: standalone helpers (switches, adapters, codes, checks, contract, the native
+Layers, bottom up: standalone helpers (the manifest of ops, switches, adapters, codes, checks, contract, the native
 build), op definitions (``opdef``, the backend-neutral ``linear_chunks``), ``dispatch``, the
 reference backend, the fast backends (Triton and native never import each other; FlashInfer's
 sampler takes its log-probs from the Triton kernel), the public
@@ -26,7 +26,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "rl_kernel_core"
 TESTS = PACKAGE.parent / "tests"
 LAYERS: list[tuple[str, ...]] = [
-    ("switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest", "spans"),
+    ("ops", "switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest", "spans"),
     ("opdef", "linear_chunks"),
     ("dispatch",),
     ("reference",),

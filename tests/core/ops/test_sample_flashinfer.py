@@ -71,7 +71,7 @@ def test_supports_accepts_the_rest(kwargs):
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
+def stand_in():
     """A stand-in ``flashinfer`` implementation behind the real predicate, first in ``auto``'s order
     (by preference), runnable on CPU: it records the seeds it receives and returns zeros."""
     received = []
@@ -80,12 +80,9 @@ def stand_in(monkeypatch):
         received.append(seeds)
         return torch.zeros(logits.shape[0], dtype=torch.int64), torch.zeros(logits.shape[0])
 
-    load, device_reason = dispatch._ensure_loaded, dispatch._device_reason
-    monkeypatch.setattr(dispatch, "_ensure_loaded", lambda backend, op: None if backend == "flashinfer" else load(backend, op))
-    monkeypatch.setattr(dispatch, "_device_reason", lambda backend, device, explicit: None if backend == "flashinfer" else device_reason(backend, device, explicit))
-    monkeypatch.setitem(dispatch._impls, ("sample", "flashinfer"), dispatch._Impl(impl, supports))
-    monkeypatch.setitem(dispatch._preference, "sample", ("flashinfer", "triton", "torch"))
-    return received
+    with dispatch.override("sample", "flashinfer", impl, supports=supports, any_device=True):
+        dispatch.set_preference("sample", ("flashinfer", "triton", "torch"))
+        yield received
 
 
 def test_explain_names_the_refusal_and_unseeded_calls_get_drawn_seeds(seed, stand_in):

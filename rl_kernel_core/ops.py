@@ -1,0 +1,163 @@
+"""The manifest of ops: one :class:`OpSpec` per op that dispatch serves, the one place an op's facts live.
+
+Read by :mod:`rl_kernel_core` (its lazy exports: :func:`exports`), :mod:`rl_kernel_core.dispatch`
+(which module of which backend serves an op, and ``auto``'s order), :mod:`rl_kernel_core.native_build`
+(which native extension an op's kernels are built into) and the tests that hold the docs' op x
+backend table and the custom-op names to it. Adding an op is one :class:`OpSpec` in :data:`OPS`
+(CONTRIBUTING.md, "Adding an op"). This module is standard library only: the package's
+``__init__`` reads it without importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Optional
+
+BACKENDS: tuple[str, ...] = ("native", "triton", "torch", "flashinfer")
+"""Every backend dispatch knows, in the order ``rl-kernel info`` lists them."""
+DEFAULT_AUTO_ORDER: tuple[str, ...] = ("native", "triton", "torch")
+"""``auto``'s order for an op whose :class:`OpSpec` gives none. ``flashinfer`` is in no default
+order: its draws depend on a row's place in the batch, so ``auto`` takes it only when asked to
+(:mod:`rl_kernel_core.dispatch`)."""
+GLUE_KINDS: Mapping[str, str] = MappingProxyType({
+    "differentiable_custom_op": "rl_kernel::<backend>_<op> and rl_kernel::<backend>_<op>_backward custom ops with fakes, "
+                                "autograd registered, from opdef.define_differentiable_op",
+    "custom_op": "one rl_kernel::<backend>_<op> custom op with a fake, not differentiable",
+    "autograd_function": "a torch.autograd.Function in the backend's module",
+    "function": "a plain function, not differentiable",
+})
+"""``{glue kind: how a fast backend wraps its kernels for PyTorch}`` (:attr:`OpSpec.glue`)."""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op, as dispatch, the exports, the native build and the docs' tests see it.
+
+    Attributes:
+        name: the op's name in dispatch (``register``, ``select``, ``explain``); for a public op
+            also the name of its public function.
+        public_module: the module that defines the public function ``name``, which ``rl_kernel_core``
+            re-exports; None for an op only the batch-invariant mode calls (``bi_*``).
+        backends: ``{backend: the module that registers the op's implementation}``; importing that
+            module is all dispatch does to load a backend for the op, and no other backend is
+            imported for it. ``torch`` (the reference) serves every op.
+        native_group: the extension (:data:`rl_kernel_core.native_build.GROUPS`) that holds the
+            op's CUDA kernels; set exactly when ``native`` serves the op.
+        auto_order: ``auto``'s order of backends where :attr:`measured_order` has no entry for
+            the GPU (and on CPU).
+        measured_order: ``{compute capability "major.minor": auto order}``, the faster of native
+            and triton first, as ``benchmarks/bench_native.py`` measured on that architecture.
+        glue: how the fast backends wrap their kernels for PyTorch, a key of :data:`GLUE_KINDS`.
+    """
+
+    name: str
+    public_module: Optional[str]
+    backends: Mapping[str, str]
+    glue: str
+    native_group: Optional[str] = None
+    auto_order: tuple[str, ...] = DEFAULT_AUTO_ORDER
+    measured_order: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if "torch" not in self.backends:
+            raise ValueError(f"backends of {self.name} must include torch (the reference serves every op)")
+        unknown = sorted({*self.backends, *self.auto_order, *(b for o in self.measured_order.values() for b in o)} - set(BACKENDS))
+        if unknown:
+            raise ValueError(f"backends, auto_order and measured_order of {self.name} must name backends from {BACKENDS}, got {unknown}")
+        if (self.native_group is None) == ("native" in self.backends):
+            raise ValueError(f"native_group of {self.name} must be set exactly when native serves it, got {self.native_group!r}")
+        if self.glue not in GLUE_KINDS:
+            raise ValueError(f"glue of {self.name} must be one of {list(GLUE_KINDS)}, got {self.glue!r}")
+
+
+_REFERENCE_LOGPROB = "rl_kernel_core.reference.logprob"
+_REFERENCE_LOSS = "rl_kernel_core.reference.loss"
+_REFERENCE_BATCH_INVARIANT = "rl_kernel_core.reference.batch_invariant"
+_TRITON_BATCH_INVARIANT = "rl_kernel_core.triton.batch_invariant"
+_TRITON_LOSS = "rl_kernel_core.triton.loss"
+_NATIVE_LOSS = "rl_kernel_core.native.loss"
+_TRITON_FIRST = ("triton", "native", "torch")
+
+
+def _batch_invariant(name: str, public_module: Optional[str] = None) -> OpSpec:
+    """An op of the batch-invariant mode: reference and Triton kernels in one module each."""
+    return OpSpec(name, public_module, {"torch": _REFERENCE_BATCH_INVARIANT, "triton": _TRITON_BATCH_INVARIANT},
+                  glue="autograd_function")
+
+
+OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
+    # H100 (sm_90) orders from benchmarks/results/bench_native_h100.json: logprob_from_logits
+    # fwd+bwd (N=8192, V=151936, bf16) native 2.79 ms / triton 3.11 ms; policy_loss fwd+bwd (1M
+    # tokens, CUDA graph) native 32.8 us / triton 23.3 us; ratio_kl fwd+bwd (1M, CUDA graph) native
+    # 51.9 us / triton 47.5 us; group_advantages (64k rewards by index) native 0.28 ms / triton
+    # 0.49 ms; linear_logprob (N=16384, D=4096, V=128256: 2 no-grad forwards + 1 fwd+bwd with
+    # entropy) native 192.5 ms / triton 178.5 ms.
+    OpSpec("logprob_from_logits", "rl_kernel_core.logprob",
+           {"torch": _REFERENCE_LOGPROB, "triton": "rl_kernel_core.triton.logprob_from_logits",
+            "native": "rl_kernel_core.native.logprob_from_logits"},
+           glue="differentiable_custom_op", native_group="logprob_from_logits",
+           measured_order={"9.0": ("native", "triton", "torch")}),
+    OpSpec("ratio_kl", "rl_kernel_core.loss", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
+           glue="differentiable_custom_op", native_group="loss", measured_order={"9.0": _TRITON_FIRST}),
+    OpSpec("policy_loss", "rl_kernel_core.loss", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
+           glue="differentiable_custom_op", native_group="loss", measured_order={"9.0": _TRITON_FIRST}),
+    OpSpec("fused_linear_policy_loss", "rl_kernel_core.loss",
+           {"torch": _REFERENCE_LOSS, "triton": "rl_kernel_core.triton.fused_linear_policy_loss"},
+           glue="differentiable_custom_op"),
+    OpSpec("group_advantages", "rl_kernel_core.advantages",
+           {"torch": "rl_kernel_core.reference.advantages", "triton": "rl_kernel_core.triton.advantages",
+            "native": "rl_kernel_core.native.advantages"},
+           glue="custom_op", native_group="advantages", measured_order={"9.0": ("native", "triton", "torch")}),
+    OpSpec("linear_logprob", "rl_kernel_core.logprob",
+           {"torch": _REFERENCE_LOGPROB, "triton": "rl_kernel_core.triton.linear_logprob",
+            "native": "rl_kernel_core.native.linear_logprob"},
+           glue="differentiable_custom_op", native_group="linear_logprob",
+           auto_order=_TRITON_FIRST, measured_order={"9.0": _TRITON_FIRST}),
+    OpSpec("sample", "rl_kernel_core.sampling",
+           {"torch": "rl_kernel_core.reference.sampling", "triton": "rl_kernel_core.triton.sampling",
+            "flashinfer": "rl_kernel_core.flashinfer.sampling"},
+           glue="function"),
+    OpSpec("varlen_attention", "rl_kernel_core.attention",
+           {"torch": "rl_kernel_core.reference.attention", "triton": "rl_kernel_core.triton.attention"},
+           glue="autograd_function"),
+    _batch_invariant("rms_norm", "rl_kernel_core.invariance"),
+    _batch_invariant("bi_matmul"),
+    _batch_invariant("bi_linear"),
+    _batch_invariant("bi_log_softmax"),
+    _batch_invariant("bi_mean"),
+)})
+"""``{op name: its declaration}``, every op dispatch serves."""
+
+OTHER_EXPORTS: Mapping[str, str] = MappingProxyType({
+    "BackendUnavailableError": "rl_kernel_core.dispatch",
+    "batch_invariant": "rl_kernel_core.invariance",
+    "is_batch_invariant": "rl_kernel_core.invariance",
+    "LossSpans": "rl_kernel_core.spans",
+    "MultimodalBatch": "rl_kernel_core.multimodal.schema",
+    "set_batch_invariant_mode": "rl_kernel_core.invariance",
+    "token_advantages": "rl_kernel_core.rewards",
+})
+"""``{public name: the module that defines it}`` for what ``rl_kernel_core`` exports that is not an op."""
+
+
+def exports() -> dict[str, str]:
+    """``{public name: the module that defines it}``: every name ``rl_kernel_core`` exports, the
+    public ops of :data:`OPS` and :data:`OTHER_EXPORTS`."""
+    public = {spec.name: spec.public_module for spec in OPS.values() if spec.public_module is not None}
+    return {**public, **OTHER_EXPORTS}
+
+
+def modules(backend: str) -> dict[str, str]:
+    """``{op: the module of ``backend`` that registers it}`` for every op ``backend`` serves."""
+    return {spec.name: spec.backends[backend] for spec in OPS.values() if backend in spec.backends}
+
+
+def native_groups() -> dict[str, tuple[str, ...]]:
+    """``{native group: the ops whose kernels its extension holds}``, in :data:`OPS`' order."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for spec in OPS.values():
+        if spec.native_group is not None:
+            groups[spec.native_group] = (*groups.get(spec.native_group, ()), spec.name)
+    return groups

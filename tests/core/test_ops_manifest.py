@@ -1,0 +1,42 @@
+"""The manifest of ops (``rl_kernel_core.ops``) is what the package exports, and its glue kinds are what the backends define."""
+
+import importlib
+
+import pytest
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core import ops
+from rl_kernel_core.ops import OpSpec
+
+
+def test_the_package_exports_every_public_op_and_other_name_from_its_module():
+    assert rk.__all__ == sorted(ops.exports())
+    assert not set(ops.OPS) & set(ops.OTHER_EXPORTS)
+    for name, module in ops.exports().items():
+        assert getattr(rk, name) is getattr(importlib.import_module(module), name)
+
+
+def test_glue_kinds_are_the_custom_ops_the_triton_backend_defines():
+    pytest.importorskip("triton")
+    for module in ops.modules("triton").values():
+        importlib.import_module(module)
+    for spec in ops.OPS.values():
+        if "triton" not in spec.backends:
+            continue
+        forward = hasattr(torch.ops.rl_kernel, f"triton_{spec.name}")
+        backward = hasattr(torch.ops.rl_kernel, f"triton_{spec.name}_backward")
+        expected = {"differentiable_custom_op": (True, True), "custom_op": (True, False)}.get(spec.glue, (False, False))
+        assert (forward, backward) == expected, f"{spec.name}: glue {spec.glue!r}"
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(backends={"triton": "m"}, glue="function"), "must include torch"),
+    (dict(backends={"torch": "m", "cuda": "m"}, glue="function"), r"must name backends from .* got \['cuda'\]"),
+    (dict(backends={"torch": "m", "native": "m"}, glue="function"), "native_group of test_op must be set exactly when native"),
+    (dict(backends={"torch": "m"}, glue="function", native_group="loss"), "native_group of test_op"),
+    (dict(backends={"torch": "m"}, glue="kernel"), "glue of test_op must be one of"),
+])
+def test_a_bad_declaration_is_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        OpSpec("test_op", None, **fields)
