@@ -24,7 +24,7 @@ from grpo import data as gsm8k
 from grpo import embedded
 from grpo.model import PRESETS, build_local_model
 from grpo.runs import (add_run_options, device_and_output, embedded_side, first_step_section, git_commit,
-                       parse_run_options, run_config)
+                       parse_run_options, recipe_error, recipe_parser, run_config)
 import rl_kernel_core as rk
 from rl_kernel_core import bench, report
 from rl_kernel_core.cli import integer, number
@@ -43,12 +43,10 @@ PRESET_RUNS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="recipes/grpo_gsm8k.sh",
-        description="GRPO on GSM8K with rl-kernel off and on, then a comparison report "
-                    "(step time per module, tokens/s, peak memory, reward, train/rollout log-prob drift).")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="model shape and run defaults: tiny (2-core CPU, minutes) or qwen3-0.6b (one GPU)")
+    p = recipe_parser("grpo_gsm8k", PRESETS,
+                      "model shape and run defaults: tiny (2-core CPU, minutes) or qwen3-0.6b (one GPU)",
+                      "GRPO on GSM8K with rl-kernel off and on, then a comparison report "
+                      "(step time per module, tokens/s, peak memory, reward, train/rollout log-prob drift).")
     p.add_argument("--model", default=None,
                    help="HF model path or directory (default: a local model of the preset's shape, random weights)")
     p.add_argument("--data", default=None,
@@ -158,11 +156,6 @@ def known_differences(engine: str, cfg: embedded.GRPOConfig, off_log: Path, on_l
             "check measures their numeric agreement.")
 
 
-def _error(message: str) -> int:
-    print(f"[grpo_gsm8k] error: {message}", file=sys.stderr)
-    return 2
-
-
 def model_problem(model: str) -> str | None:
     """Why ``--model``'s config or tokenizer cannot be loaded (checked before any run), or None."""
     from transformers import AutoConfig, AutoTokenizer
@@ -182,21 +175,18 @@ def model_problem(model: str) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        device, out = device_and_output(args, "grpo_gsm8k")
-    except ValueError as exc:
-        return _error(str(exc))
+    device, out = device_and_output(args, "grpo_gsm8k")
     engine, why = resolve_engine(args.engine, device)
     print(f"[grpo_gsm8k] engine: {engine} ({why}); device: {device}; output: {out}", flush=True)
     if args.model:
         problem = model_problem(args.model)
         if problem:
-            return _error(f"--model {args.model}: {problem}")
+            return recipe_error("grpo_gsm8k", f"--model {args.model}: {problem}")
 
     try:
         problems, source = gsm8k.load_problems(args.data, "train", args.limit, args.seed)
     except (gsm8k.DataUnavailableError, gsm8k.DataError) as exc:
-        return _error(str(exc))
+        return recipe_error("grpo_gsm8k", str(exc))
     print(f"[grpo_gsm8k] data: {source}", flush=True)
 
     if args.model:

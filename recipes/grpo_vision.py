@@ -22,7 +22,7 @@ from pathlib import Path
 
 from grpo import vision, vision_data
 from grpo.runs import (OVERRIDES, add_run_options, device_and_output, embedded_side, first_step_section, git_commit,
-                       parse_run_options, run_config)
+                       parse_run_options, recipe_error, recipe_parser, run_config)
 from grpo.vision_model import PRESETS, build_local_vlm
 from rl_kernel_core import bench, report
 from rl_kernel_core.cli import integer, number
@@ -47,12 +47,9 @@ def _tasks(value: str) -> tuple[str, ...]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="recipes/grpo_vision.sh",
-        description="GRPO on generated image problems with a tiny Qwen2-VL, rl-kernel off and on, then a comparison "
-                    "report; processor-layout parity is checked on the first batch before any training.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="model shape and run defaults: tiny (2-core CPU, minutes)")
+    p = recipe_parser("grpo_vision", PRESETS, "model shape and run defaults: tiny (2-core CPU, minutes)",
+                      "GRPO on generated image problems with a tiny Qwen2-VL, rl-kernel off and on, then a comparison "
+                      "report; processor-layout parity is checked on the first batch before any training.")
     p.add_argument("--data", choices=("synthetic",), default="synthetic",
                    help="synthetic: images drawn from --seed (count squares, read a number, name a colour)")
     p.add_argument("--tasks", type=_tasks, default=vision_data.TASKS,
@@ -72,17 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parse_run_options(p, argv)
 
 
-def _error(message: str) -> int:
-    print(f"[grpo_vision] error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        device, out = device_and_output(args, "grpo_vision")
-    except ValueError as exc:
-        return _error(str(exc))
+    device, out = device_and_output(args, "grpo_vision")
     print(f"[grpo_vision] engine: embedded; device: {device}; output: {out}", flush=True)
     problems = vision_data.synthetic_problems(args.problems, args.tasks, args.seed)
     source = f"synthetic: {args.problems} problems ({', '.join(args.tasks)}), seed {args.seed}"
@@ -105,8 +94,8 @@ def main(argv=None) -> int:
             result, fields = embedded_side("grpo_vision", side, model_dir, problems, cfg, out, device,
                                            not args.no_progress, engine_class)
         except ParityError as exc:
-            return _error(f"{side} run stopped before training: processor-layout parity failed on the first batch, "
-                          f"rollout vs training: {exc}")
+            return recipe_error("grpo_vision", f"{side} run stopped before training: processor-layout parity failed on "
+                                               f"the first batch, rollout vs training: {exc}")
         first[side] = result["first_step"]
         meta = {**meta_common, "side": side, **fields, "parity": "first batch checked, no mismatch"}
         (out / f"{side}.meta.json").write_text(json.dumps(meta, indent=2, default=str))

@@ -65,6 +65,32 @@ def same_shape(reference_name: str, reference: torch.Tensor, **others: Optional[
             raise ValueError(f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, got {tuple(t.shape)}")
 
 
+def lm_head_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, *,
+    min_ndim: int, vocab_name: str,
+) -> None:
+    """The inputs of an op on an LM head: ``hidden [..., D]`` float with at least ``min_ndim``
+    dims, ``weight [V, D]`` and ``bias [V]`` (or None) in its dtype, integer ``targets`` of its
+    leading shape, all on one device, ``D`` and ``V`` at least 1. ``vocab_name`` is what the
+    messages call ``V`` (``V_local`` for one tensor-parallel shard of the head). Target ids are
+    not read here (:func:`target_ids` does that, one host sync)."""
+    tensor("hidden", hidden, dtypes=FLOAT_DTYPES, min_ndim=min_ndim)
+    tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2)
+    optional_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1)
+    tensor("targets", targets, dtypes=INDEX_DTYPES)
+    same_device("hidden", hidden, weight=weight, bias=bias, targets=targets)
+    dim = hidden.shape[-1]
+    vocab = weight.shape[0]
+    if dim == 0:
+        raise ValueError(f"hidden's last dim D must be >= 1, got shape {tuple(hidden.shape)}")
+    shape("weight", weight, (vocab, dim), f"[{vocab_name}, D={dim}]")
+    if vocab == 0:
+        raise ValueError(f"weight must hold at least one vocab row, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        shape("bias", bias, (vocab,), f"[{vocab_name}={vocab}]")
+    shape("targets", targets, hidden.shape[:-1], f"hidden's leading shape {tuple(hidden.shape[:-1])}")
+
+
 def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Every id in ``targets`` is in ``[0, vocab)`` or equals ``ignore_index``.
 

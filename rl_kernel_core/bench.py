@@ -8,6 +8,7 @@ allocated before it (CUDA allocator statistics), i.e. extra memory over the inpu
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -77,6 +78,15 @@ def free_memory_bytes(device: torch.device) -> int:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def add_timing_options(p: argparse.ArgumentParser, *, reps: int, warmup: int = 3) -> None:
+    """A benchmark's ``--device`` (default None: the script picks), ``--warmup`` and ``--reps`` (as
+    :func:`time_ms` takes them) and ``--seed`` (default 0) options."""
+    p.add_argument("--device", default=None)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--reps", type=int, default=reps)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, reps: int = 10) -> dict[str, float]:

@@ -223,7 +223,7 @@ class ChunkBuffers:
     ``rows`` is the chunk height. On the chunked route ``logits`` is the fp32 ``[rows, V]`` chunk
     cuBLAS writes (:meth:`source`) and ``dl`` overwrites it in place; otherwise ``dl`` (when
     needed) is a ``[rows, V]`` buffer in ``hidden``'s dtype. A backend subclass implements
-    :meth:`stats` and :meth:`grad_pass` (and may size ``rows`` itself for passes that need no
+    :meth:`stats` and :meth:`grad` (and may size ``rows`` itself for passes that need no
     ``dl``, through :meth:`stats_rows`).
     """
 
@@ -274,21 +274,18 @@ class ChunkBuffers:
         """Write ``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]`` views) for ``n`` rows of ``x``."""
         raise NotImplementedError
 
-    def grad_pass(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
-        inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
-        g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-    ) -> None:
-        """Write ``self.dl[:n]`` from ``n`` rows of ``x``, the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``."""
-        raise NotImplementedError
-
     def grad(
         self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
         inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
         g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """``dl`` of ``n`` rows of ``x`` on the fixed ``[rows, V]`` shape (rows past ``n`` zero)."""
-        self.grad_pass(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent)
+        """``dl`` of ``n`` rows of ``x`` on the fixed ``[rows, V]`` shape (rows past ``n`` zero), from
+        the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``: the pass writes ``self.dl[:n]`` and
+        returns :meth:`padded_dl`."""
+        raise NotImplementedError
+
+    def padded_dl(self, n: int) -> torch.Tensor:
+        """``self.dl`` with its rows past ``n`` zeroed, once a pass has written its first ``n`` rows."""
         if n < self.rows:
             self.dl[n:].zero_()
         return self.dl

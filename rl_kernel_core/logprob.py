@@ -148,20 +148,8 @@ def linear_logprob(
         ValueError: a wrong shape, device, target id, temperature or an empty vocab/hidden dim.
         rl_kernel_core.BackendUnavailableError: an explicit ``backend`` cannot run these inputs.
     """
-    _checks.tensor("hidden", hidden, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
-    _checks.tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2)
-    _checks.optional_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1)
-    _checks.tensor("targets", targets, dtypes=_checks.INDEX_DTYPES)
-    _checks.same_device("hidden", hidden, weight=weight, bias=bias, targets=targets)
+    _checks.lm_head_inputs(hidden, weight, bias, targets, min_ndim=1, vocab_name="V_local")
     d = hidden.shape[-1]
-    if d == 0:
-        raise ValueError(f"hidden's last dim D must be >= 1, got shape {tuple(hidden.shape)}")
-    _checks.shape("weight", weight, (weight.shape[0], d), f"[V_local, D={d}]")
-    if weight.shape[0] == 0:
-        raise ValueError(f"weight must hold at least one vocab row, got shape {tuple(weight.shape)}")
-    if bias is not None:
-        _checks.shape("bias", bias, (weight.shape[0],), f"[V_local={weight.shape[0]}]")
-    _checks.shape("targets", targets, hidden.shape[:-1], f"hidden's leading shape {tuple(hidden.shape[:-1])}")
     temperature = _scalars(temperature, ignore_index, return_entropy)
     world = _tp_world(tp_group)
     if loss_spans is not None:

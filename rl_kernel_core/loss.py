@@ -392,21 +392,9 @@ def fused_linear_policy_loss(
         ``(loss, metrics)`` as :func:`policy_loss`; ``loss`` is differentiable in ``hidden``,
         ``weight`` and ``bias``.
     """
-    _checks.tensor("hidden", hidden, dtypes=_checks.FLOAT_DTYPES, min_ndim=2)
-    _checks.tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2)
-    _checks.optional_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1)
-    _checks.tensor("targets", targets, dtypes=_checks.INDEX_DTYPES)
-    _checks.same_device("hidden", hidden, weight=weight, bias=bias, targets=targets)
+    _checks.lm_head_inputs(hidden, weight, bias, targets, min_ndim=2, vocab_name="V")
     dim = hidden.shape[-1]
     vocab = weight.shape[0]
-    if dim == 0:
-        raise ValueError(f"hidden's last dim D must be >= 1, got shape {tuple(hidden.shape)}")
-    _checks.shape("weight", weight, (vocab, dim), f"[V, D={dim}]")
-    if vocab == 0:
-        raise ValueError(f"weight must hold at least one vocab row, got shape {tuple(weight.shape)}")
-    if bias is not None:
-        _checks.shape("bias", bias, (vocab,), f"[V={vocab}]")
-    _checks.shape("targets", targets, hidden.shape[:-1], f"hidden's leading shape {tuple(hidden.shape[:-1])}")
     _check_token_tensors(
         "targets", targets, _mask_or_spans(mask, loss_spans, "targets", targets), {"old_logprob": old_logprob, "advantages": advantages},
         {"ref_logprob": ref_logprob, "rollout_is_weights": rollout_is_weights},

@@ -38,6 +38,7 @@ import torch
 import rl_kernel_core
 from rl_kernel_core import profiling
 from rl_kernel_vllm._log import log_once
+from rl_kernel_vllm._v1_sampler_call import sampler_call_arguments
 
 LOGPROB_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
 RAW_MODE = "raw_logprobs"
@@ -132,10 +133,7 @@ def wrap_v1_forward(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any):
-        bound = signature.bind(self, *args, **kwargs)
-        logits = bound.arguments["logits"]
-        meta = bound.arguments["sampling_metadata"]
-        mode = bound.arguments.get("logprobs_mode_override") or self.logprobs_mode
+        logits, meta, mode = sampler_call_arguments(signature, self, args, kwargs)
         num_logprobs = meta.max_num_logprobs
         if num_logprobs is None:
             return original(self, *args, **kwargs)

@@ -27,6 +27,7 @@ import torch
 
 import rl_kernel_core
 from rl_kernel_vllm._log import log_once
+from rl_kernel_vllm._v1_sampler_call import sampler_call_arguments
 
 TARGETS: tuple[str, ...] = ("vllm.v1.sample.sampler:Sampler.sample",)
 OVERRIDES: tuple[str, ...] = (
@@ -66,10 +67,7 @@ def wrap_v1_sample(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def sample(self, *args: Any, **kwargs: Any):
-        bound = signature.bind(self, *args, **kwargs)
-        logits = bound.arguments["logits"]
-        meta = bound.arguments["sampling_metadata"]
-        mode = bound.arguments.get("logprobs_mode_override") or self.logprobs_mode
+        logits, meta, mode = sampler_call_arguments(signature, self, args, kwargs)
         wants_values = meta.max_num_logprobs is not None or bool(meta.logprob_token_ids)
         if wants_values and mode.startswith("processed"):
             log_once("sampler:processed", "rl_kernel_vllm: logprobs_mode=%s batches are sampled by vLLM", mode)

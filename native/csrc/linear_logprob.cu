@@ -43,15 +43,7 @@ __global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(
   __shared__ float sh_m[kStatsThreads], sh_s[kStatsThreads], sh_u[kStatsThreads];
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x;
-  const int64_t tgt = targets[row];
-  if (tgt == ignore_index) {
-    if (tid == 0) {
-      logprob[row] = 0.f;
-      lse_out[row] = 0.f;
-      if (ENT) entropy[row] = 0.f;
-    }
-    return;
-  }
+  if (zero_ignored_row<ENT>(targets[row] == ignore_index, row, logprob, entropy, lse_out)) return;
   const float* x = logits + row * row_stride;
   using VT = Vec<float, kF32Vec>;
   float m = -INFINITY, s = 0.f, u = 0.f;
@@ -69,11 +61,9 @@ __global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(
   }
   block_merge<ENT, kStatsThreads>(m, s, u, sh_m, sh_s, sh_u);
   if (tid == 0) {
-    const float log_s = logf(sh_s[0]);
-    const float lse = sh_m[0] + log_s;
-    logprob[row] = biased<BIAS>(x[tgt], bias, bias_code, tgt) * inv_temp - lse;
-    lse_out[row] = lse;
-    if (ENT) entropy[row] = log_s - sh_u[0] / sh_s[0];
+    const int64_t tgt = targets[row];
+    store_row_stats<ENT>(sh_m, sh_s, sh_u, biased<BIAS>(x[tgt], bias, bias_code, tgt) * inv_temp, row, logprob,
+                         entropy, lse_out);
   }
 }
 

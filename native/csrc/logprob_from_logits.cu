@@ -33,15 +33,7 @@ __global__ void __launch_bounds__(kFwdThreads) logprob_fwd_kernel(
   __shared__ float sh_m[kFwdThreads], sh_s[kFwdThreads], sh_u[kFwdThreads];
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x;
-  const int64_t tgt = targets[row];
-  if (tgt == ignore_index) {
-    if (tid == 0) {
-      logprob[row] = 0.f;
-      lse_out[row] = 0.f;
-      if (ENT) entropy[row] = 0.f;
-    }
-    return;
-  }
+  if (zero_ignored_row<ENT>(targets[row] == ignore_index, row, logprob, entropy, lse_out)) return;
   const T* x = logits + row * row_stride;
   constexpr int VEC = kVec<T>;
   using VT = Vec<T, VEC>;
@@ -74,11 +66,8 @@ __global__ void __launch_bounds__(kFwdThreads) logprob_fwd_kernel(
   }
   block_merge<ENT, kFwdThreads>(m, s, u, sh_m, sh_s, sh_u);
   if (tid == 0) {
-    const float log_s = logf(sh_s[0]);
-    const float lse = sh_m[0] + log_s;
-    logprob[row] = static_cast<float>(x[tgt]) * inv_temp - lse;
-    lse_out[row] = lse;
-    if (ENT) entropy[row] = log_s - sh_u[0] / sh_s[0];
+    const int64_t tgt = targets[row];
+    store_row_stats<ENT>(sh_m, sh_s, sh_u, static_cast<float>(x[tgt]) * inv_temp, row, logprob, entropy, lse_out);
   }
 }
 

@@ -76,6 +76,31 @@ __device__ __forceinline__ void block_merge(float m, float s, float u, float* sh
   }
 }
 
+// A row at ignore_index is not read: thread 0 writes logprob 0, lse 0 and (ENT) entropy 0.
+// Returns whether the row is ignored, so the block can return.
+template <bool ENT>
+__device__ __forceinline__ bool zero_ignored_row(bool ignored, int64_t row, float* logprob, float* entropy,
+                                                 float* lse_out) {
+  if (ignored && threadIdx.x == 0) {
+    logprob[row] = 0.f;
+    lse_out[row] = 0.f;
+    if (ENT) entropy[row] = 0.f;
+  }
+  return ignored;
+}
+
+// Thread 0's writes for a row from the block's merged state (block_merge) and the target's scaled
+// logit z_t: lse = m + log s, logprob = z_t - lse and (ENT) entropy = log s - u / s.
+template <bool ENT>
+__device__ __forceinline__ void store_row_stats(const float* sh_m, const float* sh_s, const float* sh_u, float z_t,
+                                                int64_t row, float* logprob, float* entropy, float* lse_out) {
+  const float log_s = logf(sh_s[0]);
+  const float lse = sh_m[0] + log_s;
+  logprob[row] = z_t - lse;
+  lse_out[row] = lse;
+  if (ENT) entropy[row] = log_s - sh_u[0] / sh_s[0];
+}
+
 // Group i (VEC elements from x + i * VEC): one 16-byte load when ALIGNED, else element by element.
 template <typename T, int VEC, bool ALIGNED>
 __device__ __forceinline__ Vec<T, VEC> load_group(const T* x, int64_t i) {

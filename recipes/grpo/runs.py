@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -92,6 +93,14 @@ def first_step_section(first: dict, device: torch.device, out: Path) -> tuple[st
     return "First step, off vs on", report.first_step_markdown(check)
 
 
+def recipe_parser(recipe: str, presets: Any, preset_help: str, description: str) -> argparse.ArgumentParser:
+    """The command line parser of ``recipes/<recipe>.sh``, holding its ``--preset`` (one of
+    ``presets``, default tiny)."""
+    p = argparse.ArgumentParser(prog=f"recipes/{recipe}.sh", description=description)
+    p.add_argument("--preset", choices=sorted(presets), default="tiny", help=preset_help)
+    return p
+
+
 def add_run_options(p: argparse.ArgumentParser, overrides: tuple = OVERRIDES) -> None:
     """The options of every recipe: ``--out``, ``--device``, ``--sides``, ``--seed``,
     ``--no-progress`` and ``--<field>`` for each of ``overrides`` (name, argparse type, what it takes)."""
@@ -116,10 +125,16 @@ def parse_run_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     return args
 
 
+def recipe_error(recipe: str, message: str) -> int:
+    """Prints ``[<recipe>] error: <message>`` on stderr; returns the exit status of such an error, 2."""
+    print(f"[{recipe}] error: {message}", file=sys.stderr)
+    return 2
+
+
 def device_and_output(args: argparse.Namespace, recipe: str) -> tuple[torch.device, Path]:
     """``--device`` (default cuda when available) and ``--out`` (default ``runs/<recipe>-<time>``),
-    created; ``ValueError`` with a one-line message when it cannot be. Turns transformers'
-    progress bars off."""
+    created; where it cannot be, exits with status 2 after a one-line :func:`recipe_error`, as
+    argparse does for a bad option. Turns transformers' progress bars off."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -128,7 +143,7 @@ def device_and_output(args: argparse.Namespace, recipe: str) -> tuple[torch.devi
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--out {str(out)!r} cannot be created: {exc.strerror or exc}") from None
+        sys.exit(recipe_error(recipe, f"--out {str(out)!r} cannot be created: {exc.strerror or exc}"))
     return device, out
 
 

@@ -36,9 +36,10 @@ class NativeChunkBuffers(LC.ChunkBuffers):
         """``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]``) of the first ``n`` rows of the logits chunk ``x``."""
         _ext.linear_chunk_stats(x, bias, targets, inv_temp, ignore_index, lp, ent, lse)
 
-    def grad_pass(self, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> None:
-        """``self.dl[:n]`` (in place over the logits chunk ``x``) from the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``."""
+    def grad(self, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> torch.Tensor:
+        """``dl`` (written in place over the logits chunk ``x``) from the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``."""
         _ext.linear_chunk_grad(x, self.dl, bias, targets, lse, None if g_ent is None else ent, g_lp, g_ent, inv_temp, ignore_index)
+        return self.padded_dl(n)
 
 
 def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, tuning):

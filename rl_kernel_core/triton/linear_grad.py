@@ -18,7 +18,7 @@ import triton.language as tl
 
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._tiles import grouped_tile
-from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, tile_flags, tiles
+from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
 
 
 @launch_time_jit
@@ -42,9 +42,7 @@ def _grad_kernel(
     num_pid_g = tl.cdiv(n_tiles, TILES_PER_PROG)
     for pid in tl.range(tl.program_id(0), num_pid_m * num_pid_g, n_progs, flatten=FLATTEN):
         pid_m, pid_g = grouped_tile(pid, num_pid_m, num_pid_g, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+        rows, row_ok, tgt = row_block(pid_m, M, tgt_ptr, ignore_index, BLOCK_M)
         valid = row_ok & (tgt != ignore_index)
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         glp = tl.where(valid, tl.load(glp_ptr + rows, mask=row_ok, other=0.0), 0.0)

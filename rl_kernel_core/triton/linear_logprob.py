@@ -58,9 +58,10 @@ class TritonChunkBuffers(LC.ChunkBuffers):
         launch_stats(x, weight, bias, targets, n, inv_temp, ignore_index, self.partials, self.ztgt, self.route == "chunked", ent is not None)
         launch_merge(self.partials, self.ztgt, targets, n, self.n_tiles, ignore_index, lp, ent, lse)
 
-    def grad_pass(self, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> None:
-        """Write ``self.dl[:n]`` from ``n`` rows of ``x``."""
+    def grad(self, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> torch.Tensor:
+        """``dl`` of ``n`` rows of ``x`` (rows past ``n`` zero)."""
         launch_grad(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, self.dl, self.route == "chunked")
+        return self.padded_dl(n)
 
 
 def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, tuning):

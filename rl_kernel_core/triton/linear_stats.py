@@ -24,7 +24,7 @@ import triton.language as tl
 from rl_kernel_core.linear_chunks import tuning
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._tiles import grouped_tile
-from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, tile_flags, tiles
+from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
 
 _MERGE_BLOCK_R = 16
 _MERGE_BLOCK_T = 64
@@ -50,9 +50,7 @@ def _stats_kernel(
     # with FLATTEN the compiler overlaps one unit's epilogue with the next unit's loads
     for pid in tl.range(tl.program_id(0), num_pid_m * n_tiles, n_progs, flatten=FLATTEN):
         pid_m, pid_g = grouped_tile(pid, num_pid_m, n_tiles, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+        rows, row_ok, tgt = row_block(pid_m, M, tgt_ptr, ignore_index, BLOCK_M)
         rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)
         # a loop of one tile: with it the flattened persistent loop nest measured 5% faster in the
         # fused loss on an H100 (benchmarks/results/restructure_h100/linear_before_after)

@@ -31,6 +31,16 @@ _GPU_MEMORY_PASS_TILES = TileConfig(1, 2048, 16, group_m=1, num_warps=8, num_sta
 
 
 @helper_jit
+def row_block(pid_m, M, tgt_ptr, ignore_index, BLOCK_M: tl.constexpr):
+    """``(rows, row_ok, tgt)`` of row block ``pid_m``: its ``BLOCK_M`` row indices, which of them
+    are below ``M``, and their int64 target ids (``ignore_index`` for the rows past ``M``)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    return rows, row_ok, tgt
+
+
+@helper_jit
 def logits_tile(
     x_ptr, w_ptr, b_ptr, rows_safe, row_ok, pid_m, t, V, D,
     stride_xm, stride_xk, stride_wv, stride_wk, inv_temp,
