@@ -1,10 +1,35 @@
 """Shared pytest set-up: the ``gpu`` marker skips cleanly without CUDA; the ``seed``,
-``triton_device``, ``backend`` and ``tune`` fixtures."""
+``triton_device``, ``backend`` and ``tune`` fixtures; no tqdm monitor thread, and a test that
+leaves batch-invariant mode on fails."""
 
 import os
+import sys
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # tqdm's monitor thread (started by the first progress bar, e.g. inside torch.compile) outlives
+    # the test that started it. The batch-invariant mode removes its kernel registrations only when
+    # the process has one thread left, so a stray thread would make every later "registrations
+    # removed" check depend on the monitor's timing.
+    try:
+        import tqdm
+    except ImportError:
+        return
+    tqdm.tqdm.monitor_interval = 0
+
+
+@pytest.fixture(autouse=True)
+def _batch_invariant_mode_left_off():
+    """After each test: the mode is off (a test that leaves it on fails here, and the switch is
+    reset so that the tests after it run as written)."""
+    yield
+    invariance = sys.modules.get("rl_kernel_core.invariance")
+    if invariance is not None and invariance.is_batch_invariant():
+        invariance.set_batch_invariant_mode(False)
+        pytest.fail("the test left batch-invariant mode on")
 
 
 def pytest_collection_modifyitems(config, items):
