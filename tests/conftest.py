@@ -15,7 +15,7 @@ def pytest_configure(config):
     # the process has one thread left, so a stray thread would make every later "registrations
     # removed" check depend on the monitor's timing.
     try:
-        import tqdm
+        import tqdm  # type: ignore[import-untyped]
     except ImportError:
         return
     tqdm.tqdm.monitor_interval = 0
