@@ -146,12 +146,17 @@ def test_linear_logprob_on_spans_equals_the_dense_mask(seed, backend, device, dt
     assert rows == [spans.total]
     h2, w2 = leaves(hidden, weight)
     lp_dense, ent_dense = rk.linear_logprob(h2, w2, dense_targets, return_entropy=True, backend=backend)
-    assert torch.equal(lp, lp_dense) and torch.equal(ent, ent_dense)
     g1, g2 = upstream(lp.shape, device).float(), upstream(lp.shape, device).float()
     grads = torch.autograd.grad((lp * g1).sum() + (ent * g2).sum(), (h1, w1))
     want = torch.autograd.grad((lp_dense * g1).sum() + (ent_dense * g2).sum(), (h2, w2))
     assert not grads[0][~mask].any()
-    assert torch.equal(grads[0], want[0])  # a row's gradient depends on that row alone
+    if backend == "torch":  # the library's matmuls pick kernels by row count (cuBLAS does): rows are not independent
+        assert_close(lp, lp_dense, "logprob", dtype, "logprob")
+        assert_close(ent, ent_dense, "logprob", dtype, "entropy")
+        assert_close(grads[0], want[0], "gradient", dtype, "dhidden")
+    else:  # a row's values and gradient depend on that row alone
+        assert torch.equal(lp, lp_dense) and torch.equal(ent, ent_dense)
+        assert torch.equal(grads[0], want[0])
     assert_close(grads[1], want[1], "gradient", dtype, "dweight")
 
 
