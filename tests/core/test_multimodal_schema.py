@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from rl_kernel_core.contract import assert_close
+
 from rl_kernel_core.multimodal.schema import MultimodalBatch, ProcessorFingerprint, Span
 from tiny_vlm_processor import IMAGE, random_images, tiny_processor
 
@@ -178,7 +180,9 @@ def test_scored_rows_score_the_loss_spans_tokens(seed, padding_side):
             positions = real[s.start - 1:s.end - 1]
             assert torch.equal(targets[b, positions], batch.input_ids[b][s.start:s.end])
             want = rk.linear_logprob(hidden[b, positions], weight, batch.input_ids[b][s.start:s.end])
-            assert torch.equal(scored[b, positions], want)
+            # within the contract: on CPU the torch backend's matmul is not row-invariant (MKL picks
+            # its blocking, and under load its thread count, by the call); a wrong row is far off
+            assert_close(scored[b, positions], want, "logprob", torch.float32, f"sequence {b} span {s}")
     assert int((scored != 0).sum()) == sum(s.length for spans in batch.loss_spans for s in spans)
 
 
