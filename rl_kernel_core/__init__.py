@@ -8,6 +8,7 @@ where, is the manifest's (:func:`rl_kernel_core.ops.exports`).
 """
 
 import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,10 @@ def _exports() -> dict[str, str]:
 def __getattr__(name: str):
     if name == "__all__":
         return sorted(_exports())
+    # `from rl_kernel_core import switches` asks for the attribute before importing the submodule:
+    # a submodule's name is left to the import system, without reading the manifest
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        raise AttributeError(f"module 'rl_kernel_core' has no attribute {name!r} (a submodule, not imported yet)")
     module = _exports().get(name)
     if module is None:
         raise AttributeError(f"module 'rl_kernel_core' has no attribute {name!r}")
