@@ -52,8 +52,6 @@ _LRC: tl.constexpr = tl.constexpr(LOG_RATIO_CLAMP)
 _KLC: tl.constexpr = tl.constexpr(LOW_VAR_KL_CLAMP)
 
 _NUM_PARTIALS = 7
-# the mask weight's place among the partials (pg, kl, entropy, weight, clipped, dual-clipped, -log-ratio)
-_Q_WEIGHT: tl.constexpr = tl.constexpr(3)
 _ELEMENTWISE_BLOCK = 1024
 
 
@@ -204,48 +202,6 @@ def _policy_loss_tokens_kernel(
             tl.store(grad_ent_ptr + offs, -entropy_coef * tok_scale, mask=valid)
 
 
-@helper_jit
-def _row_sums(partials_ptr, Q: tl.constexpr, rows, row_ok, S, NB, BLOCK_S: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """Partial ``Q``'s sum over the ``NB`` blocks of each of ``rows``, the blocks added in ascending order."""
-    nbs_in = tl.arange(0, BLOCK_NB)
-    acc = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for b0 in range(0, NB, BLOCK_NB):
-        nbs = b0 + nbs_in
-        ptrs = partials_ptr + rows[:, None].to(tl.int64) * NB + nbs[None, :]
-        ok = row_ok[:, None] & (nbs[None, :] < NB)
-        acc += tl.sum(tl.load(ptrs + Q * (S * NB), mask=ok, other=0.0), axis=1)
-    return acc
-
-
-@helper_jit
-def _partial_totals(partials_ptr, seq_weight_ptr, Q: tl.constexpr, S, NB, AGG: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """``(token-level, sequence-level)`` lane totals of partial ``Q`` over the sequences, taken in
-    blocks of ``BLOCK_S`` in ascending order: the sum of its sequences' totals, and the sum over
-    the sequences of weight > 0 of their totals (their means for ``AGG == 2``). For the weight
-    itself (``Q == _Q_WEIGHT``) the sequence-level total counts those sequences, and each
-    sequence's weight is stored in ``seq_weight``."""
-    rows_in = tl.arange(0, BLOCK_S)
-    tok = tl.zeros([BLOCK_S], dtype=tl.float32)
-    seq = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        rows = s0 + rows_in
-        row_ok = rows < S
-        r_w = _row_sums(partials_ptr, _Q_WEIGHT, rows, row_ok, S, NB, BLOCK_S, BLOCK_NB)
-        used = r_w > 0
-        if Q == _Q_WEIGHT:
-            tl.store(seq_weight_ptr + rows, r_w, mask=row_ok)
-            tok += r_w
-            seq += tl.where(used, 1.0, 0.0)
-        else:
-            r = _row_sums(partials_ptr, Q, rows, row_ok, S, NB, BLOCK_S, BLOCK_NB)
-            tok += r
-            if AGG == 2:
-                r = r / tl.where(used, r_w, 1.0)
-            seq += tl.where(used, r, 0.0)
-    return tok, seq
-
-
 @launch_time_jit
 def _policy_loss_finish_kernel(
     partials_ptr, out_ptr, metrics_ptr, seq_weight_ptr, totals_ptr,
@@ -254,13 +210,60 @@ def _policy_loss_finish_kernel(
     BLOCK_S: tl.constexpr, BLOCK_NB: tl.constexpr,
 ):
     """Fixed-order reduction of the partials into the loss, metrics and backward totals."""
-    tok_pg, seq_pg = _partial_totals(partials_ptr, seq_weight_ptr, 0, S, NB, AGG, BLOCK_S, BLOCK_NB)
-    tok_kl, seq_kl = _partial_totals(partials_ptr, seq_weight_ptr, 1, S, NB, AGG, BLOCK_S, BLOCK_NB)
-    tok_ent, seq_ent = _partial_totals(partials_ptr, seq_weight_ptr, 2, S, NB, AGG, BLOCK_S, BLOCK_NB)
-    tok_w, seq_n = _partial_totals(partials_ptr, seq_weight_ptr, _Q_WEIGHT, S, NB, AGG, BLOCK_S, BLOCK_NB)
-    tok_clip, _ = _partial_totals(partials_ptr, seq_weight_ptr, 4, S, NB, AGG, BLOCK_S, BLOCK_NB)
-    tok_dual, _ = _partial_totals(partials_ptr, seq_weight_ptr, 5, S, NB, AGG, BLOCK_S, BLOCK_NB)
-    tok_nkl, _ = _partial_totals(partials_ptr, seq_weight_ptr, 6, S, NB, AGG, BLOCK_S, BLOCK_NB)
+    rows_in = tl.arange(0, BLOCK_S)
+    nbs_in = tl.arange(0, BLOCK_NB)
+    stride_q = S * NB
+    # token-level totals of the 7 partials, and sequence-level sums of pg, kl, entropy and count
+    tok_pg = tl.zeros([BLOCK_S], dtype=tl.float32)
+    tok_kl = tl.zeros([BLOCK_S], dtype=tl.float32)
+    tok_ent = tl.zeros([BLOCK_S], dtype=tl.float32)
+    tok_w = tl.zeros([BLOCK_S], dtype=tl.float32)
+    tok_clip = tl.zeros([BLOCK_S], dtype=tl.float32)
+    tok_dual = tl.zeros([BLOCK_S], dtype=tl.float32)
+    tok_nkl = tl.zeros([BLOCK_S], dtype=tl.float32)
+    seq_pg = tl.zeros([BLOCK_S], dtype=tl.float32)
+    seq_kl = tl.zeros([BLOCK_S], dtype=tl.float32)
+    seq_ent = tl.zeros([BLOCK_S], dtype=tl.float32)
+    seq_n = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        rows = s0 + rows_in
+        row_ok = rows < S
+        r_pg = tl.zeros([BLOCK_S], dtype=tl.float32)
+        r_kl = tl.zeros([BLOCK_S], dtype=tl.float32)
+        r_ent = tl.zeros([BLOCK_S], dtype=tl.float32)
+        r_w = tl.zeros([BLOCK_S], dtype=tl.float32)
+        r_clip = tl.zeros([BLOCK_S], dtype=tl.float32)
+        r_dual = tl.zeros([BLOCK_S], dtype=tl.float32)
+        r_nkl = tl.zeros([BLOCK_S], dtype=tl.float32)
+        for b0 in range(0, NB, BLOCK_NB):
+            nbs = b0 + nbs_in
+            ptrs = partials_ptr + rows[:, None].to(tl.int64) * NB + nbs[None, :]
+            ok = row_ok[:, None] & (nbs[None, :] < NB)
+            r_pg += tl.sum(tl.load(ptrs, mask=ok, other=0.0), axis=1)
+            r_kl += tl.sum(tl.load(ptrs + stride_q, mask=ok, other=0.0), axis=1)
+            r_ent += tl.sum(tl.load(ptrs + 2 * stride_q, mask=ok, other=0.0), axis=1)
+            r_w += tl.sum(tl.load(ptrs + 3 * stride_q, mask=ok, other=0.0), axis=1)
+            r_clip += tl.sum(tl.load(ptrs + 4 * stride_q, mask=ok, other=0.0), axis=1)
+            r_dual += tl.sum(tl.load(ptrs + 5 * stride_q, mask=ok, other=0.0), axis=1)
+            r_nkl += tl.sum(tl.load(ptrs + 6 * stride_q, mask=ok, other=0.0), axis=1)
+        tl.store(seq_weight_ptr + rows, r_w, mask=row_ok)
+        tok_pg += r_pg
+        tok_kl += r_kl
+        tok_ent += r_ent
+        tok_w += r_w
+        tok_clip += r_clip
+        tok_dual += r_dual
+        tok_nkl += r_nkl
+        used = r_w > 0
+        if AGG == 2:
+            den = tl.where(used, r_w, 1.0)
+            r_pg = r_pg / den
+            r_kl = r_kl / den
+            r_ent = r_ent / den
+        seq_pg += tl.where(used, r_pg, 0.0)
+        seq_kl += tl.where(used, r_kl, 0.0)
+        seq_ent += tl.where(used, r_ent, 0.0)
+        seq_n += tl.where(used, 1.0, 0.0)
     w_total = tl.sum(tok_w, axis=0)
     n_used = tl.sum(seq_n, axis=0)
     w_den = tl.where(w_total > 0, w_total, 1.0)
