@@ -2,19 +2,19 @@
 
 The sources form :data:`GROUPS`, one extension each (``rl_kernel_native_<group>``: the group's
 ``.cu`` file and its ``bind_<group>.cpp``), so the first call of an op compiles only that op's
-group. JIT builds go to :func:`build_dir` under ``$RL_KERNEL_CACHE`` or
-``~/.cache/rl-kernel/native`` (``torch.utils.cpp_extension``: ninja, nvcc); a changed source or
-header is rebuilt. Nothing here compiles at import: the native backend's module of an op calls
+group. JIT builds go to :func:`group_dir` (one folder per group in :func:`build_dir`, under
+``$RL_KERNEL_CACHE`` or ``~/.cache/rl-kernel/native``; ``torch.utils.cpp_extension``: ninja, nvcc);
+a changed source or header is rebuilt. Nothing here compiles at import: the native backend's module of an op calls
 :func:`build` for its group when dispatch imports it, on the first call of that op.
 ``rl-kernel info`` reads :func:`status`, which never builds.
 
 Command line (``python -m rl_kernel_core.native`` runs the same):
 
-- ``build [--verbose] [GROUP ...]``: compile every group (or those named) ahead of time (a Docker build step, or before a multi-process
-  job so no rank builds at start) into the same cache; exits non-zero with the reason when it
-  cannot. It needs the toolchain, not a GPU: set ``TORCH_CUDA_ARCH_LIST`` (e.g. ``9.0``) where no
-  device is visible. Concurrent builds of one cache directory wait on ``torch.utils.cpp_extension``'s
-  lock file.
+- ``build [--verbose] [--jobs N] [GROUP ...]``: compile every group (or those named) ahead of time
+  (a Docker build step, or before a multi-process job so no rank builds at start) into the same
+  cache, N groups at once; exits non-zero with the reason when it cannot. It needs the toolchain,
+  not a GPU: set ``TORCH_CUDA_ARCH_LIST`` (e.g. ``9.0``) where no device is visible. Processes
+  building one group wait on ``torch.utils.cpp_extension``'s lock file in that group's folder.
 - ``check [--arch 90] [--jobs 2]``: compile every source for one architecture without linking,
   even with a CPU-only PyTorch (CI runs it).
 - ``where``: print the build folder.
@@ -66,7 +66,7 @@ def check_cache_dir() -> None:
     the fix.
     """
     uid = os.getuid()
-    for path in (cache_dir(), build_dir()):
+    for path in (cache_dir(), build_dir(), *(group_dir(g) for g in GROUPS)):
         try:
             info = path.lstat()
         except FileNotFoundError:
@@ -91,6 +91,17 @@ def build_dir() -> Path:
     """This environment's build folder in :func:`cache_dir`: one per PyTorch, CUDA and Python version."""
     tag = f"torch{torch.__version__}-cuda{torch.version.cuda}-py{sys.version_info.major}{sys.version_info.minor}"
     return cache_dir() / tag.replace("+", "_")
+
+
+def group_dir(group: str) -> Path:
+    """The build folder of one group's extension in :func:`build_dir`.
+
+    One folder per group because ``torch.utils.cpp_extension`` locks a build folder, not an
+    extension: a process that finds the lock held waits for it and then loads its own extension,
+    so with one shared folder a process wanting group A waited out another's build of group B and
+    then failed to load A, never built (the GPU tests' parallel workers did exactly that).
+    """
+    return build_dir() / group
 
 
 def sources(group: Optional[str] = None) -> list[Path]:
@@ -133,7 +144,7 @@ def unavailable_reason() -> Optional[str]:
 
 
 def _built(group: str) -> bool:
-    return (build_dir() / f"{EXTENSION_PREFIX}{group}.so").is_file()
+    return (group_dir(group) / f"{EXTENSION_PREFIX}{group}.so").is_file()
 
 
 def status() -> str:
@@ -162,8 +173,9 @@ def build(group: str, verbose: bool = False) -> ModuleType:
     if group not in GROUPS:
         raise ValueError(f"group must be one of {list(GROUPS)}, got {group!r}")
     check_cache_dir()
-    out = build_dir()
+    out = group_dir(group)
     cache_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+    build_dir().mkdir(mode=0o700, exist_ok=True)
     out.mkdir(mode=0o700, exist_ok=True)
     # torch rebuilds a JIT extension when its sources or flags change, not its headers: the
     # headers' digest goes into the flags so that editing a .cuh/.h also triggers a rebuild.
@@ -236,11 +248,26 @@ def check(arch: str = "90", jobs: int = 2) -> list[str]:
             return [e for e in pool.map(compile_one, sources()) if e]
 
 
+def _build_in_processes(groups: Sequence[str], jobs: int, verbose: bool) -> int:
+    """Build each group in a process of its own, ``jobs`` at a time; non-zero when any failed."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build_one(group: str) -> int:
+        cmd = [sys.executable, "-m", "rl_kernel_core.native", "build", *(["--verbose"] if verbose else []), group]
+        return subprocess.run(cmd).returncode
+
+    with ThreadPoolExecutor(jobs) as pool:
+        codes = list(pool.map(build_one, groups))
+    return 1 if any(codes) else 0
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="compile the extensions ahead of time into the cache")
     p.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
+    p.add_argument("--jobs", type=int, default=1, help="groups built at once, each in its own process (default 1)")
     p.add_argument("groups", nargs="*", metavar="GROUP", help=f"groups to build (default: all of {', '.join(GROUPS)})")
     sub.add_parser("where", help="print the build folder")
     p = sub.add_parser("check", help="compile every source for one GPU architecture without a GPU (no link, nothing loaded)")
@@ -250,6 +277,8 @@ def main(argv: Sequence[str]) -> int:
     unknown = [g for g in getattr(args, "groups", []) if g not in GROUPS]
     if unknown:
         parser.error(f"GROUP must be among {list(GROUPS)}, got {unknown}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.command == "check":
         errors = check(args.arch, args.jobs)
         for e in errors:
@@ -269,7 +298,10 @@ def main(argv: Sequence[str]) -> int:
     if reason:
         print(f"rl-kernel native: cannot build: {reason}", file=sys.stderr)
         return 1
-    for group in args.groups or GROUPS:
+    groups = list(args.groups or GROUPS)
+    if args.jobs > 1 and len(groups) > 1:
+        return _build_in_processes(groups, args.jobs, args.verbose)
+    for group in groups:
         try:
             module = build(group, verbose=args.verbose)
         except RuntimeError as exc:

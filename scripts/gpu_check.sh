@@ -6,6 +6,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_preamble.sh gpu-results "$@"
 python3 -m rl_kernel_core.cli info | tee "$out/info.txt"
+# The native groups are built first, side by side, so a compile error is reported once, here, and
+# the test processes load the built extensions instead of each waiting on a build.
+( time python3 -m rl_kernel_core.native build --jobs 4 ) 2>&1 | tee "$out/native_build.log" | tail -8
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # Test files run in parallel processes on the one GPU where pytest-xdist is installed (Triton's
 # compiles, not the GPU, bound the run); GPU_CHECK_WORKERS=1 runs them in one process.
 workers=${GPU_CHECK_WORKERS:-8}

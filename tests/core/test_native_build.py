@@ -66,13 +66,30 @@ def test_status_says_not_built_yet_then_built(monkeypatch, tmp_path):
     monkeypatch.setattr(native_build, "unavailable_reason", lambda: None)
     assert native_build.status().startswith("not built yet")
     assert "python -m rl_kernel_core.native build" in native_build.status()
-    native_build.build_dir().mkdir(parents=True)
-    (native_build.build_dir() / f"{native_build.EXTENSION_PREFIX}loss.so").write_bytes(b"")
+    for group in native_build.GROUPS:
+        native_build.group_dir(group).mkdir(parents=True)
+    (native_build.group_dir("loss") / f"{native_build.EXTENSION_PREFIX}loss.so").write_bytes(b"")
     status = native_build.status()
     assert status.startswith(f"built in {native_build.build_dir()}: loss; not built yet: logprob_from_logits, advantages, linear_logprob")
     for group in native_build.GROUPS:
-        (native_build.build_dir() / f"{native_build.EXTENSION_PREFIX}{group}.so").write_bytes(b"")
+        (native_build.group_dir(group) / f"{native_build.EXTENSION_PREFIX}{group}.so").write_bytes(b"")
     assert "not built yet" not in native_build.status()
+
+
+def test_each_group_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """torch's JIT build locks a folder, not an extension: a process waiting on another group's build
+    in a shared folder then loads an extension nobody built. Each group gets its own folder (and lock)."""
+    from torch.utils import cpp_extension
+
+    from rl_kernel_core import native_build
+
+    monkeypatch.setenv("RL_KERNEL_CACHE", str(tmp_path))
+    folders: dict[str, str] = {}
+    monkeypatch.setattr(cpp_extension, "load", lambda name, build_directory, **kw: folders.setdefault(name, build_directory))
+    for group in native_build.GROUPS:
+        native_build.build(group)
+    assert len(set(folders.values())) == len(native_build.GROUPS)
+    assert all(folder == str(native_build.group_dir(name.removeprefix(native_build.EXTENSION_PREFIX))) for name, folder in folders.items())
 
 
 def test_every_source_belongs_to_one_group():
