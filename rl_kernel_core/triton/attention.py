@@ -49,7 +49,7 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import helper_jit, interpreting, launch_time_jit
-from rl_kernel_core.triton._tiles import dot_acc
+from rl_kernel_core.triton._matmul_helpers import dot_acc
 
 TILES: dict[torch.dtype, tuple[int, int, int, int]] = {
     torch.float32: (32, 32, 4, 2),

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
-from rl_kernel_core.triton._tiles import dot_acc, grouped_tile
+from rl_kernel_core.triton._matmul_helpers import dot_acc, grouped_tile
 
 MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
     torch.float32: (64, 64, 32, 4, 3),

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core.triton._jit import launch_time_jit
-from rl_kernel_core.triton._tiles import grouped_tile
+from rl_kernel_core.triton._matmul_helpers import grouped_tile
 from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from rl_kernel_core.linear_chunks import TileConfig, tuning
 from rl_kernel_core.triton._jit import helper_jit, interpreting
-from rl_kernel_core.triton._tiles import dot_acc
+from rl_kernel_core.triton._matmul_helpers import dot_acc
 
 _INTERPRETER_TILES = TileConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=1)
 _INTERPRETER_PROGRAMS = 3

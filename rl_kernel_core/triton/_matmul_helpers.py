@@ -1,4 +1,4 @@
-"""Device functions shared by the Triton matrix-product kernels (the linear log-prob passes and the batch-invariant matmul)."""
+"""Device functions shared by the Triton matrix-product kernels (the linear log-prob passes, the batch-invariant matmul and attention)."""
 
 from __future__ import annotations
 
