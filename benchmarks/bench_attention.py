@@ -23,7 +23,7 @@ calls, and their largest difference from the per-sequence baseline's relative to
 gradient (both are fp32-accumulated approximations; the tests hold each to the fp64 formula).
 
 ``--sweep`` also times the Triton backward alone for each candidate ``(dq tile; dk/dv tile)``,
-each ``BLOCK_M,BLOCK_N,num_warps,num_stages`` (see ``triton/attention.py: BWD_TILES``), with its
+each ``BLOCK_M,BLOCK_N,num_warps,num_stages`` (see ``triton/tuning.py: BWD_TILES``), with its
 gradients' largest difference from the current tiles' (relative, as above); a tile that does not
 compile is reported, not fatal.
 
@@ -49,6 +49,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import bench
 from rl_kernel_core.triton import attention as triton_attention
+from rl_kernel_core.triton.tuning import BWD_TILES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SWEEP = ["64,32,8,2;32,64,8,2", "64,32,4,2;32,64,4,2", "64,32,8,3;32,64,8,3", "128,32,8,2;32,128,8,2",
@@ -250,7 +251,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "benchmark": "varlen_attention forward and backward: Triton vs the per-sequence backward it replaced, SDPA and torch varlen",
         "command": bench.command_line(), "environment": bench.environment(device),
         "shapes": {"heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "causal": True},
-        "backward_tiles": [list(t) for t in triton_attention.BWD_TILES[dtype]],
+        "backward_tiles": [list(t) for t in BWD_TILES[dtype]],
         "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"}, "rows": rows,
     }
     if args.out:

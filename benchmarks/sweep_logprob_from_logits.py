@@ -3,7 +3,8 @@
 Times the forward kernel alone (``logprob_fwd``, no validation or dispatch) with and without
 entropy for each tile on bf16 logits ``[N, V]``, next to the time to read the logits once at the
 copy bandwidth measured in the same run, and checks each tile's log-prob against fp32 eager. One
-tile serves both entropy settings (see ``FWD_TILE``), so the ranking is by their summed time.
+tile serves both entropy settings (see ``triton/tuning.py: FWD_TILE``), so the ranking is by their
+summed time.
 
     python benchmarks/sweep_logprob_from_logits.py --out benchmarks/results
 """
@@ -22,6 +23,7 @@ import bench_losses as BL  # noqa: E402
 
 from rl_kernel_core import bench  # noqa: E402
 from rl_kernel_core.triton import logprob_from_logits as L  # noqa: E402
+from rl_kernel_core.triton.tuning import FWD_TILE  # noqa: E402
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -57,7 +59,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {"benchmark": "sweep_logprob_from_logits", "command": bench.command_line(), "environment": bench.environment(dev),
               "shape": {"N": args.n, "V": args.v}, "dtype": "bfloat16", "copy_bandwidth": bandwidth,
               "read_once_ms_at_copy_bandwidth": read_once_ms, "warmup": args.warmup, "reps": args.reps,
-              "current_tile": list(L.FWD_TILE), "fastest_tile": [best["block_v"], best["num_warps"]], "results": rows}
+              "current_tile": list(FWD_TILE), "fastest_tile": [best["block_v"], best["num_warps"]], "results": rows}
     gpu = result["environment"].get("gpu", "cuda").replace(" ", "_")
     BL.write_result(result, args.out, f"sweep_logprob_from_logits_{gpu}.json")
     return 0

@@ -29,8 +29,7 @@ from rl_kernel_core.loss_codes import ESTIMATOR_CODES
 from rl_kernel_core.opdef import advantages as opdef
 from rl_kernel_core.opdef import fp64_reason
 from rl_kernel_core.triton._jit import launch_time_jit
-
-_MAX_BLOCK = 1024
+from rl_kernel_core.triton.tuning import ADVANTAGES_MAX_BLOCK
 
 
 @launch_time_jit
@@ -98,7 +97,7 @@ def group_advantages_fwd(
     if group_index is None:
         assert group_size is not None, "exactly one of group_size and group_index is set"
         grid = n // group_size
-        block = min(_MAX_BLOCK, triton.next_power_of_2(group_size))
+        block = min(ADVANTAGES_MAX_BLOCK, triton.next_power_of_2(group_size))
         order = starts = ends = values  # unused by the contiguous variant
     else:
         order = torch.argsort(group_index, stable=True)
@@ -106,7 +105,7 @@ def group_advantages_fwd(
         starts = torch.searchsorted(ids, ids, right=False)
         ends = torch.searchsorted(ids, ids, right=True)
         grid = n
-        block = _MAX_BLOCK if n > _MAX_BLOCK else triton.next_power_of_2(max(n, 16))
+        block = ADVANTAGES_MAX_BLOCK if n > ADVANTAGES_MAX_BLOCK else triton.next_power_of_2(max(n, 16))
         group_size = 0
     eps64 = torch.full((1,), eps, dtype=torch.float64, device=values.device)  # a float argument would be fp32
     _group_advantages_kernel[(grid,)](

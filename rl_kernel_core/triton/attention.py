@@ -9,7 +9,8 @@ cache. A block that is entirely masked for a query (past its causal end, visited
 later rows) leaves its state bit for bit unchanged (rescale ``exp(0) = 1``, probabilities exactly
 0). The tile table (which sequence and first query each tile holds) and the sequence offsets are
 read from device memory (copied once per layout, see :func:`_tables`), and no per-call size is a
-kernel argument, so every call runs the same compiled kernel. Tile sizes are fixed per dtype (:data:`TILES`).
+kernel argument, so every call runs the same compiled kernel. Tile sizes are fixed per dtype
+(:data:`rl_kernel_core.triton.tuning.TILES`).
 
 Backward (FlashAttention-2 style, from the forward's ``out`` and log-sum-exp), two launches of
 :func:`_attention_bwd_kernel`. Per sequence and query head, with ``S = Q K^T`` over the head's KV
@@ -50,14 +51,7 @@ import triton.language as tl
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import helper_jit, interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc
-
-TILES: dict[torch.dtype, tuple[int, int, int, int]] = {
-    torch.float32: (32, 32, 4, 2),
-    torch.bfloat16: (64, 64, 4, 2),
-    torch.float16: (64, 64, 4, 2),
-}
-"""``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` per dtype; never a function of the sequence lengths."""
-_INTERPRETED_TILES = (16, 16)
+from rl_kernel_core.triton.tuning import ATTENTION_INTERPRETED_TILES, BWD_TILES, TILES
 
 
 @helper_jit
@@ -154,20 +148,6 @@ def _attention_fwd_kernel(
     tl.store(o_ptr + ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + (q0 + rows).to(tl.int64) * HQ + head, m + tl.log(l), mask=row_ok)
-
-
-BWD_TILES: dict[torch.dtype, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
-    torch.float32: ((32, 32, 8, 2), (32, 32, 8, 2)),
-    torch.bfloat16: ((64, 32, 4, 2), (32, 64, 4, 2)),
-    torch.float16: ((64, 32, 4, 2), (32, 64, 4, 2)),
-}
-"""Backward tiles per dtype, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the dq pass (a program
-holds ``BLOCK_M`` queries and steps over keys ``BLOCK_N`` at a time) and of the dk/dv pass (a
-program holds ``BLOCK_N`` keys and steps over queries ``BLOCK_M`` at a time). 16-bit: the fastest of
-``benchmarks/bench_attention.py --sweep`` on an H200 at head_dim 128 (bf16; 0.57 vs 1.01 ms for the
-8-warp pair at 8x1024 tokens, though ptxas reports spills; the same gradient bits:
-``benchmarks/results/attention_h200/``); fp16 follows bf16 untimed. fp32 from ptxas's register
-report, untimed. Any choice gives correct, deterministic gradients."""
 
 
 @launch_time_jit(do_not_specialize=["scale"])
@@ -277,7 +257,7 @@ def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: flo
     out = torch.empty_like(q)
     lse = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
     interpreted = interpreting()
-    bm, bn = _INTERPRETED_TILES if interpreted else TILES[q.dtype][:2]
+    bm, bn = ATTENTION_INTERPRETED_TILES if interpreted else TILES[q.dtype][:2]
     tables = _tables(q.device, bm, tuple(cu_q), tuple(cu_k))
     if tables is None:
         return out, lse
@@ -294,15 +274,16 @@ def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: flo
 def _backward(q, k, v, out, lse, grad_out, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
               tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None):
     """(dq, dk, dv) in q's dtype: the dq pass over query tiles (it also writes delta), then the
-    dk/dv pass over key tiles, which reads delta. ``tiles`` replaces :data:`BWD_TILES`'s entry
-    (compiled launches only; the tile sweep of ``benchmarks/bench_attention.py``)."""
+    dk/dv pass over key tiles, which reads delta. ``tiles`` replaces the dtype's entry of
+    :data:`~rl_kernel_core.triton.tuning.BWD_TILES` (compiled launches only; the tile sweep of
+    ``benchmarks/bench_attention.py``)."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty_like(lse)
     interpreted = interpreting()
     grad_out = grad_out.contiguous()
     passes: tuple[tuple[int, int, Optional[int], Optional[int]], ...] = (
-        ((*_INTERPRETED_TILES, None, None),) * 2 if interpreted else tiles or BWD_TILES[q.dtype])
+        ((*ATTENTION_INTERPRETED_TILES, None, None),) * 2 if interpreted else tiles or BWD_TILES[q.dtype])
     for dkdv, (bm, bn, warps, stages) in zip((False, True), passes):
         # A pass's tile table runs over the rows its programs hold: queries, or keys for dk/dv.
         cu_tiled, cu_other = (cu_k, cu_q) if dkdv else (cu_q, cu_k)

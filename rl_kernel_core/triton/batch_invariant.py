@@ -6,9 +6,9 @@ Why these are batch-invariant:
 * The matmul is a persistent kernel: ``min(#SMs, #tiles)`` programs walk the output tiles in a
   fixed grouped order. Every output element is one dot product over K accumulated in fp32 in
   ``BLOCK_K`` steps of ascending k, with no split-K and no atomics. The tile shape
-  (:data:`MATMUL_TILES`) depends on the dtype only, never on the row count N, so a row's bits do
-  not depend on N, on its position or on the other rows (the tensor-core MMA computes each output
-  element from its own row and column).
+  (:data:`~rl_kernel_core.triton.tuning.MATMUL_TILES`) depends on the dtype only, never on the row
+  count N, so a row's bits do not depend on N, on its position or on the other rows (the
+  tensor-core MMA computes each output element from its own row and column).
 * The row reductions run one program per row over ``BLOCK`` columns at a time, in ascending
   order, with the same ``BLOCK`` for every N: the mean and the log-sum-exp of a row are the same
   sequence of fp32 operations whatever else is in the call.
@@ -31,28 +31,14 @@ import triton.language as tl
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc, grouped_tile
-
-MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
-    torch.float32: (64, 64, 32, 4, 3),
-    torch.bfloat16: (128, 256, 64, 8, 4),
-    torch.float16: (128, 256, 64, 8, 4),
-}
-"""``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` per input dtype; never a function of N.
-The 16-bit tile is the fastest of ``benchmarks/sweep_bi_matmul_tiles.py``'s candidates on an H100
-over a Qwen3-0.6B layer's products and LM head at 8192 rows; its pipeline needs 192 KiB of shared
-memory per block, more than GPUs before Hopper have (A100: 163 KiB), which take
-:data:`COMPACT_MATMUL_TILES` instead (see :func:`matmul_tile`)."""
-COMPACT_MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
-    torch.float32: (64, 64, 32, 4, 3),
-    torch.bfloat16: (128, 128, 64, 8, 3),
-    torch.float16: (128, 128, 64, 8, 3),
-}
-"""The tiles for GPUs whose shared memory per block cannot hold :data:`MATMUL_TILES`' pipeline."""
-_INTERPRETED_TILES = (16, 32, 16)
-"""Tile used under the Triton interpreter (CPU tests): small so interpreted programs stay fast."""
-ROW_BLOCK: int = 1024
-"""Columns per step of the row reductions."""
-_GROUP_M = 8
+from rl_kernel_core.triton.tuning import (
+    COMPACT_MATMUL_TILES,
+    INTERPRETED_ROW_BLOCK,
+    MATMUL_GROUP_M,
+    MATMUL_INTERPRETED_TILES,
+    MATMUL_TILES,
+    ROW_BLOCK,
+)
 
 
 @launch_time_jit(do_not_specialize=["M"])  # N=1 must not compile another kernel
@@ -102,8 +88,9 @@ def shared_memory_per_block(device: torch.device) -> int:
 
 @functools.cache
 def matmul_tile(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int]:
-    """The tile the persistent matmul uses for ``dtype`` on ``device``: :data:`MATMUL_TILES`' where its
-    pipeline fits the device's shared memory, else :data:`COMPACT_MATMUL_TILES`'. A function of the
+    """The tile the persistent matmul uses for ``dtype`` on ``device``:
+    :data:`~rl_kernel_core.triton.tuning.MATMUL_TILES`' where its pipeline fits the device's shared
+    memory, else :data:`~rl_kernel_core.triton.tuning.COMPACT_MATMUL_TILES`'. A function of the
     dtype and the device only, never of the call's shape."""
     tile = MATMUL_TILES[dtype]
     return tile if _pipeline_bytes(tile, dtype) <= shared_memory_per_block(device) else COMPACT_MATMUL_TILES[dtype]
@@ -125,7 +112,7 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
         return out
     interpreted = interpreting()
     if interpreted:
-        bm, bn, bk = _INTERPRETED_TILES
+        bm, bn, bk = MATMUL_INTERPRETED_TILES
         extra = {}
     else:
         bm, bn, bk, warps, stages = tile or matmul_tile(a.dtype, a.device)
@@ -136,7 +123,7 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
         a, b_t, bias if bias is not None else a, out, m, n, k,
         a.stride(0), a.stride(1), b_t.stride(1), b_t.stride(0), out.stride(0), out.stride(1),
         progs, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=_GROUP_M, **extra,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, **extra,
     )
     return out
 
@@ -228,7 +215,7 @@ def _row_pass(x: torch.Tensor, mode: int, eps: float = 0.0) -> torch.Tensor:
         out = torch.empty(rows, dtype=torch.float32 if mode == 2 else x.dtype, device=x.device)
     if rows and width:
         _row_stats_kernel[(rows,)](x, out, width, x.stride(0), float(eps), MODE=mode,
-                                   BLOCK=64 if interpreting() else ROW_BLOCK)
+                                   BLOCK=INTERPRETED_ROW_BLOCK if interpreting() else ROW_BLOCK)
     elif rows and mode == 0:
         out.fill_(float("nan"))  # an empty mean, as in torch
     return out

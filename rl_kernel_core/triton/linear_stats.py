@@ -25,9 +25,7 @@ from rl_kernel_core.linear_chunks import tuning
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
 from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
-
-_MERGE_BLOCK_R = 16
-_MERGE_BLOCK_T = 64
+from rl_kernel_core.triton.tuning import MERGE_BLOCK_R, MERGE_BLOCK_T
 
 
 @launch_time_jit
@@ -127,7 +125,7 @@ def _merge_kernel(
 def stats_rows(n_tiles: int) -> int:
     """Rows per chunk of the gemm-route forward (a function of the tile count only, never of N):
     as many as fit ``n_tiles`` tiles of statistics in ``tuning().stats_bytes``, from 16 to 16384."""
-    return max(_MERGE_BLOCK_R, min(16384, tuning().stats_bytes // (12 * n_tiles)))
+    return max(MERGE_BLOCK_R, min(16384, tuning().stats_bytes // (12 * n_tiles)))
 
 
 def launch_stats(
@@ -161,8 +159,8 @@ def launch_merge(
     ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
 ) -> None:
     """Merge ``rows`` rows of tile statistics into ``lp``, ``lse`` and, unless None, ``ent`` (fp32 ``[rows]``)."""
-    _merge_kernel[(triton.cdiv(rows, _MERGE_BLOCK_R),)](
+    _merge_kernel[(triton.cdiv(rows, MERGE_BLOCK_R),)](
         partials[0], partials[1], partials[2], ztgt, targets, lp, lp if ent is None else ent, lse,
         rows, n_tiles, partials.stride(1), ignore_index,
-        WANT_ENT=ent is not None, BLOCK_R=_MERGE_BLOCK_R, BLOCK_T=_MERGE_BLOCK_T, num_warps=4,
+        WANT_ENT=ent is not None, BLOCK_R=MERGE_BLOCK_R, BLOCK_T=MERGE_BLOCK_T, num_warps=4,
     )

@@ -22,12 +22,12 @@ import triton.language as tl
 from rl_kernel_core.linear_chunks import TileConfig, tuning
 from rl_kernel_core.triton._jit import helper_jit, interpreting
 from rl_kernel_core.triton._matmul_helpers import dot_acc
-
-_INTERPRETER_TILES = TileConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=1)
-_INTERPRETER_PROGRAMS = 3
-"""Programs of a persistent launch under the interpreter: few, so each walks several units."""
-_GPU_FP32_TILES = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
-_GPU_MEMORY_PASS_TILES = TileConfig(1, 2048, 16, group_m=1, num_warps=8, num_stages=1)
+from rl_kernel_core.triton.tuning import (
+    LINEAR_FP32_TILES,
+    LINEAR_INTERPRETER_PROGRAMS,
+    LINEAR_INTERPRETER_TILES,
+    LINEAR_MEMORY_PASS_TILES,
+)
 
 
 @helper_jit
@@ -96,10 +96,10 @@ def tiles(dtype: torch.dtype, device: torch.device, from_logits: bool, grad: boo
     t = tuning()
     gemm = t.gemm_grad_tiles if grad else t.gemm_tiles
     if device.type != "cuda" or interpreting():
-        return dataclasses.replace(_INTERPRETER_TILES, tma=gemm.tma, persistent=gemm.persistent)
+        return dataclasses.replace(LINEAR_INTERPRETER_TILES, tma=gemm.tma, persistent=gemm.persistent)
     if from_logits:
-        return _GPU_MEMORY_PASS_TILES
-    return _GPU_FP32_TILES if dtype == torch.float32 else gemm
+        return LINEAR_MEMORY_PASS_TILES
+    return LINEAR_FP32_TILES if dtype == torch.float32 else gemm
 
 
 def tma_supported(dtype: torch.dtype, dim: int, device: torch.device) -> bool:
@@ -133,7 +133,7 @@ def grid(work: int, cfg: TileConfig, device: torch.device, from_logits: bool) ->
     if not cfg.persistent or from_logits:
         return (work,)
     if device.type != "cuda" or interpreting():
-        return (min(work, _INTERPRETER_PROGRAMS),)
+        return (min(work, LINEAR_INTERPRETER_PROGRAMS),)
     return (min(work, torch.cuda.get_device_properties(device).multi_processor_count),)
 
 

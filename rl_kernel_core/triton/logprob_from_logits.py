@@ -34,17 +34,10 @@ import triton.language as tl
 from rl_kernel_core import dispatch
 from rl_kernel_core.opdef import logprob as opdef
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
-
-_MAX_BLOCK_V = 4096
-FWD_TILE: tuple[int, int] = (4096, 4)
-"""The forward's ``(largest BLOCK_V, num_warps)``, one for both entropy settings so a row's
-log-prob has the same bits with and without entropy (the old/ref passes skip the entropy, the
-training pass asks for it; on-policy ratios must then be exactly 1). The fastest over the sum
-of both settings in ``benchmarks/sweep_logprob_from_logits.py`` on an H100 (N=8192, V=151936,
-bf16; ``benchmarks/results/sweep_logprob_from_logits_h100.json``)."""
+from rl_kernel_core.triton.tuning import FWD_TILE, LOGPROB_MAX_BLOCK_V
 
 
-def _block_v(vocab: int, largest: int = _MAX_BLOCK_V) -> int:
+def _block_v(vocab: int, largest: int = LOGPROB_MAX_BLOCK_V) -> int:
     return min(largest, triton.next_power_of_2(max(vocab, 16)))
 
 
@@ -150,7 +143,8 @@ def logprob_fwd(
         temperature: the logits are divided by it.
         ignore_index: rows with this target give 0 and are not read.
         with_entropy: also compute the entropy of each row's tempered distribution.
-        tile: ``(largest BLOCK_V, num_warps)``; :data:`FWD_TILE` unless a tuning sweep asks.
+        tile: ``(largest BLOCK_V, num_warps)``; :data:`~rl_kernel_core.triton.tuning.FWD_TILE`
+            unless a tuning sweep asks.
 
     Returns:
         ``(logprob [N] fp32, entropy [N] fp32 or [0] when not requested, lse [N] fp32)``; ``lse``

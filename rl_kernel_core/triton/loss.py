@@ -46,13 +46,13 @@ from rl_kernel_core.opdef import loss as opdef
 from rl_kernel_core.opdef.loss import LossSettings
 from rl_kernel_core.reference.loss import LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
+from rl_kernel_core.triton.tuning import LOSS_ELEMENTWISE_BLOCK
 
 # the reference's clamps, as compile-time constants of the kernels
 _LRC: tl.constexpr = tl.constexpr(LOG_RATIO_CLAMP)
 _KLC: tl.constexpr = tl.constexpr(LOW_VAR_KL_CLAMP)
 
-_NUM_PARTIALS = 7
-_ELEMENTWISE_BLOCK = 1024
+_NUM_PARTIALS = 7  # the quantities q of partials[q, s, block] (a layout, not a tuning choice)
 
 
 @helper_jit
@@ -321,11 +321,11 @@ def _launch_ratio_kl(
         return
     code, plus = kl_code(kl_type)
     lp = _flat(logprob)
-    _ratio_kl_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
+    _ratio_kl_kernel[(triton.cdiv(n, LOSS_ELEMENTWISE_BLOCK),)](
         lp, _flat(old_logprob), _flat(ref_logprob), ratio, kl,
         lp if grad_ratio is None else _flat(grad_ratio), lp if grad_kl is None else _flat(grad_kl), grad, n,
         KL=code, KL_PLUS=plus, BACKWARD=backward, HAS_G_RATIO=grad_ratio is not None, HAS_G_KL=grad_kl is not None,
-        BLOCK=_ELEMENTWISE_BLOCK, num_warps=4,
+        BLOCK=LOSS_ELEMENTWISE_BLOCK, num_warps=4,
     )
 
 

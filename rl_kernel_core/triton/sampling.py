@@ -55,7 +55,15 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
-from rl_kernel_core.triton.logprob_from_logits import FWD_TILE, _block_v
+from rl_kernel_core.triton.logprob_from_logits import _block_v
+from rl_kernel_core.triton.tuning import (
+    EXACT_TILE,
+    FWD_TILE,
+    GATHER_PART,
+    RANK_TILE,
+    SAMPLING_PLAN_WARPS,
+    SAMPLING_SCAN_WARPS,
+)
 
 CANDIDATES = 1024
 """Most candidates the fast path gathers and ranks per row (a power of two); small vocabularies use
@@ -63,18 +71,6 @@ fewer (:func:`candidates`)."""
 GROUPS = 32
 """Strided groups per block whose maxima place the candidate cut: over ordinary logits two of the
 top-k rarely share a group, so the cut keeps little more than ``k`` tokens (and their ties)."""
-GATHER_PART = 512
-"""Logits per step of the gather pass after its whole-block log-sum-exp term (fewer live
-registers, more programs per SM)."""
-RANK_TILE: tuple[int, int, int] = (128, 4096, 8)
-"""``(SMALL, PAIR_TILE, num_warps)`` of the finish: candidate lists of at most ``SMALL`` are ranked
-in a tile of that size, longer ones in one of ``CANDIDATES``; a step compares every candidate with
-``PAIR_TILE / size`` others."""
-EXACT_TILE: tuple[int, int, int, int] = (1024, 8, 2048, 8)
-"""``(SEARCH_BLOCK, PIVOTS, DRAW_BLOCK, num_warps)`` of the exact path: a search pass reads
-``SEARCH_BLOCK`` logits per step against ``PIVOTS`` keys, the whole-row draw ``DRAW_BLOCK``."""
-_SCAN_WARPS = 4  # the scan's programs read one block each: many small programs per SM
-_PLAN_WARPS = 8
 _KEY_MIN = tl.constexpr(-(2**31))
 _PACKED_MIN = tl.constexpr(-(2**63))  # below every packed candidate
 _ABSENT, _SCALAR, _ROWS = 0, 1, 2  # how a parameter reaches the kernel
@@ -611,7 +607,7 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
     blocks = triton.next_power_of_2(n_blocks)
     lv = (logits, logits.stride(0), logits.stride(1))
     _block_scan_kernel[(b, n_blocks)](*lv, *temp_args, block_f32[0], group_keys, v, n_blocks, _mode(temperature),
-                                      BLOCK=block, GROUPS=groups, num_warps=_SCAN_WARPS)
+                                      BLOCK=block, GROUPS=groups, num_warps=SAMPLING_SCAN_WARPS)
     _row_plan_kernel[(b,)](
         *temp_args,
         seeds, positions if isinstance(positions, torch.Tensor) else tokens, positions if isinstance(positions, int) else 0,
@@ -621,7 +617,7 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
         block_f32[0], group_keys, plan, row_i32[0],
         v, n_blocks, n_blocks * groups,
         _mode(temperature), _mode(positions), _mode(top_k), _mode(top_p), _mode(min_p),
-        CAP=cap, BLOCKS=blocks, GROUP_KEYS=triton.next_power_of_2(n_blocks * groups), num_warps=_PLAN_WARPS,
+        CAP=cap, BLOCKS=blocks, GROUP_KEYS=triton.next_power_of_2(n_blocks * groups), num_warps=SAMPLING_PLAN_WARPS,
     )
     _block_gather_kernel[(b, n_blocks)](*lv, block_f32[0], plan, block_f32[1], block_f32[2], block_f32[3], block_arg,
                                         row_i32[0], scratch, v, n_blocks,

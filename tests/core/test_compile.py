@@ -134,14 +134,15 @@ def _sm90_cases() -> list:
         cases.append((adv._group_advantages_kernel, dict(order_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64", group_size="i64", eps_ptr="*fp64"),
                       dict(BY_INDEX=by_index, ESTIMATOR=estimator, NORM_BY_STD=norm, BLOCK=1024), 4))
     from rl_kernel_core.triton import attention as attn
+    from rl_kernel_core.triton import tuning
 
     tables = dict(cu_q_ptr="*i32", cu_k_ptr="*i32", tile_seq_ptr="*i32", tile_start_ptr="*i32", scale=f32)
-    bm, bn, warps, _ = attn.TILES[torch.bfloat16]
+    bm, bn, warps, _ = tuning.TILES[torch.bfloat16]
     cases.append((attn._attention_fwd_kernel, dict(tables, **{f"{n}_ptr": "*bf16" for n in "qkvo"}),
                   dict(HQ=16, GROUP=2, D=128, BLOCK_D=128, CAUSAL=True, IEEE=False, UPCAST_DOT=False, BLOCK_M=bm, BLOCK_N=bn), warps))
     for dtype, name, d, causal in [(torch.bfloat16, "bf16", 128, True), (torch.float32, "fp32", 64, False)]:
         types = dict(tables, **{f"{n}_ptr": f"*{name}" for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")})
-        for dkdv, (bm, bn, warps, _) in zip((False, True), attn.BWD_TILES[dtype]):
+        for dkdv, (bm, bn, warps, _) in zip((False, True), tuning.BWD_TILES[dtype]):
             cases.append((attn._attention_bwd_kernel, types, dict(HQ=16, GROUP=2, D=d, BLOCK_D=d, CAUSAL=causal, IEEE=dtype == torch.float32,
                                                                   UPCAST_DOT=False, BLOCK_M=bm, BLOCK_N=bn, DKDV=dkdv), warps))
     return cases

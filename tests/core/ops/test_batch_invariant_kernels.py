@@ -144,14 +144,15 @@ def test_matmul_tile_fits_the_devices_shared_memory(monkeypatch):
     """The 16-bit tile's pipeline needs 192 KiB of shared memory per block: an H100 (227 KiB) takes
     it, an A100 (163 KiB) the compact tile; fp32 keeps its one tile. Decided per dtype and device."""
     from rl_kernel_core.triton import batch_invariant as tbi
+    from rl_kernel_core.triton import tuning
 
     device = torch.device("cuda", 0)
     try:
-        for smem, expected in ((232448, tbi.MATMUL_TILES), (166912, tbi.COMPACT_MATMUL_TILES)):
+        for smem, expected in ((232448, tuning.MATMUL_TILES), (166912, tuning.COMPACT_MATMUL_TILES)):
             monkeypatch.setattr(tbi, "shared_memory_per_block", lambda _device, smem=smem: smem)
             tbi.matmul_tile.cache_clear()
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 assert tbi.matmul_tile(dtype, device) == expected[dtype]
     finally:
         tbi.matmul_tile.cache_clear()  # the real device's answer next time
-    assert tbi.MATMUL_TILES[torch.bfloat16] != tbi.COMPACT_MATMUL_TILES[torch.bfloat16]
+    assert tuning.MATMUL_TILES[torch.bfloat16] != tuning.COMPACT_MATMUL_TILES[torch.bfloat16]
