@@ -14,11 +14,10 @@
 #include "codes.h"
 #include "common.cuh"
 #include "ops.h"
+#include "tuning.h"
 
 namespace rlk {
 namespace {
-
-constexpr int kAdvThreads = 256;
 
 __global__ void __launch_bounds__(kAdvThreads) group_advantages_kernel(
     const void* rewards, int rewards_t, const int64_t* __restrict__ order, const int64_t* __restrict__ starts,

@@ -19,14 +19,13 @@
 #include "common.cuh"
 #include "online_softmax.cuh"
 #include "ops.h"
+#include "tuning.h"
 
 #include <type_traits>
 
 namespace rlk {
 namespace {
 
-constexpr int kStatsThreads = 512;
-constexpr int kGradThreads = 256;
 constexpr int kF32Vec = kVec<float>;  // 4
 
 // raw logit + bias (in the bias' own dtype, read through its type code), before the 1/T scaling.

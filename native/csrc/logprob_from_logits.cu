@@ -17,13 +17,10 @@
 #include "common.cuh"
 #include "online_softmax.cuh"
 #include "ops.h"
+#include "tuning.h"
 
 namespace rlk {
 namespace {
-
-constexpr int kFwdThreads = 512;
-constexpr int kBwdThreads = 256;
-constexpr int kBwdUnroll = 4;
 
 template <typename T, bool ALIGNED, bool ENT>
 __global__ void __launch_bounds__(kFwdThreads) logprob_fwd_kernel(

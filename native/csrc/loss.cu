@@ -20,6 +20,7 @@
 #include "codes.h"
 #include "common.cuh"
 #include "ops.h"
+#include "tuning.h"
 
 #include <type_traits>
 
@@ -28,11 +29,6 @@ namespace {
 
 constexpr float kLogRatioClamp = 20.f;  // reference.policy_loss.LOG_RATIO_CLAMP
 constexpr float kLowVarKlClamp = 10.f;  // reference.policy_loss.LOW_VAR_KL_CLAMP
-constexpr int kElemThreads = 256;
-constexpr int kTokThreads = 256;
-constexpr int kTokPerThread = 4;
-constexpr int64_t kTokBlock = int64_t(kTokThreads) * kTokPerThread;
-constexpr int kFinThreads = 512;
 constexpr int kPartials = 7;
 
 // How the per-token kernels read their tensors: kAnyTypes through each tensor's type code; the
