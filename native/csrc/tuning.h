@@ -1,8 +1,8 @@
 // Launch shapes of the native kernels, in one place: threads per block and the per-thread work
 // that sets a block's tile. Most are part of the numerical result, not only of the speed: a
 // shared-memory merge tree has one leaf per thread, and a block's tile of tokens sets which
-// partial sums exist, so changing one changes the order of the sums. The Triton backend's tiles
-// are in rl_kernel_core/triton/tuning.py.
+// partial sums exist, so changing one changes the order of the sums. (The Triton backend's tiles:
+// rl_kernel_core/triton/tuning.py)
 #pragma once
 
 #include <cstdint>
