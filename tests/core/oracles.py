@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core.contract import assert_close
+from rl_kernel_core.contract import assert_close, tolerance
 from rl_kernel_core.loss import METRIC_NAMES
 
 # ============================================================== logprob_from_logits, ratio_kl, policy_loss, group_advantages
@@ -561,3 +561,39 @@ def make_loss_inputs(shape, dtype=torch.float32, *, spread=0.3, empty_row=False)
 def as_fp64(t):
     """``t`` detached in fp64 (``None`` stays ``None``)."""
     return None if t is None else t.detach().double()
+
+
+# ============================================================== rms_norm, bi_matmul, bi_linear, bi_log_softmax, bi_mean
+
+
+BI_CPU_SHAPE = dict(n=45, k=40, m=70, sizes=(1, 7, 45))
+BI_GPU_SHAPE = dict(n=1031, k=1024, m=3072, sizes=(1, 7, 64, 300, 1031))
+
+
+def bi_shape(device):
+    """The batch-invariant ops' shapes: small odd ones for the interpreter on CPU, model-sized on CUDA
+    (``n`` rows of ``k`` features into ``m``; ``sizes``: the batch prefixes that rows must keep their bits in)."""
+    return BI_CPU_SHAPE if device.type == "cpu" else BI_GPU_SHAPE
+
+
+def close_in_dtype(actual, expected, op_class, dtype, name):
+    """``actual`` within the contract's ``op_class``/``dtype`` tolerance plus one rounding to ``dtype``
+    of the fp64 ``expected``, and finite."""
+    tol = tolerance(op_class, dtype)
+    a, e = actual.double().cpu(), expected.double().cpu()
+    bound = tol.atol + (tol.rtol + torch.finfo(dtype).eps) * e.abs()
+    err = (a - e).abs()
+    assert bool(torch.isfinite(a).all()), f"{name}: non-finite values"
+    assert bool((err <= bound).all()), f"{name}: worst error {float((err - bound).max()):.3g} above the {op_class}/{dtype} bound"
+
+
+def rows_invariant(fn, x, sizes, move_rows=True):
+    """``fn``'s rows bitwise equal (``torch.equal``) for each batch prefix ``x[:n]`` and, with
+    ``move_rows``, for the rows of ``x`` permuted to other positions."""
+    full = fn(x)
+    for n in sizes:
+        assert torch.equal(fn(x[:n]), full[:n]), f"rows changed at N={n}"
+    if not move_rows:
+        return
+    perm = torch.randperm(x.shape[0], device=x.device)
+    assert torch.equal(fn(x[perm]), full[perm]), "rows changed when moved to other positions"

@@ -1,6 +1,7 @@
-"""The manifest of ops (``rl_kernel_core.ops``) is what the package exports, and its glue kinds are what the backends define."""
+"""The manifest of ops (``rl_kernel_core.ops``) is what the package exports, its glue kinds are what the backends define, and every op has its test module."""
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,8 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import ops
 from rl_kernel_core.ops import OpSpec
+
+OP_TESTS = Path(__file__).resolve().parent / "ops"
 
 
 def test_the_package_exports_every_public_op_and_other_name_from_its_module():
@@ -28,6 +31,12 @@ def test_glue_kinds_are_the_custom_ops_the_triton_backend_defines():
         backward = hasattr(torch.ops.rl_kernel, f"triton_{spec.name}_backward")
         expected = {"differentiable_custom_op": (True, True), "custom_op": (True, False)}.get(spec.glue, (False, False))
         assert (forward, backward) == expected, f"{spec.name}: glue {spec.glue!r}"
+
+
+def test_every_op_has_its_test_module():
+    """Each op of the manifest has ``tests/core/ops/test_<op>.py`` (CONTRIBUTING.md, "Adding an op")."""
+    missing = [name for name in ops.OPS if not (OP_TESTS / f"test_{name}.py").is_file()]
+    assert not missing, f"ops without tests/core/ops/test_<op>.py: {missing}"
 
 
 @pytest.mark.parametrize("fields,message", [
