@@ -77,20 +77,11 @@ def clamp(x, lo, hi):
 
 
 def kl_oracle(lp, ref, kl_type):
-    """verl's estimators; a '+' keeps the value and takes k2's gradient."""
+    """verl's estimators (:func:`kl_formula`); a '+' keeps the value and takes k2's gradient."""
     base = kl_type.rstrip("+")
-    d = lp - ref
-    if base == "k1":
-        kl = d
-    elif base == "abs":
-        kl = d.abs()
-    elif base == "k2":
-        kl = 0.5 * d * d
-    else:
-        x = clamp(-d, -20.0, 20.0)
-        kl = clamp(x.exp() - x - 1, -10.0, 10.0)
+    kl = kl_formula(lp, ref, base)
     if kl_type.endswith("+"):
-        k2 = 0.5 * d * d
+        k2 = kl_formula(lp, ref, "k2")
         kl = kl.detach() + k2 - k2.detach()
     return kl
 
@@ -481,13 +472,12 @@ def kl_formula(lp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
         return torch.abs(lp - ref)
     if kind == "k2":
         return (lp - ref) ** 2 / 2
-    x = torch.minimum(torch.maximum(ref - lp, torch.full_like(lp, -20.0)), torch.full_like(lp, 20.0))
-    k3 = torch.exp(x) - x - 1
-    return torch.minimum(torch.maximum(k3, torch.full_like(lp, -10.0)), torch.full_like(lp, 10.0))
+    x = clamp(ref - lp, -20.0, 20.0)
+    return clamp(torch.exp(x) - x - 1, -10.0, 10.0)
 
 
 def ratio_formula(lp: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    return torch.exp(torch.minimum(torch.maximum(lp - old, torch.full_like(lp, -20.0)), torch.full_like(lp, 20.0)))
+    return torch.exp(clamp(lp - old, -20.0, 20.0))
 
 
 def surrogate_formula(lp, old, adv, lo, hi, c):
