@@ -94,6 +94,7 @@ def _sm90_cases() -> list:
     from rl_kernel_core.triton import advantages as adv
     from rl_kernel_core.triton import logprob_from_logits as lpl
     from rl_kernel_core.triton import loss as pl
+    from rl_kernel_core.triton import tuning
 
     f32 = "fp32"
     cases = []
@@ -105,7 +106,7 @@ def _sm90_cases() -> list:
                       dict(WITH_LOGPROB_GRAD=g_lp, WITH_ENTROPY_GRAD=g_ent, BLOCK_V=4096), 8))
     for backward, kl, plus in [(b, k, False) for b in (False, True) for k in range(4)] + [(True, 3, True)]:
         cases.append((pl._ratio_kl_kernel, dict(lp_ptr="*bf16"),
-                      dict(KL=kl, KL_PLUS=plus, BACKWARD=backward, HAS_G_RATIO=True, HAS_G_KL=True, BLOCK=1024), 4))
+                      dict(KL=kl, KL_PLUS=plus, BACKWARD=backward, HAS_G_RATIO=True, HAS_G_KL=True, BLOCK=tuning.LOSS_ELEMENTWISE_BLOCK), 4))
     knobs = dict(clip_lo=f32, clip_hi=f32, clip_c=f32, kl_coef=f32, entropy_coef=f32, mask_ptr="*u8", lp_ptr="*bf16")
     for backward, agg, dual, kl, plus, add_kl in [
         (False, 0, True, 3, False, True), (False, 1, False, 1, False, False), (True, 0, True, 3, False, True),
@@ -129,12 +130,11 @@ def _sm90_cases() -> list:
         types = dict(linear, x_ptr="*fp32") if from_logits else linear
         cases.append((linear_grad._grad_kernel, types, dict(FROM_LOGITS=from_logits, HAS_GENT=True, IN_PLACE=in_place, **tiles), 8))
     for want_ent in (True, False):
-        cases.append((linear_stats._merge_kernel, dict(tgt_ptr="*i64", ignore_index="i64"), dict(WANT_ENT=want_ent, BLOCK_R=16, BLOCK_T=64), 4))
+        cases.append((linear_stats._merge_kernel, dict(tgt_ptr="*i64", ignore_index="i64"), dict(WANT_ENT=want_ent, BLOCK_R=tuning.MERGE_BLOCK_R, BLOCK_T=tuning.MERGE_BLOCK_T), 4))
     for by_index, estimator, norm in [(False, 0, True), (True, 0, True), (True, 1, False), (False, 2, True)]:
         cases.append((adv._group_advantages_kernel, dict(order_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64", group_size="i64", eps_ptr="*fp64"),
-                      dict(BY_INDEX=by_index, ESTIMATOR=estimator, NORM_BY_STD=norm, BLOCK=1024), 4))
+                      dict(BY_INDEX=by_index, ESTIMATOR=estimator, NORM_BY_STD=norm, BLOCK=tuning.ADVANTAGES_MAX_BLOCK), 4))
     from rl_kernel_core.triton import attention as attn
-    from rl_kernel_core.triton import tuning
 
     tables = dict(cu_q_ptr="*i32", cu_k_ptr="*i32", tile_seq_ptr="*i32", tile_start_ptr="*i32", scale=f32)
     bm, bn, warps, _ = tuning.TILES[torch.bfloat16]
