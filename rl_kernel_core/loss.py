@@ -20,11 +20,10 @@ exactly these arguments, already validated):
   ``settings`` validated (``kl_type`` canonical as above). ``loss`` is a 0-d fp32 (fp64 for fp64
   inputs) tensor differentiable in ``logprob`` and ``entropy``; ``metrics`` maps the names of
   :data:`METRIC_NAMES` to detached 0-d tensors, computed without a host sync.
-* ``"fused_linear_policy_loss"``: ``fn(hidden, weight, targets, old_logprob, advantages, mask,
-  bias, ref_logprob, rollout_is_weights, *, temperature, ignore_index, settings) -> (loss,
-  metrics)``. ``hidden [S, T, D]``, ``weight [V, D]``, ``targets [S, T]`` int (ids checked in
-  range), ``bias [V]`` or None (weight and bias in hidden's dtype), per-token tensors
-  ``[S, T]``, S·T >= 1; same outputs as ``policy_loss``,
+* ``"fused_linear_policy_loss"``: ``fn(inputs, *, temperature, ignore_index, settings) -> (loss,
+  metrics)``, ``inputs`` a :class:`rl_kernel_core.opdef.loss.FusedLossInputs` (``hidden [S, T, D]``,
+  ``weight [V, D]``, ``targets [S, T]`` int with ids checked in range, ``bias [V]`` or None,
+  per-token tensors ``[S, T]``, S·T >= 1); same outputs as ``policy_loss``,
   with the entropy of the tempered softmax always computed (metric and ``entropy_coef`` term)
   and tokens at ``ignore_index`` removed from the mask.
 """
@@ -39,7 +38,7 @@ from typing import Any, Optional
 import torch
 
 from rl_kernel_core import _checks, dispatch
-from rl_kernel_core.opdef.loss import METRIC_NAMES, LossSettings
+from rl_kernel_core.opdef.loss import METRIC_NAMES, FusedLossInputs, LossSettings
 from rl_kernel_core.reference import loss as _reference  # registers the torch backend
 from rl_kernel_core.spans import LossSpans
 
@@ -410,18 +409,18 @@ def fused_linear_policy_loss(
     _checks.target_ids("targets", targets, vocab, ignore_index)
     seq_len = targets.shape[-1]
     num_seqs = math.prod(targets.shape[:-1])
-    per_token = [
-        _as_sequences(t, num_seqs, seq_len)
-        for t in (targets, old_logprob, advantages, mask)
-    ]
-    ref = _as_sequences(old_logprob if ref_logprob is None else ref_logprob, num_seqs, seq_len)
-    args = [hidden.reshape(num_seqs, seq_len, dim), weight, *per_token, bias, ref, _as_sequences(rollout_is_weights, num_seqs, seq_len)]
+    shape = (num_seqs, seq_len)
+    inputs = FusedLossInputs(
+        hidden.reshape(*shape, dim), weight, targets.reshape(shape), old_logprob.reshape(shape), advantages.reshape(shape),
+        mask.reshape(shape), bias, (old_logprob if ref_logprob is None else ref_logprob).reshape(shape),
+        _as_sequences(rollout_is_weights, num_seqs, seq_len),
+    )
     kwargs = {"temperature": temperature, "ignore_index": ignore_index, "settings": settings}
     if targets.numel() == 0:
-        loss, metrics = _reference.fused_linear_policy_loss(*args, **kwargs)
+        loss, metrics = _reference.fused_linear_policy_loss(inputs, **kwargs)
     else:
-        fn = dispatch.select("fused_linear_policy_loss", backend, hidden.device, *args, **kwargs)
-        loss, metrics = fn(*args, **kwargs)
+        fn = dispatch.select("fused_linear_policy_loss", backend, hidden.device, inputs, **kwargs)
+        loss, metrics = fn(inputs, **kwargs)
     if factor == 1.0:
         return loss, metrics
     return _scaled(loss, metrics, factor)

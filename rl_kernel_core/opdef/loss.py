@@ -20,7 +20,7 @@ it from them.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Collection, Optional
+from typing import Callable, Collection, NamedTuple, Optional
 
 import torch
 
@@ -30,6 +30,26 @@ Tensor = torch.Tensor
 
 METRIC_NAMES: tuple[str, ...] = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy")
 """The loss metrics, in the order of a backend's ``metrics [6]`` tensor."""
+
+
+class FusedLossInputs(NamedTuple):
+    """The tensors a ``fused_linear_policy_loss`` backend receives (validated, ``S·T >= 1``).
+
+    ``hidden [S, T, D]`` 16-bit or fp32; ``weight [V, D]`` and ``bias [V]`` (or None) in hidden's
+    dtype; ``targets [S, T]`` int64/int32 ids in ``[0, V)`` or ``ignore_index``; ``old_logprob``,
+    ``advantages``, ``ref_logprob`` (never None) and ``rollout_is_weights`` (or None) ``[S, T]``
+    float; ``mask [S, T]`` bool or float.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    old_logprob: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    bias: Optional[torch.Tensor]
+    ref_logprob: torch.Tensor
+    rollout_is_weights: Optional[torch.Tensor]
 
 
 @dataclass(frozen=True)

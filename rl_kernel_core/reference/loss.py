@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.opdef.loss import LossSettings
+from rl_kernel_core.opdef.loss import FusedLossInputs, LossSettings
 from rl_kernel_core.reference.logprob import linear_logprob_torch
 
 LOG_RATIO_CLAMP = 20.0
@@ -196,24 +196,13 @@ def scored_mask(mask: torch.Tensor, targets: torch.Tensor, ignore_index: int) ->
 
 @dispatch.register("fused_linear_policy_loss", "torch")
 def fused_linear_policy_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ref_logprob: torch.Tensor,
-    rollout_is_weights: Optional[torch.Tensor],
-    *,
-    temperature: float,
-    ignore_index: int,
-    settings: LossSettings,
+    inputs: FusedLossInputs, *, temperature: float, ignore_index: int, settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``linear_logprob`` (reference, with entropy) composed with :func:`policy_loss`.
 
     ``hidden [S, T, D]``; tokens whose target is ``ignore_index`` leave the mask, whatever it says.
     """
+    hidden, weight, targets, old_logprob, advantages, mask, bias, ref_logprob, rollout_is_weights = inputs
     num_seqs, seq_len, dim = hidden.shape
     logprob, entropy = linear_logprob_torch(
         hidden.reshape(num_seqs * seq_len, dim).contiguous(), weight.contiguous(), targets.reshape(-1).contiguous(),

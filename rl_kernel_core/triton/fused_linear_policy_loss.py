@@ -42,7 +42,7 @@ import torch
 from rl_kernel_core import dispatch
 from rl_kernel_core.opdef import define_differentiable_op
 from rl_kernel_core.opdef import loss as opdef
-from rl_kernel_core.opdef.loss import METRIC_NAMES, LossSettings
+from rl_kernel_core.opdef.loss import METRIC_NAMES, FusedLossInputs, LossSettings
 from rl_kernel_core.reference import loss as reference
 from rl_kernel_core import linear_chunks as LC
 from rl_kernel_core.triton.linear_logprob import TritonChunkBuffers
@@ -124,27 +124,15 @@ _fused_loss_op = define_differentiable_op(
 _fused_loss = opdef.fused_loss_implementation(_fused_loss_op)
 
 
-def _supports(hidden, weight, *args, **kwargs) -> Optional[str]:
-    if hidden.dtype == torch.float64:
+def _supports(inputs: FusedLossInputs, **kwargs) -> Optional[str]:
+    if inputs.hidden.dtype == torch.float64:
         return "the triton kernels accumulate in fp32; fp64 inputs need the torch backend"
     return None
 
 
 @dispatch.register("fused_linear_policy_loss", "triton", supports=_supports)
 def fused_linear_policy_loss_triton(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ref_logprob: torch.Tensor,
-    rollout_is_weights: Optional[torch.Tensor],
-    *,
-    temperature: float,
-    ignore_index: int,
-    settings: LossSettings,
+    inputs: FusedLossInputs, *, temperature: float, ignore_index: int, settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO/GRPO loss of :func:`rl_kernel_core.loss.policy_loss` from ``hidden [S, T, D]`` and ``weight [V, D]``.
 
@@ -154,8 +142,5 @@ def fused_linear_policy_loss_triton(
     ``loss`` 0-d fp32, differentiable in ``hidden``, ``weight`` and ``bias`` (its gradient is
     formed during the forward); ``metrics`` detached 0-d tensors.
     """
-    mask_eff = reference.scored_mask(mask, targets, ignore_index)
-    return _fused_loss(
-        hidden, weight, targets, old_logprob, advantages, mask_eff, bias, ref_logprob, rollout_is_weights,
-        temperature=temperature, ignore_index=ignore_index, settings=settings,
-    )
+    mask_eff = reference.scored_mask(inputs.mask, inputs.targets, ignore_index)
+    return _fused_loss(*inputs._replace(mask=mask_eff), temperature=temperature, ignore_index=ignore_index, settings=settings)

@@ -15,6 +15,7 @@ import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss import LOSS_AGG_MODES
+from rl_kernel_core.opdef.loss import FusedLossInputs
 from rl_kernel_core.spans import LossSpans
 from oracles import upstream
 
@@ -77,9 +78,10 @@ def spy(monkeypatch, op):
         if name != op:
             return impl
 
-        def run(hidden, *rest, **kw):
+        def run(first, *rest, **kw):
+            hidden = first.hidden if isinstance(first, FusedLossInputs) else first
             rows.append(hidden.shape[:-1].numel())
-            return impl(hidden, *rest, **kw)
+            return impl(first, *rest, **kw)
         return run
 
     monkeypatch.setattr(dispatch, "select", recording)
