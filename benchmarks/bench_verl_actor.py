@@ -52,6 +52,10 @@ per micro-batch; ``packed`` doubles ``max_token_len_per_gpu``. The default is pa
 ``sdpa`` transformers attends over a packed micro-batch through an ``N x N`` mask (the sequences
 found from the position ids), whose memory would decide the search at large N.
 
+``--profile TOP``: after timing, one more ``compute_log_prob`` and ``update_actor`` per variant
+under ``torch.profiler``, recording the TOP operators and kernels by self device time (kernel
+names carry their dtype), to find where a slow path spends its time.
+
 A variant that cannot run here (verl's Triton kernels without Triton, say) is recorded as
 unavailable with its error; nothing is substituted for it. Results go to
 ``<out>/bench_verl_actor_<shape>_<parts>.json``, rewritten after every measurement.
@@ -69,6 +73,7 @@ import re
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -118,8 +123,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--search-layout", choices=LAYOUTS, default="padded",
                    help="layout of the search (padded: sdpa over a packed micro-batch masks N x N, which would dominate)")
     p.add_argument("--check-prompts", type=int, default=2, help="prompts (with their samples) of the fp32 check run; 0: none")
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="after timing, profile one compute_log_prob and one update_actor call per variant and record "
+                        "the TOP operators and kernels by self device time (self CPU time on CPU); 0: no profile")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.profile < 0:
+        p.error(f"--profile must be >= 0, got {args.profile}")
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants or args.variants[0] != BASELINE:
@@ -375,6 +385,27 @@ def measure(fn: Callable[[], Any], device: torch.device, args: argparse.Namespac
     return row
 
 
+def profile_call(fn: Callable[[], Any], device: torch.device, top: int) -> dict[str, Any]:
+    """One call of ``fn`` under ``torch.profiler``: the ``top`` operators and kernels by self device
+    time (by self CPU time on CPU), with their call counts and CPU totals, and the call's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    return {
+        "sorted_by": key, "wall_ms_under_profiler": wall_ms,
+        "top": [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3, "cpu_total_ms": e.cpu_time_total / 1e3}
+                for e in events],
+    }
+
+
 def per_token_inputs(batch: dict, log_probs: torch.Tensor, seed: int) -> None:
     """Add ``old_log_probs`` and ``ref_log_prob`` ``[B, response_len]`` to ``batch``: the baseline's
     response log-probs plus independent N(0, 0.1^2) noise (zero past each response)."""
@@ -442,6 +473,9 @@ def time_variant(args, device: torch.device, model_dir: str, layout: str, varian
         metric_keys += list(tu.get(update_call(worker, batch)(), "metrics"))
         row["update"] = measure(update_call(worker, batch), device, args, tokens)
         row["hooks"] = hooks_report(worker, variant, metric_keys)
+        if args.profile:
+            row["profile"] = {"log_prob": profile_call(log_prob_call(worker, batch), device, args.profile),
+                              "update": profile_call(update_call(worker, batch), device, args.profile)}
     finally:
         worker = None
         free(device)
@@ -587,7 +621,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "compute_dtype": "bfloat16 (verl's FSDP2 mixed precision default)", "gradient_checkpointing": True,
             "attn_implementation": args.attn_implementation, "prompts": args.prompts, "samples": args.samples,
             "prompt_len": args.prompt_len, "response_len": args.response_len, "max_token_len": args.max_token_len,
-            "padded_micro_batch_size": args.micro_batch_size, "warmup_after_first_call": args.warmup, "reps": args.reps,
+            "padded_micro_batch_size": args.micro_batch_size, "warmup_after_first_call": args.warmup, "reps": args.reps, "profile_top": args.profile,
             "temperature": TEMPERATURE, "loss": "GRPO, one mini-batch, kl low_var_kl 0.001, entropy_coeff 0", "seed": args.seed,
             "checks": f"fp32 compute on the first {args.check_prompts} prompts' groups, contract fp32 rows, against {BASELINE}",
             "variant_order": "use_fused_kernels patches the model class's forward for the whole process, so its variant runs last",

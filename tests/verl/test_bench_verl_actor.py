@@ -32,7 +32,7 @@ def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
     forward = Qwen3ForCausalLM.forward
     try:
         rc = bench.main(["--model-shape", "tiny", "--device", "cpu", "--prompts", "2", "--samples", "2", "--prompt-len", "8",
-                         "--response-len", "8", "--max-token-len", "48", "--check-prompts", "1", "--reps", "1",
+                         "--response-len", "8", "--max-token-len", "48", "--check-prompts", "1", "--reps", "1", "--profile", "5",
                          "--seed", str(seed), "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "out")])
     finally:  # verl's use_fused_kernels replaced the class's forward for the whole process
         Qwen3ForCausalLM.forward = forward  # type: ignore[method-assign]
@@ -56,6 +56,10 @@ def test_bench_verl_actor_tiny_cpu(tmp_path):
                 assert timing["median_ms"] > 0 and timing["reps"] == 1 and timing["peak_extra_gib"] is None
             for run in ("check", "timing"):
                 assert row[run]["hooks"]["ok"] and row[run]["hooks"]["probe"] == "live"
+            for op in ("log_prob", "update"):
+                profiled = row["timing"]["profile"][op]
+                assert profiled["sorted_by"] == "self_cpu_time_total" and 0 < len(profiled["top"]) <= 5
+                assert all(e["calls"] > 0 and e["self_ms"] >= 0 for e in profiled["top"])
         for variant, op in (("rl_kernel", "linear_logprob"), ("rl_kernel_batch_invariant", "logprob_from_logits")):
             on = rows[(layout, variant)]
             assert CHECKED <= on["check"]["checks"].keys()
