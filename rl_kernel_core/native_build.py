@@ -263,22 +263,22 @@ def _build_in_processes(groups: Sequence[str], jobs: int, verbose: bool) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
+    from rl_kernel_core.cli import integer
+
     parser = argparse.ArgumentParser(prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="compile the extensions ahead of time into the cache")
     p.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
-    p.add_argument("--jobs", type=int, default=1, help="groups built at once, each in its own process (default 1)")
+    p.add_argument("--jobs", type=integer(1), default=1, help="groups built at once, each in its own process (default 1)")
     p.add_argument("groups", nargs="*", metavar="GROUP", help=f"groups to build (default: all of {', '.join(GROUPS)})")
     sub.add_parser("where", help="print the build folder")
     p = sub.add_parser("check", help="compile every source for one GPU architecture without a GPU (no link, nothing loaded)")
     p.add_argument("--arch", default="90", help="compute capability without the dot (default 90: H100/H200)")
-    p.add_argument("--jobs", type=int, default=2, help="sources compiled at once")
+    p.add_argument("--jobs", type=integer(1), default=2, help="sources compiled at once")
     args = parser.parse_args(argv)
     unknown = [g for g in getattr(args, "groups", []) if g not in GROUPS]
     if unknown:
         parser.error(f"GROUP must be among {list(GROUPS)}, got {unknown}")
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.command == "check":
         errors = check(args.arch, args.jobs)
         for e in errors:

@@ -107,6 +107,21 @@ def test_build_names_an_unknown_group():
     assert "GROUP must be among ['logprob_from_logits', 'loss', 'advantages', 'linear_logprob'], got ['sampling']" in proc.stderr
 
 
+def test_where_prints_the_build_folder(monkeypatch, tmp_path):
+    from rl_kernel_core import native_build
+
+    monkeypatch.setenv("RL_KERNEL_CACHE", str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "where"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(native_build.build_dir())
+
+
+@pytest.mark.parametrize("command", ["build", "check"])
+def test_jobs_below_one_is_a_one_line_error(command):
+    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.native", command, "--jobs", "0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--jobs: must be a positive integer, got 0" in proc.stderr, proc.stderr
+
+
 def _build_in(cache: Path) -> subprocess.CompletedProcess:
     import os
 
