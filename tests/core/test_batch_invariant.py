@@ -3,7 +3,7 @@ accuracy against fp64 formulas written here, gradients, strided/empty inputs, ba
 
 Invariance is asserted with torch.equal (bit for bit); accuracy with rl_kernel_core.contract. Ops
 whose output stays in a bf16/fp16 input dtype are rounded once to that dtype after the contract's
-fp32-accumulation error, so :func:`_assert_close_in_dtype` adds one unit in the last place of that
+fp32-accumulation error, so ``oracles.close_in_dtype`` adds one unit in the last place of that
 dtype (``torch.finfo(dtype).eps * |expected|``) to the contract bound.
 """
 
@@ -14,27 +14,10 @@ import rl_kernel_core as rk
 from rl_kernel_core import contract
 from rl_kernel_core.invariance import bi_linear, bi_log_softmax, bi_matmul, bi_mean
 from rl_kernel_core.dispatch import BackendUnavailableError, explain
+from oracles import close_in_dtype, rows_invariant
 
 SIZES = (1, 7, 64, 300)
 LOW = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _assert_close_in_dtype(actual, expected, op_class, dtype, name):
-    tol = contract.tolerance(op_class, dtype)
-    a, e = actual.double(), expected.double()
-    bound = tol.atol + (tol.rtol + torch.finfo(dtype).eps) * e.abs()
-    err = (a - e).abs()
-    assert bool(torch.isfinite(a).all()), f"{name}: non-finite values"
-    assert bool((err <= bound).all()), f"{name}: worst error {float((err - bound).max()):.3g} above the {op_class}/{dtype} bound"
-
-
-def _assert_rows_invariant(fn, x, sizes=SIZES):
-    """fn on the first n rows equals the first n rows of fn on all rows, and on a row permutation."""
-    full = fn(x)
-    for n in sizes:
-        assert torch.equal(fn(x[:n]), full[:n]), f"rows changed at N={n}"
-    perm = torch.randperm(x.shape[0])
-    assert torch.equal(fn(x[perm]), full[perm]), "rows changed when moved to other positions"
 
 
 def test_mode_switch_and_context_manager():
@@ -62,8 +45,8 @@ def test_bi_matmul_and_linear_rows_are_bitwise_invariant(seed, dtype):
     a = torch.randn(max(SIZES), k).to(dtype)
     b = torch.randn(k, m).to(dtype)
     w, bias = torch.randn(m, k).to(dtype), torch.randn(m).to(dtype)
-    _assert_rows_invariant(lambda t: bi_matmul(t, b), a)
-    _assert_rows_invariant(lambda t: bi_linear(t, w, bias), a)
+    rows_invariant(lambda t: bi_matmul(t, b), a, SIZES)
+    rows_invariant(lambda t: bi_linear(t, w, bias), a, SIZES)
     with rk.batch_invariant():
         assert torch.equal(bi_matmul(a[:7], b), bi_matmul(a, b)[:7])
 
@@ -72,9 +55,9 @@ def test_bi_matmul_and_linear_rows_are_bitwise_invariant(seed, dtype):
 def test_bi_log_softmax_mean_and_rms_norm_rows_are_bitwise_invariant(seed, width):
     x = torch.randn(max(SIZES), width) * 3
     weight = torch.randn(width)
-    _assert_rows_invariant(lambda t: bi_log_softmax(t), x)
-    _assert_rows_invariant(lambda t: bi_mean(t, -1), x)
-    _assert_rows_invariant(lambda t: rk.rms_norm(t, weight), x)
+    rows_invariant(lambda t: bi_log_softmax(t), x, SIZES)
+    rows_invariant(lambda t: bi_mean(t, -1), x, SIZES)
+    rows_invariant(lambda t: rk.rms_norm(t, weight), x, SIZES)
 
 
 def test_rows_along_another_dim_are_bitwise_invariant(seed):
@@ -101,23 +84,23 @@ def test_ops_match_fp64_formulas(seed, dtype):
     n, k, m = 45, 200, 300
     a, b = torch.randn(n, k).to(dtype), torch.randn(k, m).to(dtype)
     w, bias = torch.randn(m, k).to(dtype), torch.randn(m).to(dtype)
-    _assert_close_in_dtype(bi_matmul(a, b), a.double() @ b.double(), "attention", dtype, "bi_matmul")
-    _assert_close_in_dtype(bi_linear(a, w, bias), a.double() @ w.double().t() + bias.double(), "attention", dtype, "bi_linear")
+    close_in_dtype(bi_matmul(a, b), a.double() @ b.double(), "attention", dtype, "bi_matmul")
+    close_in_dtype(bi_linear(a, w, bias), a.double() @ w.double().t() + bias.double(), "attention", dtype, "bi_linear")
     x = (torch.randn(4, n, m) * 3).to(dtype)
     x64 = x.double()
     lse = x64.exp().sum(dim=1, keepdim=True).log()
     out = bi_log_softmax(x, dim=1)
     assert out.dtype == dtype and out.shape == x.shape
-    _assert_close_in_dtype(out, x64 - lse, "logprob", dtype, "bi_log_softmax")
+    close_in_dtype(out, x64 - lse, "logprob", dtype, "bi_log_softmax")
     mean = bi_mean(x, (0, 2), keepdim=True)
     assert mean.shape == (1, n, 1)
-    _assert_close_in_dtype(mean, x64.sum(dim=(0, 2), keepdim=True) / (4 * m), "reduction", dtype, "bi_mean")
+    close_in_dtype(mean, x64.sum(dim=(0, 2), keepdim=True) / (4 * m), "reduction", dtype, "bi_mean")
     weight = torch.randn(m)
     eps = 1e-5
     expected = x64 / (x64.pow(2).sum(dim=-1, keepdim=True) / m + eps).sqrt() * weight.double()
     y = rk.rms_norm(x, weight, eps)
     assert y.dtype == dtype and y.shape == x.shape
-    _assert_close_in_dtype(y, expected, "reduction", dtype, "rms_norm")
+    close_in_dtype(y, expected, "reduction", dtype, "rms_norm")
 
 
 def test_rms_norm_gradients(seed):
@@ -198,10 +181,10 @@ def test_cuda_rows_are_bitwise_invariant(seed, dtype):
     a = torch.randn(max(SIZES), k, device="cuda").to(dtype)
     b = torch.randn(k, m, device="cuda").to(dtype)
     weight = torch.randn(k, device="cuda")
-    _assert_rows_invariant(lambda t: bi_matmul(t, b), a)
-    _assert_rows_invariant(lambda t: rk.rms_norm(t, weight), a)
-    _assert_rows_invariant(lambda t: bi_log_softmax(t), a @ b)
-    _assert_rows_invariant(lambda t: bi_mean(t, -1), a)
+    rows_invariant(lambda t: bi_matmul(t, b), a, SIZES)
+    rows_invariant(lambda t: rk.rms_norm(t, weight), a, SIZES)
+    rows_invariant(lambda t: bi_log_softmax(t), a @ b, SIZES)
+    rows_invariant(lambda t: bi_mean(t, -1), a, SIZES)
 
 
 
