@@ -2,7 +2,7 @@
 
 Read by :mod:`rl_kernel_core` (its lazy exports: :func:`exports`), :mod:`rl_kernel_core.dispatch`
 (which module of which backend serves an op, and ``auto``'s order), :mod:`rl_kernel_core.native_build`
-(which native extension an op's kernels are built into) and the tests that hold the docs' op x
+(the native extensions to build: one per ``native_group``) and the tests that hold the docs' op x
 backend table and the custom-op names to it. Adding an op is one :class:`OpSpec` in :data:`OPS`
 (CONTRIBUTING.md, "Adding an op"). This module is standard library only: the package's
 ``__init__`` reads it without importing torch.
