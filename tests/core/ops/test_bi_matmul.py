@@ -37,6 +37,22 @@ def test_auto_picks_triton_on_cuda_inside_the_mode(seed, monkeypatch):
     assert dispatch.explain("bi_matmul").backend == "triton"
 
 
+@pytest.mark.gpu
+def test_output_past_two_to_the_31_elements(seed, monkeypatch):
+    """The LM head's logits in the mode (16384 x 151936 = 2.5e9 elements): the last rows land
+    where they should (int32 offsets wrapped there and wrote out of bounds: an illegal memory
+    access in verl's actor under the mode on the H200), bitwise equal to the same rows alone."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    m, n, k = 16384, 151936, 64
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    assert m * n > 2**31
+    out = bi_matmul(a, b, backend="triton")
+    tail = bi_matmul(a[-3:], b, backend="triton")
+    assert torch.equal(out[-3:], tail)
+    assert torch.equal(out[:2], bi_matmul(a[:2], b, backend="triton"))
+
+
 def test_matmul_tile_fits_the_devices_shared_memory(monkeypatch):
     """The 16-bit tile's pipeline needs 192 KiB of shared memory per block: an H100 (227 KiB) takes
     it, an A100 (163 KiB) the compact tile; fp32 keeps its one tile. Decided per dtype and device."""
