@@ -91,19 +91,27 @@ def lm_head_inputs(
     shape("targets", targets, hidden.shape[:-1], f"hidden's leading shape {tuple(hidden.shape[:-1])}")
 
 
-def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+ID_CHECKS = ("host", "device")
+"""Where :func:`target_ids` checks: ``"host"`` raises a ValueError (one device→host sync),
+``"device"`` asserts on the device (no sync; a bad id aborts the CUDA context)."""
+
+
+def target_ids(name: str, targets: torch.Tensor, vocab: int, ignore_index: int, where: str = "host") -> None:
     """Every id in ``targets`` is in ``[0, vocab)`` or equals ``ignore_index``.
 
-    Costs one device→host sync (a single flag; the range for the message is read only when the
-    check fails); the public ops call it because an out-of-range id would otherwise read out of
-    bounds inside a kernel. Under ``torch.compile`` the check is a device-side assert instead (no
-    sync, no graph break), failing at run time.
+    ``where="host"`` costs one device→host sync (a single flag; the range for the message is read
+    only when the check fails); the public ops do this by default because an out-of-range id would
+    otherwise read out of bounds inside a kernel. ``where="device"``, and any check under
+    ``torch.compile``, is a device-side assert instead (no sync, no graph break), failing at run
+    time: for callers whose ids come from their own sampler, in a loop a sync would stall.
     """
+    if where not in ID_CHECKS:
+        raise ValueError(f"id_check must be one of {ID_CHECKS}, got {where!r}")
     if targets.numel() == 0:
         return
     needs_data(name, targets, "its ids are checked against the vocab")
     bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
-    if torch.compiler.is_compiling():
+    if where == "device" or torch.compiler.is_compiling():
         torch._assert_async(~bad.any(), f"{name} ids must be in [0, {vocab}) or equal ignore_index={ignore_index}")
         return
     if bool(bad.any()):

@@ -193,6 +193,7 @@ def logprob_from_logits(
     ignore_index: int = -100,
     return_entropy: bool = False,
     backend: Optional[str] = "auto",
+    id_check: str = "host",
 ) -> Result:
     """Log-probability of ``targets`` (and entropy) under ``softmax(logits / temperature)``.
 
@@ -209,6 +210,9 @@ def logprob_from_logits(
         return_entropy: also return the entropy of the tempered distribution.
         backend: ``"auto"`` (or None; ``RL_KERNEL_BACKEND`` applies), ``"native"``, ``"triton"``
             or ``"torch"``.
+        id_check: ``"host"`` (default): an id outside ``[0, V)`` raises ValueError, at one
+            device→host sync. ``"device"``: a device-side assert, no sync (an engine's sampler
+            loop, whose ids are its own); a bad id then aborts the CUDA context.
 
     Returns:
         ``logprob`` with ``targets``' shape, fp32 (fp64 for fp64 logits); or ``(logprob, entropy)``
@@ -227,7 +231,7 @@ def logprob_from_logits(
         raise ValueError(f"logits' last dim V must be >= 1, got shape {tuple(logits.shape)}")
     _checks.shape("targets", targets, logits.shape[:-1], f"logits' leading shape {tuple(logits.shape[:-1])}")
     temperature = _scalars(temperature, ignore_index, return_entropy)
-    _checks.target_ids("targets", targets, vocab, ignore_index)
+    _checks.target_ids("targets", targets, vocab, ignore_index, id_check)
 
     if targets.numel() == 0:
         out = _out_dtype(logits.dtype)

@@ -351,8 +351,21 @@ def test_logprob_from_logits_makes_no_fp32_copy():
         (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"temperature": 10**400}, ValueError, "temperature must be a finite number > 0, got an int of"),
         (torch.randn(2, 5), torch.ones(2, dtype=torch.int32), {"ignore_index": -(2**70)}, ValueError, "ignore_index"),
         (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"return_entropy": "yes"}, TypeError, "return_entropy"),
+        (torch.randn(2, 5), torch.ones(2, dtype=torch.long), {"id_check": "never"}, ValueError, "id_check must be one of"),
     ],
 )
 def test_logprob_from_logits_rejects_bad_input(logits, targets, kwargs, error, name):
     with pytest.raises(error, match=name):
         rk.logprob_from_logits(logits, targets, **kwargs)
+
+
+def test_device_id_check_gives_the_same_values_without_a_host_read(seed, device):
+    """``id_check="device"`` (an engine's sampler loop): the same bits as the default; a bad id is
+    still caught, by a device-side assert (on CPU it raises at once)."""
+    logits = torch.randn(37, 301, device=device)
+    targets = torch.randint(0, 301, (37,), device=device)
+    want = rk.logprob_from_logits(logits, targets, temperature=0.7)
+    assert torch.equal(rk.logprob_from_logits(logits, targets, temperature=0.7, id_check="device"), want)
+    if device.type == "cpu":
+        with pytest.raises(RuntimeError, match="targets ids must be in"):
+            rk.logprob_from_logits(logits, torch.full_like(targets, 301), id_check="device")
