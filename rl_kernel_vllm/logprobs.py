@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,6 +38,7 @@ import torch
 
 import rl_kernel_core
 from rl_kernel_core import profiling
+from rl_kernel_core.adapters import ORIGINAL_ATTR
 from rl_kernel_vllm._log import log_once
 from rl_kernel_vllm._v1_sampler_call import sampler_call_arguments
 
@@ -84,6 +86,8 @@ def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures
         ``[N, K]`` float32, computed by :func:`rl_kernel_core.logprob_from_logits` with fp32
         accumulation: one call per (distinct temperature, column); rows of other temperatures
         are passed as ``ignore_index`` so each call reads ``logits`` in place (no row copies).
+        The ids are vLLM's own, so they are checked on the device (``id_check="device"``): a
+        host sync per step would stall vLLM's asynchronous scheduling.
     """
     if token_ids.dim() != 2 or token_ids.shape[0] != logits.shape[0]:
         raise ValueError(f"token_ids must be [N={logits.shape[0]}, K], got shape {tuple(token_ids.shape)}")
@@ -98,7 +102,8 @@ def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures
             rows = torch.tensor([x == t for x in temperatures], device=logits.device)
         for j in range(ids.shape[1]):
             targets = ids[:, j] if rows is None else torch.where(rows, ids[:, j], _IGNORE)
-            values = rl_kernel_core.logprob_from_logits(logits, targets, temperature=t, ignore_index=_IGNORE)
+            values = rl_kernel_core.logprob_from_logits(logits, targets, temperature=t, ignore_index=_IGNORE,
+                                                        id_check="device")
             if rows is None:
                 out[:, j] = values
             else:
@@ -118,6 +123,26 @@ def _end_step(rows: int) -> None:
     profiling.step_end(tokens=rows, source="vllm.sampler", pid=os.getpid())
 
 
+_warmed: set[tuple] = set()
+
+
+def warm_up(logits: torch.Tensor, *extra: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+    """Compile, once per process, device and logits dtype, the kernels the hook will launch on
+    ``logits`` (``[N, V]``, as the sampler receives them), by running them on it with token id 0:
+    :func:`trainer_logprobs`, then each of ``extra(logits, ids)`` (vLLM's own log-prob kernels,
+    which vLLM does not compile in its warm-up because its dummy sampler run asks for no
+    log-probs). Called from the sampler's first call, which is vLLM's memory-profiling dummy run,
+    so no kernel of the hook compiles after vLLM's warm-up (vLLM's JIT monitor would report it)."""
+    key = (logits.device, logits.dtype, logits.shape[-1])
+    if key in _warmed or logits.shape[0] == 0:
+        return
+    _warmed.add(key)
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.int64, device=logits.device)
+    trainer_logprobs(logits, ids, [1.0] * logits.shape[0])
+    for fn in extra:
+        fn(logits, ids[:, 0])
+
+
 # --- V1 model runner: vllm/v1/sample/sampler.py -----------------------------------------------
 
 
@@ -134,6 +159,7 @@ def wrap_v1_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any):
         logits, meta, mode = sampler_call_arguments(signature, self, args, kwargs)
+        warm_up(logits)
         num_logprobs = meta.max_num_logprobs
         if num_logprobs is None:
             return original(self, *args, **kwargs)
@@ -168,11 +194,19 @@ def _v2_row_temperatures(sampler: Any, input_batch: Any, num_rows: int) -> list[
     return per_request.tolist()
 
 
+def _v2_warm_up_vllm_kernels(compute_topk_scores: Callable) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    # vLLM's own fast path (its log-softmax and rank kernels), on the logits it would get
+    return lambda logits, ids: compute_topk_scores(logits, 0, ids)
+
+
 def wrap_v2_call(original: Callable) -> Callable:
     """Wrap Model Runner V2 ``Sampler.__call__(self, logits, input_batch)``.
 
-    Records, for the duration of the call, the raw logits (MRV2 processes a copy, never these)
-    and the rows' temperatures, which :func:`wrap_v2_compute_topk_scores` reads.
+    Records, for the duration of the call, the raw logits and the rows' temperatures, which
+    :func:`wrap_v2_compute_topk_scores` reads. In ``processed_logprobs`` mode MRV2 applies the
+    temperature, penalties and biases to the logits in place (it copies them only for
+    ``raw_logprobs``), so when the step returns log-probs the raw logits are copied first. The
+    first call (vLLM's dummy sampler run) compiles the kernels (:func:`warm_up`).
     """
     signature = inspect.signature(original)
 
@@ -182,8 +216,15 @@ def wrap_v2_call(original: Callable) -> Callable:
         logits = bound.arguments["logits"]
         if self.logprobs_mode not in LOGPROB_MODES:
             return original(self, *args, **kwargs)
-        temps = _v2_row_temperatures(self, bound.arguments["input_batch"], logits.shape[0])
-        _v2_context.state = (logits, mode_temperatures(self.logprobs_mode, temps))
+        module, name = V2_TARGETS[1].split(":")
+        topk_scores = getattr(sys.modules[module], name)
+        warm_up(logits, _v2_warm_up_vllm_kernels(getattr(topk_scores, ORIGINAL_ATTR, topk_scores)))
+        input_batch = bound.arguments["input_batch"]
+        if self.sampling_states.max_num_logprobs(input_batch.idx_mapping_np) < 0:  # vLLM's NO_LOGPROBS
+            return original(self, *args, **kwargs)
+        temps = _v2_row_temperatures(self, input_batch, logits.shape[0])
+        raw = logits if self.logprobs_mode == RAW_MODE else logits.clone()
+        _v2_context.state = (raw, mode_temperatures(self.logprobs_mode, temps))
         try:
             return original(self, *args, **kwargs)
         finally:

@@ -13,10 +13,13 @@ MRV2's host/device buffers are told that UVA is unavailable (vLLM's CPU platform
 cannot pin memory without an accelerator), so they use vLLM's own non-UVA fallback.
 
 Real vLLM parts: ``compute_topk_scores`` and its kernels, ``SamplingStates`` (per-request
-temperatures filled by ``add_request``), the plugin's registration through
-``vllm.plugins.load_general_plugins``. Stand-in: the body of MRV2 ``Sampler.__call__``, reduced to
-the call it makes for log-probs, ``compute_topk_scores(logits, num_logprobs, sampled)``, looked up
-in the sampler module as vLLM looks it up; it is wrapped by the plugin's ``wrap_v2_call``.
+temperatures filled by ``add_request``, ``apply_temperature``'s kernel), the plugin's registration
+through ``vllm.plugins.load_general_plugins``. Stand-in: the body of MRV2 ``Sampler.__call__``,
+reduced to what touches log-probs: the temperature applied to the logits *in place* unless the mode
+is a raw one (as vLLM 0.26's ``apply_sampling_params`` does: it copies the logits only for
+``raw_logprobs``; 0.32/0.33 copy them always), then ``compute_topk_scores(processed, num_logprobs,
+sampled)``, looked up in the sampler module as vLLM looks it up; it is wrapped by the plugin's
+``wrap_v2_call``.
 
 Saves a dict of tensors to OUT.pt for the test to check.
 """
@@ -70,10 +73,13 @@ def main(out_path: str, seed: int) -> None:
     sampled = torch.randint(0, vocab, (len(order),), generator=gen)
 
     def call_body(self, logits, input_batch):  # stand-in for MRV2 Sampler.__call__'s log-prob call
-        return mrv2_sampler.compute_topk_scores(logits, num_logprobs, sampled)
+        processed = logits.clone() if self.logprobs_mode.startswith("raw_") else logits
+        states.apply_temperature(processed, torch.as_tensor(input_batch.idx_mapping_np, dtype=torch.int32),
+                                 input_batch.idx_mapping_np)
+        return mrv2_sampler.compute_topk_scores(processed, num_logprobs, sampled)
 
     sampler = types.SimpleNamespace(sampling_states=states, logprobs_mode="processed_logprobs")
-    ours = logprobs.wrap_v2_call(call_body)(sampler, logits, batch)
+    ours = logprobs.wrap_v2_call(call_body)(sampler, logits.clone(), batch)  # processed: changes its logits
     sampler.logprobs_mode = "raw_logprobs"
     ours_raw = logprobs.wrap_v2_call(call_body)(sampler, logits, batch)
     outside = patched_topk(logits, num_logprobs, sampled)  # no Sampler.__call__ around it
