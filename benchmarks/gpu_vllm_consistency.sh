@@ -6,7 +6,9 @@
 #   vllm_bi    - vLLM's own VLLM_BATCH_INVARIANT=1, trainer forward as shipped
 #   rl_kernel  - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1, trainer under rl-kernel's mode
 # and two more for the plugin's other hooks (vLLM's own kernels, CUDA graphs on; their throughput
-# against `default` of the same job is what the hooks cost):
+# against `default` of the same job is what the hooks cost). Each setting: one warm-up generate call identical to the
+# timed ones (WARMUP, default 1), then REPS (default 3) timed calls, median reported; vLLM's JIT monitor lists every
+# kernel compiled after its warm-up:
 #   plugin_default - RL_KERNEL_VLLM=1: the default hook set (returned log-probs only)
 #   plugin_sampler - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1: rl-kernel's sampler as well
 #   bash benchmarks/gpu_vllm_consistency.sh [OUT] [SETTINGS...]   (default: default vllm_bi rl_kernel)
@@ -18,13 +20,16 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 model=${MODEL_DIR:-/tmp/rl-kernel-qwen3-0.6b}
 [ -f "$model/config.json" ] || python3 benchmarks/make_random_model.py --preset qwen3-0.6b --out "$model" || exit 1
 args=(--model "$model" --prompts ${PROMPTS:-64} --prompt-len ${PROMPT_LEN:-64} --n ${SAMPLES:-8} --max-tokens ${MAX_TOKENS:-256}
-      --dtype bfloat16 --train-batch-size 32 --engine '{"max_model_len": 1024, "skip_tokenizer_init": true, "gpu_memory_utilization": 0.45}')
+      --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3}
+      --engine '{"max_model_len": 1024, "skip_tokenizer_init": true, "gpu_memory_utilization": 0.45, "jit_monitor_verbose": true}')
 run() {  # NAME TRAINER_FLAGS ENV_ASSIGNMENTS...
   local name=$1 flags=$2; shift 2
   echo "== $name"
   env "$@" python3 -m rl_kernel_vllm.consistency "${args[@]}" $flags --out "$out/vllm_consistency_$name.json" \
     >"$out/vllm_consistency_$name.log" 2>&1 || { status=1; tail -40 "$out/vllm_consistency_$name.log"; }
   tail -1 "$out/vllm_consistency_$name.log"
+  # vLLM's JIT monitor (verbose) logs each kernel compiled after its warm-up
+  echo "compiled after warm-up: $(grep -o 'JIT compilation during inference: [A-Za-z0-9_]*' "$out/vllm_consistency_$name.log" | sort | uniq -c | awk '{print $NF"x"$1}' | tr '\n' ' ')"
 }
 for s in ${@:-default vllm_bi rl_kernel}; do
   case $s in

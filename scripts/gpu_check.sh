@@ -16,7 +16,7 @@ python3 -m rl_kernel_core.cli info | tee "$out/info.txt"
 workers=${GPU_CHECK_WORKERS:-8}
 parallel=()
 if [ "$workers" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then parallel=(-n "$workers" --dist loadfile); fi
-python3 -m pytest -q -rs -m gpu tests/core tests/vime -p no:cacheprovider --junitxml "$out/gpu_tests.xml" "${parallel[@]}" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+python3 -m pytest -q -rs -m gpu tests/core tests/vime tests/vllm -p no:cacheprovider --junitxml "$out/gpu_tests.xml" "${parallel[@]}" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 benchmarks/bench_losses.py --out "$out" 2>&1 | tee "$out/bench_losses.log" | tail -30 || status=1
 python3 benchmarks/calibrate_contract.py --out "$out/contract_calibration.json" 2>&1 | tee "$out/calibration.log" | awk '/worst fraction/ && $NF > 0.5 {print "NEAR/OVER BOUND:", $0}'

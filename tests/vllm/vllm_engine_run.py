@@ -2,7 +2,7 @@
 
 Usage: ``python vllm_engine_run.py SPEC.json OUT.json``. SPEC holds ``model`` (a checkpoint
 directory), ``requests`` (a list of ``{"prompt_token_ids": [...], "params": {SamplingParams
-kwargs}}``) and ``engine`` (extra ``vllm.LLM`` kwargs). All requests go to one ``generate`` call,
+kwargs}}``) and ``engine`` (``vllm.LLM`` kwargs; fp32, eager and seed 0 unless it says otherwise). All requests go to one ``generate`` call,
 so they share engine steps (mixed temperatures in one batch). OUT gets, per request, the output
 token ids and every returned ``{token id: [logprob, rank]}`` per position, plus the plugin status
 of the driver process and of each worker (through ``LLM.collective_rpc``). The plugin's switches
@@ -54,7 +54,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     import rl_kernel_vllm
 
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, **spec["engine"])
+    llm = LLM(**{"model": spec["model"], "dtype": "float32", "enforce_eager": True, "seed": 0, **spec["engine"]})
     t_engine = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in spec["requests"]]
     params = [SamplingParams(**r["params"]) for r in spec["requests"]]

@@ -1,0 +1,120 @@
+"""vLLM's GPU release with the plugin's default hook set (returned log-probs), as users run it:
+Model Runner V2, CUDA graphs and ``torch.compile`` on, ``logprobs_mode="processed_logprobs"``.
+
+One engine (a subprocess) serves the seeded requests of ``test_engine.py`` (mixed temperatures,
+greedy, top-k/top-p, penalties, top-k log-probs) in one batch on a tiny fp32 model. Checked:
+the returned values follow the trainer's definition at each request's temperature (vLLM 0.26's
+MRV2 applies temperature and penalties to the logits in place in this mode, which the hook must
+not read), and no kernel the hook launches is JIT-compiled after vLLM's warm-up (vLLM's JIT
+monitor, verbose, logs every compile during inference).
+Runs where vLLM and CUDA are present (``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import vllm_tiny_model
+from rl_kernel_core import contract
+from test_engine import HERE, MAX_TOKENS, REQUESTS, _effective_temperature, _engine_env, _returned, _trainer_logprobs
+
+pytestmark = pytest.mark.gpu
+JIT_EVENT = re.compile(r"kernel JIT compilation during inference: (\w+)")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(time.time_ns() % 2**31)))
+    print(f"seed={seed}")
+    root = tmp_path_factory.mktemp("vllm_gpu")
+    vocab = vllm_tiny_model.build(root / "model", seed)
+    gen = torch.Generator().manual_seed(seed)
+    requests = []
+    for i, params in enumerate(REQUESTS):
+        prompt = torch.randint(3, vocab, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen).tolist()
+        requests.append({"prompt_token_ids": prompt, "params": dict(params, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed + i)})
+    engine = {"max_model_len": 64, "max_num_seqs": 8, "logprobs_mode": "processed_logprobs", "enforce_eager": False,
+              "gpu_memory_utilization": 0.2, "jit_monitor_verbose": True}
+    (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": engine}))
+    env = _engine_env(True, root / "steps.jsonl")
+    env.pop("RL_KERNEL_VLLM_LM_HEAD")  # the default hook set
+    env.pop("VLLM_CPU_KVCACHE_SPACE")
+    env.update(VLLM_USE_FLASHINFER_SAMPLER="0")
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_engine_run.py"), str(root / "spec.json"), str(root / "out.json")],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    report = json.loads((root / "out.json").read_text())
+    report.update(log=log, requests=requests, model=vllm_tiny_model.load(root / "model"))
+    return report
+
+
+def test_runs_model_runner_v2_with_the_log_prob_hook(run):
+    for worker in run["workers"]:
+        status = worker["status"]
+        assert {h for h, info in status["hooks"].items() if info["live"]} == {"logprobs"}
+        assert "v2" in status["hooks"]["logprobs"]["runners"]
+        assert worker["runner_sampler_type"] == "vllm.v1.worker.gpu.sample.sampler.Sampler"
+
+
+def test_gpu_logprobs_follow_the_trainer_definition(run):
+    """Per request, |vLLM - trainer at the request's T| against |vLLM - trainer at T = 1|.
+
+    Two fp32 forwards on different engines (vLLM's CUDA kernels, whose Triton dots round fp32
+    inputs through TF32, vs transformers on the CPU) differ by more than the contract of one op;
+    that whole-model gap is measured on the requests whose effective temperature is 1, where both
+    definitions coincide. Every request must be within twice that gap of the trainer's value at
+    its own temperature (plus the contract), and each request at a temperature 0.25 or more from 1
+    must be farther than that from the value at T = 1 (so a value at the wrong temperature, as MRV2's
+    in-place temperature would give without the hook's copy, fails)."""
+    rows = []
+    for request, result in zip(run["requests"], run["results"]):
+        params = request["params"]
+        ids, got = _returned(result, sampled_only=params["logprobs"] == 0)
+        temperature = _effective_temperature(params)
+        want = _trainer_logprobs(run["model"], request["prompt_token_ids"], result["token_ids"], ids, temperature).double()
+        at_one = _trainer_logprobs(run["model"], request["prompt_token_ids"], result["token_ids"], ids, 1.0).double()
+        rows.append((params, temperature, (got - want).abs().max().item(), (got - at_one).abs().max().item()))
+        print(f"{params}: max |vLLM - trainer| {rows[-1][2]:.3g}, vs T=1 {rows[-1][3]:.3g}")
+    tol = contract.tolerance("logprob", torch.float32)
+    engine_gap = max(err for _, t, err, _ in rows if t == 1.0)
+    bound = 2 * engine_gap + tol.atol
+    for params, temperature, err, err_at_one in rows:
+        assert err <= bound, f"{params}: {err:.3g} from the trainer's value, over {bound:.3g} (engine gap {engine_gap:.3g})"
+        if abs(temperature - 1.0) >= 0.25:
+            assert err_at_one > bound, f"{params}: the T=1 value is as close ({err_at_one:.3g}): the test cannot tell them apart"
+
+
+def test_no_log_prob_kernel_compiles_after_warm_up(run):
+    """None of the hook's kernels, nor vLLM's rank kernel it warms, compiles after vLLM's warm-up.
+    (vLLM's log-softmax kernel is warmed for the sampled column only; a request with top-k
+    log-probs compiles vLLM's own variant for more columns, as it does without the plugin.)"""
+    compiled = set(JIT_EVENT.findall(run["log"]))
+    print(f"compiled during inference: {sorted(compiled)}")
+    ours = {name for name in compiled if name in _our_kernel_names()}
+    assert not ours, f"rl-kernel kernels compiled after vLLM's warm-up: {sorted(ours)}"
+    assert "_ranks_kernel" not in compiled, sorted(compiled)
+    assert "Kernel JIT monitor activated" in run["log"], "vLLM's JIT monitor did not start: nothing was watched"
+
+
+def _our_kernel_names() -> set[str]:
+    import importlib
+    import pkgutil
+
+    import rl_kernel_core.triton as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {name for name, value in vars(module).items() if name.endswith("_kernel") or hasattr(value, "fn")}
+    return names
