@@ -132,9 +132,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--profile must be >= 0, got {args.profile}")
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown or not args.variants or args.variants[0] != BASELINE:
-        raise SystemExit(f"--variants: expected a comma list of {list(VARIANTS)} starting with {BASELINE} "
-                         f"(the checks compare against it), got {','.join(args.variants) or 'nothing'}")
+    if unknown or not args.variants or (args.check_prompts and args.variants[0] != BASELINE):
+        raise SystemExit(f"--variants: expected a comma list of {list(VARIANTS)}, starting with {BASELINE} unless "
+                         f"--check-prompts is 0 (the checks compare against it), got {','.join(args.variants) or 'nothing'}")
     # verl's use_fused_kernels patches the model class's forward for the whole process
     # (monkey_patch.patch_forward_with_backends), so no variant may be built after it
     args.variants.sort(key=lambda v: v == "verl_fused_triton")
