@@ -94,11 +94,18 @@ def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padd
         contract.assert_close(a, b, "logprob", dtype, name=f"sample {r}, mode on vs off")
 
 
+BF16_MODEL_DRIFT_BOUND = 0.5
+
+
 @DEVICES
 def test_mode_off_drift_is_measured(seed, device):
-    """Control group: the same comparisons with the mode off give finite differences within the
-    log-prob contract, and some are nonzero (in fp32 or bf16), which is what makes the mode-on
-    checks mean something on this machine."""
+    """Control group: the same comparisons with the mode off give finite differences, and some are
+    nonzero (in fp32 or bf16), which is what makes the mode-on checks mean something on this machine.
+
+    fp32 drift is held to one op's log-prob contract. bf16 drift compounds bf16 rounding through
+    the whole model (0.166 was seen for one seed), which one op's contract does not bound, so it is
+    held to a sanity bound, BF16_MODEL_DRIFT_BOUND: a mismatched layout gives differences of the
+    log-probs' own size, several nats."""
     drift = {}
     for dtype in (torch.float32, torch.bfloat16):
         model, cfg = _model(seed, dtype, device=device)
@@ -107,6 +114,8 @@ def test_mode_off_drift_is_measured(seed, device):
             _, rollout, others = _layouts(model, _prompts(seed, cfg, dtype))
         tol = contract.tolerance("logprob", dtype)
         bound = tol.atol + tol.rtol * max(float(r.abs().max()) for r in rollout)
+        if dtype == torch.bfloat16:
+            bound = BF16_MODEL_DRIFT_BOUND
         for what, (rows, lps) in others.items():
             d = chain.max_abs_diff(lps, [rollout[r] for r in rows])
             assert 0.0 <= d <= bound, f"{contract.dtype_key(dtype)} {what}: {d}"
