@@ -11,6 +11,9 @@
 # kernel compiled after its warm-up:
 #   plugin_default - RL_KERNEL_VLLM=1: the default hook set (returned log-probs only)
 #   plugin_sampler - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1: rl-kernel's sampler as well
+# The sampler hook covers the V1 model runner, and vLLM 0.26 runs Qwen3 on Model Runner V2, so its cost is
+# measured against vLLM's V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) in the same job:
+#   default_v1 / plugin_default_v1 / plugin_sampler_v1 - the settings above on the V1 runner
 #   bash benchmarks/gpu_vllm_consistency.sh [OUT] [SETTINGS...]   (default: default vllm_bi rl_kernel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +41,10 @@ for s in ${@:-default vllm_bi rl_kernel}; do
     rl_kernel) run rl_kernel --batch-invariant RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
     plugin_default) run plugin_default '' RL_KERNEL_VLLM=1;;
     plugin_sampler) run plugin_sampler '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1;;
-    *) echo "unknown setting $s: default vllm_bi rl_kernel plugin_default plugin_sampler"; status=1;;
+    default_v1) run default_v1 '' RL_KERNEL_VLLM=0 VLLM_USE_V2_MODEL_RUNNER=0;;
+    plugin_default_v1) run plugin_default_v1 '' RL_KERNEL_VLLM=1 VLLM_USE_V2_MODEL_RUNNER=0;;
+    plugin_sampler_v1) run plugin_sampler_v1 '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1 VLLM_USE_V2_MODEL_RUNNER=0;;
+    *) echo "unknown setting $s: default vllm_bi rl_kernel plugin_default plugin_sampler default_v1 plugin_default_v1 plugin_sampler_v1"; status=1;;
   esac
 done
 echo "gpu_vllm_consistency status=$status"
