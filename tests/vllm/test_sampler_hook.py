@@ -193,3 +193,17 @@ def test_processed_logprobs_batches_are_sampled_by_vllm(seed):
     torch.manual_seed(seed)
     b = _sample_rows(theirs, logits, rows, seed, num_logprobs=1)
     assert torch.equal(a, b)
+
+
+def test_warm_up_runs_the_kernels_once_per_logits_kind(monkeypatch):
+    """The hook's first-call warm-up (vLLM's dummy sampler run): every kernel once per device,
+    dtype and vocab size, on the logits it is given, with token id 0; later calls do nothing."""
+    from rl_kernel_vllm import logprobs
+
+    monkeypatch.setattr(logprobs, "_warmed", set())
+    calls: list[object] = []
+    logits = torch.randn(3, VOCAB)
+    logprobs.warm_up(logits, lambda x, ids: calls.append((x is logits, ids.tolist())))
+    logprobs.warm_up(logits.clone(), lambda x, ids: calls.append("again"))
+    logprobs.warm_up(logits.double(), lambda x, ids: calls.append("fp64"))
+    assert calls == [(True, [0, 0, 0]), "fp64"]
