@@ -10,7 +10,6 @@ the LM head weight, by ``rl_kernel_core.linear_logprob`` at the request's temper
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,31 +20,12 @@ import pytest
 import torch
 
 import vllm_tiny_model
-from rl_kernel_core import contract, linear_logprob, profiling
+from rl_kernel_core import contract
+from vllm_engine_requests import MAX_TOKENS, REQUESTS, effective_temperature, engine_env, make_requests, recompute_logprobs, returned
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 420
-MAX_TOKENS = 6
-# SamplingParams per request (each also gets max_tokens, ignore_eos and its own seed)
-REQUESTS = (
-    {"temperature": 0.7, "logprobs": 0},
-    {"temperature": 1.0, "logprobs": 0},
-    {"temperature": 1.3, "logprobs": 2},
-    {"temperature": 0.0, "logprobs": 0},
-    {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "logprobs": 0},
-    {"temperature": 0.9, "presence_penalty": 0.5, "repetition_penalty": 1.2, "logprobs": 0},
-)
 TOL = contract.tolerance("logprob", torch.float32)
-
-
-def _engine_env(plugin_on: bool, profile: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="INFO")
-    env["RL_KERNEL_PROFILE"] = str(profile)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
-    if plugin_on:
-        env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_LM_HEAD="1")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +36,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_engine")
     model_dir = root / "model"
     vocab = vllm_tiny_model.build(model_dir, seed)
-    gen = torch.Generator().manual_seed(seed)
-    requests = []
-    for i, params in enumerate(REQUESTS):
-        length = int(torch.randint(3, 9, (1,), generator=gen))
-        prompt = torch.randint(3, vocab, (length,), generator=gen).tolist()  # ids 0-2 are specials
-        full = dict(params, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed + i)
-        requests.append({"prompt_token_ids": prompt, "params": full})
+    requests = make_requests(seed, vocab)
     procs = {}
     for name, on in (("on", True), ("off", False)):
         # The on engine asks for processed log-probs, the mode in which the plugin returns the
@@ -72,7 +46,7 @@ def runs(tmp_path_factory):
         spec.write_text(json.dumps({"model": str(model_dir), "requests": requests, "engine": engine}))
         log = open(root / f"{name}.log", "w")
         cmd = [sys.executable, str(HERE / "vllm_engine_run.py"), str(spec), str(root / f"{name}.json")]
-        env = _engine_env(on, root / f"{name}_steps.jsonl")
+        env = engine_env(on, root / f"{name}_steps.jsonl")
         procs[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root), log)
     reports = {}
     for name, (proc, log) in procs.items():
@@ -95,33 +69,6 @@ def runs(tmp_path_factory):
     reports["requests"] = requests
     reports["model"] = vllm_tiny_model.load(model_dir)
     return reports
-
-
-def _effective_temperature(params: dict) -> float:
-    # vLLM samples greedily below 1e-5 and the trainer's definition then uses T = 1.
-    return 1.0 if params["temperature"] < 1e-5 else params["temperature"]
-
-
-def _trainer_logprobs(model, prompt: list[int], completion: list[int], token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[L, K]`` log-probs of ``token_ids`` at each completion position, as a trainer computes them."""
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids).last_hidden_state[0]  # after the final norm
-        rows = hidden[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
-        expanded = rows.unsqueeze(1).expand(-1, token_ids.shape[1], -1)
-        return linear_logprob(expanded, model.lm_head.weight, token_ids, temperature=temperature)
-
-
-def _returned(result: dict, sampled_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token_ids [L, K], logprobs [L, K])`` vLLM returned; column 0 is the sampled token."""
-    ids, values = [], []
-    for tok, pos in zip(result["token_ids"], result["logprobs"]):
-        others = [] if sampled_only else sorted(int(t) for t in pos if int(t) != tok)
-        row = [tok] + others
-        ids.append(row)
-        values.append([pos[str(t)][0] for t in row])
-    width = min(len(r) for r in ids)
-    return torch.tensor([r[:width] for r in ids]), torch.tensor([v[:width] for v in values], dtype=torch.float64)
 
 
 def _outside(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -175,10 +122,10 @@ def test_on_logprobs_equal_trainer_definition(runs):
     model = runs["model"]
     for request, result in zip(runs["requests"], runs["on"]["results"]):
         params = request["params"]
-        ids, got = _returned(result, sampled_only=params["logprobs"] == 0)
+        ids, got = returned(result, sampled_only=params["logprobs"] == 0)
         if params["logprobs"]:
             assert ids.shape[1] >= params["logprobs"]  # sampled + top-k (fewer columns when it is in the top-k)
-        want = _trainer_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, _effective_temperature(params))
+        want = recompute_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, effective_temperature(params))
         contract.assert_close(got, want, "logprob", torch.float32, name=f"on, request {params}")
 
 
@@ -187,12 +134,12 @@ def test_off_returns_vllms_raw_pre_temperature_logprobs(runs):
     gaps = {}
     for request, result in zip(runs["requests"], runs["off"]["results"]):
         params = request["params"]
-        ids, got = _returned(result, sampled_only=True)
-        raw = _trainer_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, 1.0)
+        ids, got = returned(result, sampled_only=True)
+        raw = recompute_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, 1.0)
         contract.assert_close(got, raw, "logprob", torch.float32, name=f"off vs T=1, request {params}")
-        temperature = _effective_temperature(params)
+        temperature = effective_temperature(params)
         if temperature != 1.0:
-            trained = _trainer_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, temperature)
+            trained = recompute_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, temperature)
             gaps[temperature] = (got - trained.double()).abs().max().item()
             assert _outside(got, trained).any(), f"T={temperature}: vLLM's raw values fall within the contract of the trainer's"
     print(f"max |vLLM raw - trainer| by temperature: {gaps}")

@@ -1,7 +1,7 @@
 """vLLM's GPU release with the plugin's default hook set (returned log-probs), as users run it:
 Model Runner V2, CUDA graphs and ``torch.compile`` on, ``logprobs_mode="processed_logprobs"``.
 
-One engine (a subprocess) serves the seeded requests of ``test_engine.py`` (mixed temperatures,
+One engine (a subprocess) serves the seeded requests of ``vllm_engine_requests.py`` (mixed temperatures,
 greedy, top-k/top-p, penalties, top-k log-probs) in one batch on a tiny fp32 model. Checked:
 the returned values follow the trainer's definition at each request's temperature (vLLM 0.26's
 MRV2 applies temperature and penalties to the logits in place in this mode, which the hook must
@@ -23,7 +23,7 @@ import torch
 
 import vllm_tiny_model
 from rl_kernel_core import contract
-from test_engine import HERE, MAX_TOKENS, REQUESTS, _effective_temperature, _engine_env, _returned, _trainer_logprobs
+from vllm_engine_requests import HERE, effective_temperature, engine_env, make_requests, recompute_logprobs, returned
 
 pytestmark = pytest.mark.gpu
 JIT_EVENT = re.compile(r"kernel JIT compilation during inference: (\w+)")
@@ -38,15 +38,11 @@ def run(tmp_path_factory):
     print(f"seed={seed}")
     root = tmp_path_factory.mktemp("vllm_gpu")
     vocab = vllm_tiny_model.build(root / "model", seed)
-    gen = torch.Generator().manual_seed(seed)
-    requests = []
-    for i, params in enumerate(REQUESTS):
-        prompt = torch.randint(3, vocab, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen).tolist()
-        requests.append({"prompt_token_ids": prompt, "params": dict(params, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed + i)})
+    requests = make_requests(seed, vocab)
     engine = {"max_model_len": 64, "max_num_seqs": 8, "logprobs_mode": "processed_logprobs", "enforce_eager": False,
               "gpu_memory_utilization": 0.2, "jit_monitor_verbose": True}
     (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": engine}))
-    env = _engine_env(True, root / "steps.jsonl")
+    env = engine_env(True, root / "steps.jsonl")
     env.pop("RL_KERNEL_VLLM_LM_HEAD")  # the default hook set
     env.pop("VLLM_CPU_KVCACHE_SPACE")
     env.update(VLLM_USE_FLASHINFER_SAMPLER="0")
@@ -80,10 +76,10 @@ def test_gpu_logprobs_follow_the_trainer_definition(run):
     rows = []
     for request, result in zip(run["requests"], run["results"]):
         params = request["params"]
-        ids, got = _returned(result, sampled_only=params["logprobs"] == 0)
-        temperature = _effective_temperature(params)
-        want = _trainer_logprobs(run["model"], request["prompt_token_ids"], result["token_ids"], ids, temperature).double()
-        at_one = _trainer_logprobs(run["model"], request["prompt_token_ids"], result["token_ids"], ids, 1.0).double()
+        ids, got = returned(result, sampled_only=params["logprobs"] == 0)
+        temperature = effective_temperature(params)
+        want = recompute_logprobs(run["model"], request["prompt_token_ids"], result["token_ids"], ids, temperature).double()
+        at_one = recompute_logprobs(run["model"], request["prompt_token_ids"], result["token_ids"], ids, 1.0).double()
         rows.append((params, temperature, (got - want).abs().max().item(), (got - at_one).abs().max().item()))
         print(f"{params}: max |vLLM - trainer| {rows[-1][2]:.3g}, vs T=1 {rows[-1][3]:.3g}")
     tol = contract.tolerance("logprob", torch.float32)

@@ -1,0 +1,76 @@
+"""The requests the engine tests send to a real vLLM engine, the environment that engine runs
+in, and the trainer's recomputation of what it returns (shared by ``test_engine.py`` on CPU and
+``test_gpu_plugin.py`` on a GPU)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from rl_kernel_core import linear_logprob
+
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 6
+# SamplingParams per request (each also gets max_tokens, ignore_eos and its own seed)
+REQUESTS = (
+    {"temperature": 0.7, "logprobs": 0},
+    {"temperature": 1.0, "logprobs": 0},
+    {"temperature": 1.3, "logprobs": 2},
+    {"temperature": 0.0, "logprobs": 0},
+    {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "logprobs": 0},
+    {"temperature": 0.9, "presence_penalty": 0.5, "repetition_penalty": 1.2, "logprobs": 0},
+)
+
+
+def make_requests(seed: int, vocab: int) -> list[dict]:
+    """One request per :data:`REQUESTS` entry: a random prompt of 3-8 ids in ``[3, vocab)`` (ids 0-2
+    are specials) and its SamplingParams with ``MAX_TOKENS``, ``ignore_eos`` and seed ``seed + i``."""
+    gen = torch.Generator().manual_seed(seed)
+    requests = []
+    for i, params in enumerate(REQUESTS):
+        length = int(torch.randint(3, 9, (1,), generator=gen))
+        prompt = torch.randint(3, vocab, (length,), generator=gen).tolist()
+        full = dict(params, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed + i)
+        requests.append({"prompt_token_ids": prompt, "params": full})
+    return requests
+
+
+def engine_env(plugin_on: bool, profile: Path) -> dict[str, str]:
+    """The engine subprocess's environment: the plugin's switches cleared, then on (with the LM
+    head hook) when ``plugin_on``; step records to ``profile``; this folder importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_LOGGING_LEVEL="INFO")
+    env["RL_KERNEL_PROFILE"] = str(profile)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    if plugin_on:
+        env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_LM_HEAD="1")
+    return env
+
+
+def effective_temperature(params: dict) -> float:
+    # vLLM samples greedily below 1e-5 and the trainer's definition then uses T = 1.
+    return 1.0 if params["temperature"] < 1e-5 else params["temperature"]
+
+
+def recompute_logprobs(model, prompt: list[int], completion: list[int], token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[L, K]`` log-probs of ``token_ids`` at each completion position, as a trainer computes them."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[0]  # after the final norm
+        rows = hidden[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+        expanded = rows.unsqueeze(1).expand(-1, token_ids.shape[1], -1)
+        return linear_logprob(expanded, model.lm_head.weight, token_ids, temperature=temperature)
+
+
+def returned(result: dict, sampled_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_ids [L, K], logprobs [L, K])`` vLLM returned; column 0 is the sampled token."""
+    ids, values = [], []
+    for tok, pos in zip(result["token_ids"], result["logprobs"]):
+        others = [] if sampled_only else sorted(int(t) for t in pos if int(t) != tok)
+        row = [tok] + others
+        ids.append(row)
+        values.append([pos[str(t)][0] for t in row])
+    width = min(len(r) for r in ids)
+    return torch.tensor([r[:width] for r in ids]), torch.tensor([v[:width] for v in values], dtype=torch.float64)
