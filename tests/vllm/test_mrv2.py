@@ -82,3 +82,17 @@ def test_outside_sampler_call_and_logits_mode_are_vllms(probe):
         assert torch.equal(a, b)
     for a, b in zip(probe["logits_mode"], probe["theirs_logits_mode"]):
         assert torch.equal(a, b)
+
+
+def test_prompt_logprobs_at_temperature_one_with_vllms_ids_and_ranks(probe):
+    """MRV2's prompt path: the values are ``log_softmax(logits)`` (vLLM's definition of prompt
+    log-probs) from rl-kernel's op; ids and ranks stay vLLM's."""
+    assert probe["prompt_patched"]
+    ids, values, ranks = probe["prompt_ours"]
+    assert torch.equal(ids, probe["prompt_theirs"][0]) and torch.equal(ranks, probe["prompt_theirs"][2])
+    contract.assert_close(values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="MRV2 prompt")
+
+
+def test_whole_vocabulary_prompt_logprobs_are_vllms(probe):
+    for a, b in zip(probe["prompt_whole"], probe["prompt_whole_theirs"]):
+        assert torch.equal(a, b)

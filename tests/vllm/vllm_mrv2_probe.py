@@ -44,6 +44,7 @@ def main(out_path: str, seed: int) -> None:
 
     vllm.v1.worker.gpu.buffer_utils.is_uva_available = lambda: False
     import vllm.v1.worker.gpu.sample.logprob as mrv2_logprob
+    import vllm.v1.worker.gpu.sample.prompt_logprob as mrv2_prompt
     import vllm.v1.worker.gpu.sample.sampler as mrv2_sampler
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu.sample.states import SamplingStates
@@ -55,6 +56,7 @@ def main(out_path: str, seed: int) -> None:
     vocab, num_logprobs = 53, 2
     temps = [0.7, 1.0, 0.0, 1.6, 0.7]  # by request slot; slot 2 is greedy
     original_topk = mrv2_sampler.compute_topk_scores
+    original_prompt_topk = mrv2_prompt.compute_topk_scores
     logprob_module_before = {name: getattr(mrv2_logprob, name) for name in ("compute_topk_scores", "compute_token_logprobs")}
     vllm.plugins.load_general_plugins()
     assert rl_kernel_vllm.status()["hooks"]["logprobs"]["runners"] == ["v1", "v2"], rl_kernel_vllm.status()
@@ -84,6 +86,11 @@ def main(out_path: str, seed: int) -> None:
     ours_raw = logprobs.wrap_v2_call(call_body)(sampler, logits, batch)
     outside = patched_topk(logits, num_logprobs, sampled)  # no Sampler.__call__ around it
     theirs = original_topk(logits, num_logprobs, sampled)
+    # prompt log-probs: MRV2's prompt_logprob module calls its by-name compute_topk_scores per chunk
+    prompt_ids = torch.randint(0, vocab, (len(order),), generator=gen)
+    prompt_ours = mrv2_prompt.compute_topk_scores(logits, 1, prompt_ids)
+    prompt_theirs = original_prompt_topk(logits, 1, prompt_ids)
+    prompt_whole = mrv2_prompt.compute_topk_scores(logits, vocab, prompt_ids)  # prompt_logprobs=-1
     sampler.logprobs_mode = "raw_logits"
     logits_mode = logprobs.wrap_v2_call(
         lambda self, logits, input_batch: mrv2_sampler.compute_topk_scores(logits, num_logprobs, sampled, logits_mode=True)
@@ -101,6 +108,11 @@ def main(out_path: str, seed: int) -> None:
             "ours_raw": tuple(ours_raw[:3]),
             "outside": tuple(outside[:3]),
             "theirs": tuple(theirs[:3]),
+            "prompt_patched": getattr(mrv2_prompt.compute_topk_scores, adapters.ORIGINAL_ATTR, None) is original_prompt_topk,
+            "prompt_ours": tuple(prompt_ours[:3]),
+            "prompt_theirs": tuple(prompt_theirs[:3]),
+            "prompt_whole": tuple(prompt_whole[:3]),
+            "prompt_whole_theirs": tuple(original_prompt_topk(logits, vocab, prompt_ids)[:3]),
             "logits_mode": tuple(logits_mode[:3]),
             "theirs_logits_mode": tuple(original_topk(logits, num_logprobs, sampled, logits_mode=True)[:3]),
         },
