@@ -9,7 +9,8 @@ are read one line at a time (a line over :data:`MAX_LINE_BYTES` is an error) and
 series are kept, so memory follows the number of values, not the file size. A malformed line is
 an error naming the file and line, except an unterminated last line (a run interrupted
 mid-write), which is skipped and counted. NaN and infinite values (and integers beyond the float
-range) count as missing; a ``step`` must fit in int64; statistics
+range) count as missing, and the comparison's warnings say how many of which field; a ``step``
+must fit in int64; statistics
 that overflow are written as ``null`` in JSON (:func:`json_safe`). A record with ``"oom": true``
 marks a run that ran out of memory at that step.
 
@@ -64,7 +65,8 @@ class StepLog:
     ``series`` maps ``region/<name>`` and every numeric field to its ``(steps, values)`` arrays;
     ``step_numbers`` holds each step record's ``step`` in file order; ``oom`` holds ``(step, error
     text)`` when the run ran out of memory; ``skipped_partial`` is 1 when an unterminated last line
-    was skipped.
+    was skipped; ``not_finite`` counts, per field, the numbers that were NaN, infinite or beyond
+    the float range (kept as missing).
     """
 
     path: Path
@@ -74,6 +76,7 @@ class StepLog:
     oom: Optional[tuple[int, str]] = None
     skipped_partial: int = 0
     meta: Optional[dict[str, Any]] = None
+    not_finite: dict[str, int] = field(default_factory=dict)
 
     def values(self, key: str) -> list[float]:
         return list(self.series[key][1]) if key in self.series else []
@@ -95,6 +98,8 @@ def _add(log: StepLog, key: str, step: int, value: Any) -> None:
         steps, values = log.series.setdefault(key, (array("q"), array("d")))
         steps.append(step)
         values.append(number)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        log.not_finite[key] = log.not_finite.get(key, 0) + 1
 
 
 def read_step_log(path: str | Path) -> StepLog:
@@ -184,9 +189,14 @@ def _parse_line(log: StepLog, lineno: int, raw: bytes) -> None:
 
 def step_warnings(off: StepLog, on: StepLog) -> list[str]:
     """Why comparing ``off`` with ``on`` may mean little: a log without step records, a log that
-    repeats step numbers (runs appended to one file?), or two logs that share no step number."""
+    repeats step numbers (runs appended to one file?), two logs that share no step number, or
+    numbers that were not finite (counted as missing)."""
     warnings = []
     for log, side in ((off, "OFF"), (on, "ON")):
+        if log.not_finite:
+            counts = ", ".join(f"{key} {n}" for key, n in sorted(log.not_finite.items()))
+            warnings.append(f"{side} log {log.path} has values that are NaN, infinite or beyond the float range, "
+                            f"counted as missing: {counts}")
         numbers = log.step_numbers
         if not numbers:
             warnings.append(f"{side} log {log.path} has no step records")

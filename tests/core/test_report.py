@@ -74,6 +74,21 @@ def test_null_regions_nan_and_oom(tmp_path):
     assert log.oom == (1, "CUDA out of memory")
 
 
+def test_values_that_are_not_finite_are_missing_and_said(tmp_path):
+    """NaN, infinities and an integer beyond the float range (a 401-digit value) count as missing,
+    and the comparison's warnings count them per field; text and booleans are not numbers."""
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"step": 0, "regions": {"step": 1.0}, "reward": NaN, "kl": %s, "note": "x", "flag": true}\n'
+                    '{"step": 1, "regions": {"step": Infinity}, "reward": 0.5, "kl": 0.1}\n' % ("9" * 401))
+    log = report.read_step_log(path)
+    assert log.values("reward") == [0.5] and log.values("kl") == [0.1] and log.values("region/step") == [1.0]
+    assert log.not_finite == {"reward": 1, "kl": 1, "region/step": 1}
+    clean = report.read_step_log(_log(tmp_path / "clean.jsonl", [_rec(i) for i in range(2)]))
+    warnings = report.step_warnings(clean, log)
+    assert warnings == [f"ON log {path} has values that are NaN, infinite or beyond the float range, counted as missing: "
+                        "kl 1, region/step 1, reward 1"]
+
+
 def test_report_files_and_valid_json(tmp_path):
     off = _log(tmp_path / "off.jsonl", [_rec(i, reward=0.1, kl=float("nan")) for i in range(3)])
     on = _log(tmp_path / "on.jsonl", [_rec(i, reward=0.2) for i in range(2)] + [{"step": 2, "oom": True, "error": "boom"}])
