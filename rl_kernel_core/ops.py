@@ -154,10 +154,6 @@ def modules(backend: str) -> dict[str, str]:
     return {spec.name: spec.backends[backend] for spec in OPS.values() if backend in spec.backends}
 
 
-def native_groups() -> dict[str, tuple[str, ...]]:
-    """``{native group: the ops whose kernels its extension holds}``, in :data:`OPS`' order."""
-    groups: dict[str, tuple[str, ...]] = {}
-    for spec in OPS.values():
-        if spec.native_group is not None:
-            groups[spec.native_group] = (*groups.get(spec.native_group, ()), spec.name)
-    return groups
+def native_groups() -> tuple[str, ...]:
+    """The native groups (one extension each; :attr:`OpSpec.native_group`), in :data:`OPS`' order, each once."""
+    return tuple(dict.fromkeys(spec.native_group for spec in OPS.values() if spec.native_group is not None))

@@ -33,6 +33,21 @@ def test_glue_kinds_are_the_custom_ops_the_triton_backend_defines():
         assert (forward, backward) == expected, f"{spec.name}: glue {spec.glue!r}"
 
 
+def test_each_native_module_loads_the_extension_of_its_ops_group():
+    """A native backend module loads one extension (``extension("<group>")``, built by native_build
+    from the manifest's groups): the group its ops declare in the manifest."""
+    import importlib.util
+
+    for spec in ops.OPS.values():
+        if "native" not in spec.backends:
+            continue
+        found = importlib.util.find_spec(spec.backends["native"])
+        assert found is not None and found.origin is not None, spec.backends["native"]
+        source = Path(found.origin).read_text()
+        assert f'extension("{spec.native_group}")' in source, (spec.name, spec.native_group, spec.backends["native"])
+    assert set(ops.native_groups()) == {spec.native_group for spec in ops.OPS.values()} - {None}
+
+
 def test_every_op_has_its_test_module():
     """Each op of the manifest has ``tests/core/ops/test_<op>.py`` (CONTRIBUTING.md, "Adding an op")."""
     missing = [name for name in ops.OPS if not (OP_TESTS / f"test_{name}.py").is_file()]
