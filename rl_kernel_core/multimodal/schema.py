@@ -316,10 +316,10 @@ class MultimodalBatch:
                 raise ValueError(f"{where}: start {span.start} must be >= {max(1, end)} (token 0 is never scored; spans in "
                                  "order, not overlapping)")
             end = span.end
-            for m in media:
-                if span.start < m.end and m.start < span.end:
-                    raise ValueError(f"{where}: tokens [{span.start}, {span.end}) overlap {m.kind} {m.media_index} at "
-                                     f"[{m.start}, {m.end})")
+            for m in self.modality_spans[b]:  # media and tool observations are not the policy's tokens
+                if m.kind != "text" and span.start < m.end and m.start < span.end:
+                    what = m.kind if m.media_index is None else f"{m.kind} {m.media_index}"
+                    raise ValueError(f"{where}: tokens [{span.start}, {span.end}) overlap {what} at [{m.start}, {m.end})")
         return media_running
 
 

@@ -124,6 +124,17 @@ def test_validate_names_the_field_and_position(seed, field, make, message):
         _broken(batch, field, make(batch, lengths)).validate()
 
 
+def test_a_loss_span_over_a_tool_observation_is_refused(seed):
+    """Tool observation tokens are not the policy's: a loss span that scores one is refused."""
+    batch, _ = build(seed)
+    scored = batch.loss_spans[1][0]
+    spans = [dataclasses.replace(m, kind="tool") if m.start <= scored.start < m.end else m for m in batch.modality_spans[1]]
+    tool = next(m for m in spans if m.kind == "tool")
+    with pytest.raises(ValueError, match=rf"loss_spans\[1\]\[0\]: tokens \[{scored.start}, {scored.end}\) overlap tool at "
+                                         rf"\[{tool.start}, {tool.end}\)"):
+        dataclasses.replace(batch, modality_spans=[batch.modality_spans[0], spans]).validate()
+
+
 def test_image_tokens_where_the_span_says_text_are_refused(seed):
     batch, _ = build(seed)
     ids = batch.input_ids[1].clone()
