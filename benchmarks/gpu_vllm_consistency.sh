@@ -7,8 +7,8 @@
 #   rl_kernel  - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1, trainer under rl-kernel's mode
 # and two more for the plugin's other hooks (vLLM's own kernels, CUDA graphs on; their throughput
 # against `default` of the same job is what the hooks cost). Each setting: one warm-up generate call identical to the
-# timed ones (WARMUP, default 1), then REPS (default 3) timed calls, median reported; vLLM's JIT monitor lists every
-# kernel compiled after its warm-up:
+# timed ones (WARMUP, default 1), then REPS (default 3) timed calls, median reported; PROMPT_LOGPROBS=1 also compares
+# the prompt tokens' log-probs (prompt_gap); vLLM's JIT monitor lists every kernel compiled after its warm-up:
 #   plugin_default - RL_KERNEL_VLLM=1: the default hook set (returned log-probs only)
 #   plugin_sampler - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1: rl-kernel's sampler as well
 # The sampler hook covers the V1 model runner, and vLLM 0.26 runs Qwen3 on Model Runner V2, so its cost is
@@ -23,7 +23,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 model=${MODEL_DIR:-/tmp/rl-kernel-qwen3-0.6b}
 [ -f "$model/config.json" ] || python3 benchmarks/make_random_model.py --preset qwen3-0.6b --out "$model" || exit 1
 args=(--model "$model" --prompts ${PROMPTS:-64} --prompt-len ${PROMPT_LEN:-64} --n ${SAMPLES:-8} --max-tokens ${MAX_TOKENS:-256}
-      --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3}
+      --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3} ${PROMPT_LOGPROBS:+--prompt-logprobs}
       --engine '{"max_model_len": 1024, "skip_tokenizer_init": true, "gpu_memory_utilization": 0.45, "jit_monitor_verbose": true}')
 run() {  # NAME TRAINER_FLAGS ENV_ASSIGNMENTS...
   local name=$1 flags=$2; shift 2
