@@ -26,8 +26,8 @@ Covered: both log-prob modes and any ``logprobs=k >= 0``. Left to vLLM, with a o
 and the ``*_logits`` modes (they ask for logits, not log-probs).
 
 Targets: the V1 model runner's ``vllm.v1.sample.sampler:Sampler.forward`` (the CPU runner and
-vLLM's V1 GPU runner) and the ``compute_logprobs``/``gather_logprobs`` pair its prompt log-probs
-go through; Model Runner V2's ``vllm.v1.worker.gpu.sample.sampler:Sampler.__call__`` with the
+vLLM's V1 GPU runner) and, inside the runner's ``_get_prompt_logprobs_dict``, the
+``compute_logprobs``/``gather_logprobs`` pair its prompt log-probs go through; Model Runner V2's ``vllm.v1.worker.gpu.sample.sampler:Sampler.__call__`` with the
 ``compute_topk_scores`` it imports by name, and the one ``prompt_logprob`` imports by name
 (each patched where its module looks it up).
 """
@@ -68,6 +68,7 @@ V1_TARGETS: tuple[str, ...] = (
     "vllm.v1.sample.sampler:Sampler.forward",
     "vllm.v1.sample.sampler:Sampler.compute_logprobs",
     "vllm.v1.sample.sampler:Sampler.gather_logprobs",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_prompt_logprobs_dict",
 )
 V2_TARGETS: tuple[str, ...] = (
     "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
@@ -86,6 +87,14 @@ def mode_temperatures(mode: str, temperatures: Sequence[float]) -> list[float]:
     if mode == RAW_MODE:
         return [1.0] * len(temperatures)
     return effective_temperatures(temperatures)
+
+
+def _host_mask(values: list[bool], device: torch.device) -> torch.Tensor:
+    # a host list to the device without a sync: through pinned memory, copied asynchronously
+    mask = torch.tensor(values, dtype=torch.bool)
+    if device.type != "cuda":
+        return mask.to(device)
+    return mask.pin_memory().to(device, non_blocking=True)
 
 
 def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
@@ -113,7 +122,7 @@ def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures
     for t in distinct:
         rows = None
         if len(distinct) > 1:
-            rows = torch.tensor([x == t for x in temperatures], device=logits.device)
+            rows = _host_mask([x == t for x in temperatures], logits.device)
         for j in range(ids.shape[1]):
             targets = ids[:, j] if rows is None else torch.where(rows, ids[:, j], _IGNORE)
             values = rl_kernel_core.logprob_from_logits(logits, targets, temperature=t, ignore_index=_IGNORE,
@@ -172,13 +181,6 @@ def wrap_v1_forward(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any):
-        _v1_context.in_forward = True
-        try:
-            return _v1_forward(self, args, kwargs)
-        finally:
-            _v1_context.in_forward = False
-
-    def _v1_forward(self: Any, args: tuple, kwargs: dict):
         logits, meta, mode = sampler_call_arguments(signature, self, args, kwargs)
         warm_up(logits)
         num_logprobs = meta.max_num_logprobs
@@ -214,16 +216,34 @@ def _prompt_values(out: Any, logits: torch.Tensor, num_logprobs: int) -> Any:
     return _replace_values(out, logits, [1.0] * logits.shape[0])
 
 
+def wrap_v1_prompt_logprobs_dict(original: Callable) -> Callable:
+    """Wrap V1 ``GPUModelRunner._get_prompt_logprobs_dict`` (the CPU runner inherits it): marks, for
+    the duration of the call, that ``Sampler.compute_logprobs``/``gather_logprobs`` serve prompt
+    log-probs (vLLM's rejection sampler calls the same pair for speculative decoding, which the
+    hook leaves alone)."""
+
+    @functools.wraps(original)
+    def prompt_logprobs_dict(*args: Any, **kwargs: Any):
+        _v1_context.in_prompt = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _v1_context.in_prompt = False
+            _v1_context.prompt = None
+
+    return prompt_logprobs_dict
+
+
 def wrap_v1_compute_logprobs(original: Any) -> staticmethod:
-    """Wrap V1 ``Sampler.compute_logprobs(logits)`` (a static method): outside ``Sampler.forward``
-    (that is, for prompt log-probs) remember which logits its result came from, for
-    :func:`wrap_v1_gather_logprobs` (weak references: nothing is kept alive)."""
+    """Wrap V1 ``Sampler.compute_logprobs(logits)`` (a static method): inside the runner's prompt
+    log-prob call, remember which logits its result came from, for :func:`wrap_v1_gather_logprobs`
+    (weak references: nothing is kept alive)."""
     fn = original.__func__ if isinstance(original, staticmethod) else original
 
     @functools.wraps(fn)
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
         out = fn(logits)
-        if not getattr(_v1_context, "in_forward", False):
+        if getattr(_v1_context, "in_prompt", False):
             _v1_context.prompt = (weakref.ref(out), weakref.ref(logits))
         return out
 
@@ -232,9 +252,9 @@ def wrap_v1_compute_logprobs(original: Any) -> staticmethod:
 
 def wrap_v1_gather_logprobs(original: Any) -> staticmethod:
     """Wrap V1 ``Sampler.gather_logprobs(logprobs, num_logprobs, token_ids)`` (a static method):
-    when ``logprobs`` is the result :func:`wrap_v1_compute_logprobs` just recorded (the runner's
-    prompt log-probs), the values of vLLM's ids are recomputed from those logits by
-    :func:`trainer_logprobs` at T = 1; ids and ranks stay vLLM's."""
+    inside the runner's prompt log-prob call, when ``logprobs`` is the result
+    :func:`wrap_v1_compute_logprobs` just recorded, the values of vLLM's ids are recomputed from
+    those logits by :func:`trainer_logprobs` at T = 1; ids and ranks stay vLLM's."""
     fn = original.__func__ if isinstance(original, staticmethod) else original
     signature = inspect.signature(fn)
 
@@ -243,7 +263,7 @@ def wrap_v1_gather_logprobs(original: Any) -> staticmethod:
         out = fn(*args, **kwargs)
         recorded = getattr(_v1_context, "prompt", None)
         _v1_context.prompt = None
-        if recorded is None or getattr(_v1_context, "in_forward", False):
+        if recorded is None or not getattr(_v1_context, "in_prompt", False):
             return out
         scores, logits = recorded[0](), recorded[1]()
         bound = signature.bind(*args, **kwargs)
@@ -276,10 +296,11 @@ def wrap_v2_call(original: Callable) -> Callable:
     """Wrap Model Runner V2 ``Sampler.__call__(self, logits, input_batch)``.
 
     Records, for the duration of the call, the raw logits and the rows' temperatures, which
-    :func:`wrap_v2_compute_topk_scores` reads. In ``processed_logprobs`` mode MRV2 applies the
-    temperature, penalties and biases to the logits in place (it copies them only for
-    ``raw_logprobs``), so when the step returns log-probs the raw logits are copied first. The
-    first call (vLLM's dummy sampler run) compiles the kernels (:func:`warm_up`).
+    :func:`wrap_v2_compute_topk_scores` reads. In ``processed_logprobs`` mode vLLM 0.26's MRV2
+    applies the temperature, penalties and biases to the logits in place (it copies them only for
+    ``raw_logprobs``), so when the step returns log-probs the raw logits are copied first; samplers
+    that process an fp32 copy themselves (0.32+: they have ``needs_logits_processing``) are not
+    copied. The first call (vLLM's dummy sampler run) compiles the kernels (:func:`warm_up`).
     """
     signature = inspect.signature(original)
 
@@ -296,7 +317,10 @@ def wrap_v2_call(original: Callable) -> Callable:
         if self.sampling_states.max_num_logprobs(input_batch.idx_mapping_np) < 0:  # vLLM's NO_LOGPROBS
             return original(self, *args, **kwargs)
         temps = _v2_row_temperatures(self, input_batch, logits.shape[0])
-        raw = logits if self.logprobs_mode == RAW_MODE else logits.clone()
+        # MRV2 samplers that track needs_logits_processing (0.32+) process an fp32 copy; older ones
+        # (0.26) change the logits in place in the processed modes
+        in_place = self.logprobs_mode != RAW_MODE and not hasattr(self, "needs_logits_processing")
+        raw = logits.clone() if in_place else logits
         _v2_context.state = (raw, mode_temperatures(self.logprobs_mode, temps))
         try:
             return original(self, *args, **kwargs)
@@ -358,6 +382,7 @@ WRAPPERS: dict[str, Callable[[Any], Any]] = {
     V1_TARGETS[0]: wrap_v1_forward,
     V1_TARGETS[1]: wrap_v1_compute_logprobs,
     V1_TARGETS[2]: wrap_v1_gather_logprobs,
+    V1_TARGETS[3]: wrap_v1_prompt_logprobs_dict,
     V2_TARGETS[0]: wrap_v2_call,
     V2_TARGETS[1]: wrap_v2_compute_topk_scores,
     V2_TARGETS[2]: wrap_v2_prompt_topk_scores,

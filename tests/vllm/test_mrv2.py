@@ -90,6 +90,7 @@ def test_prompt_logprobs_at_temperature_one_with_vllms_ids_and_ranks(probe):
     assert probe["prompt_patched"]
     ids, values, ranks = probe["prompt_ours"]
     assert torch.equal(ids, probe["prompt_theirs"][0]) and torch.equal(ranks, probe["prompt_theirs"][2])
+    assert torch.equal(values, probe["prompt_op"]), "the values are not logprob_from_logits' (T = 1)"
     contract.assert_close(values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="MRV2 prompt")
 
 

@@ -206,4 +206,18 @@ def test_warm_up_runs_the_kernels_once_per_logits_kind(monkeypatch):
     logprobs.warm_up(logits, lambda x, ids: calls.append((x is logits, ids.tolist())))
     logprobs.warm_up(logits.clone(), lambda x, ids: calls.append("again"))
     logprobs.warm_up(logits.double(), lambda x, ids: calls.append("fp64"))
-    assert calls == [(True, [0, 0, 0]), "fp64"]
+    logprobs.warm_up(torch.randn(3, VOCAB + 1), lambda x, ids: calls.append("another vocab"))
+    assert calls == [(True, [0, 0, 0]), "fp64", "another vocab"]
+
+
+def test_the_wrapped_v1_sampler_warms_up_on_its_first_call(monkeypatch, seed):
+    """vLLM's first sampler call (its dummy run, which asks for no log-probs) compiles the hook's kernels."""
+    from rl_kernel_vllm import logprobs
+
+    monkeypatch.setattr(logprobs, "_warmed", set())
+    sampler = sampler_mod.Sampler(logprobs_mode="processed_logprobs")
+    original = sampler_mod.Sampler.__dict__["forward"]
+    original = getattr(original, "__rl_kernel_original__", original)
+    logits = torch.randn(len(TEMPERATURES), VOCAB)
+    _run(wrap_v1_forward(original), sampler, logits, TEMPERATURES, None, False, seed)
+    assert logprobs._warmed == {(logits.device, logits.dtype, VOCAB)}

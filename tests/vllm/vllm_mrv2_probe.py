@@ -49,6 +49,7 @@ def main(out_path: str, seed: int) -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu.sample.states import SamplingStates
 
+    import rl_kernel_core
     import rl_kernel_vllm
     from rl_kernel_core import adapters
     from rl_kernel_vllm import logprobs
@@ -91,6 +92,8 @@ def main(out_path: str, seed: int) -> None:
     prompt_ours = mrv2_prompt.compute_topk_scores(logits, 1, prompt_ids)
     prompt_theirs = original_prompt_topk(logits, 1, prompt_ids)
     prompt_whole = mrv2_prompt.compute_topk_scores(logits, vocab, prompt_ids)  # prompt_logprobs=-1
+    ids = prompt_ours.logprob_token_ids
+    prompt_op = torch.stack([rl_kernel_core.logprob_from_logits(logits, ids[:, j]) for j in range(ids.shape[1])], 1)
     sampler.logprobs_mode = "raw_logits"
     logits_mode = logprobs.wrap_v2_call(
         lambda self, logits, input_batch: mrv2_sampler.compute_topk_scores(logits, num_logprobs, sampled, logits_mode=True)
@@ -112,6 +115,7 @@ def main(out_path: str, seed: int) -> None:
             "prompt_ours": tuple(prompt_ours[:3]),
             "prompt_theirs": tuple(prompt_theirs[:3]),
             "prompt_whole": tuple(prompt_whole[:3]),
+            "prompt_op": prompt_op,
             "prompt_whole_theirs": tuple(original_prompt_topk(logits, vocab, prompt_ids)[:3]),
             "logits_mode": tuple(logits_mode[:3]),
             "theirs_logits_mode": tuple(original_topk(logits, num_logprobs, sampled, logits_mode=True)[:3]),
