@@ -23,7 +23,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 model=${MODEL_DIR:-/tmp/rl-kernel-qwen3-0.6b}
 [ -f "$model/config.json" ] || python3 benchmarks/make_random_model.py --preset qwen3-0.6b --out "$model" || exit 1
 args=(--model "$model" --prompts ${PROMPTS:-64} --prompt-len ${PROMPT_LEN:-64} --n ${SAMPLES:-8} --max-tokens ${MAX_TOKENS:-256}
-      --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3} ${PROMPT_LOGPROBS:+--prompt-logprobs}
+      --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3} $([ "${PROMPT_LOGPROBS:-0}" = 1 ] && echo --prompt-logprobs)
       --engine '{"max_model_len": 1024, "skip_tokenizer_init": true, "gpu_memory_utilization": 0.45, "jit_monitor_verbose": true}')
 run() {  # NAME TRAINER_FLAGS ENV_ASSIGNMENTS...
   local name=$1 flags=$2; shift 2

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         each.append(time.perf_counter() - start)
-    seconds = sorted(each)[len(each) // 2]
+    seconds = statistics.median(each)
     samples = []
     for out in outputs:
         prompt = list(out.prompt_token_ids)

@@ -45,7 +45,8 @@ def run(tmp_path_factory):
     env = engine_env(True, root / "steps.jsonl")
     env.pop("RL_KERNEL_VLLM_LM_HEAD")  # the default hook set
     env.pop("VLLM_CPU_KVCACHE_SPACE")
-    env.update(VLLM_USE_FLASHINFER_SAMPLER="0")
+    # Triton, not the native kernel that auto picks on sm_90: the JIT monitor watches Triton compiles
+    env.update(VLLM_USE_FLASHINFER_SAMPLER="0", RL_KERNEL_BACKEND="triton")
     proc = subprocess.run([sys.executable, str(HERE / "vllm_engine_run.py"), str(root / "spec.json"), str(root / "out.json")],
                           env=env, cwd=root, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
