@@ -41,9 +41,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture
-def seed():
-    """A fresh random seed per test, or ``$RL_KERNEL_TEST_SEED`` when set (printed on failure)."""
+def _draw_seed() -> int:
+    """A fresh random seed, or ``$RL_KERNEL_TEST_SEED`` when set; seeds torch's generator and prints it."""
     pinned = os.environ.get("RL_KERNEL_TEST_SEED")
     if pinned is not None:
         try:
@@ -55,6 +54,18 @@ def seed():
     torch.manual_seed(s)
     print(f"seed={s} (rerun with RL_KERNEL_TEST_SEED={s})")
     return s
+
+
+@pytest.fixture
+def seed():
+    """A fresh random seed per test, or ``$RL_KERNEL_TEST_SEED`` when set (printed on failure)."""
+    return _draw_seed()
+
+
+@pytest.fixture(scope="module")
+def module_seed():
+    """The same for a module-scoped fixture (an engine run shared by a module's tests)."""
+    return _draw_seed()
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

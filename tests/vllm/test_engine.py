@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,9 @@ TOL = contract.tolerance("logprob", torch.float32)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, module_seed):
     """Build the model, run the ON and OFF engines concurrently, return their reports."""
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(time.time_ns() % 2**31)))
-    print(f"seed={seed}")
+    seed = module_seed
     root = tmp_path_factory.mktemp("vllm_engine")
     model_dir = root / "model"
     vocab = vllm_tiny_model.build(model_dir, seed)

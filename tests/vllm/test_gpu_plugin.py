@@ -16,7 +16,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -30,12 +29,11 @@ JIT_EVENT = re.compile(r"kernel JIT compilation during inference: (\w+)")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, module_seed):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("vllm")
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(time.time_ns() % 2**31)))
-    print(f"seed={seed}")
+    seed = module_seed
     root = tmp_path_factory.mktemp("vllm_gpu")
     vocab = vllm_tiny_model.build(root / "model", seed)
     requests = make_requests(seed, vocab)
