@@ -149,6 +149,15 @@ def _end_step(rows: int) -> None:
 _warmed: set[tuple] = set()
 
 
+def _warm_key(logits: torch.Tensor) -> tuple:
+    return (logits.device, logits.dtype, logits.shape[-1])
+
+
+def is_warm(logits: torch.Tensor) -> bool:
+    """Whether :func:`warm_up` has run (or has nothing to run) for logits of this kind."""
+    return logits.shape[0] == 0 or _warm_key(logits) in _warmed
+
+
 def warm_up(logits: torch.Tensor, *extra: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
     """Compile, once per process, device and logits dtype, the kernels the hook will launch on
     ``logits`` (``[N, V]``, as the sampler receives them), by running them on it with token id 0:
@@ -156,10 +165,9 @@ def warm_up(logits: torch.Tensor, *extra: Callable[[torch.Tensor, torch.Tensor],
     which vLLM does not compile in its warm-up because its dummy sampler run asks for no
     log-probs). Called from the sampler's first call, which is vLLM's memory-profiling dummy run,
     so no kernel of the hook compiles after vLLM's warm-up (vLLM's JIT monitor would report it)."""
-    key = (logits.device, logits.dtype, logits.shape[-1])
-    if key in _warmed or logits.shape[0] == 0:
+    if is_warm(logits):
         return
-    _warmed.add(key)
+    _warmed.add(_warm_key(logits))
     ids = torch.zeros(logits.shape[0], 1, dtype=torch.int64, device=logits.device)
     trainer_logprobs(logits, ids, [1.0] * logits.shape[0])
     for fn in extra:
@@ -182,7 +190,8 @@ def wrap_v1_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any):
         logits, meta, mode = sampler_call_arguments(signature, self, args, kwargs)
-        warm_up(logits)
+        if not is_warm(logits):
+            warm_up(logits)
         num_logprobs = meta.max_num_logprobs
         if num_logprobs is None:
             return original(self, *args, **kwargs)
@@ -287,9 +296,11 @@ def _v2_row_temperatures(sampler: Any, input_batch: Any, num_rows: int) -> list[
     return per_request.tolist()
 
 
-def _v2_warm_up_vllm_kernels(compute_topk_scores: Callable) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    # vLLM's own fast path (its log-softmax and rank kernels), on the logits it would get
-    return lambda logits, ids: compute_topk_scores(logits, 0, ids)
+def _v2_vllm_topk_scores(logits: torch.Tensor, ids: torch.Tensor) -> Any:
+    # vLLM's own fast path (its log-softmax and rank kernels, unpatched), on the logits it would get
+    module, name = V2_TARGETS[1].split(":")
+    compute_topk_scores = getattr(sys.modules[module], name)
+    return getattr(compute_topk_scores, ORIGINAL_ATTR, compute_topk_scores)(logits, 0, ids)
 
 
 def wrap_v2_call(original: Callable) -> Callable:
@@ -310,9 +321,8 @@ def wrap_v2_call(original: Callable) -> Callable:
         logits = bound.arguments["logits"]
         if self.logprobs_mode not in LOGPROB_MODES:
             return original(self, *args, **kwargs)
-        module, name = V2_TARGETS[1].split(":")
-        topk_scores = getattr(sys.modules[module], name)
-        warm_up(logits, _v2_warm_up_vllm_kernels(getattr(topk_scores, ORIGINAL_ATTR, topk_scores)))
+        if not is_warm(logits):
+            warm_up(logits, _v2_vllm_topk_scores)
         input_batch = bound.arguments["input_batch"]
         if self.sampling_states.max_num_logprobs(input_batch.idx_mapping_np) < 0:  # vLLM's NO_LOGPROBS
             return original(self, *args, **kwargs)
