@@ -5,6 +5,7 @@
 #   default    - vLLM as shipped (CUDA graphs, torch.compile), trainer forward as shipped (control)
 #   vllm_bi    - vLLM's own VLLM_BATCH_INVARIANT=1, trainer forward as shipped
 #   rl_kernel  - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1, trainer under rl-kernel's mode
+#                (decode batches as full CUDA graphs; rl_kernel_eager: the same with enforce_eager=True)
 # and two more for the plugin's other hooks (vLLM's own kernels, CUDA graphs on; their throughput
 # against `default` of the same job is what the hooks cost). Each setting: one warm-up generate call identical to the
 # timed ones (WARMUP, default 1), then REPS (default 3) timed calls, median reported; PROMPT_LOGPROBS=1 also compares
@@ -22,9 +23,10 @@ shift || true
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 model=${MODEL_DIR:-/tmp/rl-kernel-qwen3-0.6b}
 [ -f "$model/config.json" ] || python3 benchmarks/make_random_model.py --preset qwen3-0.6b --out "$model" || exit 1
+engine='"max_model_len":1024,"skip_tokenizer_init":true,"gpu_memory_utilization":0.45,"jit_monitor_verbose":true'  # no spaces: word-split in run()
 args=(--model "$model" --prompts ${PROMPTS:-64} --prompt-len ${PROMPT_LEN:-64} --n ${SAMPLES:-8} --max-tokens ${MAX_TOKENS:-256}
       --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3} $([ "${PROMPT_LOGPROBS:-0}" = 1 ] && echo --prompt-logprobs)
-      --engine '{"max_model_len": 1024, "skip_tokenizer_init": true, "gpu_memory_utilization": 0.45, "jit_monitor_verbose": true}')
+      --engine "{$engine}")
 run() {  # NAME TRAINER_FLAGS ENV_ASSIGNMENTS...
   local name=$1 flags=$2; shift 2
   echo "== $name"
@@ -39,12 +41,14 @@ for s in ${@:-default vllm_bi rl_kernel}; do
     default) run default '' RL_KERNEL_VLLM=0;;
     vllm_bi) run vllm_bi '' RL_KERNEL_VLLM=0 VLLM_BATCH_INVARIANT=1;;
     rl_kernel) run rl_kernel --batch-invariant RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
+    rl_kernel_eager) run rl_kernel_eager "--batch-invariant --engine {$engine,\"enforce_eager\":true}" \
+      RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
     plugin_default) run plugin_default '' RL_KERNEL_VLLM=1;;
     plugin_sampler) run plugin_sampler '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1;;
     default_v1) run default_v1 '' RL_KERNEL_VLLM=0 VLLM_USE_V2_MODEL_RUNNER=0;;
     plugin_default_v1) run plugin_default_v1 '' RL_KERNEL_VLLM=1 VLLM_USE_V2_MODEL_RUNNER=0;;
     plugin_sampler_v1) run plugin_sampler_v1 '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1 VLLM_USE_V2_MODEL_RUNNER=0;;
-    *) echo "unknown setting $s: default vllm_bi rl_kernel plugin_default plugin_sampler default_v1 plugin_default_v1 plugin_sampler_v1"; status=1;;
+    *) echo "unknown setting $s: default vllm_bi rl_kernel rl_kernel_eager plugin_default plugin_sampler default_v1 plugin_default_v1 plugin_sampler_v1"; status=1;;
   esac
 done
 echo "gpu_vllm_consistency status=$status"

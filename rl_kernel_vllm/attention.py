@@ -1,21 +1,26 @@
 """rl-kernel's attention backend for vLLM: the platform's own backend with its attention computed
-by :func:`rl_kernel_core.varlen_attention` over vLLM's paged KV cache.
+by rl-kernel's fixed-order attention over vLLM's paged KV cache.
 
 Used by the batch-invariant hook (:mod:`rl_kernel_vllm.batch_invariant`), which registers these
 classes through vLLM's attention-backend registry (``register_backend``) in place of the platform's
 default entry: ``CPU_ATTN`` on the CPU build, ``FLASH_ATTN`` on CUDA. The metadata builder and the
 cache's shape stay vLLM's; writing this step's keys and values into the cache
 (``do_kv_cache_update``, which vLLM calls before ``forward``) and reading them back are ours, in
-one plain layout (:func:`split_cache`): the base backends' own cache kernels may pack blocks for
-their ISA.
+one plain layout (:func:`split_cache`, vLLM's logical layout): the base backends' own cache kernels
+may pack blocks for their ISA.
 
-Each step, every running sequence's keys and values are read back from its cache blocks in
-position order (a gather: exact copies) and its queries, the last ``Lq`` positions of the sequence
-(a prefill, a prefill chunk or one decode token), attend to them with ``varlen_attention``'s fixed
-KV-block order. A query's output therefore has the same bits whether it was computed in a full
-prefill, a chunk or a decode step, in any batch: exactly what a trainer running
-``varlen_attention`` over the whole sequence (:func:`rl_kernel_core.consistency.hf.use_mode_attention`)
-gets.
+A query's output has the same bits whether it was computed in a full prefill, a chunk or a decode
+step, in any batch: exactly what a trainer running ``varlen_attention`` over the whole sequence
+(:func:`rl_kernel_core.consistency.hf.use_mode_attention`) gets.
+
+* CUDA: :func:`rl_kernel_core.attention.paged_attention` reads the keys and values through vLLM's
+  block table with ``varlen_attention``'s Triton tiles and arithmetic, and
+  :func:`~rl_kernel_core.attention.write_paged_kv` writes the cache; both read every size from
+  device memory, so vLLM can capture the step in a CUDA graph (the hook runs uniform decode batches
+  as full CUDA graphs).
+* CPU: every running sequence's keys and values are gathered from its cache blocks in position order
+  (exact copies) and its queries, the last ``Lq`` positions of the sequence, attend to them with
+  ``varlen_attention``'s torch backend (the trainer's on CPU).
 
 Refused at layer construction, naming the setting: attention other than causal decoder
 self-attention, sliding windows, ALiBi, logit soft-capping, attention sinks, KV sharing and a
@@ -32,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from rl_kernel_core.attention import varlen_attention
+from rl_kernel_core.attention import paged_attention, varlen_attention, write_paged_kv
 
 # our class name -> (vLLM module, its backend class)
 BASES: dict[str, tuple[str, str]] = {
@@ -81,7 +86,7 @@ def gather_index(block_table: torch.Tensor, seq_lens: list[int], block_size: int
 
 
 def step_layout(attn_metadata, block_size: int, device: torch.device):
-    """``(blocks, rows, cu_q, cu_k)`` of one engine step: the gather index (:func:`gather_index`)
+    """``(blocks, rows, cu_q, cu_k)`` of one engine step on CPU: the gather index (:func:`gather_index`)
     and the host offsets ``varlen_attention`` takes. Computed by the step's first attention layer
     and kept on the step's metadata object, which vLLM shares among the layers of a KV-cache group
     (one host sync per step instead of one per layer)."""
@@ -128,6 +133,9 @@ def _make_impl(base_impl: type) -> type:
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
             """Write this step's keys/values ``[T, Hkv, D]`` into the cache (vLLM calls it before ``forward``)."""
+            if kv_cache.is_cuda:
+                write_paged_kv(kv_cache, key, value, slot_mapping)
+                return
             key_cache, value_cache = split_cache(kv_cache, self.head_size)
             write_cache(key_cache, value_cache, key, value, slot_mapping)
 
@@ -139,6 +147,11 @@ def _make_impl(base_impl: type) -> type:
                 raise ValueError("RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover fused output quantization")
             if attn_metadata is None:  # vLLM's profiling run
                 return output.fill_(0)
+            if kv_cache.is_cuda:
+                out = output if output.dim() == 3 else output.view(output.shape[0], self.num_heads, self.head_size)
+                paged_attention(query, kv_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
+                                attn_metadata.seq_lens, attn_metadata.max_query_len, scale=self.scale, out=out)
+                return output
             n = attn_metadata.num_actual_tokens
             key_cache, value_cache = split_cache(kv_cache, self.head_size)
             blocks, rows, cu_q, cu_k = step_layout(attn_metadata, key_cache.shape[2], key_cache.device)

@@ -13,9 +13,12 @@ In each vLLM process the hook:
   oneDNN/SGL kernels vLLM packs weights for;
 * computes RMSNorm with the residual added in the model dtype first, as transformers does (vLLM's
   native fused add-norm takes the mean square of the unrounded fp32 sum);
-* configures the engine so that no other arithmetic sneaks in: ``enforce_eager`` (no
-  ``torch.compile`` fusion, no CUDA graphs) and ``custom_ops=["none"]`` (vLLM's native PyTorch
-  RMSNorm, rotary and SiLU-and-mul instead of its fused kernels), announced once per process.
+* configures the engine so that no other arithmetic sneaks in: compilation mode ``NONE`` (no
+  ``torch.compile`` fusion), ``custom_ops=["none"]`` (vLLM's native PyTorch RMSNorm, rotary and
+  SiLU-and-mul instead of its fused kernels) and no cascade attention; on CUDA, unless the user
+  asked for ``enforce_eager``, uniform decode batches run as full CUDA graphs
+  (``cudagraph_mode=FULL_DECODE_ONLY``: a replay launches the kernels the eager step does, on the
+  same inputs; prefill and mixed batches run eagerly), announced once per process.
 
 Refused with an error naming the setting (at engine configuration): a model architecture outside
 :data:`ARCHITECTURES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
@@ -39,9 +42,9 @@ ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3
 """Architectures whose vLLM forward, with these patches, is op for op transformers' forward."""
 
 OVERRIDES: tuple[str, ...] = (
-    "batch-invariant mode: enforce_eager=True, compilation_config.custom_ops=['none'], attention through "
-    "rl-kernel's varlen_attention over the paged KV cache, matmuls/means/log-softmax through rl-kernel's "
-    "batch-invariant kernels",
+    "batch-invariant mode: compilation mode NONE, compilation_config.custom_ops=['none'], no cascade attention, "
+    "CUDA graphs for uniform decode batches only (CUDA), attention through rl-kernel's fixed-order attention "
+    "over the paged KV cache, matmuls/means/log-softmax through rl-kernel's batch-invariant kernels",
 )
 """The vLLM settings this hook changes, announced once per process when it is live."""
 
@@ -94,15 +97,20 @@ def check_config(vllm_config: Any, entry: str) -> list[str]:
     if attention.backend is None:
         attention.backend = wanted
         changed.append(f"attention_backend={entry}")
-    if model is not None and not model.enforce_eager:
-        model.enforce_eager = True
-        changed.append("enforce_eager=True")
     compilation = vllm_config.compilation_config
-    if compilation.mode != CompilationMode.NONE or compilation.cudagraph_mode != CUDAGraphMode.NONE:
+    if compilation.mode != CompilationMode.NONE:
         compilation.mode = CompilationMode.NONE
-        compilation.cudagraph_mode = CUDAGraphMode.NONE
-        compilation.cudagraph_capture_sizes = []
-        changed.append("compilation mode NONE, no CUDA graphs")
+        changed.append("compilation mode NONE (no torch.compile)")
+    if compilation.cudagraph_mode != CUDAGraphMode.NONE:  # NONE: enforce_eager or the user's choice, kept
+        graphs = CUDAGraphMode.FULL_DECODE_ONLY if entry == BACKENDS["cuda"][0] else CUDAGraphMode.NONE
+        if compilation.cudagraph_mode != graphs:
+            compilation.cudagraph_mode = graphs
+            if graphs == CUDAGraphMode.NONE:
+                compilation.cudagraph_capture_sizes = []
+            changed.append(f"cudagraph_mode={graphs.name}")
+    if model is not None and not model.disable_cascade_attn:
+        model.disable_cascade_attn = True
+        changed.append("disable_cascade_attn=True")
     if list(compilation.custom_ops) != ["none"]:
         compilation.custom_ops = ["none"]
         changed.append("custom_ops=['none']")

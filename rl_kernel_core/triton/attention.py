@@ -12,6 +12,12 @@ read from device memory (copied once per layout, see :func:`_tables`), and no pe
 kernel argument, so every call runs the same compiled kernel. Tile sizes are fixed per dtype
 (:data:`rl_kernel_core.triton.tuning.TILES`).
 
+Paged forward (:func:`paged_forward`): the same tiles and the same online softmax
+(:func:`_attend_keys`), with the keys and values read through a block table from a paged cache and
+the tile of a program derived from its id (no tile table: ``tiles_per_seq`` programs per sequence,
+those past its queries idle), so a query gets the forward's bits and the launch reads nothing from
+the host.
+
 Backward (FlashAttention-2 style, from the forward's ``out`` and log-sum-exp), two launches of
 :func:`_attention_bwd_kernel`. Per sequence and query head, with ``S = Q K^T`` over the head's KV
 head, ``P = exp(S * scale - lse)`` (0 where masked: the softmax the forward computed) and
@@ -69,21 +75,21 @@ def _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr):
 
 
 @helper_jit
-def _query_tile(q_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+def _query_tile(q_ptr, stride_qt, stride_qh, start, q0, lq, lk, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query tile ``program_id(0)`` at query head ``program_id(1)``: ``(head, KV head, first query
-    row q0, first key row k0, Lk, the tile's rows (query indices in the sequence), which exist,
-    dims, which exist, the queries [BLOCK_M, BLOCK_D] (zero where absent), their key positions,
-    how many key blocks the tile visits)``."""
+    """The query tile of a sequence (first query row ``q0``, ``lq`` queries, ``lk`` keys) whose first
+    row is query ``start``, at query head ``program_id(1)``, from queries with row stride
+    ``stride_qt`` and head stride ``stride_qh``: ``(head, KV head, the tile's rows (query indices in
+    the sequence), which exist, dims, which exist, the queries [BLOCK_M, BLOCK_D] (zero where
+    absent), their key positions, how many key blocks the tile visits)``."""
     head = tl.program_id(1)
     kv_head = head // GROUP
-    start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
     offset = lk - lq
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < lq
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
-    q = tl.load(q_ptr + ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :],
+    q = tl.load(q_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST_DOT:  # the CPU interpreter multiplies 16-bit floats as integers; the upcast is exact
         q = q.to(tl.float32)
@@ -92,7 +98,7 @@ def _query_tile(q_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, HQ: tl.
     if CAUSAL:
         last = offset + tl.minimum(start + BLOCK_M, lq) - 1
         n_blocks = tl.minimum(n_blocks, last // BLOCK_N + 1)
-    return head, kv_head, q0, k0, lk, rows, row_ok, dims, d_ok, q, qpos, n_blocks
+    return head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks
 
 
 @helper_jit
@@ -107,22 +113,42 @@ def _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HKV: tl.constexpr, D: tl.con
     return k_ok, kb, vb
 
 
-@launch_time_jit(do_not_specialize=["scale"])
-def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, scale,
-    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    head, kv_head, q0, k0, lk, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-        q_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+@helper_jit
+def _paged_key_block(cache_ptr, block_row_ptr, kpos, lk, kv_head, stride_cb, stride_ch, stride_cr,
+                     D: tl.constexpr, CACHE_BLOCK: tl.constexpr, dims, d_ok):
+    """As :func:`_key_block`, from a paged cache ``[num_blocks, Hkv, CACHE_BLOCK, 2*D]`` (a token's
+    key in the first D columns, its value in the last D): position ``p`` of the sequence lives in
+    block ``block_row_ptr[p // CACHE_BLOCK]`` at row ``p % CACHE_BLOCK``."""
+    k_ok = kpos < lk
+    block = tl.load(block_row_ptr + kpos // CACHE_BLOCK, mask=k_ok, other=0).to(tl.int64)
+    row_off = block * stride_cb + kv_head * stride_ch + (kpos % CACHE_BLOCK) * stride_cr
+    mask = k_ok[:, None] & d_ok[None, :]
+    kb = tl.load(cache_ptr + row_off[:, None] + dims[None, :], mask=mask, other=0.0)
+    vb = tl.load(cache_ptr + row_off[:, None] + D + dims[None, :], mask=mask, other=0.0)
+    return k_ok, kb, vb
+
+
+@helper_jit
+def _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, k_ptr, v_ptr, k0, cache_ptr, block_row_ptr, stride_cb, stride_ch,
+                 stride_cr, dims, d_ok, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+                 CACHE_BLOCK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The forward's online softmax of a query tile over its first ``n_blocks`` key blocks in
+    ascending order: ``(running max, sum, weighted values)`` in fp32. Keys from packed ``[Tk, HKV,
+    D]`` tensors (:func:`_key_block`) or, ``PAGED``, from a paged cache (:func:`_paged_key_block`);
+    the arithmetic is the same either way, so a paged decode and a packed prefill give a query the
+    same bits."""
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     cols = tl.arange(0, BLOCK_N)
     for j in range(0, n_blocks):
         kpos = j * BLOCK_N + cols
-        k_ok, kb, vb = _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HQ // GROUP, D, dims, d_ok)
+        if PAGED:
+            k_ok, kb, vb = _paged_key_block(cache_ptr, block_row_ptr, kpos, lk, kv_head, stride_cb, stride_ch, stride_cr,
+                                            D, CACHE_BLOCK, dims, d_ok)
+        else:
+            k_ok, kb, vb = _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HKV, D, dims, d_ok)
         if UPCAST_DOT:
             kb = kb.to(tl.float32)
             vb = vb.to(tl.float32)
@@ -144,10 +170,70 @@ def _attention_fwd_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         m = m_new
+    return m, l, acc
+
+
+@launch_time_jit(do_not_specialize=["scale"])
+def _attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, scale,
+    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
+    head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
+        q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+    m, l, acc = _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, k_ptr, v_ptr, k0, k_ptr, k_ptr, 0, 0, 0, dims, d_ok,
+                             HQ // GROUP, D, BLOCK_D, False, 1, CAUSAL, IEEE, UPCAST_DOT, BLOCK_M, BLOCK_N)
     out = acc / l[:, None]
     tl.store(o_ptr + ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + (q0 + rows).to(tl.int64) * HQ + head, m + tl.log(l), mask=row_ok)
+
+
+@launch_time_jit(do_not_specialize=["scale", "tiles_per_seq"])
+def _paged_attention_fwd_kernel(
+    q_ptr, cache_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, block_table_ptr, tiles_per_seq, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cr, stride_bt,
+    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The forward over a paged KV cache: program ``(s * tiles_per_seq + t, head)`` holds query tile
+    ``t`` of sequence ``s`` (tiles past its queries do nothing). Sizes and offsets are read from
+    device memory only, so a launch can be captured in a CUDA graph and replayed with new ones."""
+    tile = tl.program_id(0)
+    seq = tile // tiles_per_seq
+    start = (tile % tiles_per_seq) * BLOCK_M
+    q0 = tl.load(cu_q_ptr + seq)
+    lq = tl.load(cu_q_ptr + seq + 1) - q0
+    lk = tl.load(seq_lens_ptr + seq)
+    head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
+        q_ptr, stride_qt, stride_qh, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+    n_blocks = tl.where(start < lq, n_blocks, 0)
+    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    m, l, acc = _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, cache_ptr, cache_ptr, 0, cache_ptr, block_row_ptr,
+                             stride_cb, stride_ch, stride_cr, dims, d_ok, HQ // GROUP, D, BLOCK_D, True, CACHE_BLOCK,
+                             CAUSAL, IEEE, UPCAST_DOT, BLOCK_M, BLOCK_N)
+    out = acc / l[:, None]
+    tl.store(o_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@launch_time_jit()
+def _paged_write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                        stride_cb, stride_ch, stride_cr, D: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+    """Token ``program_id(0)``'s key and value at KV head ``program_id(1)`` into its cache slot (block
+    ``slot // CACHE_BLOCK``, row ``slot % CACHE_BLOCK``); a negative slot (padding) writes nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < D
+    dst = cache_ptr + (slot // CACHE_BLOCK) * stride_cb + h * stride_ch + (slot % CACHE_BLOCK) * stride_cr + dims
+    keep = d_ok & (slot >= 0)
+    tl.store(dst, tl.load(key_ptr + t * stride_kt + h * stride_kh + dims, mask=d_ok), mask=keep)
+    tl.store(dst + D, tl.load(value_ptr + t * stride_vt + h * stride_vh + dims, mask=d_ok), mask=keep)
 
 
 @launch_time_jit(do_not_specialize=["scale"])
@@ -162,8 +248,9 @@ def _attention_bwd_kernel(
     of its dk/dv pass (grid: key tiles x KV heads), which reads the dq pass's delta."""
     if not DKDV:
         # dq of one query tile and head, and its delta; the tile's key blocks in ascending order.
-        head, kv_head, q0, k0, lk, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-            q_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+        start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
+        head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
+            q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
         io_off = ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :]
         io_mask = row_ok[:, None] & d_ok[None, :]
         do = tl.load(do_ptr + io_off, mask=io_mask, other=0.0)
@@ -298,6 +385,42 @@ def _backward(q, k, v, out, lse, grad_out, cu_q: list[int], cu_k: list[int], cau
             IEEE=q.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted, BLOCK_M=bm, BLOCK_N=bn, DKDV=dkdv, **extra,
         )
     return dq, dk, dv
+
+
+def paged_forward(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,
+                  seq_lens: torch.Tensor, max_query_len: int, causal: bool, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """:func:`rl_kernel_core.attention.paged_attention` (arguments checked there) on the forward's
+    tiles and arithmetic: writes ``out`` and returns it. One launch, no host read."""
+    hq, d = q.shape[1], q.shape[2]
+    interpreted = interpreting()
+    bm, bn = ATTENTION_INTERPRETED_TILES if interpreted else TILES[q.dtype][:2]
+    num_seqs = seq_lens.shape[0]
+    tiles_per_seq = triton.cdiv(max_query_len, bm)
+    if num_seqs == 0 or tiles_per_seq == 0:
+        return out
+    extra = {} if interpreted else {"num_warps": TILES[q.dtype][2], "num_stages": TILES[q.dtype][3]}
+    _paged_attention_fwd_kernel[(num_seqs * tiles_per_seq, hq)](
+        q, kv_cache, out, cu_q, seq_lens, block_table, tiles_per_seq, float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
+        HQ=hq, GROUP=hq // kv_cache.shape[1], D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        CACHE_BLOCK=kv_cache.shape[2], CAUSAL=causal, IEEE=q.dtype == torch.float32 or interpreted,
+        UPCAST_DOT=interpreted, BLOCK_M=bm, BLOCK_N=bn, **extra,
+    )
+    return out
+
+
+def paged_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """:func:`rl_kernel_core.attention.write_paged_kv` (arguments checked there): one launch over
+    ``slot_mapping``'s tokens and the KV heads, no host read."""
+    n, hkv, d = slot_mapping.shape[0], kv_cache.shape[1], key.shape[2]
+    if n == 0:
+        return
+    _paged_write_kernel[(n, hkv)](
+        key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CACHE_BLOCK=kv_cache.shape[2],
+    )
 
 
 class _VarlenAttention(torch.autograd.Function):

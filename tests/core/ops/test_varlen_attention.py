@@ -18,6 +18,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract, dispatch
+from rl_kernel_core.attention import paged_attention, write_paged_kv
 from oracles import dense_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
@@ -177,6 +178,149 @@ def test_layout_tables_are_copied_once_per_layout(seed, device):
     q2, k2, v2, cu2 = _packed(device, [3, 4])
     rk.varlen_attention(q2, k2, v2, cu2, backend="triton")
     assert triton_attention._tables.cache_info().misses == 2
+
+
+# ---------------------------------------------------------- paged_attention / write_paged_kv (Triton)
+
+
+def _paged_cache(device, k, v, cu_k, block_size, spare_rows=2):
+    """A paged cache ``[num_blocks, Hkv, block_size, 2*D]`` holding the packed keys/values of ``cu_k``'s
+    sequences in shuffled blocks (block 0 unused, as vLLM's null block), written by
+    ``write_paged_kv`` with ``spare_rows`` padding slots (-1) after the tokens: ``(cache, block
+    table [B, max_blocks] int32, seq_lens [B] int32)``."""
+    c = cu_k.tolist()
+    lengths = [b - a for a, b in zip(c, c[1:])]
+    counts = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(counts) + 3
+    cache = torch.full((num_blocks, k.shape[1], block_size, 2 * k.shape[2]), float("nan"), device=device).to(k.dtype)
+    order = (torch.randperm(num_blocks - 1) + 1).tolist()
+    table = torch.zeros(len(lengths), max(1, max(counts)), dtype=torch.int32)
+    slots = []
+    for b, n in enumerate(lengths):
+        blocks, order = order[:counts[b]], order[counts[b]:]
+        table[b, :counts[b]] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+    pad = lambda t: torch.cat([t, torch.randn(spare_rows, *t.shape[1:], device=device).to(t.dtype)])  # noqa: E731
+    slot_mapping = torch.tensor(slots + [-1] * spare_rows, dtype=torch.int64, device=device)
+    write_paged_kv(cache, pad(k), pad(v), slot_mapping)
+    return cache, table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_has_varlen_bits(seed, device, dtype):
+    """A whole-sequence prefill over the paged cache bitwise equals ``varlen_attention`` over the
+    packed keys (the same tiles; under the interpreter too); decode steps (one query per sequence,
+    the cache holding positions up to it) and a prefill chunk (the last queries of a sequence) equal
+    the whole-sequence prefill at those queries: bitwise on CUDA, to the contract under the
+    interpreter (see the module docstring). Cache block sizes that are and are not a multiple of
+    the key tile."""
+    lengths = _lengths(device)
+    q, k, v, cu = _packed(device, lengths, dtype)
+    full = rk.varlen_attention(q, k, v, cu, backend="triton")
+    c = cu.tolist()
+    for block_size in (16, 48):
+        cache, table, seq_lens = _paged_cache(device, k, v, cu, block_size)
+        whole = paged_attention(q, cache, table, cu, seq_lens, max(lengths))
+        assert torch.equal(whole, full), f"block size {block_size}: paged prefill differs from varlen_attention"
+        for t in range(0, max(lengths), max(1, max(lengths) // 9)):
+            live = [b for b, n in enumerate(lengths) if n > t]  # each such sequence decodes its query t
+            rows = torch.tensor([c[b] + t for b in live], device=device)
+            cu_one = torch.arange(len(live) + 1, dtype=torch.int32, device=device)
+            step = paged_attention(q[rows], cache, table[live], cu_one,
+                                                torch.full((len(live),), t + 1, dtype=torch.int32, device=device), 1)
+            _equal_or_close(device, step, full[rows], dtype, f"block size {block_size}: decode of query {t}")
+        b, tail = 1, lengths[1] // 3  # the last `tail` queries of sequence 1, a prefill chunk
+        chunk = paged_attention(q[c[b + 1] - tail:c[b + 1]], cache, table[b:b + 1],
+                                             torch.tensor([0, tail], dtype=torch.int32, device=device), seq_lens[b:b + 1], tail)
+        _equal_or_close(device, chunk, full[c[b + 1] - tail:c[b + 1]], dtype, f"block size {block_size}: prefill chunk")
+
+
+def test_paged_attention_strided_rows_padding_and_untouched_rows(seed, device):
+    """Queries and output as strided views (an engine's fused projection), padded sequences (``Lq =
+    0``, as a CUDA graph's padded batch) and a larger ``max_query_len``: the real sequences' rows
+    have the same bits, the rows outside the offsets are left as they were, padded slots write
+    nothing."""
+    lengths = [3, 9] if device.type == "cpu" else [70, 129]
+    q, k, v, cu = _packed(device, lengths)
+    cache, table, seq_lens = _paged_cache(device, k, v, cu, 16)
+    plain = paged_attention(q, cache, table, cu, seq_lens, max(lengths))
+    hq, d = q.shape[1], q.shape[2]
+    fused = torch.randn(q.shape[0] + 2, hq + 3, d, device=device)
+    fused[:q.shape[0], :hq] = q
+    out_store = torch.full((q.shape[0] + 2, hq + 1, d), 7.0, device=device)
+    padded_table = torch.cat([table, torch.zeros(2, table.shape[1], dtype=table.dtype, device=device)])
+    padded_lens = torch.cat([seq_lens, torch.zeros(2, dtype=seq_lens.dtype, device=device)])
+    padded_cu = torch.cat([cu, cu[-1:].repeat(2)])
+    got = paged_attention(fused[:, :hq], cache, padded_table, padded_cu, padded_lens, max(lengths) + 5,
+                                       out=out_store[:, :hq])
+    assert got.data_ptr() == out_store.data_ptr()
+    assert torch.equal(out_store[:q.shape[0], :hq], plain)
+    assert torch.all(out_store[q.shape[0]:] == 7.0) and torch.all(out_store[:, hq:] == 7.0)
+
+
+def test_write_paged_kv_copies_exactly_and_skips_padding(seed, device):
+    k, v = (torch.randn(6, 2, 8, device=device).to(torch.bfloat16) for _ in range(2))
+    cache = torch.zeros(3, 2, 4, 16, device=device, dtype=torch.bfloat16)
+    slots = torch.tensor([5, -1, 0, 11, -1], device=device)  # 5 slots for 6 rows: the last row is ignored
+    write_paged_kv(cache, k, v, slots)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(cache[slot // 4, :, slot % 4, :8], k[i]) and torch.equal(cache[slot // 4, :, slot % 4, 8:], v[i])
+    assert int((cache != 0).any(-1).sum()) == 3 * 2  # three tokens x two heads, nothing else written
+
+
+@pytest.mark.gpu
+def test_paged_attention_replays_in_a_cuda_graph_with_new_offsets(seed):
+    """Captured once, replayed after the block table, offsets and lengths were overwritten in place
+    (as an engine's persistent buffers): the eager call's bits for the new layout."""
+    device = torch.device("cuda")
+    lengths = [300, 45, 129, 1]
+    q, k, v, cu = _packed(device, lengths, torch.bfloat16)
+    cache, table, seq_lens = _paged_cache(device, k, v, cu, 16)
+    n = len(lengths)
+    rows = torch.tensor([c - 1 for c in cu.tolist()[1:]], device=device)
+    q_buf, out_buf = q[rows].clone(), torch.empty(n, q.shape[1], q.shape[2], device=device, dtype=q.dtype)
+    cu_buf, lens_buf, table_buf = torch.arange(n + 1, dtype=torch.int32, device=device), seq_lens.clone(), table.clone()
+    run = lambda: paged_attention(q_buf, cache, table_buf, cu_buf, lens_buf, 1, out=out_buf)  # noqa: E731
+    run()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for t in (0, 17, 44):  # decode query t of every sequence longer than t; the rest padded (Lq = 0)
+        lens_buf.copy_(torch.tensor([min(t + 1, n_) for n_ in lengths], dtype=torch.int32, device=device))
+        live = torch.tensor([n_ > t for n_ in lengths], device=device)
+        cu_buf.copy_(torch.cat([torch.zeros(1, dtype=torch.int32, device=device), live.int().cumsum(0).int()]))
+        picks = torch.tensor([c + t for c, n_ in zip(cu.tolist(), lengths) if n_ > t], device=device)
+        q_buf.zero_()
+        q_buf[:len(picks)] = q[picks]
+        table_buf.copy_(torch.cat([table[live], table[~live]]))
+        lens_buf.copy_(torch.cat([lens_buf[live], torch.zeros(int((~live).sum()), dtype=torch.int32, device=device)]))
+        graph.replay()
+        eager = paged_attention(q_buf, cache, table_buf, cu_buf, lens_buf, 1)
+        assert torch.equal(out_buf[:len(picks)], eager[:len(picks)]), f"replay differs from eager at t={t}"
+        full = rk.varlen_attention(q, k, v, cu, backend="triton")
+        assert torch.equal(out_buf[:len(picks)], full[picks]), f"replay differs from the prefill at t={t}"
+
+
+def test_paged_attention_bad_input_names_the_argument(device, monkeypatch):
+    q, k, v, cu = _packed(device, [4, 4])
+    cache, table, lens = _paged_cache(device, k, v, cu, 16)
+    with pytest.raises(ValueError, match=r"kv_cache must have shape \[num_blocks, Hkv, block_size, 2\*D="):
+        paged_attention(q, cache[..., :-1], table, cu, lens, 4)
+    with pytest.raises(ValueError, match="cu_seqlens_q must have seq_lens' length \\+ 1 = 3 entries, got 2"):
+        paged_attention(q, cache, table, cu[:2], lens, 4)
+    with pytest.raises(ValueError, match="block_table must have a row per sequence"):
+        paged_attention(q, cache, table[:1], cu, lens, 4)
+    with pytest.raises(ValueError, match="max_query_len must be an int >= 0, got -1"):
+        paged_attention(q, cache, table, cu, lens, -1)
+    with pytest.raises(TypeError, match="kv_cache"):
+        paged_attention(q, cache.double(), table, cu, lens, 4)
+    with pytest.raises(ValueError, match="slot_mapping has 9 slots for 8 key rows"):
+        write_paged_kv(cache, k, v, torch.zeros(9, dtype=torch.int64, device=device))
+    if device.type == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="expected CUDA tensors"):
+            paged_attention(q, cache, table, cu, lens, 4)
 
 
 # ============================================================== the reference (torch) on CPU
