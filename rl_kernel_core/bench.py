@@ -111,13 +111,27 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, rep
 
 
 def peak_extra_gib(fn: Callable[[], Any], device: torch.device) -> float | None:
-    """Peak memory allocated during ``fn()`` beyond what was allocated before it (CUDA only)."""
+    """Peak memory allocated during ``fn()`` beyond what was allocated before it (CUDA only).
+
+    Raises ``RuntimeError`` when ``fn`` resets CUDA's peak-memory counter
+    (``torch.cuda.reset_peak_memory_stats``, refused while it runs): the peak read after it would
+    cover only the part of the call after the reset."""
     if device.type != "cuda":
         return None
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    result = fn()
+    reset = torch.cuda.reset_peak_memory_stats
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("peak_extra_gib: the measured call reset CUDA's peak-memory counter "
+                           "(torch.cuda.reset_peak_memory_stats), so its peak cannot be measured")
+
+    torch.cuda.reset_peak_memory_stats = refuse
+    try:
+        result = fn()
+    finally:
+        torch.cuda.reset_peak_memory_stats = reset
     _sync(device)
     peak = torch.cuda.max_memory_allocated(device)
     del result

@@ -15,8 +15,8 @@ off, :func:`region` returns one shared no-op context manager: no allocation, no 
 
 Each step record holds ``step``, ``regions`` (name -> ms), ``tokens``, ``tokens_per_s`` (tokens
 over the ``step`` region, or over the wall time since the previous step_end when there is no
-``step`` region), ``peak_vram_gib`` (CUDA only, reset each step) and every extra field the
-caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare``
+``step`` region), ``peak_vram_gib`` (CUDA only, reset each step; only where profiling owns
+CUDA's peak-memory counter, see :func:`enable`) and every extra field the caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare``
 (:mod:`rl_kernel_core.report`) reads these files.
 """
 
@@ -45,6 +45,7 @@ _NULL = contextlib.nullcontext()
 class _State:
     def __init__(self) -> None:
         self.enabled = False
+        self.memory = True
         self.path: Optional[str] = None
         self.step = 0
         self.cpu_ms: dict[str, float] = {}
@@ -66,26 +67,33 @@ def _check_writable(path: str, name: str) -> None:
         raise ValueError(f"{name} must be a writable JSONL file path, got {path!r}: {exc.strerror or exc}") from exc
 
 
-def enable(path: Optional[str] = None) -> None:
+def enable(path: Optional[str] = None, *, memory: bool = True) -> None:
     """Turn profiling on; step records are appended to ``path`` (JSONL) when given.
+
+    ``memory``: profiling owns CUDA's process-wide peak-memory counter: reset now and at each
+    :func:`step_end`, which records the step's peak as ``peak_vram_gib``. An adapter inside a
+    framework's process passes False: the framework reads that counter itself (verl's
+    ``perf/max_memory_allocated_gb``, vLLM's memory profiling, a benchmark's peak), and a reset
+    would hide its peak.
 
     Raises:
         ValueError: ``path`` is a directory or cannot be opened for appending (checked now,
             creating the file when absent, so a bad path fails before training starts).
     """
-    _enable(path, "path")
+    _enable(path, "path", memory)
 
 
-def _enable(path: Optional[str], name: str) -> None:
+def _enable(path: Optional[str], name: str, memory: bool) -> None:
     if path is not None:
         _check_writable(path, name)
     _state.enabled = True
+    _state.memory = memory
     _state.path = path
     _state.step = 0
     _state.cpu_ms.clear()
     _state.cuda_events.clear()
     _state.last_step_time = time.perf_counter()
-    if torch.cuda.is_available():
+    if memory and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 
 
@@ -101,8 +109,9 @@ def is_enabled() -> bool:
     return _state.enabled
 
 
-def enable_from_env() -> bool:
+def enable_from_env(*, memory: bool = True) -> bool:
     """Enable from ``RL_KERNEL_PROFILE`` unless already on; return whether profiling is on.
+    ``memory`` as :func:`enable`.
 
     The value is read with :func:`rl_kernel_core.switches.env_flag_or_path`: unset, empty or an
     off spelling (``0``, ``false``, ``no``, ``off``) leaves profiling as it is; an on spelling
@@ -111,7 +120,7 @@ def enable_from_env() -> bool:
     """
     value = env_flag_or_path(PROFILE_ENV)
     if value is not False and not _state.enabled:
-        _enable(None if value is True else value, PROFILE_ENV)
+        _enable(None if value is True else value, PROFILE_ENV, memory)
     return _state.enabled
 
 
@@ -166,7 +175,7 @@ def step_end(**fields: Any) -> Optional[dict[str, Any]]:
         seconds = regions["step"] / 1e3 if "step" in regions else now - _state.last_step_time
         record["tokens"] = tokens
         record["tokens_per_s"] = tokens / seconds if seconds > 0 else None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _state.memory and torch.cuda.is_available() and torch.cuda.is_initialized():
         record["peak_vram_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
     record.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})

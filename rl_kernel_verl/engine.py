@@ -143,8 +143,9 @@ def install(engine: Any, *, strict: bool, batch_invariant: bool = False) -> bool
         setattr(engine, name, make(state, getattr(engine, name)))
         state.hooks[name] = "live"
     _engines.add(engine)
-    if not profiling.is_enabled() and not profiling.enable_from_env():
-        profiling.enable(None)
+    # memory=False: verl reads CUDA's peak counter itself (perf/max_memory_allocated_gb)
+    if not profiling.is_enabled() and not profiling.enable_from_env(memory=False):
+        profiling.enable(None, memory=False)
     if batch_invariant:
         logger.info("rl_kernel_verl: %s engine: batch-invariant mode, log-probs from the logits via logprob_from_logits "
                     "over %s ids, loss via policy_loss", role, state.vocab_size or "all")

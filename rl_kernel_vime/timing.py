@@ -22,9 +22,10 @@ METRIC_PREFIX = "perf/rl_kernel/"
 
 
 def enable(path: Optional[str]) -> None:
-    """Start timing (step records appended to ``path`` when given), unless already on."""
+    """Start timing (step records appended to ``path`` when given), unless already on; CUDA's peak
+    counter is left to vime (``memory=False``, see :func:`rl_kernel_core.profiling.enable`)."""
     if not profiling.is_enabled():
-        profiling.enable(path)
+        profiling.enable(path, memory=False)
 
 
 def region(name: str, device: torch.device):

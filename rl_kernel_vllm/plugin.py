@@ -135,7 +135,7 @@ def register() -> None:
         problems.extend(result["problems"])
     from rl_kernel_core import profiling
 
-    status["profile"] = profiling.enable_from_env()
+    status["profile"] = profiling.enable_from_env(memory=False)  # vLLM profiles memory with CUDA's peak counter
     _status.update(status)
     live = [hook for hook, info in status["hooks"].items() if info["live"]]
     logger.info(

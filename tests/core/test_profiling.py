@@ -111,6 +111,27 @@ def test_a_read_only_directory_is_refused_at_start(tmp_path):
         ro.chmod(0o700)
 
 
+@pytest.mark.parametrize("memory", [True, False])
+def test_the_peak_memory_counter_is_touched_only_when_profiling_owns_it(monkeypatch, memory):
+    """``memory=True`` resets CUDA's process-wide peak counter at enable and at each step_end and
+    records the step's peak; ``memory=False`` (an adapter inside a framework that reads the counter
+    itself) neither reads nor resets it. CUDA's functions are stand-ins: this runs on CPU."""
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 3 * 2**30)
+    profiling.enable(memory=memory)
+    with profiling.region("loss", "cpu"):
+        pass
+    record = profiling.step_end()
+    assert record is not None
+    if memory:
+        assert record["peak_vram_gib"] == 3.0 and len(resets) == 2
+    else:
+        assert "peak_vram_gib" not in record and not resets
+
+
 @pytest.mark.gpu
 def test_cuda_regions_use_events_and_report_vram():
     profiling.enable()

@@ -88,8 +88,7 @@ def test_step_metrics_and_jsonl_record(gen, tmp_path, device):
         assert {"logprob", "old_logprob", "ratio_kl", "loss", "step"} <= set(record["regions"])
         assert set(record["backends"]) == {"logprob_from_logits", "ratio_kl", "policy_loss"}
         assert record["fallbacks"] == {}
-        if device == "cuda":
-            assert "peak_vram_gib" in record
+        assert "peak_vram_gib" not in record  # CUDA's peak counter is vime's (profiling.enable(memory=False))
 
 
 def test_no_step_metrics_without_the_step_hook(gen):
