@@ -48,6 +48,7 @@ import torch
 import rl_kernel_core
 from rl_kernel_core import profiling
 from rl_kernel_core.adapters import ORIGINAL_ATTR
+from rl_kernel_vllm._device_copy import to_device_async
 from rl_kernel_vllm._log import log_once
 from rl_kernel_vllm._v1_sampler_call import sampler_call_arguments
 
@@ -89,14 +90,6 @@ def mode_temperatures(mode: str, temperatures: Sequence[float]) -> list[float]:
     return effective_temperatures(temperatures)
 
 
-def _host_mask(values: list[bool], device: torch.device) -> torch.Tensor:
-    # a host list to the device without a sync: through pinned memory, copied asynchronously
-    mask = torch.tensor(values, dtype=torch.bool)
-    if device.type != "cuda":
-        return mask.to(device)
-    return mask.pin_memory().to(device, non_blocking=True)
-
-
 def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures: Sequence[float]) -> torch.Tensor:
     """``log softmax(logits[i] / temperatures[i])[token_ids[i, j]]`` for every row ``i``, column ``j``.
 
@@ -122,7 +115,7 @@ def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures
     for t in distinct:
         rows = None
         if len(distinct) > 1:
-            rows = _host_mask([x == t for x in temperatures], logits.device)
+            rows = to_device_async(torch.tensor([x == t for x in temperatures]), logits.device)
         for j in range(ids.shape[1]):
             targets = ids[:, j] if rows is None else torch.where(rows, ids[:, j], _IGNORE)
             values = rl_kernel_core.logprob_from_logits(logits, targets, temperature=t, ignore_index=_IGNORE,

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import rl_kernel_core
+from rl_kernel_vllm._device_copy import to_device_async
 from rl_kernel_vllm._log import log_once
 from rl_kernel_vllm._v1_sampler_call import sampler_call_arguments
 
@@ -40,12 +41,16 @@ SEED_BOUND = 2**62
 
 
 def row_seeds(num_rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
-    """``[num_rows]`` int64 seeds for one step: one draw from row ``i``'s generator when it has one
-    (its request was seeded), else from the global RNG."""
-    seeds = torch.randint(0, SEED_BOUND, (num_rows,), dtype=torch.int64)
-    for i, gen in generators.items():
-        seeds[i] = int(torch.randint(0, SEED_BOUND, (1,), generator=gen, device=gen.device))
-    return seeds.to(device)
+    """``[num_rows]`` int64 seeds on ``device`` for one step: one draw from row ``i``'s generator
+    when it has one (its request was seeded; drawn on the generator's device, never read back to
+    the host), else from the global RNG."""
+    seeds = to_device_async(torch.randint(0, SEED_BOUND, (num_rows,), dtype=torch.int64), device)
+    if generators:
+        rows = list(generators)
+        drawn = [torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64, generator=generators[i], device=generators[i].device)
+                 for i in rows]
+        seeds[to_device_async(torch.tensor(rows, dtype=torch.int64), device)] = torch.cat([d.to(device) for d in drawn])
+    return seeds
 
 
 def _min_p(logitsprocs: Any) -> tuple[bool, Optional[torch.Tensor]]:
