@@ -29,6 +29,11 @@ def report(tmp_path_factory, module_seed) -> dict:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("vllm")
+    from importlib.metadata import entry_points
+
+    if not any(e.value.startswith("rl_kernel_vllm") for e in entry_points(group="vllm.general_plugins")):
+        pytest.fail("rl-kernel's vLLM plugin is not registered (vLLM loads it through the vllm.general_plugins "
+                    "entry point): install the checkout first, pip install -e . (scripts/gpu_check.sh does)")
     root = tmp_path_factory.mktemp("vllm_gpu_bi")
     vllm_tiny_model.build(root / "model", module_seed)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
