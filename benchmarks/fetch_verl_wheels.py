@@ -2,6 +2,8 @@
 ``benchmarks/gpu_verl_wheels.txt``.
 
     python3 benchmarks/fetch_verl_wheels.py [DIR]      (default .verl-wheels, git-ignored)
+    python3 benchmarks/fetch_verl_wheels.py --ray-parts .ray   (the `parts` line: ray's untrimmed wheel
+        in parts of at most 54 MiB, .ray/p0, .ray/p1, ..., for benchmarks/gpu_recipe_verl.sh)
 
 Every line of the list but two is a wheel from the package index, fetched as is (``pip download
 --no-deps --only-binary=:all:`` for CPython 3.12 on manylinux x86-64). The two others are made
@@ -14,6 +16,10 @@ here from index files whose sha256 this script pins:
   never starts a Ray cluster, so the wheel is rewritten without the Java jar, the cluster daemons
   (``gcs_server``, ``raylet``) and the dashboard's web client (:data:`RAY_DROPPED`); ``ray.init()``
   cannot work from it. ``RECORD`` loses their lines; nothing else changes.
+
+Lines of kind ``parts`` (ray's untrimmed wheel, which verl's PPO trainer needs: it starts a Ray
+cluster) are fetched only with ``--ray-parts DIR``, split into ``DIR/p0``, ``DIR/p1``, ... of at most
+:data:`PART_BYTES` each, so that one GPU call carries one folder.
 
 A file whose sha256 differs from the list is an error naming it (a rebuilt wheel on another
 machine can differ in its zip bytes: then carry the files made here).
@@ -36,6 +42,7 @@ PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", 
 ANTLR_SDIST = ("antlr4-python3-runtime-4.9.3.tar.gz", "f224469b4168294902bb1efa80a8bf7855f24c99aef99cbefc1bcd3cce77881b")
 RAY_UPSTREAM = ("ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl", "b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a")
 RAY_DROPPED = ("ray/jars/", "ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray/raylet/raylet", "ray/dashboard/client/build/")
+PART_BYTES = 54 * 2**20  # a carried folder per part, under one GPU call's 64 MiB
 EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can hold
 
 
@@ -107,12 +114,43 @@ def trim_wheel(source: str, target: str, dropped: tuple[str, ...]) -> None:
             out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
 
 
+def split_parts(path: str, dest: str) -> list[str]:
+    """``path`` cut into ``dest/p0/<name>.part0``, ``dest/p1/<name>.part1``, ... of at most
+    :data:`PART_BYTES`; their concatenation in folder order is the file. Returns the part paths."""
+    parts = []
+    with open(path, "rb") as f:
+        for i, chunk in enumerate(iter(lambda: f.read(PART_BYTES), b"")):
+            folder = os.path.join(dest, f"p{i}")
+            os.makedirs(folder, exist_ok=True)
+            part = os.path.join(folder, f"{os.path.basename(path)}.part{i}")
+            with open(part, "wb") as out:
+                out.write(chunk)
+            parts.append(part)
+    return parts
+
+
+def fetch_parts(rows: list[tuple[str, str, str, str]], dest: str) -> int:
+    """The ``parts`` lines' wheels, checked, split into ``dest`` (see :func:`split_parts`)."""
+    with tempfile.TemporaryDirectory() as work:
+        for _kind, spec, file, want in rows:
+            pip_download(spec, work, "--only-binary=:all:", *PLATFORM)
+            path = os.path.join(work, file)
+            expect(path, want)
+            parts = split_parts(path, dest)
+            print(f"{file}: {len(parts)} parts in {dest} ({', '.join(os.path.relpath(x, dest) for x in parts)})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dest", nargs="?", default=".verl-wheels", help="folder for the wheels (git-ignored)")
+    p.add_argument("--ray-parts", metavar="DIR", help="instead: the `parts` lines' wheels, in parts under DIR (git-ignored)")
     args = p.parse_args(argv)
-    os.makedirs(args.dest, exist_ok=True)
     rows = read_list()
+    if args.ray_parts:
+        return fetch_parts([r for r in rows if r[0] == "parts"], args.ray_parts)
+    rows = [r for r in rows if r[0] == "main"]
+    os.makedirs(args.dest, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
         for _kind, spec, file, want in rows:
             path = os.path.join(args.dest, file)

@@ -7,21 +7,15 @@
 #   bash benchmarks/gpu_verl_actor.sh [OUT] [JOB...]
 # JOB: SHAPE or SHAPE:PART, SHAPE in qwen3-0.6b qwen3-1.7b tiny, PART in all (default: both layouts, then the search),
 # packed, padded, search. Default jobs: qwen3-0.6b qwen3-1.7b. Per job OUT gets bench_verl_actor_<shape>_<parts>.json
-# and a log. Environment: VERL_WHEELS (default .verl-wheels), VERL_SITE (install target, default /tmp/verl-site),
+# and a log. Environment: VERL_WHEELS (default .verl-wheels), VERL_SITE (install target, default /tmp/verl-site;
+# benchmarks/gpu_verl_install.sh),
 # BENCH_ARGS (more arguments for every job, e.g. "--reps 5").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_preamble.sh gpu-verl-actor "${1:-}"
 shift || true
-wheels=${VERL_WHEELS:-.verl-wheels} site=${VERL_SITE:-/tmp/verl-site} list=benchmarks/gpu_verl_wheels.txt
-files=()
-while read -r _kind _spec file sha; do
-  [ -f "$wheels/$file" ] || { echo "missing $wheels/$file: run python3 benchmarks/fetch_verl_wheels.py $wheels where pip reaches the index, and carry it"; exit 1; }
-  echo "$sha  $wheels/$file" | sha256sum -c --quiet - || { echo "sha256 mismatch: $wheels/$file ($list)"; exit 1; }
-  files+=("$wheels/$file")
-done < <(grep -v -e '^#' -e '^[[:space:]]*$' "$list")
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${files[@]}" || exit 1
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+source benchmarks/gpu_verl_install.sh
+verl_install || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 for job in ${@:-qwen3-0.6b qwen3-1.7b}; do
   shape=${job%%:*} part=${job#*:}
