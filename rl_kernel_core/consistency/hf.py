@@ -65,27 +65,52 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     lk = key.shape[2]
     if not causal and lq != lk:
         raise ValueError(f"batch-invariant full attention needs as many queries as keys; got Lq={lq}, Lk={lk}")
-    cu = _packed_offsets(kwargs.get("position_ids"), b, lq, lk)
+    cu = _cached(kwargs.get("position_ids"), (b, lq, lk), lambda: _packed_offsets(kwargs.get("position_ids"), b, lq, lk))
     if cu is not None:
         out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
                                causal=causal, scale=scaling)
         return out[None], None
+    query_rows, key_rows, cu_q, cu_k = _cached(attention_mask, (b, lq, lk),
+                                               lambda: _padded_layout(attention_mask, b, lq, lk, query.device))
+    hkv = key.shape[1]
+    q = query.transpose(1, 2).reshape(b * lq, hq, d).index_select(0, query_rows)
+    k = key.transpose(1, 2).reshape(b * lk, hkv, d).index_select(0, key_rows)
+    v = value.transpose(1, 2).reshape(b * lk, hkv, d).index_select(0, key_rows)
+    out = varlen_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scaling)
+    return query.new_zeros((b * lq, hq, d)).index_copy(0, query_rows, out).view(b, lq, hq, d), None
+
+
+def _cached(source, shape: tuple[int, int, int], compute):
+    """``compute()``, kept on the tensor ``source`` (the attention mask or the position ids, which
+    transformers builds once per forward and passes to every layer) for later calls with the same
+    ``(B, Lq, Lk)`` while ``source`` is not changed in place: one host read per forward instead of
+    one per layer. Computed every call when ``source`` is None."""
+    if source is None:
+        return compute()
+    key = (shape, source._version)
+    cached = getattr(source, "_rl_kernel_layout", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    value = compute()
+    source._rl_kernel_layout = (key, value)
+    return value
+
+
+def _padded_layout(attention_mask, b: int, lq: int, lk: int, device: torch.device):
+    """``(query rows, key rows, cu_q, cu_k)`` of a padded batch: the flat indices (``row * L +
+    position``, int64 on ``device``) of each row's real queries and keys in order, and the offsets
+    of the packed layout (int64, CPU). A row's real keys are those its last query may attend to;
+    its real queries are the real keys among the last ``Lq`` positions. No mask: every position."""
     if attention_mask is None:
-        key_ok = torch.ones(b, lk, dtype=torch.bool, device=query.device)
+        key_ok = torch.ones(b, lk, dtype=torch.bool, device=device)
     else:
         last = attention_mask[:, 0, -1, :]
         key_ok = last if last.dtype == torch.bool else last == 0
     query_ok = key_ok[:, lk - lq:]
-    q = query.transpose(1, 2)[query_ok]
-    k = key.transpose(1, 2)[key_ok]
-    v = value.transpose(1, 2)[key_ok]
+    counts = torch.stack([query_ok.sum(1), key_ok.sum(1)]).cpu()
     zero = torch.zeros(1, dtype=torch.int64)
-    cu_q = torch.cat([zero, query_ok.sum(1).cpu().cumsum(0)])
-    cu_k = torch.cat([zero, key_ok.sum(1).cpu().cumsum(0)])
-    out = varlen_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scaling)
-    full = query.new_zeros((b, lq, hq, d))
-    full[query_ok] = out
-    return full, None
+    cu_q, cu_k = (torch.cat([zero, c.cumsum(0)]) for c in counts)
+    return query_ok.reshape(-1).nonzero().flatten(), key_ok.reshape(-1).nonzero().flatten(), cu_q, cu_k
 
 
 def _packed_offsets(position_ids, b: int, lq: int, lk: int):

@@ -153,6 +153,45 @@ def test_hf_model_packed_row_equals_padded_batch_bitwise_with_mode_on(seed):
     assert_close(packed_off, packed, "logprob", torch.float32, name="packed logits, mode off vs on")
 
 
+def test_hf_mode_attention_reads_a_forwards_layout_once(seed, monkeypatch):
+    """The padded and the packed layouts' offsets (host reads) are computed once per forward, not
+    per layer: kept on the mask / position-ids tensor every layer receives; a new forward, or the
+    same mask changed in place, computes them again."""
+    torch.manual_seed(seed)
+    model = _tiny_qwen3()  # 2 layers
+    calls = {"padded": 0, "packed": 0}
+    for name in calls:
+        original = getattr(hf, f"_{name}_layout" if name == "padded" else "_packed_offsets")
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(hf, f"_{name}_layout" if name == "padded" else "_packed_offsets", counted)
+    seqs = chain.fixed_sequences(101, 5, 3, 9, seed)
+    batch = parity.from_sequences(seqs, "left", [0] * 5, 0)
+    ids = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad(), rk.batch_invariant():
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        assert calls["padded"] == 1, calls
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        assert calls["padded"] == 2, calls  # a new forward builds a new mask
+        calls["packed"] = 0  # the padded forwards asked too (several rows: not packed)
+        model(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False)
+    assert calls["packed"] == 1, calls
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    q = torch.randn(2, 4, 4, 16)
+    kv = torch.randn(2, 2, 4, 16)
+    with rk.batch_invariant():
+        hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
+        hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
+        assert calls["padded"] == 3, calls
+        mask[1, 0, -1, 0] = False  # changed in place: a new layout
+        hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
+    assert calls["padded"] == 4, calls
+
+
 def test_hf_mode_attention_refuses_a_sliding_window():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
