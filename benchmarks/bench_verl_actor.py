@@ -47,7 +47,8 @@ the others no engine is hooked and no ``rl_kernel/`` metric appears.
 
 ``--max-microbatch``: for each variant, ``update_actor`` with its micro-batch doubled until CUDA
 runs out of memory, or until one micro-batch holds the whole batch; the largest that ran is
-recorded, in tokens per micro-batch. ``--search-layout padded`` (the default) doubles the sequences
+recorded, in tokens per micro-batch, with the number of micro-batches each step ran (the proof
+that the setting took effect) and its peak extra memory. ``--search-layout padded`` (the default) doubles the sequences
 per micro-batch; ``packed`` doubles ``max_token_len_per_gpu``. The default is padded because with
 ``sdpa`` transformers attends over a packed micro-batch through an ``N x N`` mask (the sequences
 found from the position ids), whose memory would decide the search at large N.
@@ -58,7 +59,8 @@ names carry their dtype), to find where a slow path spends its time.
 
 A variant that cannot run here (verl's Triton kernels without Triton, say) is recorded as
 unavailable with its error; nothing is substituted for it. Results go to
-``<out>/bench_verl_actor_<shape>_<parts>.json``, rewritten after every measurement.
+``<out>/bench_verl_actor_<shape>_<parts>.json`` (``<parts>`` ending in ``-<variant>`` when
+``--variants`` names one), rewritten after every measurement.
 
     python benchmarks/bench_verl_actor.py --model-shape qwen3-1.7b --out benchmarks/results --max-microbatch
 """
@@ -291,6 +293,28 @@ def update_call(worker, batch: dict[str, torch.Tensor], **extra_meta: Any) -> Ca
     return lambda: worker.update_actor(engine_batch(batch, **meta))
 
 
+class MicroBatchCounter:
+    """Counts the micro-batches the worker's engine runs (its ``forward_step`` calls, through an
+    adapter's hook if there is one) from now on, for the worker's remaining life: proof that a
+    search step's micro-batch setting took effect."""
+
+    def __init__(self, worker) -> None:
+        engine = worker.actor.engine
+        inner = engine.forward_step
+        self.count = 0
+
+        def forward_step(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return inner(*args, **kwargs)
+
+        engine.forward_step = forward_step
+
+    def take(self) -> int:
+        """The count since the last take."""
+        count, self.count = self.count, 0
+        return count
+
+
 def response_values(out, batch: dict[str, torch.Tensor], key: str) -> torch.Tensor:
     """``out[key]`` at the response tokens, ``[tokens]`` fp32 on CPU."""
     from verl.utils import tensordict_utils as tu
@@ -520,19 +544,26 @@ def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, r
         if "old_log_probs" not in batch:  # no timing run before this one
             per_token_inputs(batch, response_values(log_prob_call(worker, batch)(), batch, "log_probs"), args.seed + 2)
         size = args.max_token_len if layout == "packed" else args.micro_batch_size
+        counter = MicroBatchCounter(worker)
         while (tokens := size if layout == "packed" else size * seq) <= args.max_microbatch_limit:
             meta = {"max_token_len_per_gpu": size} if layout == "packed" else {"micro_batch_size_per_gpu": size}
             fn = update_call(worker, batch, **meta)
             try:
                 if not row["tried"]:
                     fn()  # the first update creates the optimizer's state: not part of a micro-batch's memory
-                peak = bench.peak_extra_gib(fn, device)
+                counter.take()
+                if device.type == "cuda":
+                    peak = bench.peak_extra_gib(fn, device)
+                else:  # no memory to measure (a test of the mechanics): the step still runs and is counted
+                    fn()
+                    peak = None
             except Exception as exc:  # the end of the search: out of memory, or an error recorded as such
                 oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
                 row["tried"].append({"tokens": tokens, **meta, "fits": False, "out_of_memory": oom,
                                      "error": scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")})
                 break
-            row["tried"].append({"tokens": tokens, **meta, "fits": True, "peak_extra_gib": peak})
+            row["tried"].append({"tokens": tokens, **meta, "fits": True, "peak_extra_gib": peak,
+                                 "micro_batches": counter.take()})
             row["largest_fitting_tokens"] = tokens
             if tokens >= total:
                 row["note"] = f"one micro-batch holds the whole batch ({total} tokens): the limit is higher"
@@ -611,6 +642,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         write_random_model(args.model_shape, model_dir, dtype="bfloat16", seed=args.seed)
     parts = "-".join(args.layouts or ["nolayout"]) + ("-search" if args.max_microbatch else "")
+    if len(args.variants) == 1:  # one process per variant (the GPU script's search): a file each
+        parts += f"-{args.variants[0]}"
     versions = {name: md.version(name) for name in ("verl", "transformers", "tensordict", "ray", "hydra-core")}
     doc: dict[str, Any] = {
         "benchmark": "verl FSDP2 actor: compute_log_prob and update_actor, verl default vs verl fused kernels vs rl-kernel (and in its batch-invariant mode)",

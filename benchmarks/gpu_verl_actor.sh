@@ -9,7 +9,8 @@
 # packed, padded, search. Default jobs: qwen3-0.6b qwen3-1.7b. Per job OUT gets bench_verl_actor_<shape>_<parts>.json
 # and a log. Environment: VERL_WHEELS (default .verl-wheels), VERL_SITE (install target, default /tmp/verl-site;
 # benchmarks/gpu_verl_install.sh),
-# BENCH_ARGS (more arguments for every job, e.g. "--reps 5").
+# BENCH_ARGS (more arguments for every job, e.g. "--reps 5"); for search jobs SEARCH_VARIANTS (default: all four, each
+# in its own process) and SEARCH_PROMPTS (default 64: a batch large enough to reach the limits).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_preamble.sh gpu-verl-actor "${1:-}"
@@ -23,10 +24,20 @@ for job in ${@:-qwen3-0.6b qwen3-1.7b}; do
   case $part in
     all) flags=(--layouts packed,padded --max-microbatch);;
     packed|padded) flags=(--layouts "$part");;
-    search) flags=(--layouts none --max-microbatch);;
+    search) flags=(--layouts none --max-microbatch);;  # below: one process per variant
     *) echo "job $job: PART must be all, packed, padded or search, got $part"; status=1; continue;;
   esac
   echo "== $shape $part"
+  if [ "$part" = search ]; then
+    # each variant in a fresh process: a process's earlier workers keep GPU memory the later ones' search would miss
+    for variant in ${SEARCH_VARIANTS:-verl_default rl_kernel rl_kernel_batch_invariant verl_fused_triton}; do
+      log="$out/bench_verl_actor_${shape}_search_$variant.log"
+      python3 benchmarks/bench_verl_actor.py --model-shape "$shape" --model-dir "/tmp/rl-kernel-verl-$shape" "${flags[@]}" \
+        --prompts ${SEARCH_PROMPTS:-64} --check-prompts 0 --variants "$variant" ${BENCH_ARGS:-} --out "$out" >"$log" 2>&1 || status=1
+      grep '^max micro-batch' "$log" || tail -20 "$log"
+    done
+    continue
+  fi
   python3 benchmarks/bench_verl_actor.py --model-shape "$shape" --model-dir "/tmp/rl-kernel-verl-$shape" "${flags[@]}" \
     ${BENCH_ARGS:-} --out "$out" >"$out/bench_verl_actor_${shape}_$part.log" 2>&1 || status=1
   grep -A12 '^layout ' "$out/bench_verl_actor_${shape}_$part.log" || tail -30 "$out/bench_verl_actor_${shape}_$part.log"

@@ -22,13 +22,18 @@ LAYOUTS = ("packed", "padded")
 CHECKED = {"log_probs", "entropy", "actor/pg_loss", "actor/ppo_kl", "kl_loss", "loss", "grad_norm", "gradients"}
 
 
-def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
-    from transformers import Qwen3ForCausalLM
-
+def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_verl_actor", os.path.join(REPO, "benchmarks", "bench_verl_actor.py"))
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
+    from transformers import Qwen3ForCausalLM
+
+    bench = _load_bench()
     forward = Qwen3ForCausalLM.forward
     try:
         rc = bench.main(["--model-shape", "tiny", "--device", "cpu", "--prompts", "2", "--samples", "2", "--prompt-len", "8",
@@ -83,3 +88,24 @@ def test_bench_verl_actor_tiny_cpu(tmp_path):
     for s in doc["summary"]:
         if s["variant"] == "rl_kernel_batch_invariant":
             assert s["update_mode_cost"] > 0 and s["log_prob_mode_cost"] > 0, s
+
+
+def test_microbatch_search_steps_run_the_micro_batches_they_ask_for(tmp_path):
+    """The search's mechanics on CPU (no memory limit here: it stops at the whole batch): each step
+    records how many micro-batches verl's engine ran, through the switch's hook, for the size it set
+    (4 sequences: 2 per micro-batch, then all 4 in one)."""
+    bench = _load_bench()
+    args = bench.parse_args(["--model-shape", "tiny", "--device", "cpu", "--prompts", "2", "--samples", "2",
+                             "--prompt-len", "8", "--response-len", "8", "--max-token-len", "48", "--check-prompts", "0",
+                             "--variants", "rl_kernel", "--layouts", "none", "--out", str(tmp_path / "out")])
+    device = torch.device("cpu")
+    bench.import_verl("cpu")
+    bench.init_process_group("cpu")
+    model_dir = str(tmp_path / "model")
+    bench.write_random_model("tiny", model_dir, dtype="bfloat16", seed=0)
+    batch = bench.grpo_batch(args, bench.PRESETS["tiny"]["vocab_size"], torch.Generator().manual_seed(0))
+    rec = bench.Recorder(str(tmp_path / "out" / "search.json"), {})
+    row = bench.search_microbatch(args, device, model_dir, "rl_kernel", batch, rec)
+    assert "error" not in row, row
+    assert [(t["micro_batch_size_per_gpu"], t["micro_batches"]) for t in row["tried"]] == [(2, 2), (4, 1)], row
+    assert row["largest_fitting_tokens"] == 64 and "whole batch" in row["note"]
