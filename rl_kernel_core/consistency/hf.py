@@ -137,6 +137,55 @@ def use_mode_attention(model) -> None:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+"""The decoder layers' linears an inference engine's tensor parallelism splits along their input
+(row-parallel: each rank multiplies its slice of the input features, then an all-reduce sums)."""
+
+
+def use_row_parallel_split(model, parts: int) -> list[str]:
+    """Make ``model``'s row-parallel linears (:data:`ROW_PARALLEL`) compute what an engine at tensor
+    parallel size ``parts`` = 2 computes: the product of each contiguous half of the input features
+    with the weight's matching columns, each rounded to the model dtype, then their sum in the model
+    dtype (``a + b``, the one rounding a two-rank all-reduce makes, in either order). With the
+    mode's matmul each half's product has the bits of the engine rank's, so a TP=1 trainer gets a
+    TP=2 rollout's values. Returns the patched module names.
+
+    Raises ``ValueError`` for ``parts`` other than 1 or 2 (with more ranks the all-reduce's order is
+    the collective library's: not reproduced), a linear with a bias (an engine adds it on one rank
+    only) or an input size not divisible by ``parts``. ``parts`` 1 changes nothing."""
+    if parts not in (1, 2):
+        raise ValueError(f"parts must be 1 or 2 (a two-rank all-reduce adds in either order; more ranks follow the "
+                         f"collective's order, not reproduced), got {parts!r}")
+    patched = []
+    if parts == 1:
+        return patched
+    for name, module in model.named_modules():
+        if not (isinstance(module, torch.nn.Linear) and name.endswith(ROW_PARALLEL)):
+            continue
+        if module.bias is not None:
+            raise ValueError(f"{name}: a row-parallel linear with a bias is not covered (an engine adds it on one rank)")
+        if module.in_features % parts:
+            raise ValueError(f"{name}: in_features={module.in_features} is not divisible by parts={parts}")
+        module.forward = _split_forward(module, parts)
+        patched.append(name)
+    return patched
+
+
+def _split_forward(module: torch.nn.Linear, parts: int):
+    width = module.in_features // parts
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = None
+        for r in range(parts):
+            # the weight's columns copied contiguous: the engine rank's own [M, K/parts] tensor, same strides
+            weight = module.weight[:, r * width:(r + 1) * width].contiguous()
+            part = torch.nn.functional.linear(x[..., r * width:(r + 1) * width], weight)
+            out = part if out is None else out + part
+        return out
+
+    return forward
+
+
 def _keys(rows: list[int], mask: torch.Tensor, positions: torch.Tensor) -> list:
     return [(rows[b], int(p)) if m else None for b in range(mask.shape[0])
             for m, p in zip(mask[b].tolist(), positions[b].tolist())]

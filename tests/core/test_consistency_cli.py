@@ -192,6 +192,36 @@ def test_hf_mode_attention_reads_a_forwards_layout_once(seed, monkeypatch):
     assert calls["padded"] == 4, calls
 
 
+def test_row_parallel_split_computes_a_two_rank_engines_sum(seed):
+    """``use_row_parallel_split(model, 2)``: each decoder layer's o_proj and down_proj give, bit for
+    bit under the mode, the model-dtype sum of two ranks' products (each rank's contiguous half of
+    the input features and of the weight's columns, as a TP=2 engine holds them); the unsplit layer
+    up to their roundings; 1 changes nothing; what it cannot reproduce is refused."""
+    torch.manual_seed(seed)
+    model = _tiny_qwen3().to(torch.bfloat16)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, 5, layer.in_features).to(torch.bfloat16)
+    with torch.no_grad(), rk.batch_invariant():
+        whole = layer(x)
+        assert hf.use_row_parallel_split(model, 1) == []
+        assert torch.equal(layer(x), whole)
+        names = hf.use_row_parallel_split(model, 2)
+        assert names == [f"model.layers.{i}.{m}" for i in range(2) for m in hf.ROW_PARALLEL], names
+        split = layer(x)
+        half = layer.in_features // 2
+        ranks = [torch.nn.functional.linear(x[..., r * half:(r + 1) * half].contiguous(),
+                                            layer.weight[:, r * half:(r + 1) * half].clone()) for r in (0, 1)]
+    assert torch.equal(split, ranks[1] + ranks[0])
+    # the unsplit layer up to the halves' extra bf16 roundings (eps 2**-8 each)
+    assert (split.float() - whole.float()).abs().max() <= 4 * 2**-8 * whole.float().abs().max()
+    with pytest.raises(ValueError, match="parts must be 1 or 2"):
+        hf.use_row_parallel_split(model, 4)
+    biased = _tiny_qwen3()
+    biased.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.o_proj: a row-parallel linear with a bias"):
+        hf.use_row_parallel_split(biased, 2)
+
+
 def test_hf_mode_attention_refuses_a_sliding_window():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -27,9 +28,9 @@ ENGINE = {"max_model_len": 96, "max_num_seqs": 5}
 
 
 def _run(model_dir: Path, out: Path, *, on: bool, dtype: str, temperature: float, seed: int,
-         prompt_len: int = 9, engine: dict = ENGINE, extra: tuple[str, ...] = ()) -> dict:
+         prompt_len: int = 9, engine: dict = ENGINE, extra: tuple[str, ...] = (), env_extra: Optional[dict] = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env_extra or {}))
     if on:
         env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1")
     cmd = [sys.executable, "-m", "rl_kernel_vllm.consistency", "--model", str(model_dir), "--out", str(out),
@@ -129,3 +130,22 @@ def test_weight_check_sees_one_flipped_bit(model_dir: Path, tmp_path: Path):
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]
     assert "same: []" in out
     assert "changed: ['model.layers.1.self_attn.qkv_proj.weight: bits differ (first at row" in out
+
+
+def test_tensor_parallel_rollout_equals_a_tp1_trainer_bitwise(model_dir: Path, tmp_path: Path):
+    """vLLM at tensor_parallel_size=2 (two CPU workers, gloo) against a trainer on one process: with
+    the trainer's row-parallel linears computed as the two ranks' sum
+    (``use_row_parallel_split``, what ``rl_kernel_vllm.consistency`` does under the mode), sampled
+    and prompt log-probs are bitwise equal in bf16; the same trainer without the split (control)
+    is not."""
+    seed = int(torch.randint(0, 10_000, (1,)))
+    print(f"seed={seed}")
+    engine = {**ENGINE, "tensor_parallel_size": 2}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per worker (vLLM cannot bind two workers to one NUMA node)
+    on = _run(model_dir, tmp_path / "on.json", on=True, dtype="bfloat16", temperature=0.7, seed=seed, engine=engine,
+              extra=("--prompt-logprobs",), env_extra=env)
+    assert on["settings"]["trainer_row_parallel_split"] == 2
+    assert on["gap"]["max"] == 0.0 and on["prompt_gap"]["max"] == 0.0, (on["gap"], on["prompt_gap"])
+    unsplit = _run(model_dir, tmp_path / "unsplit.json", on=True, dtype="bfloat16", temperature=0.7, seed=seed,
+                   engine=engine, extra=("--trainer-row-split", "1"), env_extra=env)
+    assert unsplit["gap"]["max"] > 0.0, unsplit["gap"]
