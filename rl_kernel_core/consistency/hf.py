@@ -156,7 +156,7 @@ def use_row_parallel_split(model, parts: int) -> list[str]:
     if parts not in (1, 2):
         raise ValueError(f"parts must be 1 or 2 (a two-rank all-reduce adds in either order; more ranks follow the "
                          f"collective's order, not reproduced), got {parts!r}")
-    patched = []
+    patched: list[str] = []
     if parts == 1:
         return patched
     for name, module in model.named_modules():
@@ -174,13 +174,15 @@ def use_row_parallel_split(model, parts: int) -> list[str]:
 def _split_forward(module: torch.nn.Linear, parts: int):
     width = module.in_features // parts
 
+    def rank(x: torch.Tensor, r: int) -> torch.Tensor:
+        # the weight's columns copied contiguous: the engine rank's own [M, K/parts] tensor, same strides
+        weight = module.weight[:, r * width:(r + 1) * width].contiguous()
+        return torch.nn.functional.linear(x[..., r * width:(r + 1) * width], weight)
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        out = None
-        for r in range(parts):
-            # the weight's columns copied contiguous: the engine rank's own [M, K/parts] tensor, same strides
-            weight = module.weight[:, r * width:(r + 1) * width].contiguous()
-            part = torch.nn.functional.linear(x[..., r * width:(r + 1) * width], weight)
-            out = part if out is None else out + part
+        out = rank(x, 0)
+        for r in range(1, parts):
+            out = out + rank(x, r)
         return out
 
     return forward
