@@ -53,11 +53,14 @@ class EngineState:
 
     ``vocab_size``: under ``batch_invariant``, the number of ids the log-probs normalise over (the
     tokenizer's length, as verl's vLLM server masks the rest); None: the model's whole vocabulary.
+    ``row_split``: the model's row-parallel linears as that many ranks' sum (the rollout's tensor
+    parallel size, under ``batch_invariant``).
     """
 
     role: str
     strict: bool
     batch_invariant: bool = False
+    row_split: int = 1
     vocab_size: Optional[int] = None
     hooks: dict[str, str] = field(default_factory=dict)
     forward: str = "model not built yet"
@@ -101,7 +104,7 @@ def unsupported_reason(engine: Any, engine_cls: type[Any]) -> Optional[str]:
     return None
 
 
-def install(engine: Any, *, strict: bool, batch_invariant: bool = False) -> bool:
+def install(engine: Any, *, strict: bool, batch_invariant: bool = False, row_split: int = 1) -> bool:
     """Hook ``engine`` (idempotent). Returns whether its hooks are live.
 
     A missing verl target or an unsupported engine leaves the engine on verl's path with a
@@ -130,7 +133,7 @@ def install(engine: Any, *, strict: bool, batch_invariant: bool = False) -> bool
         return False
     role = "ref" if getattr(engine.engine_config, "forward_only", False) else "actor"
     tokenizer = getattr(engine.model_config, "tokenizer", None)
-    state = EngineState(role=role, strict=strict, batch_invariant=batch_invariant,
+    state = EngineState(role=role, strict=strict, batch_invariant=batch_invariant, row_split=row_split,
                         vocab_size=len(tokenizer) if batch_invariant and tokenizer is not None else None)
     engine._rl_kernel = state
     for name, make in (
@@ -170,9 +173,10 @@ def _hook_build_module(state: EngineState, original: Callable) -> Callable:
         if reason is None:
             forward.install(module)
             if state.batch_invariant:
-                from rl_kernel_core.consistency.hf import use_mode_attention
+                from rl_kernel_core.consistency.hf import use_mode_attention, use_row_parallel_split
 
                 use_mode_attention(module)
+                use_row_parallel_split(module, state.row_split)
             state.forward = "live"
         else:
             state.forward = reason
@@ -327,6 +331,7 @@ def engines_status() -> list[dict[str, Any]]:
             "role": state.role,
             "strict": state.strict,
             "batch_invariant": state.batch_invariant,
+            "row_split": state.row_split,
             "vocab_size": state.vocab_size,
             "hooks": dict(state.hooks),
             "forward": state.forward,

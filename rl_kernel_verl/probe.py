@@ -39,7 +39,7 @@ def _engine_created(engine: Any) -> None:
         return
     sw = switch.read(model_config)
     if sw.on:
-        engine_hooks.install(engine, strict=sw.strict, batch_invariant=sw.batch_invariant)
+        engine_hooks.install(engine, strict=sw.strict, batch_invariant=sw.batch_invariant, row_split=sw.row_split)
     if sw.weight_check_every and not getattr(getattr(engine, "engine_config", None), "forward_only", False):
         from rl_kernel_verl import weight_check
 

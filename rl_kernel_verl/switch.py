@@ -15,6 +15,12 @@ rl-kernel's batch-invariant mode, with log-probs defined as vLLM's rollout under
 ``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` returns them (see :mod:`rl_kernel_verl.forward`). It turns the
 backend on by itself; with ``use_rl_kernel_backend=False`` written beside it, it is an error.
 
+``rl_kernel_row_parallel_split=2`` beside it (:data:`ROW_SPLIT_OVERRIDE`; 1 or 2, default 1) computes
+the decoder layers' ``o_proj``/``down_proj`` as the sum of two ranks' products, as verl's vLLM
+rollout at ``tensor_model_parallel_size=2`` computes them
+(:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`), so a TP=2 rollout's log-probs are the
+trainer's bit for bit. It needs the batch-invariant option.
+
 ``rl_kernel_weight_check_every=N`` (:data:`WEIGHT_CHECK_OVERRIDE`; a non-negative integer, 0 or
 absent: off) checks every N-th weight sync into verl's vLLM rollout bit for bit
 (:mod:`rl_kernel_verl.weight_check`). It is independent of the backend switch.
@@ -41,23 +47,27 @@ SWITCH_KEY = "use_rl_kernel_backend"
 STRICT_KEY = "rl_kernel_strict"
 BATCH_INVARIANT_KEY = "rl_kernel_batch_invariant"
 WEIGHT_CHECK_KEY = "rl_kernel_weight_check_every"
+ROW_SPLIT_KEY = "rl_kernel_row_parallel_split"
 OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{SWITCH_KEY}=True"
 BATCH_INVARIANT_OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{BATCH_INVARIANT_KEY}=True"
 WEIGHT_CHECK_OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{WEIGHT_CHECK_KEY}=1"
-_OUR_KEYS = (SWITCH_KEY, STRICT_KEY, BATCH_INVARIANT_KEY, WEIGHT_CHECK_KEY)
+ROW_SPLIT_OVERRIDE = f"+actor_rollout_ref.model.fused_kernel_options.{ROW_SPLIT_KEY}=2"
+_OUR_KEYS = (SWITCH_KEY, STRICT_KEY, BATCH_INVARIANT_KEY, WEIGHT_CHECK_KEY, ROW_SPLIT_KEY)
 _VERL_KEYS = ("impl_backend",)
 
 
 @dataclass(frozen=True)
 class Switch:
     """What the config asks for: ``on`` (use the rl-kernel backend), ``strict``,
-    ``batch_invariant`` (the backend in batch-invariant mode; implies ``on``) and
+    ``batch_invariant`` (the backend in batch-invariant mode; implies ``on``), ``row_split`` (the
+    row-parallel linears as that many ranks' sum; 2 only with ``batch_invariant``) and
     ``weight_check_every`` (check every N-th weight sync; 0: never; whatever ``on`` is)."""
 
     on: bool
     strict: bool
     batch_invariant: bool = False
     weight_check_every: int = 0
+    row_split: int = 1
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -95,8 +105,9 @@ def read(model_config: Any) -> Switch:
     Raises:
         ValueError: the switch, ``rl_kernel_strict`` or ``rl_kernel_batch_invariant`` holds
             something other than a boolean, ``rl_kernel_batch_invariant=True`` sits beside
-            ``use_rl_kernel_backend=False``, or ``rl_kernel_weight_check_every`` is not an
-            integer >= 0.
+            ``use_rl_kernel_backend=False``, ``rl_kernel_weight_check_every`` is not an
+            integer >= 0, or ``rl_kernel_row_parallel_split`` is not 1 or 2 or is 2 without
+            ``rl_kernel_batch_invariant=True``.
         rl_kernel_core.switches.SwitchError: the switch is on and ``RL_KERNEL_VERL_STRICT`` holds
             an unaccepted value.
     """
@@ -108,6 +119,13 @@ def read(model_config: Any) -> Switch:
     if batch_invariant and not on:
         raise ValueError(f"fused_kernel_options.{BATCH_INVARIANT_KEY}=True runs the rl-kernel backend, but "
                          f"{SWITCH_KEY}=False turns it off: drop {SWITCH_KEY} or set it to True")
+    row_split = options[ROW_SPLIT_KEY] if ROW_SPLIT_KEY in options else 1
+    if isinstance(row_split, bool) or row_split not in (1, 2):
+        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY} must be 1 or 2 (the rollout's tensor parallel size; "
+                         f"more ranks are not covered), got {row_split!r}")
+    if row_split == 2 and not batch_invariant:
+        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY}=2 reproduces a TP=2 rollout bit for bit only in the "
+                         f"batch-invariant mode: set {BATCH_INVARIANT_KEY}=True beside it")
     for key in options:
         if key not in _OUR_KEYS and key not in _VERL_KEYS and _looks_like_ours(str(key)):
             meant = (difflib.get_close_matches(str(key), _OUR_KEYS, n=1, cutoff=0.75) or [SWITCH_KEY])[0]
@@ -129,7 +147,7 @@ def read(model_config: Any) -> Switch:
     if not on:
         return Switch(on=False, strict=False, weight_check_every=every)
     return Switch(on=True, strict=strict or adapters.strict_switch(targets.STRICT_ENV), batch_invariant=batch_invariant,
-                  weight_check_every=every)
+                  weight_check_every=every, row_split=row_split)
 
 
 def _get(config: Any, key: str) -> Any:

@@ -15,19 +15,23 @@ import torch
 from verl_cpu import VOCAB, build_worker as build_uncached, engine_of, infer, random_rollout, to_engine_batch, update_actor
 
 import rl_kernel_core as rk
-from rl_kernel_core.consistency.hf import use_mode_attention
+from rl_kernel_core.consistency.hf import use_mode_attention, use_row_parallel_split
 
 BATCH_INVARIANT = "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True"
 PACKED = "actor_rollout_ref.model.use_remove_padding=True"
+SPLIT = "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_row_parallel_split=2"
 
 
-def _reference(model_dir: str, rollout: dict, temperature: float, vocab_size: int = VOCAB) -> list[torch.Tensor]:
+def _reference(model_dir: str, rollout: dict, temperature: float, vocab_size: int = VOCAB,
+               row_split: int = 1) -> list[torch.Tensor]:
     """Per sequence, each token's log-prob of the next one (fp32), from the model alone in the
-    mode: the definition vLLM's rollout returns under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1``."""
+    mode: the definition vLLM's rollout returns under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` (at tensor
+    parallel size ``row_split``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     use_mode_attention(model)
+    use_row_parallel_split(model, row_split)
     out = []
     with torch.no_grad(), rk.batch_invariant():
         for ids, mask in zip(rollout["input_ids"], rollout["attention_mask"]):
@@ -116,6 +120,33 @@ def test_log_probs_normalise_over_the_tokenizers_ids(tmp_path, seed):
     whole = _reference(model_dir, rollout, 1.0)
     assert all((a > b).all() for a, b in zip(_per_sequence(lp, rollout), whole))  # the masked ids held mass
     assert torch.isfinite(entropy).all()
+
+
+def test_row_parallel_split_gives_a_tp2_rollouts_definition(build_worker, model_dirs, seed):
+    """``rl_kernel_row_parallel_split=2``: verl's old-log-prob pass gives, bit for bit, the log-probs
+    of the model whose o_proj/down_proj are two ranks' sum (what a TP=2 vLLM rollout computes under
+    the mode), not the unsplit model's."""
+    worker = build_worker("untied", "actor", BATCH_INVARIANT, SPLIT)
+    assert engine_of(worker)._rl_kernel.row_split == 2
+    g = torch.Generator().manual_seed(seed)
+    rollout = random_rollout(g)
+    lp, _, _ = infer(worker, rollout, 0.9)
+    got = _per_sequence(lp, rollout)
+    split = _reference(model_dirs["untied"], rollout, 0.9, row_split=2)
+    for b, (a, want) in enumerate(zip(got, split)):
+        assert torch.equal(a, want), f"sequence {b}: verl's log-probs differ from the TP=2 definition"
+    whole = _reference(model_dirs["untied"], rollout, 0.9)
+    assert not all(torch.equal(a, w) for a, w in zip(got, whole))
+
+
+def test_row_parallel_split_needs_the_mode_and_two_ranks():
+    from rl_kernel_verl import switch
+
+    with pytest.raises(ValueError, match="rl_kernel_row_parallel_split=2 reproduces a TP=2 rollout bit for bit only"):
+        switch.read({"fused_kernel_options": {"use_rl_kernel_backend": True, "rl_kernel_row_parallel_split": 2}})
+    with pytest.raises(ValueError, match="rl_kernel_row_parallel_split must be 1 or 2.*got 4"):
+        switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": 4}})
+    assert switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": 2}}).row_split == 2
 
 
 def test_a_fallback_is_an_error(build_worker, seed):
