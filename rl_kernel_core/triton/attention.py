@@ -183,6 +183,7 @@ def _attention_fwd_kernel(
     start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
     head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
         q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+    # packed keys (PAGED=False): the paged-cache arguments are placeholders the compiler drops
     m, l, acc = _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, k_ptr, v_ptr, k0, k_ptr, k_ptr, 0, 0, 0, dims, d_ok,
                              HQ // GROUP, D, BLOCK_D, False, 1, CAUSAL, IEEE, UPCAST_DOT, BLOCK_M, BLOCK_N)
     out = acc / l[:, None]
