@@ -100,9 +100,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return (out, lse) if return_lse else out
 
 
-def _paged_layout(kv_cache: torch.Tensor, name: str, like: torch.Tensor) -> tuple[int, int]:
-    """(Hkv, block size) of a paged cache ``[num_blocks, Hkv, block_size, 2*D]`` in the dtype and on
-    the device of the tensor ``like`` (named ``name``, ``[T, H, D]``), after checking it."""
+def _paged_kv_heads(kv_cache: torch.Tensor, name: str, like: torch.Tensor) -> int:
+    """Hkv of a paged cache ``[num_blocks, Hkv, block_size, 2*D]`` in the dtype and on the device of
+    the tensor ``like`` (named ``name``, ``[T, H, D]``), after checking it."""
     d = like.shape[2]
     _checks.tensor("kv_cache", kv_cache, dtypes=(like.dtype,), ndim=4)
     _checks.same_device(name, like, kv_cache=kv_cache)
@@ -110,7 +110,7 @@ def _paged_layout(kv_cache: torch.Tensor, name: str, like: torch.Tensor) -> tupl
                   f"[num_blocks, Hkv, block_size, 2*D={2 * d}]")
     if kv_cache.stride(3) != 1:
         raise ValueError(f"kv_cache's last dim must be contiguous, got strides {kv_cache.stride()}")
-    return kv_cache.shape[1], kv_cache.shape[2]
+    return kv_cache.shape[1]
 
 
 def _paged_kernels(device: torch.device):
@@ -154,7 +154,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     """
     _checks.tensor("q", q, dtypes=(torch.float32, torch.bfloat16, torch.float16), ndim=3)
     hq, d = q.shape[1], q.shape[2]
-    hkv, _ = _paged_layout(kv_cache, "q", q)
+    hkv = _paged_kv_heads(kv_cache, "q", q)
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"q's head count Hq={hq} must be a multiple of kv_cache's head count Hkv={hkv}")
     if d > 256:
@@ -194,7 +194,7 @@ def write_paged_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     _checks.tensor("key", key, dtypes=_checks.FLOAT_DTYPES, ndim=3)
     _checks.tensor("value", value, dtypes=(key.dtype,), ndim=3)
     _checks.same_shape("key", key, value=value)
-    hkv, _ = _paged_layout(kv_cache, "key", key)
+    hkv = _paged_kv_heads(kv_cache, "key", key)
     _checks.shape("key", key, (key.shape[0], hkv, key.shape[2]), f"[T, Hkv={hkv}, D]")
     _checks.tensor("slot_mapping", slot_mapping, dtypes=_INDEX_DTYPES, ndim=1)
     _checks.same_device("key", key, value=value, slot_mapping=slot_mapping)

@@ -155,6 +155,11 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     ``tensor_parallel_size`` when ``batch_invariant``, else 1."""
     import rl_kernel_vllm
 
+    if row_split is None:  # the mode's trainer follows the rollout's row-parallel split
+        row_split = int((engine or {}).get("tensor_parallel_size", 1)) if batch_invariant else 1
+    if row_split not in (1, 2):  # before the rollout, not after it
+        raise ValueError(f"the trainer reproduces a rollout's row-parallel split at tensor_parallel_size 1 or 2, "
+                         f"got {row_split} (pass --trainer-row-split 1 to compare against the unsplit trainer)")
     samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
                               dtype=dtype, engine=engine, request_seeds=request_seeds, warmup=warmup, reps=reps,
                               prompt_logprobs=prompt_logprobs)
@@ -167,8 +172,6 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
     model = model.to(device).eval()
     use_mode_attention(model)
-    if row_split is None:  # the mode's trainer follows the rollout's row-parallel split
-        row_split = int((engine or {}).get("tensor_parallel_size", 1)) if batch_invariant else 1
     use_row_parallel_split(model, row_split)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with rk.batch_invariant(batch_invariant):

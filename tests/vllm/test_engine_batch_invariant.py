@@ -149,3 +149,15 @@ def test_tensor_parallel_rollout_equals_a_tp1_trainer_bitwise(model_dir: Path, t
     unsplit = _run(model_dir, tmp_path / "unsplit.json", on=True, dtype="bfloat16", temperature=0.7, seed=seed,
                    engine=engine, extra=("--trainer-row-split", "1"), env_extra=env)
     assert unsplit["gap"]["max"] > 0.0, unsplit["gap"]
+
+
+def test_an_uncovered_row_split_is_refused_before_the_rollout(monkeypatch):
+    from rl_kernel_vllm import consistency
+
+    def no_rollout(*args, **kwargs):
+        raise AssertionError("the rollout ran before the row split was checked")
+
+    monkeypatch.setattr(consistency, "rollout", no_rollout)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 or 2, got 4"):
+        consistency.compare("unused", prompts=[[1, 2]], n=1, max_tokens=1, temperature=1.0, seed=0, dtype="float32",
+                            device="cpu", batch_invariant=True, train_batch_size=1, engine={"tensor_parallel_size": 4})
