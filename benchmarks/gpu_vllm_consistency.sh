@@ -15,6 +15,9 @@
 # The sampler hook covers the V1 model runner, and vLLM 0.26 runs Qwen3 on Model Runner V2, so its cost is
 # measured against vLLM's V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) in the same job:
 #   default_v1 / plugin_default_v1 / plugin_sampler_v1 - the settings above on the V1 runner
+# and, since the sampler hook leaves batches that return processed log-probs to vLLM's sampler, the sampler's own cost
+# with requests that ask for no log-probs (--no-logprobs: no trainer, throughput only):
+#   rollout_v1 / rollout_sampler_v1 - default_v1 / plugin_sampler_v1 without log-probs
 #   bash benchmarks/gpu_vllm_consistency.sh [OUT] [SETTINGS...]   (default: default vllm_bi rl_kernel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,11 +28,11 @@ model=${MODEL_DIR:-/tmp/rl-kernel-qwen3-0.6b}
 [ -f "$model/config.json" ] || python3 benchmarks/make_random_model.py --preset qwen3-0.6b --out "$model" || exit 1
 engine='"max_model_len":1024,"skip_tokenizer_init":true,"gpu_memory_utilization":0.45,"jit_monitor_verbose":true'  # no spaces: word-split in run()
 args=(--model "$model" --prompts ${PROMPTS:-64} --prompt-len ${PROMPT_LEN:-64} --n ${SAMPLES:-8} --max-tokens ${MAX_TOKENS:-256}
-      --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3} $([ "${PROMPT_LOGPROBS:-0}" = 1 ] && echo --prompt-logprobs)
-      --engine "{$engine}")
+      --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3} --engine "{$engine}")
 run() {  # NAME TRAINER_FLAGS ENV_ASSIGNMENTS...
   local name=$1 flags=$2; shift 2
   echo "== $name"
+  [ "${PROMPT_LOGPROBS:-0}" = 1 ] && [[ $flags != *--no-logprobs* ]] && flags="$flags --prompt-logprobs"
   env "$@" python3 -m rl_kernel_vllm.consistency "${args[@]}" $flags --out "$out/vllm_consistency_$name.json" \
     >"$out/vllm_consistency_$name.log" 2>&1 || { status=1; tail -40 "$out/vllm_consistency_$name.log"; }
   tail -1 "$out/vllm_consistency_$name.log"
@@ -48,7 +51,9 @@ for s in ${@:-default vllm_bi rl_kernel}; do
     default_v1) run default_v1 '' RL_KERNEL_VLLM=0 VLLM_USE_V2_MODEL_RUNNER=0;;
     plugin_default_v1) run plugin_default_v1 '' RL_KERNEL_VLLM=1 VLLM_USE_V2_MODEL_RUNNER=0;;
     plugin_sampler_v1) run plugin_sampler_v1 '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1 VLLM_USE_V2_MODEL_RUNNER=0;;
-    *) echo "unknown setting $s: default vllm_bi rl_kernel rl_kernel_eager plugin_default plugin_sampler default_v1 plugin_default_v1 plugin_sampler_v1"; status=1;;
+    rollout_v1) run rollout_v1 --no-logprobs RL_KERNEL_VLLM=0 VLLM_USE_V2_MODEL_RUNNER=0;;
+    rollout_sampler_v1) run rollout_sampler_v1 --no-logprobs RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1 VLLM_USE_V2_MODEL_RUNNER=0;;
+    *) echo "unknown setting $s: default vllm_bi rl_kernel rl_kernel_eager plugin_default plugin_sampler default_v1 plugin_default_v1 plugin_sampler_v1 rollout_v1 rollout_sampler_v1"; status=1;;
   esac
 done
 echo "gpu_vllm_consistency status=$status"

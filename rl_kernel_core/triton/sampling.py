@@ -586,11 +586,14 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
     filtered = top_k is not None or top_p is not None
     tokens = torch.empty(b, dtype=torch.int64, device=dev)
     logprobs = torch.empty(b, dtype=torch.float32, device=dev)
-    block_f32 = torch.empty((4, b, n_blocks), dtype=torch.float32, device=dev)  # max, lse term, live mass, best score
+    # One allocation per buffer, not views of one: a view's pointer alignment would vary with b, and
+    # Triton compiles a kernel per argument alignment, so an unseen batch size would compile again.
+    block_max, block_sum, block_mass, block_best = (
+        torch.empty((b, n_blocks), dtype=torch.float32, device=dev) for _ in range(4))  # max, lse term, live mass, best
     block_arg = torch.empty((b, n_blocks), dtype=torch.int32, device=dev)
     group_keys = torch.empty((b, n_blocks * groups), dtype=torch.int32, device=dev)
     plan = torch.empty((b, _PLAN.value), dtype=torch.int64, device=dev)
-    row_i32 = torch.empty((2, b), dtype=torch.int32, device=dev)  # candidate count, status
+    count, status = (torch.empty(b, dtype=torch.int32, device=dev) for _ in range(2))  # candidates, row status
     lse = torch.empty(b, dtype=torch.float32, device=dev)
     scratch = torch.empty((b if filtered else 1, 2 * cap), dtype=torch.int64, device=dev)  # candidates, then masses
     unused_fp64 = torch.empty(1, dtype=torch.float64, device=dev)  # the pointer of a parameter passed as a number
@@ -606,7 +609,7 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
     top_p_bits = _float_bits(1.0 if top_p is None or isinstance(top_p, torch.Tensor) else max(top_p, _TINY_TOP_P))
     blocks = triton.next_power_of_2(n_blocks)
     lv = (logits, logits.stride(0), logits.stride(1))
-    _block_scan_kernel[(b, n_blocks)](*lv, *temp_args, block_f32[0], group_keys, v, n_blocks, _mode(temperature),
+    _block_scan_kernel[(b, n_blocks)](*lv, *temp_args, block_max, group_keys, v, n_blocks, _mode(temperature),
                                       BLOCK=block, GROUPS=groups, num_warps=SAMPLING_SCAN_WARPS)
     _row_plan_kernel[(b,)](
         *temp_args,
@@ -614,22 +617,22 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
         top_k if isinstance(top_k, torch.Tensor) else tokens, top_k if isinstance(top_k, int) else 0,
         top_p if isinstance(top_p, torch.Tensor) else unused_fp64, top_p_bits,
         log_min_p, log_min_p_val,
-        block_f32[0], group_keys, plan, row_i32[0],
+        block_max, group_keys, plan, count,
         v, n_blocks, n_blocks * groups,
         _mode(temperature), _mode(positions), _mode(top_k), _mode(top_p), _mode(min_p),
         CAP=cap, BLOCKS=blocks, GROUP_KEYS=triton.next_power_of_2(n_blocks * groups), num_warps=SAMPLING_PLAN_WARPS,
     )
-    _block_gather_kernel[(b, n_blocks)](*lv, block_f32[0], plan, block_f32[1], block_f32[2], block_f32[3], block_arg,
-                                        row_i32[0], scratch, v, n_blocks,
+    _block_gather_kernel[(b, n_blocks)](*lv, block_max, plan, block_sum, block_mass, block_best, block_arg,
+                                        count, scratch, v, n_blocks,
                                         BLOCK=block, SUB=min(GATHER_PART, block), BLOCKS=blocks, CAP=cap,
                                         num_warps=FWD_TILE[1])
     small, pair_tile, rank_warps = RANK_TILE
-    _finish_kernel[(b,)](*lv, block_f32[0], block_f32[1], block_f32[2], block_f32[3], block_arg, plan, row_i32[0],
-                         scratch, row_i32[1], lse, tokens, logprobs, v, n_blocks,
+    _finish_kernel[(b,)](*lv, block_max, block_sum, block_mass, block_best, block_arg, plan, count,
+                         scratch, status, lse, tokens, logprobs, v, n_blocks,
                          CAP=cap, SMALL=min(small, cap), PAIR_TILE=pair_tile, BLOCKS=blocks, num_warps=rank_warps)
     if filtered:
         search_block, pivots, draw_block, warps = EXACT_TILE
-        _exact_kernel[(b,)](*lv, plan, row_i32[1], scratch, lse, tokens, logprobs, v,
+        _exact_kernel[(b,)](*lv, plan, status, scratch, lse, tokens, logprobs, v,
                             CAP=cap, SEARCH_BLOCK=min(search_block, block), PIVOTS=pivots,
                             DRAW_BLOCK=min(draw_block, block), num_warps=warps)
     return tokens, logprobs

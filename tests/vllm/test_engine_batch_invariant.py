@@ -151,6 +151,23 @@ def test_tensor_parallel_rollout_equals_a_tp1_trainer_bitwise(model_dir: Path, t
     assert unsplit["gap"]["max"] > 0.0, unsplit["gap"]
 
 
+def test_rollout_without_logprobs_runs_the_sampler_hook_alone(model_dir: Path, tmp_path: Path):
+    """``--no-logprobs``: requests that ask for no log-probs (so the sampler hook samples every
+    batch), no trainer, throughput only."""
+    report = _run(model_dir, tmp_path / "rollout.json", on=False, dtype="float32", temperature=1.0, seed=3,
+                  extra=("--no-logprobs",), env_extra={"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_SAMPLER": "1"})
+    assert "gap" not in report and report["settings"]["logprobs"] is False
+    assert report["rollout"]["tokens"] == 6 * 2 * 12 and report["rollout"]["tokens_per_s"] > 0
+
+
+def test_prompt_logprobs_without_logprobs_is_refused(capsys):
+    from rl_kernel_vllm import consistency
+
+    with pytest.raises(SystemExit):
+        consistency.main(["--model", "unused", "--out", "unused.json", "--no-logprobs", "--prompt-logprobs"])
+    assert "--prompt-logprobs: not with --no-logprobs" in capsys.readouterr().err
+
+
 def test_an_uncovered_row_split_is_refused_before_the_rollout(monkeypatch):
     from rl_kernel_vllm import consistency
 

@@ -13,7 +13,6 @@ Runs where vLLM and CUDA are present (``gpu`` marker).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
@@ -22,10 +21,10 @@ import torch
 
 import vllm_tiny_model
 from rl_kernel_core import contract
-from vllm_engine_requests import HERE, effective_temperature, engine_env, make_requests, recompute_logprobs, returned
+from vllm_engine_requests import (HERE, JIT_EVENT, effective_temperature, engine_env, make_requests, our_kernel_names,
+                                  recompute_logprobs, returned)
 
 pytestmark = pytest.mark.gpu
-JIT_EVENT = re.compile(r"kernel JIT compilation during inference: (\w+)")
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +95,7 @@ def test_no_log_prob_kernel_compiles_after_warm_up(run):
     log-probs compiles vLLM's own variant for more columns, as it does without the plugin.)"""
     compiled = set(JIT_EVENT.findall(run["log"]))
     print(f"compiled during inference: {sorted(compiled)}")
-    ours = {name for name in compiled if name in _our_kernel_names()}
+    ours = {name for name in compiled if name in our_kernel_names()}
     assert not ours, f"rl-kernel kernels compiled after vLLM's warm-up: {sorted(ours)}"
     assert "_ranks_kernel" not in compiled, sorted(compiled)
     assert "Kernel JIT monitor activated" in run["log"], "vLLM's JIT monitor did not start: nothing was watched"
-
-
-def _our_kernel_names() -> set[str]:
-    import importlib
-    import pkgutil
-
-    import rl_kernel_core.triton as package
-
-    names = set()
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        names |= {name for name, value in vars(module).items() if name.endswith("_kernel") or hasattr(value, "fn")}
-    return names

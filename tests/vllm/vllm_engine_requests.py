@@ -5,6 +5,7 @@ in, and the trainer's recomputation of what it returns (shared by ``test_engine.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from rl_kernel_core import linear_logprob
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 6
+JIT_EVENT = re.compile(r"kernel JIT compilation during inference: (\w+)")
+"""A kernel vLLM's JIT monitor (verbose) saw compiled after the engine's warm-up."""
 # SamplingParams per request (each also gets max_tokens, ignore_eos and its own seed)
 REQUESTS = (
     {"temperature": 0.7, "logprobs": 0},
@@ -74,3 +77,17 @@ def returned(result: dict, sampled_only: bool) -> tuple[torch.Tensor, torch.Tens
         values.append([pos[str(t)][0] for t in row])
     width = min(len(r) for r in ids)
     return torch.tensor([r[:width] for r in ids]), torch.tensor([v[:width] for v in values], dtype=torch.float64)
+
+
+def our_kernel_names() -> set[str]:
+    """The names of rl-kernel's Triton kernels (what vLLM's JIT monitor would name)."""
+    import importlib
+    import pkgutil
+
+    import rl_kernel_core.triton as package
+
+    names = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names |= {name for name, value in vars(module).items() if name.endswith("_kernel") or hasattr(value, "fn")}
+    return names

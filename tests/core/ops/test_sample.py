@@ -372,6 +372,29 @@ def test_cuda_seeded_draws_match_cpu_and_are_batch_invariant(seed):
         assert torch.equal(t_n, tokens[:n]) and torch.equal(lp_n, lp[:n])
 
 
+@pytest.mark.gpu
+def test_cuda_batch_sizes_share_compiled_kernels(seed):
+    """A serving engine warms the sampler at one batch size and then samples at others: no batch
+    size may compile a kernel again (Triton compiles per argument alignment, so a buffer handed to
+    a kernel at an offset that varies with the batch would)."""
+    v = 5000
+    kernels = [getattr(triton_sampling, name) for name in vars(triton_sampling) if name.endswith("_kernel")]
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for k in kernels for cache in k.flavour().device_caches.values())
+
+    def draw(b: int) -> None:
+        logits = torch.randn(b, v, device="cuda") * 2
+        rk.sample(logits, temperature=0.8, seeds=random_seeds(b).cuda(), backend="triton")
+        rk.sample(logits, temperature=0.8, top_k=20, top_p=0.9, seeds=random_seeds(b).cuda(), backend="triton")
+
+    draw(8)
+    warm = compiled()
+    for b in (6, 5, 3, 1, 13):
+        draw(b)
+        assert compiled() == warm, f"batch size {b} compiled {compiled() - warm} more kernel(s) than batch size 8"
+
+
 # ============================================================== the Triton backend
 #
 # Triton backend of ``sample``: the reference's tokens, bitwise log-probs, the exact filtered

@@ -1,0 +1,68 @@
+"""vLLM's GPU release with the plugin's sampler hook (``RL_KERNEL_VLLM_SAMPLER=1``) on the V1 model
+runner, CUDA graphs on, requests that ask for no log-probs (so every step is the hook's).
+
+One engine (a subprocess) serves the seeded requests of ``vllm_engine_requests.py`` without their
+``logprobs`` (mixed temperatures, greedy, top-k/top-p, penalties) in one batch of six rows on a
+tiny fp32 model, after vLLM's warm-up ran its dummy sampler over ``max_num_seqs`` = 8 rows.
+Checked: the hook sampled every step (vLLM's sampler was never handed a batch), and none of
+``rl_kernel_core.sample``'s kernels compiled after that warm-up although six rows are not eight
+(vLLM's JIT monitor, verbose, logs every compile during inference). Runs where vLLM and CUDA are
+present (``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import vllm_tiny_model
+from vllm_engine_requests import HERE, JIT_EVENT, engine_env, make_requests, our_kernel_names
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, module_seed):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    root = tmp_path_factory.mktemp("vllm_gpu_sampler")
+    vocab = vllm_tiny_model.build(root / "model", module_seed)
+    requests = make_requests(module_seed, vocab)
+    for request in requests:
+        request["params"].pop("logprobs")
+    engine = {"max_model_len": 64, "max_num_seqs": 8, "enforce_eager": False, "gpu_memory_utilization": 0.2,
+              "jit_monitor_verbose": True}
+    (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": engine}))
+    env = engine_env(True, root / "steps.jsonl")
+    env.pop("RL_KERNEL_VLLM_LM_HEAD")
+    env.pop("VLLM_CPU_KVCACHE_SPACE")
+    env.update(RL_KERNEL_VLLM_SAMPLER="1", VLLM_USE_V2_MODEL_RUNNER="0", VLLM_USE_FLASHINFER_SAMPLER="0",
+               RL_KERNEL_BACKEND="triton")
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_engine_run.py"), str(root / "spec.json"), str(root / "out.json")],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    report = json.loads((root / "out.json").read_text())
+    report.update(log=log, requests=requests)
+    return report
+
+
+def test_the_sampler_hook_samples_every_step(run):
+    for worker in run["workers"]:
+        assert worker["status"]["hooks"]["sampler"]["live"], worker["status"]
+    assert "are sampled by vLLM" not in run["log"], "a batch went to vLLM's sampler"
+    for request, result in zip(run["requests"], run["results"]):
+        assert len(result["token_ids"]) == request["params"]["max_tokens"]
+
+
+def test_no_sampler_kernel_compiles_after_warm_up(run):
+    compiled = set(JIT_EVENT.findall(run["log"]))
+    print(f"compiled during inference: {sorted(compiled)}")
+    ours = {name for name in compiled if name in our_kernel_names()}
+    assert not ours, f"rl-kernel kernels compiled after vLLM's warm-up: {sorted(ours)}"
+    assert "Kernel JIT monitor activated" in run["log"], "vLLM's JIT monitor did not start: nothing was watched"
