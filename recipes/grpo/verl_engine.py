@@ -179,13 +179,15 @@ def overrides(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: 
         "trainer.project_name=rl_kernel_grpo_gsm8k",
         f"trainer.experiment_name={'on' if rl_kernel_on else 'off'}",
         f"trainer.default_local_dir={run_dir / 'checkpoints'}",
+        # verl's default is flash_attention_2, whose package is optional in verl and has no wheel for every torch/CUDA
+        # pair; sdpa runs wherever torch does, on both sides of the comparison
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     ]
     if device == "cpu":
         fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
         args += [
             "trainer.device=cpu",
             "actor_rollout_ref.model.use_remove_padding=False",
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
             "actor_rollout_ref.actor.use_torch_compile=False",
             "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
             "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import vllm_tiny_model
+from vllm_engine_requests import KV_CACHE_BYTES
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +41,7 @@ def report(tmp_path_factory, module_seed) -> dict:
     env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1", VLLM_USE_FLASHINFER_SAMPLER="0",
                VLLM_LOGGING_LEVEL="INFO")
     engine = {"max_model_len": 128, "max_num_seqs": 6, "enforce_eager": False, "gpu_memory_utilization": 0.2,
-              "enable_prefix_caching": True}
+              "kv_cache_memory_bytes": KV_CACHE_BYTES, "enable_prefix_caching": True}
     cmd = [sys.executable, "-m", "rl_kernel_vllm.consistency", "--model", str(root / "model"), "--out", str(root / "on.json"),
            "--prompts", "8", "--prompt-len", "40", "--shared-prefix", "32", "--n", "2", "--max-tokens", "24",
            "--dtype", "bfloat16", "--temperature", "0.8", "--seed", str(module_seed), "--device", "cuda",

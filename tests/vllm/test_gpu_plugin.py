@@ -21,8 +21,8 @@ import torch
 
 import vllm_tiny_model
 from rl_kernel_core import contract
-from vllm_engine_requests import (HERE, JIT_EVENT, effective_temperature, engine_env, make_requests, our_kernel_names,
-                                  recompute_logprobs, returned)
+from vllm_engine_requests import (HERE, JIT_EVENT, KV_CACHE_BYTES, effective_temperature, engine_env, make_requests,
+                                  our_kernel_names, recompute_logprobs, returned)
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def run(tmp_path_factory, module_seed):
     vocab = vllm_tiny_model.build(root / "model", seed)
     requests = make_requests(seed, vocab)
     engine = {"max_model_len": 64, "max_num_seqs": 8, "logprobs_mode": "processed_logprobs", "enforce_eager": False,
-              "gpu_memory_utilization": 0.2, "jit_monitor_verbose": True}
+              "gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": KV_CACHE_BYTES, "jit_monitor_verbose": True}
     (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": engine}))
     env = engine_env(True, root / "steps.jsonl")
     env.pop("RL_KERNEL_VLLM_LM_HEAD")  # the default hook set

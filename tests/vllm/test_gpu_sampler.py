@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import vllm_tiny_model
-from vllm_engine_requests import HERE, JIT_EVENT, engine_env, make_requests, our_kernel_names
+from vllm_engine_requests import HERE, JIT_EVENT, KV_CACHE_BYTES, engine_env, make_requests, our_kernel_names
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def run(tmp_path_factory, module_seed):
     for request in requests:
         request["params"].pop("logprobs")
     engine = {"max_model_len": 64, "max_num_seqs": 8, "enforce_eager": False, "gpu_memory_utilization": 0.2,
-              "jit_monitor_verbose": True}
+              "kv_cache_memory_bytes": KV_CACHE_BYTES, "jit_monitor_verbose": True}
     (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": engine}))
     env = engine_env(True, root / "steps.jsonl")
     env.pop("RL_KERNEL_VLLM_LM_HEAD")

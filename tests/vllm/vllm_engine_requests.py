@@ -16,6 +16,9 @@ HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 6
 JIT_EVENT = re.compile(r"kernel JIT compilation during inference: (\w+)")
 """A kernel vLLM's JIT monitor (verbose) saw compiled after the engine's warm-up."""
+KV_CACHE_BYTES = 1 << 30
+"""The GPU tests' fixed KV cache (``LLM(kv_cache_memory_bytes=...)``): vLLM then skips its memory profile, which
+counts other processes' allocations on the same GPU (parallel test processes) as its own and finds no room."""
 # SamplingParams per request (each also gets max_tokens, ignore_eos and its own seed)
 REQUESTS = (
     {"temperature": 0.7, "logprobs": 0},
