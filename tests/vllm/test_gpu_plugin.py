@@ -12,17 +12,13 @@ Runs where vLLM and CUDA are present (``gpu`` marker).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import vllm_tiny_model
 from rl_kernel_core import contract
-from vllm_engine_requests import (HERE, JIT_EVENT, KV_CACHE_BYTES, effective_temperature, engine_env, make_requests,
-                                  our_kernel_names, recompute_logprobs, returned)
+from vllm_engine_requests import (JIT_EVENT, effective_temperature, our_kernel_names, recompute_logprobs, returned,
+                                  run_gpu_engine)
 
 pytestmark = pytest.mark.gpu
 
@@ -32,24 +28,9 @@ def run(tmp_path_factory, module_seed):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("vllm")
-    seed = module_seed
     root = tmp_path_factory.mktemp("vllm_gpu")
-    vocab = vllm_tiny_model.build(root / "model", seed)
-    requests = make_requests(seed, vocab)
-    engine = {"max_model_len": 64, "max_num_seqs": 8, "logprobs_mode": "processed_logprobs", "enforce_eager": False,
-              "gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": KV_CACHE_BYTES, "jit_monitor_verbose": True}
-    (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": engine}))
-    env = engine_env(True, root / "steps.jsonl")
-    env.pop("RL_KERNEL_VLLM_LM_HEAD")  # the default hook set
-    env.pop("VLLM_CPU_KVCACHE_SPACE")
-    # Triton, not the native kernel that auto picks on sm_90: the JIT monitor watches Triton compiles
-    env.update(VLLM_USE_FLASHINFER_SAMPLER="0", RL_KERNEL_BACKEND="triton")
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_engine_run.py"), str(root / "spec.json"), str(root / "out.json")],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    report = json.loads((root / "out.json").read_text())
-    report.update(log=log, requests=requests, model=vllm_tiny_model.load(root / "model"))
+    report = run_gpu_engine(root, module_seed, engine={"logprobs_mode": "processed_logprobs"}, env={})
+    report["model"] = vllm_tiny_model.load(root / "model")
     return report
 
 

@@ -12,15 +12,10 @@ present (``gpu`` marker).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
-import vllm_tiny_model
-from vllm_engine_requests import HERE, JIT_EVENT, KV_CACHE_BYTES, engine_env, make_requests, our_kernel_names
+from vllm_engine_requests import JIT_EVENT, our_kernel_names, run_gpu_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -30,26 +25,8 @@ def run(tmp_path_factory, module_seed):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("vllm")
-    root = tmp_path_factory.mktemp("vllm_gpu_sampler")
-    vocab = vllm_tiny_model.build(root / "model", module_seed)
-    requests = make_requests(module_seed, vocab)
-    for request in requests:
-        request["params"].pop("logprobs")
-    engine = {"max_model_len": 64, "max_num_seqs": 8, "enforce_eager": False, "gpu_memory_utilization": 0.2,
-              "kv_cache_memory_bytes": KV_CACHE_BYTES, "jit_monitor_verbose": True}
-    (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": engine}))
-    env = engine_env(True, root / "steps.jsonl")
-    env.pop("RL_KERNEL_VLLM_LM_HEAD")
-    env.pop("VLLM_CPU_KVCACHE_SPACE")
-    env.update(RL_KERNEL_VLLM_SAMPLER="1", VLLM_USE_V2_MODEL_RUNNER="0", VLLM_USE_FLASHINFER_SAMPLER="0",
-               RL_KERNEL_BACKEND="triton")
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_engine_run.py"), str(root / "spec.json"), str(root / "out.json")],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    report = json.loads((root / "out.json").read_text())
-    report.update(log=log, requests=requests)
-    return report
+    return run_gpu_engine(tmp_path_factory.mktemp("vllm_gpu_sampler"), module_seed, logprobs=False, engine={},
+                          env={"RL_KERNEL_VLLM_SAMPLER": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"})
 
 
 def test_the_sampler_hook_samples_every_step(run):

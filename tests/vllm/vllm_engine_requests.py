@@ -4,8 +4,11 @@ in, and the trainer's recomputation of what it returns (shared by ``test_engine.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -94,3 +97,31 @@ def our_kernel_names() -> set[str]:
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         names |= {name for name, value in vars(module).items() if name.endswith("_kernel") or hasattr(value, "fn")}
     return names
+
+
+def run_gpu_engine(root: Path, seed: int, *, engine: dict, env: dict, logprobs: bool = True) -> dict:
+    """One vLLM GPU engine (a subprocess, ``vllm_engine_run.py``) on a tiny fp32 model built in ``root``, serving
+    :func:`make_requests` (without their ``logprobs`` when not ``logprobs``) with the plugin on, its default hook set
+    and Triton kernels (the JIT monitor watches Triton compiles), a fixed KV cache and vLLM's JIT monitor; ``engine``
+    and ``env`` add to both. Returns the engine's report with its ``log`` and the ``requests``."""
+    import vllm_tiny_model
+
+    vocab = vllm_tiny_model.build(root / "model", seed)
+    requests = make_requests(seed, vocab)
+    if not logprobs:
+        for request in requests:
+            request["params"].pop("logprobs")
+    spec_engine = {"max_model_len": 64, "max_num_seqs": 8, "enforce_eager": False, "gpu_memory_utilization": 0.2,
+                   "kv_cache_memory_bytes": KV_CACHE_BYTES, "jit_monitor_verbose": True, **engine}
+    (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": spec_engine}))
+    run_env = engine_env(True, root / "steps.jsonl")
+    run_env.pop("RL_KERNEL_VLLM_LM_HEAD")
+    run_env.pop("VLLM_CPU_KVCACHE_SPACE")
+    run_env.update({"VLLM_USE_FLASHINFER_SAMPLER": "0", "RL_KERNEL_BACKEND": "triton", **env})
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_engine_run.py"), str(root / "spec.json"), str(root / "out.json")],
+                          env=run_env, cwd=root, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    report = json.loads((root / "out.json").read_text())
+    report.update(log=log, requests=requests)
+    return report
