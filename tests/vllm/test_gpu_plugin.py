@@ -25,9 +25,6 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, module_seed):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("vllm")
     root = tmp_path_factory.mktemp("vllm_gpu")
     report = run_gpu_engine(root, module_seed, engine={"logprobs_mode": "processed_logprobs"}, env={})
     report["model"] = vllm_tiny_model.load(root / "model")

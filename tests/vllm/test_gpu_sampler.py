@@ -13,7 +13,6 @@ present (``gpu`` marker).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from vllm_engine_requests import JIT_EVENT, our_kernel_names, run_gpu_engine
 
@@ -22,9 +21,6 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, module_seed):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    pytest.importorskip("vllm")
     return run_gpu_engine(tmp_path_factory.mktemp("vllm_gpu_sampler"), module_seed, logprobs=False, engine={},
                           env={"RL_KERNEL_VLLM_SAMPLER": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"})
 

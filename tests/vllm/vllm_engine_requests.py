@@ -103,8 +103,15 @@ def run_gpu_engine(root: Path, seed: int, *, engine: dict, env: dict, logprobs: 
     """One vLLM GPU engine (a subprocess, ``vllm_engine_run.py``) on a tiny fp32 model built in ``root``, serving
     :func:`make_requests` (without their ``logprobs`` when not ``logprobs``) with the plugin on, its default hook set
     and Triton kernels (the JIT monitor watches Triton compiles), a fixed KV cache and vLLM's JIT monitor; ``engine``
-    and ``env`` add to both. Returns the engine's report with its ``log`` and the ``requests``."""
+    and ``env`` add to both. Returns the engine's report with its ``log`` and the ``requests``. Skips the calling test
+    without CUDA or vLLM."""
+    import pytest
+
     import vllm_tiny_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
 
     vocab = vllm_tiny_model.build(root / "model", seed)
     requests = make_requests(seed, vocab)
