@@ -111,14 +111,30 @@ def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Req
 def _logits_logprob(model: torch.nn.Module, kwargs: dict, labels: torch.Tensor, temperature: float, request: Request):
     """The model's own forward to its logits ``[B, T, V]`` (model dtype), ids ``>= vocab_size``
     masked to ``-inf``, then ``logprob_from_logits``: fp32 ``[B, T]`` log-probs and entropies (None
-    unless requested; the log-probs have the same bits either way)."""
+    unless requested; the log-probs have the same bits either way; 0 at padding).
+
+    A padded batch (verl without ``use_remove_padding``: ``attention_mask [B, T]``) runs packed, its
+    real tokens in one row with their positions, as verl's ``use_remove_padding`` layout passes them:
+    the mode gives a token the same bits in either layout, and the padding tokens then cost no
+    matmul rows."""
+    real = kwargs.get("attention_mask")
+    if real is not None and real.dim() == 2 and real.shape[0] > 1:
+        real = real.bool()
+        kwargs = {**kwargs, "input_ids": kwargs["input_ids"][real][None], "position_ids": kwargs["position_ids"][real][None],
+                  "attention_mask": None}
+        labels = labels[real][None]
+    else:
+        real = None
     logits = type(model).forward(model, use_cache=False, **kwargs).logits
     with profiling.region("logprob", logits.device):
         if request.vocab_size is not None and request.vocab_size < logits.shape[-1]:
             logits[..., request.vocab_size:] = float("-inf")
         with torch.autocast(logits.device.type, enabled=False):
             out = logprob_from_logits(logits, labels, temperature=temperature, return_entropy=request.return_entropy)
-    return out if request.return_entropy else (out, None)
+    values = out if request.return_entropy else (out,)
+    if real is not None:
+        values = tuple(v.new_zeros(real.shape).masked_scatter(real, v) for v in values)
+    return values if request.return_entropy else (values[0], None)
 
 
 def _head_logprob(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool):
