@@ -120,7 +120,10 @@ def _logits_logprob(model: torch.nn.Module, kwargs: dict, labels: torch.Tensor, 
     real = kwargs.get("attention_mask")
     if real is not None and real.dim() == 2 and real.shape[0] > 1:
         real = real.bool()
-        kwargs = {**kwargs, "input_ids": kwargs["input_ids"][real][None], "position_ids": kwargs["position_ids"][real][None],
+        positions = kwargs.get("position_ids")
+        if positions is None:  # what the model would use for the padded rows: 0..T-1 in each
+            positions = torch.arange(real.shape[1], device=real.device).expand(real.shape)
+        kwargs = {**kwargs, "input_ids": kwargs["input_ids"][real][None], "position_ids": positions[real][None],
                   "attention_mask": None}
         labels = labels[real][None]
     else:

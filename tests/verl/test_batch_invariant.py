@@ -95,6 +95,30 @@ def test_training_pass_gives_the_old_log_prob_pass_bits(build_worker, seed):
         assert metrics[key] == [0.0], (key, metrics[key])
 
 
+def test_a_padded_forward_runs_packed_with_the_models_own_positions(model_dirs, seed):
+    """The option's forward of a padded batch (``attention_mask [B, T]``) computes the real tokens
+    packed; without ``position_ids`` it takes the positions the model would (0..T-1 per row): each
+    right-padded sequence gets the bits it gets alone, and padding gets 0."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_kernel_verl.forward import Request, _logits_logprob
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["untied"], dtype=torch.float32).eval()
+    use_mode_attention(model)
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, 3, 5]
+    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=g)
+    mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad(), rk.batch_invariant():
+        lp, entropy = _logits_logprob(model, {"input_ids": ids, "attention_mask": mask.long()}, labels, 0.8,
+                                      Request(return_entropy=False))
+        for b, n in enumerate(lengths):
+            alone = model(input_ids=ids[b:b + 1, :n], use_cache=False).logits[0]
+            assert torch.equal(lp[b, :n], rk.logprob_from_logits(alone, labels[b, :n], temperature=0.8)), f"sequence {b}"
+    assert entropy is None and not lp[~mask].any()
+
+
 def test_log_probs_normalise_over_the_tokenizers_ids(tmp_path, seed):
     """With a tokenizer shorter than the model's vocabulary, ids past it get probability 0, as
     verl's vLLM server gives them (``monkey_patch_compute_logits``)."""
