@@ -81,12 +81,17 @@ def install_logprobs(patches: adapters.Patches) -> dict[str, Any]:
 
 
 def install_sampler(patches: adapters.Patches) -> dict[str, Any]:
-    """Hook (c): the V1 runner's sampler draws with ``rl_kernel_core.sample`` (:mod:`rl_kernel_vllm.sampler`)."""
+    """Hook (c): the V1 runner's sampler draws with ``rl_kernel_core.sample`` (:mod:`rl_kernel_vllm.sampler`);
+    Model Runner V2's sampler refuses to be built."""
     from rl_kernel_vllm import sampler
 
     results, live, problems = _install_runner_families(patches, {"v1": sampler.TARGETS}, {sampler.TARGETS[0]: sampler.wrap_v1_sample})
     if not live:
         problems.append("sampler: no model-runner target found: " + "; ".join(results.values()))
+    try:  # an engine on Model Runner V2 would sample with vLLM's sampler: refuse it at start
+        results[sampler.V2_SAMPLER_INIT] = patches.install(sampler.V2_SAMPLER_INIT, sampler.refuse_model_runner_v2)
+    except adapters.TargetMissing as exc:  # this vLLM has no Model Runner V2
+        results[sampler.V2_SAMPLER_INIT] = f"missing: {exc}"
     return {"live": bool(live), "runners": live, "targets": results, "problems": problems, "overrides": list(sampler.OVERRIDES)}
 
 

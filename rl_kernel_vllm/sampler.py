@@ -13,8 +13,11 @@ from the global RNG, as vLLM's own unseeded sampling does.
 
 Left to vLLM (logged once): batches that must return *processed* log-probs or logits (vLLM builds
 those from its own filtered logits), and batches with argmax-invariant logits processors other
-than vLLM's min-p (custom processors whose effect ``sample`` cannot reproduce). Model Runner V2 is
-not covered.
+than vLLM's min-p (custom processors whose effect ``sample`` cannot reproduce).
+
+Model Runner V2 is not covered: with the hook on, building MRV2's sampler raises
+(:func:`refuse_model_runner_v2`), so an engine on that runner stops at start with the setting to
+change instead of sampling with vLLM's sampler while the switch says otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from rl_kernel_vllm._log import log_once
 from rl_kernel_vllm._v1_sampler_call import sampler_call_arguments
 
 TARGETS: tuple[str, ...] = ("vllm.v1.sample.sampler:Sampler.sample",)
+V2_SAMPLER_INIT = "vllm.v1.worker.gpu.sample.sampler:Sampler.__init__"
+"""Model Runner V2's sampler, which the hook refuses (:func:`refuse_model_runner_v2`)."""
 OVERRIDES: tuple[str, ...] = (
     "the V1 runner's tokens are drawn by rl_kernel_core.sample with one seed per row and step "
     "(in place of vLLM's sampler; processed-log-prob batches and custom logits processors stay vLLM's)",
@@ -51,6 +56,18 @@ def row_seeds(num_rows: int, generators: dict[int, torch.Generator], device: tor
                  for i in rows]
         seeds[to_device_async(torch.tensor(rows, dtype=torch.int64), device)] = torch.cat([d.to(device) for d in drawn])
     return seeds
+
+
+def refuse_model_runner_v2(original: Callable) -> Callable:
+    """Replace MRV2 ``Sampler.__init__`` by a clear error: the hook covers the V1 runner only."""
+
+    @functools.wraps(original)
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "RL_KERNEL_VLLM_SAMPLER=1: rl-kernel's sampler hook covers vLLM's V1 model runner, and this engine "
+            "builds Model Runner V2's sampler; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner) or RL_KERNEL_VLLM_SAMPLER=0")
+
+    return init
 
 
 def _min_p(logitsprocs: Any) -> tuple[bool, Optional[torch.Tensor]]:

@@ -131,6 +131,17 @@ def test_every_hook_on(probes):
         assert report["log"].count(f"overrides: {override}") == 1, override
 
 
+def test_the_sampler_hook_refuses_model_runner_v2(probes, on):
+    """With the sampler hook on, building MRV2's sampler raises naming the settings (an engine on
+    that runner would otherwise sample with vLLM's sampler); with it off, vLLM's own ``__init__``
+    runs (here: its missing-argument error)."""
+    if probes["all"]["v2_sampler"] == "absent":
+        pytest.skip("this vLLM has no Model Runner V2")
+    assert probes["all"]["v2_sampler"].startswith("RuntimeError: RL_KERNEL_VLLM_SAMPLER=1"), probes["all"]["v2_sampler"]
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in probes["all"]["v2_sampler"]
+    assert on["v2_sampler"].startswith("TypeError"), on["v2_sampler"]
+
+
 def test_moved_target_is_logged_and_left_alone(probes):
     report = probes["moved"]
     v1 = logprobs.V1_TARGETS[0]
