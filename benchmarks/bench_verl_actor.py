@@ -528,12 +528,23 @@ def guarded(row: dict, key: str, fn: Callable[[], dict], rec: Recorder) -> None:
     rec.flush()
 
 
+def leading_sequences(batch: dict, layout: str, tokens: int) -> dict:
+    """The fewest leading sequences of ``batch`` that hold ``tokens`` tokens (packed: real tokens;
+    padded: rows x padded length), the whole batch at most."""
+    mask = batch["attention_mask"]
+    per_row = mask.sum(1) if layout == "packed" else torch.full((mask.shape[0],), mask.shape[1])
+    rows = min(int(torch.searchsorted(per_row.cumsum(0), tokens)) + 1, mask.shape[0])
+    return {k: v[:rows] for k, v in batch.items()}
+
+
 def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, rec: Recorder) -> dict:
     """The largest micro-batch ``update_actor`` fits: doubled until CUDA runs out of memory or one
     micro-batch holds the whole batch. ``--search-layout packed`` doubles ``max_token_len_per_gpu``
     from ``--max-token-len``; ``padded`` doubles ``micro_batch_size_per_gpu`` from
     ``--micro-batch-size`` (tokens: sequences x padded length). Both are keys verl's worker takes
-    from the batch before its config."""
+    from the batch before its config. Each step updates on the batch's leading sequences that fill
+    two micro-batches (:func:`leading_sequences`): a micro-batch's memory is the same as in the whole
+    batch, and a step costs two micro-batches, not the batch."""
     layout = args.search_layout
     seq = args.prompt_len + args.response_len
     row: dict[str, Any] = {"variant": variant, "layout": layout, "tried": [], "largest_fitting_tokens": None}
@@ -547,7 +558,8 @@ def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, r
         counter = MicroBatchCounter(worker)
         while (tokens := size if layout == "packed" else size * seq) <= args.max_microbatch_limit:
             meta = {"max_token_len_per_gpu": size} if layout == "packed" else {"micro_batch_size_per_gpu": size}
-            fn = update_call(worker, batch, **meta)
+            part = leading_sequences(batch, layout, 2 * tokens)
+            fn = update_call(worker, part, **meta)
             try:
                 if not row["tried"]:
                     fn()  # the first update creates the optimizer's state: not part of a micro-batch's memory
@@ -563,7 +575,7 @@ def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, r
                                      "error": scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")})
                 break
             row["tried"].append({"tokens": tokens, **meta, "fits": True, "peak_extra_gib": peak,
-                                 "micro_batches": counter.take()})
+                                 "micro_batches": counter.take(), "sequences": part["input_ids"].shape[0]})
             row["largest_fitting_tokens"] = tokens
             if tokens >= total:
                 row["note"] = f"one micro-batch holds the whole batch ({total} tokens): the limit is higher"

@@ -36,7 +36,7 @@ def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
     bench = _load_bench()
     forward = Qwen3ForCausalLM.forward
     try:
-        rc = bench.main(["--model-shape", "tiny", "--device", "cpu", "--prompts", "2", "--samples", "2", "--prompt-len", "8",
+        rc = bench.main(["--model-shape", "tiny", "--device", "cpu", "--prompts", "4", "--samples", "2", "--prompt-len", "8",
                          "--response-len", "8", "--max-token-len", "48", "--check-prompts", "1", "--reps", "1", "--profile", "5",
                          "--seed", str(seed), "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "out")])
     finally:  # verl's use_fused_kernels replaced the class's forward for the whole process
@@ -92,10 +92,11 @@ def test_bench_verl_actor_tiny_cpu(tmp_path):
 
 def test_microbatch_search_steps_run_the_micro_batches_they_ask_for(tmp_path):
     """The search's mechanics on CPU (no memory limit here: it stops at the whole batch): each step
-    records how many micro-batches verl's engine ran, through the switch's hook, for the size it set
-    (4 sequences: 2 per micro-batch, then all 4 in one)."""
+    records how many micro-batches verl's engine ran, through the switch's hook, for the size it set,
+    on the leading sequences that fill two of them (8 sequences: 4 of them at 2 per micro-batch, all
+    8 at 4, then all 8 in one)."""
     bench = _load_bench()
-    args = bench.parse_args(["--model-shape", "tiny", "--device", "cpu", "--prompts", "2", "--samples", "2",
+    args = bench.parse_args(["--model-shape", "tiny", "--device", "cpu", "--prompts", "4", "--samples", "2",
                              "--prompt-len", "8", "--response-len", "8", "--max-token-len", "48", "--check-prompts", "0",
                              "--variants", "rl_kernel", "--layouts", "none", "--out", str(tmp_path / "out")])
     device = torch.device("cpu")
@@ -107,5 +108,6 @@ def test_microbatch_search_steps_run_the_micro_batches_they_ask_for(tmp_path):
     rec = bench.Recorder(str(tmp_path / "out" / "search.json"), {})
     row = bench.search_microbatch(args, device, model_dir, "rl_kernel", batch, rec)
     assert "error" not in row, row
-    assert [(t["micro_batch_size_per_gpu"], t["micro_batches"]) for t in row["tried"]] == [(2, 2), (4, 1)], row
-    assert row["largest_fitting_tokens"] == 64 and "whole batch" in row["note"]
+    assert [(t["micro_batch_size_per_gpu"], t["micro_batches"], t["sequences"]) for t in row["tried"]] == [
+        (2, 2, 4), (4, 2, 8), (8, 1, 8)], row
+    assert row["largest_fitting_tokens"] == 128 and "whole batch" in row["note"]
