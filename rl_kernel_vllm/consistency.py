@@ -154,8 +154,9 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps
     of the sampled tokens, and ``prompt_gap`` of the prompt tokens with ``prompt_logprobs``;
     timing; settings). Without ``logprobs``: the rollout alone, its requests asking for no
-    log-probs, and no trainer (the report has no ``gap``). ``row_split``: the trainer's row-parallel linears computed as that many
-    ranks' sum (:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`); None: the engine's
+    log-probs, and no trainer (the report has no ``gap``). ``row_split``: the trainer's
+    row-parallel linears computed as that many ranks' sum
+    (:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`); None: the engine's
     ``tensor_parallel_size`` when ``batch_invariant``, else 1."""
     import rl_kernel_vllm
 
