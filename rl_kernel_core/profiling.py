@@ -16,8 +16,9 @@ off, :func:`region` returns one shared no-op context manager: no allocation, no 
 Each step record holds ``step``, ``regions`` (name -> ms), ``tokens``, ``tokens_per_s`` (tokens
 over the ``step`` region, or over the wall time since the previous step_end when there is no
 ``step`` region), ``peak_vram_gib`` (CUDA only, reset each step; only where profiling owns
-CUDA's peak-memory counter, see :func:`enable`) and every extra field the caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare``
-(:mod:`rl_kernel_core.report`) reads these files.
+CUDA's peak-memory counter, see :func:`enable`) and every extra field the caller passes
+(``reward``, ``logprob_diff``, ...). ``rl-kernel compare`` (:mod:`rl_kernel_core.report`) reads
+these files.
 """
 
 from __future__ import annotations

@@ -340,22 +340,26 @@ def _tables(device: torch.device, bm: int, cu_q: tuple[int, ...], cu_k: tuple[in
     return tuple(torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True) for values in (cu_q, cu_k, tile_seq, tile_start))
 
 
+def _forward_launch(dtype: torch.dtype, hq: int, hkv: int, d: int, causal: bool) -> dict:
+    """The compile-time arguments (and launch options) of both forward kernels: the packed one and
+    the paged one take the same tiles and arithmetic from here, which is what gives a query the
+    same bits in either."""
+    interpreted = interpreting()
+    bm, bn = ATTENTION_INTERPRETED_TILES if interpreted else TILES[dtype][:2]
+    extra = {} if interpreted else {"num_warps": TILES[dtype][2], "num_stages": TILES[dtype][3]}
+    return dict(HQ=hq, GROUP=hq // hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
+                IEEE=dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted, BLOCK_M=bm, BLOCK_N=bn, **extra)
+
+
 def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
     tq, hq, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
-    interpreted = interpreting()
-    bm, bn = ATTENTION_INTERPRETED_TILES if interpreted else TILES[q.dtype][:2]
-    tables = _tables(q.device, bm, tuple(cu_q), tuple(cu_k))
+    launch = _forward_launch(q.dtype, hq, k.shape[1], d, causal)
+    tables = _tables(q.device, launch["BLOCK_M"], tuple(cu_q), tuple(cu_k))
     if tables is None:
         return out, lse
-    extra = {} if interpreted else {"num_warps": TILES[q.dtype][2], "num_stages": TILES[q.dtype][3]}
-    _attention_fwd_kernel[(tables[2].shape[0], hq)](
-        q, k, v, out, lse, *tables, float(scale),
-        HQ=hq, GROUP=hq // k.shape[1], D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        CAUSAL=causal, IEEE=q.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted,
-        BLOCK_M=bm, BLOCK_N=bn, **extra,
-    )
+    _attention_fwd_kernel[(tables[2].shape[0], hq)](q, k, v, out, lse, *tables, float(scale), **launch)
     return out, lse
 
 
@@ -392,21 +396,17 @@ def paged_forward(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
                   seq_lens: torch.Tensor, max_query_len: int, causal: bool, scale: float, out: torch.Tensor) -> torch.Tensor:
     """:func:`rl_kernel_core.attention.paged_attention` (arguments checked there) on the forward's
     tiles and arithmetic: writes ``out`` and returns it. One launch, no host read."""
-    hq, d = q.shape[1], q.shape[2]
-    interpreted = interpreting()
-    bm, bn = ATTENTION_INTERPRETED_TILES if interpreted else TILES[q.dtype][:2]
+    hq = q.shape[1]
+    launch = _forward_launch(q.dtype, hq, kv_cache.shape[1], q.shape[2], causal)
     num_seqs = seq_lens.shape[0]
-    tiles_per_seq = triton.cdiv(max_query_len, bm)
+    tiles_per_seq = triton.cdiv(max_query_len, launch["BLOCK_M"])
     if num_seqs == 0 or tiles_per_seq == 0:
         return out
-    extra = {} if interpreted else {"num_warps": TILES[q.dtype][2], "num_stages": TILES[q.dtype][3]}
     _paged_attention_fwd_kernel[(num_seqs * tiles_per_seq, hq)](
         q, kv_cache, out, cu_q, seq_lens, block_table, tiles_per_seq, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
-        HQ=hq, GROUP=hq // kv_cache.shape[1], D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        CACHE_BLOCK=kv_cache.shape[2], CAUSAL=causal, IEEE=q.dtype == torch.float32 or interpreted,
-        UPCAST_DOT=interpreted, BLOCK_M=bm, BLOCK_N=bn, **extra,
+        CACHE_BLOCK=kv_cache.shape[2], **launch,
     )
     return out
 
