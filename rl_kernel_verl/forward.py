@@ -120,12 +120,13 @@ def _logits_logprob(model: torch.nn.Module, kwargs: dict, labels: torch.Tensor, 
     real = kwargs.get("attention_mask")
     if real is not None and real.dim() == 2 and real.shape[0] > 1:
         real = real.bool()
+        tokens = real.flatten().nonzero().flatten()  # the one host sync: the packed length
         positions = kwargs.get("position_ids")
         if positions is None:  # what the model would use for the padded rows: 0..T-1 in each
             positions = torch.arange(real.shape[1], device=real.device).expand(real.shape)
-        kwargs = {**kwargs, "input_ids": kwargs["input_ids"][real][None], "position_ids": positions[real][None],
-                  "attention_mask": None}
-        labels = labels[real][None]
+        packed = lambda t: t.flatten().index_select(0, tokens)[None]  # noqa: E731
+        kwargs = {**kwargs, "input_ids": packed(kwargs["input_ids"]), "position_ids": packed(positions), "attention_mask": None}
+        labels = packed(labels)
     else:
         real = None
     logits = type(model).forward(model, use_cache=False, **kwargs).logits
