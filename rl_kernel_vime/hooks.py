@@ -298,13 +298,14 @@ def policy_loss_function(
             kl_type=args.kl_loss_type if use_kl else "k1", kl_coef=args.kl_loss_coef if use_kl else 0.0,
             entropy=entropy, entropy_coef=args.entropy_coef, loss_agg_mode="token-sum",
         )
-        total_weight = weights.sum()  # the token-mean metrics (clip fraction, ppo_kl) as weighted sums too
+        total_weight = weights.sum()  # the token-mean clip fraction as a weighted sum too
         metrics = {
             "loss": loss.detach(),
             "pg_loss": m["pg_loss"],
             "entropy_loss": m["entropy"],
             "pg_clipfrac": m["pg_clipfrac"] * total_weight,
-            "ppo_kl": m["ppo_kl"] * total_weight,
+            # vime's ppo_kl is unclamped; rl_kernel_core's metric takes verl's ±20 log-ratio clamp
+            "ppo_kl": sum_of_sample_mean(old_log_probs - log_probs.detach()).detach(),
         }
         rollout = batch.get("rollout_log_probs")
         if rollout:

@@ -150,6 +150,15 @@ def test_policy_loss_function_cuda(gen, name):
     assert "train_rollout_logprob_abs_diff" in metrics
 
 
+def test_ppo_kl_is_vimes_unclamped_past_the_log_ratio_clamp(gen):
+    """Old log-probs 30 below the new ones: the loss takes the ±20 clamp (the clip and dual clip
+    bound it), the ``ppo_kl`` metric is vime's unclamped mean."""
+    def push(batch):
+        batch["log_probs"] = [old - 30.0 for old in batch["log_probs"]]
+
+    _compare_policy_loss(gen, make_args(eps_clip_c=3.0), push)
+
+
 def test_policy_loss_function_without_old_or_rollout_log_probs(gen):
     def drop(batch):
         batch["log_probs"] = []
