@@ -97,29 +97,39 @@ def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padd
 BF16_MODEL_DRIFT_BOUND = 0.5
 
 
+CONTROL_SEEDS = 5
+
+
 @DEVICES
 def test_mode_off_drift_is_measured(seed, device):
     """Control group: the same comparisons with the mode off give finite differences, and some are
     nonzero (in fp32 or bf16), which is what makes the mode-on checks mean something on this machine.
 
+    At these sizes cuBLAS and sdpa can give equal bits for every layout of one seed's token counts
+    (seen on an H200), so the control tries up to CONTROL_SEEDS models (seed, seed + 1, ...) and
+    needs a nonzero drift in one of them; every one is held to the bounds.
+
     fp32 drift is held to one op's log-prob contract. bf16 drift compounds bf16 rounding through
     the whole model (0.166 was seen for one seed), which one op's contract does not bound, so it is
     held to a sanity bound, BF16_MODEL_DRIFT_BOUND: a mismatched layout gives differences of the
     log-probs' own size, several nats."""
-    drift = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model, cfg = _model(seed, dtype, device=device)
-        vlm.use_mode_vlm(model)
-        with torch.no_grad():
-            _, rollout, others = _layouts(model, _prompts(seed, cfg, dtype))
-        tol = contract.tolerance("logprob", dtype)
-        bound = tol.atol + tol.rtol * max(float(r.abs().max()) for r in rollout)
-        if dtype == torch.bfloat16:
-            bound = BF16_MODEL_DRIFT_BOUND
-        for what, (rows, lps) in others.items():
-            d = chain.max_abs_diff(lps, [rollout[r] for r in rows])
-            assert 0.0 <= d <= bound, f"{contract.dtype_key(dtype)} {what}: {d}"
-            drift[f"{contract.dtype_key(dtype)} {what}"] = d
+    drift: dict[str, float] = {}
+    for s in range(seed, seed + CONTROL_SEEDS):
+        for dtype in (torch.float32, torch.bfloat16):
+            model, cfg = _model(s, dtype, device=device)
+            vlm.use_mode_vlm(model)
+            with torch.no_grad():
+                _, rollout, others = _layouts(model, _prompts(s, cfg, dtype))
+            tol = contract.tolerance("logprob", dtype)
+            bound = tol.atol + tol.rtol * max(float(r.abs().max()) for r in rollout)
+            if dtype == torch.bfloat16:
+                bound = BF16_MODEL_DRIFT_BOUND
+            for what, (rows, lps) in others.items():
+                d = chain.max_abs_diff(lps, [rollout[r] for r in rows])
+                assert 0.0 <= d <= bound, f"seed {s}, {contract.dtype_key(dtype)} {what}: {d}"
+                drift[f"seed {s}, {contract.dtype_key(dtype)} {what}"] = d
+        if max(drift.values()) > 0.0:
+            break
     print(f"mode off drift: {drift}")
     assert max(drift.values()) > 0.0, f"mode off gave bitwise equal log-probs everywhere, so the mode-on checks show nothing: {drift}"
 

@@ -45,10 +45,12 @@ def test_gpu_logprobs_follow_the_trainer_definition(run):
     Two fp32 forwards on different engines (vLLM's CUDA kernels, whose Triton dots round fp32
     inputs through TF32, vs transformers on the CPU) differ by more than the contract of one op;
     that whole-model gap is measured on the requests whose effective temperature is 1, where both
-    definitions coincide. Every request must be within twice that gap of the trainer's value at
-    its own temperature (plus the contract), and each request at a temperature 0.25 or more from 1
-    must be farther than that from the value at T = 1 (so a value at the wrong temperature, as MRV2's
-    in-place temperature would give without the hook's copy, fails)."""
+    definitions coincide. A logit's error reaches the log-prob divided by T, and the gap is taken
+    from the few requests at T = 1 (one H200 run measured 0.0075 there and 0.0164 at T = 0.7), so
+    every request must be within 4 x gap / T of the trainer's value at its own temperature (plus
+    the contract), and each request at a temperature 0.25 or more from 1 must be farther than that
+    from the value at T = 1 (so a value at the wrong temperature, as MRV2's in-place temperature
+    would give without the hook's copy, fails: that run measured 0.48 to 1.13 there)."""
     rows = []
     for request, result in zip(run["requests"], run["results"]):
         params = request["params"]
@@ -60,8 +62,8 @@ def test_gpu_logprobs_follow_the_trainer_definition(run):
         print(f"{params}: max |vLLM - trainer| {rows[-1][2]:.3g}, vs T=1 {rows[-1][3]:.3g}")
     tol = contract.tolerance("logprob", torch.float32)
     engine_gap = max(err for _, t, err, _ in rows if t == 1.0)
-    bound = 2 * engine_gap + tol.atol
     for params, temperature, err, err_at_one in rows:
+        bound = 4 * engine_gap / temperature + tol.atol
         assert err <= bound, f"{params}: {err:.3g} from the trainer's value, over {bound:.3g} (engine gap {engine_gap:.3g})"
         if abs(temperature - 1.0) >= 0.25:
             assert err_at_one > bound, f"{params}: the T=1 value is as close ({err_at_one:.3g}): the test cannot tell them apart"
