@@ -60,9 +60,10 @@ fixed tile order and no split-K, one-program-per-row reductions) serves CUDA ten
 semantics oracle and the CPU path: it makes every library call a fixed shape (row tiles padded to
 a constant size). The two backends are each batch-invariant; they are not bitwise equal to each
 other. Outputs keep the input dtype; accumulation is fp32 (fp64 for fp64 inputs, which only the
-torch backend serves). Inputs are made contiguous first (``bi_matmul``'s ``b`` keeps its strides:
-the torch backend copies it, the Triton kernel reads it by stride), so strided inputs give the same
-bits as contiguous ones.
+torch backend serves). Strided inputs give the same bits as contiguous ones: the matmul's
+operands keep their strides (the torch backend copies them, the Triton kernels read them by stride
+or through transposed tensor descriptors: a training step's transposed gradients and activations
+cost no copy); the other ops' inputs are made contiguous first.
 """
 
 from __future__ import annotations
@@ -270,13 +271,14 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor, *, backend: Optional[str] = "aut
     _checks.same_device("a", a, b=b)
     k = a.shape[-1]
     _checks.shape("b", b, (k, b.shape[1]), f"[K={k}, M]")
-    return _matmul(a.reshape(-1, k).contiguous(), b, backend).reshape(*a.shape[:-1], b.shape[1])
+    return _matmul(a.reshape(-1, k), b, backend).reshape(*a.shape[:-1], b.shape[1])
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, backend: Optional[str] = "auto") -> torch.Tensor:
-    """:func:`bi_matmul` of checked operands: contiguous ``a [N, K]``, ``b [K, M]``."""
-    # b keeps its strides (a model's mm gets the transposed weight as a view): each backend reads
-    # it in a fixed way, and copying a large weight on every call would cost more than the product
+    """:func:`bi_matmul` of checked operands ``a [N, K]``, ``b [K, M]``, any strides."""
+    # both keep their strides (a model's mm gets the transposed weight as a view, its backward the
+    # transposed gradient): each backend reads them in a fixed way, and copying them on every call
+    # would cost more than the product
     return dispatch.select("bi_matmul", backend, a.device, a, b)(a, b)
 
 
@@ -422,19 +424,18 @@ def _scaled_sum(prod: torch.Tensor, bias: torch.Tensor, beta, alpha) -> torch.Te
 
 
 def _route_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _matmul(a.contiguous(), b) if _product_args(a, b, 2) else NotImplemented
+    return _matmul(a, b) if _product_args(a, b, 2) else NotImplemented
 
 
 def _route_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
     if not (_product_args(a, b, 2) and _addend_args(bias, a, (a.shape[0], b.shape[1]), beta, alpha)):
         return NotImplemented
-    return _scaled_sum(_matmul(a.contiguous(), b), bias, beta, alpha)
+    return _scaled_sum(_matmul(a, b), bias, beta, alpha)
 
 
 def _batched_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # One fixed-shape row-tiled product per batch entry: an entry's result does not depend on how
     # many entries the batch has.
-    a = a.contiguous()
     return torch.stack([_matmul(a[i], b[i]) for i in range(a.shape[0])])
 
 

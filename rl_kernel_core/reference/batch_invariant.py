@@ -68,9 +68,9 @@ def row_tiled(fn: Callable[..., Outputs], *tensors: torch.Tensor, tile: int = RO
 
 @dispatch.register("bi_matmul", "torch")
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [N, K] @ b [K, M] -> [N, M]`` in fixed-shape row tiles (a's dtype); b any strides."""
+    """``a [N, K] @ b [K, M] -> [N, M]`` in fixed-shape row tiles (a's dtype); a and b any strides."""
     b = b.contiguous()
-    return row_tiled(lambda t: t @ b, a)
+    return row_tiled(lambda t: t @ b, a.contiguous())
 
 
 @dispatch.register("bi_linear", "torch")

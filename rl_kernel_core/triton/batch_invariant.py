@@ -9,14 +9,15 @@ Why these are batch-invariant:
   (:data:`~rl_kernel_core.triton.tuning.MATMUL_TILES`) depends on the dtype only, never on the row
   count N, so a row's bits do not depend on N, on its position or on the other rows (the
   tensor-core MMA computes each output element from its own row and column).
-* The row reductions run one program per row over ``BLOCK`` columns at a time, in ascending
-  order, with the same ``BLOCK`` for every N: the mean and the log-sum-exp of a row are the same
-  sequence of fp32 operations whatever else is in the call.
-
-Accumulation is fp32 (fp32 inputs use IEEE fp32 products, not TF32); outputs keep the input dtype.
-fp64 inputs are left to the torch backend (``supports`` says so). Gradients: the matmul's input
-gradient is itself a batch-invariant product; weight gradients (a sum over rows) and the
-reductions' gradients are plain PyTorch, correct but not batch-invariant.
+* Two kernels compute the same product: the pointer kernel (``_persistent_matmul_kernel``) and,
+  for 16-bit inputs on Hopper or later from :data:`~rl_kernel_core.triton.tuning.TMA_MIN_ROWS`
+  rows, the TMA kernel (``_tma_matmul_kernel``: tensor-memory loads, the tile loop flattened into
+  the k loop so the next tile's loads overlap this tile's epilogue), faster there. Both take the
+  same ``BLOCK_M x BLOCK_N`` blocks through the same ``BLOCK_K`` steps into one fp32 accumulator,
+  and the tensor-core MMA gives each element from its own row and column, so their bits are equal;
+  a GPU test asserts it (``tests/core/ops/test_bi_matmul.py``), since the row count picks the
+  kernel. An operand whose layout TMA cannot describe (a stride that is not a multiple of 16
+  bytes, an unaligned base) is copied into one it can. The k tail past K reads zeros in both.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
@@ -38,6 +40,9 @@ from rl_kernel_core.triton.tuning import (
     MATMUL_INTERPRETED_TILES,
     MATMUL_TILES,
     ROW_BLOCK,
+    TMA_MATMUL_TILES,
+    TMA_MIN_ROWS,
+    TMA_MIN_ROWS_INTERPRETED,
 )
 
 
@@ -72,6 +77,54 @@ def _persistent_matmul_kernel(
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@launch_time_jit(do_not_specialize=["M"])
+def _tma_matmul_kernel(
+    a_desc, b_desc, bias_ptr, c_desc, c_ptr, M, N, K, stride_cm,
+    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
+    C_DESC: tl.constexpr, NUM_PROGS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``c[M, N] = a[M, K] @ b[K, N] (+ bias[N])`` from tensor descriptors. ``a_desc``: ``a``
+    (``[M, K]`` blocks) or, with ``A_TRANS``, ``a.T`` (``[K, M]`` blocks); ``b_desc``: ``b.T``
+    (``[N, K]`` blocks) or, with ``B_TRANS``, ``b`` (``[K, N]`` blocks). ``c_desc`` (``C_DESC``)
+    stores half-tiles ``[BLOCK_M, BLOCK_N // 2]``; without it ``c_ptr`` takes masked stores."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # the epilogue recomputes its tile from its own counter so the flattened loop's next-tile
+    # prologue does not carry values into this tile's epilogue
+    tile_c = tl.program_id(0) - NUM_PROGS
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=True):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            if A_TRANS:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_TRANS:
+                b = b_desc.load([off_k, off_n])
+            else:
+                b = b_desc.load([off_n, off_k]).T
+            acc = dot_acc(a, b, acc, UPCAST_DOT, UPCAST_DOT)  # the interpreter's upcast operands need IEEE products
+        tile_c += NUM_PROGS
+        pid_m, pid_n = grouped_tile(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if C_DESC:
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(c_ptr.dtype.element_ty))
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(c_ptr.dtype.element_ty))
+        else:
+            rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -89,7 +142,7 @@ def shared_memory_per_block(device: torch.device) -> int:
 
 @functools.cache
 def matmul_tile(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int, int]:
-    """The tile the persistent matmul uses for ``dtype`` on ``device``:
+    """The tile the pointer kernel uses for ``dtype`` on ``device``:
     :data:`~rl_kernel_core.triton.tuning.MATMUL_TILES`' where its pipeline fits the device's shared
     memory, else :data:`~rl_kernel_core.triton.tuning.COMPACT_MATMUL_TILES`'. A function of the
     dtype and the device only, never of the call's shape."""
@@ -97,29 +150,86 @@ def matmul_tile(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int
     return tile if _pipeline_bytes(tile, dtype) <= shared_memory_per_block(device) else COMPACT_MATMUL_TILES[dtype]
 
 
+@functools.cache
+def _cuda_uses_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def uses_tma(dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+    """Whether ``matmul_forward`` runs the TMA kernel for a ``rows``-row product in ``dtype`` on
+    ``device``: 16-bit inputs on Hopper or later (and under the interpreter) from
+    :data:`~rl_kernel_core.triton.tuning.TMA_MIN_ROWS` rows; else the pointer kernel, which gives
+    the same bits."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if interpreting():
+        return rows >= TMA_MIN_ROWS_INTERPRETED
+    return device.type == "cuda" and _cuda_uses_tma(device) and rows >= TMA_MIN_ROWS
+
+
+_TMA_ALIGN_BYTES = 16
+
+
+def _tma_operand(x: torch.Tensor, rows_block: int, k_block: int) -> tuple[TensorDescriptor, bool]:
+    """A descriptor of ``x [R, K]`` and whether it describes ``x.T`` (``[k_block, rows_block]``
+    blocks) rather than ``x`` (``[rows_block, k_block]``). A layout TMA cannot read (a stride that
+    is not a multiple of 16 bytes, an unaligned base) is copied into a row-major buffer whose rows
+    are padded to 16 bytes; the descriptor keeps the shape ``[R, K]``, so the padding is never read."""
+    r, k = x.shape
+    align = _TMA_ALIGN_BYTES // x.element_size()
+    if x.data_ptr() % _TMA_ALIGN_BYTES == 0:
+        if x.stride(1) == 1 and x.stride(0) % align == 0:
+            return TensorDescriptor(x, [r, k], [x.stride(0), 1], [rows_block, k_block]), False
+        if x.stride(0) == 1 and x.stride(1) % align == 0:
+            return TensorDescriptor(x, [k, r], [x.stride(1), 1], [k_block, rows_block]), True
+    row = -(-k // align) * align
+    buf = torch.empty((r, row), dtype=x.dtype, device=x.device)
+    buf[:, :k].copy_(x)
+    return TensorDescriptor(buf, [r, k], [row, 1], [rows_block, k_block]), False
+
+
 def _n_programs(tiles: int, device: torch.device) -> int:
-    return min(tiles, _sm_count(device) if device.type == "cuda" else 4)
+    return min(tiles, _program_slots(device))
+
+
+def _program_slots(device: torch.device) -> int:
+    return _sm_count(device) if device.type == "cuda" else 4
+
+
+def _tile_for(a: torch.Tensor, tma: bool, tile: Optional[tuple[int, int, int, int, int]]) -> tuple[tuple[int, int, int], dict]:
+    if interpreting():
+        return MATMUL_INTERPRETED_TILES, {}
+    bm, bn, bk, warps, stages = tile or (TMA_MATMUL_TILES[a.dtype] if tma else matmul_tile(a.dtype, a.device))
+    return (bm, bn, bk), {"num_warps": warps, "num_stages": stages}
 
 
 def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tensor],
-                   tile: Optional[tuple[int, int, int, int, int]] = None) -> torch.Tensor:
+                   tile: Optional[tuple[int, int, int, int, int]] = None, tma: Optional[bool] = None) -> torch.Tensor:
     """``a [M, K] @ b_t.T (+ bias)`` for ``b_t [N, K]`` (any strides): ``[M, N]`` in a's dtype, no
-    autograd. ``tile``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` in place of
-    :func:`matmul_tile`'s (for tile sweeps; each fixed tile is batch-invariant on its own)."""
+    autograd. For sweeps and kernel comparisons only: ``tma``, the kernel in place of
+    :func:`uses_tma`'s choice; ``tile``, a ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` in
+    place of the kernel's own (each fixed tile is batch-invariant on its own)."""
     m, k = a.shape
     n = b_t.shape[0]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     interpreted = interpreting()
-    if interpreted:
-        bm, bn, bk = MATMUL_INTERPRETED_TILES
-        extra = {}
-    else:
-        bm, bn, bk, warps, stages = tile or matmul_tile(a.dtype, a.device)
-        extra = {"num_warps": warps, "num_stages": stages}
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    progs = _n_programs(tiles, a.device)
+    tma = uses_tma(a.dtype, a.device, m) if tma is None else tma
+    (bm, bn, bk), extra = _tile_for(a, tma, tile)
+    progs = _n_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), a.device)
+    if tma:
+        a_desc, a_trans = _tma_operand(a, bm, bk)
+        b_desc, b_t_trans = _tma_operand(b_t, bn, bk)
+        c_desc = (TensorDescriptor(out, [m, n], [n, 1], [bm, bn // 2])
+                  if n % (_TMA_ALIGN_BYTES // out.element_size()) == 0 else None)
+        _tma_matmul_kernel[(progs,)](
+            a_desc, b_desc, bias if bias is not None else a, c_desc, out, m, n, k, out.stride(0),
+            HAS_BIAS=bias is not None, UPCAST_DOT=interpreted, A_TRANS=a_trans, B_TRANS=b_t_trans,
+            C_DESC=c_desc is not None, NUM_PROGS=_program_slots(a.device),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, **extra,
+        )
+        return out
     _persistent_matmul_kernel[(progs,)](
         a, b_t, bias if bias is not None else a, out, m, n, k,
         a.stride(0), a.stride(1), b_t.stride(1), b_t.stride(0), out.stride(0), out.stride(1),

@@ -68,6 +68,27 @@ COMPACT_MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
 """The persistent matmul's tiles (fields as :data:`MATMUL_TILES`) for GPUs whose shared memory per
 block cannot hold :data:`MATMUL_TILES`' pipeline."""
 
+TMA_MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    torch.bfloat16: (128, 256, 64, 8, 3),
+    torch.float16: (128, 256, 64, 8, 3),
+}
+"""The TMA matmul's tiles (``_tma_matmul_kernel``, 16-bit inputs on Hopper; fields as
+:data:`MATMUL_TILES`): the same blocks as :data:`MATMUL_TILES`', so the same k steps, with three
+stages (its epilogue's half-tile buffer shares the shared memory). The fastest of
+``benchmarks/sweep_bi_matmul_tiles.py``'s candidates on an H200 over a Qwen3-1.7B layer's
+products in the three layouts of a training step at 8192 rows
+(``benchmarks/results/bi_matmul_h200/``)."""
+
+TMA_MIN_ROWS: int = 4096
+"""Products with at least this many rows take the TMA kernel, fewer the pointer kernel (Hopper,
+16-bit). On the H200 the TMA kernel is faster from 8192 rows (1.18x cuBLAS's time vs 1.59x) and
+slower up to 2048 (1.87x vs 1.79x; 2.87x vs 2.21x at 512): ``benchmarks/results/bi_matmul_h200/``.
+Both kernels take the same k steps from the same blocks, and a GPU test asserts their bits equal
+(``tests/core/ops/test_bi_matmul.py``), so a row's bits do not depend on the side it falls."""
+
+TMA_MIN_ROWS_INTERPRETED: int = 16
+""":data:`TMA_MIN_ROWS` under the Triton interpreter: small, so the CPU tests' batches cross it."""
+
 MATMUL_INTERPRETED_TILES: tuple[int, int, int] = (16, 32, 16)
 """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of the persistent matmul under the Triton interpreter (CPU
 tests): small so interpreted programs stay fast."""

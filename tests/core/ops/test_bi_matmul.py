@@ -69,3 +69,56 @@ def test_matmul_tile_fits_the_devices_shared_memory(monkeypatch):
     finally:
         tbi.matmul_tile.cache_clear()  # the real device's answer next time
     assert tuning.MATMUL_TILES[torch.bfloat16] != tuning.COMPACT_MATMUL_TILES[torch.bfloat16]
+
+
+def _odd_layouts(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``x`` with the same values as row-major, column-major and a view whose base is one element
+    past a 16-byte boundary (a layout the TMA kernel must copy first)."""
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
+    shifted.copy_(x)
+    return {"row_major": x.contiguous(), "column_major": x.t().contiguous().t(), "unaligned": shifted}
+
+
+@pytest.mark.parametrize("shape", [(37, 29, 45), (40, 64, 72), (300, 1000, 520)])
+def test_the_operands_layout_does_not_change_a_bit(seed, triton_device, shape):
+    """The same values give the same bits whatever the operands' strides and alignment: the trainer
+    multiplies by ``W.T`` views and gradients by transposed activations, the rollout by
+    contiguous weights. K=29 pads rows to 16 bytes; (40, 64, 72) reads column-major operands
+    through transposed descriptors; (300, 1000, 520), compiled only, spans several tiles and k
+    steps, and its column-major ``a`` (300-element columns) is copied first."""
+    n, k, m = shape
+    if triton_device.type == "cpu" and n * k * m > 10**6:
+        pytest.skip("several tiles: compiled only (the interpreter takes minutes)")
+    a = torch.randn(n, k, device=triton_device).to(torch.bfloat16)
+    b = torch.randn(k, m, device=triton_device).to(torch.bfloat16)
+    expected = bi_matmul(a, b, backend="triton")
+    for a_name, a_view in _odd_layouts(a).items():
+        for b_name, b_view in _odd_layouts(b).items():
+            got = bi_matmul(a_view, b_view, backend="triton")
+            assert torch.equal(got, expected), f"a {a_name}, b {b_name}: {(got.float() - expected.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("layout", ["fwd", "dx", "dw"])
+def test_the_tma_and_pointer_kernels_give_the_same_bits(seed, triton_device, layout):
+    """The row count picks the kernel (``TMA_MIN_ROWS``), so both must give every element the same
+    bits, in each layout of a training step (``fwd`` ``x @ W.T``, ``dx`` ``g @ W``, ``dw``
+    ``g.T @ x``); and a batch that crosses the threshold gives its rows the bits they get alone.
+    Compiled: Qwen3-1.7B's MLP widths, several tiles and k steps."""
+    from rl_kernel_core.triton import tuning
+    from rl_kernel_core.triton.batch_invariant import matmul_forward, uses_tma
+
+    cuda = triton_device.type == "cuda"
+    if cuda and not uses_tma(torch.bfloat16, triton_device, tuning.TMA_MIN_ROWS):
+        pytest.skip("the TMA kernel needs Hopper or later")
+    rows, k, n = (tuning.TMA_MIN_ROWS + 37, 2048, 6144) if cuda else (tuning.TMA_MIN_ROWS_INTERPRETED + 5, 40, 48)
+    x = torch.randn(rows, k, device=triton_device).to(torch.bfloat16)
+    g = torch.randn(rows, n, device=triton_device).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=triton_device) * k ** -0.5).to(torch.bfloat16)
+    a, b_t = {"fwd": (x, w), "dx": (g, w.t()), "dw": (g.t(), x.t())}[layout]
+    tma, pointer = matmul_forward(a, b_t, None, tma=True), matmul_forward(a, b_t, None, tma=False)
+    assert torch.equal(tma, pointer), f"{layout}: max |tma - pointer| {(tma.float() - pointer.float()).abs().max()}"
+    if layout != "dw":  # dw's rows are W's, its reduction the batch: not a batch-invariant product
+        assert uses_tma(torch.bfloat16, triton_device, a.shape[0]) and not uses_tma(torch.bfloat16, triton_device, 5)
+        full = matmul_forward(a, b_t, None)
+        assert torch.equal(full[:5], matmul_forward(a[:5], b_t, None))
+        assert torch.equal(full[-5:], matmul_forward(a[-5:], b_t, None))
