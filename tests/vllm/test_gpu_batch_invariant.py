@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import vllm_tiny_model
-from vllm_engine_requests import KV_CACHE_BYTES
+from vllm_engine_requests import KV_CACHE_BYTES, skip_without_vllm
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.gpu
 def report(tmp_path_factory, module_seed) -> dict:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pytest.importorskip("vllm")
+    skip_without_vllm()
     from importlib.metadata import entry_points
 
     if not any(e.value.startswith("rl_kernel_vllm") for e in entry_points(group="vllm.general_plugins")):

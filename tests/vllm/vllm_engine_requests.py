@@ -99,6 +99,18 @@ def our_kernel_names() -> set[str]:
     return names
 
 
+def skip_without_vllm() -> None:
+    """Skip the calling test unless vLLM itself is importable: ``tests/vllm`` (no ``__init__``) imports
+    as a namespace package named ``vllm`` wherever ``tests`` is on ``sys.path``, which
+    ``pytest.importorskip("vllm")`` takes for vLLM."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm.entrypoints") is None:
+        pytest.skip("needs vLLM")
+
+
 def run_gpu_engine(root: Path, seed: int, *, engine: dict, env: dict, logprobs: bool = True) -> dict:
     """One vLLM GPU engine (a subprocess, ``vllm_engine_run.py``) on a tiny fp32 model built in ``root``, serving
     :func:`make_requests` (without their ``logprobs`` when not ``logprobs``) with the plugin on, its default hook set
@@ -111,7 +123,7 @@ def run_gpu_engine(root: Path, seed: int, *, engine: dict, env: dict, logprobs: 
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pytest.importorskip("vllm")
+    skip_without_vllm()
 
     vocab = vllm_tiny_model.build(root / "model", seed)
     requests = make_requests(seed, vocab)
