@@ -18,6 +18,14 @@ Why these are batch-invariant:
   a GPU test asserts it (``tests/core/ops/test_bi_matmul.py``), since the row count picks the
   kernel. An operand whose layout TMA cannot describe (a stride that is not a multiple of 16
   bytes, an unaligned base) is copied into one it can. The k tail past K reads zeros in both.
+* The row reductions run one program per row over ``BLOCK`` columns at a time, in ascending
+  order, with the same ``BLOCK`` for every N: the mean and the log-sum-exp of a row are the same
+  sequence of fp32 operations whatever else is in the call.
+
+Accumulation is fp32 (fp32 inputs use IEEE fp32 products, not TF32); outputs keep the input dtype.
+fp64 inputs are left to the torch backend (``supports`` says so). Gradients: the matmul's input
+gradient is itself a batch-invariant product; weight gradients (a sum over rows) and the
+reductions' gradients are plain PyTorch, correct but not batch-invariant.
 """
 
 from __future__ import annotations

@@ -69,6 +69,8 @@ def test_matmul_tile_fits_the_devices_shared_memory(monkeypatch):
     finally:
         tbi.matmul_tile.cache_clear()  # the real device's answer next time
     assert tuning.MATMUL_TILES[torch.bfloat16] != tuning.COMPACT_MATMUL_TILES[torch.bfloat16]
+    for dtype, tma_tile in tuning.TMA_MATMUL_TILES.items():  # the same blocks and k steps as the pointer kernel's
+        assert tma_tile[:3] == tuning.MATMUL_TILES[dtype][:3]
 
 
 def _odd_layouts(x: torch.Tensor) -> dict[str, torch.Tensor]:
