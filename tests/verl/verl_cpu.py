@@ -154,8 +154,10 @@ def infer(worker, rollout: dict, temperature, ref: bool = False):
 def policy_inputs(worker, rollout: dict, temperature: float, generator: torch.Generator) -> dict:
     """``old_log_probs``, ``advantages``, ``ref_log_prob`` ``[bsz, response_len]`` for ``rollout``.
 
-    Near the worker's current log-probs, so that some tokens are clipped, some dual-clipped
-    (ratio e^1.5 > clip_ratio_c with negative advantages) and the KL is small.
+    Near the worker's current log-probs, so that some tokens are clipped (row 0's third token at
+    least: ratio e^1 with a positive advantage), some dual-clipped (row 0's first two: ratio
+    e^1.5 > clip_ratio_c with negative advantages) and the KL is small. Row 0's response is full
+    length (:func:`random_rollout`), so those tokens count whatever the seed.
     """
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
@@ -164,8 +166,10 @@ def policy_inputs(worker, rollout: dict, temperature: float, generator: torch.Ge
     current = no_padding_2_padding(tu.get(worker.compute_log_prob(batch), "log_probs"), to_engine_batch(rollout))
     shift = 0.5 * torch.randn(current.shape, generator=generator)
     shift[0, :2] = -1.5
+    shift[0, 2] = -1.0
     advantages = torch.randn(current.shape, generator=generator)
     advantages[0, :2] = -advantages[0, :2].abs()
+    advantages[0, 2] = advantages[0, 2].abs()
     return {
         "old_log_probs": current + shift,
         "advantages": advantages,
