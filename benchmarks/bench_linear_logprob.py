@@ -295,11 +295,18 @@ def liger_cute_flce(h, w, t):
     return -liger_fused_linear_cross_entropy_sm90(h, w, t, reduction="sum")
 
 
+QUACK_CHUNK = 4096
+"""QuACK's default ``chunk_size``. Where it equals D its dh GEMM epilogue is ``[chunk, D]`` square
+and quack-kernels 0.6.5 raises ``ValueError: operand 'v': m == n makes row/col inference
+ambiguous``; there it runs with twice the chunk (:func:`quack`)."""
+
+
 def quack(h, w, t):
     """Minus the summed loss (a scalar): the fused API has reduction ``mean``/``sum`` only."""
     from quack.linear_cross_entropy import chunked_linear_cross_entropy
 
-    return -chunked_linear_cross_entropy(h, w, t, reduction="sum")
+    chunk = 2 * QUACK_CHUNK if h.shape[1] == QUACK_CHUNK else QUACK_CHUNK
+    return -chunked_linear_cross_entropy(h, w, t, chunk_size=chunk, reduction="sum")
 
 
 METHODS = {"ours": ours, "eager": eager, "eager_chunked_ckpt": eager_chunked_ckpt, "liger_flce": liger, "cce": cce, "cce_exact": cce_exact,
@@ -315,7 +322,8 @@ PEER_PACKAGES = ("liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-c
                  "nvidia-cutlass-dsl-libs-cu12", "apache-tvm-ffi")
 SCALAR_OUTPUT = {
     "liger_cute_flce": "minus the summed loss (reduction='sum'; the API has no per-token output); backward of that scalar",
-    "quack": "minus the summed loss (reduction='sum'; the fused API has no per-token output); backward of that scalar",
+    "quack": "minus the summed loss (reduction='sum'; the fused API has no per-token output); backward of that scalar; "
+             "chunk_size 8192 where D = 4096 (its default 4096 raises there), else 4096",
 }
 FORWARD_NOTES = {"liger_cute_flce": "its forward also computes dh (gradient-in-forward): not a forward-only cost"}
 
@@ -449,6 +457,9 @@ def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
         T(128, 256, 64, 16, 8, 3, persistent=True), T(128, 256, 64, 16, 8, 3, tma=True, persistent=True),
         T(128, 256, 64, 16, 8, 4, tma=True, persistent=True), T(128, 256, 64, 8, 8, 3, tma=True, persistent=True),
         T(256, 128, 64, 16, 8, 3, tma=True, persistent=True), T(128, 256, 64, 16, 8, 4, persistent=True),
+        # narrower tiles: a shorter epilogue per tile, which weighs more at small D
+        T(128, 128, 64, 16, 8, 4, tma=True, persistent=True), T(128, 128, 64, 16, 4, 4, tma=True, persistent=True),
+        T(64, 256, 64, 16, 4, 4, tma=True, persistent=True), T(128, 128, 128, 16, 8, 3, tma=True, persistent=True),
     ]
     for cfg in configs:
         scope = _with_tuning(gemm_tiles=cfg, route="gemm")

@@ -25,7 +25,7 @@ from rl_kernel_core import bench  # noqa: E402
 
 
 def _case_fn(case: str, shape: str, dtype: torch.dtype):
-    n, d, v = B.SHAPES[shape]
+    n, d, v = B.shape_of(shape)
     if case == "loss":
         h, w, t, old, adv, mask = B._loss_inputs(32, n // 32, d, v, dtype)
         return lambda: B.loss_fwd_bwd(B.ours_loss, h, w, t, old, adv, mask)
@@ -44,7 +44,7 @@ def _case_fn(case: str, shape: str, dtype: torch.dtype):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    p.add_argument("--shapes", default="llama8b,qwen0.5b")
+    p.add_argument("--shapes", default="llama8b,qwen0.5b", help="comma list of bench_linear_logprob's SHAPES names or d<D>_v<V>_n<N>")
     p.add_argument("--cases", default="fwd,fwdbwd,loss")
     p.add_argument("--variants", default="", help="as bench_linear_logprob.py: name=field:value;...")
     p.add_argument("--dtype", default="bfloat16")
@@ -57,7 +57,7 @@ def main() -> int:
     doc = {"benchmark": "profile_linear", "command": bench.command_line(), "environment": bench.environment(dev),
            "tuning_defaults": B._tuning_dict(B.LC.tuning()), "results": []}
     for shape in args.shapes.split(","):
-        n, d, v = B.SHAPES[shape]
+        n, d, v = B.shape_of(shape)
         h = torch.randn(n, d, device=dev).to(dtype)
         w = torch.randn(v, d, device=dev).to(dtype)
         floor_ms, _ = bench.kernel_table(lambda: h @ w.T, max(3, args.warmup))

@@ -63,7 +63,13 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     an fp32 ``[V, D]`` buffer (``4 V D`` extra bytes while the gradient is formed, and slower)
     instead of in ``weight``'s dtype (one rounding per chunk). ``gemm_tiles`` /
     ``gemm_grad_tiles``: the gemm route's tiles for 16-bit inputs on a GPU in the statistics /
-    gradient pass. The statistics pass takes TMA loads and a persistent launch; the gradient
+    gradient pass. ``loss_keeps_logits_from_dim``: on the gemm route with ``D`` at least this,
+    ``fused_linear_policy_loss``'s statistics pass also writes each chunk's logits into an fp32
+    chunk buffer, which its gradient pass reads instead of forming them again: three matrix
+    products instead of four, the same log-prob bits (the chunk is sized as the chunked route's, in
+    ``chunk_bytes``). Writing and reading the fp32 logits costs about the same at every ``D``, the
+    product it saves grows with ``D``: on an H200 keeping them took 0.83x the time at D=4096 and
+    1.08x at D=896 (``benchmarks/results/linear_h200/``). The statistics pass takes TMA loads and a persistent launch; the gradient
     pass, which stores a 16-bit ``dl`` tile, measured slower with them (``bench_linear_logprob.py
     --variants "tmagrad=gemm_grad_tiles.tma:true;gemm_grad_tiles.persistent:true"``).
     """
@@ -74,11 +80,12 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     wgrad_fp32: bool = False
     gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True))
     gemm_grad_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3))
+    loss_keeps_logits_from_dim: int = 2048
 
     def __post_init__(self) -> None:
         if self.route not in ("gemm", "chunked"):
             raise ValueError(f"route must be 'gemm' or 'chunked', got {self.route!r}")
-        for name in ("chunk_bytes", "stats_bytes"):
+        for name in ("chunk_bytes", "stats_bytes", "loss_keeps_logits_from_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -221,23 +228,27 @@ class ChunkBuffers:
     and the per-chunk passes a backend supplies.
 
     ``rows`` is the chunk height. On the chunked route ``logits`` is the fp32 ``[rows, V]`` chunk
-    cuBLAS writes (:meth:`source`) and ``dl`` overwrites it in place; otherwise ``dl`` (when
+    cuBLAS writes (:meth:`source`) and ``dl`` overwrites it in place; with ``keep_logits`` (gemm
+    route) ``logits`` is the same buffer, written by the statistics pass; otherwise ``dl`` (when
     needed) is a ``[rows, V]`` buffer in ``hidden``'s dtype. A backend subclass implements
     :meth:`stats` and :meth:`grad` (and may size ``rows`` itself for passes that need no
     ``dl``, through :meth:`stats_rows`).
     """
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool) -> None:
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool, keep_logits: bool = False) -> None:
         vocab, dim = weight.shape
         dev, dt = hidden.device, hidden.dtype
         self.route = route
         self.logits: Optional[torch.Tensor] = None
         self.h_pad: Optional[torch.Tensor] = None
         self._dl: Optional[torch.Tensor] = None
-        if route == "chunked":
+        if keep_logits and route != "gemm":
+            raise ValueError(f"keep_logits: only the gemm route keeps its logits, got route {route!r}")
+        if route == "chunked" or keep_logits:
             self.rows = chunk_rows(vocab, 4)
             self.logits = torch.empty(self.rows, vocab, dtype=torch.float32, device=dev)
-            self.h_pad = torch.empty(self.rows, dim, dtype=dt, device=dev)
+            if route == "chunked":
+                self.h_pad = torch.empty(self.rows, dim, dtype=dt, device=dev)
             self._dl = self.logits if dt == torch.float32 else self.logits.view(dt)[:, :vocab]
         elif need_dl:
             self.rows = chunk_rows(vocab, hidden.element_size())

@@ -84,9 +84,10 @@ class LaunchTimeKernel:
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
 
-    def flavour(self):
-        """The JITFunction (compiled) or InterpretedFunction to launch right now."""
-        if interpreting():
+    def flavour(self, interpreted: Optional[bool] = None):
+        """The JITFunction (compiled) or InterpretedFunction to launch right now (``interpreted``:
+        :func:`interpreting`'s answer, where the caller has it)."""
+        if interpreting() if interpreted is None else interpreted:
             if self._interpreted is None:
                 from triton.runtime.interpreter import InterpretedFunction
 
@@ -97,8 +98,9 @@ class LaunchTimeKernel:
         return self._compiled
 
     def __getitem__(self, grid):
-        kernel = self.flavour()
-        if not interpreting():
+        interpreted = interpreting()  # read once: every routed op launches through here
+        kernel = self.flavour(interpreted)
+        if not interpreted:
             return kernel[grid]
 
         def launch(*args, **kwargs):

@@ -34,7 +34,6 @@ import functools
 from typing import Optional
 
 import torch
-import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -163,14 +162,14 @@ def _cuda_uses_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def uses_tma(dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+def uses_tma(dtype: torch.dtype, device: torch.device, rows: int, interpreted: Optional[bool] = None) -> bool:
     """Whether ``matmul_forward`` runs the TMA kernel for a ``rows``-row product in ``dtype`` on
     ``device``: 16-bit inputs on Hopper or later (and under the interpreter) from
     :data:`~rl_kernel_core.triton.tuning.TMA_MIN_ROWS` rows; else the pointer kernel, which gives
-    the same bits."""
+    the same bits. ``interpreted``: :func:`interpreting`'s answer, where the caller has it."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False
-    if interpreting():
+    if interpreting() if interpreted is None else interpreted:
         return rows >= TMA_MIN_ROWS_INTERPRETED
     return device.type == "cuda" and _cuda_uses_tma(device) and rows >= TMA_MIN_ROWS
 
@@ -204,8 +203,8 @@ def _program_slots(device: torch.device) -> int:
     return _sm_count(device) if device.type == "cuda" else 4
 
 
-def _tile_for(a: torch.Tensor, tma: bool, tile: Optional[tuple[int, int, int, int, int]]) -> tuple[tuple[int, int, int], dict]:
-    if interpreting():
+def _tile_for(a: torch.Tensor, tma: bool, tile: Optional[tuple[int, int, int, int, int]], interpreted: bool) -> tuple[tuple[int, int, int], dict]:
+    if interpreted:
         return MATMUL_INTERPRETED_TILES, {}
     bm, bn, bk, warps, stages = tile or (TMA_MATMUL_TILES[a.dtype] if tma else matmul_tile(a.dtype, a.device))
     return (bm, bn, bk), {"num_warps": warps, "num_stages": stages}
@@ -223,9 +222,9 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
     if m == 0 or n == 0:
         return out
     interpreted = interpreting()
-    tma = uses_tma(a.dtype, a.device, m) if tma is None else tma
-    (bm, bn, bk), extra = _tile_for(a, tma, tile)
-    progs = _n_programs(triton.cdiv(m, bm) * triton.cdiv(n, bn), a.device)
+    tma = uses_tma(a.dtype, a.device, m, interpreted) if tma is None else tma
+    (bm, bn, bk), extra = _tile_for(a, tma, tile, interpreted)
+    progs = _n_programs(-(-m // bm) * -(-n // bn), a.device)  # ceil divisions (triton.cdiv costs a dispatch on the host)
     if tma:
         a_desc, a_trans = _tma_operand(a, bm, bk)
         b_desc, b_t_trans = _tma_operand(b_t, bn, bk)

@@ -16,16 +16,18 @@ entropy and on ``w_i``, nothing global. The forward therefore runs, per fixed-si
    (:func:`rl_kernel_core.triton.loss.policy_loss_bwd`) in ``token-sum`` mode with the
    chunk's ``w`` as a float mask, which is exactly ``d loss / d logprob`` and ``d loss /
    d entropy`` (the reference's formulas, clamps and tie rules);
-4. the gradient pass: ``dl = d loss / d logits`` written over the fp32 chunk in place (chunked)
-   or recomputed from ``hidden`` and ``weight`` (gemm: one more matrix product);
+4. the gradient pass: ``dl = d loss / d logits`` written over the fp32 chunk in place (chunked,
+   and gemm where ``tuning().loss_keeps_logits_from_dim`` has the statistics pass keep the
+   chunk's logits) or recomputed from ``hidden`` and ``weight`` (gemm otherwise: one more matrix
+   product);
 5. ``dh = dl @ W`` (fixed shape) and ``dW += dl^T @ h``.
 
 Then the loss value and metrics come from the reference loss on the ``[N]`` log-probs and
 entropies. The op is the custom op ``rl_kernel::triton_fused_linear_policy_loss`` (schemas and
 autograd glue in :mod:`rl_kernel_core.opdef.loss`), which returns the gradients it formed; its
 backward only scales the stored ``dh``, ``dW``, ``db`` by the upstream gradient:
-on the chunked route the whole step costs three products (logits, dh, dW); on the gemm route
-four (the gradient pass forms the logits again).
+three products (logits, dh, dW) where the logits are kept or chunked, four where the gradient
+pass forms them again.
 
 Memory: the chunk buffer (``tuning().chunk_bytes``, :mod:`rl_kernel_core.linear_chunks`), ``dh``
 and ``dW`` in the inputs' dtypes (the gradients, kept from the forward until the backward; with
@@ -93,7 +95,8 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
     rw1 = None if rw is None else rw.reshape(-1)
     token_sum = dataclasses.replace(settings, loss_agg_mode="token-sum")
     sink = LC.GradSink(h2d, weight, need_h, need_w, need_b and bias is not None)
-    buf = TritonChunkBuffers(h2d, weight, route, need_dl=True)
+    keep_logits = route == "gemm" and weight.shape[1] >= LC.tuning().loss_keeps_logits_from_dim
+    buf = TritonChunkBuffers(h2d, weight, route, need_dl=True, keep_logits=keep_logits)
     one = torch.ones((), dtype=torch.float32, device=hidden.device)
     lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     ent = torch.empty_like(lp)

@@ -53,7 +53,7 @@ def _grad_kernel(
         t_start = pid_g * TILES_PER_PROG
         t_end = tl.minimum(t_start + TILES_PER_PROG, n_tiles)
         for t in range(t_start, t_end):
-            z, cols, col_ok = logits_tile(
+            z, cols, col_ok, _ = logits_tile(
                 x_ptr, w_ptr, b_ptr, rows_safe, row_ok, pid_m, t, V, D, stride_xm, stride_xk, stride_wv, stride_wk, inv_temp,
                 FROM_LOGITS, HAS_BIAS, IN_PLACE, EVEN_K, IEEE, UPCAST_DOT, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
             )

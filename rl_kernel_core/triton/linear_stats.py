@@ -35,14 +35,17 @@ def _stats_kernel(
     stride_xm, stride_xk, stride_wv, stride_wk,
     inv_temp, ignore_index,
     pmax_ptr, psum_ptr, pent_ptr, ztgt_ptr, stride_pm,
+    keep_ptr, stride_km,
     n_progs,
-    FROM_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, WANT_ENT: tl.constexpr, EVEN_K: tl.constexpr,
+    FROM_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, WANT_ENT: tl.constexpr, KEEP: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """``(m_j, s_j, a_j)`` of every (row block, vocab tile) unit of rows ``[0, M)``, and ``z_t``
-    from the tile holding each row's target. Program ``i`` of ``n_progs`` takes units ``i, i +
-    n_progs, ...`` (one unit each unless launched persistent)."""
+    from the tile holding each row's target. With ``KEEP``, each tile's logits before bias and
+    scale go to ``keep_ptr`` (fp32, row stride ``stride_km``), for a gradient pass that reads them
+    instead of forming them again. Program ``i`` of ``n_progs`` takes units ``i, i + n_progs, ...``
+    (one unit each unless launched persistent)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(V, BLOCK_N)
     # with FLATTEN the compiler overlaps one unit's epilogue with the next unit's loads
@@ -53,10 +56,12 @@ def _stats_kernel(
         # a loop of one tile: with it the flattened persistent loop nest measured 5% faster in the
         # fused loss on an H100 (benchmarks/results/restructure_h100/linear_before_after)
         for t in range(pid_g, tl.minimum(pid_g + 1, n_tiles)):
-            z, cols, col_ok = logits_tile(
+            z, cols, col_ok, raw = logits_tile(
                 x_ptr, w_ptr, b_ptr, rows_safe, row_ok, pid_m, t, V, D, stride_xm, stride_xk, stride_wv, stride_wk, inv_temp,
                 FROM_LOGITS, HAS_BIAS, False, EVEN_K, IEEE, UPCAST_DOT, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
             )
+            if KEEP:
+                tl.store(keep_ptr + rows_safe[:, None] * stride_km + cols[None, :], raw, mask=row_ok[:, None] & col_ok[None, :])
             zm = tl.where(col_ok[None, :], z, float("-inf"))
             m = tl.max(zm, axis=1)
             # a tile of -inf logits (a -inf bias) has m = -inf: exponentials relative to 0 give
@@ -131,13 +136,18 @@ def stats_rows(n_tiles: int) -> int:
 def launch_stats(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     rows: int, inv_temp: float, ignore_index: int, partials: torch.Tensor, ztgt: torch.Tensor,
-    from_logits: bool, want_entropy: bool,
+    from_logits: bool, want_entropy: bool, keep: Optional[torch.Tensor] = None,
 ) -> None:
     """Tile statistics of ``rows`` rows into ``partials [3, >=rows, n_tiles]`` and ``ztgt [>=rows]``
     (``partials[2]``, the entropy statistic, only with ``want_entropy``).
 
     ``x`` is ``hidden [rows, D]`` (gemm route) or an fp32 logits chunk ``[>=rows, V]`` (chunked).
+    ``keep`` (gemm route only): an fp32 ``[>=rows, V]`` buffer that receives the rows' logits
+    before bias and temperature, which a ``from_logits`` gradient pass over it turns into the
+    gemm route's logits bit for bit.
     """
+    if keep is not None and from_logits:
+        raise ValueError("launch_stats: keep takes the gemm route's logits; from_logits passes already read stored ones")
     vocab, dim = weight.shape
     cfg = tiles(weight.dtype, weight.device, from_logits)
     n_tiles = triton.cdiv(vocab, cfg.block_n)
@@ -149,8 +159,9 @@ def launch_stats(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         inv_temp, ignore_index,
         partials[0], partials[1], partials[2], ztgt, partials.stride(1),
+        ztgt if keep is None else keep, 0 if keep is None else keep.stride(0),
         g[0],
-        FROM_LOGITS=from_logits, WANT_ENT=want_entropy, **tile_flags(weight, bias, cfg, tma),
+        FROM_LOGITS=from_logits, WANT_ENT=want_entropy, KEEP=keep is not None, **tile_flags(weight, bias, cfg, tma),
     )
 
 

@@ -48,8 +48,10 @@ def logits_tile(
     IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``(z, cols, col_ok)``: the fp32 tile ``z`` of rows ``rows_safe`` and vocab tile ``t``
-    (columns ``cols``; ``col_ok`` those below V), scaled by ``inv_temp``. ``x_ptr`` is ``hidden``
+    """``(z, cols, col_ok, raw)``: the fp32 tile ``z`` of rows ``rows_safe`` and vocab tile ``t``
+    (columns ``cols``; ``col_ok`` those below V), scaled by ``inv_temp``; ``raw`` is the tile
+    before the bias and the scale (what a chunk of stored logits holds: the ``FROM_LOGITS`` path
+    turns it into ``z`` with the same two operations). ``x_ptr`` is ``hidden``
     (or, with ``TMA``, tensor descriptors of ``hidden`` and ``weight``) or, with ``FROM_LOGITS``,
     the fp32 logits chunk; with ``IN_PLACE`` every thread's loads of the tile land before any
     thread writes over its bytes."""
@@ -85,9 +87,10 @@ def logits_tile(
                 a_ptrs += BLOCK_K * stride_xk
                 b_ptrs += BLOCK_K * stride_wk
         zr = acc
+    raw = zr
     if HAS_BIAS:
-        zr += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return zr * inv_temp, cols, col_ok
+        zr = zr + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return zr * inv_temp, cols, col_ok, raw
 
 
 def tiles(dtype: torch.dtype, device: torch.device, from_logits: bool, grad: bool = False) -> TileConfig:

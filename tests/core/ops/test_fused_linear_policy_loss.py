@@ -98,6 +98,47 @@ def test_fused_loss_no_grad_and_determinism(seed, device, route):
     assert_close(loss_ng, runs[0][0], "reduction", torch.float32, "no-grad loss")
 
 
+@pytest.mark.parametrize("extra_vocab", [0, 1])
+def test_kept_logits_give_the_recomputed_bits(seed, device, tune, extra_vocab):
+    """On the gemm route the loss's gradient pass can read the logits its statistics pass kept
+    (``loss_keeps_logits_from_dim``) instead of forming them again: the same loss and metrics bit
+    for bit, with the same chunk rows (dl is elementwise in the logits, which are the same bits).
+    The gradients are cuBLAS products of that dl, which is a strided view of the fp32 chunk when
+    kept: within the contract (cuBLAS may pick another kernel for another stride; an odd vocab
+    gives rows of another alignment)."""
+    shape = linear_shapes(device)[0]
+    s = 3 if device.type == "cpu" else 8
+    t = shape["n"] // s
+    rows = 16 if device.type == "cpu" else 512
+    vocab = shape["v"] + extra_vocab
+    hidden, weight, bias, targets = make_inputs(device, s * t, shape["d"], vocab, torch.bfloat16)
+    hidden, targets = hidden.view(s, t, -1), targets.view(s, t)
+    old, adv = torch.randn(s, t, device=device) - 4.0, torch.randn(s, t, device=device)
+    mask = torch.rand(s, t, device=device) < 0.9
+    runs = []
+    # fp32 kept logits take 4 bytes a column and a 16-bit dl 2: the same rows per chunk either way
+    for from_dim, col_bytes in ((1, 4), (10**9, 2)):
+        tune(route="gemm", loss_keeps_logits_from_dim=from_dim, chunk_bytes=rows * vocab * col_bytes)
+        h, w, b = leaves(hidden, weight, bias)
+        loss, metrics = rk.fused_linear_policy_loss(
+            h, w, targets, old, adv, mask, bias=b, temperature=0.7, kl_coef=0.05, entropy_coef=0.01, backend="triton"
+        )
+        runs.append(((loss.detach(), *(metrics[m] for m in METRICS)), torch.autograd.grad(loss, (h, w, b))))
+    (values, grads), (want_values, want_grads) = runs
+    for label, a, b in zip(("loss", *METRICS), values, want_values):
+        assert torch.equal(a, b), label
+    for label, a, b in zip(("dhidden", "dweight", "dbias"), grads, want_grads):
+        assert_close(a, b.double(), "gradient", torch.bfloat16, label)
+
+
+def test_only_the_gemm_route_keeps_logits(device):
+    from rl_kernel_core.triton.linear_logprob import TritonChunkBuffers
+
+    h, w = torch.randn(4, 16, device=device), torch.randn(32, 16, device=device)
+    with pytest.raises(ValueError, match="keep_logits: only the gemm route keeps its logits, got route 'chunked'"):
+        TritonChunkBuffers(h, w, "chunked", need_dl=True, keep_logits=True)
+
+
 def test_fused_loss_second_backward_is_refused(seed, device):
     """The gradient formed in the forward goes to one backward; a second through the same graph raises."""
     shape = linear_shapes(device)[0]
