@@ -68,8 +68,9 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     chunk buffer, which its gradient pass reads instead of forming them again: three matrix
     products instead of four, the same log-prob bits (the chunk is sized as the chunked route's, in
     ``chunk_bytes``). Writing and reading the fp32 logits costs about the same at every ``D``, the
-    product it saves grows with ``D``: on an H200 keeping them took 0.83x the time at D=4096 and
-    1.08x at D=896 (``benchmarks/results/linear_h200/``). The statistics pass takes TMA loads and a persistent launch; the gradient
+    product it saves grows with ``D``: on an H200 keeping them took 0.83x the time at D=4096,
+    0.88x at D=2048 and 1.01-1.06x at D=1024 (``benchmarks/results/linear_h200/profile_8e69d6e/``).
+    The statistics pass takes TMA loads and a persistent launch; the gradient
     pass, which stores a 16-bit ``dl`` tile, measured slower with them (``bench_linear_logprob.py
     --variants "tmagrad=gemm_grad_tiles.tma:true;gemm_grad_tiles.persistent:true"``).
     """
