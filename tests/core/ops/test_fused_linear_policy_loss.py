@@ -131,6 +131,30 @@ def test_kept_logits_give_the_recomputed_bits(seed, device, tune, extra_vocab):
         assert_close(a, b.double(), "gradient", torch.bfloat16, label)
 
 
+@pytest.mark.parametrize("keeps", [True, False], ids=["kept", "formed_again"])
+def test_fused_loss_is_linear_logprob_then_policy_loss_bit_for_bit(seed, device, tune, keeps):
+    """On the gemm route, logits kept or formed again, the fused loss's log-probs and entropies
+    are ``linear_logprob``'s bits: its loss and metrics equal the reference ``policy_loss`` (the
+    one the fused op calls) over ``linear_logprob``'s outputs, bit for bit."""
+    tune(route="gemm", loss_keeps_logits_from_dim=1 if keeps else 10**9)
+    shape = linear_shapes(device)[0]
+    s = 3 if device.type == "cpu" else 8
+    t = shape["n"] // s
+    hidden, weight, bias, targets = make_inputs(device, s * t, shape["d"], shape["v"], torch.bfloat16)
+    old, adv = torch.randn(s, t, device=device) - 4.0, torch.randn(s, t, device=device)
+    ref = torch.randn(s, t, device=device) - 4.0
+    mask = torch.rand(s, t, device=device) < 0.9
+    knobs = dict(ref_logprob=ref, kl_coef=0.05, entropy_coef=0.01, clip_ratio_c=3.0)
+    h, w, b = leaves(hidden.view(s, t, -1), weight, bias)  # leaves: the fused op's gradient path, where the logits are kept
+    loss, metrics = rk.fused_linear_policy_loss(h, w, targets.view(s, t), old, adv, mask, bias=b, temperature=0.7, backend="triton", **knobs)
+    lp, ent = rk.linear_logprob(hidden, weight, targets, bias=bias, temperature=0.7, return_entropy=True, backend="triton")
+    scored = mask & (targets.view(s, t) != -100)
+    want_loss, want_metrics = rk.policy_loss(lp.view(s, t), old, adv, scored, entropy=ent.view(s, t), backend="torch", **knobs)
+    assert torch.equal(loss.detach(), want_loss), "loss"
+    for name in METRICS:
+        assert torch.equal(metrics[name], want_metrics[name]), name
+
+
 def test_only_the_gemm_route_keeps_logits(device):
     from rl_kernel_core.triton.linear_logprob import TritonChunkBuffers
 
