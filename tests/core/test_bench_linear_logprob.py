@@ -73,3 +73,19 @@ def test_grid_and_bad_options(capsys):
         with pytest.raises(SystemExit):
             module.main(["--device", "cpu", *argv])
         assert says in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_docs_peer_table_is_the_committed_results():
+    """``docs/benchmarks.md``'s peer table is ``benchmarks/table_linear_peers.py`` over the committed
+    H200 results, line for line: no number in it is typed by hand."""
+    root = SCRIPT.parents[1]
+    spec = importlib.util.spec_from_file_location("table_linear_peers", root / "benchmarks" / "table_linear_peers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = sorted(str(p) for p in (root / "benchmarks" / "results" / "linear_h200" / "peers_grid").glob("*.json"))
+    lines = module.table(results)
+    assert len(lines) == 2 + 24  # 16 shapes flat, 8 of them peaked too
+    docs = (root / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+    start = docs.index(lines[0])
+    assert docs[start : start + len(lines)] == lines
