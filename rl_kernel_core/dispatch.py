@@ -95,6 +95,8 @@ class Registry:
         last: ``{op: the last Decision}`` (:func:`explain`).
         logged: the ``(op, backend, device type)`` choices already logged.
         lock: held while a backend module is imported.
+        plans: :func:`select`'s input-independent decisions, emptied whenever the tables above
+            that decide them change (:meth:`changed`).
     """
 
     def __init__(self) -> None:
@@ -107,6 +109,11 @@ class Registry:
         self.last: dict[str, Decision] = {}
         self.logged: set[tuple[str, str, str]] = set()
         self.lock = threading.Lock()
+        self.plans: dict[tuple, "_Plan"] = {}
+
+    def changed(self) -> None:
+        """Forget :attr:`plans`: an implementation, stand-in, preference or import changed."""
+        self.plans.clear()
 
     def implementation(self, op: str, backend: str) -> Optional[_Impl]:
         """The stand-in or registered implementation of ``op`` on ``backend``, or None."""
@@ -126,6 +133,7 @@ class Registry:
             self.stand_ins.update(stand_ins)
             self.preference.clear()
             self.preference.update(preference)
+            self.changed()
             self.last.clear()
             self.last.update(last)
             self.logged.clear()
@@ -149,6 +157,7 @@ def register(op: str, backend: str, *, supports: Optional[Supports] = None) -> C
 
     def deco(fn: Callable) -> Callable:
         REGISTRY.impls[(op, backend)] = _Impl(fn, supports)
+        REGISTRY.changed()
         return fn
 
     return deco
@@ -169,6 +178,7 @@ def override(op: str, backend: str, impl: Callable, *, supports: Optional[Suppor
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     with REGISTRY.scoped():
         REGISTRY.stand_ins[(op, backend)] = _Impl(impl, supports, any_device)
+        REGISTRY.changed()
         yield
 
 
@@ -183,6 +193,7 @@ def set_preference(op: str, order: tuple[str, ...]) -> None:
     if bad:
         raise ValueError(f"order must hold backends from {BACKENDS}, got {bad}")
     REGISTRY.preference[op] = tuple(order)
+    REGISTRY.changed()
 
 
 def default_backend() -> str:
@@ -208,6 +219,7 @@ def _ensure_loaded(backend: str, op: str) -> Optional[str]:
                 except Exception as exc:  # the reason is reported, never swallowed
                     REGISTRY.load_errors[module] = f"{backend} backend failed to import: {type(exc).__name__}: {exc}"
                 REGISTRY.loaded.add(module)
+                REGISTRY.changed()
     return REGISTRY.load_errors.get(module)
 
 
@@ -227,10 +239,11 @@ def _device_reason(backend: str, device: torch.device, explicit: bool) -> Option
     return f"{backend} needs CUDA tensors (got {device.type})"
 
 
-def unavailable_reason(op: str, backend: str, device: torch.device, *args, explicit: bool = True, **kwargs) -> Optional[str]:
-    """Why ``backend`` cannot run ``op`` on these inputs, or None when it can."""
+def _static_reason(op: str, backend: str, device: torch.device, explicit: bool) -> tuple[Optional[str], Optional[_Impl]]:
+    """Why ``backend`` cannot run ``op`` on ``device`` whatever the inputs (None when it can), and
+    its implementation: what :func:`unavailable_reason` says before asking ``supports``."""
     if not serves(backend, op):
-        return f"{op} has no {backend} implementation"
+        return f"{op} has no {backend} implementation", None
     stand_in = REGISTRY.stand_ins.get((op, backend))
     # a named backend reports why it cannot load before the device; auto imports nothing for a device it cannot serve
     if stand_in is not None:
@@ -240,24 +253,38 @@ def unavailable_reason(op: str, backend: str, device: torch.device, *args, expli
     else:
         reason = _device_reason(backend, device, explicit) or _ensure_loaded(backend, op)
     if reason:
-        return reason
+        return reason, None
     impl = REGISTRY.implementation(op, backend)
     if impl is None:
-        return f"{op} has no {backend} implementation"
-    if impl.supports is not None:
-        return impl.supports(*args, **kwargs)
-    return None
+        return f"{op} has no {backend} implementation", None
+    return None, impl
 
 
-def select(op: str, backend: Optional[str], device: torch.device, *args, **kwargs) -> Callable:
-    """Return the implementation of ``op`` to run on ``device``.
+def unavailable_reason(op: str, backend: str, device: torch.device, *args, explicit: bool = True, **kwargs) -> Optional[str]:
+    """Why ``backend`` cannot run ``op`` on these inputs, or None when it can."""
+    reason, impl = _static_reason(op, backend, device, explicit)
+    if reason or impl is None or impl.supports is None:
+        return reason
+    return impl.supports(*args, **kwargs)
 
-    ``backend`` is ``None``/``"auto"`` or a name from :data:`BACKENDS`; ``args``/``kwargs`` are
-    what the implementation will be called with (passed to ``supports``).
-    """
-    requested = "auto" if backend is None else str(backend).lower()
-    if requested != "auto" and requested not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+
+@dataclass
+class _Plan:
+    """What :func:`select` decides for one ``(op, backend, device)`` before seeing the inputs:
+    the candidates in order, each with its reason to be skipped whatever the inputs (or None) and
+    its implementation; the ``auto`` candidates skipped before them; and the decision recorded
+    when a candidate is taken with no candidate before it refused by ``supports``, and the skips
+    when every candidate is skipped whatever the inputs."""
+
+    requested: str
+    explicit: bool
+    candidates: tuple[tuple[str, Optional[str], Optional[_Impl]], ...]
+    skipped: dict[str, str]
+    decisions: tuple[Decision, ...]
+    all_skipped: dict[str, str]
+
+
+def _plan(op: str, requested: str, device: torch.device) -> _Plan:
     skipped: dict[str, str] = {}
     if requested == "auto":
         preferred = default_backend()
@@ -265,28 +292,53 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
             requested = preferred
         else:  # RL_KERNEL_BACKEND is a preference: an op its backend lacks goes to auto, logged
             skipped[preferred] = f"RL_KERNEL_BACKEND={preferred}, which has no {op} implementation"
-    if requested != "auto":
-        reason = unavailable_reason(op, requested, device, *args, explicit=True, **kwargs)
+    explicit = requested != "auto"
+    order = (requested,) if explicit else tuple(c for c in _auto_order(op, device) if c not in skipped)
+    candidates = tuple((c, *_static_reason(op, c, device, explicit)) for c in order)
+    decisions, before = [], dict(skipped)
+    for backend, reason, _impl in candidates:
+        decisions.append(Decision(op, requested if explicit else "auto", backend, device.type, dict(before)))
         if reason:
-            raise BackendUnavailableError(f"{op}: backend={requested!r} cannot run: {reason}")
-        _record(Decision(op, requested, requested, device.type))
-        return _chosen(op, requested)
-    for candidate in _auto_order(op, device):
-        if candidate in skipped:
-            continue
-        reason = unavailable_reason(op, candidate, device, *args, explicit=False, **kwargs)
-        if reason is None:
-            _record(Decision(op, "auto", candidate, device.type, skipped))
-            return _chosen(op, candidate)
-        skipped[candidate] = reason
-    raise BackendUnavailableError(f"{op}: no backend can run these inputs: {skipped}")
+            before[backend] = reason
+    return _Plan(requested, explicit, candidates, skipped, tuple(decisions), before)
 
 
-def _chosen(op: str, backend: str) -> Callable:
-    """The implementation :func:`unavailable_reason` has just found runnable."""
-    impl = REGISTRY.implementation(op, backend)
-    assert impl is not None, (op, backend)
-    return impl.fn
+def select(op: str, backend: Optional[str], device: torch.device, *args, **kwargs) -> Callable:
+    """Return the implementation of ``op`` to run on ``device``.
+
+    ``backend`` is ``None``/``"auto"`` or a name from :data:`BACKENDS`; ``args``/``kwargs`` are
+    what the implementation will be called with (passed to ``supports``). What does not depend on
+    the inputs is decided once per ``(op, backend, device, RL_KERNEL_BACKEND, TRITON_INTERPRET)``
+    and kept until the registry changes (a registration, an import, :func:`override`,
+    :func:`set_preference`); ``supports`` is asked on every call.
+    """
+    requested = "auto" if backend is None else str(backend).lower()
+    if requested != "auto" and requested not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    if torch.compiler.is_compiling():  # traced once: no cache for the tracer to guard on
+        plan = _plan(op, requested, device)
+    else:
+        key = (op, requested, device, os.environ.get("RL_KERNEL_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+        kept = REGISTRY.plans.get(key)
+        if kept is None:
+            kept = REGISTRY.plans[key] = _plan(op, requested, device)
+        plan = kept
+    refused: Optional[dict[str, str]] = None  # the skips so far, once a supports predicate refused
+    for i, (candidate, static, impl) in enumerate(plan.candidates):
+        reason = static if static or impl is None or impl.supports is None else impl.supports(*args, **kwargs)
+        if not reason and impl is not None:
+            decision = plan.decisions[i]
+            if refused is not None:
+                decision = Decision(op, decision.requested, candidate, device.type, refused)
+            _record(decision)
+            return impl.fn
+        if plan.explicit:
+            raise BackendUnavailableError(f"{op}: backend={candidate!r} cannot run: {reason}")
+        if refused is None and not static:
+            refused = dict(plan.decisions[i].skipped)
+        if refused is not None:
+            refused[candidate] = str(reason)
+    raise BackendUnavailableError(f"{op}: no backend can run these inputs: {refused or plan.all_skipped}")
 
 
 def _auto_order(op: str, device: torch.device) -> tuple[str, ...]:

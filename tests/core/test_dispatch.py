@@ -180,3 +180,36 @@ def test_an_op_loads_only_its_own_module():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_decisions_kept_between_calls_follow_the_inputs_the_environment_and_the_registry(toy_op, monkeypatch):
+    """select keeps what does not depend on the inputs; supports is still asked on every call, and
+    a changed RL_KERNEL_BACKEND, TRITON_INTERPRET, preference or stand-in takes effect at once."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dispatch.set_preference(toy_op, ("triton", "torch"))
+    cpu = torch.device("cpu")
+    assert dispatch.select(toy_op, "auto", cpu, 2)(2) == ("torch", 2)  # auto never interprets
+    assert dispatch.select(toy_op, "triton", cpu, 2)(2) == ("triton", 2)
+    with pytest.raises(BackendUnavailableError, match="x must be positive"):  # asked again, refused
+        dispatch.select(toy_op, "triton", cpu, -1)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailableError, match="triton needs CUDA tensors"):
+        dispatch.select(toy_op, "triton", cpu, 2)
+    with dispatch.override(toy_op, "triton", lambda x: ("stand-in", x), any_device=True):
+        assert dispatch.select(toy_op, "auto", cpu, 3)(3) == ("stand-in", 3)
+        assert dispatch.explain(toy_op).backend == "triton" and dispatch.explain(toy_op).skipped == {}
+        with dispatch.override(toy_op, "triton", lambda x: ("positive", x), any_device=True,
+                               supports=lambda x: None if x > 0 else "x must be positive"):
+            assert dispatch.select(toy_op, "auto", cpu, -3)(-3) == ("torch", -3)
+            assert dispatch.explain(toy_op).skipped == {"triton": "x must be positive"}
+            assert dispatch.select(toy_op, "auto", cpu, 3)(3) == ("positive", 3)
+            assert dispatch.explain(toy_op).skipped == {}
+    assert dispatch.select(toy_op, "auto", cpu, 3)(3) == ("torch", 3)  # the stand-ins are gone
+    assert "CUDA" in dispatch.explain(toy_op).skipped["triton"]
+    monkeypatch.setenv("RL_KERNEL_BACKEND", "triton")
+    with pytest.raises(BackendUnavailableError, match="backend='triton' cannot run: triton needs CUDA"):
+        dispatch.select(toy_op, "auto", cpu, 3)
+    monkeypatch.delenv("RL_KERNEL_BACKEND")
+    dispatch.set_preference(toy_op, ("native",))
+    with pytest.raises(BackendUnavailableError, match="no backend can run these inputs: {'native'"):
+        dispatch.select(toy_op, "auto", cpu, 3)
