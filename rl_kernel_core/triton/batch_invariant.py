@@ -11,7 +11,8 @@ Why these are batch-invariant:
   tensor-core MMA computes each output element from its own row and column).
 * Two kernels compute the same product: the pointer kernel (``_persistent_matmul_kernel``) and,
   for 16-bit inputs on Hopper or later from :data:`~rl_kernel_core.triton.tuning.TMA_MIN_ROWS`
-  rows, the TMA kernel (``_tma_matmul_kernel``: tensor-memory loads, the tile loop flattened into
+  rows (or a weight gradient's column-major ``g.T`` from
+  :data:`~rl_kernel_core.triton.tuning.TMA_MIN_WEIGHT_GRAD_K` summed rows), the TMA kernel (``_tma_matmul_kernel``: tensor-memory loads, the tile loop flattened into
   the k loop so the next tile's loads overlap this tile's epilogue), faster there. Both take the
   same ``BLOCK_M x BLOCK_N`` blocks through the same ``BLOCK_K`` steps into one fp32 accumulator,
   and the tensor-core MMA gives each element from its own row and column, so their bits are equal;
@@ -50,6 +51,7 @@ from rl_kernel_core.triton.tuning import (
     TMA_MATMUL_TILES,
     TMA_MIN_ROWS,
     TMA_MIN_ROWS_INTERPRETED,
+    TMA_MIN_WEIGHT_GRAD_K,
 )
 
 
@@ -162,16 +164,20 @@ def _cuda_uses_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def uses_tma(dtype: torch.dtype, device: torch.device, rows: int, interpreted: Optional[bool] = None) -> bool:
-    """Whether ``matmul_forward`` runs the TMA kernel for a ``rows``-row product in ``dtype`` on
-    ``device``: 16-bit inputs on Hopper or later (and under the interpreter) from
-    :data:`~rl_kernel_core.triton.tuning.TMA_MIN_ROWS` rows; else the pointer kernel, which gives
+def uses_tma(dtype: torch.dtype, device: torch.device, rows: int, interpreted: Optional[bool] = None, *,
+             k: int = 0, a_column_major: bool = False) -> bool:
+    """Whether ``matmul_forward`` runs the TMA kernel for a ``rows``-row product over ``k`` in
+    ``dtype`` on ``device``: 16-bit inputs on Hopper or later (and under the interpreter) from
+    :data:`~rl_kernel_core.triton.tuning.TMA_MIN_ROWS` rows, or with a column-major left operand
+    (``a_column_major``: a weight gradient) from
+    :data:`~rl_kernel_core.triton.tuning.TMA_MIN_WEIGHT_GRAD_K`; else the pointer kernel, which gives
     the same bits. ``interpreted``: :func:`interpreting`'s answer, where the caller has it."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False
     if interpreting() if interpreted is None else interpreted:
-        return rows >= TMA_MIN_ROWS_INTERPRETED
-    return device.type == "cuda" and _cuda_uses_tma(device) and rows >= TMA_MIN_ROWS
+        return rows >= TMA_MIN_ROWS_INTERPRETED or (a_column_major and k >= TMA_MIN_ROWS_INTERPRETED)
+    return (device.type == "cuda" and _cuda_uses_tma(device)
+            and (rows >= TMA_MIN_ROWS or (a_column_major and k >= TMA_MIN_WEIGHT_GRAD_K)))
 
 
 _TMA_ALIGN_BYTES = 16
@@ -222,7 +228,8 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
     if m == 0 or n == 0:
         return out
     interpreted = interpreting()
-    tma = uses_tma(a.dtype, a.device, m, interpreted) if tma is None else tma
+    if tma is None:
+        tma = uses_tma(a.dtype, a.device, m, interpreted, k=k, a_column_major=a.stride(0) == 1 and a.stride(1) != 1)
     (bm, bn, bk), extra = _tile_for(a, tma, tile, interpreted)
     progs = _n_programs(-(-m // bm) * -(-n // bn), a.device)  # ceil divisions (triton.cdiv costs a dispatch on the host)
     if tma:

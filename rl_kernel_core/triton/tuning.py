@@ -86,8 +86,17 @@ slower up to 2048 (1.87x vs 1.79x; 2.87x vs 2.21x at 512): ``benchmarks/results/
 Both kernels take the same k steps from the same blocks, and a GPU test asserts their bits equal
 (``tests/core/ops/test_bi_matmul.py``), so a row's bits do not depend on the side it falls."""
 
+TMA_MIN_WEIGHT_GRAD_K: int = 2048
+"""A product whose left operand is column-major (a weight gradient ``g.T @ x``: its rows are the
+layer's output features, its reduction runs over the tokens) takes the TMA kernel from this many
+summed rows K, whatever its row count. The pointer kernel reads such an operand with strided loads:
+on the H200, over Qwen3-0.6B's layer products in that layout, 4.98x cuBLAS's time vs the TMA
+kernel's 2.14x at K = 8192 tokens, 4.75x vs 2.71x at 4096, 3.24x vs 2.71x at 2048, 2.93x vs 3.16x
+at 1024 (``benchmarks/results/bi_matmul_h200/weight_grad_rule/``). The bits are the same either way."""
+
 TMA_MIN_ROWS_INTERPRETED: int = 16
-""":data:`TMA_MIN_ROWS` under the Triton interpreter: small, so the CPU tests' batches cross it."""
+""":data:`TMA_MIN_ROWS` and :data:`TMA_MIN_WEIGHT_GRAD_K` under the Triton interpreter: small, so
+the CPU tests' batches cross them."""
 
 MATMUL_INTERPRETED_TILES: tuple[int, int, int] = (16, 32, 16)
 """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of the persistent matmul under the Triton interpreter (CPU

@@ -102,10 +102,11 @@ def test_the_operands_layout_does_not_change_a_bit(seed, triton_device, shape):
 
 @pytest.mark.parametrize("layout", ["fwd", "dx", "dw"])
 def test_the_tma_and_pointer_kernels_give_the_same_bits(seed, triton_device, layout):
-    """The row count picks the kernel (``TMA_MIN_ROWS``), so both must give every element the same
-    bits, in each layout of a training step (``fwd`` ``x @ W.T``, ``dx`` ``g @ W``, ``dw``
-    ``g.T @ x``); and a batch that crosses the threshold gives its rows the bits they get alone.
-    Compiled: Qwen3-1.7B's MLP widths, several tiles and k steps."""
+    """The row count picks the kernel (``TMA_MIN_ROWS``; for a weight gradient the summed rows,
+    ``TMA_MIN_WEIGHT_GRAD_K``), so both must give every element the same bits, in each layout of a
+    training step (``fwd`` ``x @ W.T``, ``dx`` ``g @ W``, ``dw`` ``g.T @ x``); and a batch that
+    crosses the threshold gives its rows the bits they get alone. Compiled: Qwen3-1.7B's MLP
+    widths, several tiles and k steps."""
     from rl_kernel_core.triton import tuning
     from rl_kernel_core.triton.batch_invariant import matmul_forward, uses_tma
 
@@ -119,7 +120,13 @@ def test_the_tma_and_pointer_kernels_give_the_same_bits(seed, triton_device, lay
     a, b_t = {"fwd": (x, w), "dx": (g, w.t()), "dw": (g.t(), x.t())}[layout]
     tma, pointer = matmul_forward(a, b_t, None, tma=True), matmul_forward(a, b_t, None, tma=False)
     assert torch.equal(tma, pointer), f"{layout}: max |tma - pointer| {(tma.float() - pointer.float()).abs().max()}"
-    if layout != "dw":  # dw's rows are W's, its reduction the batch: not a batch-invariant product
+    if layout == "dw":  # dw's rows are W's, its reduction the batch: not a batch-invariant product
+        k_min = tuning.TMA_MIN_WEIGHT_GRAD_K if cuda else tuning.TMA_MIN_ROWS_INTERPRETED
+        assert uses_tma(torch.bfloat16, triton_device, 5, k=k_min, a_column_major=True)
+        assert not uses_tma(torch.bfloat16, triton_device, 5, k=k_min - 1, a_column_major=True)
+        assert not uses_tma(torch.bfloat16, triton_device, 5, k=k_min, a_column_major=False)
+        assert torch.equal(matmul_forward(a, b_t, None), tma)
+    else:
         assert uses_tma(torch.bfloat16, triton_device, a.shape[0]) and not uses_tma(torch.bfloat16, triton_device, 5)
         full = matmul_forward(a, b_t, None)
         assert torch.equal(full[:5], matmul_forward(a[:5], b_t, None))
