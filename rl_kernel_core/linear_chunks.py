@@ -230,16 +230,17 @@ class ChunkBuffers:
 
     ``rows`` is the chunk height. On the chunked route ``logits`` is the fp32 ``[rows, V]`` chunk
     cuBLAS writes (:meth:`source`) and ``dl`` overwrites it in place; with ``keep_logits`` (gemm
-    route) ``logits`` is the same buffer, written by the statistics pass; otherwise ``dl`` (when
-    needed) is a ``[rows, V]`` buffer in ``hidden``'s dtype. A backend subclass implements
-    :meth:`stats` and :meth:`grad` (and may size ``rows`` itself for passes that need no
-    ``dl``, through :meth:`stats_rows`).
+    route; ``keeps_logits`` records it) ``logits`` is the same buffer, written by the statistics
+    pass and read by the gradient pass; otherwise ``dl`` (when needed) is a ``[rows, V]`` buffer in
+    ``hidden``'s dtype. A backend subclass implements :meth:`stats` and :meth:`grad` (and may size
+    ``rows`` itself for passes that need no ``dl``, through :meth:`stats_rows`).
     """
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool, keep_logits: bool = False) -> None:
         vocab, dim = weight.shape
         dev, dt = hidden.device, hidden.dtype
         self.route = route
+        self.keeps_logits = keep_logits
         self.logits: Optional[torch.Tensor] = None
         self.h_pad: Optional[torch.Tensor] = None
         self._dl: Optional[torch.Tensor] = None

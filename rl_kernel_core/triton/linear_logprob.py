@@ -46,7 +46,6 @@ class TritonChunkBuffers(LC.ChunkBuffers):
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool, keep_logits: bool = False) -> None:
         self.n_tiles = triton.cdiv(weight.shape[0], tiles(hidden.dtype, hidden.device, route == "chunked").block_n)
         super().__init__(hidden, weight, route, need_dl, keep_logits)
-        self.kept = keep_logits
         self.partials = torch.empty(3, self.rows, self.n_tiles, dtype=torch.float32, device=hidden.device)
         self.ztgt = torch.empty(self.rows, dtype=torch.float32, device=hidden.device)
 
@@ -58,16 +57,16 @@ class TritonChunkBuffers(LC.ChunkBuffers):
         """Tile statistics of ``n`` rows of ``x`` merged into ``lp``/``ent``/``lse`` (``[n]`` views; ``ent`` may be None)."""
         launch_stats(
             x, weight, bias, targets, n, inv_temp, ignore_index, self.partials, self.ztgt, self.route == "chunked",
-            ent is not None, self.logits if self.kept else None,
+            ent is not None, self.logits if self.keeps_logits else None,
         )
         launch_merge(self.partials, self.ztgt, targets, n, self.n_tiles, ignore_index, lp, ent, lse)
 
     def grad(self, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> torch.Tensor:
         """``dl`` of ``n`` rows of ``x`` (rows past ``n`` zero); with ``keep_logits``, from the logits the
         statistics pass of the same rows kept."""
-        if self.kept:
+        if self.keeps_logits:
             x = self.logits
-        launch_grad(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, self.dl, self.route == "chunked" or self.kept)
+        launch_grad(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, self.dl, self.route == "chunked" or self.keeps_logits)
         return self.padded_dl(n)
 
 
