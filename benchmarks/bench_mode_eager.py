@@ -14,6 +14,8 @@ Mode on: :func:`rl_kernel_core.batch_invariant` around the call, and the model's
 transformers' ``sdpa`` while it is off), so the off rows are transformers as shipped. Each row is
 the median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.bench.time_ms``; the first
 calls compile the Triton kernels); the JSON names the GPU, versions, shapes and command line.
+``--profile`` adds each case's CUDA kernels by device time (``bench.kernel_table``) and
+``--cprofile`` its Python functions by own time, for both modes: where the on/off gap is.
 Targets (issue 20): ``generate`` on/off <= 1.3, ``train`` on/off <= 1.15.
 
     python benchmarks/bench_mode_eager.py --out OUT
@@ -23,7 +25,10 @@ Targets (issue 20): ``generate`` on/off <= 1.3, ``train`` on/off <= 1.15.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 
 import torch
@@ -49,6 +54,22 @@ def build_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int
     return model
 
 
+def host_profile(fn, device: torch.device, top: int = 30) -> str:
+    """The ``top`` functions of one ``fn()`` call by own time, then by time inside them (cProfile;
+    file names without folders)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="directory for bench_mode_eager.json")
@@ -59,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--train-batch", type=int, default=16)
     p.add_argument("--train-len", type=int, default=512)
+    p.add_argument("--profile", action="store_true",
+                   help="add each case's CUDA kernels by device time, both modes (torch.profiler, one call)")
+    p.add_argument("--cases", default="generate,train", help="the cases --profile and --cprofile cover")
+    p.add_argument("--cprofile", action="store_true",
+                   help="add each case's Python functions by own time, both modes (cProfile, one call)")
     bench.add_timing_options(p, reps=5, warmup=2)
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device or "cuda"), getattr(torch, args.dtype)
@@ -84,7 +110,22 @@ def main(argv: list[str] | None = None) -> int:
             with rk.batch_invariant(mode == "on"):
                 timed[mode] = bench.time_ms(fn, device, warmup=args.warmup, reps=args.reps)
         ratio = timed["on"]["median_ms"] / timed["off"]["median_ms"]
-        rows.append({"case": case, "off": timed["off"], "on": timed["on"], "on_over_off": round(ratio, 3), "target": TARGETS[case]})
+        row = {"case": case, "off": timed["off"], "on": timed["on"], "on_over_off": round(ratio, 3), "target": TARGETS[case]}
+        if args.profile and case in args.cases.split(","):
+            row["profile"] = {}
+            for mode in ("off", "on"):
+                with rk.batch_invariant(mode == "on"):
+                    device_ms, kernels = bench.kernel_table(fn, warmup=0)
+                row["profile"][mode] = {"device_ms": device_ms, "kernels": kernels[:12]}
+                print(f"  profile {mode}: {device_ms:.1f} ms device of {timed[mode]['median_ms']:.1f} ms wall; top: "
+                      + "; ".join(f"{k['ms']:.1f} ms {k['launches']}x {k['kernel'][:60]}" for k in kernels[:4]), flush=True)
+        if args.cprofile and case in args.cases.split(","):
+            row["cprofile"] = {}
+            for mode in ("off", "on"):
+                with rk.batch_invariant(mode == "on"):
+                    row["cprofile"][mode] = host_profile(fn, device)
+                print(f"  cProfile {mode}:\n{row['cprofile'][mode]}", flush=True)
+        rows.append(row)
         print(f"{case:9} off {timed['off']['median_ms']:9.2f} ms  on {timed['on']['median_ms']:9.2f} ms  on/off {ratio:6.3f}  (target <= {TARGETS[case]})",
               flush=True)
     result = {

@@ -1,0 +1,147 @@
+"""Host cost of one routed product under the batch-invariant mode, piece by piece (CUDA).
+
+A model's ``x @ w.T`` with the mode on passes through: the route's ``torch.library`` kernel,
+:func:`rl_kernel_core.invariance._matmul` (``dispatch.select`` and the Triton backend's
+``matmul``), :func:`rl_kernel_core.triton.batch_invariant.matmul_forward` (output, tile, kernel
+choice, descriptors) and Triton's launch. Each row times a loop of one piece alone, in host
+microseconds per call (``--calls`` calls after 20 warm-up calls, no synchronisation inside the
+loop, median of ``--reps`` loops), at a decode-sized product (8 rows), a prefill-sized one (512)
+and one on the TMA kernel (8192). With the mode off, ``x @ w.T`` is one cuBLAS call: the target.
+Only rows whose device time is below the host time measure the host: a loop of longer kernels
+fills the launch queue and times the device (the 8192-row products).
+``--cprofile`` adds the top functions of a cProfile of the routed call by own time.
+
+    python benchmarks/profile_mode_host.py --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+import rl_kernel_core as rk
+from rl_kernel_core import bench, dispatch, invariance
+from rl_kernel_core.triton import batch_invariant as tbi
+
+
+def host_us(fn, calls: int, reps: int) -> float:
+    """Median over ``reps`` loops of the host microseconds per call of ``calls`` calls of ``fn``."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    loops = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(loops)
+
+
+def pieces(rows: int, d_in: int, d_out: int, device: torch.device) -> dict:
+    """The pieces of one routed ``x [rows, d_in] @ w [d_out, d_in].T``, each a no-argument callable."""
+    x = torch.randn(rows, d_in, device=device, dtype=torch.bfloat16)
+    w = torch.randn(d_out, d_in, device=device, dtype=torch.bfloat16) * 0.02
+    wt = w.t()
+    out = torch.empty(rows, d_out, device=device, dtype=torch.bfloat16)
+
+    return {
+        "mode_off_cublas": lambda: x @ wt,
+        "mode_on_routed": lambda: x @ wt,  # timed inside the mode
+        "invariance_matmul": lambda: invariance._matmul(x, wt),
+        "dispatch_select": lambda: dispatch.select("bi_matmul", "auto", x.device, x, wt),
+        "matmul_forward": lambda: tbi.matmul_forward(x, w, None),
+        "torch_empty": lambda: torch.empty(rows, d_out, device=device, dtype=torch.bfloat16),
+        "pointer_kernel_launch": lambda: _pointer_launch(x, w, out),
+        "pointer_kernel_triton_run": lambda: _pointer_launch(x, w, out, triton_run=True),
+        "compiled_kernel_run": _compiled_run(x, w, out),
+    }
+
+
+def _pointer_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[int, tuple, dict, dict]:
+    (bm, bn, bk), extra = tbi._tile_for(x, False, None, False)
+    m, k = x.shape
+    n = w.shape[0]
+    progs = tbi._n_programs(-(-m // bm) * -(-n // bn), x.device)
+    args = (x, w, x, out, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), out.stride(0), out.stride(1), progs)
+    constexprs = dict(HAS_BIAS=False, IEEE=False, UPCAST_DOT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tbi.MATMUL_GROUP_M)
+    return progs, args, constexprs, extra
+
+
+def _pointer_launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, triton_run: bool = False) -> None:
+    """The pointer kernel's launch alone, into a preallocated output, tile and grid as
+    matmul_forward's: as matmul_forward launches it, or (``triton_run``) through Triton's own
+    ``JITFunction.run``."""
+    progs, args, constexprs, extra = _pointer_args(x, w, out)
+    kernel = tbi._persistent_matmul_kernel.flavour(False) if triton_run else tbi._persistent_matmul_kernel
+    kernel[(progs,)](*args, **constexprs, **extra)
+
+
+def _compiled_run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor):
+    """The floor of a Triton launch: the compiled kernel's C launcher called directly, skipping
+    Triton's argument binding, specialisation and cache lookup (valid for these very arguments)."""
+    progs, args, constexprs, extra = _pointer_args(x, w, out)
+    compiled = tbi._persistent_matmul_kernel.flavour(False)[(progs,)](*args, **constexprs, **extra)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    full = (*args, *constexprs.values())
+    return lambda: compiled.run(progs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="directory for profile_mode_host.json")
+    p.add_argument("--rows", default="8,512,8192", help="comma-separated row counts")
+    p.add_argument("--d-in", type=int, default=1024, help="K (Qwen3-0.6B's hidden size)")
+    p.add_argument("--d-out", type=int, default=3072, help="output columns (Qwen3-0.6B's MLP width)")
+    p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cprofile", action="store_true", help="add a cProfile of the routed call at the first row count")
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        timed = {}
+        for name, fn in pieces(rows, args.d_in, args.d_out, device).items():
+            with rk.batch_invariant(name == "mode_on_routed"):
+                timed[name] = round(host_us(fn, args.calls, args.reps), 2)
+        tma = tbi.uses_tma(torch.bfloat16, device, rows)
+        results.append({"rows": rows, "tma_kernel": tma, "host_us_per_call": timed})
+        print(f"rows {rows:6d} ({'TMA' if tma else 'pointer'} kernel): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in timed.items()), flush=True)
+    profile_text = None
+    if args.cprofile:
+        routed = pieces(int(args.rows.split(",")[0]), args.d_in, args.d_out, device)["mode_on_routed"]
+        prof = cProfile.Profile()
+        with rk.batch_invariant():
+            host_us(routed, 100, 1)
+            prof.enable()
+            for _ in range(args.calls):
+                routed()
+            prof.disable()
+        stream = io.StringIO()
+        pstats.Stats(prof, stream=stream).strip_dirs().sort_stats("tottime").print_stats(25)
+        profile_text = stream.getvalue()
+        print(profile_text)
+    result = {
+        "benchmark": "host microseconds per routed product, batch-invariant mode, piece by piece",
+        "command": bench.command_line(), "environment": bench.environment(device),
+        "shapes": {"d_in": args.d_in, "d_out": args.d_out, "rows": [r["rows"] for r in results], "dtype": "bfloat16"},
+        "settings": {"calls": args.calls, "reps": args.reps, "statistic": "median host us per call"},
+        "baseline": "mode_off_cublas: the same x @ w.T with the mode off (one cuBLAS call)",
+        "rows": results, "cprofile_routed": profile_text,
+    }
+    if args.out:
+        print("wrote", bench.write_json(args.out, "profile_mode_host.json", result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
