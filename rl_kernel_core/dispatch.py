@@ -276,7 +276,6 @@ class _Plan:
     when a candidate is taken with no candidate before it refused by ``supports``, and the skips
     when every candidate is skipped whatever the inputs."""
 
-    requested: str
     explicit: bool
     candidates: tuple[tuple[str, Optional[str], Optional[_Impl]], ...]
     skipped: dict[str, str]
@@ -300,7 +299,7 @@ def _plan(op: str, requested: str, device: torch.device) -> _Plan:
         decisions.append(Decision(op, requested if explicit else "auto", backend, device.type, dict(before)))
         if reason:
             before[backend] = reason
-    return _Plan(requested, explicit, candidates, skipped, tuple(decisions), before)
+    return _Plan(explicit, candidates, skipped, tuple(decisions), before)
 
 
 def select(op: str, backend: Optional[str], device: torch.device, *args, **kwargs) -> Callable:

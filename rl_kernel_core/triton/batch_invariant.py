@@ -12,8 +12,9 @@ Why these are batch-invariant:
 * Two kernels compute the same product: the pointer kernel (``_persistent_matmul_kernel``) and,
   for 16-bit inputs on Hopper or later from :data:`~rl_kernel_core.triton.tuning.TMA_MIN_ROWS`
   rows (or a weight gradient's column-major ``g.T`` from
-  :data:`~rl_kernel_core.triton.tuning.TMA_MIN_WEIGHT_GRAD_K` summed rows), the TMA kernel (``_tma_matmul_kernel``: tensor-memory loads, the tile loop flattened into
-  the k loop so the next tile's loads overlap this tile's epilogue), faster there. Both take the
+  :data:`~rl_kernel_core.triton.tuning.TMA_MIN_WEIGHT_GRAD_K` summed rows), the TMA kernel
+  (``_tma_matmul_kernel``: tensor-memory loads, the tile loop flattened into the k loop so the next
+  tile's loads overlap this tile's epilogue), faster there. Both take the
   same ``BLOCK_M x BLOCK_N`` blocks through the same ``BLOCK_K`` steps into one fp32 accumulator,
   and the tensor-core MMA gives each element from its own row and column, so their bits are equal;
   a GPU test asserts it (``tests/core/ops/test_bi_matmul.py``), since the row count picks the
