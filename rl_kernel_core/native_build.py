@@ -42,9 +42,16 @@ SOURCE_DIR = next(
     _PACKAGE_DIR.parent / "native" / "csrc",
 )
 EXTENSION_PREFIX = "rl_kernel_native_"
-GROUPS: dict[str, tuple[str, ...]] = {group: (f"{group}.cu", f"bind_{group}.cpp") for group in ops.native_groups()}
+LAUNCH_GROUP = "triton_launch"
+"""The group with no op of its own: C++ launches of the batch-invariant mode's compiled Triton
+kernels (:mod:`rl_kernel_core.triton.native_launch`)."""
+GROUPS: dict[str, tuple[str, ...]] = {
+    **{group: (f"{group}.cu", f"bind_{group}.cpp") for group in ops.native_groups()},
+    LAUNCH_GROUP: (f"bind_{LAUNCH_GROUP}.cpp",),
+}
 """``{group: its sources in native/csrc}``: each group is one extension, holding the kernels of the
-ops whose :attr:`rl_kernel_core.ops.OpSpec.native_group` it is (``loss``: ``ratio_kl`` and ``policy_loss``)."""
+ops whose :attr:`rl_kernel_core.ops.OpSpec.native_group` it is (``loss``: ``ratio_kl`` and
+``policy_loss``), and :data:`LAUNCH_GROUP`."""
 _ERROR_TAIL_CHARS = 4000
 
 
@@ -187,6 +194,7 @@ def build(group: str, verbose: bool = False) -> ModuleType:
             sources=[str(p) for p in sources(group)],
             extra_cflags=["-O3", headers_flag],
             extra_cuda_cflags=["-O3", headers_flag],
+            with_cuda=True,  # the CUDA headers also for a group of C++ sources only
             build_directory=str(out),
             verbose=verbose,
         )
@@ -203,11 +211,12 @@ def _compile_command(source: Path, obj: Path, arch: str, include_dirs: Sequence[
 
     includes = [f"-I{d}" for d in (*include_dirs, *cpp_extension.include_paths(), sysconfig.get_paths()["include"])]
     defines = [f"-DTORCH_EXTENSION_NAME={EXTENSION_PREFIX}{source.stem.removeprefix('bind_')}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else "nvcc"
     if source.suffix == ".cu":
-        nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else "nvcc"
         return [nvcc, "-c", f"-arch=sm_{arch}", "-std=c++17", *cpp_extension.COMMON_NVCC_FLAGS,
                 *defines, *includes, str(source), "-o", str(obj)]
-    return [os.environ.get("CXX", "c++"), "-c", "-fPIC", "-std=c++17", *defines, *includes, str(source), "-o", str(obj)]
+    # nvcc hands a .cpp to the host compiler with the CUDA headers (cuda.h) on its include path
+    return [nvcc, "-c", "-Xcompiler", "-fPIC", "-std=c++17", *defines, *includes, str(source), "-o", str(obj)]
 
 
 def check(arch: str = "90", jobs: int = 2) -> list[str]:

@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_kernel_core import dispatch
+from rl_kernel_core.triton import native_launch
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc, grouped_tile
 from rl_kernel_core.triton.tuning import (
@@ -223,35 +224,57 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
     autograd. For sweeps and kernel comparisons only: ``tma``, the kernel in place of
     :func:`uses_tma`'s choice; ``tile``, a ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` in
     place of the kernel's own (each fixed tile is batch-invariant on its own)."""
+    interpreted = interpreting()
+    # torch.compile traces Triton launches, not the extension's: it keeps Triton's launcher
+    planned = tile is None and tma is None and not interpreted and a.is_cuda and not torch.compiler.is_compiling()
+    if planned:
+        out = native_launch.matmul(a, b_t, bias)
+        if out is not None:
+            return out
     m, k = a.shape
     n = b_t.shape[0]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    interpreted = interpreting()
     if tma is None:
         tma = uses_tma(a.dtype, a.device, m, interpreted, k=k, a_column_major=a.stride(0) == 1 and a.stride(1) != 1)
     (bm, bn, bk), extra = _tile_for(a, tma, tile, interpreted)
     progs = _n_programs(-(-m // bm) * -(-n // bn), a.device)  # ceil divisions (triton.cdiv costs a dispatch on the host)
+    if planned:
+        _configure_native_launch(a.dtype, a.device)
     if tma:
         a_desc, a_trans = _tma_operand(a, bm, bk)
         b_desc, b_t_trans = _tma_operand(b_t, bn, bk)
         c_desc = (TensorDescriptor(out, [m, n], [n, 1], [bm, bn // 2])
                   if n % (_TMA_ALIGN_BYTES // out.element_size()) == 0 else None)
-        _tma_matmul_kernel[(progs,)](
+        kernel = _tma_matmul_kernel
+        compiled = kernel[(progs,)](
             a_desc, b_desc, bias if bias is not None else a, c_desc, out, m, n, k, out.stride(0),
             HAS_BIAS=bias is not None, UPCAST_DOT=interpreted, A_TRANS=a_trans, B_TRANS=b_t_trans,
             C_DESC=c_desc is not None, NUM_PROGS=_program_slots(a.device),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, **extra,
         )
-        return out
-    _persistent_matmul_kernel[(progs,)](
-        a, b_t, bias if bias is not None else a, out, m, n, k,
-        a.stride(0), a.stride(1), b_t.stride(1), b_t.stride(0), out.stride(0), out.stride(1),
-        progs, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, **extra,
-    )
+    else:
+        kernel = _persistent_matmul_kernel
+        compiled = kernel[(progs,)](
+            a, b_t, bias if bias is not None else a, out, m, n, k,
+            a.stride(0), a.stride(1), b_t.stride(1), b_t.stride(0), out.stride(0), out.stride(1),
+            progs, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, **extra,
+        )
+    if planned:
+        native_launch.remember_matmul(kernel, compiled, a, b_t, bias, out, tma, progs)
     return out
+
+
+def _configure_native_launch(dtype: torch.dtype, device: torch.device) -> None:
+    """Hand :mod:`~rl_kernel_core.triton.native_launch` this module's tiles and kernel rule for ``(device, dtype)``."""
+    if native_launch.extension() is None:
+        return
+    pointer, tma = matmul_tile(dtype, device), TMA_MATMUL_TILES.get(dtype, (0, 0))
+    native_launch.configure_matmul(
+        device, dtype, pointer[:2], tma[:2], tma_capable=uses_tma(dtype, device, TMA_MIN_ROWS, False),
+        tma_min_rows=TMA_MIN_ROWS, tma_min_weight_grad_k=TMA_MIN_WEIGHT_GRAD_K, program_slots=_program_slots(device))
 
 
 class _Linear(torch.autograd.Function):
@@ -340,8 +363,14 @@ def _row_pass(x: torch.Tensor, mode: int, eps: float = 0.0) -> torch.Tensor:
     else:
         out = torch.empty(rows, dtype=torch.float32 if mode == 2 else x.dtype, device=x.device)
     if rows and width:
-        _row_stats_kernel[(rows,)](x, out, width, x.stride(0), float(eps), MODE=mode,
-                                   BLOCK=INTERPRETED_ROW_BLOCK if interpreting() else ROW_BLOCK)
+        interpreted = interpreting()
+        planned = not interpreted and x.is_cuda and not torch.compiler.is_compiling()
+        if planned and native_launch.row_stats(x, out, mode, eps) is not None:
+            return out
+        compiled = _row_stats_kernel[(rows,)](x, out, width, x.stride(0), float(eps), MODE=mode,
+                                              BLOCK=INTERPRETED_ROW_BLOCK if interpreted else ROW_BLOCK)
+        if planned:
+            native_launch.remember_row_stats(_row_stats_kernel, compiled, x, out, mode, float(eps))
     elif rows and mode == 0:
         out.fill_(float("nan"))  # an empty mean, as in torch
     return out

@@ -70,7 +70,7 @@ def test_status_says_not_built_yet_then_built(monkeypatch, tmp_path):
         native_build.group_dir(group).mkdir(parents=True)
     (native_build.group_dir("loss") / f"{native_build.EXTENSION_PREFIX}loss.so").write_bytes(b"")
     status = native_build.status()
-    assert status.startswith(f"built in {native_build.build_dir()}: loss; not built yet: logprob_from_logits, advantages, linear_logprob")
+    assert status.startswith(f"built in {native_build.build_dir()}: loss; not built yet: logprob_from_logits, advantages, linear_logprob, triton_launch")
     for group in native_build.GROUPS:
         (native_build.group_dir(group) / f"{native_build.EXTENSION_PREFIX}{group}.so").write_bytes(b"")
     assert "not built yet" not in native_build.status()
@@ -104,7 +104,7 @@ def test_every_source_belongs_to_one_group():
 def test_build_names_an_unknown_group():
     proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "build", "sampling"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert "GROUP must be among ['logprob_from_logits', 'loss', 'advantages', 'linear_logprob'], got ['sampling']" in proc.stderr
+    assert "GROUP must be among ['logprob_from_logits', 'loss', 'advantages', 'linear_logprob', 'triton_launch'], got ['sampling']" in proc.stderr
 
 
 def test_where_prints_the_build_folder(monkeypatch, tmp_path):
