@@ -16,6 +16,8 @@ the median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.bench.time_m
 calls compile the Triton kernels); the JSON names the GPU, versions, shapes and command line.
 ``--profile`` adds each case's CUDA kernels by device time (``bench.kernel_table``) and
 ``--cprofile`` its Python functions by own time, for both modes: where the on/off gap is.
+``--compare-launcher`` adds the mode with the kernels launched through Triton rather than the C++
+launcher (:mod:`rl_kernel_core.triton.native_launch`), same process.
 Targets (issue 20): ``generate`` on/off <= 1.3, ``train`` on/off <= 1.15.
 
     python benchmarks/bench_mode_eager.py --out OUT
@@ -39,6 +41,7 @@ from make_random_model import PRESETS  # noqa: E402
 import rl_kernel_core as rk  # noqa: E402
 from rl_kernel_core import bench  # noqa: E402
 from rl_kernel_core.consistency.hf import use_mode_attention  # noqa: E402
+from rl_kernel_core.triton import native_launch  # noqa: E402
 
 TARGETS = {"generate": 1.3, "train": 1.15}
 
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="add each case's CUDA kernels by device time, both modes (torch.profiler, one call)")
     p.add_argument("--cases", default="generate,train", help="the cases --profile and --cprofile cover")
+    p.add_argument("--compare-launcher", action="store_true",
+                   help="also time the mode with the C++ launcher off (rl_kernel_core.triton.native_launch.set_enabled)")
     p.add_argument("--cprofile", action="store_true",
                    help="add each case's Python functions by own time, both modes (cProfile, one call)")
     bench.add_timing_options(p, reps=5, warmup=2)
@@ -104,13 +109,21 @@ def main(argv: list[str] | None = None) -> int:
         model(train_ids, labels=train_ids).loss.backward()
 
     rows = []
+    modes = ("off", "on", "on_triton_launch") if args.compare_launcher else ("off", "on")
     for case, fn in (("generate", generate), ("train", train)):
         timed = {}
-        for mode in ("off", "on"):
-            with rk.batch_invariant(mode == "on"):
+        for mode in modes:
+            native_launch.set_enabled(mode != "on_triton_launch")
+            with rk.batch_invariant(mode != "off"):
                 timed[mode] = bench.time_ms(fn, device, warmup=args.warmup, reps=args.reps)
+            native_launch.set_enabled(True)
         ratio = timed["on"]["median_ms"] / timed["off"]["median_ms"]
         row = {"case": case, "off": timed["off"], "on": timed["on"], "on_over_off": round(ratio, 3), "target": TARGETS[case]}
+        if args.compare_launcher:
+            row["on_triton_launch"] = timed["on_triton_launch"]
+            row["on_triton_launch_over_off"] = round(timed["on_triton_launch"]["median_ms"] / timed["off"]["median_ms"], 3)
+            print(f"  on with Triton's launcher: {timed['on_triton_launch']['median_ms']:.2f} ms, "
+                  f"{row['on_triton_launch_over_off']:.3f}x off", flush=True)
         if args.profile and case in args.cases.split(","):
             row["profile"] = {}
             for mode in ("off", "on"):
@@ -135,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                    "generate": {"batch": args.gen_batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens},
                    "train": {"batch": args.train_batch, "seq_len": args.train_len}},
         "settings": {"warmup": args.warmup, "reps": args.reps}, "rows": rows,
+        "native_launch": {"unavailable_reason": native_launch.unavailable_reason(), **native_launch.stats()},
     }
     if args.out:
         print("wrote", bench.write_json(args.out, "bench_mode_eager.json", result))

@@ -3,7 +3,9 @@
 A model's ``x @ w.T`` with the mode on passes through: the route's ``torch.library`` kernel,
 :func:`rl_kernel_core.invariance._matmul` (``dispatch.select`` and the Triton backend's
 ``matmul``), :func:`rl_kernel_core.triton.batch_invariant.matmul_forward` (output, tile, kernel
-choice, descriptors) and Triton's launch. Each row times a loop of one piece alone, in host
+choice, descriptors) and the kernel's launch: the C++ launcher's
+(:mod:`rl_kernel_core.triton.native_launch`; ``native_launch_matmul`` alone) or, in the rows
+ending ``_triton_launch``, Triton's. Each row times a loop of one piece alone, in host
 microseconds per call (``--calls`` calls after 20 warm-up calls, no synchronisation inside the
 loop, median of ``--reps`` loops), at a decode-sized product (8 rows), a prefill-sized one (512)
 and one on the TMA kernel (8192). With the mode off, ``x @ w.T`` is one cuBLAS call: the target.
@@ -29,6 +31,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import bench, dispatch, invariance
 from rl_kernel_core.triton import batch_invariant as tbi
+from rl_kernel_core.triton import native_launch
 
 
 def host_us(fn, calls: int, reps: int) -> float:
@@ -58,7 +61,10 @@ def pieces(rows: int, d_in: int, d_out: int, device: torch.device) -> dict:
         "mode_on_routed": lambda: x @ wt,  # timed inside the mode
         "invariance_matmul": lambda: invariance._matmul(x, wt),
         "dispatch_select": lambda: dispatch.select("bi_matmul", "auto", x.device, x, wt),
+        "mode_on_routed_triton_launch": lambda: x @ wt,  # timed inside the mode, the C++ launcher off
         "matmul_forward": lambda: tbi.matmul_forward(x, w, None),
+        "matmul_forward_triton_launch": lambda: tbi.matmul_forward(x, w, None),  # the C++ launcher off
+        "native_launch_matmul": lambda: native_launch.matmul(x, w, None),
         "torch_empty": lambda: torch.empty(rows, d_out, device=device, dtype=torch.bfloat16),
         "pointer_kernel_launch": lambda: _pointer_launch(x, w, out),
         "pointer_kernel_triton_run": lambda: _pointer_launch(x, w, out, triton_run=True),
@@ -110,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (int(r) for r in args.rows.split(",")):
         timed = {}
         for name, fn in pieces(rows, args.d_in, args.d_out, device).items():
-            with rk.batch_invariant(name == "mode_on_routed"):
+            native_launch.set_enabled(not name.endswith("_triton_launch"))
+            with rk.batch_invariant(name.startswith("mode_on_routed")):
                 timed[name] = round(host_us(fn, args.calls, args.reps), 2)
+            native_launch.set_enabled(True)
         tma = tbi.uses_tma(torch.bfloat16, device, rows)
         results.append({"rows": rows, "tma_kernel": tma, "host_us_per_call": timed})
         print(f"rows {rows:6d} ({'TMA' if tma else 'pointer'} kernel): "
@@ -136,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": {"d_in": args.d_in, "d_out": args.d_out, "rows": [r["rows"] for r in results], "dtype": "bfloat16"},
         "settings": {"calls": args.calls, "reps": args.reps, "statistic": "median host us per call"},
         "baseline": "mode_off_cublas: the same x @ w.T with the mode off (one cuBLAS call)",
+        "native_launch": {"unavailable_reason": native_launch.unavailable_reason(), **native_launch.stats()},
         "rows": results, "cprofile_routed": profile_text,
     }
     if args.out:
