@@ -12,8 +12,9 @@ caller launches through Triton (which compiles it if needed) and hands the compi
 Python made (a mismatch raises) and keep the kernel for the next call. Same cubin, grid and
 arguments: the bits are Triton's launch's bits (``tests/core/ops/test_native_launch.py``).
 
-Switch: ``RL_KERNEL_NATIVE_LAUNCH`` (default on). Off, or where the extension cannot be built
-(the message of :func:`unavailable_reason`, warned once), every launch goes through Triton.
+Switch: ``RL_KERNEL_NATIVE_LAUNCH`` (default on; a malformed value raises ``SwitchError``). Off,
+or where the extension cannot be built or used (a ``RuntimeWarning`` once, with the reason that
+:func:`unavailable_reason` returns), every launch goes through Triton.
 Launches made here do not call Triton's ``launch_enter_hook``/``launch_exit_hook`` (a Triton
 profiler sees only the first launch of each specialization); turn the switch off to profile them.
 """
@@ -49,17 +50,18 @@ def _load() -> Any:
     with _lock:
         if _loaded:
             return _ext
-        try:
-            if not env_flag(SWITCH, True):
-                _reason = f"{SWITCH}=0"
-            else:
+        if not env_flag(SWITCH, True):  # a malformed value raises SwitchError naming the variable
+            _reason = f"{SWITCH}=0"
+        else:
+            try:
                 _reason = native_build.unavailable_reason()
                 if _reason is None:
                     _ext = native_build.build(native_build.LAUNCH_GROUP)
-        except Exception as exc:  # a build error: Triton's own launcher serves, and the reason is said once
-            _reason = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"rl-kernel: the batch-invariant kernels launch through Triton (slower on the host): {_reason}",
-                          RuntimeWarning, stacklevel=3)
+            except Exception as exc:  # a build error: Triton's own launcher serves, and the reason is said once
+                _reason = f"{type(exc).__name__}: {exc}"
+            if _reason is not None:
+                warnings.warn(f"rl-kernel: the batch-invariant kernels launch through Triton, slower on the host "
+                              f"({SWITCH}=0 silences this): {_reason}", RuntimeWarning, stacklevel=3)
         _serving = _ext
         _loaded = True
         return _ext
