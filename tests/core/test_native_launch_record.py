@@ -60,6 +60,7 @@ def _params(kernel):
 def test_a_pointer_kernels_signature_becomes_the_argument_kinds(fake_extension):
     record = native_launch._launch_record("_persistent_matmul_kernel", _params(tbi._persistent_matmul_kernel),
                                           _compiled(_pointer_signature()))
+    assert record is not None
     function, num_warps, shared, kinds, layouts = record
     assert (function, num_warps, shared, layouts) == (0x1234, 8, 196608, [])
     # pointers; i32; the ==1 strides Triton specialized into the kernel; n_progs as an i64
@@ -73,8 +74,10 @@ def test_a_tma_kernels_descriptors_take_their_layouts(fake_extension):
            "c_desc": "constexpr", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32"}
     metas = [{"swizzle": 3, "elem_size": 2, "elem_type": 8, "block_size": [128, 64], "fp4_padded": False},
              {"swizzle": 3, "elem_size": 2, "elem_type": 8, "block_size": [256, 64], "fp4_padded": False}]
-    _, _, _, kinds, layouts = native_launch._launch_record("_tma_matmul_kernel", _params(tbi._tma_matmul_kernel),
-                                                           _compiled(sig, tensordesc_meta=metas))
+    record = native_launch._launch_record("_tma_matmul_kernel", _params(tbi._tma_matmul_kernel),
+                                          _compiled(sig, tensordesc_meta=metas))
+    assert record is not None
+    _, _, _, kinds, layouts = record
     assert kinds == [5, 5, 1, 0, 1, 2, 2, 2, 2]
     assert layouts == [[3, 2, TMA_DTYPE_DEVICE_TO_HOST[8], 128, 64], [3, 2, TMA_DTYPE_DEVICE_TO_HOST[8], 256, 64]]
 

@@ -111,6 +111,36 @@ def test_the_mode_serves_a_decode_step_with_the_same_bits(seed, launcher):
     assert torch.equal(got, expected)
 
 
+def test_served_launches_captured_in_a_cuda_graph_replay_the_eager_bits(seed, launcher):
+    """The vLLM adapter captures the mode's decode as CUDA graphs: the C++ launches go to the
+    capturing stream (their outputs into the graph's pool) and a replay on new inputs gives the
+    eager bits."""
+    lin = torch.nn.Linear(1024, 3072, bias=True, device="cuda", dtype=torch.bfloat16)
+
+    def forward(x):
+        h = lin(x)
+        return h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+
+    static_in = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    fresh = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    with rk.batch_invariant(), torch.no_grad():
+        expected = forward(fresh)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward(static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        before = native_launch.stats()["hits"]
+        with torch.cuda.graph(graph):
+            static_out = forward(static_in)
+        assert native_launch.stats()["hits"] >= before + 2  # the addmm and the mean, captured from C++
+    static_in.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, expected)
+
+
 def test_a_plan_that_differs_from_pythons_launch_raises(seed, launcher):
     """remember_* re-plans the call and refuses a kernel launched with another kernel choice or grid,
     or whose arguments do not fit the plan's; a call no plan serves keeps nothing."""
