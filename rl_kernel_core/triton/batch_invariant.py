@@ -24,6 +24,11 @@ Why these are batch-invariant:
   order, with the same ``BLOCK`` for every N: the mean and the log-sum-exp of a row are the same
   sequence of fp32 operations whatever else is in the call.
 
+Launches: where :mod:`rl_kernel_core.triton.native_launch` serves a call (a CUDA tensor, the
+kernel's own tile and choice, a specialization seen before), ``matmul_forward`` and the row pass
+launch the Triton-compiled kernel from C++ (the same cubin, grid and arguments, so the same bits);
+otherwise through Triton, which then hands the compiled kernel to it.
+
 Accumulation is fp32 (fp32 inputs use IEEE fp32 products, not TF32); outputs keep the input dtype.
 fp64 inputs are left to the torch backend (``supports`` says so). Gradients: the matmul's input
 gradient is itself a batch-invariant product; weight gradients (a sum over rows) and the
