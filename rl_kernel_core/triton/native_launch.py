@@ -80,7 +80,8 @@ def unavailable_reason() -> Optional[str]:
 
 def stats() -> dict[str, int]:
     """``{"kernels", "hits", "misses"}``: kernels remembered, launches served, launches not served
-    (a specialization seen for the first time); empty where the extension is not loaded."""
+    (a specialization seen for the first time). Loads (builds) the extension if needed; empty where
+    it is switched off or cannot be built."""
     ext = extension()
     return dict(ext.stats()) if ext is not None else {}
 
