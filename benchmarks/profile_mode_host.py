@@ -9,6 +9,8 @@ ending ``_triton_launch``, Triton's. Each row times a loop of one piece alone, i
 microseconds per call (``--calls`` calls after 20 warm-up calls, no synchronisation inside the
 loop, median of ``--reps`` loops), at a decode-sized product (8 rows), a prefill-sized one (512)
 and one on the TMA kernel (8192). With the mode off, ``x @ w.T`` is one cuBLAS call: the target.
+The decode-step rows (:func:`decode_pieces`) do the same for a routed RMSNorm mean and an attention
+call of a transformers decode step, against the mode-off mean and ``sdpa``.
 Only rows whose device time is below the host time measure the host: a loop of longer kernels
 fills the launch queue and times the device (the 8192-row products).
 ``--cprofile`` adds the top functions of a cProfile of the routed call by own time.
@@ -72,6 +74,53 @@ def pieces(rows: int, d_in: int, d_out: int, device: torch.device) -> dict:
     }
 
 
+def decode_pieces(batch: int, hidden: int, cache: int, device: torch.device) -> dict:
+    """The pieces of a decode step's routed RMSNorm mean (``hidden_states.pow(2).mean(-1,
+    keepdim=True)`` over ``[batch, 1, hidden]`` fp32, as transformers' Qwen3 RMSNorm) and of its
+    attention call (Qwen3-0.6B's 16 query and 8 KV heads of 128 over a ``cache``-token KV cache,
+    through :func:`rl_kernel_core.consistency.hf.mode_attention`: ``sdpa`` with the mode off), each
+    a no-argument callable; names starting ``mode_on`` are timed inside the mode."""
+    from types import SimpleNamespace
+
+    from rl_kernel_core.attention import varlen_attention
+    from rl_kernel_core.consistency.hf import mode_attention
+    from rl_kernel_core.triton import attention as tattn
+
+    squares = torch.randn(batch, 1, hidden, device=device).pow(2)
+    rows = squares.view(batch, hidden)
+    mean_out = torch.empty(batch, device=device)
+    module = SimpleNamespace(is_causal=True, training=False, num_key_value_groups=2)
+    query = torch.randn(batch, 16, 1, 128, device=device, dtype=torch.bfloat16)
+    key = torch.randn(batch, 8, cache, 128, device=device, dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    mask = torch.ones(batch, 1, 1, cache, dtype=torch.bool, device=device)
+    q = query.transpose(1, 2).reshape(batch, 16, 128)
+    k = key.transpose(1, 2).reshape(batch * cache, 8, 128)
+    v = value.transpose(1, 2).reshape(batch * cache, 8, 128)
+    cu_q = torch.arange(batch + 1) * 1
+    cu_k = torch.arange(batch + 1) * cache
+    cu_q_list, cu_k_list = cu_q.tolist(), cu_k.tolist()
+    launch = tattn._forward_launch(q.dtype, 16, 8, 128, True)
+    tables = tattn._tables(device, launch["BLOCK_M"], tuple(cu_q_list), tuple(cu_k_list))
+    attn_out, lse = torch.empty_like(q), torch.empty(batch, 16, device=device)
+
+    def attention_kernel_launch():
+        tattn._attention_fwd_kernel[(tables[2].shape[0], 16)](q, k, v, attn_out, lse, *tables, 128 ** -0.5, **launch)
+
+    return {
+        "mean_mode_off": lambda: squares.mean(-1, keepdim=True),
+        "mode_on_mean": lambda: squares.mean(-1, keepdim=True),
+        "bi_mean": lambda: invariance.bi_mean(squares, -1, True),
+        "row_pass_mean": lambda: tbi._row_pass(rows, 0),
+        "native_launch_row_stats": lambda: native_launch.row_stats(rows, mean_out, 0, 0.0),
+        "attention_mode_off_sdpa": lambda: mode_attention(module, query, key, value, mask, scaling=128 ** -0.5),
+        "mode_on_attention": lambda: mode_attention(module, query, key, value, mask, scaling=128 ** -0.5),
+        "varlen_attention": lambda: varlen_attention(q, k, v, cu_q, cu_k, scale=128 ** -0.5),
+        "attention_forward": lambda: tattn._forward(q, k, v, cu_q_list, cu_k_list, True, 128 ** -0.5),
+        "attention_kernel_launch": attention_kernel_launch,
+    }
+
+
 def _pointer_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[int, tuple, dict, dict]:
     (bm, bn, bk), extra = tbi._tile_for(x, False, None, False)
     m, k = x.shape
@@ -110,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cprofile", action="store_true", help="add a cProfile of the routed call at the first row count")
+    p.add_argument("--decode-batch", type=int, default=8, help="batch of the decode-step pieces (0: skip them)")
+    p.add_argument("--decode-cache", type=int, default=160, help="KV-cache tokens of the decode-step attention")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     results = []
@@ -124,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"rows": rows, "tma_kernel": tma, "host_us_per_call": timed})
         print(f"rows {rows:6d} ({'TMA' if tma else 'pointer'} kernel): "
               + ", ".join(f"{k} {v:.1f}" for k, v in timed.items()), flush=True)
+    decode = {}
+    if args.decode_batch:
+        for name, fn in decode_pieces(args.decode_batch, args.d_in, args.decode_cache, device).items():
+            with rk.batch_invariant(name.startswith("mode_on")):
+                decode[name] = round(host_us(fn, args.calls, args.reps), 2)
+        print(f"decode step, batch {args.decode_batch}, cache {args.decode_cache}: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in decode.items()), flush=True)
     profile_text = None
     if args.cprofile:
         routed = pieces(int(args.rows.split(",")[0]), args.d_in, args.d_out, device)["mode_on_routed"]
@@ -146,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": "mode_off_cublas: the same x @ w.T with the mode off (one cuBLAS call)",
         "native_launch": {"unavailable_reason": native_launch.unavailable_reason(), **native_launch.stats()},
         "rows": results, "cprofile_routed": profile_text,
+        "decode_step": {"batch": args.decode_batch, "cache": args.decode_cache, "hidden": args.d_in,
+                        "host_us_per_call": decode},
     }
     if args.out:
         print("wrote", bench.write_json(args.out, "profile_mode_host.json", result))

@@ -92,12 +92,21 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             raise ValueError(f"causal attention needs Lq <= Lk per sequence; sequence {b} has Lq={lq}, Lk={lk}")
         if lq > 0 and lk == 0:  # a softmax over no keys: 0/0
             raise ValueError(f"cu_seqlens_k must give every sequence with queries at least one key; sequence {b} has Lq={lq}, Lk=0")
+    out, lse = checked_varlen_attention(q, k, v, cu_q, cu_k, causal, scale, backend)
+    return (out, lse) if return_lse else out
+
+
+def checked_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
+                             causal: bool, scale: float, backend: Optional[str] = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`varlen_attention` with ``return_lse=True`` for a caller that has already checked its
+    arguments as :func:`varlen_attention` does (the batch-invariant mode's transformers attention,
+    once a layer at every decode step, builds the packed layout itself): offsets as Python lists,
+    ``scale`` given, no checks."""
     impl = dispatch.select("varlen_attention", backend, q.device, q, k, v, cu_q, cu_k, causal, scale)
     # Every library call of both backends has a fixed shape already, so routing them through the
     # batch-invariant matmul as well would only cost time.
     with routing_suspended():
-        out, lse = impl(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, causal, scale)
-    return (out, lse) if return_lse else out
+        return impl(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, causal, scale)
 
 
 def _paged_kv_heads(kv_cache: torch.Tensor, name: str, like: torch.Tensor) -> int:

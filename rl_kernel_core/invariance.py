@@ -460,6 +460,14 @@ def _route_log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.
 
 
 def _route_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+    if (dtype is None and dim is not None and len(dim) == 1 and dim[0] in (-1, x.dim() - 1) and x.dim() > 0
+            and x.dtype in _checks.FLOAT_DTYPES and x.numel() > 0 and x.is_contiguous()):
+        # the last dim of a contiguous tensor (an RMSNorm's mean square, every layer of every decode
+        # step): its rows are a view, so bi_mean's permute, copy and reshapes are skipped; same rows,
+        # same backend, same bits
+        rows = x.view(-1, x.shape[-1])
+        out = dispatch.select("bi_mean", "auto", x.device, rows)(rows)
+        return out.view(*x.shape[:-1], 1) if keepdim else out.view(x.shape[:-1])
     if dtype is not None:
         if dtype not in _checks.FLOAT_DTYPES:
             return NotImplemented

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from rl_kernel_core.attention import varlen_attention
+from rl_kernel_core.attention import checked_varlen_attention, varlen_attention
 from rl_kernel_core.consistency.chain import selected_logprobs as _selected_logprobs
 from rl_kernel_core.invariance import is_batch_invariant
 
@@ -70,13 +70,17 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
                                causal=causal, scale=scaling)
         return out[None], None
-    query_rows, key_rows, cu_q, cu_k = _cached(attention_mask, (b, lq, lk),
-                                               lambda: _padded_layout(attention_mask, b, lq, lk, query.device))
+    query_rows, key_rows, cu_q, cu_k = _cached(attention_mask, (b, lq, lk), lambda: _padded_layout(attention_mask, b, lq, lk))
     hkv = key.shape[1]
-    q = query.transpose(1, 2).reshape(b * lq, hq, d).index_select(0, query_rows)
-    k = key.transpose(1, 2).reshape(b * lk, hkv, d).index_select(0, key_rows)
-    v = value.transpose(1, 2).reshape(b * lk, hkv, d).index_select(0, key_rows)
-    out = varlen_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scaling)
+    q = query.transpose(1, 2).reshape(b * lq, hq, d)
+    k = key.transpose(1, 2).reshape(b * lk, hkv, d)
+    v = value.transpose(1, 2).reshape(b * lk, hkv, d)
+    scale = d ** -0.5 if scaling is None else float(scaling)
+    if query_rows is None:  # no padding: the batch's own layout is the packed one
+        out, _ = checked_varlen_attention(q, k, v, cu_q, cu_k, causal, scale)
+        return out.view(b, lq, hq, d), None
+    out, _ = checked_varlen_attention(q.index_select(0, query_rows), k.index_select(0, key_rows),
+                                      v.index_select(0, key_rows), cu_q, cu_k, causal, scale)
     return query.new_zeros((b * lq, hq, d)).index_copy(0, query_rows, out).view(b, lq, hq, d), None
 
 
@@ -96,20 +100,23 @@ def _cached(source, shape: tuple[int, int, int], compute):
     return value
 
 
-def _padded_layout(attention_mask, b: int, lq: int, lk: int, device: torch.device):
+def _padded_layout(attention_mask, b: int, lq: int, lk: int):
     """``(query rows, key rows, cu_q, cu_k)`` of a padded batch: the flat indices (``row * L +
     position``, int64 on ``device``) of each row's real queries and keys in order, and the offsets
-    of the packed layout (int64, CPU). A row's real keys are those its last query may attend to;
-    its real queries are the real keys among the last ``Lq`` positions. No mask: every position."""
+    of the packed layout (lists of ints; :func:`~rl_kernel_core.attention.varlen_attention`'s checks
+    hold for them). A row's real keys are those its last query may attend to; its real queries are
+    the real keys among the last ``Lq`` positions. Both index tensors are None where every position
+    is real (no mask, or no padding): the batch is then packed as it is."""
     if attention_mask is None:
-        key_ok = torch.ones(b, lk, dtype=torch.bool, device=device)
-    else:
-        last = attention_mask[:, 0, -1, :]
-        key_ok = last if last.dtype == torch.bool else last == 0
+        return None, None, list(range(0, b * lq + 1, lq)), list(range(0, b * lk + 1, lk))
+    last = attention_mask[:, 0, -1, :]
+    key_ok = last if last.dtype == torch.bool else last == 0
     query_ok = key_ok[:, lk - lq:]
     counts = torch.stack([query_ok.sum(1), key_ok.sum(1)]).cpu()
     zero = torch.zeros(1, dtype=torch.int64)
-    cu_q, cu_k = (torch.cat([zero, c.cumsum(0)]) for c in counts)
+    cu_q, cu_k = (torch.cat([zero, c.cumsum(0)]).tolist() for c in counts)
+    if cu_q[-1] == b * lq and cu_k[-1] == b * lk:
+        return None, None, cu_q, cu_k
     return query_ok.reshape(-1).nonzero().flatten(), key_ok.reshape(-1).nonzero().flatten(), cu_q, cu_k
 
 

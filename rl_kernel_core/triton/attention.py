@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
+from rl_kernel_core.triton._autograd import records_graph
 from rl_kernel_core.triton._jit import helper_jit, interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc
 from rl_kernel_core.triton.tuning import ATTENTION_INTERPRETED_TILES, BWD_TILES, TILES
@@ -343,8 +344,12 @@ def _tables(device: torch.device, bm: int, cu_q: tuple[int, ...], cu_k: tuple[in
 def _forward_launch(dtype: torch.dtype, hq: int, hkv: int, d: int, causal: bool) -> dict:
     """The compile-time arguments (and launch options) of both forward kernels: the packed one and
     the paged one take the same tiles and arithmetic from here, which is what gives a query the
-    same bits in either."""
-    interpreted = interpreting()
+    same bits in either. Not to be modified: kept per arguments (a decode step asks once a layer)."""
+    return _launch_constants(dtype, hq, hkv, d, causal, interpreting())
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_constants(dtype: torch.dtype, hq: int, hkv: int, d: int, causal: bool, interpreted: bool) -> dict:
     bm, bn = ATTENTION_INTERPRETED_TILES if interpreted else TILES[dtype][:2]
     extra = {} if interpreted else {"num_warps": TILES[dtype][2], "num_stages": TILES[dtype][3]}
     return dict(HQ=hq, GROUP=hq // hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
@@ -453,4 +458,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: li
                      causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` contiguous, offsets as Python lists -> (out ``[Tq, Hq, D]``
     in q's dtype, lse ``[Tq, Hq]`` fp32)."""
-    return _VarlenAttention.apply(q, k, v, cu_q, cu_k, causal, scale)
+    if records_graph(q, k, v):
+        return _VarlenAttention.apply(q, k, v, cu_q, cu_k, causal, scale)
+    return _forward(q, k, v, cu_q, cu_k, causal, scale)

@@ -46,6 +46,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton import native_launch
+from rl_kernel_core.triton._autograd import records_graph
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc, grouped_tile
 from rl_kernel_core.triton.tuning import (
@@ -299,12 +300,6 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db
 
 
-def _records_graph(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether autograd records this call; without a graph the autograd wrapper only costs host time
-    (the batch-invariant mode's routes, inference)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _supports(x: torch.Tensor, *args, **kwargs) -> Optional[str]:
     if x.dtype == torch.float64:
         return "the triton kernels accumulate in fp32; fp64 inputs need the torch backend"
@@ -314,13 +309,13 @@ def _supports(x: torch.Tensor, *args, **kwargs) -> Optional[str]:
 @dispatch.register("bi_linear", "triton", supports=_supports)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x [N, K] @ weight [M, K].T + bias [M]`` with the persistent kernel: ``[N, M]`` in x's dtype."""
-    return _Linear.apply(x, weight, bias) if _records_graph(x, weight, bias) else matmul_forward(x, weight, bias)
+    return _Linear.apply(x, weight, bias) if records_graph(x, weight, bias) else matmul_forward(x, weight, bias)
 
 
 @dispatch.register("bi_matmul", "triton", supports=_supports)
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [N, K] @ b [K, M]`` (any strides) with the persistent kernel: ``[N, M]`` in a's dtype."""
-    return _Linear.apply(a, b.t(), None) if _records_graph(a, b) else matmul_forward(a, b.t(), None)
+    return _Linear.apply(a, b.t(), None) if records_graph(a, b) else matmul_forward(a, b.t(), None)
 
 
 @launch_time_jit
@@ -427,13 +422,13 @@ class _RMSNorm(torch.autograd.Function):
 @dispatch.register("bi_log_softmax", "triton", supports=_supports)
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax of ``x [N, L]`` over L: fp32 online max/sum, in x's dtype."""
-    return _LogSoftmax.apply(x) if _records_graph(x) else _row_pass(x, 1)
+    return _LogSoftmax.apply(x) if records_graph(x) else _row_pass(x, 1)
 
 
 @dispatch.register("bi_mean", "triton", supports=_supports)
 def mean(x: torch.Tensor) -> torch.Tensor:
     """Row-wise mean of ``x [N, L]`` -> ``[N]`` in x's dtype, accumulated in fp32."""
-    return _Mean.apply(x) if _records_graph(x) else _row_pass(x, 0)
+    return _Mean.apply(x) if records_graph(x) else _row_pass(x, 0)
 
 
 @dispatch.register("rms_norm", "triton", supports=_supports)

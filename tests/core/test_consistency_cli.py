@@ -222,6 +222,26 @@ def test_row_parallel_split_computes_a_two_rank_engines_sum(seed):
         hf.use_row_parallel_split(biased, 2)
 
 
+def test_hf_mode_attention_packs_an_unpadded_batch_as_it_is(seed):
+    """A decode step whose batch has no padding (or no mask) takes the batch's own layout (no
+    gather, no scatter); its rows get the bits they get in a padded batch, which packs them."""
+    torch.manual_seed(seed)
+    module = torch.nn.Module()
+    q = torch.randn(4, 4, 1, 16)
+    k, v = torch.randn(4, 2, 9, 16), torch.randn(4, 2, 9, 16)
+    full = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    padded = torch.ones(4, 1, 1, 9, dtype=torch.bool)
+    padded[3, 0, 0, :4] = False  # a left-padded fourth row
+    assert hf._padded_layout(full, 3, 1, 9)[:2] == (None, None)
+    assert hf._padded_layout(padded, 4, 1, 9)[0] is not None
+    with rk.batch_invariant():
+        dense, _ = hf.mode_attention(module, q[:3], k[:3], v[:3], full)
+        no_mask, _ = hf.mode_attention(module, q[:3], k[:3], v[:3], None)
+        gathered, _ = hf.mode_attention(module, q, k, v, padded)
+    assert torch.equal(dense, gathered[:3])
+    assert torch.equal(no_mask, dense)
+
+
 def test_hf_mode_attention_refuses_a_sliding_window():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
