@@ -54,27 +54,8 @@ def _timed(fn: Callable[[], object], device: torch.device, args: argparse.Namesp
     out = bench.time_ms(fn, device, warmup=args.warmup, reps=args.reps)
     out["peak_extra_gib"] = bench.peak_extra_gib(fn, device)
     if graph:
-        out["cuda_graph"] = _graph_ms(fn, device, args)
+        out["cuda_graph"] = bench.graph_time_ms(fn, device, warmup=args.warmup, reps=args.reps)
     return out
-
-
-def _graph_ms(fn: Callable[[], object], device: torch.device, args: argparse.Namespace) -> dict:
-    """Median ms of replaying ``fn`` captured as a CUDA graph, or why capture failed."""
-    if device.type != "cuda":
-        return {"skipped": "CUDA graphs need a CUDA device"}
-    try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as exc:  # recorded in the JSON, never hidden
-        return {"skipped": f"capture failed: {type(exc).__name__}: {exc}"}
-    return bench.time_ms(graph.replay, device, warmup=args.warmup, reps=args.reps)
 
 
 # ---------------------------------------------------------------- logprob_from_logits

@@ -9,7 +9,10 @@ before it is timed: rows bitwise equal whether computed among M rows or among th
 error against an fp64 product within the bound the CPU tests hold ``bi_matmul`` to, and whether
 its bits equal the first candidate's. The ranking is by the per-layer-weighted sum (7 layer
 products per layer x ``--layers`` in each layout, plus the LM head's forward once), and the
-fastest per row count is printed last.
+fastest per row count is printed last. ``--timing graph`` (the default) times each product's
+device time, ``--graph-calls`` calls captured in one CUDA graph; ``eager`` times host-launched
+calls, which for a product of tens of microseconds also counts its launch (Triton's launcher here,
+cuBLAS's there), as the sweeps before this option did.
 
     python benchmarks/sweep_bi_matmul_tiles.py --model qwen3-1.7b --out benchmarks/results
 """
@@ -86,6 +89,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                   help="graph: each call's device time (--graph-calls calls captured in a CUDA graph); eager: "
+                        "host-launched calls timed with events, which also counts a short product's launch")
+    p.add_argument("--graph-calls", type=int, default=10)
     p.add_argument("--out", default=None, help="directory for sweep_bi_matmul_tiles.json")
     args = p.parse_args(argv)
     device = torch.device("cuda")
@@ -100,6 +107,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     g = torch.Generator(device=device).manual_seed(0)
     mats = {name: torch.randn(n, k, device=device, dtype=dtype, generator=g) * k ** -0.5
             for name, (k, n) in (layer | {"lm_head": lm_head}).items()}
+
+    def timed_ms(fn) -> float:
+        if args.timing == "eager":
+            return bench.time_ms(fn, device, warmup=args.warmup, reps=args.reps)["median_ms"]
+        timed = bench.graph_time_ms(fn, device, warmup=args.warmup, reps=args.reps, calls=args.graph_calls)
+        if "skipped" in timed:
+            raise RuntimeError(timed["skipped"])
+        return timed["median_ms"]
+
     rows_out = []
     for m in (int(r) for r in args.rows.split(",")):
         dims = {k for k, _ in shapes.values()} | {n for key, (_, n) in shapes.items() if key != "lm_head.fwd"}
@@ -113,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         entry = {"rows": m, "cublas": {}, "candidates": {}}
         for key in shapes:
             a, b_t = operands(key)
-            entry["cublas"][key] = bench.time_ms(lambda: a @ b_t.T, device, warmup=args.warmup, reps=args.reps)["median_ms"]
+            entry["cublas"][key] = timed_ms(lambda: a @ b_t.T)
         entry["cublas_weighted_ms"] = sum(weights[key] * t for key, t in entry["cublas"].items())
         print(f"M={m}: cuBLAS weighted {entry['cublas_weighted_ms']:.3f} ms")
         first_bits = None
@@ -125,8 +141,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 times = {}
                 for key in shapes:
                     a, b_t = operands(key)
-                    times[key] = bench.time_ms(lambda: matmul_forward(a, b_t, None, tile, tma), device,
-                                               warmup=args.warmup, reps=args.reps)["median_ms"]
+                    times[key] = timed_ms(lambda: matmul_forward(a, b_t, None, tile, tma))
             except Exception as exc:  # a tile that does not compile (shared memory) is reported, not fatal
                 entry["candidates"][text] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                 print(f"  {text:>24}: {entry['candidates'][text]['error']}")
@@ -147,7 +162,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               "environment": bench.environment(device), "dtype": args.dtype, "model": args.model,
               "current": {"pointer_tile": list(matmul_tile(dtype, device)), "tma_tile": list(TMA_MATMUL_TILES[dtype]),
                           "tma_min_rows": TMA_MIN_ROWS, "tma_on_this_device": uses_tma(dtype, device, TMA_MIN_ROWS)},
-              "shapes_k_n": shapes, "weights": weights, "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
+              "shapes_k_n": shapes, "weights": weights, "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median", "mode": args.timing,
+                         "graph_calls": args.graph_calls if args.timing == "graph" else None},
               "rows": rows_out, "fastest": fastest}
     if args.out:
         bench.write_json(args.out, "sweep_bi_matmul_tiles.json", result)

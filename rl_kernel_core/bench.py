@@ -110,6 +110,30 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, rep
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
 
 
+def graph_time_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, reps: int = 10,
+                  calls: int = 1) -> dict[str, Any]:
+    """:func:`time_ms` of ``calls`` back-to-back ``fn()`` captured as one CUDA graph, per call (the
+    device's time: a short kernel timed from the host also counts its launch), or
+    ``{"skipped": why}`` where capture fails (recorded, never hidden)."""
+    if device.type != "cuda":
+        return {"skipped": "CUDA graphs need a CUDA device"}
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception as exc:
+        return {"skipped": f"capture failed: {type(exc).__name__}: {exc}"}
+    timed = time_ms(graph.replay, device, warmup=warmup, reps=reps)
+    return {key: value / calls if key.endswith("_ms") else value for key, value in timed.items()} | {"calls_per_graph": calls}
+
+
 def peak_extra_gib(fn: Callable[[], Any], device: torch.device) -> float | None:
     """Peak memory allocated during ``fn()`` beyond what was allocated before it (CUDA only).
 
