@@ -122,7 +122,7 @@ def decode_pieces(batch: int, hidden: int, cache: int, device: torch.device) -> 
 
 
 def _pointer_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[int, tuple, dict, dict]:
-    (bm, bn, bk), extra = tbi._tile_for(x, False, None, False)
+    (bm, bn, bk), extra = tbi._tile_for(x, w.shape[0], False, None, False, False)
     m, k = x.shape
     n = w.shape[0]
     progs = tbi._n_programs(-(-m // bm) * -(-n // bn), x.device)

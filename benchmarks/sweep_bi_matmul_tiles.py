@@ -1,4 +1,5 @@
-"""Sweep the batch-invariant matmul's kernel and tile, ``KERNEL:BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages``.
+"""Sweep the batch-invariant matmul's kernel and tile, ``KERNEL:BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages``
+(a bare ``KERNEL``: the library's own tile choice for each product).
 
 Times the persistent kernels alone (``matmul_forward``, no dispatch; ``tma`` or ``pointer``) for
 each candidate on the products of one decoder layer of ``--model`` and its LM head, bf16 by
@@ -48,11 +49,13 @@ def _layer(model: str) -> tuple[dict[str, tuple[int, int]], tuple[int, int]]:
     return layer, (hidden, vocab)
 
 
-def _candidate(text: str) -> tuple[bool, tuple[int, int, int, int, int]]:
+def _candidate(text: str) -> tuple[bool, Optional[tuple[int, int, int, int, int]]]:
+    """``(tma, tile)`` of ``KERNEL:BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages``, or of a bare
+    ``KERNEL``: that kernel with the library's own tile choice (``tile`` None)."""
     kernel, _, tile = text.partition(":")
-    values = tuple(int(x) for x in tile.split(","))
-    if kernel not in ("tma", "pointer") or len(values) != 5:
-        raise ValueError(f"a candidate is tma|pointer:BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages, got {text!r}")
+    values = tuple(int(x) for x in tile.split(",")) if tile else None
+    if kernel not in ("tma", "pointer") or (values is not None and len(values) != 5):
+        raise ValueError(f"a candidate is tma|pointer[:BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages], got {text!r}")
     return kernel == "tma", values  # type: ignore[return-value]
 
 

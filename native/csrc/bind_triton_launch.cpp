@@ -241,12 +241,14 @@ struct Plan {
   Key key;
   int64_t grid = 0;
   bool tma = false;
+  std::array<int64_t, 2> block{};  // (BLOCK_M, BLOCK_N) of a matmul plan
   std::vector<Arg> args;
 };
 
 struct MatmulConfig {  // rl_kernel_core.triton.batch_invariant's choices for one (device, dtype)
   int64_t pointer_block_m = 0, pointer_block_n = 0;
   int64_t tma_block_m = 0, tma_block_n = 0;
+  int64_t narrow_block_m = 0, narrow_block_n = 0;  // the TMA kernel's tile for a weight gradient that fills waves fuller
   bool tma_capable = false;  // 16-bit dtype on a device with TMA
   int64_t tma_min_rows = 0, tma_min_weight_grad_k = 0, program_slots = 0;
 };
@@ -281,6 +283,15 @@ std::optional<Arg> tma_operand(const at::Tensor& x, Key& key) {
   return std::nullopt;
 }
 
+// batch_invariant.tma_tile: whether the (nm, nn) tile's programs fill their waves over `slots` fuller than the
+// (wm, wn) tile's, for an [m, n] output
+bool fills_fuller(int64_t m, int64_t n, int64_t nm, int64_t nn, int64_t wm, int64_t wn, int64_t slots) {
+  if (nm <= 0 || nn <= 0 || slots <= 0) return false;
+  const int64_t tiles_w = ((m + wm - 1) / wm) * ((n + wn - 1) / wn);
+  const int64_t tiles_n = ((m + nm - 1) / nm) * ((n + nn - 1) / nn);
+  return tiles_n * ((tiles_w + slots - 1) / slots) > tiles_w * ((tiles_n + slots - 1) / slots);
+}
+
 std::optional<Plan> plan_matmul(const at::Tensor& a, const at::Tensor& b_t, const std::optional<at::Tensor>& bias,
                                 const at::Tensor& out) {
   if (!on_current_device(a) || !b_t.is_cuda() || b_t.get_device() != a.get_device() || a.dim() != 2 ||
@@ -295,7 +306,14 @@ std::optional<Plan> plan_matmul(const at::Tensor& a, const at::Tensor& b_t, cons
   const bool a_column_major = a.stride(0) == 1 && a.stride(1) != 1;
   Plan plan;
   plan.tma = c.tma_capable && (m >= c.tma_min_rows || (a_column_major && k >= c.tma_min_weight_grad_k));
-  const int64_t bm = plan.tma ? c.tma_block_m : c.pointer_block_m, bn = plan.tma ? c.tma_block_n : c.pointer_block_n;
+  int64_t bm = plan.tma ? c.tma_block_m : c.pointer_block_m, bn = plan.tma ? c.tma_block_n : c.pointer_block_n;
+  const bool narrow = plan.tma && a_column_major &&
+                      fills_fuller(m, n, c.narrow_block_m, c.narrow_block_n, bm, bn, c.program_slots);
+  if (narrow) {
+    bm = c.narrow_block_m;
+    bn = c.narrow_block_n;
+  }
+  plan.block = {bm, bn};
   const int64_t tiles = ((m + bm - 1) / bm) * ((n + bn - 1) / bn);
   plan.grid = std::min(tiles, c.program_slots);
   const at::Tensor& bias_or_a = bias ? *bias : a;
@@ -305,6 +323,7 @@ std::optional<Plan> plan_matmul(const at::Tensor& a, const at::Tensor& b_t, cons
   plan.key.put_pointer(out);
   for (int64_t v : {m, n, k}) plan.key.put_int(v);
   if (plan.tma) {
+    plan.key.put(narrow ? 1 : 0, 1);  // the tile: the descriptors' blocks and the compiled kernel differ
     auto a_op = tma_operand(a, plan.key);
     auto b_op = tma_operand(b_t, plan.key);
     if (!a_op || !b_op) return std::nullopt;
@@ -362,13 +381,16 @@ std::optional<at::Tensor> serve(const std::optional<Plan>& plan, const at::Tenso
 // What remember_* did: "kept", "unplanned" (no plan serves this call; nothing kept) or why the compiled kernel
 // does not fit the plan (a bug: the Python code and this file disagree). A string, not an exception: the caller
 // raises it with the Python context.
-std::string remember(const std::optional<Plan>& plan, bool tma, int64_t grid, int64_t function, int64_t num_warps,
-                     int64_t shared, const std::vector<int64_t>& kinds, const std::vector<std::vector<int64_t>>& layouts) {
+std::string remember(const std::optional<Plan>& plan, bool tma, int64_t grid, const std::vector<int64_t>& block,
+                     int64_t function, int64_t num_warps, int64_t shared, const std::vector<int64_t>& kinds,
+                     const std::vector<std::vector<int64_t>>& layouts) {
   if (!plan) return "unplanned";
-  if (plan->tma != tma || plan->grid != grid)
-    return cat("the C++ plan (tma=", plan->tma, ", programs=", plan->grid, ") differs from the launch Python made (tma=",
-                    tma, ", programs=", grid, "): rl_kernel_core/triton/batch_invariant.py and ",
-                    "native/csrc/bind_triton_launch.cpp disagree");
+  if (block.size() != 2) return "block is (BLOCK_M, BLOCK_N)";
+  if (plan->tma != tma || plan->grid != grid || plan->block[0] != block[0] || plan->block[1] != block[1])
+    return cat("the C++ plan (tma=", plan->tma, ", programs=", plan->grid, ", tile ", plan->block[0], "x",
+               plan->block[1], ") differs from the launch Python made (tma=", tma, ", programs=", grid, ", tile ",
+               block[0], "x", block[1], "): rl_kernel_core/triton/batch_invariant.py and ",
+               "native/csrc/bind_triton_launch.cpp disagree");
   if (kinds.size() != plan->args.size())
     return cat("the compiled kernel takes ", kinds.size(), " arguments, the plan passes ", plan->args.size());
   CompiledKernel k;
@@ -409,16 +431,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rl-kernel: C++ launches of the batch-invariant mode's compiled Triton kernels";
   m.def("configure_matmul",
         [](const at::Tensor& sample, std::vector<int64_t> pointer_tile, std::vector<int64_t> tma_tile,
-           bool tma_capable, int64_t tma_min_rows, int64_t tma_min_weight_grad_k, int64_t program_slots) {
+           std::vector<int64_t> tma_narrow_tile, bool tma_capable, int64_t tma_min_rows, int64_t tma_min_weight_grad_k,
+           int64_t program_slots) {
           if (!sample.is_cuda()) fail("configure_matmul's sample must be a CUDA tensor");
-          if (pointer_tile.size() != 2 || tma_tile.size() != 2) fail("pointer_tile and tma_tile are (BLOCK_M, BLOCK_N)");
+          if (pointer_tile.size() != 2 || tma_tile.size() != 2 || tma_narrow_tile.size() != 2)
+            fail("pointer_tile, tma_tile and tma_narrow_tile are (BLOCK_M, BLOCK_N)");
           matmul_configs()[config_key(sample.get_device(), sample.scalar_type())] =
-              MatmulConfig{pointer_tile[0], pointer_tile[1], tma_tile[0], tma_tile[1], tma_capable, tma_min_rows,
-                           tma_min_weight_grad_k, program_slots};
+              MatmulConfig{pointer_tile[0], pointer_tile[1], tma_tile[0], tma_tile[1], tma_narrow_tile[0],
+                           tma_narrow_tile[1], tma_capable, tma_min_rows, tma_min_weight_grad_k, program_slots};
         },
         "set the matmul's tiles and kernel rule for the device and dtype of sample", py::arg("sample"),
-        py::arg("pointer_tile"), py::arg("tma_tile"), py::arg("tma_capable"), py::arg("tma_min_rows"),
-        py::arg("tma_min_weight_grad_k"), py::arg("program_slots"));
+        py::arg("pointer_tile"), py::arg("tma_tile"), py::arg("tma_narrow_tile"), py::arg("tma_capable"),
+        py::arg("tma_min_rows"), py::arg("tma_min_weight_grad_k"), py::arg("program_slots"));
   m.def("matmul",
         [](const at::Tensor& a, const at::Tensor& b_t, const std::optional<at::Tensor>& bias) -> std::optional<at::Tensor> {
           if (!on_current_device(a)) return std::nullopt;
@@ -429,13 +453,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"));
   m.def("remember_matmul",
         [](const at::Tensor& a, const at::Tensor& b_t, const std::optional<at::Tensor>& bias, const at::Tensor& out,
-           bool tma, int64_t grid, int64_t function, int64_t num_warps, int64_t shared, std::vector<int64_t> kinds,
-           std::vector<std::vector<int64_t>> layouts) {
-          return remember(plan_matmul(a, b_t, bias, out), tma, grid, function, num_warps, shared, kinds, layouts);
+           bool tma, int64_t grid, std::vector<int64_t> block, int64_t function, int64_t num_warps, int64_t shared,
+           std::vector<int64_t> kinds, std::vector<std::vector<int64_t>> layouts) {
+          return remember(plan_matmul(a, b_t, bias, out), tma, grid, block, function, num_warps, shared, kinds,
+                          layouts);
         },
         "keep the kernel Python launched for this call's specialization: 'kept', 'unplanned' or why not",
         py::arg("a"), py::arg("b_t"), py::arg("bias"), py::arg("out"), py::arg("tma"), py::arg("grid"),
-        py::arg("function"), py::arg("num_warps"), py::arg("shared"), py::arg("kinds"), py::arg("layouts"));
+        py::arg("block"), py::arg("function"), py::arg("num_warps"), py::arg("shared"), py::arg("kinds"),
+        py::arg("layouts"));
   m.def("row_stats",
         [](const at::Tensor& x, const at::Tensor& out, int64_t mode, double eps) -> std::optional<at::Tensor> {
           return serve(plan_row_stats(x, out, mode, eps), out);
@@ -446,7 +472,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& x, const at::Tensor& out, int64_t mode, double eps, int64_t function, int64_t num_warps,
            int64_t shared, std::vector<int64_t> kinds) {
           auto plan = plan_row_stats(x, out, mode, eps);
-          return remember(plan, false, plan ? plan->grid : 0, function, num_warps, shared, kinds, {});
+          return remember(plan, false, plan ? plan->grid : 0, {0, 0}, function, num_warps, shared, kinds, {});
         },
         "keep the row-statistics kernel Python launched for this call's specialization: 'kept', 'unplanned' or why not",
         py::arg("x"), py::arg("out"), py::arg("mode"), py::arg("eps"), py::arg("function"), py::arg("num_warps"),

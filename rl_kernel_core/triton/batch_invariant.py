@@ -57,6 +57,7 @@ from rl_kernel_core.triton.tuning import (
     MATMUL_TILES,
     ROW_BLOCK,
     TMA_MATMUL_TILES,
+    TMA_WEIGHT_GRAD_NARROW_TILES,
     TMA_MIN_ROWS,
     TMA_MIN_ROWS_INTERPRETED,
     TMA_MIN_WEIGHT_GRAD_K,
@@ -217,10 +218,30 @@ def _program_slots(device: torch.device) -> int:
     return _sm_count(device) if device.type == "cuda" else 4
 
 
-def _tile_for(a: torch.Tensor, tma: bool, tile: Optional[tuple[int, int, int, int, int]], interpreted: bool) -> tuple[tuple[int, int, int], dict]:
+def tma_tile(dtype: torch.dtype, m: int, n: int, a_column_major: bool, slots: int) -> tuple[int, int, int, int, int]:
+    """The TMA kernel's tile for an ``[m, n]`` product of ``dtype`` on a device of ``slots``
+    programs: :data:`~rl_kernel_core.triton.tuning.TMA_MATMUL_TILES`', or for a weight gradient
+    (``a_column_major``) :data:`~rl_kernel_core.triton.tuning.TMA_WEIGHT_GRAD_NARROW_TILES`' where its
+    programs fill their waves fuller (a tie keeps the wide tile). Chosen from the layer's
+    ``[m, n]`` only: a weight gradient's rows are the layer's features and its reduction the batch."""
+    wide = TMA_MATMUL_TILES[dtype]
+    if not a_column_major:
+        return wide
+    narrow = TMA_WEIGHT_GRAD_NARROW_TILES[dtype]
+    tiles_w = -(-m // wide[0]) * -(-n // wide[1])
+    tiles_n = -(-m // narrow[0]) * -(-n // narrow[1])
+    # fill = tiles / (waves * slots); narrow fills fuller iff tiles_n * waves_w > tiles_w * waves_n
+    return narrow if tiles_n * -(-tiles_w // slots) > tiles_w * -(-tiles_n // slots) else wide
+
+
+def _tile_for(a: torch.Tensor, n: int, tma: bool, tile: Optional[tuple[int, int, int, int, int]], interpreted: bool,
+              a_column_major: bool) -> tuple[tuple[int, int, int], dict]:
     if interpreted:
         return MATMUL_INTERPRETED_TILES, {}
-    bm, bn, bk, warps, stages = tile or (TMA_MATMUL_TILES[a.dtype] if tma else matmul_tile(a.dtype, a.device))
+    if tile is None:
+        tile = (tma_tile(a.dtype, a.shape[0], n, a_column_major, _program_slots(a.device)) if tma
+                else matmul_tile(a.dtype, a.device))
+    bm, bn, bk, warps, stages = tile
     return (bm, bn, bk), {"num_warps": warps, "num_stages": stages}
 
 
@@ -242,9 +263,10 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out
+    a_column_major = a.stride(0) == 1 and a.stride(1) != 1
     if tma is None:
-        tma = uses_tma(a.dtype, a.device, m, interpreted, k=k, a_column_major=a.stride(0) == 1 and a.stride(1) != 1)
-    (bm, bn, bk), extra = _tile_for(a, tma, tile, interpreted)
+        tma = uses_tma(a.dtype, a.device, m, interpreted, k=k, a_column_major=a_column_major)
+    (bm, bn, bk), extra = _tile_for(a, n, tma, tile, interpreted, a_column_major)
     progs = _n_programs(-(-m // bm) * -(-n // bn), a.device)  # ceil divisions (triton.cdiv costs a dispatch on the host)
     if planned:
         _configure_native_launch(a.dtype, a.device)
@@ -269,7 +291,7 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, **extra,
         )
     if planned:
-        native_launch.remember_matmul(kernel, compiled, a, b_t, bias, out, tma, progs)
+        native_launch.remember_matmul(kernel, compiled, a, b_t, bias, out, tma, progs, (bm, bn))
     return out
 
 
@@ -277,9 +299,10 @@ def _configure_native_launch(dtype: torch.dtype, device: torch.device) -> None:
     """Hand :mod:`~rl_kernel_core.triton.native_launch` this module's tiles and kernel rule for ``(device, dtype)``."""
     if native_launch.extension() is None:
         return
-    pointer, tma = matmul_tile(dtype, device), TMA_MATMUL_TILES.get(dtype, (0, 0))
+    pointer = matmul_tile(dtype, device)
+    tma, narrow = TMA_MATMUL_TILES.get(dtype, (0, 0)), TMA_WEIGHT_GRAD_NARROW_TILES.get(dtype, (0, 0))
     native_launch.configure_matmul(
-        device, dtype, pointer[:2], tma[:2], tma_capable=uses_tma(dtype, device, TMA_MIN_ROWS, False),
+        device, dtype, pointer[:2], tma[:2], narrow[:2], tma_capable=uses_tma(dtype, device, TMA_MIN_ROWS, False),
         tma_min_rows=TMA_MIN_ROWS, tma_min_weight_grad_k=TMA_MIN_WEIGHT_GRAD_K, program_slots=_program_slots(device))
 
 

@@ -110,13 +110,15 @@ def row_stats(x: torch.Tensor, out: torch.Tensor, mode: int, eps: float) -> Opti
 
 
 def configure_matmul(device: torch.device, dtype: torch.dtype, pointer_tile: tuple[int, int], tma_tile: tuple[int, int],
-                     tma_capable: bool, tma_min_rows: int, tma_min_weight_grad_k: int, program_slots: int) -> None:
-    """Give the extension ``matmul_forward``'s tiles and kernel rule for ``(device, dtype)`` (once each)."""
+                     tma_narrow_tile: tuple[int, int], tma_capable: bool, tma_min_rows: int, tma_min_weight_grad_k: int,
+                     program_slots: int) -> None:
+    """Give the extension ``matmul_forward``'s tiles (``(BLOCK_M, BLOCK_N)``: the pointer kernel's, the
+    TMA kernel's and its narrow weight-gradient tile) and kernel rule for ``(device, dtype)`` (once each)."""
     ext = extension()
     if ext is None or (device.index, dtype) in _configured:
         return
-    ext.configure_matmul(torch.empty(0, dtype=dtype, device=device), list(pointer_tile), list(tma_tile), tma_capable,
-                         tma_min_rows, tma_min_weight_grad_k, program_slots)
+    ext.configure_matmul(torch.empty(0, dtype=dtype, device=device), list(pointer_tile), list(tma_tile),
+                         list(tma_narrow_tile), tma_capable, tma_min_rows, tma_min_weight_grad_k, program_slots)
     _configured.add((device.index, dtype))
 
 
@@ -158,13 +160,14 @@ def _launch_record(kernel_name: str, jit_params: list, compiled) -> Optional[tup
 
 
 def remember_matmul(kernel, compiled, a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tensor],
-                    out: torch.Tensor, tma: bool, grid: int) -> None:
-    """Keep ``compiled`` (what ``kernel[(grid,)](...)`` returned for this call) for its specialization."""
+                    out: torch.Tensor, tma: bool, grid: int, block: tuple[int, int]) -> None:
+    """Keep ``compiled`` (what ``kernel[(grid,)](...)`` returned for this call, with tile
+    ``block = (BLOCK_M, BLOCK_N)``) for its specialization."""
     if _serving is None or compiled is None:
         return
     record = _launch_record(kernel.__name__, kernel.flavour(False).params, compiled)
     if record is not None:
-        _check_kept(kernel.__name__, _ext.remember_matmul(a, b_t, bias, out, tma, grid, *record))
+        _check_kept(kernel.__name__, _ext.remember_matmul(a, b_t, bias, out, tma, grid, list(block), *record))
 
 
 def remember_row_stats(kernel, compiled, x: torch.Tensor, out: torch.Tensor, mode: int, eps: float) -> None:

@@ -79,6 +79,20 @@ stages (its epilogue's half-tile buffer shares the shared memory). The fastest o
 products in the three layouts of a training step at 8192 rows
 (``benchmarks/results/bi_matmul_h200/``)."""
 
+TMA_WEIGHT_GRAD_NARROW_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    torch.bfloat16: (128, 128, 64, 4, 4),
+    torch.float16: (128, 128, 64, 4, 4),
+}
+"""The TMA matmul's tile (fields as :data:`MATMUL_TILES`) for a weight gradient (a column-major left
+operand) whose output :data:`TMA_MATMUL_TILES` would cover with fewer full waves of programs than
+this tile does (``batch_invariant.tma_tile``): a layer with few output features, whose product has
+too few 128x256 tiles for the SMs. The same ``BLOCK_K``, so the same k steps and bits. On the H200,
+device time (CUDA graphs) against cuBLAS at 8192 tokens, with :data:`TMA_MATMUL_TILES`' then this:
+Qwen3-0.6B ``q_proj`` 1.75x then 1.03x, ``k_proj`` 3.08x then 1.61x, ``o_proj`` 1.81x then 1.05x;
+Qwen3-1.7B ``k_proj`` 1.90x then 1.05x. Where both tiles fill their waves alike (``gate_proj``,
+``down_proj``), the wider one stays: 1.23x against 1.38x
+(``benchmarks/results/bi_matmul_h200/graph_timing/``)."""
+
 TMA_MIN_ROWS: int = 4096
 """Products with at least this many rows take the TMA kernel, fewer the pointer kernel (Hopper,
 16-bit). On the H200 the TMA kernel is faster from 8192 rows (1.18x cuBLAS's time vs 1.59x) and

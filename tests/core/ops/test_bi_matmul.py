@@ -100,6 +100,24 @@ def test_the_operands_layout_does_not_change_a_bit(seed, triton_device, shape):
             assert torch.equal(got, expected), f"a {a_name}, b {b_name}: {(got.float() - expected.float()).abs().max()}"
 
 
+def test_a_weight_gradient_takes_the_tile_that_fills_the_sms():
+    """``tma_tile``: a weight gradient (column-major ``a``) whose 128x256 tiles leave SMs idle takes
+    the narrow tile; where both fill their waves alike the wide one stays; every other product keeps
+    the wide tile whatever its shape (132 program slots: an H100/H200)."""
+    from rl_kernel_core.triton import tuning
+    from rl_kernel_core.triton.batch_invariant import tma_tile
+
+    wide, narrow = tuning.TMA_MATMUL_TILES[torch.bfloat16], tuning.TMA_WEIGHT_GRAD_NARROW_TILES[torch.bfloat16]
+    assert narrow[2] == wide[2]  # the same k steps: the same bits
+    # Qwen3-0.6B's q_proj (64 wide tiles, 128 narrow), k_proj (32, 64), then gate_proj and down_proj
+    assert tma_tile(torch.bfloat16, 2048, 1024, True, 132) == narrow
+    assert tma_tile(torch.bfloat16, 1024, 1024, True, 132) == narrow
+    assert tma_tile(torch.bfloat16, 3072, 1024, True, 132) == wide  # 96 of 132 and 192 of 264 slots
+    assert tma_tile(torch.bfloat16, 1024, 3072, True, 132) == wide
+    assert tma_tile(torch.bfloat16, 4096, 4096, True, 132) == wide  # 512 and 1024 tiles: a tie
+    assert tma_tile(torch.bfloat16, 2048, 1024, False, 132) == wide
+
+
 @pytest.mark.parametrize("layout", ["fwd", "dx", "dw"])
 def test_the_tma_and_pointer_kernels_give_the_same_bits(seed, triton_device, layout):
     """The row count picks the kernel (``TMA_MIN_ROWS``; for a weight gradient the summed rows,
@@ -121,6 +139,9 @@ def test_the_tma_and_pointer_kernels_give_the_same_bits(seed, triton_device, lay
     tma, pointer = matmul_forward(a, b_t, None, tma=True), matmul_forward(a, b_t, None, tma=False)
     assert torch.equal(tma, pointer), f"{layout}: max |tma - pointer| {(tma.float() - pointer.float()).abs().max()}"
     if layout == "dw":  # dw's rows are W's, its reduction the batch: not a batch-invariant product
+        if cuda:  # a layer with fewer output tiles takes the narrow tile: the same k steps, the same bits
+            narrow = matmul_forward(a, b_t, None, tile=tuning.TMA_WEIGHT_GRAD_NARROW_TILES[torch.bfloat16], tma=True)
+            assert torch.equal(narrow, tma), f"max |narrow - wide| {(narrow.float() - tma.float()).abs().max()}"
         k_min = tuning.TMA_MIN_WEIGHT_GRAD_K if cuda else tuning.TMA_MIN_ROWS_INTERPRETED
         assert uses_tma(torch.bfloat16, triton_device, 5, k=k_min, a_column_major=True)
         assert not uses_tma(torch.bfloat16, triton_device, 5, k=k_min - 1, a_column_major=True)

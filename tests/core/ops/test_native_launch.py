@@ -63,7 +63,8 @@ _MATMUL_CASES = [
     ("fwd", tuning.TMA_MIN_ROWS + 37, 512, 264, torch.bfloat16),
     ("fwd", tuning.TMA_MIN_ROWS, 256, 262, torch.bfloat16),
     ("dx", tuning.TMA_MIN_ROWS + 1, 256, 512, torch.bfloat16),
-    ("dw", tuning.TMA_MIN_WEIGHT_GRAD_K + 3, 384, 256, torch.bfloat16),
+    ("dw", tuning.TMA_MIN_WEIGHT_GRAD_K + 3, 384, 256, torch.bfloat16),  # few output tiles: the narrow tile
+    ("dw", tuning.TMA_MIN_WEIGHT_GRAD_K + 3, 1024, 3072, torch.bfloat16),  # waves filled alike: the wide tile
 ]
 
 
@@ -142,20 +143,24 @@ def test_served_launches_captured_in_a_cuda_graph_replay_the_eager_bits(seed, la
 
 
 def test_a_plan_that_differs_from_pythons_launch_raises(seed, launcher):
-    """remember_* re-plans the call and refuses a kernel launched with another kernel choice or grid,
-    or whose arguments do not fit the plan's; a call no plan serves keeps nothing."""
+    """remember_* re-plans the call and refuses a kernel launched with another kernel choice, grid
+    or tile, or whose arguments do not fit the plan's; a call no plan serves keeps nothing."""
     a = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
     b_t = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     out = tbi.matmul_forward(a, b_t, None)
     ext = native_launch.extension()
-    assert "differs from the launch Python made" in ext.remember_matmul(a, b_t, None, out, True, 1, 0, 8, 0, [1] * 14, [])
-    grid = min(-(-512 // tbi.matmul_tile(torch.bfloat16, a.device)[1]), torch.cuda.get_device_properties(0).multi_processor_count)
-    assert ext.remember_matmul(a, b_t, None, out, False, grid, 0, 8, 0, [1, 1, 1], []) == \
+    tile = list(tbi.matmul_tile(torch.bfloat16, a.device)[:2])
+    assert "differs from the launch Python made" in ext.remember_matmul(a, b_t, None, out, True, 1, tile, 0, 8, 0, [1] * 14, [])
+    grid = min(-(-512 // tile[1]), torch.cuda.get_device_properties(0).multi_processor_count)
+    refused = ext.remember_matmul(a, b_t, None, out, False, grid, [64, 64], 0, 8, 0, [1] * 14, [])
+    assert "differs from the launch Python made" in refused and "tile 64x64)" in refused, refused
+    assert ext.remember_matmul(a, b_t, None, out, False, grid, tile, 0, 8, 0, [1, 1, 1], []) == \
         "the compiled kernel takes 3 arguments, the plan passes 14"
-    assert "argument 4 of the plan does not match" in ext.remember_matmul(a, b_t, None, out, False, grid, 0, 8, 0, [1] * 14, [])
-    assert ext.remember_matmul(a.cpu(), b_t, None, out, False, grid, 0, 8, 0, [1] * 14, []) == "unplanned"
+    assert "argument 4 of the plan does not match" in ext.remember_matmul(a, b_t, None, out, False, grid, tile, 0, 8, 0, [1] * 14, [])
+    assert ext.remember_matmul(a.cpu(), b_t, None, out, False, grid, tile, 0, 8, 0, [1] * 14, []) == "unplanned"
     with pytest.raises(RuntimeError, match="C\\+\\+ launcher refused _persistent_matmul_kernel: the C\\+\\+ plan"):
-        native_launch._check_kept("_persistent_matmul_kernel", ext.remember_matmul(a, b_t, None, out, True, 1, 0, 8, 0, [1] * 14, []))
+        native_launch._check_kept("_persistent_matmul_kernel",
+                                  ext.remember_matmul(a, b_t, None, out, True, 1, tile, 0, 8, 0, [1] * 14, []))
 
 
 def test_switched_off_every_launch_goes_through_triton(seed, monkeypatch):
