@@ -1,5 +1,6 @@
 // C++ launches of the batch-invariant mode's Triton kernels (rl_kernel_core/triton/batch_invariant.py): the
-// persistent matmul (pointer and TMA kernels) and the row-statistics pass. Python launches them through Triton's
+// persistent matmul (pointer and TMA kernels) and the row-statistics pass; and of varlen_attention's forward
+// (rl_kernel_core/triton/attention.py), which the mode's transformers attention runs once a layer per decode step. Python launches them through Triton's
 // JITFunction.run, ~45 us of host time per launch (the argument binder, the specialization key, the generated
 // launcher); a decode step issues hundreds. Here one call plans the launch (the same decisions as the Python code:
 // kernel, tile, program count, tensor descriptors), computes the specialization Triton would compute for those
@@ -158,7 +159,7 @@ struct KeyHash {
   size_t operator()(const Key& k) const { return std::hash<uint64_t>()(k.words[0] * 0x9E3779B97F4A7C15ULL ^ k.words[1]); }
 };
 
-enum KernelId : uint64_t { kPointerMatmul = 1, kTmaMatmul = 2, kRowStats = 3 };
+enum KernelId : uint64_t { kPointerMatmul = 1, kTmaMatmul = 2, kRowStats = 3, kAttentionForward = 4 };
 
 Key start_key(KernelId id, const at::Tensor& t) {
   Key key;
@@ -178,7 +179,7 @@ Table& table() {
   return t;
 }
 
-void launch(const CompiledKernel& k, int64_t grid, const std::vector<Arg>& args, int device) {
+void launch(const CompiledKernel& k, int64_t grid, int64_t grid_y, const std::vector<Arg>& args, int device) {
   if (args.size() != k.kinds.size()) fail(cat(args.size(), " arguments for a kernel taking ", k.kinds.size()));
   alignas(128) CUtensorMap maps[3];  // Triton's launcher keeps its maps 128-byte aligned
   std::array<int64_t, 48> slots{};
@@ -230,7 +231,8 @@ void launch(const CompiledKernel& k, int64_t grid, const std::vector<Arg>& args,
   params[param++] = &global_scratch;
   params[param++] = &profile_scratch;
   CUstream stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  check_cu(driver().launch(k.function, static_cast<unsigned>(grid), 1, 1, k.threads, 1, 1, k.shared, stream,
+  check_cu(driver().launch(k.function, static_cast<unsigned>(grid), static_cast<unsigned>(grid_y), 1, k.threads, 1, 1,
+                           k.shared, stream,
                            params.data(), nullptr),
            "cuLaunchKernel");
 }
@@ -239,7 +241,7 @@ void launch(const CompiledKernel& k, int64_t grid, const std::vector<Arg>& args,
 
 struct Plan {
   Key key;
-  int64_t grid = 0;
+  int64_t grid = 0, grid_y = 1;
   bool tma = false;
   std::array<int64_t, 2> block{};  // (BLOCK_M, BLOCK_N) of a matmul plan
   std::vector<Arg> args;
@@ -363,6 +365,44 @@ std::optional<Plan> plan_row_stats(const at::Tensor& x, const at::Tensor& out, i
   return plan;
 }
 
+// attention._forward's launch of _attention_fwd_kernel: q, out [Tq, Hq, D], k, v [Tk, Hkv, D] contiguous, lse [Tq, Hq]
+// fp32, the four int32 tables of _tables; grid (tiles, Hq). The compile-time arguments follow from the dtype, Hq,
+// Hq / Hkv, D, causal and the tile (block_m, block_n), all in the key.
+std::optional<Plan> plan_attention_forward(const std::vector<at::Tensor>& tensors, double scale, int64_t block_m,
+                                           int64_t block_n, bool causal) {
+  if (tensors.size() != 9) return std::nullopt;
+  const at::Tensor &q = tensors[0], &k = tensors[1], &v = tensors[2], &out = tensors[3], &lse = tensors[4];
+  if (!on_current_device(q) || q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || out.sizes() != q.sizes() ||
+      lse.dim() != 2 || lse.scalar_type() != at::kFloat)
+    return std::nullopt;
+  for (const auto& t : tensors)
+    if (!t.is_cuda() || t.get_device() != q.get_device() || !t.is_contiguous()) return std::nullopt;
+  for (size_t i = 5; i < tensors.size(); ++i)
+    if (tensors[i].dim() != 1 || tensors[i].scalar_type() != at::kInt) return std::nullopt;
+  for (const auto& t : {k, v, out})
+    if (t.scalar_type() != q.scalar_type()) return std::nullopt;
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  if (hkv <= 0 || hq % hkv != 0 || k.size(2) != d || v.sizes() != k.sizes() || hq >= 1024 || d >= 1024 ||
+      hq / hkv >= 256 || block_m <= 0 || block_m >= 512 || block_n <= 0 || block_n >= 512 || tensors[7].size(0) == 0)
+    return std::nullopt;
+  Plan plan;
+  plan.grid = tensors[7].size(0);
+  plan.grid_y = hq;
+  plan.key = start_key(kAttentionForward, q);
+  plan.key.put(static_cast<uint64_t>(hq), 10);
+  plan.key.put(static_cast<uint64_t>(hq / hkv), 8);
+  plan.key.put(static_cast<uint64_t>(d), 10);
+  plan.key.put(causal ? 1 : 0, 1);
+  plan.key.put(static_cast<uint64_t>(block_m), 9);
+  plan.key.put(static_cast<uint64_t>(block_n), 9);
+  for (const auto& t : tensors) {
+    plan.key.put_pointer(t);
+    plan.args.push_back(pointer_arg(t));
+  }
+  plan.args.push_back(float_arg(scale));
+  return plan;
+}
+
 // ---- serving and remembering
 
 std::optional<at::Tensor> serve(const std::optional<Plan>& plan, const at::Tensor& out) {
@@ -374,22 +414,23 @@ std::optional<at::Tensor> serve(const std::optional<Plan>& plan, const at::Tenso
     return std::nullopt;
   }
   ++t.hits;
-  launch(found->second, plan->grid, plan->args, out.get_device());
+  launch(found->second, plan->grid, plan->grid_y, plan->args, out.get_device());
   return out;
 }
 
 // What remember_* did: "kept", "unplanned" (no plan serves this call; nothing kept) or why the compiled kernel
 // does not fit the plan (a bug: the Python code and this file disagree). A string, not an exception: the caller
 // raises it with the Python context.
-std::string remember(const std::optional<Plan>& plan, bool tma, int64_t grid, const std::vector<int64_t>& block,
-                     int64_t function, int64_t num_warps, int64_t shared, const std::vector<int64_t>& kinds,
-                     const std::vector<std::vector<int64_t>>& layouts) {
+std::string remember(const std::optional<Plan>& plan, bool tma, int64_t grid, int64_t grid_y,
+                     const std::vector<int64_t>& block, int64_t function, int64_t num_warps, int64_t shared,
+                     const std::vector<int64_t>& kinds, const std::vector<std::vector<int64_t>>& layouts) {
   if (!plan) return "unplanned";
   if (block.size() != 2) return "block is (BLOCK_M, BLOCK_N)";
-  if (plan->tma != tma || plan->grid != grid || plan->block[0] != block[0] || plan->block[1] != block[1])
-    return cat("the C++ plan (tma=", plan->tma, ", programs=", plan->grid, ", tile ", plan->block[0], "x",
-               plan->block[1], ") differs from the launch Python made (tma=", tma, ", programs=", grid, ", tile ",
-               block[0], "x", block[1], "): rl_kernel_core/triton/batch_invariant.py and ",
+  if (plan->tma != tma || plan->grid != grid || plan->grid_y != grid_y || plan->block[0] != block[0] ||
+      plan->block[1] != block[1])
+    return cat("the C++ plan (tma=", plan->tma, ", programs=", plan->grid, "x", plan->grid_y, ", tile ",
+               plan->block[0], "x", plan->block[1], ") differs from the launch Python made (tma=", tma, ", programs=",
+               grid, "x", grid_y, ", tile ", block[0], "x", block[1], "): the Python launch site and ",
                "native/csrc/bind_triton_launch.cpp disagree");
   if (kinds.size() != plan->args.size())
     return cat("the compiled kernel takes ", kinds.size(), " arguments, the plan passes ", plan->args.size());
@@ -455,7 +496,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& a, const at::Tensor& b_t, const std::optional<at::Tensor>& bias, const at::Tensor& out,
            bool tma, int64_t grid, std::vector<int64_t> block, int64_t function, int64_t num_warps, int64_t shared,
            std::vector<int64_t> kinds, std::vector<std::vector<int64_t>> layouts) {
-          return remember(plan_matmul(a, b_t, bias, out), tma, grid, block, function, num_warps, shared, kinds,
+          return remember(plan_matmul(a, b_t, bias, out), tma, grid, 1, block, function, num_warps, shared, kinds,
                           layouts);
         },
         "keep the kernel Python launched for this call's specialization: 'kept', 'unplanned' or why not",
@@ -472,11 +513,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const at::Tensor& x, const at::Tensor& out, int64_t mode, double eps, int64_t function, int64_t num_warps,
            int64_t shared, std::vector<int64_t> kinds) {
           auto plan = plan_row_stats(x, out, mode, eps);
-          return remember(plan, false, plan ? plan->grid : 0, {0, 0}, function, num_warps, shared, kinds, {});
+          return remember(plan, false, plan ? plan->grid : 0, 1, {0, 0}, function, num_warps, shared, kinds, {});
         },
         "keep the row-statistics kernel Python launched for this call's specialization: 'kept', 'unplanned' or why not",
         py::arg("x"), py::arg("out"), py::arg("mode"), py::arg("eps"), py::arg("function"), py::arg("num_warps"),
         py::arg("shared"), py::arg("kinds"));
+  m.def("attention_forward",
+        [](const std::vector<at::Tensor>& tensors, double scale, int64_t block_m, int64_t block_n,
+           bool causal) -> std::optional<at::Tensor> {
+          if (tensors.size() != 9) fail("attention_forward takes q, k, v, out, lse and the four tables");
+          return serve(plan_attention_forward(tensors, scale, block_m, block_n, causal), tensors[3]);
+        },
+        "varlen attention's forward into out (and lse) from a remembered kernel, or None", py::arg("tensors"),
+        py::arg("scale"), py::arg("block_m"), py::arg("block_n"), py::arg("causal"));
+  m.def("remember_attention_forward",
+        [](const std::vector<at::Tensor>& tensors, double scale, int64_t block_m, int64_t block_n, bool causal,
+           int64_t grid, int64_t grid_y, int64_t function, int64_t num_warps, int64_t shared,
+           std::vector<int64_t> kinds) {
+          return remember(plan_attention_forward(tensors, scale, block_m, block_n, causal), false, grid, grid_y,
+                          {0, 0}, function, num_warps, shared, kinds, {});
+        },
+        "keep the attention forward kernel Python launched for this call's specialization: 'kept', 'unplanned' or "
+        "why not",
+        py::arg("tensors"), py::arg("scale"), py::arg("block_m"), py::arg("block_n"), py::arg("causal"),
+        py::arg("grid"), py::arg("grid_y"), py::arg("function"), py::arg("num_warps"), py::arg("shared"),
+        py::arg("kinds"));
   m.def("argument_names",
         []() {
           return std::unordered_map<std::string, std::vector<std::string>>{
@@ -484,7 +545,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                {"a_ptr", "b_ptr", "bias_ptr", "c_ptr", "M", "N", "K", "stride_am", "stride_ak", "stride_bk",
                 "stride_bn", "stride_cm", "stride_cn", "n_progs"}},
               {"_tma_matmul_kernel", {"a_desc", "b_desc", "bias_ptr", "c_desc", "c_ptr", "M", "N", "K", "stride_cm"}},
-              {"_row_stats_kernel", {"x_ptr", "out_ptr", "L", "stride_row", "eps"}}};
+              {"_row_stats_kernel", {"x_ptr", "out_ptr", "L", "stride_row", "eps"}},
+              {"_attention_fwd_kernel",
+               {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", "cu_q_ptr", "cu_k_ptr", "tile_seq_ptr",
+                "tile_start_ptr", "scale"}}};
         },
         "the runtime arguments each plan passes, in order (checked against the kernels' signatures)");
   m.def("stats",

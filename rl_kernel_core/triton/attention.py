@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
+from rl_kernel_core.triton import native_launch
 from rl_kernel_core.triton._autograd import records_graph
 from rl_kernel_core.triton._jit import helper_jit, interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc
@@ -360,11 +361,22 @@ def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: flo
     tq, hq, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
-    launch = _forward_launch(q.dtype, hq, k.shape[1], d, causal)
+    interpreted = interpreting()
+    launch = _launch_constants(q.dtype, hq, k.shape[1], d, causal, interpreted)
     tables = _tables(q.device, launch["BLOCK_M"], tuple(cu_q), tuple(cu_k))
     if tables is None:
         return out, lse
-    _attention_fwd_kernel[(tables[2].shape[0], hq)](q, k, v, out, lse, *tables, float(scale), **launch)
+    # launched from C++ where a kernel for this specialization is kept (native_launch); torch.compile
+    # traces Triton launches, not the extension's
+    planned = not interpreted and q.is_cuda and not torch.compiler.is_compiling()
+    tensors = [q, k, v, out, lse, *tables]
+    block = (launch["BLOCK_M"], launch["BLOCK_N"])
+    if planned and native_launch.attention_forward(tensors, scale, block, causal) is not None:
+        return out, lse
+    grid = (tables[2].shape[0], hq)
+    compiled = _attention_fwd_kernel[grid](q, k, v, out, lse, *tables, float(scale), **launch)
+    if planned:
+        native_launch.remember_attention_forward(_attention_fwd_kernel, compiled, tensors, scale, block, causal, grid)
     return out, lse
 
 

@@ -2,13 +2,14 @@
 ``native/csrc/bind_triton_launch.cpp``).
 
 Under the batch-invariant mode each routed ``mm``/``addmm``/``mean`` launches one of
-:mod:`rl_kernel_core.triton.batch_invariant`'s kernels; through Triton's ``JITFunction.run`` that
-costs ~45 us of host time per launch, which is most of the mode's eager overhead (a decode step is
+:mod:`rl_kernel_core.triton.batch_invariant`'s kernels, and each attention call ``varlen_attention``'s
+forward (:mod:`rl_kernel_core.triton.attention`); through Triton's ``JITFunction.run`` that costs
+~25-45 us of host time per launch, which was most of the mode's eager overhead (a decode step is
 host-bound). The extension plans the same launch in C++ (kernel, tile, program count, tensor
 descriptors), computes the specialization Triton would compute, and launches the cubin Triton
 compiled for it with ``cuLaunchKernel``. A specialization it has not seen returns ``None``: the
 caller launches through Triton (which compiles it if needed) and hands the compiled kernel to
-:func:`remember_matmul` / :func:`remember_row_stats`, which check that the C++ plan is the launch
+:func:`remember_matmul` / :func:`remember_row_stats` / :func:`remember_attention_forward`, which check that the C++ plan is the launch
 Python made (a mismatch raises) and keep the kernel for the next call. Same cubin, grid and
 arguments: the bits are Triton's launch's bits (``tests/core/ops/test_native_launch.py``).
 
@@ -109,6 +110,14 @@ def row_stats(x: torch.Tensor, out: torch.Tensor, mode: int, eps: float) -> Opti
     return None if ext is None else ext.row_stats(x, out, mode, eps)
 
 
+def attention_forward(tensors: list[torch.Tensor], scale: float, block: tuple[int, int], causal: bool) -> Optional[torch.Tensor]:
+    """``varlen_attention``'s forward launch (``attention._forward``) from a remembered kernel:
+    ``tensors`` are q, k, v, out, lse and the four int32 tables, ``block`` its ``(BLOCK_M, BLOCK_N)``;
+    returns out, or None where none serves this call."""
+    ext = _serving if _loaded else _load()
+    return None if ext is None else ext.attention_forward(tensors, scale, block[0], block[1], causal)
+
+
 def configure_matmul(device: torch.device, dtype: torch.dtype, pointer_tile: tuple[int, int], tma_tile: tuple[int, int],
                      tma_narrow_tile: tuple[int, int], tma_capable: bool, tma_min_rows: int, tma_min_weight_grad_k: int,
                      program_slots: int) -> None:
@@ -178,6 +187,18 @@ def remember_row_stats(kernel, compiled, x: torch.Tensor, out: torch.Tensor, mod
     if record is not None:
         function, num_warps, shared, kinds, _ = record
         _check_kept(kernel.__name__, _ext.remember_row_stats(x, out, mode, eps, function, num_warps, shared, kinds))
+
+
+def remember_attention_forward(kernel, compiled, tensors: list[torch.Tensor], scale: float, block: tuple[int, int],
+                               causal: bool, grid: tuple[int, int]) -> None:
+    """Keep the attention forward kernel Python launched on ``grid`` for this call's specialization."""
+    if _serving is None or compiled is None:
+        return
+    record = _launch_record(kernel.__name__, kernel.flavour(False).params, compiled)
+    if record is not None:
+        function, num_warps, shared, kinds, _ = record
+        _check_kept(kernel.__name__, _ext.remember_attention_forward(tensors, scale, block[0], block[1], causal, grid[0],
+                                                                     grid[1], function, num_warps, shared, kinds))
 
 
 def _check_kept(kernel_name: str, outcome: str) -> None:

@@ -1,6 +1,6 @@
 """The C++ launcher of the batch-invariant kernels (:mod:`rl_kernel_core.triton.native_launch`):
 a launch it serves gives the bits Triton's launch gives, for every kernel and layout the mode
-routes; it serves the second call of a specialization; its plan is checked against Python's.
+routes and for varlen_attention's forward; it serves the second call of a specialization; its plan is checked against Python's.
 
 GPU only: the extension launches compiled cubins."""
 
@@ -90,6 +90,32 @@ def test_served_row_pass_gives_tritons_bits(seed, launcher, mode, rows, width, d
     native_launch.set_enabled(True)
     got = _served_twice(lambda: tbi._row_pass(x, mode, 1e-6))
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,causal", [(torch.bfloat16, 16, 8, 128, True), (torch.float16, 4, 4, 64, False),
+                                                    (torch.float32, 8, 2, 80, True)])
+def test_served_attention_forward_gives_tritons_bits(seed, launcher, dtype, hq, hkv, d, causal):
+    """varlen_attention's forward (a decode step over a KV cache: one query a sequence; or a full
+    prefill), GQA, a head dim that is not a power of two: out and lse bitwise Triton's launch's."""
+    from rl_kernel_core.triton import attention as tattn
+
+    lens_q, lens_k = ([1, 1, 1], [5, 40, 130]) if causal else ([7, 33], [7, 33])
+    cu_q = [sum(lens_q[:i]) for i in range(len(lens_q) + 1)]
+    cu_k = [sum(lens_k[:i]) for i in range(len(lens_k) + 1)]
+    q = torch.randn(cu_q[-1], hq, d, device="cuda").to(dtype)
+    k, v = (torch.randn(cu_k[-1], hkv, d, device="cuda").to(dtype) for _ in range(2))
+    native_launch.set_enabled(False)
+    expected = tattn._forward(q, k, v, cu_q, cu_k, causal, 0.3)
+    native_launch.set_enabled(True)
+    got = _served_twice(lambda: tattn._forward(q, k, v, cu_q, cu_k, causal, 0.3))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    launch = tattn._forward_launch(dtype, hq, hkv, d, causal)
+    tables = tattn._tables(q.device, launch["BLOCK_M"], tuple(cu_q), tuple(cu_k))
+    assert tables is not None
+    tensors = [q, k, v, got[0], got[1], *tables]
+    refused = launcher.extension().remember_attention_forward(
+        tensors, 0.3, launch["BLOCK_M"], launch["BLOCK_N"], causal, tables[2].shape[0], hq + 1, 0, 4, 0, [1] * 10)
+    assert "differs from the launch Python made" in refused, refused
 
 
 def test_the_mode_serves_a_decode_step_with_the_same_bits(seed, launcher):
