@@ -102,13 +102,13 @@ def _cached(source, shape: tuple[int, int, int], compute):
 
 def _padded_layout(attention_mask, b: int, lq: int, lk: int):
     """``(query rows, key rows, cu_q, cu_k)`` of a padded batch: the flat indices (``row * L +
-    position``, int64 on ``device``) of each row's real queries and keys in order, and the offsets
+    position``, int64 on the mask's device) of each row's real queries and keys in order, and the offsets
     of the packed layout (lists of ints; :func:`~rl_kernel_core.attention.varlen_attention`'s checks
     hold for them). A row's real keys are those its last query may attend to; its real queries are
     the real keys among the last ``Lq`` positions. Both index tensors are None where every position
     is real (no mask, or no padding): the batch is then packed as it is."""
     if attention_mask is None:
-        return None, None, list(range(0, b * lq + 1, lq)), list(range(0, b * lk + 1, lk))
+        return None, None, [i * lq for i in range(b + 1)], [i * lk for i in range(b + 1)]
     last = attention_mask[:, 0, -1, :]
     key_ok = last if last.dtype == torch.bool else last == 0
     query_ok = key_ok[:, lk - lq:]

@@ -20,6 +20,9 @@ Why these are batch-invariant:
   a GPU test asserts it (``tests/core/ops/test_bi_matmul.py``), since the row count picks the
   kernel. An operand whose layout TMA cannot describe (a stride that is not a multiple of 16
   bytes, an unaligned base) is copied into one it can. The k tail past K reads zeros in both.
+  A weight gradient (column-major ``g.T``), whose rows are the layer's features and whose
+  reduction is the batch, may take a narrower tile of the same ``BLOCK_K`` on the TMA kernel, by
+  the layer's shape (:func:`tma_tile`): the same k steps, the same bits (asserted on the GPU).
 * The row reductions run one program per row over ``BLOCK`` columns at a time, in ascending
   order, with the same ``BLOCK`` for every N: the mean and the log-sum-exp of a row are the same
   sequence of fp32 operations whatever else is in the call.
