@@ -73,6 +73,12 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     The statistics pass takes TMA loads and a persistent launch; the gradient
     pass, which stores a 16-bit ``dl`` tile, measured slower with them (``bench_linear_logprob.py
     --variants "tmagrad=gemm_grad_tiles.tma:true;gemm_grad_tiles.persistent:true"``).
+    ``sm90``: which gemm-route passes run the CUDA kernels for Hopper (``native/csrc/linear_sm90.cu``:
+    warp-specialized, the same bits as the Triton passes at the default tiles) where they are
+    available (a compute capability 9.0 device and the native ``linear_logprob`` extension built for
+    ``sm_90a``): ``"auto"`` those that measured faster on an H200
+    (:func:`rl_kernel_core.triton.linear_sm90.serves`), ``"all"`` every one, ``"off"`` none. The
+    choice changes the time, never the bits.
     """
 
     route: str = "gemm"
@@ -82,10 +88,13 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True))
     gemm_grad_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3))
     loss_keeps_logits_from_dim: int = 2048
+    sm90: str = "auto"
 
     def __post_init__(self) -> None:
         if self.route not in ("gemm", "chunked"):
             raise ValueError(f"route must be 'gemm' or 'chunked', got {self.route!r}")
+        if self.sm90 not in ("auto", "all", "off"):
+            raise ValueError(f"sm90 must be 'auto', 'all' or 'off', got {self.sm90!r}")
         for name in ("chunk_bytes", "stats_bytes", "loss_keeps_logits_from_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -45,8 +45,12 @@ EXTENSION_PREFIX = "rl_kernel_native_"
 LAUNCH_GROUP = "triton_launch"
 """The group with no op of its own: C++ launches of the batch-invariant mode's compiled Triton
 kernels (:mod:`rl_kernel_core.triton.native_launch`)."""
+SM90A_SOURCES: dict[str, tuple[str, ...]] = {"linear_logprob": ("linear_sm90.cu",)}
+"""``{group: its sources with Hopper-only code}`` (wgmma, TMA, ``setmaxnreg``): compiled for
+``sm_90a`` where the group is built for a compute capability 9.0 device (:func:`sm90a_flags`); for
+any other target their kernels are empty and their host code refuses to launch them."""
 GROUPS: dict[str, tuple[str, ...]] = {
-    **{group: (f"{group}.cu", f"bind_{group}.cpp") for group in ops.native_groups()},
+    **{group: (f"{group}.cu", *SM90A_SOURCES.get(group, ()), f"bind_{group}.cpp") for group in ops.native_groups()},
     LAUNCH_GROUP: (f"bind_{LAUNCH_GROUP}.cpp",),
 }
 """``{group: its sources in native/csrc}``: each group is one extension, holding the kernels of the
@@ -168,6 +172,24 @@ def status() -> str:
     return f"built in {build_dir()}: {', '.join(built)}" + (f"; not built yet: {', '.join(missing)} ({how})" if missing else "")
 
 
+def sm90a_flags(group: str) -> list[str]:
+    """The extra nvcc flags that give ``group``'s :data:`SM90A_SOURCES` their ``sm_90a`` code.
+
+    With ``TORCH_CUDA_ARCH_LIST`` unset and a compute capability 9.0 device visible, the group is
+    built for ``sm_90a`` alone (an arch flag here makes torch add none of its own); with the list
+    set, it decides (``9.0a`` in it builds the code). ``RLK_SM90A_BUILT`` tells the sources
+    that their Hopper code is in the build. Empty for a group without such sources or no such target.
+    """
+    if group not in SM90A_SOURCES:
+        return []
+    listed = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if listed is not None:
+        return ["-DRLK_SM90A_BUILT"] if "9.0a" in listed.replace(" ", ";").split(";") else []
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        return ["-gencode=arch=compute_90a,code=sm_90a", "-DRLK_SM90A_BUILT"]
+    return []
+
+
 def build(group: str, verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the extension of ``group`` (a key of :data:`GROUPS`) and return it.
 
@@ -193,7 +215,7 @@ def build(group: str, verbose: bool = False) -> ModuleType:
             name=EXTENSION_PREFIX + group,
             sources=[str(p) for p in sources(group)],
             extra_cflags=["-O3", headers_flag],
-            extra_cuda_cflags=["-O3", headers_flag],
+            extra_cuda_cflags=["-O3", headers_flag, *sm90a_flags(group)],
             with_cuda=True,  # the CUDA headers also for a group of C++ sources only
             build_directory=str(out),
             verbose=verbose,
@@ -245,8 +267,12 @@ def check(arch: str = "90", jobs: int = 2) -> list[str]:
             (shim / macros).parent.mkdir(parents=True)
             (shim / macros).write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
 
+        hopper = {name for names in SM90A_SOURCES.values() for name in names}
+
         def compile_one(src: Path) -> Optional[str]:
-            cmd = _compile_command(src, Path(tmp) / f"{src.name}.o", arch, [shim])
+            # the Hopper sources' kernels are empty for plain sm_90: check their real code
+            target = f"{arch}a" if arch == "90" and src.name in hopper else arch
+            cmd = _compile_command(src, Path(tmp) / f"{src.name}.o", target, [shim])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode == 0:
                 return None

@@ -28,22 +28,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "message.h"
+
 namespace {
 
-// Messages are built with std::string, not with c10::str or TORCH_CHECK's formatting: on our H200 test machine
-// (torch 2.11, g++ 13.3) std::ostringstream segfaults in a JIT-built extension, so a TORCH_CHECK message with a
-// number in it crashed the process instead of raising.
-std::string text(const char* s) { return s; }
-std::string text(const std::string& s) { return s; }
-std::string text(bool b) { return b ? "true" : "false"; }
-template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
-std::string text(T v) {
-  return std::to_string(v);
-}
-template <typename... T>
-std::string cat(const T&... parts) {
-  return (std::string() + ... + text(parts));
-}
+using rlk::cat;
+
 [[noreturn]] void fail(const std::string& message) { throw std::runtime_error("triton_launch: " + message); }
 
 // ---- the driver, opened at the first launch as Triton's own launcher does (nothing links against libcuda)

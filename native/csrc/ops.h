@@ -66,6 +66,30 @@ void linear_chunk_grad(const at::Tensor& logits, at::Tensor dl, const std::optio
                        const at::Tensor& grad_logprob, const std::optional<at::Tensor>& grad_entropy, double inv_temp,
                        int64_t ignore_index);
 
+// linear_logprob's gemm-route passes on sm_90a (linear_sm90.cu), bit for bit the Triton passes at the
+// default tile (rl_kernel_core/triton/linear_stats.py, linear_grad.py), over the first `rows` rows of
+// hidden [>=rows, D] against weight [V, D] (both bf16 or both fp16, TMA-compatible: unit inner stride,
+// 16-byte aligned rows and address); z = (hidden @ weight^T + bias) * inv_temp; targets [>=rows]
+// int64/int32; bias: contiguous [V] of weight's dtype, or None; group_m: row blocks that sweep the
+// vocab together (L2 reuse; no effect on the result).
+// stats: the tile statistics into partials [3, >=rows, ceil(V / 256)] fp32 (max, sum, and with
+//   want_entropy the entropy statistic) and ztgt [>=rows] fp32 (the target's z, written by the tile
+//   that holds it); keep (or None): fp32 [>=rows, V] with unit inner stride that receives the raw
+//   logits hidden @ weight^T (before bias and scale).
+// grad: dl [>=rows, V] (weight's dtype, unit inner stride) = d/d raw logits of
+//   sum(grad_logprob * logprob + grad_entropy * entropy) from the saved lse (and entropy, given
+//   together with grad_entropy), all fp32 [>=rows]; ignore_index rows get 0.
+// linear_sm90_built: whether this build holds the sm_90a code (else both refuse).
+void linear_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const at::Tensor& targets, int64_t rows, double inv_temp, int64_t ignore_index,
+                       at::Tensor partials, at::Tensor ztgt, bool want_entropy, const std::optional<at::Tensor>& keep,
+                       int64_t group_m);
+void linear_grad_sm90(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      const at::Tensor& targets, int64_t rows, double inv_temp, int64_t ignore_index, const at::Tensor& lse,
+                      const std::optional<at::Tensor>& entropy, const at::Tensor& grad_logprob,
+                      const std::optional<at::Tensor>& grad_entropy, at::Tensor dl, int64_t group_m);
+bool linear_sm90_built();
+
 // group_advantages. Exactly one of group_size / group_index. estimator: 0 grpo, 1 dr_grpo, 2 rloo.
 // Returns [N] fp32 (fp64 for fp64 rewards), computed in fp64.
 at::Tensor group_advantages(const at::Tensor& rewards, std::optional<int64_t> group_size,

@@ -1,6 +1,7 @@
 """Gradient pass of the Triton ``linear_logprob``: ``dl = dL/d logits`` per tile, from the
 recomputed logits (:func:`rl_kernel_core.triton.linear_tile.logits_tile`) and the forward's
-saved ``lse`` and entropy.
+saved ``lse`` and entropy. On Hopper the pass may run as a CUDA kernel with the same bits
+(:mod:`.linear_sm90`).
 
 With ``p = exp(z - lse)`` and upstream gradients ``g`` (log-prob) and ``e`` (entropy):
 ``dL/dz = g (onehot(t) - p) - e p (log p + entropy)`` and ``dl = dL/dz / T``, the gradient of
@@ -16,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core.triton import linear_sm90
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
 from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
@@ -79,8 +81,19 @@ def launch_grad(
     ``g_lp`` / ``g_ent`` are fp32 upstream gradients (``g_ent`` None: no entropy term; ``ent``
     is then unused). With ``from_logits`` the pass reads the fp32 chunk ``x``; ``dl`` may alias
     it: ``x`` itself (fp32 inputs), or a 2-byte view with ``x``'s byte row stride, for which each
-    program then sweeps whole rows in ascending column order.
+    program then sweeps whole rows in ascending column order. A gemm-route pass into a ``dl`` of
+    ``weight``'s dtype runs the Hopper CUDA kernel where
+    :func:`~rl_kernel_core.triton.linear_sm90.serves` says so, with the same bits.
     """
+    has_gent = g_ent is not None
+    vectors = (lse, g_lp, *((ent, g_ent) if has_gent else ()))
+    if not from_logits and dl.dtype == weight.dtype and all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors):
+        ext = linear_sm90.serves("grad", x[:rows], weight, bias, has_gent)
+        if ext is not None:
+            group_m = tiles(weight.dtype, weight.device, False, grad=True).group_m
+            ext.linear_grad_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, lse, ent if has_gent else None,
+                                 g_lp, g_ent, dl, group_m)
+            return
     vocab, dim = weight.shape
     cfg = tiles(weight.dtype, weight.device, from_logits, grad=True)
     n_tiles = triton.cdiv(vocab, cfg.block_n)
@@ -88,7 +101,6 @@ def launch_grad(
     in_place = from_logits and dl.data_ptr() == x.data_ptr() and dl.element_size() != x.element_size()
     per_prog = n_tiles if in_place else 1
     g = grid(triton.cdiv(rows, cfg.block_m) * triton.cdiv(n_tiles, per_prog), cfg, x.device, from_logits)
-    has_gent = g_ent is not None
     unused = dummy(x.device)
     xs, ws, tma = operands(x[:rows], weight, cfg, from_logits)
     _grad_kernel[g](

@@ -10,7 +10,8 @@ tiles in ascending order (:func:`_merge_kernel`) with ``M = max m_j``, ``S = sum
 ``entropy = log S - A / S``. ``z_t`` is read from the same tile as the other logits, so the
 gradient pass (:mod:`.linear_grad`), which recomputes the tile, forms ``z - lse`` from the
 forward's bits. Tile statistics are reduced by a fixed tree and merged in a fixed order, without
-atomics: deterministic and batch invariant.
+atomics: deterministic and batch invariant. On Hopper the pass may run as a CUDA kernel with the
+same bits (:mod:`.linear_sm90`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core.linear_chunks import tuning
+from rl_kernel_core.triton import linear_sm90
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
 from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
@@ -144,10 +146,15 @@ def launch_stats(
     ``x`` is ``hidden [rows, D]`` (gemm route) or an fp32 logits chunk ``[>=rows, V]`` (chunked).
     ``keep`` (gemm route only): an fp32 ``[>=rows, V]`` buffer that receives the rows' logits
     before bias and temperature, which a ``from_logits`` gradient pass over it turns into the
-    gemm route's logits bit for bit.
+    gemm route's logits bit for bit. A gemm-route pass runs the Hopper CUDA kernel where :func:`~rl_kernel_core.triton.linear_sm90.serves` says so, with the same bits.
     """
     if keep is not None and from_logits:
         raise ValueError("launch_stats: keep takes the gemm route's logits; from_logits passes already read stored ones")
+    ext = None if from_logits else linear_sm90.serves("stats", x[:rows], weight, bias, want_entropy, keep is not None)
+    if ext is not None:
+        group_m = tiles(weight.dtype, weight.device, False).group_m
+        ext.linear_stats_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, partials, ztgt, want_entropy, keep, group_m)
+        return
     vocab, dim = weight.shape
     cfg = tiles(weight.dtype, weight.device, from_logits)
     n_tiles = triton.cdiv(vocab, cfg.block_n)

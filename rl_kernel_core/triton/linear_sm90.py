@@ -1,0 +1,98 @@
+"""When the Triton ``linear_logprob`` passes run as CUDA kernels for Hopper.
+
+``native/csrc/linear_sm90.cu`` holds the gemm route's statistics pass (:mod:`.linear_stats`) and
+gradient pass (:mod:`.linear_grad`) as one warp-specialized persistent kernel (TMA loads by a
+producer warp, wgmma by two consumer warpgroups, the epilogue of one tile while the next tile's
+operands load). It issues the wgmma instructions Triton issues for the default tiles and repeats
+the epilogues' arithmetic in the order of Triton's compiled code, so its outputs have the Triton
+passes' bits: which one runs changes the time, never a result (asserted bit for bit by
+``tests/core/ops/test_linear_sm90.py``). :func:`serves` decides per launch, from
+``LinearTuning.sm90``, the device, the operands and the tile.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from rl_kernel_core.linear_chunks import tuning
+from rl_kernel_core.triton._jit import interpreting
+from rl_kernel_core.triton.linear_tile import tiles
+
+AUTO_STATS_WITHOUT_ENTROPY_BELOW_DIM = 2048
+"""Under ``sm90="auto"`` a statistics pass without the entropy runs the CUDA kernel only below this
+D; every other pass (with the entropy, keeping the logits, the gradient) always does. H200,
+N=16384, device time of the pass (``benchmarks/results/linear_h200/sm90_passes/``): statistics
+without the entropy 7.2 vs 8.4 ms (Triton) at D=896, the same at D=2048, 26.1 vs 25.0 at D=4096;
+with it 9.8 vs 15.0 ms at D=1024, 25.2 vs 30.4 at D=4096; the gradient 10.7 vs 17.4 ms at D=1024."""
+_TILE = (128, 256, 64, 8)
+"""The Triton tile the kernel mirrors (block_m, block_n, block_k, num_warps): the statistics' vocab
+partition and the thread layout whose order the sums follow."""
+
+_LOCK = threading.Lock()
+_state: dict[str, Optional[ModuleType]] = {}
+
+
+def extension() -> Optional[ModuleType]:
+    """The native ``linear_logprob`` extension when it holds the ``sm_90a`` code, else None.
+
+    The first call builds it (or loads the cached build); when it cannot be used it warns once with
+    the reason, so the slower Triton passes (the same bits) never run in its place silently.
+    """
+    with _LOCK:
+        if "ext" not in _state:
+            from rl_kernel_core.native import extension as build
+
+            ext: Optional[ModuleType] = None
+            try:
+                built = build("linear_logprob")
+                reason = None if built.linear_sm90_built() else "the native linear_logprob extension was built without sm_90a (TORCH_CUDA_ARCH_LIST)"
+                ext = built if reason is None else None
+            except ImportError as exc:
+                reason = str(exc)
+            if reason is not None:
+                warnings.warn(
+                    f"rl-kernel: linear_logprob's Hopper kernels are unavailable ({reason}); the Triton passes run instead "
+                    "(the same bits, slower). linear_chunks.tuned(sm90='off') chooses them without this warning.",
+                    RuntimeWarning, stacklevel=4,
+                )
+            _state["ext"] = ext
+        return _state["ext"]
+
+
+def _tma_operand(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def serves(
+    kind: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], entropy: bool, keep: bool = False,
+) -> Optional[ModuleType]:
+    """The extension whose kernel runs this gemm-route pass, or None for the Triton pass.
+
+    ``kind``: ``"stats"`` or ``"grad"``; ``x``: the pass's ``hidden`` rows; ``entropy``: whether the
+    pass forms the entropy (statistic or gradient); ``keep``: whether a statistics pass also stores
+    the logits. Needs ``LinearTuning.sm90`` to allow it
+    (``"auto"``: :data:`AUTO_STATS_WITHOUT_ENTROPY_BELOW_DIM`), a compute capability 9.0 device
+    (compiled, not interpreted), bf16 or fp16 TMA-compatible operands (unit inner stride, 16-byte
+    aligned rows and address), a bias of the same dtype, and the default tile of the pass (another
+    tile has another partition or thread layout, so only the Triton pass gives its bits).
+    """
+    mode = tuning().sm90
+    if mode == "off" or x.device.type != "cuda" or interpreting():
+        return None
+    if mode == "auto" and kind == "stats" and not (entropy or keep) and weight.shape[1] >= AUTO_STATS_WITHOUT_ENTROPY_BELOW_DIM:
+        return None
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return None
+    cfg = tiles(weight.dtype, weight.device, False, grad=kind == "grad")
+    if (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) != _TILE:
+        return None
+    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or not (_tma_operand(x) and _tma_operand(weight)):
+        return None
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+        return None
+    return extension()
