@@ -31,6 +31,7 @@
 
 #include "message.h"
 #include "ops.h"
+#include "tuning.h"
 
 #ifndef USE_ROCM
 #include <cuda.h>
@@ -43,9 +44,9 @@ namespace {
 // Messages are built with std::string (see message.h), never with TORCH_CHECK's formatting.
 [[noreturn]] void fail(const std::string& message) { throw std::runtime_error("rl_kernel native: linear_sm90: " + message); }
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
-constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (kConsumers + 1);
+constexpr int kBM = kSm90BlockM, kBN = kSm90BlockN, kBK = kSm90BlockK, kStages = kSm90Stages;
+constexpr int kConsumers = kSm90Consumers;
+constexpr int kThreads = kSm90Threads;
 constexpr uint32_t kStageBytes = (kBM + kBN) * kBK * 2;  // one slot: a hidden block and a weight block
 
 struct Smem {

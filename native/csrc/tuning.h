@@ -22,6 +22,17 @@ constexpr int kBwdUnroll = 4;
 constexpr int kStatsThreads = 512;
 constexpr int kGradThreads = 256;
 
+// linear_sm90.cu (Hopper): the tile of the Triton gemm-route passes it gives the bits of
+// (kSm90BlockM x kSm90BlockN x kSm90BlockK; the statistics' vocab tiles are kSm90BlockN wide, so this
+// is part of the result), kSm90Stages shared-memory slots of one hidden and one weight block, and
+// blocks of one producer warpgroup and kSm90Consumers consumer warpgroups of 64 rows each.
+constexpr int kSm90BlockM = 128;
+constexpr int kSm90BlockN = 256;
+constexpr int kSm90BlockK = 64;
+constexpr int kSm90Stages = 4;
+constexpr int kSm90Consumers = 2;
+constexpr int kSm90Threads = 128 * (kSm90Consumers + 1);
+
 // loss.cu: ratio_kl's elementwise kernels (kElemThreads per block, grid-stride); policy_loss's
 // token kernels (a block of kTokThreads reduces kTokBlock = kTokThreads * kTokPerThread tokens of
 // one sequence to its partial sums) and its one-block finish (kFinThreads).
