@@ -503,11 +503,8 @@ CUtensorMap tile_map(const at::Tensor& t, int64_t rows, uint32_t box_rows) {
 template <typename Args, typename T, bool F16, bool BIAS, bool FLAG, bool PAIRS>
 void launch(const CUtensorMap& mh, const CUtensorMap& mw, int M, int V, int D, int group_m, int grid, const Args& args) {
   auto kernel = linear_sm90_kernel<Args, T, F16, BIAS, FLAG, PAIRS>;
-  static const bool configured = [kernel] {  // once per instantiation (thread-safe static initialization)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-    return true;
-  }();
-  (void)configured;
+  // per launch, not once per process: the attribute belongs to the current device's copy of the kernel
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
   kernel<<<grid, kThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream().stream()>>>(mh, mw, M, V, D, group_m, args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
