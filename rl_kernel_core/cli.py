@@ -100,6 +100,12 @@ def _info(args: argparse.Namespace) -> int:
         backends["triton"] = "imports, but runs only on CUDA tensors (or under TRITON_INTERPRET=1 when named explicitly)"
     env["backends"] = backends
     try:
+        from rl_kernel_core.triton import linear_sm90
+
+        env["linear_logprob_hopper_passes"] = linear_sm90.status()
+    except ImportError as exc:  # they replace the Triton backend's passes
+        env["linear_logprob_hopper_passes"] = f"not used: the Triton backend does not import ({exc})"
+    try:
         env["default_backend"] = dispatch.default_backend()
     except ValueError as exc:  # a diagnostic command reports a bad variable and goes on
         env["default_backend"] = f"invalid: {exc}"

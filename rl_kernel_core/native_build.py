@@ -154,7 +154,8 @@ def unavailable_reason() -> Optional[str]:
     return toolchain_reason()
 
 
-def _built(group: str) -> bool:
+def is_built(group: str) -> bool:
+    """Whether ``group``'s extension has a build in the cache (it may still be rebuilt on load if its sources changed)."""
     return (group_dir(group) / f"{EXTENSION_PREFIX}{group}.so").is_file()
 
 
@@ -164,7 +165,7 @@ def status() -> str:
     reason = unavailable_reason()
     if reason is not None:
         return f"unavailable: {reason}"
-    built = [g for g in GROUPS if _built(g)]
+    built = [g for g in GROUPS if is_built(g)]
     how = "a group compiles on the first call of one of its ops (minutes), or ahead of time with 'python -m rl_kernel_core.native build'"
     if not built:
         return f"not built yet: {how}"

@@ -64,6 +64,23 @@ def extension() -> Optional[ModuleType]:
         return _state["ext"]
 
 
+def status() -> str:
+    """One line for ``rl-kernel info`` on whether the Hopper passes can run here, building nothing."""
+    from rl_kernel_core import native_build
+
+    if tuning().sm90 == "off":
+        return "off (LinearTuning.sm90='off'): the Triton passes run"
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return "not used: they need a compute capability 9.0 GPU (the Triton passes run, with the same bits)"
+    reason = native_build.unavailable_reason()
+    if reason is not None:
+        return f"unavailable: {reason}; the Triton passes run (the same bits, slower)"
+    if native_build.is_built("linear_logprob"):
+        return f"built; used by the gemm route's passes where LinearTuning.sm90={tuning().sm90!r} allows"
+    return ("not built yet: the first linear_logprob call compiles them (about a minute), or "
+            "'python -m rl_kernel_core.native build linear_logprob' ahead of time")
+
+
 def _tma_operand(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 

@@ -24,6 +24,8 @@ def test_info_names_every_backend_and_why_unavailable():
         assert data["backends"]["native"].startswith("unavailable: ")
     if importlib.util.find_spec("flashinfer") is None:
         assert data["backends"]["flashinfer"].startswith("unavailable: flashinfer is not installed")
+    if not data["cuda_devices"]:
+        assert data["linear_logprob_hopper_passes"].startswith("not used: they need a compute capability 9.0 GPU")
     text = _run("info")
     assert "backends:" in text and "native" in text
 
