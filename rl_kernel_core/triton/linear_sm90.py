@@ -1,8 +1,8 @@
 """When the Triton ``linear_logprob`` passes run as CUDA kernels for Hopper.
 
 ``native/csrc/linear_sm90.cu`` holds the gemm route's statistics pass (:mod:`.linear_stats`) and
-gradient pass (:mod:`.linear_grad`) as one warp-specialized persistent kernel (TMA loads by a
-producer warp, wgmma by two consumer warpgroups, the epilogue of one tile while the next tile's
+gradient pass (:mod:`.linear_grad`) as one warp-specialized persistent kernel (TMA loads by one
+producer thread, wgmma by two consumer warpgroups, the epilogue of one tile while the next tile's
 operands load). It issues the wgmma instructions Triton issues for the default tiles and repeats
 the epilogues' arithmetic in the order of Triton's compiled code, so its outputs have the Triton
 passes' bits: which one runs changes the time, never a result (asserted bit for bit by
@@ -76,7 +76,8 @@ def status() -> str:
     if reason is not None:
         return f"unavailable: {reason}; the Triton passes run (the same bits, slower)"
     if native_build.is_built("linear_logprob"):
-        return f"built; used by the gemm route's passes where LinearTuning.sm90={tuning().sm90!r} allows"
+        return (f"the linear_logprob extension is built (whether with sm_90a code shows at the first linear_logprob "
+                f"call); used by the gemm route's passes where LinearTuning.sm90={tuning().sm90!r} allows")
     return ("not built yet: the first linear_logprob call compiles them (about a minute), or "
             "'python -m rl_kernel_core.native build linear_logprob' ahead of time")
 

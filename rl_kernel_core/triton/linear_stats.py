@@ -146,7 +146,8 @@ def launch_stats(
     ``x`` is ``hidden [rows, D]`` (gemm route) or an fp32 logits chunk ``[>=rows, V]`` (chunked).
     ``keep`` (gemm route only): an fp32 ``[>=rows, V]`` buffer that receives the rows' logits
     before bias and temperature, which a ``from_logits`` gradient pass over it turns into the
-    gemm route's logits bit for bit. A gemm-route pass runs the Hopper CUDA kernel where :func:`~rl_kernel_core.triton.linear_sm90.serves` says so, with the same bits.
+    gemm route's logits bit for bit. A gemm-route pass runs the Hopper CUDA kernel where
+    :func:`~rl_kernel_core.triton.linear_sm90.serves` says so, with the same bits.
     """
     if keep is not None and from_logits:
         raise ValueError("launch_stats: keep takes the gemm route's logits; from_logits passes already read stored ones")
