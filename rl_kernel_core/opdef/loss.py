@@ -334,18 +334,3 @@ def fused_loss_backward(backward_op: Callable) -> Callable:
         return (none_if_empty(dh), none_if_empty(dw), none_if_empty(db)) + (None,) * (n_inputs - 3)
 
     return backward
-
-
-def scaled_gradients(grad_loss: Tensor, grad_hidden: Tensor, grad_weight: Tensor, grad_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The fused loss's backward body: each stored gradient (``[0]`` when absent) times ``grad_loss``, new tensors."""
-    dh, dw, db = (g * grad_loss.to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias))
-    return dh, dw, db
-
-
-def scaled_gradients_in_place(grad_loss: Tensor, grad_hidden: Tensor, grad_weight: Tensor, grad_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`scaled_gradients` in place, for the eager path: the stored gradients are the node's
-    own buffers, used once (:func:`fused_loss_backward` refuses a second backward), and a copy of
-    ``dW`` would double its memory."""
-    dh, dw, db = (g.mul_(grad_loss.to(g.dtype)) for g in (grad_hidden, grad_weight, grad_bias))
-    return dh, dw, db
-

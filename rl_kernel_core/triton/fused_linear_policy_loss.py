@@ -40,6 +40,8 @@ import dataclasses
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.opdef import define_differentiable_op
@@ -118,11 +120,53 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
     )
 
 
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    g = tl.load(g_ptr).to(x_ptr.dtype.element_ty).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=keep)
+    tl.store(out_ptr + offs, (x.to(tl.float32) * g).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+_SCALE_BLOCK = 4096
+
+
+def _scaled(grad_loss: torch.Tensor, grads: tuple[torch.Tensor, ...], in_place: bool) -> tuple[torch.Tensor, ...]:
+    """Each of ``grads`` (contiguous; ``[0]`` when absent) times the 0-d ``grad_loss``, rounded to its
+    dtype once (``grad_loss`` is first rounded to it, as ``x * grad_loss.to(x.dtype)``), in one
+    vectorized pass with ``grad_loss`` read on the device: torch's ``mul_`` by a 0-d CUDA tensor
+    takes its strided kernel, 1.29 against 0.54 ms for a 128256 x 4096 bf16 ``dW`` on an H200."""
+    out = []
+    for x in grads:
+        y = x if in_place else torch.empty_like(x)
+        if x.numel():
+            _scale_kernel[(triton.cdiv(x.numel(), _SCALE_BLOCK),)](x, y, grad_loss, x.numel(), BLOCK=_SCALE_BLOCK, num_warps=8)
+        out.append(y)
+    return tuple(out)
+
+
+def _scaled_gradients(grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor,
+                      grad_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward custom op's body: the stored ``(dh, dW, db)`` times ``grad_loss``, new tensors."""
+    dh, dw, db = _scaled(grad_loss, (grad_hidden, grad_weight, grad_bias), in_place=False)
+    return dh, dw, db
+
+
+def _scaled_gradients_in_place(grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor,
+                               grad_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager backward: :func:`_scaled_gradients` in place (the same bits). The stored gradients
+    are the node's own buffers, used once (:func:`rl_kernel_core.opdef.loss.fused_loss_backward`
+    refuses a second backward), and a copy of ``dW`` would double its memory."""
+    dh, dw, db = _scaled(grad_loss, (grad_hidden, grad_weight, grad_bias), in_place=True)
+    return dh, dw, db
+
+
 _fused_loss_op = define_differentiable_op(
-    "triton_fused_linear_policy_loss", _forward, opdef.fused_loss_fake, opdef.scaled_gradients,
+    "triton_fused_linear_policy_loss", _forward, opdef.fused_loss_fake, _scaled_gradients,
     opdef.fused_loss_backward_fake, opdef.fused_loss_setup, opdef.fused_loss_backward,
     schema=opdef.FUSED_LOSS_SCHEMA, backward_schema=opdef.FUSED_LOSS_BACKWARD_SCHEMA,
-    eager_backward_fn=opdef.scaled_gradients_in_place,
+    eager_backward_fn=_scaled_gradients_in_place,
 )
 _fused_loss = opdef.fused_loss_implementation(_fused_loss_op)
 
