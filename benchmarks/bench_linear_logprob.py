@@ -5,9 +5,12 @@ Everything runs in one process on one GPU, on the same inputs (bf16 unless ``--d
 * ``linear_logprob`` forward+backward (upstream gradient non-uniform, as an RL loss sends) and
   forward-only under ``torch.no_grad()``: ours; eager ``log_softmax((h @ W.T).float()).gather``;
   eager in row chunks under activation checkpointing; the peers below; the floor is one cuBLAS
-  ``h @ W.T`` of the same run (``x_floor``: a row's median over the floor's).
+  ``h @ W.T`` of the same run (``x_floor``: a row's median over the floor's; ours' rows add
+  ``paired_x_floor``, the median ratio with the GEMM timed alternately, which clock drift over a
+  long run does not move).
 * ``fused_linear_policy_loss`` forward+backward (GRPO: token-mean, clip 0.2, no KL term) against
-  Liger's ``LigerFusedLinearGRPOLoss``; the floor is the three cuBLAS products logits, dh, dW.
+  Liger's ``LigerFusedLinearGRPOLoss``; the floor is the three cuBLAS products logits, dh, dW
+  (``x_floor3``); ours' rows add ``paired_x_floor`` against one GEMM ``h @ W.T`` (issue 20's unit).
 * accuracy: max |error| and ``||error|| / ||reference||`` of log-probs, dh and dW against an
   fp64 reference, measured on the first ``--acc-rows`` rows of the same inputs (fp64 ``[N, V]``
   logits at the full N would not fit), for ours and every baseline.
@@ -407,6 +410,8 @@ def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
                 rec.add({"part": "forward", **where, "method": label, "route": route, **res_f, **notes, **fwd_notes,
                          "tflops": tflops(res_f.get("median_ms"), n, d, v, 1), "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3)})
                 res_b = measure(lambda: fwd_bwd(m, h, w, t, g), args, out_bytes=lambda r: _nbytes(*r))
+                if DEV.type == "cuda" and name == "ours":
+                    res_b.update(paired_ratio(lambda: fwd_bwd(m, h, w, t, g), lambda: h @ w.T, args))
                 rec.add({"part": "fwd+bwd", **where, "method": label, **res_b, **notes,
                          "tflops": tflops(res_b.get("median_ms"), n, d, v, 4), "x_floor": round(res_b.get("median_ms", math.nan) / floor_ms, 3)})
             except Exception as exc:
@@ -526,6 +531,8 @@ def part_loss(shape, b, tl, d, v, dtype, args, rec, methods, variants):
             scope = _with_tuning(**over)
             try:
                 res = measure(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), args, out_bytes=lambda r: _nbytes(*r))
+                if DEV.type == "cuda" and name == "ours":  # the target's unit: one GEMM h @ W.T, timed alternately
+                    res.update(paired_ratio(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), lambda: hh @ w.T, args))
                 rec.add({"part": "loss fwd+bwd", "shape": shape, "B": b, "T": tl, "N": n, "D": d, "V": v,
                          "method": name + (f"[{vname}]" if vname else ""),
                          "route": LC.tuning().route_for(hh) if name == "ours" else None, **res,

@@ -58,7 +58,13 @@ class LinearTuning:
     (cuBLAS writes an fp32 logits chunk that one pass reads; the native backend's only route).
     One route for all passes, so a row's logits have the same bits in the forward, the backward
     and the loss. ``chunk_bytes``: the budget of the per-chunk work buffer (``dl``, or the fp32
-    logits chunk that ``dl`` then overwrites). ``stats_bytes``: the budget of the gemm-route
+    logits chunk that ``dl`` then overwrites), filled to the largest power-of-two number of rows
+    that fits (:func:`chunk_rows`); 640 MiB gives 2048 rows of a 16-bit ``dl`` at V=128256 and
+    151936. Taller chunks make taller ``dh``/``dW`` products, and with powers of two a token count
+    that is a multiple of the chunk pads no chunk: at N=16384, D=4096 on an H200, forward+backward
+    took 4.26x one GEMM (timed alternately with it) with 2048 rows against 4.66x with the 1792 of
+    the earlier 448 MiB budget in multiples of 128, and 4.33x against 4.60x at N=12000
+    (``benchmarks/results/linear_h200/chunk_rows/``). ``stats_bytes``: the budget of the gemm-route
 forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp32``: accumulate ``dW`` over chunks in
     an fp32 ``[V, D]`` buffer (``4 V D`` extra bytes while the gradient is formed, and slower)
     instead of in ``weight``'s dtype (one rounding per chunk). ``gemm_tiles`` /
@@ -66,9 +72,10 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     gradient pass. ``loss_keeps_logits_from_dim``: on the gemm route with ``D`` at least this,
     ``fused_linear_policy_loss``'s statistics pass also writes each chunk's logits into an fp32
     chunk buffer, which its gradient pass reads instead of forming them again: three matrix
-    products instead of four, the same log-prob bits (the chunk is sized as the chunked route's, in
-    ``chunk_bytes``). Writing and reading the fp32 logits costs about the same at every ``D``, the
-    product it saves grows with ``D``: on an H200 keeping them took 0.83x the time at D=4096,
+    products instead of four, the same log-prob bits. That buffer has the rows of a ``dl`` chunk
+    in ``hidden``'s dtype, so for 16-bit inputs it takes twice ``chunk_bytes``: at D=4096 the loss
+    took 3.63x one GEMM with 2048 kept rows against 3.97x with 896 (+0.55 GiB, same run). Writing
+    and reading the fp32 logits costs about the same at every ``D``, the product it saves grows with ``D``: on an H200 keeping them took 0.83x the time at D=4096,
     0.88x at D=2048 and 1.01-1.06x at D=1024 (``benchmarks/results/linear_h200/profile_8e69d6e/``).
     The statistics pass takes TMA loads and a persistent launch; the gradient
     pass, which stores a 16-bit ``dl`` tile, measured slower with them (``bench_linear_logprob.py
@@ -82,7 +89,7 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     """
 
     route: str = "gemm"
-    chunk_bytes: int = 448 * 2**20
+    chunk_bytes: int = 640 * 2**20
     stats_bytes: int = 128 * 2**20
     wgrad_fp32: bool = False
     gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True))
@@ -160,13 +167,11 @@ def tuning_of(key: str) -> Iterator[LinearTuning]:
 
 
 def chunk_rows(vocab: int, elem_bytes: int) -> int:
-    """Fixed rows per chunk (a function of the vocab and dtype only, never of N): as many rows,
-    in multiples of 128 up to 8192 (powers of two from 16 below 128), as fit a ``[rows, vocab]``
-    buffer of ``elem_bytes``-byte elements in ``tuning().chunk_bytes``."""
+    """Fixed rows per chunk (a function of the vocab and dtype only, never of N): the largest power
+    of two from 16 to 8192 whose ``[rows, vocab]`` buffer of ``elem_bytes``-byte elements fits
+    ``tuning().chunk_bytes`` (16 when none does)."""
     rows = tuning().chunk_bytes // max(1, vocab * elem_bytes)
-    if rows >= 128:
-        return int(min(8192, rows // 128 * 128))
-    return int(2 ** int(math.log2(max(16, rows))))
+    return int(min(8192, 2 ** int(math.log2(max(16, rows)))))
 
 
 _DTYPE_MM_OK: dict[str, bool] = {}
@@ -207,8 +212,17 @@ def mm_fp32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a.float(), b.float(), out=out)
 
 
-def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` in ``acc``'s dtype with fp32 products, never a full-size temporary."""
+def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, overwrite: bool = False) -> None:
+    """``acc += a @ b`` (``acc = a @ b`` with ``overwrite``: ``acc`` may hold garbage) in ``acc``'s
+    dtype with fp32 products, never a full-size temporary."""
+    if overwrite:
+        if acc.dtype == a.dtype:
+            torch.mm(a, b, out=acc)
+            return
+        if acc.device.type != "cuda" or _dtype_mm_supported("mm"):
+            mm_fp32_into(a, b, acc)
+            return
+        acc.zero_()
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
     elif acc.device.type != "cuda":
@@ -256,7 +270,7 @@ class ChunkBuffers:
         if keep_logits and route != "gemm":
             raise ValueError(f"keep_logits: only the gemm route keeps its logits, got route {route!r}")
         if route == "chunked" or keep_logits:
-            self.rows = chunk_rows(vocab, 4)
+            self.rows = chunk_rows(vocab, hidden.element_size() if keep_logits else 4)
             self.logits = torch.empty(self.rows, vocab, dtype=torch.float32, device=dev)
             if route == "chunked":
                 self.h_pad = torch.empty(self.rows, dim, dtype=dt, device=dev)
@@ -349,7 +363,9 @@ class GradSink:
         self.hidden, self.weight = hidden, weight
         self.dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         acc_dtype = torch.float32 if tuning().wgrad_fp32 else weight.dtype
-        self.dw = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        # the first chunk writes dW (no zero fill: a 1 GiB pass for a 128256 x 4096 head)
+        self.dw = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        self._dw_written = False
         self.db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         self._dh_tmp: Optional[torch.Tensor] = None
 
@@ -365,12 +381,15 @@ class GradSink:
                 torch.mm(dl, self.weight, out=self._dh_tmp)
                 self.dh[r0 : r0 + n].copy_(self._dh_tmp[:n])
         if self.dw is not None:
-            addmm_acc_(self.dw, dl[:n].t(), self.hidden[r0 : r0 + n])
+            addmm_acc_(self.dw, dl[:n].t(), self.hidden[r0 : r0 + n], overwrite=not self._dw_written)
+            self._dw_written = True
         if self.db is not None:
             self.db += dl[:n].sum(dim=0, dtype=torch.float32)
 
     def grads(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(dh, dW, db)`` in the inputs' dtypes (None where not needed)."""
+        if self.dw is not None and not self._dw_written:  # no rows
+            self.dw.zero_()
         dh, dw, db = (
             None if g is None else g.to(like.dtype)
             for g, like in ((self.dh, self.hidden), (self.dw, self.weight), (self.db, self.weight))
