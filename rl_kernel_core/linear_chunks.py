@@ -75,8 +75,8 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     products instead of four, the same log-prob bits. That buffer has the rows of a ``dl`` chunk
     in ``hidden``'s dtype, so for 16-bit inputs it takes twice ``chunk_bytes``: at D=4096 the loss
     took 3.63x one GEMM with 2048 kept rows against 3.97x with 896 (+0.55 GiB, same run). Writing
-    and reading the fp32 logits costs about the same at every ``D``, the product it saves grows with ``D``: on an H200 keeping them took 0.83x the time at D=4096,
-    0.88x at D=2048 and 1.01-1.06x at D=1024 (``benchmarks/results/linear_h200/profile_8e69d6e/``).
+    and reading the fp32 logits costs about the same at every ``D``, the product it saves grows
+    with ``D``: on an H200 keeping them took 0.83x the time at D=4096, 0.88x at D=2048 and 1.01-1.06x at D=1024 (``benchmarks/results/linear_h200/profile_8e69d6e/``).
     The statistics pass takes TMA loads and a persistent launch; the gradient
     pass, which stores a 16-bit ``dl`` tile, measured slower with them (``bench_linear_logprob.py
     --variants "tmagrad=gemm_grad_tiles.tma:true;gemm_grad_tiles.persistent:true"``).

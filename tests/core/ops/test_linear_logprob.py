@@ -237,6 +237,25 @@ def test_compiled_linear_ops_match_eager(seed, device, route):
 # ------------------------------------------------------------------------- Triton: tuning and accumulation paths
 
 
+@pytest.mark.parametrize("wgrad_fp32", [False, True])
+def test_grad_sink_writes_dw_with_the_first_chunk(wgrad_fp32):
+    """``dW`` starts as uninitialised memory: the first chunk's product overwrites it, later chunks
+    add to it, and a sink that saw no rows hands back zeros."""
+    hidden, weight = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(10, 8, dtype=torch.bfloat16)
+    dl = torch.randn(6, 10, dtype=torch.bfloat16)
+    with linear_chunks.tuned(wgrad_fp32=wgrad_fp32):
+        empty = linear_chunks.GradSink(hidden, weight, False, True, False)
+        assert empty.dw is not None
+        empty.dw.fill_(float("nan"))
+        assert torch.equal(empty.grads()[1], torch.zeros_like(weight))
+        sink = linear_chunks.GradSink(hidden, weight, False, True, False)
+        assert sink.dw is not None
+        sink.dw.fill_(float("nan"))
+        sink.add(dl[:4], 0, 4)
+        sink.add(dl[4:], 4, 2)
+    assert_close(sink.grads()[1], dl.double().t() @ hidden.double(), "gradient", torch.bfloat16, "dW")
+
+
 def test_fp32_weight_gradient_accumulation(seed, device, route, tune):
     """``wgrad_fp32``: dW accumulated over chunks in fp32, rounded once; within the contract of
     fp64, in the weight's dtype; dh and the forward are untouched by it (bitwise)."""
