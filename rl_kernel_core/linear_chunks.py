@@ -84,8 +84,8 @@ forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp3
     warp-specialized, the same bits as the Triton passes at the default tiles) where they are
     available (a compute capability 9.0 device and the native ``linear_logprob`` extension built for
     ``sm_90a``): ``"auto"`` those that measured faster on an H200
-    (:func:`rl_kernel_core.triton.linear_sm90.serves`), ``"all"`` every one, ``"off"`` none. The
-    choice changes the time, never the bits.
+    (:func:`rl_kernel_core.triton.linear_sm90.serves`; today every one), ``"all"`` every one,
+    ``"off"`` none. The choice changes the time, never the bits.
     """
 
     route: str = "gemm"

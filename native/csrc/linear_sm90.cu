@@ -176,6 +176,18 @@ __device__ __forceinline__ float exp_approx(float x) {
   return y;
 }
 
+// z = inv_temp * raw as Triton rounds it; at UNIT (inv_temp == 1) the product is raw itself, bit for bit.
+template <bool UNIT>
+__device__ __forceinline__ float scaled(float raw, float inv_temp) {
+  return UNIT ? raw : __fmul_rn(raw, inv_temp);
+}
+
+// fma(inv_temp, raw, -ref), Triton's fused form; at UNIT the one rounding of raw - ref.
+template <bool UNIT>
+__device__ __forceinline__ float scaled_minus(float raw, float inv_temp, float ref) {
+  return UNIT ? __fsub_rn(raw, ref) : __fmaf_rn(inv_temp, raw, -ref);
+}
+
 // The vocab tile and row block of work unit u in grouped order (rl_kernel_core/triton/_matmul_helpers.py:
 // grouped_tile): GROUP_M row blocks sweep the vocab together so their weight tiles share L2.
 __device__ __forceinline__ void grouped(int u, int row_blocks, int vocab_tiles, int group_m, int& pm, int& pn) {
@@ -244,9 +256,10 @@ __device__ __forceinline__ void add_bias(float (&acc)[128], const void* bias, co
 // The statistics epilogue, in the order of Triton's compiled _stats_kernel: z = inv_temp * raw rounded;
 // the per-thread sums run in accumulator order, then across the row's 4 lanes by xor 2 and xor 1; the
 // entropy term's z - ref is one fused multiply-add from the unscaled logit, as Triton contracts it.
-template <typename T, bool BIAS, bool ENT>
+// FULL: the vocab tile lies inside V; UNIT: inv_temp == 1 (both only drop work, never change a bit).
+template <typename T, bool BIAS, bool ENT, bool FULL, bool UNIT>
 __device__ __forceinline__ void stats_epilogue(float (&acc)[128], const StatsArgs& a, const Fragment& f, int M, int V) {
-  const bool full_cols = f.tile_lo + kBN <= V;
+  const bool full_cols = FULL || f.tile_lo + kBN <= V;
   if (a.keep != nullptr) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -273,8 +286,8 @@ __device__ __forceinline__ void stats_epilogue(float (&acc)[128], const StatsArg
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const bool ok = full_cols || f.col0 + 8 * j + e < V;
-      m0 = fmaxf(m0, ok ? __fmul_rn(acc[4 * j + e], inv_temp) : -INFINITY);
-      m1 = fmaxf(m1, ok ? __fmul_rn(acc[4 * j + 2 + e], inv_temp) : -INFINITY);
+      m0 = fmaxf(m0, ok ? scaled<UNIT>(acc[4 * j + e], inv_temp) : -INFINITY);
+      m1 = fmaxf(m1, ok ? scaled<UNIT>(acc[4 * j + 2 + e], inv_temp) : -INFINITY);
     }
   }
   m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
@@ -289,8 +302,8 @@ __device__ __forceinline__ void stats_epilogue(float (&acc)[128], const StatsArg
     const bool second = (i & 2) != 0;
     const float ref = second ? ref1 : ref0;
     const bool ok = full_cols || f.col0 + 8 * (i / 4) + (i & 1) < V;
-    const float ex = exp_approx(__fsub_rn(ok ? __fmul_rn(acc[i], inv_temp) : -INFINITY, ref));
-    const float term = ENT && ex > 0.f ? __fmul_rn(ex, __fmaf_rn(acc[i], inv_temp, -ref)) : 0.f;
+    const float ex = exp_approx(__fsub_rn(ok ? scaled<UNIT>(acc[i], inv_temp) : -INFINITY, ref));
+    const float term = ENT && ex > 0.f ? __fmul_rn(ex, scaled_minus<UNIT>(acc[i], inv_temp, ref)) : 0.f;
     if (second) {
       s1 = __fadd_rn(s1, ex);
       if (ENT) a1 = __fadd_rn(a1, term);
@@ -326,7 +339,7 @@ __device__ __forceinline__ void stats_epilogue(float (&acc)[128], const StatsArg
       for (int j = 0; j < 32; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          if (co == 8 * j + e) zt = __fmul_rn(acc[4 * j + 2 * h + e], inv_temp);
+          if (co == 8 * j + e) zt = scaled<UNIT>(acc[4 * j + 2 * h + e], inv_temp);
         }
       }
       a.ztgt[r] = zt;
@@ -342,10 +355,11 @@ __device__ __forceinline__ uint16_t to_bits(float v) {
 
 // The gradient epilogue, in the order of Triton's compiled _grad_kernel: log p = fma(inv_temp, raw, -lse);
 // dz = fma(-g, p, onehot ? g : 0); with the entropy term dz -= p > 0 ? (log p + entropy) (e p) : 0;
-// dl = inv_temp * dz rounded to T (0 on an ignored row). PAIRS: dl's rows allow 4-byte stores of two columns.
-template <typename T, bool BIAS, bool GENT, bool PAIRS>
+// dl = inv_temp * dz rounded to T (0 on an ignored row). PAIRS: dl's rows allow 4-byte stores of two columns;
+// FULL and UNIT as for the statistics.
+template <typename T, bool BIAS, bool GENT, bool PAIRS, bool FULL, bool UNIT>
 __device__ __forceinline__ void grad_epilogue(float (&acc)[128], const GradArgs& a, const Fragment& f, int M, int V) {
-  const bool full_cols = f.tile_lo + kBN <= V;
+  const bool full_cols = FULL || f.tile_lo + kBN <= V;
   add_bias<T, BIAS>(acc, a.bias, f, full_cols, V);
   const float inv_temp = a.inv_temp;
 #pragma unroll
@@ -365,14 +379,14 @@ __device__ __forceinline__ void grad_epilogue(float (&acc)[128], const GradArgs&
       uint16_t bits[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float logp = __fmaf_rn(inv_temp, acc[4 * j + 2 * h + e], -lse);
+        const float logp = scaled_minus<UNIT>(acc[4 * j + 2 * h + e], inv_temp, lse);
         const float p = exp_approx(logp);
         float dz = __fmaf_rn(-g, p, col + e == tgt ? g : 0.f);
         if (GENT) {
           const float term = __fmul_rn(__fadd_rn(logp, ent), __fmul_rn(ge, p));
           dz = __fsub_rn(dz, p > 0.f ? term : 0.f);
         }
-        bits[e] = valid ? to_bits<T>(__fmul_rn(inv_temp, dz)) : uint16_t(0);
+        bits[e] = valid ? to_bits<T>(scaled<UNIT>(dz, inv_temp)) : uint16_t(0);
       }
       if (PAIRS && (full_cols || col + 1 < V)) {
         *reinterpret_cast<uint32_t*>(out + col) = uint32_t(bits[0]) | (uint32_t(bits[1]) << 16);
@@ -435,6 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) linear_sm90_kernel(
   const int t = threadIdx.x % 128;
   const int lane = t % 32;
   float acc[128];
+  const bool unit = args.inv_temp == 1.f;
   int stage = 0;
   uint32_t phase = 0;
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
@@ -462,10 +477,17 @@ __global__ void __launch_bounds__(kThreads, 1) linear_sm90_kernel(
     wgmma_wait<0>();
     if (t == 0) mbar_arrive(&s.empty[prev]);
     const Fragment f{pm * kBM + c * 64 + (t / 32) * 16 + lane / 4, pn * kBN + 2 * (lane % 4), pn * kBN, pn, lane % 4};
+    // the tiles inside V at unit temperature (nearly all in RL training) take the epilogue without column
+    // checks or scaling
+    const bool full = f.tile_lo + kBN <= V;
     if constexpr (std::is_same_v<Args, StatsArgs>) {
-      stats_epilogue<T, BIAS, FLAG>(acc, args, f, M, V);
+      if (full && unit) stats_epilogue<T, BIAS, FLAG, true, true>(acc, args, f, M, V);
+      else if (full) stats_epilogue<T, BIAS, FLAG, true, false>(acc, args, f, M, V);
+      else stats_epilogue<T, BIAS, FLAG, false, false>(acc, args, f, M, V);
     } else {
-      grad_epilogue<T, BIAS, FLAG, PAIRS>(acc, args, f, M, V);
+      if (full && unit) grad_epilogue<T, BIAS, FLAG, PAIRS, true, true>(acc, args, f, M, V);
+      else if (full) grad_epilogue<T, BIAS, FLAG, PAIRS, true, false>(acc, args, f, M, V);
+      else grad_epilogue<T, BIAS, FLAG, PAIRS, false, false>(acc, args, f, M, V);
     }
   }
 #endif

@@ -88,7 +88,7 @@ def launch_grad(
     has_gent = g_ent is not None
     vectors = (lse, g_lp, *((ent, g_ent) if has_gent else ()))
     if not from_logits and dl.dtype == weight.dtype and all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors):
-        ext = linear_sm90.serves("grad", x[:rows], weight, bias, has_gent)
+        ext = linear_sm90.serves("grad", x[:rows], weight, bias)
         if ext is not None:
             group_m = tiles(weight.dtype, weight.device, False, grad=True).group_m
             ext.linear_grad_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, lse, ent if has_gent else None,

@@ -23,12 +23,6 @@ from rl_kernel_core.linear_chunks import tuning
 from rl_kernel_core.triton._jit import interpreting
 from rl_kernel_core.triton.linear_tile import tiles
 
-AUTO_STATS_WITHOUT_ENTROPY_BELOW_DIM = 2048
-"""Under ``sm90="auto"`` a statistics pass without the entropy runs the CUDA kernel only below this
-D; every other pass (with the entropy, keeping the logits, the gradient) always does. H200,
-N=16384, device time of the pass (``benchmarks/results/linear_h200/sm90_passes/``): statistics
-without the entropy 7.2 vs 8.4 ms (Triton) at D=896, the same at D=2048, 26.1 vs 25.0 at D=4096;
-with it 9.8 vs 15.0 ms at D=1024, 25.2 vs 30.4 at D=4096; the gradient 10.7 vs 17.4 ms at D=1024."""
 _TILE = (128, 256, 64, 8)
 """The Triton tile the kernel mirrors (block_m, block_n, block_k, num_warps): the statistics' vocab
 partition and the thread layout whose order the sums follow."""
@@ -86,23 +80,19 @@ def _tma_operand(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def serves(
-    kind: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], entropy: bool, keep: bool = False,
-) -> Optional[ModuleType]:
+def serves(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[ModuleType]:
     """The extension whose kernel runs this gemm-route pass, or None for the Triton pass.
 
-    ``kind``: ``"stats"`` or ``"grad"``; ``x``: the pass's ``hidden`` rows; ``entropy``: whether the
-    pass forms the entropy (statistic or gradient); ``keep``: whether a statistics pass also stores
-    the logits. Needs ``LinearTuning.sm90`` to allow it
-    (``"auto"``: :data:`AUTO_STATS_WITHOUT_ENTROPY_BELOW_DIM`), a compute capability 9.0 device
+    ``kind``: ``"stats"`` or ``"grad"``; ``x``: the pass's ``hidden`` rows. Needs ``LinearTuning.sm90`` to allow it (``"auto"`` and ``"all"`` take every pass:
+    each measured faster than its Triton pass on an H200, the last one, the statistics pass without
+    the entropy at D=4096, once its epilogue skipped the column checks and the scaling where it can:
+    ``benchmarks/results/linear_h200/epilogue/``), a compute capability 9.0 device
     (compiled, not interpreted), bf16 or fp16 TMA-compatible operands (unit inner stride, 16-byte
     aligned rows and address), a bias of the same dtype, and the default tile of the pass (another
     tile has another partition or thread layout, so only the Triton pass gives its bits).
     """
     mode = tuning().sm90
     if mode == "off" or x.device.type != "cuda" or interpreting():
-        return None
-    if mode == "auto" and kind == "stats" and not (entropy or keep) and weight.shape[1] >= AUTO_STATS_WITHOUT_ENTROPY_BELOW_DIM:
         return None
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return None

@@ -151,7 +151,7 @@ def launch_stats(
     """
     if keep is not None and from_logits:
         raise ValueError("launch_stats: keep takes the gemm route's logits; from_logits passes already read stored ones")
-    ext = None if from_logits else linear_sm90.serves("stats", x[:rows], weight, bias, want_entropy, keep is not None)
+    ext = None if from_logits else linear_sm90.serves("stats", x[:rows], weight, bias)
     if ext is not None:
         group_m = tiles(weight.dtype, weight.device, False).group_m
         ext.linear_stats_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, partials, ztgt, want_entropy, keep, group_m)

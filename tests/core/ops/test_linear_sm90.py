@@ -25,8 +25,8 @@ def test_sm90_passes_are_never_taken_off_a_gpu(tune):
     tune(sm90="all")
     h = torch.randn(8, 64).bfloat16()
     w = torch.randn(300, 64).bfloat16()
-    assert linear_sm90.serves("stats", h, w, None, True) is None
-    assert linear_sm90.serves("grad", h, w, None, True) is None
+    assert linear_sm90.serves("stats", h, w, None) is None
+    assert linear_sm90.serves("grad", h, w, None) is None
 
 
 @pytest.mark.parametrize(
@@ -41,10 +41,12 @@ def test_sm90a_flags_follow_the_arch_list(monkeypatch, arch_list, flags):
 
 
 def _kernel_cases(test):
-    """On a Hopper GPU, over bf16 and fp16, with and without a bias, and three shapes: rows not a
-    multiple of the 128-row block, D not a multiple of the 64-wide K block, a ragged last vocab
-    tile and an odd V (whose 16-bit rows allow no paired stores)."""
+    """On a Hopper GPU, over bf16 and fp16, with and without a bias, at a temperature and at 1 (whose
+    epilogue skips the scaling), and three shapes: rows not a multiple of the 128-row block, D not a
+    multiple of the 64-wide K block, a ragged last vocab tile (whose epilogue checks the columns) and
+    an odd V (whose 16-bit rows allow no paired stores)."""
     test = pytest.mark.parametrize("n, d, v", [(1000, 1024, 1000), (300, 200, 777), (513, 4096, 5000)])(test)
+    test = pytest.mark.parametrize("temperature", [0.7, 1.0])(test)
     test = pytest.mark.parametrize("bias", [False, True])(test)
     test = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])(test)
     return pytest.mark.gpu(hopper(test))
@@ -61,71 +63,73 @@ def _inputs(n, d, v, dtype, bias, seed=0):
     return h, w, b, t
 
 
-def _stats(h, w, b, t, want_entropy, mode, keep=False):
+def _stats(h, w, b, t, want_entropy, mode, keep=False, temperature=0.7):
     n, v = h.shape[0], w.shape[0]
     n_tiles = (v + 255) // 256
     partials = torch.full((3, n, n_tiles), float("nan"), device="cuda")
     ztgt = torch.full((n,), float("nan"), device="cuda")
     logits = torch.full((n, v), float("nan"), device="cuda") if keep else None
     with linear_chunks.tuned(sm90=mode):
-        linear_stats.launch_stats(h, w, b, t, n, 1 / 0.7, -100, partials, ztgt, False, want_entropy, logits)
+        linear_stats.launch_stats(h, w, b, t, n, 1 / temperature, -100, partials, ztgt, False, want_entropy, logits)
     kept = partials if want_entropy else partials[:2]
     return (kept, ztgt[t != -100]) + ((logits,) if keep else ())
 
 
 @_kernel_cases
-def test_sm90_statistics_have_the_triton_pass_bits(monkeypatch, dtype, bias, n, d, v):
+def test_sm90_statistics_have_the_triton_pass_bits(monkeypatch, dtype, bias, temperature, n, d, v):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h, w, b, t = _inputs(n, d, v, dtype, bias)
-    assert linear_sm90.serves("stats", h, w, b, True) is not None
+    assert linear_sm90.serves("stats", h, w, b) is not None
     for want_entropy in (True, False):
-        ours, ours_z = _stats(h, w, b, t, want_entropy, "all")
-        ref, ref_z = _stats(h, w, b, t, want_entropy, "off")
+        ours, ours_z = _stats(h, w, b, t, want_entropy, "all", temperature=temperature)
+        ref, ref_z = _stats(h, w, b, t, want_entropy, "off", temperature=temperature)
         assert torch.equal(ours, ref), f"tile statistics differ (entropy={want_entropy})"
         assert torch.equal(ours_z, ref_z), f"target logits differ (entropy={want_entropy})"
     # the raw logits kept for a gradient pass that reads them (the fused loss from D=2048)
-    ours, _, ours_logits = _stats(h, w, b, t, True, "all", keep=True)
-    ref, _, ref_logits = _stats(h, w, b, t, True, "off", keep=True)
+    ours, _, ours_logits = _stats(h, w, b, t, True, "all", keep=True, temperature=temperature)
+    ref, _, ref_logits = _stats(h, w, b, t, True, "off", keep=True, temperature=temperature)
     assert torch.equal(ours, ref) and torch.equal(ours_logits, ref_logits)
     # a row's statistics do not depend on the other rows
-    alone, alone_z = _stats(h[:77].contiguous(), w, b, t[:77].contiguous(), True, "all")
-    full, _ = _stats(h, w, b, t, True, "all")
+    alone, alone_z = _stats(h[:77].contiguous(), w, b, t[:77].contiguous(), True, "all", temperature=temperature)
+    full, _ = _stats(h, w, b, t, True, "all", temperature=temperature)
     assert torch.equal(alone, full[:, :77])
 
 
-def _dl(h, w, b, t, lse, ent, g_lp, g_ent, mode):
+def _dl(h, w, b, t, lse, ent, g_lp, g_ent, mode, temperature):
     dl = torch.full((h.shape[0], w.shape[0]), float("nan"), device="cuda").to(h.dtype)
     with linear_chunks.tuned(sm90=mode):
-        linear_grad.launch_grad(h, w, b, t, h.shape[0], 1 / 0.7, -100, lse, ent, g_lp, g_ent, dl, False)
+        linear_grad.launch_grad(h, w, b, t, h.shape[0], 1 / temperature, -100, lse, ent, g_lp, g_ent, dl, False)
     return dl
 
 
 @_kernel_cases
-def test_sm90_gradient_has_the_triton_pass_bits(monkeypatch, dtype, bias, n, d, v):
+def test_sm90_gradient_has_the_triton_pass_bits(monkeypatch, dtype, bias, temperature, n, d, v):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h, w, b, t = _inputs(n, d, v, dtype, bias)
-    lp, ent = rk.linear_logprob(h.float(), w.float(), t, bias=None if b is None else b.float(), temperature=0.7,
+    lp, ent = rk.linear_logprob(h.float(), w.float(), t, bias=None if b is None else b.float(), temperature=temperature,
                                 return_entropy=True, backend="torch")
     lse = torch.randn(n, device="cuda") + 3.0  # any saved lse: the pass is elementwise in it
     g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
-    assert linear_sm90.serves("grad", h, w, b, True) is not None
+    assert linear_sm90.serves("grad", h, w, b) is not None
     for with_entropy in (True, False):
         e, ge = (ent.contiguous(), g_ent) if with_entropy else (None, None)
-        ours, ref = _dl(h, w, b, t, lse, e, g_lp, ge, "all"), _dl(h, w, b, t, lse, e, g_lp, ge, "off")
+        ours = _dl(h, w, b, t, lse, e, g_lp, ge, "all", temperature)
+        ref = _dl(h, w, b, t, lse, e, g_lp, ge, "off", temperature)
         assert not ours.isnan().any()
         assert torch.equal(ours, ref), f"dl differs (entropy={with_entropy})"
 
 
 @pytest.mark.gpu
 @hopper
-def test_linear_logprob_has_the_same_bits_with_and_without_the_sm90_passes(monkeypatch):
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_linear_logprob_has_the_same_bits_with_and_without_the_sm90_passes(monkeypatch, temperature):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h, w, b, t = _inputs(700, 896, 3000, torch.bfloat16, True, seed=1)
     outs = {}
     for mode in ("all", "off"):
         hh, ww, bb = (x.detach().clone().requires_grad_() for x in (h, w, b))
         with linear_chunks.tuned(sm90=mode):
-            lp, ent = rk.linear_logprob(hh, ww, t, bias=bb, temperature=0.7, return_entropy=True, backend="triton")
+            lp, ent = rk.linear_logprob(hh, ww, t, bias=bb, temperature=temperature, return_entropy=True, backend="triton")
             (lp.sum() + 0.1 * ent.sum()).backward()
         outs[mode] = (lp, ent, hh.grad, ww.grad, bb.grad)
     for ours, ref in zip(outs["all"], outs["off"]):
@@ -159,7 +163,7 @@ def test_fused_loss_has_the_same_bits_with_and_without_the_sm90_passes(monkeypat
 def test_sm90_kernel_refuses_what_it_cannot_read(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h, w, b, t = _inputs(64, 256, 512, torch.bfloat16, False)
-    ext = linear_sm90.serves("stats", h, w, b, True)
+    ext = linear_sm90.serves("stats", h, w, b)
     assert ext is not None
     partials = torch.empty(3, 64, 2, device="cuda")
     ztgt = torch.empty(64, device="cuda")
@@ -180,11 +184,14 @@ def test_sm90_kernel_refuses_what_it_cannot_read(monkeypatch):
     with pytest.raises(RuntimeError, match="grad_logprob must be a contiguous fp32 CUDA tensor of at least 64 elements, got \\[32\\]"):
         ext.linear_grad_sm90(h, w, None, t, 64, 1.0, -100, lse, None, g[:32], None, dl, 16)
     # the Python rule sends a misaligned operand or another tile to the Triton pass instead
-    assert linear_sm90.serves("stats", h[:, 1:], w[:, 1:], None, True) is None
+    assert linear_sm90.serves("stats", h[:, 1:], w[:, 1:], None) is None
     with linear_chunks.tuned(gemm_tiles=linear_chunks.TileConfig(128, 128, 64, num_warps=8, tma=True, persistent=True)):
-        assert linear_sm90.serves("stats", h, w, None, True) is None
-        assert linear_sm90.serves("grad", h, w, None, True) is not None
-    wide = torch.randn(512, linear_sm90.AUTO_STATS_WITHOUT_ENTROPY_BELOW_DIM, device="cuda").bfloat16()
-    hw = torch.randn(64, wide.shape[1], device="cuda").bfloat16()
-    assert linear_sm90.serves("stats", hw, wide, None, False) is None
-    assert linear_sm90.serves("stats", hw, wide, None, True) is not None
+        assert linear_sm90.serves("stats", h, w, None) is None
+        assert linear_sm90.serves("grad", h, w, None) is not None
+    # the default takes the kernels at every D, and "off" never
+    wide = torch.randn(512, 4096, device="cuda").bfloat16()
+    hw = torch.randn(64, 4096, device="cuda").bfloat16()
+    assert linear_sm90.serves("stats", hw, wide, None) is not None
+    with linear_chunks.tuned(sm90="off"):
+        assert linear_sm90.serves("stats", hw, wide, None) is None
+
