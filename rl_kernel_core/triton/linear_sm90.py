@@ -83,13 +83,13 @@ def _tma_operand(t: torch.Tensor) -> bool:
 def serves(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[ModuleType]:
     """The extension whose kernel runs this gemm-route pass, or None for the Triton pass.
 
-    ``kind``: ``"stats"`` or ``"grad"``; ``x``: the pass's ``hidden`` rows. Needs ``LinearTuning.sm90`` to allow it (``"auto"`` and ``"all"`` take every pass:
-    each measured faster than its Triton pass on an H200, the last one, the statistics pass without
-    the entropy at D=4096, once its epilogue skipped the column checks and the scaling where it can:
-    ``benchmarks/results/linear_h200/epilogue/``), a compute capability 9.0 device
-    (compiled, not interpreted), bf16 or fp16 TMA-compatible operands (unit inner stride, 16-byte
-    aligned rows and address), a bias of the same dtype, and the default tile of the pass (another
-    tile has another partition or thread layout, so only the Triton pass gives its bits).
+    ``kind``: ``"stats"`` or ``"grad"``; ``x``: the pass's ``hidden`` rows. Needs
+    ``LinearTuning.sm90`` to allow it (``"auto"`` and ``"all"`` take every pass: each measured at
+    least as fast as its Triton pass on an H200, ``benchmarks/results/linear_h200/epilogue/``), a
+    compute capability 9.0 device (compiled, not interpreted), bf16 or fp16 TMA-compatible operands
+    (unit inner stride, 16-byte aligned rows and address), a bias of the same dtype, and the default
+    tile of the pass (another tile has another partition or thread layout, so only the Triton pass
+    gives its bits).
     """
     mode = tuning().sm90
     if mode == "off" or x.device.type != "cuda" or interpreting():
