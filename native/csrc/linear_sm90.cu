@@ -478,8 +478,9 @@ __global__ void __launch_bounds__(kThreads, 1) linear_sm90_kernel(
     if (t == 0) mbar_arrive(&s.empty[prev]);
     const Fragment f{pm * kBM + c * 64 + (t / 32) * 16 + lane / 4, pn * kBN + 2 * (lane % 4), pn * kBN, pn, lane % 4};
     // the tiles inside V at unit temperature (nearly all in RL training) take the epilogue without column
-    // checks or scaling
-    const bool full = f.tile_lo + kBN <= V;
+    // checks or scaling; a biased head keeps the one general epilogue, as three copies with a bias spill
+    // registers (ptxas: up to 884 bytes per thread)
+    const bool full = !BIAS && f.tile_lo + kBN <= V;
     if constexpr (std::is_same_v<Args, StatsArgs>) {
       if (full && unit) stats_epilogue<T, BIAS, FLAG, true, true>(acc, args, f, M, V);
       else if (full) stats_epilogue<T, BIAS, FLAG, true, false>(acc, args, f, M, V);
