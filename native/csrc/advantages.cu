@@ -73,10 +73,9 @@ at::Tensor group_advantages(const at::Tensor& rewards, std::optional<int64_t> gr
                             const std::optional<at::Tensor>& group_index, int64_t estimator, bool norm_by_std,
                             double eps) {
   check_cuda(rewards, "rewards");
-  TORCH_CHECK(rewards.dim() == 1, "rl_kernel native: rewards must be [N], got ", rewards.sizes());
-  TORCH_CHECK(group_size.has_value() != group_index.has_value(),
-              "rl_kernel native: exactly one of group_size and group_index");
-  TORCH_CHECK(estimator >= kGrpo && estimator <= kRloo, "rl_kernel native: estimator code must be in [0, 2], got ", estimator);
+  if (rewards.dim() != 1) fail(cat("rewards must be [N], got ", rewards.sizes()));
+  if (group_size.has_value() == group_index.has_value()) fail("exactly one of group_size and group_index");
+  if (estimator < kGrpo || estimator > kRloo) fail(cat("estimator code must be in [0, 2], got ", estimator));
   const c10::cuda::CUDAGuard guard(rewards.device());
   const int64_t n = rewards.size(0);
   const at::Tensor values = rewards.contiguous();
@@ -86,11 +85,12 @@ at::Tensor group_advantages(const at::Tensor& rewards, std::optional<int64_t> gr
   int64_t grid, size = 0;
   if (group_size.has_value()) {
     size = *group_size;
-    TORCH_CHECK(size > 0 && n % size == 0, "rl_kernel native: group_size must divide N");
+    if (size <= 0 || n % size != 0) fail(cat("group_size must be positive and divide N = ", n, ", got ", size));
     grid = n / size;
   } else {
     check_cuda(*group_index, "group_index");
-    TORCH_CHECK(group_index->dim() == 1 && group_index->size(0) == n, "rl_kernel native: group_index must be [N]");
+    if (group_index->dim() != 1 || group_index->size(0) != n)
+      fail(cat("group_index must be [", n, "], got ", group_index->sizes()));
     order = at::argsort(*group_index, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     const at::Tensor ids = group_index->index_select(0, order).contiguous();
     starts = at::searchsorted(ids, ids, /*out_int32=*/false, /*right=*/false);

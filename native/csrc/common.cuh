@@ -18,12 +18,18 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+
+#include "message.h"
 
 namespace rlk {
 
 // Element types of tensors read at run time through a type code (the per-token tensors of the
 // losses may each have their own float dtype; the branch is uniform across a launch).
 enum TypeCode : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3, kU8 = 4 };
+
+// Messages are built with cat (message.h), never with TORCH_CHECK's formatting.
+[[noreturn]] inline void fail(const std::string& message) { throw std::runtime_error("rl_kernel native: " + message); }
 
 inline int type_code(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -33,7 +39,7 @@ inline int type_code(const at::Tensor& t) {
     case at::kDouble: return kF64;
     case at::kBool:
     case at::kByte: return kU8;
-    default: TORCH_CHECK(false, "rl_kernel native: unsupported dtype ", t.scalar_type());
+    default: fail(cat("unsupported dtype ", t.scalar_type()));
   }
   return kF32;
 }
@@ -92,7 +98,7 @@ struct alignas(sizeof(T) * N) Vec {
 };
 
 inline void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "rl_kernel native: ", name, " must be a CUDA tensor, got ", t.device());
+  if (!t.is_cuda()) fail(cat(name, " must be a CUDA tensor, got ", t.device()));
 }
 
 // The current stream of the current device (set by the callers' CUDAGuard).

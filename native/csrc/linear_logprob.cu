@@ -117,23 +117,22 @@ __global__ void __launch_bounds__(kGradThreads) chunk_grad_kernel(
 void check_chunk(const at::Tensor& logits, const at::Tensor& targets, const std::optional<at::Tensor>& bias) {
   check_cuda(logits, "logits");
   check_cuda(targets, "targets");
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
-              "rl_kernel native: the logits chunk must be fp32 [rows, V], got ", logits.scalar_type(), " ", logits.sizes());
-  TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1, "rl_kernel native: the logits chunk must have unit stride along V");
-  TORCH_CHECK(targets.dim() == 1 && targets.size(0) <= logits.size(0),
-              "rl_kernel native: targets must be [n] with n <= the chunk's rows, got ", targets.sizes());
+  if (logits.dim() != 2 || logits.scalar_type() != at::kFloat)
+    fail(cat("the logits chunk must be fp32 [rows, V], got ", logits.scalar_type(), " ", logits.sizes()));
+  if (logits.size(1) > 1 && logits.stride(1) != 1) fail("the logits chunk must have unit stride along V");
+  if (targets.dim() != 1 || targets.size(0) > logits.size(0))
+    fail(cat("targets must be [n] with n <= the chunk's ", logits.size(0), " rows, got ", targets.sizes()));
   if (bias.has_value()) {
     check_cuda(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == logits.size(1) && bias->is_contiguous(),
-                "rl_kernel native: bias must be a contiguous [V] tensor, got ", bias->sizes());
+    if (bias->dim() != 1 || bias->size(0) != logits.size(1) || !bias->is_contiguous())
+      fail(cat("bias must be a contiguous [", logits.size(1), "] tensor, got ", bias->sizes()));
   }
 }
 
 void check_rows(const at::Tensor& t, int64_t n, const char* name) {
   check_cuda(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n && t.is_contiguous(),
-              "rl_kernel native: ", name, " must be a contiguous fp32 [", n, "] tensor, got ", t.scalar_type(), " ",
-              t.sizes());
+  if (t.scalar_type() != at::kFloat || t.dim() != 1 || t.size(0) != n || !t.is_contiguous())
+    fail(cat(name, " must be a contiguous fp32 [", n, "] tensor, got ", t.scalar_type(), " ", t.sizes()));
 }
 
 // f(std::bool_constant<B>) for a run-time flag, so a kernel template gets it at compile time.
@@ -182,15 +181,15 @@ void linear_chunk_grad(const at::Tensor& logits, at::Tensor dl, const std::optio
   check_chunk(logits, targets, bias);
   const int64_t n = targets.size(0), V = logits.size(1);
   check_cuda(dl, "dl");
-  TORCH_CHECK(dl.dim() == 2 && dl.size(0) >= n && dl.size(1) == V && (V <= 1 || dl.stride(1) == 1),
-              "rl_kernel native: dl must be [>= n, V] with unit stride along V, got ", dl.sizes());
+  if (dl.dim() != 2 || dl.size(0) < n || dl.size(1) != V || (V > 1 && dl.stride(1) != 1))
+    fail(cat("dl must be [>=", n, ", ", V, "] with unit stride along V, got ", dl.sizes()));
   const bool in_place = dl.data_ptr() == logits.data_ptr();
-  TORCH_CHECK(!in_place || dl.stride(0) * dl.element_size() == logits.stride(0) * 4,
-              "rl_kernel native: an in-place dl must start its rows where the fp32 logits rows start");
+  if (in_place && dl.stride(0) * dl.element_size() != logits.stride(0) * 4)
+    fail("an in-place dl must start its rows where the fp32 logits rows start");
   check_rows(lse, n, "lse");
   check_rows(grad_logprob, n, "grad_logprob");
   const bool gent = grad_entropy.has_value();
-  TORCH_CHECK(!gent || entropy.has_value(), "rl_kernel native: grad_entropy needs the saved entropy");
+  if (gent && !entropy.has_value()) fail("grad_entropy needs the saved entropy");
   if (gent) {
     check_rows(*grad_entropy, n, "grad_entropy");
     check_rows(*entropy, n, "entropy");
@@ -226,7 +225,7 @@ void linear_chunk_grad(const at::Tensor& logits, at::Tensor dl, const std::optio
     case at::kFloat: launch(float()); break;
     case at::kBFloat16: launch(c10::BFloat16()); break;
     case at::kHalf: launch(c10::Half()); break;
-    default: TORCH_CHECK(false, "rl_kernel native: dl must be float32, bfloat16 or float16, got ", dl.scalar_type());
+    default: fail(cat("dl must be float32, bfloat16 or float16, got ", dl.scalar_type()));
   }
 }
 

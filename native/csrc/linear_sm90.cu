@@ -549,23 +549,17 @@ void dispatch(bool f16, bool bias, bool flag, const CUtensorMap& mh, const CUten
 #undef RLK_SM90_LAUNCH
 }
 
-std::string dims(const at::Tensor& t) {
-  std::string out = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
-  return out + "]";
-}
-
 void check_operand(const at::Tensor& t, const char* name) {
   if (!(t.is_cuda() && t.dim() == 2 && t.stride(1) == 1 && (t.stride(0) * t.element_size()) % 16 == 0 &&
         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0)) {
     fail(cat(name, " must be a 2-d CUDA tensor with unit inner stride, 16-byte aligned rows and address (TMA), got ",
-             dims(t)));
+             t.sizes()));
   }
 }
 
 void check_vector(const at::Tensor& t, const char* name, int64_t rows) {
   if (!(t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() >= rows)) {
-    fail(cat(name, " must be a contiguous fp32 CUDA tensor of at least ", rows, " elements, got ", dims(t)));
+    fail(cat(name, " must be a contiguous fp32 CUDA tensor of at least ", rows, " elements, got ", t.sizes()));
   }
 }
 
@@ -581,8 +575,8 @@ int common_checks(const at::Tensor& hidden, const at::Tensor& weight, const std:
   check_operand(weight, "weight");
   const int64_t V = weight.size(0);
   if (hidden.size(1) != weight.size(1) || rows > hidden.size(0) || rows > targets.size(0) || V >= (int64_t(1) << 31)) {
-    fail(cat("shapes do not match: hidden ", dims(hidden), ", weight ", dims(weight), ", rows ", rows, ", targets ",
-             dims(targets)));
+    fail(cat("shapes do not match: hidden ", hidden.sizes(), ", weight ", weight.sizes(), ", rows ", rows, ", targets ",
+             targets.sizes()));
   }
   if (bias.has_value() && !(bias->scalar_type() == weight.scalar_type() && bias->is_contiguous() && bias->numel() == V)) {
     fail("bias must be a contiguous [V] tensor of weight's dtype");
@@ -612,12 +606,12 @@ void linear_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, const
   const int64_t V = weight.size(0), n_tiles = (V + kBN - 1) / kBN;
   if (!(partials.is_cuda() && partials.scalar_type() == at::kFloat && partials.dim() == 3 && partials.size(0) == 3 &&
         partials.size(1) >= rows && partials.size(2) == n_tiles && partials.stride(2) == 1)) {
-    fail(cat("partials must be fp32 [3, >=", rows, ", ", n_tiles, "] with unit inner stride, got ", dims(partials)));
+    fail(cat("partials must be fp32 [3, >=", rows, ", ", n_tiles, "] with unit inner stride, got ", partials.sizes()));
   }
   check_vector(ztgt, "ztgt", rows);
   if (keep.has_value() && !(keep->is_cuda() && keep->scalar_type() == at::kFloat && keep->dim() == 2 &&
                             keep->size(0) >= rows && keep->size(1) == V && keep->stride(1) == 1)) {
-    fail(cat("keep must be fp32 [>=", rows, ", ", V, "] with unit inner stride, got ", dims(*keep)));
+    fail(cat("keep must be fp32 [>=", rows, ", ", V, "] with unit inner stride, got ", keep->sizes()));
   }
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(hidden.device());
@@ -639,7 +633,7 @@ void linear_grad_sm90(const at::Tensor& hidden, const at::Tensor& weight, const 
   const int64_t V = weight.size(0);
   if (!(dl.is_cuda() && dl.scalar_type() == weight.scalar_type() && dl.dim() == 2 && dl.size(0) >= rows &&
         dl.size(1) == V && dl.stride(1) == 1)) {
-    fail(cat("dl must be a [>=", rows, ", ", V, "] tensor of weight's dtype with unit inner stride, got ", dims(dl)));
+    fail(cat("dl must be a [>=", rows, ", ", V, "] tensor of weight's dtype with unit inner stride, got ", dl.sizes()));
   }
   if (entropy.has_value() != grad_entropy.has_value()) fail("entropy and grad_entropy must be given together");
   check_vector(lse, "lse", rows);

@@ -159,16 +159,17 @@ void dispatch_logits_dtype(const at::Tensor& logits, F&& f) {
     case at::kFloat: f(float()); break;
     case at::kBFloat16: f(c10::BFloat16()); break;
     case at::kHalf: f(c10::Half()); break;
-    default: TORCH_CHECK(false, "rl_kernel native: logits must be float32, bfloat16 or float16, got ", logits.scalar_type());
+    default: fail(cat("logits must be float32, bfloat16 or float16, got ", logits.scalar_type()));
   }
 }
 
 void check_logits(const at::Tensor& logits, const at::Tensor& targets) {
   check_cuda(logits, "logits");
   check_cuda(targets, "targets");
-  TORCH_CHECK(logits.dim() == 2, "rl_kernel native: logits must be [N, V], got ", logits.sizes());
-  TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1, "rl_kernel native: logits must have unit stride along V");
-  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0), "rl_kernel native: targets must be [N]");
+  if (logits.dim() != 2) fail(cat("logits must be [N, V], got ", logits.sizes()));
+  if (logits.size(1) > 1 && logits.stride(1) != 1) fail("logits must have unit stride along V");
+  if (targets.dim() != 1 || targets.size(0) != logits.size(0))
+    fail(cat("targets must be [", logits.size(0), "], got ", targets.sizes()));
 }
 
 }  // namespace
@@ -206,8 +207,9 @@ at::Tensor logprob_bwd(const at::Tensor& logits, const at::Tensor& targets, cons
   at::Tensor g_lp = glp ? grad_logprob->to(at::kFloat) : lse_c;
   at::Tensor g_ent = gent ? grad_entropy->to(at::kFloat) : lse_c;
   at::Tensor ent = gent ? entropy.to(at::kFloat).contiguous() : lse_c;
-  TORCH_CHECK(g_lp.dim() == 1 && g_lp.size(0) == n && g_ent.dim() == 1 && g_ent.size(0) == n && ent.numel() == n,
-              "rl_kernel native: upstream gradients, lse and entropy must be [N]");
+  if (g_lp.dim() != 1 || g_lp.size(0) != n || g_ent.dim() != 1 || g_ent.size(0) != n || ent.numel() != n)
+    fail(cat("upstream gradients, lse and entropy must be [", n, "], got ", g_lp.sizes(), ", ", g_ent.sizes(), " and ",
+             ent.sizes()));
   const float inv_temp = static_cast<float>(1.0 / temperature);
   dispatch_logits_dtype(logits, [&](auto tag) {
     using T = decltype(tag);

@@ -377,12 +377,11 @@ TokenArgs token_args(const at::Tensor& lp, const at::Tensor& old, const at::Tens
 
 void check_tokens(const at::Tensor& lp, std::initializer_list<const at::Tensor*> others) {
   check_cuda(lp, "logprob");
-  TORCH_CHECK(lp.dim() == 2, "rl_kernel native: policy_loss tensors must be [S, T], got ", lp.sizes());
+  if (lp.dim() != 2) fail(cat("policy_loss tensors must be [S, T], got ", lp.sizes()));
   for (const at::Tensor* t : others) {
     if (t == nullptr) continue;
     check_cuda(*t, "per-token tensor");
-    TORCH_CHECK(t->sizes() == lp.sizes(), "rl_kernel native: per-token tensors must share logprob's shape ",
-                lp.sizes(), ", got ", t->sizes());
+    if (t->sizes() != lp.sizes()) fail(cat("per-token tensors must share logprob's shape ", lp.sizes(), ", got ", t->sizes()));
   }
 }
 
@@ -413,8 +412,8 @@ int finish_lanes(int64_t nb) {
 }
 
 void check_codes(int64_t kl_code, int64_t agg) {
-  TORCH_CHECK(kl_code >= 0 && kl_code <= 3, "rl_kernel native: kl_code must be in [0, 3], got ", kl_code);
-  TORCH_CHECK(agg >= 0 && agg <= 4, "rl_kernel native: agg must be in [0, 4], got ", agg);
+  if (kl_code < 0 || kl_code > 3) fail(cat("kl_code must be in [0, 3], got ", kl_code));
+  if (agg < 0 || agg > 4) fail(cat("agg must be in [0, 4], got ", agg));
 }
 
 }  // namespace
@@ -422,8 +421,9 @@ void check_codes(int64_t kl_code, int64_t agg) {
 std::vector<at::Tensor> ratio_kl_fwd(const at::Tensor& logprob, const at::Tensor& old_logprob,
                                      const at::Tensor& ref_logprob, int64_t kl_code) {
   check_cuda(logprob, "logprob");
-  TORCH_CHECK(old_logprob.sizes() == logprob.sizes() && ref_logprob.sizes() == logprob.sizes(),
-              "rl_kernel native: ratio_kl tensors must share one shape");
+  if (old_logprob.sizes() != logprob.sizes() || ref_logprob.sizes() != logprob.sizes())
+    fail(cat("ratio_kl tensors must share one shape, got ", logprob.sizes(), ", ", old_logprob.sizes(), " and ",
+             ref_logprob.sizes()));
   check_codes(kl_code, 0);
   const c10::cuda::CUDAGuard guard(logprob.device());
   auto f32 = logprob.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous);
@@ -510,10 +510,11 @@ void policy_loss_bwd(const at::Tensor& grad_loss, const at::Tensor& logprob, con
                          rollout_is_weights ? &*rollout_is_weights : nullptr,
                          grad_logprob ? &*grad_logprob : nullptr, grad_entropy ? &*grad_entropy : nullptr});
   check_codes(kl_code, agg);
-  TORCH_CHECK(!grad_logprob || grad_logprob->is_contiguous(), "rl_kernel native: grad_logprob must be contiguous");
-  TORCH_CHECK(!grad_entropy || grad_entropy->is_contiguous(), "rl_kernel native: grad_entropy must be contiguous");
-  TORCH_CHECK(seq_weight.numel() == logprob.size(0) && totals.numel() == 2,
-              "rl_kernel native: seq_weight must be [S] and totals [2]");
+  if (grad_logprob && !grad_logprob->is_contiguous()) fail("grad_logprob must be contiguous");
+  if (grad_entropy && !grad_entropy->is_contiguous()) fail("grad_entropy must be contiguous");
+  if (seq_weight.numel() != logprob.size(0) || totals.numel() != 2)
+    fail(cat("seq_weight must be [", logprob.size(0), "] and totals [2], got ", seq_weight.sizes(), " and ",
+             totals.sizes()));
   if (!grad_logprob && !grad_entropy) return;
   const c10::cuda::CUDAGuard guard(logprob.device());
   const at::Tensor lp = logprob.contiguous(), old = old_logprob.contiguous(), adv = advantages.contiguous(),

@@ -232,6 +232,17 @@ def test_sources_are_warp_size_agnostic_and_hipify_friendly():
             assert not re.search(pattern, text), f"{path.name} uses {pattern}"
 
 
+def test_sources_build_error_messages_with_cat_only():
+    """A formatted TORCH_CHECK (c10::str, std::ostringstream) crashed a JIT-built extension on the
+    H200 instead of raising (message.h): every message goes through ``cat``."""
+    for path in sorted(SOURCES.iterdir()):
+        if path.name == "message.h":
+            continue
+        code = "\n".join(line.split("//")[0] for line in path.read_text().splitlines())
+        for pattern in (r"TORCH_CHECK\s*\(", r"c10::str\s*\(", r"ostringstream"):
+            assert not re.search(pattern, code), f"{path.name} uses {pattern}: build the message with cat (message.h)"
+
+
 # ============================================================== on a CUDA machine
 
 
@@ -258,3 +269,52 @@ def test_ahead_of_time_build_succeeds_and_reuses_the_cache():
     proc = _aot_build()
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "rl-kernel native: built " in proc.stdout
+
+
+@gpu
+def test_native_entry_points_raise_one_line_errors_with_the_numbers():
+    """Each group's own checks (what would read out of bounds) raise a RuntimeError that names the
+    argument, the expected and the actual shape, instead of crashing the process (message.h)."""
+    from rl_kernel_core.native import extension
+
+    cuda = torch.device("cuda")
+    rewards = torch.randn(6, device=cuda)
+    advantages = extension("advantages")
+    with pytest.raises(RuntimeError, match=r"^rl_kernel native: rewards must be \[N\], got \[2, 3\]$"):
+        advantages.group_advantages(rewards.view(2, 3), 3, None, 0, True, 1e-6)
+    with pytest.raises(RuntimeError, match=r"group_size must be positive and divide N = 6, got 4$"):
+        advantages.group_advantages(rewards, 4, None, 0, True, 1e-6)
+    with pytest.raises(RuntimeError, match=r"estimator code must be in \[0, 2\], got 7$"):
+        advantages.group_advantages(rewards, 3, None, 7, True, 1e-6)
+    with pytest.raises(RuntimeError, match=r"rewards must be a CUDA tensor, got cpu$"):
+        advantages.group_advantages(rewards.cpu(), 3, None, 0, True, 1e-6)
+
+    lp = torch.randn(2, 5, device=cuda)
+    loss = extension("loss")
+    with pytest.raises(RuntimeError, match=r"ratio_kl tensors must share one shape, got \[2, 5\], \[2, 4\] and \[2, 5\]$"):
+        loss.ratio_kl_fwd(lp, lp[:, :4], lp, 0)
+    with pytest.raises(RuntimeError, match=r"kl_code must be in \[0, 3\], got 9$"):
+        loss.ratio_kl_fwd(lp, lp, lp, 9)
+    with pytest.raises(RuntimeError, match=r"per-token tensors must share logprob's shape \[2, 5\], got \[5\]$"):
+        loss.policy_loss_fwd(lp, lp, lp[0], lp, lp, None, None, 0.2, 0.2, None, 0, 0.0, 0.0, 0)
+
+    logits = torch.randn(4, 11, device=cuda)
+    targets = torch.randint(0, 11, (4,), device=cuda)
+    from_logits = extension("logprob_from_logits")
+    with pytest.raises(RuntimeError, match=r"logits must be \[N, V\], got \[44\]$"):
+        from_logits.logprob_fwd(logits.view(-1), targets, 1.0, -100, False)
+    with pytest.raises(RuntimeError, match=r"targets must be \[4\], got \[3\]$"):
+        from_logits.logprob_fwd(logits, targets[:3], 1.0, -100, False)
+    with pytest.raises(RuntimeError, match=r"logits must be float32, bfloat16 or float16, got Double$"):
+        from_logits.logprob_fwd(logits.double(), targets, 1.0, -100, False)
+
+    linear = extension("linear_logprob")
+    rows = torch.empty(4, device=cuda)
+    with pytest.raises(RuntimeError, match=r"the logits chunk must be fp32 \[rows, V\], got BFloat16 \[4, 11\]$"):
+        linear.linear_chunk_stats(logits.bfloat16(), None, targets, 1.0, -100, rows, None, rows)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous \[11\] tensor, got \[10\]$"):
+        linear.linear_chunk_stats(logits, torch.zeros(10, device=cuda), targets, 1.0, -100, rows, None, rows)
+    with pytest.raises(RuntimeError, match=r"lse must be a contiguous fp32 \[4\] tensor, got Float \[3\]$"):
+        linear.linear_chunk_stats(logits, None, targets, 1.0, -100, rows, None, rows[:3])
+    with pytest.raises(RuntimeError, match=r"dl must be \[>=4, 11\] with unit stride along V, got \[4, 10\]$"):
+        linear.linear_chunk_grad(logits, logits[:, :10], None, targets, rows, None, rows, None, 1.0, -100)
