@@ -76,7 +76,7 @@ def test_grid_and_bad_options(capsys):
 
 
 @pytest.mark.parametrize("folder, rows", [
-    ("peers_grid_a1fb378", 12),  # 8 shapes flat, 4 of them peaked too
+    ("peers_grid_b3b49c0", 24),  # 16 shapes flat, 8 of them peaked too
     ("peers_grid", 24),  # 16 shapes flat, 8 of them peaked too
 ])
 def test_the_docs_peer_tables_are_the_committed_results(folder, rows):
