@@ -1,8 +1,9 @@
 """The native backend as a build: its sources compile for sm_90 without a GPU, are warp-size
-agnostic and declare the loss codes the Python side uses; without a usable extension the backend
-says why (``backend="native"`` raises the reason, ``rl-kernel info`` shows it, the ahead-of-time
-build exits with it); on a CUDA machine (``gpu``) the ahead-of-time build succeeds and ``auto``
-follows the order measured on that GPU. The ops' values are checked in tests/core/ops."""
+agnostic, build every error message with ``cat`` and declare the loss codes the Python side uses;
+without a usable extension the backend says why (``backend="native"`` raises the reason,
+``rl-kernel info`` shows it, the ahead-of-time build exits with it); on a CUDA machine (``gpu``)
+the ahead-of-time build succeeds, ``auto`` follows the order measured on that GPU and the entry
+points' own checks raise one-line errors. The ops' values are checked in tests/core/ops."""
 
 from __future__ import annotations
 
