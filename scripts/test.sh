@@ -11,6 +11,8 @@
 #              (tests/recipes/test_verl_engine.py)
 # Extra arguments are passed to every pytest call (e.g. -x, -k expr).
 # pytest's exit code 5 ("no tests collected") counts as a failure.
+# The core, vllm and recipe-verl tiers run in RL_KERNEL_TEST_WORKERS pytest-xdist processes
+# (default 2, the CI machine's cores; 1 runs each tier in one process).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +24,12 @@ cd "$(dirname "$0")/.."
 if [ "$(uname -m)" = x86_64 ]; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Sandybridge}; fi
 
 status=0
+workers=${RL_KERNEL_TEST_WORKERS:-2}
+case $workers in ''|*[!0-9]*|0) echo "RL_KERNEL_TEST_WORKERS must be a positive integer, got '$workers'" >&2; exit 2;; esac
+# tests of one file share module fixtures and state, so a file stays on one process (loadfile);
+# the recipe tier's single file has independent tests (load)
+by_file=() by_test=()
+if [ "$workers" -gt 1 ]; then by_file=(-n "$workers" --dist loadfile); by_test=(-n "$workers" --dist load); fi
 run_tier() {
   local tier=$1; shift
   [ -f "requirements/$tier.txt" ] || { echo "== tier $tier: no requirements/$tier.txt, skipped"; return 0; }
@@ -41,12 +49,12 @@ run_tier() {
   else echo "== tier $tier: passed"; fi
 }
 
-run_tier core tests -q --ignore=tests/verl --ignore=tests/vllm "$@"
+run_tier core tests -q --ignore=tests/verl --ignore=tests/vllm "${by_file[@]}" "$@"
 # the core tests' parity checks against verl's own estimators and loss run here, where verl is installed
 [ -d tests/verl ] && run_tier verl tests/verl -q \
   tests/core/ops/test_group_advantages.py::test_matches_verl_core_algos_when_installed \
   tests/core/ops/test_policy_loss.py::test_matches_verl_core_algos_when_installed "$@"
-[ -d tests/vllm ] && run_tier vllm tests/vllm -q "$@"
+[ -d tests/vllm ] && run_tier vllm tests/vllm -q "${by_file[@]}" "$@"
 [ -d tests/vllm ] && run_tier vllm-gpu tests/vllm/test_mrv2.py tests/vllm/test_plugin.py -q "$@"
-run_tier recipe-verl tests/recipes/test_verl_engine.py -q "$@"
+run_tier recipe-verl tests/recipes/test_verl_engine.py -q "${by_test[@]}" "$@"
 exit $status
