@@ -16,13 +16,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# Under TRITON_INTERPRET=1 a kernel's tl.dot is numpy's matmul. The OpenBLAS that numpy ships
-# picks its Haswell kernels on some x86-64 CPUs (AMD EPYC among them), and those give a row other
-# bits when it sits at another position of a block: the tests that assert a row's log-prob
-# depends on that row alone then fail for the emulator's sake. Its Sandybridge kernels (AVX) do
-# not; OpenBLAS reads the choice when numpy loads, before any conftest runs.
-if [ "$(uname -m)" = x86_64 ]; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Sandybridge}; fi
-
 status=0
 workers=${RL_KERNEL_TEST_WORKERS:-2}
 case $workers in ''|*[!0-9]*|0) echo "RL_KERNEL_TEST_WORKERS must be a positive integer, got '$workers'" >&2; exit 2;; esac
