@@ -22,6 +22,16 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def brief(value: object) -> str:
+    """``value`` as an error message shows what it got: on one line of at most 80 characters, a
+    tensor as its dtype and shape (never its elements), anything else as its repr."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).replace("torch.", "")
+        return f"{'an' if dtype[0] in 'aeiou' else 'a'} {dtype} tensor of shape {tuple(value.shape)}"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def tensor(name: str, value: object, *, dtypes: Optional[Sequence[torch.dtype]] = None, ndim: Optional[int] = None, min_ndim: Optional[int] = None) -> torch.Tensor:
     """Check that ``value`` is a dense (strided) tensor with an allowed dtype and rank; return it.
 
