@@ -22,11 +22,19 @@ For one row with logits ``l [V]``, temperature ``T``, filters and a 64-bit ``see
    all in fp32, which samples from ``softmax(x)`` restricted to the kept set (the 23-bit uniforms
    bound ``g`` to about [-2.8, 16.6], a truncation of probability below 1e-7). The uniforms
    ``u_i`` come from a counter-based hash keyed on ``(seed, position, i)``, not a stateful
-   generator: with ``mix64`` SplitMix64's finaliser (uint64 arithmetic), the row state is
-   ``state = mix64(mix64(seed) + mix64(position))`` and ``u_i = (top 23 bits of
-   mix64(state + (i + 1) * 0x9E3779B97F4A7C15) + 0.5) / 2**23`` in ``(0, 1)`` (exact in fp32).
+   generator: with ``mix64`` SplitMix64's finaliser (uint64 arithmetic mod 2**64), the row state
+   is ``state = mix64(mix64(seed + 0xD1B54A32D192ED03) + position * 0xDB4F0B9175AE2165)`` and
+   ``u_i = (top 23 bits of mix64(state + (i + 1) * 0x9E3779B97F4A7C15) + 0.5) / 2**23`` in
+   ``(0, 1)`` (exact in fp32). The state absorbs the seed, then the position, each through the
+   finaliser (a bijection of 64-bit words): the hashed seed starts a SplitMix64 stream and the
+   position, times an odd constant, steps it as SplitMix64 steps its counter. So the state is not
+   symmetric in seed and position, one seed gives distinct states at distinct positions (and one
+   position distinct states for distinct seeds), and seed 0 is mixed like any other (the offset
+   keeps it off ``mix64``'s fixed point ``mix64(0) = 0``).
    So a row's draw depends on its own logits, parameters, seed and position only, on every
-   device (integer math is exact).
+   device (integer math is exact). Earlier versions keyed the state as
+   ``mix64(mix64(seed) + mix64(position))``, symmetric in the two (seed 3 at position 5 drew what
+   seed 5 at position 3 did); the same seed and position now draw other tokens than they did.
 5. ``logprob`` of the token under the full vocab before any filter, with ``T = 1`` for greedy
    rows: the bits of ``logprob_from_logits(l, token, temperature=T)`` on this backend (fp32
    ``l / T``, its max, sum of exponentials and log), row by row.
@@ -56,6 +64,8 @@ def _signed(value: int) -> int:
 
 
 _GAMMA = _signed(0x9E3779B97F4A7C15)
+_SEED_OFFSET = _signed(0xD1B54A32D192ED03)  # added to the seed before it is hashed
+_POSITION_GAMMA = _signed(0xDB4F0B9175AE2165)  # odd: the position's step of the seed's stream
 _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 
@@ -73,8 +83,10 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
 
 
 def row_state(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64 hash states ``mix64(mix64(seed) + mix64(position))``."""
-    return mix64(mix64(seeds) + mix64(positions))
+    """``[B]`` int64 hash states ``mix64(mix64(seed + 0xD1B54A32D192ED03) + position *
+    0xDB4F0B9175AE2165)`` (uint64 arithmetic on the int64 bits): the seed, then the position,
+    absorbed through SplitMix64's finaliser, so neither can stand in for the other."""
+    return mix64(mix64(seeds + _SEED_OFFSET) + positions * _POSITION_GAMMA)
 
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:

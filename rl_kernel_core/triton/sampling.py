@@ -109,6 +109,15 @@ def _mix64(z):
 
 
 @helper_jit
+def _row_state(seed, pos):
+    """A row's hash state from its int64 ``seed`` and ``pos`` (uint64 arithmetic): the seed, then
+    the position, absorbed through SplitMix64's finaliser, as
+    :func:`rl_kernel_core.reference.sampling.row_state`."""
+    start = _mix64(seed.to(tl.uint64, bitcast=True) + 0xD1B54A32D192ED03)
+    return _mix64(start + pos.to(tl.uint64, bitcast=True) * 0xDB4F0B9175AE2165)
+
+
+@helper_jit
 def _uniform(state, idx):
     """``u`` in (0, 1), fp32: SplitMix64 of ``state + (idx + 1) * golden``, its top 23 bits, centred."""
     z = _mix64(state + (idx.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
@@ -363,7 +372,7 @@ def _row_plan_kernel(
         pos = tl.load(pos_ptr + row)
     else:
         pos = tl.cast(pos_val, tl.int64)
-    state = _mix64(_mix64(tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)) + _mix64(pos.to(tl.uint64, bitcast=True)))
+    state = _row_state(tl.load(seeds_ptr + row), pos)
 
     mode = tl.full([], _DRAW_ROW, tl.int32)
     cut = tl.full([], _KEY_MIN, tl.int32)

@@ -37,7 +37,8 @@ def _splitmix_uniform(seed: int, position: int, i: int) -> float:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return z ^ (z >> 31)
 
-    state = mix((mix(seed & mask) + mix(position & mask)) & mask)
+    start = mix((seed + 0xD1B54A32D192ED03) & mask)  # the seed, then the position, absorbed in turn
+    state = mix((start + (position & mask) * 0xDB4F0B9175AE2165) & mask)
     z = mix((state + (i + 1) * 0x9E3779B97F4A7C15) & mask)
     return ((z >> 41) + 0.5) / 2.0**23
 
@@ -65,6 +66,59 @@ def test_hash_matches_pure_python_splitmix(seed):
         expected = torch.tensor([_splitmix_uniform(s, pos, i) for i in range(37)], dtype=torch.float64)
         assert torch.equal(u[b].double(), expected)
     assert bool(((u > 0) & (u < 1)).all())
+
+
+def _seed_position_pairs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` random ``(seed, position)`` pairs with seed != position: half of small values (either
+    sign for the seed), half of random int64 seeds and positions up to 2**40."""
+    small = n // 2
+    seeds = torch.cat([torch.randint(-16, 64, (small,)), random_seeds(n - small)])
+    positions = torch.cat([torch.randint(0, 64, (small,)), torch.randint(0, 1 << 40, (n - small,))])
+    same = seeds == positions
+    positions[same] += 1
+    return seeds, positions
+
+
+def test_hash_is_not_symmetric_in_seed_and_position(seed):
+    """Swapping a row's seed and position gives another state and other uniforms: small seeds and
+    positions (request seeds with successive positions) do not alias."""
+    seeds, positions = _seed_position_pairs(512)
+    state, swapped = ref.row_state(seeds, positions), ref.row_state(positions, seeds)
+    same = (state == swapped).nonzero().flatten().tolist()
+    assert not same, f"(seed, position) and (position, seed) share a state: {[(seeds[i].item(), positions[i].item()) for i in same[:5]]}"
+    u, u_swapped = ref.uniforms(seeds, positions, 16), ref.uniforms(positions, seeds, 16)
+    assert not bool((u == u_swapped).all(dim=1).any())
+
+
+def test_distinct_small_seeds_and_positions_give_distinct_states(seed):
+    """Every (seed, position) of a grid of small values (seeds of either sign, including 0) and of a
+    random sample of pairs gets its own state and its own uniforms."""
+    grid_s, grid_p = torch.meshgrid(torch.arange(-32, 64), torch.arange(0, 96), indexing="ij")
+    pairs = torch.stack([grid_s.flatten(), grid_p.flatten()], dim=1)
+    drawn = torch.stack(_seed_position_pairs(1024), dim=1)
+    pairs = torch.unique(torch.cat([pairs, drawn]), dim=0)
+    states = ref.row_state(pairs[:, 0], pairs[:, 1])
+    assert torch.unique(states).numel() == len(pairs), f"{len(pairs) - torch.unique(states).numel()} pairs share a state"
+    first = ref.uniforms(pairs[:, 0], pairs[:, 1], 4)
+    assert torch.unique(first, dim=0).shape[0] == len(pairs)
+
+
+@on_backends("sample")
+def test_swapped_seed_and_position_draw_independent_tokens(seed, backend: Backend):
+    """A row drawn at ``(seed=s, position=p)`` and at ``(seed=p, position=s)`` agrees no more often
+    than two independent draws do."""
+    n, v = (256, 64) if backend.name == "torch" else (48, 64)
+    seeds, positions = _seed_position_pairs(n)
+    logits = torch.randn(n, v) * 0.5  # flat: independent draws rarely agree
+    run = dict(backend=backend.name, top_k=40)
+    dev = backend.device
+    drawn, _ = rk.sample(logits.to(dev), seeds=seeds.to(dev), positions=positions.to(dev), **run)
+    swapped, _ = rk.sample(logits.to(dev), seeds=positions.to(dev), positions=seeds.to(dev), **run)
+    # two independent draws of a row agree with probability sum_i q_i^2 over its top-40 distribution q
+    collide = torch.tensor([float((allowed_tokens(row.numpy(), 1.0, 40, None, None)[1] ** 2).sum()) for row in logits], dtype=torch.float64)
+    bound = collide.sum() + SIGMAS * (collide * (1 - collide)).sum().sqrt()
+    agree = (drawn.cpu() == swapped.cpu()).sum().item()
+    assert agree <= bound.item(), f"{agree} of {n} rows draw the same token with seed and position swapped (bound {bound.item():.1f})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
