@@ -198,19 +198,29 @@ def positive(name: str, value: float) -> float:
 
 
 SMALLEST_TEMPERATURE: float = torch.finfo(torch.float32).tiny
-"""The smallest temperature the log-prob ops take: the smallest normal fp32 (about 1.18e-38).
-The kernels scale logits by ``1 / temperature`` in fp32; below it that reciprocal overflows
-(and the temperature itself is a subnormal fp32), which would turn the logits into inf/NaN."""
+"""The smallest temperature the ops take: the smallest normal fp32, ``2**-126`` (about 1.18e-38).
+The kernels scale logits by ``1 / temperature`` in fp32; below it the temperature itself is a
+subnormal fp32 and, further down, that reciprocal overflows, which would turn the logits into
+inf/NaN."""
+
+LARGEST_TEMPERATURE: float = 1.0 / SMALLEST_TEMPERATURE
+"""The largest temperature the ops take: ``2**126`` (about 8.51e37), the reciprocal of
+:data:`SMALLEST_TEMPERATURE`. Above it ``1 / temperature`` is a subnormal fp32 or rounds to 0, and a
+factor of 0 turns the kernels' ``-inf`` entries (masked logits, padded lanes) into NaN."""
+
+
+def temperature_bounds(name: str) -> str:
+    """The accepted temperatures as error messages state them."""
+    return (f">= {SMALLEST_TEMPERATURE:.8g} and <= {LARGEST_TEMPERATURE:.8g} (2**-126 and 2**126, so that "
+            f"{name} and 1/{name} are normal fp32 numbers)")
 
 
 def temperature(name: str, value: float) -> float:
-    """A finite number >= :data:`SMALLEST_TEMPERATURE`, so that ``1 / value`` is finite in fp32."""
+    """A number in ``[SMALLEST_TEMPERATURE, LARGEST_TEMPERATURE]``, so that it and ``1 / value`` are
+    normal fp32 numbers."""
     value = positive(name, value)
-    if value < SMALLEST_TEMPERATURE:
-        raise ValueError(
-            f"{name} must be >= {SMALLEST_TEMPERATURE:.8g} (the smallest normal fp32, so that 1/{name} "
-            f"is finite in fp32), got {value!r}"
-        )
+    if not SMALLEST_TEMPERATURE <= value <= LARGEST_TEMPERATURE:
+        raise ValueError(f"{name} must be {temperature_bounds(name)}, got {value!r}")
     return value
 
 

@@ -382,8 +382,8 @@ def fused_linear_policy_loss(
             the most scored rows of a sequence, for the ``seq-mean-*`` modes), their targets
             alone are read, and the gradient reaches exactly those rows of ``hidden``. Equal to
             the dense path with the spans' bool mask within the numerical contract.
-        temperature: >= the smallest normal fp32 (``1 / temperature`` finite in fp32); logits
-            are divided by it.
+        temperature: a number in ``[2**-126, 2**126]`` (about 1.18e-38 to 8.51e37, so that it and
+            ``1 / temperature`` are normal fp32 numbers); logits are divided by it.
         ignore_index: an int64.
         Other knobs: as in :func:`policy_loss`; the entropy term uses the softmax's entropy.
 

@@ -72,9 +72,11 @@ def _number(name: str, value: object, integer: bool) -> Union[int, float]:
 
 
 def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: float, lo_open: bool, hi_open: bool,
-              smallest_nonzero: float = 0.0) -> None:
-    """Every value in the interval (NaN never is) and, when not 0, at least ``smallest_nonzero`` in
-    magnitude; a tensor costs one device->host sync."""
+              temperature: bool = False) -> None:
+    """Every value in the interval (NaN never is) and, for a ``temperature``, 0 or in
+    ``[SMALLEST_TEMPERATURE, LARGEST_TEMPERATURE]`` (:mod:`rl_kernel_core._checks`); a tensor costs
+    one device->host sync."""
+    smallest_nonzero = _checks.SMALLEST_TEMPERATURE if temperature else 0.0
     if isinstance(value, torch.Tensor):
         if value.numel() == 0:
             return
@@ -91,14 +93,14 @@ def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: 
         interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
         found = f"{value}" if not isinstance(value, torch.Tensor) else f"values in [{low}, {high}]"
         raise ValueError(f"{name} must lie in {interval}, got {found}")
-    if small < smallest_nonzero:
-        found = f"{value!r}" if not isinstance(value, torch.Tensor) else f"a value of {small!r}"
-        raise ValueError(f"{name} must be 0 or >= {smallest_nonzero:.8g} (the smallest normal fp32, so that "
-                         f"1/{name} is finite in fp32), got {found}")
+    if temperature and (small < _checks.SMALLEST_TEMPERATURE or high > _checks.LARGEST_TEMPERATURE):
+        bad = small if small < _checks.SMALLEST_TEMPERATURE else high
+        found = f"{value!r}" if not isinstance(value, torch.Tensor) else f"a value of {bad!r}"
+        raise ValueError(f"{name} must be 0 or {_checks.temperature_bounds(name)}, got {found}")
 
 
 def _validated(name: str, value: Param, logits: torch.Tensor, *, integer: bool, lo: float, hi: float, lo_open: bool, hi_open: bool,
-               out_dtype: torch.dtype, smallest_nonzero: float = 0.0) -> Union[int, float, torch.Tensor, None]:
+               out_dtype: torch.dtype, temperature: bool = False) -> Union[int, float, torch.Tensor, None]:
     """``value`` checked (type, dtype, shape, device, range): None, a Python number, or a ``[B]``
     tensor of ``out_dtype`` on logits' device. Numbers stay numbers, so a backend can pass them to
     its kernel as scalars instead of launching a fill per parameter."""
@@ -110,7 +112,7 @@ def _validated(name: str, value: Param, logits: torch.Tensor, *, integer: bool, 
         out = _row_tensor(name, value, logits, dtypes, out_dtype)
     else:
         out = value = _number(name, value, integer)
-    _in_range(name, value, lo, hi, lo_open, hi_open, smallest_nonzero)
+    _in_range(name, value, lo, hi, lo_open, hi_open, temperature)
     return out
 
 
@@ -160,12 +162,12 @@ def sample(
 
     Args:
         logits: ``[B, V]`` float32/bfloat16/float16/float64 (upcast to fp32; fp64 is rounded to fp32).
-        temperature: 0 or a finite number >= the smallest normal fp32 (about 1.18e-38, so that
-            ``1 / temperature`` is finite in fp32), or a float tensor ``[B]`` of such values; a row
-            with temperature 0 is greedy (argmax of its logits, the first index among ties;
-            filters do not apply). A temperature so small that ``fp32(l) * fp32(1 / T)``
-            overflows to +inf for some logit leaves that row without a distribution (see
-            Returns); use 0 for greedy.
+        temperature: 0 or a number in ``[2**-126, 2**126]`` (about 1.18e-38 to 8.51e37: the
+            temperature and ``1 / temperature`` are normal fp32 numbers), or a float tensor ``[B]``
+            of such values; a row with temperature 0 is greedy (argmax of its logits, the first
+            index among ties; filters do not apply). A temperature so small that
+            ``fp32(l) * fp32(1 / T)`` overflows to +inf for some logit leaves that row without a
+            distribution (see Returns); use 0 for greedy.
         top_k: None, an int >= 1 (fitting in int64) or an int64/int32 tensor ``[B]`` of values
             >= 1; a value >= V keeps every token.
         top_p: None, a number in (0, 1] or a float tensor ``[B]``; 1 keeps every token.
@@ -208,7 +210,7 @@ def sample(
     if v == 0:
         raise ValueError(f"logits must have at least one vocab column, got shape {tuple(logits.shape)}")
     temp = _validated("temperature", temperature, logits, integer=False, lo=0.0, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.float64,
-                      smallest_nonzero=_checks.SMALLEST_TEMPERATURE)
+                      temperature=True)
     k = _validated("top_k", top_k, logits, integer=True, lo=1, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.int64)
     p = _validated("top_p", top_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=True, hi_open=False, out_dtype=torch.float64)
     mp = _validated("min_p", min_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=False, hi_open=True, out_dtype=torch.float32)

@@ -159,3 +159,66 @@ def test_invalid_input_names_the_argument(v, bad, value):
         call, name = (lambda: rk.sample(logits, temperature=-float(value), backend="torch")), "temperature"
     with pytest.raises((ValueError, TypeError), match=name):
         call()
+
+
+SMALLEST_TEMPERATURE = 2.0**-126  # the smallest normal fp32
+LARGEST_TEMPERATURE = 2.0**126  # its reciprocal: above it 1/T is no normal fp32
+TEMPERATURE_REFUSAL = r"temperature must be (0 or )?>= 1\.1754944e-38 and <= 8\.5070592e\+37 \(.*\), got "
+OUT_OF_RANGE_TEMPERATURES = st.one_of(
+    st.sampled_from([1e46, 1e300, 8.6e37, 1e-39, 1e-45]),
+    st.floats(min_value=LARGEST_TEMPERATURE, max_value=1.7976931348623157e308, exclude_min=True),
+    st.floats(min_value=5e-324, max_value=SMALLEST_TEMPERATURE, exclude_max=True),
+)
+
+
+def _temperature_calls(v: int, seed: int):
+    """Each op taking a temperature, as ``call(temperature, backend)`` on random inputs."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, v, generator=g)
+    targets = torch.randint(0, v, (3,), generator=g)
+    hidden, weight = torch.randn(3, 8, generator=g), torch.randn(v, 8, generator=g)
+    old, adv = torch.randn(3, generator=g) - 2, torch.randn(3, generator=g)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (3,), generator=g)
+    return {
+        "logprob_from_logits": lambda t, b: rk.logprob_from_logits(logits, targets, temperature=t, backend=b),
+        "linear_logprob": lambda t, b: rk.linear_logprob(hidden, weight, targets, temperature=t, backend=b),
+        "fused_linear_policy_loss": lambda t, b: rk.fused_linear_policy_loss(hidden, weight, targets, old, adv, torch.ones(3, dtype=torch.bool),
+                                                                           temperature=t, backend=b),
+        "sample": lambda t, b: rk.sample(logits, temperature=t, seeds=seeds, backend=b),
+        "sample per row": lambda t, b: rk.sample(logits, temperature=torch.tensor([1.0, t, 0.0], dtype=torch.float64), seeds=seeds, backend=b),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(temperature=OUT_OF_RANGE_TEMPERATURES, op=st.sampled_from(sorted(_temperature_calls(2, 0))), v=st.integers(2, 50),
+       seed=st.integers(0, 2**31 - 1))
+def test_temperatures_without_a_normal_fp32_reciprocal_are_refused(interpret, backend, temperature, op, v, seed):
+    """A temperature outside [2**-126, 2**126] (1/T subnormal, 0 or overflowing in fp32) is refused by
+    every op on every backend, naming the argument, the accepted range and the value, before any
+    kernel runs: none gives a NaN or a value that differs between backends."""
+    with pytest.raises(ValueError, match=TEMPERATURE_REFUSAL):
+        _temperature_calls(v, seed)[op](temperature, backend)
+
+
+@SETTINGS
+@given(temperature=st.one_of(st.sampled_from([LARGEST_TEMPERATURE, 1e37, 1e30]), st.floats(min_value=1.0, max_value=LARGEST_TEMPERATURE)),
+       n=st.integers(1, 4), v=st.integers(2, 300), seed=st.integers(0, 2**31 - 1), masked_share=st.sampled_from([0.0, 0.5]))
+def test_large_accepted_temperatures_give_the_torch_result(interpret, temperature, n, v, seed, masked_share):
+    """Up to the largest accepted temperature the Triton kernels give the torch backend's finite
+    (near-uniform) log-probs and tokens, with ``-inf`` logits and the kernels' padded lanes."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g) * 3
+    logits[torch.rand(n, v, generator=g) < masked_share] = float("-inf")
+    targets = torch.randint(0, v, (n,), generator=g)
+    logits[torch.arange(n), targets] = torch.randn(n, generator=g)
+    got = rk.logprob_from_logits(logits, targets, temperature=temperature, return_entropy=True, backend="triton")
+    ref = rk.logprob_from_logits(logits, targets, temperature=temperature, return_entropy=True, backend="torch")
+    for name, a, b in zip(("logprob", "entropy"), got, ref):
+        assert torch.isfinite(a).all(), f"{name}: {a}"
+        assert_close(a, b.double(), "logprob", torch.float32, name)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (n,), generator=g)
+    tokens, logprobs = rk.sample(logits, temperature=temperature, seeds=seeds, backend="triton")
+    ref_tokens, ref_logprobs = rk.sample(logits, temperature=temperature, seeds=seeds, backend="torch")
+    assert torch.equal(tokens, ref_tokens) and torch.isfinite(logprobs).all()
+    assert_close(logprobs, ref_logprobs.double(), "logprob", torch.float32, "sample logprobs")
