@@ -25,7 +25,7 @@ __all__ = ["activate", "restore", "status"]
 def restore() -> None:
     """Turn the hooks off: vime's functions back everywhere they were bound in vime's modules, the
     import hook removed; a hook that a module elsewhere imported by name calls vime's function
-    from now on (until the next :func:`activate`)."""
+    from now on, until an :func:`activate` patches that target in again."""
     from rl_kernel_vime import patch
 
     patch.restore()

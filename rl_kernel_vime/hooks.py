@@ -40,7 +40,10 @@ vime's ``k3`` is the unclamped estimator, rl_kernel_core's ``k3`` is clamped lik
 
 _UNSUPPORTED_LOSS_FLAGS = ("use_opsm", "use_tis", "get_mismatch_metrics", "use_score_centering", "use_unbiased_kl")
 _ENTROPY_GRAD_FLAGS = ("with_entropy_grad", "entropy_no_grad")
-_NEUTRAL_WHEN_UNSET = ("log_prob_keep_mask", "true_on_policy", "with_dppo_directional_moment", "top_p_token_ids", "top_p_token_offsets")
+_NEUTRAL_WHEN_UNSET = (
+    "log_prob_keep_mask", "true_on_policy", "with_dppo_directional_moment", "top_p_token_ids", "top_p_token_offsets",
+    "linear_logp_context",  # vime (RL-Align/vime e0d23180) passes the LM-head capture; set, it goes to vime's provider boundary
+)
 _ALWAYS_NEUTRAL = ("vocab_size", "non_loss_data")
 
 
@@ -62,8 +65,10 @@ def _entropy_detached(kwargs: dict[str, Any]) -> bool:
 
 def _vime_after_restore(key: str) -> Callable[[Callable], Callable]:
     """The hook for target ``key``, calling vime's function instead once :func:`rl_kernel_vime.restore`
-    put it back: restore rebinds vime's own modules, not a module elsewhere that imported the
-    hook by name, which would otherwise keep running rl-kernel while ``status()`` says off."""
+    put it back, until an activation patches the target in again (a later activation that leaves
+    it off, its op not selected, keeps passing through): restore rebinds vime's own modules, not a
+    module elsewhere that imported the hook by name, which would otherwise keep running rl-kernel
+    while ``status()`` says the target is not live. The flag is read on every call."""
 
     def wrap(hook: Callable) -> Callable:
         @functools.wraps(hook)

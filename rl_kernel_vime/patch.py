@@ -84,4 +84,4 @@ def restore() -> None:
     _bootstrap.deactivate()
     for key in registry.originals():
         registry.forget(key)
-        registry.set_state(key, registry.RESTORED)
+        registry.withdraw(key)

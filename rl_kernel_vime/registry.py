@@ -16,6 +16,7 @@ patches = Patches()
 
 _originals: dict[str, Callable] = {}
 _states: dict[str, str] = {}
+_withdrawn: set[str] = set()
 _provider_calls: Counter[str] = Counter()
 
 LIVE = "live"
@@ -23,8 +24,10 @@ RESTORED = "restored"
 
 
 def set_original(key: str, original: Callable) -> None:
-    """Remember ``original`` as what target ``key`` (``"module:attr"``) held before patching."""
+    """Remember ``original`` as what target ``key`` (``"module:attr"``) held before patching (the
+    hook goes in now: it serves again wherever it is held, see :func:`restored`)."""
     _originals.setdefault(key, original)
+    _withdrawn.discard(key)
 
 
 def forget(key: str) -> None:
@@ -57,15 +60,26 @@ def set_state(key: str, state: str) -> None:
     _states[key] = state
 
 
+def withdraw(key: str) -> None:
+    """Record that :func:`rl_kernel_vime.restore` put target ``key``'s vime function back: the
+    hook, wherever it is still held, passes calls to vime's function until it is patched in again."""
+    _withdrawn.add(key)
+    _states[key] = RESTORED
+
+
 def restored(key: str) -> bool:
-    """Whether :func:`rl_kernel_vime.restore` put target ``key``'s vime function back."""
-    return _states.get(key) == RESTORED
+    """Whether target ``key``'s hook was withdrawn by :func:`rl_kernel_vime.restore` and not
+    patched in since: true after a restore whatever a later activation decided for the target
+    (its op not selected, its signature changed), so a hook held outside vime never serves
+    while :func:`rl_kernel_vime.status` says the target is not live."""
+    return key in _withdrawn
 
 
 def reset_states() -> None:
     """Forget every target's state, so hooks called directly serve again after a
     :func:`rl_kernel_vime.restore` (tests, like :func:`rl_kernel_vime.fallback.reset`)."""
     _states.clear()
+    _withdrawn.clear()
 
 
 def states() -> dict[str, str]:

@@ -255,3 +255,78 @@ def test_a_hook_imported_by_name_elsewhere_calls_vime_after_restore(monkeypatch)
     rl_kernel_vime.activate()  # on again: the held hook serves again
     held(lp, base, "low_var_kl")
     assert calls == [1, 1]
+
+
+USER_MODULE = '''
+from vime.utils.ppo_utils import compute_approx_kl
+
+
+def kl(log_probs, log_probs_base):
+    return compute_approx_kl(log_probs, log_probs_base, "low_var_kl")
+'''
+
+
+def _user_module(tmp_path, monkeypatch, name):
+    """A user's module outside vime that did ``from vime.utils.ppo_utils import compute_approx_kl``."""
+    import importlib
+
+    (tmp_path / f"{name}.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
+
+
+def test_a_user_module_importing_by_name_runs_rl_kernel_only_while_live(monkeypatch, tmp_path, gen):
+    """Two user modules did ``from vime.utils.ppo_utils import compute_approx_kl``: one before the
+    hooks were enabled (it holds vime's function, which nothing rebinds outside vime: it never
+    runs rl-kernel), one while they were live (it holds the hook). The hook checks its target's
+    live flag on every call: after ``restore()``, and after a later activation that leaves the
+    ``ratio_kl`` op off (``status()`` then says the target is off), it passes straight through to
+    vime's function; only an activation that patches the target in again makes it serve."""
+    import importlib
+
+    import torch
+
+    from rl_kernel_vime import hooks
+
+    for name in list(sys.modules):
+        if name == "vime" or name.startswith("vime."):
+            monkeypatch.delitem(sys.modules, name)
+    calls = []
+    ratio_kl = hooks.rk.ratio_kl
+
+    def counted(*a, **k):
+        calls.append(1)
+        return ratio_kl(*a, **k)
+
+    monkeypatch.setattr(hooks.rk, "ratio_kl", counted)
+    key = "vime.utils.ppo_utils:compute_approx_kl"
+    before = _user_module(tmp_path, monkeypatch, "user_kl_before_enabling")
+    rl_kernel_vime.activate()
+    during = _user_module(tmp_path, monkeypatch, "user_kl_while_enabled")
+    vime_kl = rl_kernel_vime.registry.original(key)
+    assert before.compute_approx_kl is vime_kl and during.compute_approx_kl is hooks.compute_approx_kl
+    lp, base = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
+    want = vime_kl(lp, base, "low_var_kl")
+    assert torch.equal(before.kl(lp, base), want) and calls == []
+    during.kl(lp, base)
+    assert calls == [1]
+
+    rl_kernel_vime.restore()
+    assert not rl_kernel_vime.status()["enabled"] and rl_kernel_vime.status()["targets"][key] == "restored"
+    assert torch.equal(during.kl(lp, base), want) and calls == [1]
+
+    monkeypatch.setenv("VIME_RL_KERNEL_OPS", "logprob")  # on again, without the ratio_kl op
+    rl_kernel_vime.activate()
+    status = rl_kernel_vime.status()
+    assert status["enabled"] and status["targets"][key].startswith("off")
+    assert importlib.import_module("vime.utils.ppo_utils").compute_approx_kl is vime_kl
+    assert torch.equal(during.kl(lp, base), want) and calls == [1]  # vime's function, as status() says
+
+    rl_kernel_vime.restore()
+    monkeypatch.delenv("VIME_RL_KERNEL_OPS")
+    rl_kernel_vime.activate()  # ratio_kl selected: patched in again, the held hook serves again
+    assert rl_kernel_vime.status()["targets"][key] == "live"
+    during.kl(lp, base)
+    before.kl(lp, base)
+    assert calls == [1, 1]

@@ -1,18 +1,24 @@
-"""rl-kernel as vime's ``linear_logp`` provider, through the stand-in of vime's provider boundary.
+"""rl-kernel as vime's ``linear_logp`` provider, through the stand-in of vime's provider boundary;
+and the provider's refusals of malformed requests (either boundary).
 
 The boundary (``vime.backends.megatron_utils.linear_logp_provider`` in ``standin/``) follows
 RL-Align/vime commit 33254c738f1d43250916ae6887f7981e77dbe411: requests are built with its
 dataclasses and answered through its ``compute_linear_logp`` (``auto``/``strict``), with the
-stand-in's ``calculate_log_probs_and_entropy`` as vime's native path and as the reference.
+stand-in's ``calculate_log_probs_and_entropy`` as vime's native path and as the reference. The
+``--selected-logprob-provider`` boundary has its own module, ``test_selected_provider.py``; the
+two-rank test here asks both boundaries in the same processes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import subprocess
 import sys
 import textwrap
 from argparse import Namespace
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,8 +30,9 @@ import rl_kernel_vime
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
 from rl_kernel_vime import fallback, registry, targets
-from rl_kernel_vime.provider import provider
+from rl_kernel_vime.provider import LinearLogpResult, provider
 from vime.backends.megatron_utils import linear_logp_provider as boundary
+from vime.backends.megatron_utils import selected_logprob_provider as selected_boundary
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.utils import ppo_utils
 from vime_helpers import make_args, make_batch
@@ -72,7 +79,7 @@ def test_logits_path_matches_vime_native(gen, with_entropy, with_entropy_grad):
     logits, tgt = _logits_case(gen)
     request = _request(logits, tgt, with_entropy=with_entropy, with_entropy_grad=with_entropy_grad)
     result = provider(request)
-    assert isinstance(result, boundary.LinearLogpResult)
+    assert isinstance(result, LinearLogpResult)  # structural: vime's boundary takes any object with its fields
     want_lp, want_ent = _native(request)
     assert result.logp.shape == (11, 1) and result.logp.dtype == F32
     assert_close(result.logp, want_lp, "logprob", F32, "logp")
@@ -265,6 +272,7 @@ _TP_WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from vime.backends.megatron_utils import linear_logp_provider as boundary
+    from vime.backends.megatron_utils import selected_logprob_provider as selected
     from rl_kernel_vime.provider import provider
 
     rank, store, inputs, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -287,13 +295,29 @@ _TP_WORKER = textwrap.dedent(
         )
     result = provider(request(context))
     ((result.logp.squeeze(-1) * case["g_lp"]).sum() + (result.entropy * case["g_ent"]).sum()).backward()
-    try:
-        provider(request(None))
-        refused = ""
-    except Exception as exc:
-        refused = f"{type(exc).__name__}: {exc}"
+    def refusal(req):
+        try:
+            provider(req)
+            return ""
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    refused = refusal(request(None))
+    # the --selected-logprob-provider boundary: the flat request vime builds at e0d23180
+    h2, w2, b2 = (t.detach().clone().requires_grad_() for t in (h, w, b))
+    def flat(**fields):
+        return selected.SelectedLogprobRequest(
+            logits=torch.nn.functional.linear(h2, w2, b2).detach() / case["temperature"], target_ids=case["targets"],
+            tensor_parallel_group=dist.group.WORLD, context_parallel=selected.ContextParallelLayout(world_size=1, rank=0, layout="single"),
+            with_entropy=True, with_entropy_grad=True, chunk_size=-1, temperature=case["temperature"],
+            global_vocab_size=2 * local, real_vocab_size=2 * local - 3, **fields,
+        )
+    flat_result = provider(flat(hidden=h2, lm_head_weight=w2, lm_head_bias=b2, vocab_start_index=rank * local))
+    ((flat_result.selected_logprobs.squeeze(-1) * case["g_lp"]).sum() + (flat_result.entropy * case["g_ent"]).sum()).backward()
+    flat_refused = refusal(flat())
     torch.save(dict(lp=result.logp.detach(), ent=result.entropy.detach(), dh=h.grad, dw=w.grad, db=b.grad, shard=(shard.start, shard.stop),
-                    backend_id=result.backend_id, provenance=dict(result.provenance), refused=refused), out)
+                    backend_id=result.backend_id, provenance=dict(result.provenance), refused=refused,
+                    flat_lp=flat_result.selected_logprobs.detach(), flat_ent=flat_result.entropy.detach(), flat_dh=h2.grad,
+                    flat_dw=w2.grad, flat_db=b2.grad, flat_provenance=dict(flat_result.provenance), flat_refused=flat_refused), out)
     dist.barrier()
     dist.destroy_process_group()
     """
@@ -304,7 +328,9 @@ _TP_WORKER = textwrap.dedent(
 def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
     """TP = 2 (gloo, two CPU processes): each rank holds its contiguous LM-head shard; every
     rank's log-probs and entropies equal vime's native path on the full vocabulary, and the
-    shard gradients match; logits without hidden states are refused."""
+    shard gradients match, through either boundary's request (``LinearLogpRequest.context``, or
+    ``SelectedLogprobRequest``'s flat ``hidden``/``lm_head_weight``/``vocab_start_index``);
+    logits without hidden states are refused."""
     rows, hidden, vocab = 10, 12, 34
     h, w, b, tgt = _hidden_case(gen, rows=rows, hidden=hidden, vocab=vocab)
     case = dict(
@@ -338,4 +364,235 @@ def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
         assert_close(got["db"], g_want[2][shard], "gradient", F32, f"rank {r} d bias shard")
         assert got["backend_id"].startswith("rl_kernel:")
         assert got["provenance"]["tp_world_size"] == 2 and got["provenance"]["tp_rank"] == r
-        assert got["refused"].startswith("LinearLogpProviderUnavailable: rl_kernel_vime: vocab-parallel logits (TP=2) without hidden states")
+        assert got["refused"].startswith("ProviderUnavailable: rl_kernel_vime: vocab-parallel logits (TP=2) without hidden states")
+        assert_close(got["flat_lp"], want_lp, "logprob", F32, f"rank {r} selected_logprobs")
+        assert_close(got["flat_ent"], want_ent, "logprob", F32, f"rank {r} selected entropy")
+        for name, grad, want in (("dh", got["flat_dh"], g_want[0]), ("dw", got["flat_dw"], g_want[1][shard]), ("db", got["flat_db"], g_want[2][shard])):
+            assert_close(grad, want, "gradient", F32, f"rank {r} selected {name}")
+        assert got["flat_provenance"]["boundary"] == "selected_logprob" and got["flat_provenance"]["tp_rank"] == r
+        assert got["flat_provenance"]["vocab"] == {"vocab_start_index": r * vocab // 2, "global_vocab_size": vocab, "real_vocab_size": vocab - 3}
+        assert got["flat_refused"].startswith("ProviderUnavailable: rl_kernel_vime: vocab-parallel logits (TP=2) without hidden states")
+
+
+# --- malformed requests: a one-line TypeError/ValueError naming the field, on either boundary ---
+
+
+def _well_formed(gen, rows: int = 6, hidden: int = 5, vocab: int = 11) -> dict[str, Any]:
+    """One well-formed request per boundary and input (vime's own dataclasses)."""
+    h, w, b, tgt = _hidden_case(gen, rows=rows, hidden=hidden, vocab=vocab)
+    logits = F.linear(h, w, b).detach()
+    context = boundary.LinearLogpContext(
+        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
+        vocab_partition=boundary.VocabPartition(local_start=0, local_size=vocab, real_size=vocab - 2, padded_size=vocab),
+    )
+    cp = selected_boundary.ContextParallelLayout(world_size=1, rank=0, layout="single")
+
+    def flat(**fields: Any) -> selected_boundary.SelectedLogprobRequest:
+        return selected_boundary.SelectedLogprobRequest(
+            logits=logits, target_ids=tgt, tensor_parallel_group=None, context_parallel=cp, with_entropy=True,
+            with_entropy_grad=True, chunk_size=-1, **fields,
+        )
+
+    return {
+        "linear/logits": _request(logits, tgt, with_entropy=True),
+        "linear/hidden": _request(logits, tgt, with_entropy=True, context=context),
+        "selected/logits": flat(),
+        "selected/hidden": flat(hidden=h, lm_head_weight=w, lm_head_bias=b, global_vocab_size=vocab, real_vocab_size=vocab - 2),
+    }
+
+
+KINDS = ["linear/logits", "linear/hidden", "selected/logits", "selected/hidden"]
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else dict(vars(obj))
+
+
+def _structural(request: Any, **changes: Any) -> SimpleNamespace:
+    """``request`` as a plain object with the same fields (what vime's boundaries accept too), some changed."""
+    return SimpleNamespace(**{**_fields(request), **changes})
+
+
+def _without(obj: Any, path: str) -> SimpleNamespace:
+    """``obj`` as plain objects with the field at dotted ``path`` removed."""
+    head, _, rest = path.partition(".")
+    values = _fields(obj)
+    if rest:
+        values[head] = _without(values[head], rest)
+    else:
+        del values[head]
+    return SimpleNamespace(**values)
+
+
+def _refusal(request: Any, kinds: tuple[type, ...] = (TypeError, ValueError)) -> str:
+    with pytest.raises(kinds) as info:
+        provider(request)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+_REQUIRED = ["logits", "target_ids", "tensor_parallel_group", "with_entropy", "with_entropy_grad"]
+MISSING = (
+    [(kind, name) for kind in KINDS for name in _REQUIRED]
+    + [(kind, f"token_layout{sub}") for kind in ("linear/logits", "linear/hidden") for sub in ("", ".world_size", ".rank", ".layout")]
+    + [(kind, f"context_parallel{sub}") for kind in ("selected/logits", "selected/hidden") for sub in ("", ".world_size", ".rank", ".layout")]
+    + [("linear/hidden", f"context.{sub}") for sub in (
+        "hidden", "projection", "projection.weight", "vocab_partition", "vocab_partition.local_start",
+        "vocab_partition.local_size", "vocab_partition.real_size", "vocab_partition.padded_size",
+    )]
+)
+
+
+@pytest.mark.parametrize("kind, path", MISSING)
+def test_a_missing_field_is_named(gen, kind, path):
+    """A request without a field vime's dataclass always has (a structural request): a TypeError
+    naming the field, not an AttributeError from deep inside."""
+    message = _refusal(_without(_well_formed(gen)[kind], path), (TypeError,))
+    assert message.startswith(f"request.{path} is missing: expected "), message
+    assert "without it" in message
+
+
+def test_a_request_of_neither_boundary_is_named(gen):
+    message = _refusal(SimpleNamespace(logits=torch.randn(2, 3, generator=gen)), (TypeError,))
+    assert "LinearLogpRequest (with token_layout)" in message and "SelectedLogprobRequest (with context_parallel)" in message
+    assert "SimpleNamespace" in message
+
+
+MALFORMED: dict[str, tuple[str, Any, type, str]] = {
+    # name: (request kind, changes(request, rows) -> dict, exception, message start)
+    "logits 3-D": ("linear/logits", lambda r, n: {"logits": r.logits[None]}, ValueError, "request.logits must be a [T, V_local] float tensor, got shape"),
+    "logits a list": ("selected/logits", lambda r, n: {"logits": r.logits.tolist()}, TypeError, "request.logits must be a [T, V_local] float tensor, got list"),
+    "targets float": ("selected/hidden", lambda r, n: {"target_ids": r.target_ids.float()}, TypeError, "request.target_ids must be an integer tensor"),
+    "targets short": ("linear/hidden", lambda r, n: {"target_ids": r.target_ids[:-1]}, ValueError, f"request.target_ids must have T="),
+    "with_entropy a string": ("linear/logits", lambda r, n: {"with_entropy": "yes"}, TypeError, "request.with_entropy must be a bool, got str"),
+    "cp rank past world": ("selected/logits", lambda r, n: {"context_parallel": SimpleNamespace(world_size=1, rank=1, layout="single")},
+                           ValueError, "request.context_parallel.rank must be in [0, world_size=1)"),
+    "cp layout unknown": ("linear/logits", lambda r, n: {"token_layout": SimpleNamespace(world_size=2, rank=0, layout="ring")},
+                          ValueError, "request.token_layout.layout must be 'zigzag' or 'allgather' for world_size=2, got 'ring'"),
+    "weight without hidden": ("selected/hidden", lambda r, n: {"hidden": None}, ValueError,
+                              "request.hidden must be a tensor when request.lm_head_weight is given"),
+    "bias alone": ("selected/logits", lambda r, n: {"lm_head_bias": torch.zeros(3)}, ValueError, "request.lm_head_bias must be None without"),
+    "hidden 1-D": ("selected/hidden", lambda r, n: {"hidden": r.hidden[0]}, ValueError, "request.hidden must be a [T, H] float tensor, got shape"),
+    "vocab start negative": ("selected/hidden", lambda r, n: {"vocab_start_index": -1}, ValueError, "request.vocab_start_index must be an int >= 0, got -1"),
+    "vocab start a float": ("selected/hidden", lambda r, n: {"vocab_start_index": 0.0}, TypeError, "request.vocab_start_index must be an int >= 0, got float"),
+    "real past padded": ("selected/hidden", lambda r, n: {"real_vocab_size": r.global_vocab_size + 1}, ValueError,
+                         "real_vocab_size must be at most global_vocab_size="),
+    "partition width": ("linear/hidden", lambda r, n: {"context": SimpleNamespace(**{**_fields(r.context), "vocab_partition": SimpleNamespace(
+        local_start=0, local_size=n + 1, real_size=n, padded_size=n + 1)})}, ValueError,
+        "request.context.vocab_partition.local_size must equal the LM-head shard's rows"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_field_is_named(gen, name):
+    kind, change, error, start = MALFORMED[name]
+    request = _well_formed(gen)[kind]
+    message = _refusal(_structural(request, **change(request, request.logits.size(1))), (error,))
+    assert message.startswith(start), message
+
+
+def _bad_temperature(kind: str, gen: torch.Generator, rows: int) -> Any:
+    """A temperature of class ``kind``, its free parameters drawn from ``gen``."""
+    u = float(torch.rand((), generator=gen))
+    index = int(torch.randint(0, rows, (), generator=gen))
+    good = 0.25 + 4 * u
+    if kind == "nan":
+        return math.nan
+    if kind == "inf":
+        return math.inf if u < 0.5 else -math.inf
+    if kind == "negative":
+        return -(good if u < 0.5 else int(1 + 100 * u))
+    if kind == "zero":
+        return 0.0 if u < 0.5 else 0
+    if kind == "below the range":  # positive, but 1/t overflows fp32
+        return (0.01 + u) * 1e-39
+    if kind == "overflowing int":
+        return 10 ** int(torch.randint(309, 2000, (), generator=gen))
+    if kind == "bool":
+        return u < 0.5
+    if kind == "string":
+        return str(good)
+    if kind == "all-NaN tensor":
+        return torch.full((rows,) if u < 0.5 else (1,), math.nan)
+    if kind == "one bad entry":
+        t = torch.full((rows,), good)
+        t[index] = [math.nan, math.inf, -good, 0.0][int(4 * u)]
+        return t
+    if kind == "empty tensor":
+        return torch.empty(0)
+    if kind == "meta tensor":
+        return torch.full((rows,) if u < 0.5 else (1,), good, device="meta")
+    if kind == "wrong count":
+        return torch.full((rows + 1 + index,) if u < 0.5 or rows <= 2 else (2 + index % (rows - 2),), good)  # neither 1 nor T
+    if kind == "complex tensor":
+        return torch.full((1,), good, dtype=torch.complex64)
+    if kind == "bool tensor":
+        return torch.ones(1, dtype=torch.bool)
+    raise AssertionError(kind)
+
+
+BAD_TEMPERATURES = {
+    "nan": ValueError, "inf": ValueError, "negative": ValueError, "zero": ValueError, "below the range": ValueError,
+    "overflowing int": ValueError, "bool": TypeError, "string": TypeError,
+    "all-NaN tensor": ValueError, "one bad entry": ValueError, "empty tensor": ValueError, "meta tensor": ValueError,
+    "wrong count": ValueError, "complex tensor": TypeError, "bool tensor": TypeError,
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_temperatures_are_refused_naming_the_field(gen, kind):
+    """Property, over every class of bad temperature (random draws of each class's parameters), on
+    both boundaries and both inputs: a one-line error naming ``request.temperature`` before any op
+    runs, never a raw ``OverflowError``/meta-tensor error, never "temperatures differ" for NaN,
+    never an empty tensor served as 1 (vime's own request checks let NaN and infinity through)."""
+    request = _well_formed(gen)[kind]
+    rows = request.logits.size(0)
+    for bad, error in BAD_TEMPERATURES.items():
+        for _ in range(3):
+            value = _bad_temperature(bad, gen, rows)
+            message = _refusal(_structural(request, temperature=value), (error,))
+            assert message.startswith("request.temperature"), (bad, value, message)
+    assert registry.provider_calls() == {}  # nothing was served, nothing reported unavailable
+
+
+def test_an_all_nan_temperature_stops_vime_in_auto_mode(gen):
+    """vime's request check lets NaN through (``nan <= 0`` is false): the provider's ValueError
+    reaches the user in ``auto`` mode too, instead of a fallback for "temperatures that differ"."""
+    request = dataclasses.replace(_well_formed(gen)["linear/hidden"], temperature=torch.full((6,), math.nan))
+    with pytest.raises(ValueError, match=r"^request\.temperature\[0\] must be a finite number > 0, got nan$"):
+        boundary.compute_linear_logp(args=_args(), request=request, native=_must_not_run)
+
+
+def _good_temperature(gen: torch.Generator, rows: int) -> tuple[Any, float]:
+    u = float(torch.rand((), generator=gen))
+    value = 0.2 + 3 * float(torch.rand((), generator=gen))
+    form = int(4 * u)
+    if form == 0:
+        return value, value
+    if form == 1:
+        n = 1 + int(3 * float(torch.rand((), generator=gen)))
+        return n, float(n)
+    dtype = (torch.float32, torch.float64)[int(2 * float(torch.rand((), generator=gen)))]
+    t = torch.full((1,) if form == 2 else (rows,), value, dtype=dtype)
+    return t, float(t[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_good_temperatures_are_served(gen, kind):
+    """Property: a number, an int, a 1-element or an equal ``[T]`` tensor (random values and
+    dtypes) divides the hidden-state logits; with logits the temperature is vime's (already
+    applied) and the logits are scored as given."""
+    request = _well_formed(gen)[kind]
+    rows = request.logits.size(0)
+    for _ in range(4):
+        value, scale = _good_temperature(gen, rows)
+        result = provider(_structural(request, temperature=value))
+        logp = result.logp if kind.startswith("linear") else result.selected_logprobs
+        if kind.endswith("hidden"):
+            want_lp, _ = _native(_request(request.logits / scale, request.target_ids))
+            assert result.provenance["temperature"] == pytest.approx(scale, rel=1e-12)
+        else:
+            want_lp, _ = _native(_request(request.logits, request.target_ids))
+            assert result.provenance["temperature"] == "applied by vime"
+        assert_close(logp, want_lp, "logprob", F32, f"{kind} logp at temperature {value}")

@@ -14,6 +14,10 @@ documented interface (the rl-kernel adapter issue) and slime's public sources
 * ``vime.backends.megatron_utils.linear_logp_provider``: the provider boundary for selected
   log-probs (``--linear-logp-provider``, ``--linear-logp-provider-mode``), as at RL-Align/vime
   commit 33254c738f1d43250916ae6887f7981e77dbe411.
+* ``vime.backends.megatron_utils.selected_logprob_provider``: the other provider boundary
+  (``--selected-logprob-provider``, ``--selected-logprob-provider-mode``; a flat request with
+  optional hidden states and LM head), as at RL-Align/vime commit
+  e0d231806e06a3000b9ba4f5be4bd7ba235dfcdc.
 * ``vime.backends.megatron_utils.cp_utils``: ``get_sum_of_sample_mean``.
 * ``vime.backends.megatron_utils.model``: ``train_one_step`` (simplified: one process, no
   pipeline, the same return convention).

@@ -148,14 +148,13 @@ class LinearLogpRequest:
                 raise ValueError("linear_logp projection rows must match local logits width")
             if self.context.hidden.device != self.logits.device:
                 raise ValueError("linear_logp context must share the logits device")
-        if self.temperature is not None:
+        if self.temperature is not None:  # as vime: "<= 0" is refused, so NaN passes
             if isinstance(self.temperature, torch.Tensor):
                 if self.temperature.numel() not in (1, rows):
                     raise ValueError("linear_logp temperature must be scalar or [T]")
-                positive = bool((self.temperature > 0).all())
-            else:
-                positive = float(self.temperature) > 0
-            if not positive:
+                if bool((self.temperature <= 0).any().item()):
+                    raise ValueError("linear_logp temperature must be positive")
+            elif float(self.temperature) <= 0:
                 raise ValueError("linear_logp temperature must be positive")
 
 

@@ -5,19 +5,29 @@ context-parallel rank. Parallel sizes are read from Megatron's argument names
 (``args.tensor_model_parallel_size``, ``args.context_parallel_size``) because the stand-in has no
 process groups; sizes above 1 raise ``NotImplementedError``, as do policy-loss features outside
 the PPO/GRPO path. ``calculate_log_probs_and_entropy``, ``compute_approx_kl`` and
-``compute_policy_loss`` are imported by name, as slime does. Log-probs go through vime's
-provider boundary (:mod:`vime.backends.megatron_utils.linear_logp_provider`), as vime's loss
-module does since pull requests 423/424.
+``compute_policy_loss`` are imported by name, as slime does. Log-probs go through one of vime's
+two provider boundaries: :mod:`vime.backends.megatron_utils.selected_logprob_provider` when
+``args.selected_logprob_provider`` is set (the call site of RL-Align/vime commit
+e0d231806e06a3000b9ba4f5be4bd7ba235dfcdc, hidden states included when a
+``linear_logp_context`` is passed), :mod:`vime.backends.megatron_utils.linear_logp_provider`
+otherwise (vime's loss module since pull requests 423/424). No vime commit has both; the
+stand-in keeps both call sites so that one process can exercise either boundary.
 """
 
 from argparse import Namespace
 from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 
 from vime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
 from vime.backends.megatron_utils.linear_logp_provider import LinearLogpRequest, TokenLayout, compute_linear_logp
+from vime.backends.megatron_utils.selected_logprob_provider import (
+    ContextParallelLayout,
+    SelectedLogprobRequest,
+    compute_selected_logprobs,
+)
 from vime.utils.misc import load_function
 from vime.utils.ppo_utils import calculate_log_probs_and_entropy, compute_approx_kl, compute_policy_loss
 
@@ -51,14 +61,21 @@ def get_log_probs_and_entropy(
     response_lengths: list[int],
     with_entropy: bool = False,
     non_loss_data: bool = True,
+    linear_logp_context: Optional[Mapping[str, Any]] = None,
 ) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
     """Per-sample response log-probs (and entropies) from packed ``logits [1, T, V/TP]`` fp32.
 
-    As vime's provider-era function: every row of the micro-batch is scored at once through the
-    provider boundary (:func:`compute_linear_logp`, with ``calculate_log_probs_and_entropy`` as
-    the native path), then each sample's response rows are cut out. The request carries no
-    hidden-state context (the call site of the commit the boundary mirrors is not reproduced;
-    this follows its predecessor, which built the request from the tempered logits alone).
+    As vime's provider-era function: every row of the micro-batch is scored at once through a
+    provider boundary (``calculate_log_probs_and_entropy`` as the native path), then each
+    sample's response rows are cut out. With ``args.selected_logprob_provider`` set, the request
+    is vime's ``SelectedLogprobRequest`` built as at RL-Align/vime e0d23180: the tempered logits,
+    ``temperature=args.rollout_temperature``, ``global_vocab_size=args.padded_vocab_size``,
+    ``real_vocab_size=args.vocab_size``, and the hidden states and LM head when
+    ``linear_logp_context`` (``hidden``, ``lm_head_weight``, ``lm_head_bias``,
+    ``vocab_start_index``, optionally ``global_vocab_size``/``real_vocab_size``) is given.
+    Otherwise it is a ``LinearLogpRequest`` without hidden-state context (the call site of the
+    commit that boundary mirrors is not in the public sources; this follows its predecessor,
+    which built the request from the tempered logits alone).
 
     Returns ``(torch.empty(0), {"log_probs": [R_i] tensors, "entropy": [R_i] tensors})``; the
     ``entropy`` key only with ``with_entropy``.
@@ -71,18 +88,45 @@ def get_log_probs_and_entropy(
     if args.rollout_temperature != 1.0:
         logits = logits / args.rollout_temperature
     logits = logits.contiguous()
-    request = LinearLogpRequest(
-        logits=logits,
-        target_ids=_shifted_targets(logits.size(0), unconcat_tokens, total_lengths, logits.device),
-        tensor_parallel_group=None,
-        token_layout=TokenLayout(world_size=1, rank=0, layout="single"),
-        with_entropy=with_entropy,
-        with_entropy_grad=with_entropy,
-        chunk_size=args.log_probs_chunk_size,
-        temperature=args.rollout_temperature,
-        metadata={"logits_are_temperature_scaled": True},
-    )
-    log_prob_full, entropy_full = compute_linear_logp(args=args, request=request, native=calculate_log_probs_and_entropy)
+    targets = _shifted_targets(logits.size(0), unconcat_tokens, total_lengths, logits.device)
+    if getattr(args, "selected_logprob_provider", None) is not None:
+        context = linear_logp_context or {}
+        selected = SelectedLogprobRequest(
+            logits=logits,
+            target_ids=targets,
+            tensor_parallel_group=None,
+            context_parallel=ContextParallelLayout(world_size=1, rank=0, layout="single"),
+            with_entropy=with_entropy,
+            with_entropy_grad=with_entropy,
+            chunk_size=args.log_probs_chunk_size,
+            hidden=context.get("hidden"),
+            lm_head_weight=context.get("lm_head_weight"),
+            lm_head_bias=context.get("lm_head_bias"),
+            vocab_start_index=int(context.get("vocab_start_index", 0)),
+            global_vocab_size=context.get("global_vocab_size", getattr(args, "padded_vocab_size", None)),
+            real_vocab_size=context.get("real_vocab_size", getattr(args, "vocab_size", None)),
+            temperature=args.rollout_temperature,
+            metadata={
+                "logits_are_temperature_scaled": True, "real_vocab_size": getattr(args, "vocab_size", None),
+                "padded_vocab_size": getattr(args, "padded_vocab_size", None), "tp_rank": 0, "tp_world_size": 1,
+            },
+        )
+        log_prob_full, entropy_full = compute_selected_logprobs(args=args, request=selected, native=calculate_log_probs_and_entropy)
+    else:
+        if linear_logp_context is not None:
+            raise NotImplementedError("contract stand-in: linear_logp_context goes through the selected-logprob boundary only")
+        request = LinearLogpRequest(
+            logits=logits,
+            target_ids=targets,
+            tensor_parallel_group=None,
+            token_layout=TokenLayout(world_size=1, rank=0, layout="single"),
+            with_entropy=with_entropy,
+            with_entropy_grad=with_entropy,
+            chunk_size=args.log_probs_chunk_size,
+            temperature=args.rollout_temperature,
+            metadata={"logits_are_temperature_scaled": True},
+        )
+        log_prob_full, entropy_full = compute_linear_logp(args=args, request=request, native=calculate_log_probs_and_entropy)
     log_prob_full = log_prob_full.squeeze(-1)
     log_probs_list = []
     entropy_list = []
