@@ -1,5 +1,5 @@
 """Batch-invariant mode and the batch-invariant ops: ``bi_matmul``, ``bi_linear``,
-``bi_log_softmax``, ``bi_mean`` and ``rms_norm``.
+``bi_log_softmax``, ``bi_logsumexp``, ``bi_mean`` and ``rms_norm``.
 
 *Batch-invariant* means: a row's result is bitwise the same whatever the number of rows N in the
 call and whatever the other rows hold (see ``BITWISE_INVARIANCES`` in
@@ -15,8 +15,10 @@ whether the mode is on or not.
 While the mode is on, a model's own PyTorch ops are routed onto them: ``aten`` ``mm``, ``addmm``,
 ``bmm``, ``baddbmm``, ``_log_softmax``, ``mean.dim`` and ``_fused_rms_norm`` on floating tensors,
 and the ``out=`` and in-place forms of all but the last, run the batch-invariant implementations
-(:data:`ROUTED_OPS`). ``F.linear`` and ``torch.matmul`` decompose into ``mm``/``addmm``/``bmm``
-before they reach a kernel, and ``F.rms_norm`` (and the pow/mean/rsqrt RMSNorm of Hugging Face
+(:data:`ROUTED_OPS`), and ``logsumexp``, which shares ``_log_softmax``'s lse: under the mode
+``log_softmax(z)``, ``z - logsumexp(z)`` and ``-cross_entropy(z, t)`` give a token the bits of
+:func:`rl_kernel_core.logprob_from_logits` (docs/consistency.md). ``F.linear`` and
+``torch.matmul`` decompose into ``mm``/``addmm``/``bmm`` before they reach a kernel, and ``F.rms_norm`` (and the pow/mean/rsqrt RMSNorm of Hugging Face
 models) into ``mean.dim`` where no fused kernel serves it, so those are covered too. A routed call
 gives what PyTorch's gives: the same output dtype, shape and strides (contiguous), ``out=``
 resized and written as PyTorch does, ``beta=0`` ignoring the addend (NaN included), and values
@@ -129,8 +131,9 @@ def _register_routes() -> torch.library.Library:
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
             for op, route in ROUTED_OPS.items():
                 for key in ROUTED_DISPATCH_KEYS:
-                    # an op without a kernel for the key (a composite one) decomposes into routed ops above it
-                    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
+                    # an op without a kernel for the key (a composite one) decomposes into routed ops above it,
+                    # except those in _COMPOSITE_ROUTES, whose decomposition reaches no route
+                    if op in _COMPOSITE_ROUTES or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
                         library.impl(op, _routed_kernel(route, torch.library.get_kernel(op, key)), key, with_keyset=True)
     except BaseException:
         library._destroy()
@@ -329,6 +332,32 @@ def bi_log_softmax(x: torch.Tensor, dim: int = -1, *, backend: Optional[str] = "
     return impl(rows).reshape(moved.shape).movedim(-1, d).contiguous()
 
 
+def bi_logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False, *, backend: Optional[str] = "auto") -> torch.Tensor:
+    """Batch-invariant ``torch.logsumexp(x, dim, keepdim)`` over one dim.
+
+    Args:
+        x: float32/bfloat16/float16/float64 tensor, at least 1-D.
+        dim: the dim to reduce; every other dim indexes independent rows.
+        keepdim: keep the reduced dim with size 1.
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
+
+    Returns:
+        The log-sum-exp in ``x``'s dtype, accumulated in fp32 (fp64 for fp64 inputs): the lse that
+        :func:`bi_log_softmax` subtracts, so ``x - bi_logsumexp(x, keepdim=True)`` equals
+        ``bi_log_softmax(x)`` bit for bit in fp32/fp64. Each output element is bitwise independent of
+        the sizes and values of the other dims.
+    """
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    if not isinstance(keepdim, bool):
+        raise TypeError(f"keepdim must be a bool, got {type(keepdim).__name__}")
+    (d,) = _dims("dim", dim, x.dim())
+    moved = x.movedim(d, -1)
+    rows = moved.reshape(-1, moved.shape[-1]).contiguous()
+    impl = dispatch.select("bi_logsumexp", backend, x.device, rows)
+    out = impl(rows).reshape(moved.shape[:-1])
+    return out.unsqueeze(d) if keepdim else out
+
+
 def bi_mean(x: torch.Tensor, dim: Union[int, Sequence[int]], keepdim: bool = False, *, backend: Optional[str] = "auto") -> torch.Tensor:
     """Batch-invariant ``torch.mean(x, dim, keepdim)``.
 
@@ -459,6 +488,13 @@ def _route_log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.
     return bi_log_softmax(x, dim)
 
 
+def _route_logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    if x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0 or x.dim() == 0 or len(dim) != 1 \
+            or not -x.dim() <= dim[0] < x.dim():
+        return NotImplemented
+    return bi_logsumexp(x, dim[0], keepdim)
+
+
 def _route_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
     if (dtype is None and dim is not None and len(dim) == 1 and dim[0] in (-1, x.dim() - 1) and x.dim() > 0
             and x.dtype in _checks.FLOAT_DTYPES and x.numel() > 0 and x.is_contiguous()):
@@ -548,8 +584,15 @@ ROUTED_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     _aten.baddbmm_.default: _in_place(_route_baddbmm),
     _aten._log_softmax.default: _route_log_softmax,
     _aten._log_softmax.out: _into_out(_route_log_softmax),
+    _aten.logsumexp.default: _route_logsumexp,
+    _aten.logsumexp.out: _into_out(_route_logsumexp),
     _aten.mean.dim: _route_mean,
     _aten.mean.out: _route_mean_out,
     _aten._fused_rms_norm.default: _route_fused_rms_norm,
 }
 """The ``aten`` overloads routed while batch-invariant mode is on, and their implementations."""
+
+_COMPOSITE_ROUTES = frozenset({_aten.logsumexp.default, _aten.logsumexp.out})
+"""Routed ops whose CPU/CUDA kernel is PyTorch's composite one (``CompositeExplicitAutograd``):
+registered for the backend keys anyway, since their decomposition (amax, exp, sum, log) reaches no
+route; autograd keeps PyTorch's formula above the registration."""

@@ -48,6 +48,7 @@ from typing import Optional, Union
 import torch
 
 from rl_kernel_core import _checks, dispatch
+from rl_kernel_core.invariance import is_batch_invariant
 from rl_kernel_core.reference import logprob as _reference  # noqa: F401  (registers the torch backend)
 from rl_kernel_core.spans import LossSpans
 
@@ -241,5 +242,22 @@ def logprob_from_logits(
         l2d = l2d.contiguous()
     t1d = targets.reshape(-1).contiguous()
     impl = dispatch.select("logprob_from_logits", backend, logits.device, l2d, t1d, temperature, ignore_index, return_entropy)
-    logprob, entropy = impl(l2d, t1d, temperature, ignore_index, return_entropy)
+    if is_batch_invariant():
+        logprob = _mode_logprob(l2d, t1d, temperature, ignore_index)
+        entropy = impl(l2d, t1d, temperature, ignore_index, True)[1] if return_entropy else None
+    else:
+        logprob, entropy = impl(l2d, t1d, temperature, ignore_index, return_entropy)
     return _pack(logprob, entropy, targets.shape, return_entropy)
+
+
+def _mode_logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int) -> torch.Tensor:
+    """The batch-invariant mode's log-prob ``[N]``: ``z[t] - logsumexp(z)`` with ``z = logits.float() /
+    temperature`` by PyTorch's own division and the mode's routed ``logsumexp``, the formulation a
+    trainer writes by hand (``log_softmax(z).gather``, ``-cross_entropy(z, t)``, ``z.gather(t) -
+    logsumexp(z)``), so each of those gives these bits under the mode (docs/consistency.md)."""
+    z = logits.to(_out_dtype(logits.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    ignored = targets == ignore_index
+    picked = z.gather(-1, targets.masked_fill(ignored, 0).to(torch.int64)[:, None]).squeeze(-1)
+    return (picked - torch.logsumexp(z, dim=-1)).masked_fill(ignored, 0.0)

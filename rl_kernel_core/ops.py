@@ -126,6 +126,7 @@ OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
     _batch_invariant("bi_matmul"),
     _batch_invariant("bi_linear"),
     _batch_invariant("bi_log_softmax"),
+    _batch_invariant("bi_logsumexp"),
     _batch_invariant("bi_mean"),
 )})
 """``{op name: its declaration}``, every op dispatch serves."""

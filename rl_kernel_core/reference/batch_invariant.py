@@ -81,9 +81,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) 
 
 @dispatch.register("bi_log_softmax", "torch")
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """Row-wise log-softmax of ``x [N, L]`` (over L), accumulated in :func:`acc_dtype`, in x's dtype."""
+    """Row-wise log-softmax of ``x [N, L]`` (over L): ``x - lse`` with :func:`logsumexp`'s lse,
+    accumulated in :func:`acc_dtype`, in x's dtype."""
     acc = acc_dtype(x.dtype)
-    return row_tiled(lambda t: torch.log_softmax(t, dim=-1, dtype=acc).to(x.dtype), x)
+
+    def tile(t: torch.Tensor) -> torch.Tensor:
+        ta = t.to(acc)
+        return (ta - torch.logsumexp(ta, dim=-1, keepdim=True)).to(x.dtype)
+
+    return row_tiled(tile, x)
+
+
+@dispatch.register("bi_logsumexp", "torch")
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-sum-exp of ``x [N, L]`` (over L) -> ``[N]``, accumulated in :func:`acc_dtype`,
+    in x's dtype: the lse :func:`log_softmax` subtracts."""
+    acc = acc_dtype(x.dtype)
+    return row_tiled(lambda t: torch.logsumexp(t.to(acc), dim=-1).to(x.dtype), x)
 
 
 @dispatch.register("bi_mean", "torch")

@@ -1,5 +1,5 @@
 """Triton backend of the batch-invariant ops: ``bi_matmul``, ``bi_linear``, ``bi_log_softmax``,
-``bi_mean`` and ``rms_norm`` (signatures in :mod:`rl_kernel_core.invariance`).
+``bi_logsumexp``, ``bi_mean`` and ``rms_norm`` (signatures in :mod:`rl_kernel_core.invariance`).
 
 Why these are batch-invariant:
 
@@ -347,11 +347,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @launch_time_jit
 def _row_stats_kernel(x_ptr, out_ptr, L, stride_row, eps, MODE: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row. MODE 0: mean -> out[row]; 1: log-softmax -> out[row, :];
-    2: rsqrt(mean(x^2) + eps) -> out[row] (fp32)."""
+    2: rsqrt(mean(x^2) + eps) -> out[row] (fp32); 3: log-sum-exp -> out[row]. Modes 1 and 3 share
+    one lse computation, so ``log_softmax(x)`` is ``x - logsumexp(x)`` bit for bit."""
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_row
     cols = tl.arange(0, BLOCK)
-    if MODE == 1:
+    if MODE == 1 or MODE == 3:
         m_vec = tl.full((BLOCK,), float("-inf"), tl.float32)
         s_vec = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, L, BLOCK):
@@ -363,10 +364,13 @@ def _row_stats_kernel(x_ptr, out_ptr, L, stride_row, eps, MODE: tl.constexpr, BL
         m = tl.max(m_vec, 0)
         m_row = tl.where(m == float("-inf"), 0.0, m)
         lse = m_row + tl.log(tl.sum(s_vec * tl.exp(m_vec - m_row), 0))
-        out_base = out_ptr + row.to(tl.int64) * L
-        for start in range(0, L, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < L, other=0.0).to(tl.float32)
-            tl.store(out_base + start + cols, (x - lse).to(out_ptr.dtype.element_ty), mask=start + cols < L)
+        if MODE == 3:
+            tl.store(out_ptr + row, lse.to(out_ptr.dtype.element_ty))
+        else:
+            out_base = out_ptr + row.to(tl.int64) * L
+            for start in range(0, L, BLOCK):
+                x = tl.load(base + start + cols, mask=start + cols < L, other=0.0).to(tl.float32)
+                tl.store(out_base + start + cols, (x - lse).to(out_ptr.dtype.element_ty), mask=start + cols < L)
     else:
         acc = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, L, BLOCK):
@@ -416,6 +420,19 @@ class _LogSoftmax(torch.autograd.Function):
         return (g - y.float().exp() * g.sum(-1, keepdim=True)).to(y.dtype)
 
 
+class _LogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        lse = _row_pass(x, 3)
+        ctx.save_for_backward(x, lse)
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse = ctx.saved_tensors
+        return (grad.float()[:, None] * (x.float() - lse.float()[:, None]).exp()).to(x.dtype)
+
+
 class _Mean(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -449,6 +466,13 @@ class _RMSNorm(torch.autograd.Function):
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax of ``x [N, L]`` over L: fp32 online max/sum, in x's dtype."""
     return _LogSoftmax.apply(x) if records_graph(x) else _row_pass(x, 1)
+
+
+@dispatch.register("bi_logsumexp", "triton", supports=_supports)
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-sum-exp of ``x [N, L]`` -> ``[N]`` in x's dtype: the fp32 lse that
+    :func:`log_softmax` subtracts, bit for bit."""
+    return _LogSumExp.apply(x) if records_graph(x) else _row_pass(x, 3)
 
 
 @dispatch.register("bi_mean", "triton", supports=_supports)
