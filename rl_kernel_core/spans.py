@@ -9,10 +9,13 @@ compact ``[N_scored, ...]`` tensor (what :func:`rl_kernel_core.linear_logprob` a
 gradients back to exactly those rows. The public ops take it as ``loss_spans=`` in place of a
 dense mask.
 
-The span table lives on the host (the dataloader knows it, as verl knows ``cu_seqlens``): the
-index is built there once and copied to the device; gathering and scattering never read a
-value back (no host sync, no data-dependent shapes). Gather and scatter are copies to
-distinct rows (``index_select`` / ``index_copy``, no atomics): deterministic, forward and backward.
+The span table lives on the host (the dataloader knows it, as verl knows ``cu_seqlens``): its
+spans are checked there, one Python step per span (never per row), and the row index is built
+from them on the device with a few vectorised ops (no host list of rows, no copy of one); gathering
+and scattering never read a value back (no host sync, no data-dependent shapes). Gather and
+scatter are copies to distinct rows (``index_select`` / ``index_copy``, no atomics):
+deterministic, forward and backward. Spans covering more than :data:`MAX_ROWS` rows in all are
+refused (``ValueError`` naming the span), as is a layout whose flat row ids do not fit in int64.
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from rl_kernel_core._checks import brief
+
 IntSequence = Union[Sequence[int], torch.Tensor]
+
+MAX_ROWS = 2**31 - 1
+"""The most scored rows one :class:`LossSpans` holds (its index and padded slots take 16 bytes a
+row on the device; a ``[B, T]`` layout with more scored rows than this has terabytes of hidden
+states)."""
+
+_MAX_FLAT = 2**63 - 1  # the flat row ids ``b * T + t`` are int64
 
 
 class _MoveRows(torch.autograd.Function):
@@ -43,6 +55,16 @@ class _MoveRows(torch.autograd.Function):
         picked = grad if dst is None else grad.index_select(0, dst)
         out = grad.new_zeros((ctx.src_rows, *grad.shape[1:])).index_copy_(0, src_index, picked)
         return out, None, None, None
+
+
+def _listed(name: str, value: object, what: str) -> list:
+    """``value``'s items as a list (any iterable but a string or a tensor); ``TypeError`` naming ``name`` else."""
+    if not isinstance(value, (str, bytes, torch.Tensor)):
+        try:
+            return list(value)  # type: ignore[call-overload]
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be {what}, got {brief(value) if isinstance(value, torch.Tensor) else type(value).__name__}")
 
 
 def _host_ints(name: str, value: IntSequence) -> list[int]:
@@ -73,15 +95,52 @@ class LossSpans:
 
     def __init__(self, rows: list[list[int]], seq_len: int, device: Optional[Union[str, torch.device]] = None) -> None:
         """``rows[b]``: sequence b's scored rows, ascending, each in ``[0, seq_len)``, unchecked;
-        :meth:`from_pairs` and :meth:`from_cu_offsets` check their spans and build it."""
-        self.num_seqs, self.seq_len = len(rows), seq_len
+        :meth:`from_pairs` and :meth:`from_cu_offsets` check their spans and build it from them
+        (without a list of rows)."""
         counts = [len(r) for r in rows]
+        width, first = max(counts, default=0), 0
+        runs = []
+        for b, n in enumerate(counts):  # one run per sequence: row p is its (p - first)-th scored row
+            runs.append((b * seq_len, b * width - first, n))
+            first += n
+        self._set(runs, counts, seq_len, device)
+        flat = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=device)
+        self.index += flat - torch.arange(flat.shape[0], device=flat.device)  # b * seq_len + rows[b][p - first]
+
+    def _set(self, runs: list[tuple[int, int, int]], counts: list[int], seq_len: int,
+             device: Optional[Union[str, torch.device]]) -> None:
+        """Fill the fields from runs of consecutive scored rows in compact order and the rows per
+        sequence (host). A run ``(index_base, slot_base, length)`` of compact rows ``p`` has flat id
+        ``index_base + p`` and padded slot ``slot_base + p``; both are expanded on ``device``."""
+        self.num_seqs, self.seq_len = len(counts), seq_len
         self.cu_seqlens = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
         self.max_seqlen = max(counts, default=0)
-        flat = [b * seq_len + t for b, r in enumerate(rows) for t in r]
-        slot = [b * self.max_seqlen + i for b, r in enumerate(rows) for i in range(len(r))]
-        self.index = torch.tensor(flat, dtype=torch.int64, device=device)
-        self._padded_slot = torch.tensor(slot, dtype=torch.int64, device=device)
+        table = torch.tensor(runs, dtype=torch.int64, device=device).reshape(-1, 3)
+        total = sum(counts)
+        position = torch.arange(total, device=table.device)
+        index_base, slot_base, length = table.unbind(1)
+        self.index = torch.repeat_interleave(index_base, length, output_size=total).add_(position)
+        self._padded_slot = torch.repeat_interleave(slot_base, length, output_size=total).add_(position)
+
+    @classmethod
+    def _from_runs(cls, runs: list[tuple[int, int, int]], num_seqs: int, seq_len: int,
+                   device: Optional[Union[str, torch.device]]) -> "LossSpans":
+        """Spans given as checked ``(sequence, start, length)`` runs, in compact order (sequence
+        ascending, then start), each of length >= 1; the rows are expanded on ``device``."""
+        counts = [0] * num_seqs
+        for b, _, length in runs:
+            counts[b] += length
+        width = max(counts, default=0)
+        first = [0] * num_seqs  # each sequence's first compact row
+        for b in range(1, num_seqs):
+            first[b] = first[b - 1] + counts[b - 1]
+        bases, compact = [], 0
+        for b, start, length in runs:  # row start + (p - compact) of sequence b; slot p - first[b] of row b
+            bases.append((b * seq_len + start - compact, b * width - first[b], length))
+            compact += length
+        out = object.__new__(cls)
+        out._set(bases, counts, seq_len, device)
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -98,23 +157,34 @@ class LossSpans:
         """Spans given per sequence as ``(start, length)`` pairs over its ``seq_len`` rows.
 
         ``pairs[b]`` lists sequence b's spans, in order, not overlapping, each inside ``[0,
-        seq_len)``; a sequence may have none. Raises ``ValueError`` naming ``pairs[b][i]``."""
+        seq_len)``; a sequence may have none. Raises ``ValueError`` naming ``pairs[b][i]`` (or
+        ``seq_len``), also when the spans cover more than :data:`MAX_ROWS` rows in all or the
+        layout's flat row ids ``b * seq_len + t`` would not fit in int64."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
             raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
-        rows = []
+        pairs = _listed("pairs", pairs, "a list per sequence of (start, length) pairs")
+        if len(pairs) * seq_len > _MAX_FLAT + 1:
+            raise ValueError(f"seq_len: {len(pairs)} sequences of {seq_len} rows make {len(pairs) * seq_len} flat row ids "
+                             f"(b * seq_len + t), more than int64 holds ({_MAX_FLAT + 1})")
+        runs: list[tuple[int, int, int]] = []
+        total = 0
         for b, spans in enumerate(pairs):
-            row: list[int] = []
+            low = 0
+            spans = _listed(f"pairs[{b}]", spans, "a list of (start, length) pairs")
             for i, pair in enumerate(spans):
                 if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                    raise ValueError(f"pairs[{b}][{i}] must be a (start, length) pair, got {pair!r}")
+                    raise ValueError(f"pairs[{b}][{i}] must be a (start, length) pair, got {brief(pair)}")
                 start, length = _host_ints(f"pairs[{b}][{i}]", pair)
-                low = row[-1] + 1 if row else 0
                 if start < low or length < 1 or start + length > seq_len:
                     raise ValueError(f"pairs[{b}][{i}]: span (start {start}, length {length}) must have length >= 1 and lie in "
                                      f"[{low}, {seq_len}) (inside the sequence, after the previous span)")
-                row.extend(range(start, start + length))
-            rows.append(row)
-        return cls(rows, seq_len, device)
+                total += length
+                if total > MAX_ROWS:
+                    raise ValueError(f"pairs[{b}][{i}]: span (start {start}, length {length}) brings the scored rows to "
+                                     f"{total}, more than the {MAX_ROWS} a LossSpans holds")
+                runs.append((b, start, length))
+                low = start + length
+        return cls._from_runs(runs, len(pairs), seq_len, device)
 
     @classmethod
     def from_cu_offsets(cls, starts: IntSequence, cu_offsets: IntSequence, seq_len: int, *,
@@ -128,7 +198,7 @@ class LossSpans:
         s = _host_ints("starts", starts)
         cu = _host_ints("cu_offsets", cu_offsets)
         if len(cu) != len(s) + 1 or (cu and cu[0] != 0):
-            raise ValueError(f"cu_offsets must hold len(starts) + 1 = {len(s) + 1} entries starting at 0, got {cu}")
+            raise ValueError(f"cu_offsets must hold len(starts) + 1 = {len(s) + 1} entries starting at 0, got {brief(cu)}")
         pairs = []
         for b, start in enumerate(s):
             length = cu[b + 1] - cu[b]

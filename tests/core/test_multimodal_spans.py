@@ -236,3 +236,98 @@ def test_mask_and_spans_are_exclusive_and_checked(seed):
         rk.linear_logprob(hidden, weight, targets, loss_spans=mask)
     with pytest.raises(ValueError, match=r"targets ids must be in \[0, 67\)"):
         rk.fused_linear_policy_loss(hidden, weight, targets.masked_fill(mask, 10**6), old, adv, loss_spans=spans)
+
+
+def _rows_of(pairs: list[list[tuple[int, int]]]) -> list[list[int]]:
+    """Each sequence's scored rows, one by one (the per-row oracle)."""
+    return [[t for start, length in spans for t in range(start, start + length)] for spans in pairs]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_spans_built_on_the_device_equal_the_per_row_layout(seed, device):
+    """Property (seeded draws): the index, counts, padded slots and masks built with vectorised
+    ops on the device are those of the per-row definition, for spans given as pairs, as
+    cu_offsets and as rows, on any layout (empty sequences, empty layouts, one-row spans)."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        b, t = rng.randrange(0, 7), rng.randrange(0, 30)
+        pairs: list[list[tuple[int, int]]] = []
+        for _ in range(b):
+            spans: list[tuple[int, int]] = []
+            low = 0
+            while t and low < t and rng.random() < 0.7:
+                start = rng.randrange(low, t)
+                length = rng.randrange(1, t - start + 1)
+                spans.append((start, length))
+                low = start + length + rng.randrange(0, 3)
+            pairs.append(spans)
+        rows = _rows_of(pairs)
+        counts = [len(r) for r in rows]
+        width = max(counts, default=0)
+        index = torch.tensor([s * t + r for s, row in enumerate(rows) for r in row], dtype=torch.int64)
+        slots = torch.tensor([s * width + i for s, row in enumerate(rows) for i in range(len(row))], dtype=torch.int64)
+        mask = torch.zeros(b, t, dtype=torch.bool)
+        for s, row in enumerate(rows):
+            mask[s, row] = True
+        built = [LossSpans.from_pairs(pairs, t, device=device), LossSpans(rows, t, device=device)]
+        if all(len(p) <= 1 for p in pairs):
+            starts = [p[0][0] if p else 0 for p in pairs]
+            built.append(LossSpans.from_cu_offsets(torch.tensor(starts, dtype=torch.long), torch.tensor([0, *counts]).cumsum(0), t,
+                                                   device=device))
+        for made in built:
+            where = f"seed {seed}: pairs {pairs}, T {t}"
+            assert made.index.device.type == device and made.index.dtype == torch.int64, where
+            assert torch.equal(made.index.cpu(), index) and torch.equal(made._padded_slot.cpu(), slots), where
+            assert made.cu_seqlens.device.type == "cpu" and made.cu_seqlens.tolist() == [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()], where
+            assert (made.num_seqs, made.seq_len, made.max_seqlen, made.total) == (b, t, width, sum(counts)), where
+            assert torch.equal(made.dense_mask().cpu(), mask), where
+
+
+def test_building_spans_keeps_no_host_list_of_rows():
+    """The rows are expanded on the device: building 64 sequences of 4096 scored rows allocates
+    a few KB of Python objects (one per span), not a list of 262,144 row ids (tens of MB)."""
+    import tracemalloc
+
+    pairs = [[(0, 4096)] for _ in range(64)]
+    tracemalloc.start()
+    try:
+        spans = LossSpans.from_pairs(pairs, 4096)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert spans.total == 64 * 4096 and peak < 2**20, peak
+
+
+def test_huge_spans_are_refused_naming_the_argument(seed):
+    """Property (seeded draws): spans covering more than MAX_ROWS rows in all, or a layout whose
+    flat row ids pass int64, are refused at once (nothing allocated) with one line naming the span
+    or seq_len, where they were a MemoryError after minutes of host lists."""
+    from rl_kernel_core.spans import MAX_ROWS
+
+    rng = random.Random(seed)
+    for _ in range(100):
+        kind = rng.choice(["one", "several", "layout"])
+        if kind == "one":
+            length = rng.randrange(MAX_ROWS + 1, 2**60)  # 3 sequences of such rows stay within int64
+            start = rng.randrange(0, 2**40)
+            b = rng.randrange(1, 4)
+            pairs: list[list[tuple[int, int]]] = [[] for _ in range(b)]
+            at = rng.randrange(b)
+            pairs[at] = [(start, length)]
+            call, expected = (lambda: LossSpans.from_pairs(pairs, start + length + rng.randrange(0, 9))), rf"pairs\[{at}\]\[0\]: span"
+        elif kind == "several":
+            n = rng.randrange(2, 6)
+            length = MAX_ROWS // n + 1 + rng.randrange(0, 2**20)
+            pairs = [[(0, length)] for _ in range(n)]
+            call, expected = (lambda: LossSpans.from_pairs(pairs, length)), r"pairs\[\d+\]\[0\]: span .* brings the scored rows to"
+        else:
+            b = rng.randrange(2, 9)
+            seq_len = 2**63 // b + 1 + rng.randrange(0, 2**40)
+            pairs = [[] for _ in range(b)]
+            call, expected = (lambda: LossSpans.from_pairs(pairs, seq_len)), r"^seq_len: \d+ sequences of \d+ rows"
+        with pytest.raises(ValueError, match=expected) as info:
+            call()
+        assert "\n" not in str(info.value), (seed, str(info.value))
+    with pytest.raises(ValueError, match=r"pairs\[0\]\[0\]: span \(start 0, length 2147483648\) brings the scored rows to 2147483648, "
+                                         r"more than the 2147483647 a LossSpans holds"):
+        LossSpans.from_cu_offsets([0], [0, 2**31], 2**31)
