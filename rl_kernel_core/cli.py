@@ -253,7 +253,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _parity_only(args: argparse.Namespace) -> int:
     """``--parity ROLLOUT TRAINING``: two saved text batches (``consistency.parity``) or two saved
-    multimodal batches (``multimodal.storage``), compared; the kind is read from each file."""
+    multimodal batches (``multimodal.storage``), compared; the kind is read from each file. A file
+    that is not such a batch (not a regular file, unreadable, a wrong or missing field, a sparse,
+    quantized or expanded tensor) exits 2 with one line naming the file and field; 1 is a mismatch."""
     from rl_kernel_core.consistency import parity
     from rl_kernel_core.multimodal import parity as layout, storage
     from rl_kernel_core.multimodal.schema import MultimodalBatch
@@ -273,12 +275,15 @@ def _parity_only(args: argparse.Namespace) -> int:
     if type(rollout) is not type(training):
         kinds = ["a multimodal" if isinstance(b, MultimodalBatch) else "a text" for b in batches]
         return _fail("consistency", f"--parity {args.parity[0]} holds {kinds[0]} batch but {args.parity[1]} holds {kinds[1]} one")
-    if isinstance(rollout, MultimodalBatch):
-        lines = layout.compare(rollout, training)
-        result = "ok" if not lines else lines[0]
-    else:
-        mismatch = parity.check(rollout, training)
-        result = "ok" if mismatch is None else str(mismatch)
+    try:  # both loaders validate; a side malformed in a way they let through is still bad input, not a mismatch
+        if isinstance(rollout, MultimodalBatch):
+            lines = layout.compare(rollout, training)
+            result = "ok" if not lines else lines[0]
+        else:
+            mismatch = parity.check(rollout, training)
+            result = "ok" if mismatch is None else str(mismatch)
+    except (ValueError, TypeError) as exc:
+        return _fail("consistency", f"--parity {' '.join(args.parity)}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     print(json.dumps({"parity": result}) if args.json else f"input parity: {result}")
     return 0 if result == "ok" else 1
 
@@ -397,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the input parity precheck, of two batches saved by rl_kernel_core.consistency.parity.save "
                         "(or torch.save of a Batch or of a dict of its fields), or two multimodal batches saved by "
                         "rl_kernel_core.multimodal.storage.save (token ids, image-token insertion, 3-D positions, loss "
-                        "spans, media, processor fingerprint); exit 1 at the first mismatch, 2 when a file is not such a batch")
+                        "spans, media, processor fingerprint); exit 1 at the first mismatch, 2 when a file is not such a batch "
+                        "(not a regular file, a wrong or missing field, a sparse or expanded tensor)")
     p.set_defaults(func=_consistency)
     return parser
 

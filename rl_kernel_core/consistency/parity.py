@@ -11,8 +11,10 @@ and token, or None.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import BinaryIO, Optional
 
 import torch
 
@@ -123,6 +125,52 @@ def from_sequences(seqs: list[torch.Tensor], side: str, loss_from: list[int], pa
 _TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "loss_mask")
 
 
+def _unreadable(path: str, exc: BaseException) -> ValueError:
+    """The error for a file ``torch.load`` cannot read as a batch, naming the file and the reason
+    (:func:`load` raises it)."""
+    reason = type(exc).__name__ + (f": {str(exc).strip().splitlines()[0]}" if str(exc).strip() else "")
+    return ValueError(f"{path}: not a batch written by rl_kernel_core.consistency.parity.save or "
+                      f"rl_kernel_core.multimodal.storage.save (torch.load with weights_only=True failed: {reason[:200]})")
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``path`` opened for binary reading, when it is a regular file. A FIFO, a device or a
+    directory is refused with ``ValueError`` naming the file and what it is, without waiting for a
+    writer (the file is opened non-blocking and checked before anything is read); ``OSError`` when
+    it cannot be opened. The batch loaders read through it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
+                    "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                    "a socket" if stat.S_ISSOCK(mode) else "not a file")
+            raise ValueError(f"{path}: must be a regular file holding a saved batch, got {kind}")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def stored_tensor_problem(value: torch.Tensor) -> Optional[str]:
+    """Why a tensor read from a file is not a plain dense one, or None: a sparse (or other
+    non-strided) layout, a quantized dtype, or an expanded view (a stride 0 on a dim of size > 1,
+    more elements than its storage holds, or an extent past its storage): reading such a tensor
+    element by element costs more memory than the file holds (a few KB can describe terabytes).
+    Phrased to follow ``"<field> must be a dense tensor, "``; the batch loaders use it."""
+    if value.layout != torch.strided:
+        return f"got layout {str(value.layout).replace('torch.', '')} (save .to_dense())"
+    if value.is_quantized:
+        return f"got a quantized {str(value.dtype).replace('torch.', '')} tensor"
+    stored = value.untyped_storage().nbytes() // value.element_size()
+    shape, strides = tuple(value.shape), tuple(value.stride())
+    extent = value.storage_offset() + sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if value.numel() else 0
+    if any(s == 0 and n > 1 for n, s in zip(shape, strides)) or value.numel() > stored or extent > stored:
+        return (f"got shape {shape} over {stored} stored elements (strides {strides}: an expanded view; "
+                "save .contiguous())")
+    return None
+
+
 def save(batch: Batch, path: str) -> None:
     """Write ``batch`` to ``path`` (``torch.save`` of a dict of its fields), for :func:`load`."""
     torch.save(asdict(batch), path)
@@ -133,17 +181,18 @@ def load(path: str) -> Batch:
     with the integer tensors ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask``
     (``[B, L]``, dense), the string ``padding_side`` and optionally ``special_tokens``
     (``{name: int id}``), as one's own rollout or trainer code can write it), or ``torch.save`` of
-    a :class:`Batch` itself. Raises ``ValueError`` naming the file and the missing or wrong field,
-    or saying why the file is not such a batch; ``OSError`` when it cannot be read."""
-    try:
-        with torch.serialization.safe_globals([Batch]):
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
-        raise
-    except Exception as exc:  # torch.load raises KeyError, EOFError, UnpicklingError, ... for a file it cannot read
-        reason = type(exc).__name__ + (f": {str(exc).strip().splitlines()[0]}" if str(exc).strip() else "")
-        raise ValueError(f"{path}: not a batch written by rl_kernel_core.consistency.parity.save or "
-                         f"rl_kernel_core.multimodal.storage.save (torch.load with weights_only=True failed: {reason[:200]})") from None
+    a :class:`Batch` itself. Raises ``ValueError`` naming the file and the missing or wrong field
+    (a sparse, quantized or expanded tensor too: :func:`stored_tensor_problem`), or saying why the
+    file is not such a batch (not a regular file: :func:`open_regular`); ``OSError`` when it cannot
+    be read."""
+    with open_regular(path) as f:
+        try:
+            with torch.serialization.safe_globals([Batch]):
+                data = torch.load(f, map_location="cpu", weights_only=True)
+        except OSError:
+            raise
+        except Exception as exc:  # torch.load raises KeyError, EOFError, UnpicklingError, ... for a file it cannot read
+            raise _unreadable(path, exc) from None
     if isinstance(data, Batch):
         data = asdict(data)
     if not isinstance(data, dict):
@@ -153,10 +202,9 @@ def load(path: str) -> Batch:
         if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
             found = "missing" if value is None else (f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__)
             raise ValueError(f"{path}: {name} must be an integer tensor [B, L], got {found}")
-        stored = value.untyped_storage().nbytes() // value.element_size()
-        if value.numel() > stored:  # an expanded view: checking it would materialise every element
-            raise ValueError(f"{path}: {name} must be a dense tensor, got shape {tuple(value.shape)} over "
-                             f"{stored} stored elements (an expanded view; save .contiguous())")
+        problem = stored_tensor_problem(value)
+        if problem:  # checking it would materialise every element
+            raise ValueError(f"{path}: {name} must be a dense tensor, {problem}")
     if not isinstance(data.get("padding_side"), str):
         raise ValueError(f"{path}: padding_side must be 'left' or 'right', got {data.get('padding_side')!r}")
     special = data.get("special_tokens", {})

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from rl_kernel_core._checks import brief
 from rl_kernel_core.spans import LossSpans
 
 SPAN_KINDS: tuple[str, ...] = ("text", "image", "video", "tool")
@@ -88,7 +89,10 @@ class ProcessorFingerprint:
                              f"known to its tokenizer), got {token_id!r}")
         template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):
-            template = json.dumps(template, sort_keys=True)
+            template = json.dumps(template, sort_keys=True, default=repr)
+        if template is not None and not isinstance(template, str):
+            raise ValueError(f"processor: chat_template must be a str or a dict of named templates, got "
+                             f"{type(template).__name__}")
         return cls(
             processor_class=type(processor).__name__,
             transformers_version=transformers.__version__,
@@ -97,6 +101,27 @@ class ProcessorFingerprint:
             merge_size=_setting(image_processor, processor, "merge_size"),
             chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
         )
+
+    def check(self) -> None:
+        """Each field's type and range: ``ValueError`` naming the first wrong one (e.g.
+        ``fingerprint.image_token_id: must be an int in [0, 2**63), got str '4'``)."""
+        for name in ("processor_class", "transformers_version"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"fingerprint.{name}: must be a str, got {_found(getattr(self, name))}")
+        token = self.image_token_id
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**63:
+            raise ValueError(f"fingerprint.image_token_id: must be an int in [0, 2**63), got {_found(token)}")
+        for name in ("patch_size", "merge_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31):
+                raise ValueError(f"fingerprint.{name}: must be None or an int in [1, 2**31), got {_found(value)}")
+        if self.chat_template_sha256 is not None and not isinstance(self.chat_template_sha256, str):
+            raise ValueError(f"fingerprint.chat_template_sha256: must be None or a str, got {_found(self.chat_template_sha256)}")
+
+
+def _found(value: object) -> str:
+    """What an error message says it got: its type and value, on one line (a tensor: dtype and shape)."""
+    return brief(value) if isinstance(value, torch.Tensor) else f"{type(value).__name__} {brief(value)}"
 
 
 def _setting(image_processor: Any, processor: Any, name: str) -> Optional[int]:
@@ -184,7 +209,8 @@ class MultimodalBatch:
                 ``pixel_values`` with ``image_grid_thw [num_images, 3]`` (Qwen2-VL: patches
                 ``[sum t·h·w, C·T·P·P]``) or ``pixel_values [num_images, ...]`` (one image
                 per contiguous run of image tokens); optional ``position_ids [B, L]`` or
-                ``[3, B, L]``. Video inputs are refused (not covered; docs/multimodal.md).
+                ``[3, B, L]``. Video inputs are refused (not covered; docs/multimodal.md), as is an
+                ``image_grid_thw`` whose sides h, w are not multiples of the processor's merge size.
             loss_spans: per sequence, the scored token runs as :class:`Span` s or
                 ``(start, length)`` pairs over that sequence's real tokens.
             media_ids: per sequence, an id per image in order; None uses the media cache keys.
@@ -194,6 +220,12 @@ class MultimodalBatch:
             processor output and the arguments disagree.
         """
         fingerprint = ProcessorFingerprint.of(processor)
+        try:
+            fingerprint.check()
+        except ValueError as exc:
+            raise ValueError(f"processor: {type(processor).__name__}'s {exc}") from None
+        if not isinstance(encoded, Mapping):
+            raise ValueError(f"encoded: must be the processor's output (a BatchFeature or dict), got {type(encoded).__name__}")
         for key in ("video_grid_thw", "pixel_values_videos"):
             if key in encoded:
                 raise ValueError(f"encoded[{key!r}]: video inputs are not covered by MultimodalBatch yet (images only; "
@@ -203,10 +235,13 @@ class MultimodalBatch:
         mask = torch.ones_like(ids) if mask is None else _int_tensor("encoded['attention_mask']", mask, 2)
         if mask.shape != ids.shape:
             raise ValueError(f"encoded['attention_mask'] must have input_ids' shape {tuple(ids.shape)}, got {tuple(mask.shape)}")
+        _zeros_and_ones("encoded['attention_mask']", mask)
         grid = encoded.get("image_grid_thw")
-        grid = None if grid is None else _int_tensor("encoded['image_grid_thw']", grid, 2)
-        if len(loss_spans) != ids.shape[0]:
-            raise ValueError(f"loss_spans must hold one list per sequence ({ids.shape[0]}), got {len(loss_spans)}")
+        grid = None if grid is None else _grid(grid, fingerprint.merge_size or 1)
+        num = ids.shape[0]
+        loss_spans = _per_sequence("loss_spans", loss_spans, num, "a list of Span or (start, length) pairs")
+        if media_ids is not None:
+            media_ids = _per_sequence("media_ids", media_ids, num, "a list of ids, one per image")
 
         rows = [ids[b][mask[b].bool()].to(torch.int64).cpu() for b in range(ids.shape[0])]
         modality = _media_spans(rows, fingerprint, grid)
@@ -243,17 +278,21 @@ class MultimodalBatch:
         """Check every field against the others; raise ``ValueError`` naming the first wrong
         field and position (e.g. ``loss_spans[2][0]: start 40 + length 9 exceeds the sequence
         length 45``)."""
+        if not isinstance(self.input_ids, (list, tuple)):
+            raise ValueError(f"input_ids: must be a list of 1-D int64 tensors, one per sequence, got {_found(self.input_ids)}")
         num = len(self.input_ids)
         for name in ("modality_spans", "loss_spans", "media_ids", "vision_token_offsets", "media_cache_keys"):
             value = getattr(self, name)
             if not isinstance(value, list) or len(value) != num:
                 found = f"{len(value)} entries" if isinstance(value, list) else type(value).__name__
-                raise ValueError(f"{name}: must be a list with one entry per sequence ({num}), got {found}")
+                raise ValueError(f"{name}: must be a list with one entry per sequence ({num}, as input_ids), got {found}")
         if not isinstance(self.fingerprint, ProcessorFingerprint):
             raise ValueError(f"fingerprint: must be a ProcessorFingerprint, got {type(self.fingerprint).__name__}")
+        self.fingerprint.check()
         mask = _int_tensor("attention_mask", self.attention_mask, 2)
         if mask.shape[0] != num:
             raise ValueError(f"attention_mask: must have one row per sequence ({num}), got shape {tuple(mask.shape)}")
+        _zeros_and_ones("attention_mask", mask)
         positions = _int_tensor("position_ids", self.position_ids, None)
         expected = [tuple(mask.shape), (3, *mask.shape)]
         if tuple(positions.shape) not in expected:
@@ -265,8 +304,9 @@ class MultimodalBatch:
 
     def _validate_sequence(self, b: int, mask_row: torch.Tensor, media_running: int) -> int:
         ids = self.input_ids[b]
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-            found = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1 or ids.layout != torch.strided:
+            found = (f"{ids.dtype} tensor of shape {tuple(ids.shape)}{_layout(ids)}" if isinstance(ids, torch.Tensor)
+                     else type(ids).__name__)
             raise ValueError(f"input_ids[{b}]: must be a 1-D int64 tensor, got {found}")
         n = ids.shape[0]
         real = mask_row.nonzero().flatten().tolist()
@@ -296,11 +336,14 @@ class MultimodalBatch:
                 raise ValueError(f"{where}: a {span.kind} span has no media, got media_index {span.media_index}")
         if cursor != n:
             raise ValueError(f"modality_spans[{b}]: cover tokens [0, {cursor}), expected the whole sequence [0, {n})")
-        for name in ("media_ids", "vision_token_offsets", "media_cache_keys"):
+        for name, kind in (("media_ids", str), ("vision_token_offsets", int), ("media_cache_keys", str)):
             value = getattr(self, name)[b]
             if not isinstance(value, list) or len(value) != len(media):
                 found = f"{len(value)} entries" if isinstance(value, list) else type(value).__name__
                 raise ValueError(f"{name}[{b}]: must hold one entry per media item ({len(media)}), got {found}")
+            for i, entry in enumerate(value):
+                if isinstance(entry, bool) or not isinstance(entry, kind):
+                    raise ValueError(f"{name}[{b}][{i}]: must be {'a str' if kind is str else 'an int'}, got {_found(entry)}")
         for i, span in enumerate(media):
             if self.vision_token_offsets[b][i] != media_running:
                 raise ValueError(f"vision_token_offsets[{b}][{i}]: must be {media_running} (media tokens before it in the "
@@ -312,6 +355,8 @@ class MultimodalBatch:
             _check_span(where, span, n)
             if span.kind != "text":
                 raise ValueError(f"{where}: loss spans score text tokens, got kind {span.kind!r}")
+            if span.media_index is not None:
+                raise ValueError(f"{where}: a loss span has no media, got media_index {span.media_index}")
             if span.start < max(1, end):
                 raise ValueError(f"{where}: start {span.start} must be >= {max(1, end)} (token 0 is never scored; spans in "
                                  "order, not overlapping)")
@@ -324,18 +369,24 @@ class MultimodalBatch:
 
 
 def _spans(where: str, spans: object) -> list[Span]:
-    if not isinstance(spans, list) or not all(isinstance(s, Span) for s in spans):
+    if not isinstance(spans, list):
         raise ValueError(f"{where}: must be a list of Span, got {type(spans).__name__}")
+    for i, span in enumerate(spans):
+        if not isinstance(span, Span):
+            raise ValueError(f"{where}[{i}]: must be a Span, got {_found(span)}")
     return spans
 
 
 def _check_span(where: str, span: Span, n: int) -> None:
-    if span.kind not in SPAN_KINDS:
-        raise ValueError(f"{where}: kind must be one of {list(SPAN_KINDS)}, got {span.kind!r}")
+    if not isinstance(span.kind, str) or span.kind not in SPAN_KINDS:
+        raise ValueError(f"{where}: kind must be one of {list(SPAN_KINDS)}, got {brief(span.kind)}")
     for name in ("start", "length"):
         value = getattr(span, name)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    index = span.media_index
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+        raise ValueError(f"{where}: media_index must be None or an int, got {type(index).__name__}")
     if span.start < 0 or span.length < 1:
         raise ValueError(f"{where}: start must be >= 0 and length >= 1, got start {span.start}, length {span.length}")
     if span.end > n:
@@ -347,16 +398,57 @@ def _as_span(where: str, value: SpanLike) -> Span:
         return value
     if isinstance(value, (tuple, list)) and len(value) == 2:
         return Span("text", value[0], value[1])
-    raise ValueError(f"{where}: must be a Span or a (start, length) pair, got {value!r}")
+    raise ValueError(f"{where}: must be a Span or a (start, length) pair, got {_found(value)}")
+
+
+def _layout(value: torch.Tensor) -> str:
+    return "" if value.layout == torch.strided else f", layout {str(value.layout).replace('torch.', '')}"
 
 
 def _int_tensor(name: str, value: object, ndim: Optional[int]) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
+    if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex() or value.is_quantized:
         found = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"{name}: must be an integer tensor, got {found}")
+    if value.layout != torch.strided:
+        raise ValueError(f"{name}: must be a dense (strided) tensor, got layout {str(value.layout).replace('torch.', '')}")
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{name}: must be {ndim}-D, got shape {tuple(value.shape)}")
     return value
+
+
+def _zeros_and_ones(name: str, mask: torch.Tensor) -> None:
+    """An attention mask holds 0 (padding) and 1 (real tokens) only."""
+    wrong = ((mask != 0) & (mask != 1)).nonzero()
+    if wrong.numel():
+        at = wrong[0].tolist()
+        raise ValueError(f"{name}: must hold 0 and 1 only, got {int(mask[tuple(at)])} at {at}")
+
+
+def _per_sequence(name: str, value: object, num: int, what: str) -> list[list]:
+    """``value`` as a list of ``num`` lists (each entry a list or tuple), or ``ValueError`` naming ``name``."""
+    if not isinstance(value, (list, tuple)) or len(value) != num:
+        found = f"{len(value)} entries" if isinstance(value, (list, tuple)) else _found(value)
+        raise ValueError(f"{name} must hold one list per sequence ({num}), got {found}")
+    for b, entry in enumerate(value):
+        if not isinstance(entry, (list, tuple)):
+            raise ValueError(f"{name}[{b}]: must be {what}, got {_found(entry)}")
+    return [list(entry) for entry in value]
+
+
+def _grid(value: object, merge: int) -> torch.Tensor:
+    """``encoded['image_grid_thw']``: ``[num_images, 3]`` of (t, h, w) patches, each >= 1, the
+    sides h and w multiples of the merge size."""
+    name = "encoded['image_grid_thw']"
+    grid = _int_tensor(name, value, 2)
+    if grid.shape[1] != 3:
+        raise ValueError(f"{name}: must have shape [num_images, 3] (t, h, w per image), got {tuple(grid.shape)}")
+    for k, (t, h, w) in enumerate(grid.tolist()):
+        if min(t, h, w) < 1 or max(t, h, w) >= 2**31:
+            raise ValueError(f"{name}[{k}]: (t, h, w) must each be in [1, 2**31), got {[t, h, w]}")
+        if h % merge or w % merge:
+            raise ValueError(f"{name}[{k}]: the sides h and w must be multiples of the processor's merge_size {merge}, "
+                             f"got (t, h, w) = {[t, h, w]}")
+    return grid
 
 
 def _media_spans(rows: list[torch.Tensor], fingerprint: ProcessorFingerprint, grid: Optional[torch.Tensor]) -> list[list[Span]]:
@@ -412,8 +504,10 @@ def _cache_keys(modality: list[list[Span]], pixels: Optional[torch.Tensor], grid
     total = sum(s.kind == "image" for spans in modality for s in spans)
     if total == 0:
         return [[] for _ in modality]
-    if not isinstance(pixels, torch.Tensor):
-        raise ValueError(f"encoded['pixel_values']: must be a tensor for the {total} images, got {type(pixels).__name__}")
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() < 1 or pixels.layout != torch.strided:
+        found = f"shape {tuple(pixels.shape)}{_layout(pixels)}" if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+        raise ValueError(f"encoded['pixel_values']: must be a dense tensor of at least 1 dim for the {total} images, "
+                         f"got {found}")
     if grid is not None:
         sizes = [int(t * h * w) for t, h, w in grid.tolist()]
         if sum(sizes) != pixels.shape[0]:

@@ -367,6 +367,45 @@ def test_cli_parity_of_files_that_are_not_saved_batches(tmp_path, capsys):
     assert "--parity " + str(tmp_path / "missing.pt") + ": cannot be read: No such file" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_cli_parity_refuses_sparse_and_stride_0_tensors_and_fifos(tmp_path, capsys):
+    """The text loader shares the multimodal one's refusals (rl_kernel_core.consistency.parity's
+    open_regular and stored_tensor_problem): a sparse or quantized tensor, a stride-0 view whose
+    storage holds as many elements as the view, and a FIFO exit 2 with one line naming the file
+    (a FIFO at once: the CLI runs in a subprocess with a timeout, so a hang fails the test)."""
+    import os
+    from dataclasses import asdict
+
+    from rl_kernel_core import cli
+
+    rollout, training = _batches()
+    good, bad = str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")
+    parity.save(rollout, good)
+    fields = asdict(training)
+    mask = fields["loss_mask"]
+    wide = torch.zeros(mask.numel(), dtype=torch.long)[: mask.shape[1]].expand_as(mask)  # storage as large as the view
+    cases = [
+        ({**fields, "loss_mask": mask.to_sparse()}, "training.pt: loss_mask must be a dense tensor, got layout sparse_coo"),
+        ({**fields, "attention_mask": fields["attention_mask"].to_sparse_csr()},
+         "training.pt: attention_mask must be a dense tensor, got layout sparse_csr"),
+        ({**fields, "loss_mask": wide}, f"training.pt: loss_mask must be a dense tensor, got shape {tuple(mask.shape)} over "),
+    ]
+    for content, message in cases:
+        torch.save(content, bad)
+        assert cli.main(["consistency", "--parity", good, bad]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    if hasattr(os, "mkfifo"):
+        fifo = str(tmp_path / "fifo.pt")
+        os.mkfifo(fifo)
+        proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "consistency", "--parity", good, fifo],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"--parity {fifo}: must be a regular file holding a saved batch, got a FIFO" in proc.stderr
+        with pytest.raises(ValueError, match="fifo.pt: must be a regular file holding a saved batch, got a FIFO"):
+            parity.load(fifo)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--engine", "vllm"], "--engine vllm needs --model PATH"),
     (["--engine", "vllm", "--model", "m", "--engine-args", "{bad"], "argument --engine-args: must be a JSON object"),

@@ -3,6 +3,9 @@ caught and named."""
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -198,3 +201,85 @@ def test_cli_parity_refuses_bad_multimodal_files_in_one_line(tmp_path, capsys, s
     text_parity.save(text, bad)
     assert cli.main(["consistency", "--parity", good, bad]) == 2
     assert "holds a multimodal batch but" in capsys.readouterr().err
+
+
+def _bomb(saved: dict, n: int = 2**27) -> dict:
+    """A consistent two-sequence text batch of ``n`` tokens a row whose tensors are all stride-0
+    views of one element each: a few KB on disk, gigabytes once any check reads every token."""
+    return {**saved, "input_ids": [torch.full((1,), 5, dtype=torch.long).expand(n)] * 2,
+            "modality_spans": [[["text", 0, n, None]]] * 2, "loss_spans": [[["text", 1, n - 1, None]]] * 2,
+            "media_ids": [[], []], "vision_token_offsets": [[], []], "media_cache_keys": [[], []],
+            "attention_mask": torch.ones(1, 1, dtype=torch.long).expand(2, n),
+            "position_ids": torch.zeros(1, 1, 1, dtype=torch.long).expand(3, 2, n)}
+
+
+def test_cli_parity_refuses_expanded_sparse_and_mistyped_fields_in_one_line(tmp_path, capsys, seed):
+    """Expanded views (the memory bomb: stride-0 [2, 2**27] tensors in a file of a few KB),
+    sparse or quantized tensors and fields of the wrong type exit 2 (not 1, the mismatch code) with
+    one line naming the file and the field, before any tensor is read element by element."""
+    from rl_kernel_core import cli
+    from rl_kernel_core.multimodal import storage
+
+    good, bad = str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")
+    storage.save(side(seed), good)
+    saved = torch.load(good, weights_only=True)
+    mask, positions = saved["attention_mask"], saved["position_ids"]
+    spans = saved["modality_spans"]
+    image = next(i for i, s in enumerate(spans[0]) if s[0] == "image")
+    cases = [
+        (_bomb(saved), "training.pt: input_ids[0] must be a dense tensor, got shape (134217728,) over 1 stored elements"),
+        # expanded views of the right shape and values a check would accept: refused all the same
+        (_bomb(saved, 2**12), "training.pt: input_ids[0] must be a dense tensor, got shape (4096,) over 1 stored elements"),
+        ({**saved, "position_ids": positions[:, :, :1].expand_as(positions)},
+         "training.pt: position_ids must be a dense tensor, got shape (3, 2, "),
+        ({**saved, "attention_mask": mask[:1].expand_as(mask)}, "training.pt: attention_mask must be a dense tensor, got shape (2, "),
+        ({**saved, "attention_mask": mask.to_sparse()}, "training.pt: attention_mask must be a dense tensor, got layout sparse_coo"),
+        ({**saved, "input_ids": [saved["input_ids"][0], saved["input_ids"][1].to_sparse()]},
+         "training.pt: input_ids[1] must be a dense tensor, got layout sparse_coo"),
+        ({**saved, "position_ids": positions.to_sparse()}, "training.pt: position_ids must be a dense tensor, got layout sparse_coo"),
+        ({**saved, "fingerprint": {**saved["fingerprint"], "image_token_id": "4"}},
+         "training.pt: fingerprint.image_token_id: must be an int in [0, 2**63), got str '4'"),
+        ({**saved, "fingerprint": {**saved["fingerprint"], "image_token_id": 2**64}}, "training.pt: fingerprint.image_token_id: "),
+        ({**saved, "fingerprint": {**saved["fingerprint"], "merge_size": 2.0}}, "training.pt: fingerprint.merge_size: "),
+        ({**saved, "fingerprint": {**saved["fingerprint"], "processor_class": None}}, "training.pt: fingerprint.processor_class: "),
+        ({**saved, "media_ids": [[torch.tensor([1, 2])] * len(saved["media_ids"][0]), saved["media_ids"][1]]},
+         "training.pt: media_ids[0][0]: must be a str, got an int64 tensor of shape (2,)"),
+        ({**saved, "media_cache_keys": [saved["media_cache_keys"][0], [7]]}, "training.pt: media_cache_keys[1][0]: must be a str, got int 7"),
+        ({**saved, "vision_token_offsets": [["0", "16"], saved["vision_token_offsets"][1]]},
+         "training.pt: vision_token_offsets[0][0]: must be an int, got str '0'"),
+        ({**saved, "modality_spans": [[[*s[:3], torch.tensor([0, 1])] if i == image else s for i, s in enumerate(spans[0])],
+                                      spans[1]]},
+         f"training.pt: modality_spans[0][{image}]: media_index must be None or an int, got Tensor"),
+        ({**saved, "modality_spans": [[[torch.zeros(9, 9), *s[1:]] for s in spans[0]], spans[1]]},
+         "training.pt: modality_spans[0][0]: kind must be one of ['text', 'image', 'video', 'tool'], got a float32 tensor of shape (9, 9)"),
+        ({**saved, "attention_mask": mask * 3}, "training.pt: attention_mask: must hold 0 and 1 only, got 3 at ["),
+        ({**saved, "input_ids": tuple(saved["input_ids"])}, "training.pt: input_ids must be a list of 1-D int64 tensors"),
+        ({**saved, "fingerprint": {1: 2}}, "training.pt: fingerprint must be a dict of ['chat_template_sha256', "),
+    ]
+    for content, message in cases:
+        torch.save(content, bad)
+        if content is cases[0][0]:
+            assert (tmp_path / "training.pt").stat().st_size < 8192  # the bomb is a few KB on disk
+        code = cli.main(["consistency", "--parity", good, bad])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (message, code, err)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_cli_parity_refuses_a_fifo_without_waiting_for_a_writer(tmp_path, seed):
+    """A FIFO in place of a saved batch exits 2 at once, naming it (reading it would block until
+    some process writes to it). In a subprocess with a timeout: a hang fails the test."""
+    from rl_kernel_core.multimodal import storage
+
+    good, fifo = str(tmp_path / "training.pt"), str(tmp_path / "rollout.pt")
+    storage.save(side(seed), good)
+    os.mkfifo(fifo)
+    for args in ([fifo, good], [good, fifo]):
+        proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "consistency", "--parity", *args],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and f"--parity {fifo}: must be a regular file holding a saved batch, got a FIFO" in proc.stderr
+    with pytest.raises(ValueError, match="rollout.pt: must be a regular file holding a saved batch, got a FIFO"):
+        storage.load(fifo)
+    with pytest.raises(ValueError, match="must be a regular file holding a saved batch, got a directory"):
+        storage.load(str(tmp_path))

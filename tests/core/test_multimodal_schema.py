@@ -2,11 +2,14 @@
 against transformers' own ``get_rope_index``, and validation errors naming field and position."""
 
 import dataclasses
+import random
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 import torch
 
+from rl_kernel_core._checks import brief
 from rl_kernel_core.contract import assert_close
 
 from rl_kernel_core.multimodal.schema import MultimodalBatch, ProcessorFingerprint, Span
@@ -220,3 +223,213 @@ def test_llava_processor_one_image_per_run_and_1d_positions(seed):
     assert batch.position_ids.shape == encoded["input_ids"].shape
     assert batch.real_positions(1).tolist() == list(range(10))
     assert len({k for keys in batch.media_cache_keys for k in keys}) == 3
+
+
+def test_grid_sides_not_divisible_by_merge_size_are_refused(seed):
+    """An image grid whose sides are not multiples of the merge size gives a token count its
+    3-D positions cannot lay out: refused naming the grid row, whatever the token count says."""
+    processor = tiny_processor()
+    encoded = dict(encode(processor, seed))
+    t, h, w = encoded["image_grid_thw"][0].tolist()
+    for sides in ([h - 1, w * h // (h - 1)] if (w * h) % (h - 1) == 0 else [1, h * w], [1, h * w]):
+        grid = encoded["image_grid_thw"].clone()
+        grid[0, 1:] = torch.tensor(sides)  # the same patch and token counts
+        with pytest.raises(ValueError, match=rf"encoded\['image_grid_thw'\]\[0\]: the sides h and w must be multiples of the "
+                                             rf"processor's merge_size 2, got \(t, h, w\) = \[{t}, {sides[0]}, {sides[1]}\]"):
+            MultimodalBatch.from_processor(processor, {**encoded, "image_grid_thw": grid}, loss_spans=answer_spans(encoded))
+    for bad, message in (([[1, 4]], r": must have shape \[num_images, 3\]"), ([[0, 4, 6]], r"\[0\]: \(t, h, w\) must each be in"),
+                         ([[1, -4, 6]], r"\[0\]: \(t, h, w\) must each be in"), ([[1, 2**40, 2]], r"\[0\]: \(t, h, w\) must each be in")):
+        with pytest.raises(ValueError, match=r"encoded\['image_grid_thw'\]" + message):
+            MultimodalBatch.from_processor(processor, {**encoded, "image_grid_thw": torch.tensor(bad)}, loss_spans=answer_spans(encoded))
+
+
+# Malformed inputs for the schema's entry points: every value below is wrong for the field it is
+# drawn for (a wrong type, rank, layout, or a negative or huge size), so each call must raise
+# ValueError or TypeError with a one-line message naming that field.
+_NOT_A_LIST: list = [None, True, 3, -1, 2**70, 2.5, "x", b"x", {}, {"a": 1}, torch.tensor(3), torch.zeros(2, 2, dtype=torch.long)]
+_NOT_AN_INT: list = [None, True, 2.5, "3", b"3", [], [1], {}, torch.tensor(3), torch.zeros(2, dtype=torch.long)]
+_NOT_A_STR: list = [None, True, 3, 2.5, b"x", [], ["x"], {}, torch.tensor(3)]
+_BAD_SIZES: list = [-1, -(2**70), 2**70, 2**63]
+
+
+def _bad_tensors(shape: tuple[int, ...]) -> list:
+    """Values wrong for an integer tensor field of ``shape``: float, another rank, sparse, a list,
+    not a tensor (None is left to the callers: from_processor reads it as absent)."""
+    ones = torch.ones(shape, dtype=torch.long)
+    return [ones.float(), ones.to(torch.complex64), ones.reshape(-1)[:1].reshape(()), ones[None], ones.to_sparse(),
+            ones.tolist(), "x", 3]
+
+
+def _junk_span(rng: random.Random, span: Span) -> object:
+    """A wrong span entry: not a Span, or a Span with one wrong field."""
+    field = rng.choice(["entry", "kind", "start", "length", "media_index"])
+    if field == "entry":
+        return rng.choice([None, 3, "text", (1, 2), [span.kind, span.start, span.length, span.media_index], {}])
+    if field == "kind":
+        return dataclasses.replace(span, kind=rng.choice(["audio", "", "TEXT", *_NOT_A_STR]))
+    if field == "media_index":
+        return dataclasses.replace(span, media_index=rng.choice([-1, 99, 2**70, *[v for v in _NOT_AN_INT if v is not None]]))
+    return dataclasses.replace(span, **{field: rng.choice([*_BAD_SIZES, *([0] if field == "length" else []),
+                                                           *[v for v in _NOT_AN_INT if v is not None]])})
+
+
+def _malformed_batch(rng: random.Random, batch: MultimodalBatch) -> tuple[str, str, MultimodalBatch]:
+    """(the field's name, what was done, the batch with one wrong value in that field)."""
+    field = rng.choice(["input_ids", "modality_spans", "loss_spans", "media_ids", "vision_token_offsets", "media_cache_keys",
+                        "attention_mask", "position_ids", "fingerprint"])
+    value: Any = getattr(batch, field)
+    b = rng.randrange(len(batch))
+    if field == "input_ids":
+        rows: Any = list(value)
+        rows[b] = rng.choice([*_bad_tensors((rows[b].shape[0],)), None, rows[b].to(torch.int32), rows[b][:-1], rows[b][None]])
+        return f"input_ids[{b}]", f"input_ids[{b}] = {brief(rows[b])}", dataclasses.replace(batch, input_ids=rows)
+    if field == "attention_mask":
+        bad = rng.choice([*_bad_tensors(tuple(value.shape)), None, value * 2, value - 1, value[:, :-1], value[:1]])
+        return "attention_mask", f"attention_mask = {brief(bad)}", dataclasses.replace(batch, attention_mask=bad)
+    if field == "position_ids":
+        bad = rng.choice([*_bad_tensors(tuple(value.shape)), None, value[..., :-1], value[:2], value[None]])
+        return "position_ids", f"position_ids = {brief(bad)}", dataclasses.replace(batch, position_ids=bad)
+    if field == "fingerprint":
+        name = rng.choice(["whole", "processor_class", "transformers_version", "image_token_id", "patch_size", "merge_size",
+                           "chat_template_sha256"])
+        if name == "whole":
+            bad = rng.choice(_NOT_A_LIST)
+            return "fingerprint", f"fingerprint = {brief(bad)}", dataclasses.replace(batch, fingerprint=bad)
+        pool = {"processor_class": _NOT_A_STR, "transformers_version": _NOT_A_STR, "chat_template_sha256": [3, b"x", ["x"]],
+                "image_token_id": [*_NOT_AN_INT, *_BAD_SIZES], "patch_size": [*_NOT_AN_INT[1:], 0, *_BAD_SIZES],
+                "merge_size": [*_NOT_AN_INT[1:], 0, *_BAD_SIZES]}[name]
+        bad = rng.choice(pool)
+        fingerprint = dataclasses.replace(value, **{name: bad})
+        return f"fingerprint.{name}", f"fingerprint.{name} = {brief(bad)}", dataclasses.replace(batch, fingerprint=fingerprint)
+    level = rng.choice(["whole", "sequence", "entry"])
+    if level == "whole":
+        bad = rng.choice([*_NOT_A_LIST, value[:-1], [*value, []], tuple(value)])
+        return field, f"{field} = {brief(bad)}", _broken(batch, field, bad)
+    rows = [list(row) for row in value]
+    if level == "sequence" or not rows[b]:
+        rows[b] = rng.choice([*_NOT_A_LIST, tuple(rows[b])] if rows[b] else _NOT_A_LIST)
+        return f"{field}[{b}]", f"{field}[{b}] = {brief(rows[b])}", _broken(batch, field, rows)
+    i = rng.randrange(len(rows[b]))
+    if field in ("modality_spans", "loss_spans"):
+        rows[b][i] = _junk_span(rng, rows[b][i])
+    elif field == "vision_token_offsets":
+        rows[b][i] = rng.choice([*_NOT_AN_INT, *_BAD_SIZES])
+    else:
+        rows[b][i] = rng.choice(_NOT_A_STR)
+    return f"{field}[{b}]", f"{field}[{b}][{i}] = {brief(rows[b][i])}", _broken(batch, field, rows)
+
+
+def _refused(what: str, name: str, call: Callable[[], object], seed: int) -> None:
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        assert name in message and "\n" not in message, f"seed {seed}, {what}: the message does not name {name}: {message!r}"
+    except Exception as exc:
+        raise AssertionError(f"seed {seed}, {what}: {type(exc).__name__} instead of ValueError/TypeError: {exc}") from exc
+    else:
+        raise AssertionError(f"seed {seed}, {what}: accepted")
+
+
+def test_validate_refuses_malformed_fields_naming_them(seed):
+    """Property (seeded draws): a batch with one wrong value in one field fails ``validate`` with
+    ValueError or TypeError naming that field, never IndexError, AttributeError, OverflowError or
+    an unpack error."""
+    batch, _ = build(seed)
+    rng = random.Random(seed)
+    for _ in range(300):
+        name, what, broken = _malformed_batch(rng, batch)
+        _refused(what, name.split(".")[0].split("[")[0] if name.startswith(("input_ids", "fingerprint")) else name, broken.validate, seed)
+
+
+def _malformed_call(rng: random.Random, processor, encoded: dict, spans: list) -> tuple[str, str, Callable[[], object]]:
+    """(the argument's name, what was done, a from_processor call with one wrong argument)."""
+    what = rng.choice(["encoded", "input_ids", "attention_mask", "image_grid_thw", "pixel_values", "position_ids",
+                       "loss_spans", "loss_spans[b]", "loss_spans[b][i]", "media_ids", "media_ids[b]", "media_ids[b][i]",
+                       "processor"])
+    args: dict[str, Any] = {"processor": processor, "encoded": encoded, "loss_spans": spans, "media_ids": None}
+    shape = tuple(encoded["input_ids"].shape)
+    if what == "encoded":
+        args["encoded"] = rng.choice([None, 3, "x", [encoded], encoded["input_ids"]])
+    elif what in ("input_ids", "attention_mask", "position_ids"):
+        absent = [] if what == "attention_mask" else [None]  # no attention_mask: all ones
+        args["encoded"] = {**encoded, what: rng.choice([*_bad_tensors(shape), *absent, *([encoded[what] * 2] if not absent else [])])}
+    elif what == "image_grid_thw":
+        grid = encoded["image_grid_thw"]
+        args["encoded"] = {**encoded, what: rng.choice([*_bad_tensors(tuple(grid.shape)), grid[:, :2], grid * 0, -grid, grid + 2**40,
+                                                        grid + 1, grid[:-1], torch.cat([grid, grid[:1]])])}
+    elif what == "pixel_values":
+        pixels = encoded["pixel_values"]
+        args["encoded"] = {**encoded, what: rng.choice([None, "x", [1.0], torch.tensor(1.0), pixels[1:], pixels.to_sparse()])}
+    elif what.startswith("loss_spans"):
+        b = rng.randrange(len(spans))
+        if what == "loss_spans":
+            args["loss_spans"] = rng.choice([None, 3, "x", {}, torch.tensor([[1, 2]]), spans[:1], [*spans, []]])
+        elif what == "loss_spans[b]":
+            args["loss_spans"] = [rng.choice([None, 3, "x", {}]) if k == b else s for k, s in enumerate(spans)]
+        else:
+            bad = rng.choice([None, 3, "x", (1, 2, 3), (0, 1), (1, 0), (1, -3), (-1, 2), (2**70, 1), (1, 2**70), ("a", 1),
+                              (1.5, 2), (None, 1), (True, 1), Span("image", 1, 1), Span("text", 1, 1, 0)])
+            args["loss_spans"] = [[bad] if k == b else s for k, s in enumerate(spans)]
+    elif what.startswith("media_ids"):
+        ids: list[Any] = [["a", "b"], ["c"]]
+        b = rng.randrange(2)
+        if what == "media_ids":
+            args["media_ids"] = rng.choice([3, "x", {}, torch.tensor([1]), ids[:1], [*ids, []]])
+        elif what == "media_ids[b]":
+            ids[b] = rng.choice([None, 3, "x", {}, [], ["a", "b", "c"]])
+            args["media_ids"] = ids
+        else:
+            ids[b][0] = rng.choice(_NOT_A_STR)
+            args["media_ids"] = ids
+    else:
+        broken = tiny_processor()
+        setting = rng.choice(["image_token_id", "merge_size", "chat_template"])
+        if setting == "image_token_id":
+            broken.image_token_id, broken.image_token = rng.choice(["4", 2.5, None, [4]]), None
+        elif setting == "merge_size":
+            broken.image_processor.merge_size = rng.choice([0, -2, 2**40])
+        else:
+            broken.chat_template = rng.choice([3, ["x"], b"x"])
+        args["processor"] = broken
+        what = f"processor.{setting}"
+    name = what.split(".")[0].replace("[b]", "").replace("[i]", "")
+    return name, what, lambda: MultimodalBatch.from_processor(args["processor"], args["encoded"], loss_spans=args["loss_spans"],
+                                                              media_ids=args["media_ids"])
+
+
+def test_from_processor_refuses_malformed_arguments_naming_them(seed):
+    """Property (seeded draws): ``from_processor`` with one wrong argument (the processor output,
+    one of its tensors, the loss spans, the media ids, the processor's settings) raises
+    ValueError or TypeError naming it, in one line."""
+    processor = tiny_processor()
+    encoded = dict(encode(processor, seed))
+    spans = answer_spans(encoded)
+    rng = random.Random(seed)
+    for _ in range(150):
+        name, what, call = _malformed_call(rng, processor, encoded, spans)
+        _refused(what, name, call, seed)
+
+
+def test_saved_batch_with_a_malformed_field_is_refused_naming_it(tmp_path, seed):
+    """Property (seeded draws): a saved batch with one field replaced by a wrong value (of a
+    type ``torch.load(weights_only=True)`` reads back) is refused by ``storage.load`` with a
+    one-line ValueError naming the file and that field."""
+    from rl_kernel_core.multimodal import storage
+
+    batch, _ = build(seed)
+    path = str(tmp_path / "batch.pt")
+    storage.save(batch, path)
+    saved = torch.load(path, weights_only=True)
+    rng = random.Random(seed)
+    loadable: list[Any] = [None, True, 3, -1, 2**70, 2.5, "x", b"x", {}, {"a": 1}, [], [[]], [None], (1, 2), torch.tensor(3),
+                torch.zeros(2, 3, 4, dtype=torch.long), torch.rand(4), torch.ones(5, dtype=torch.long).to_sparse(),
+                torch.zeros(1, dtype=torch.long).expand(6), [torch.ones(3, dtype=torch.long).to_sparse()],
+                [torch.zeros(1, dtype=torch.long).expand(2**20)] * 2]
+    for _ in range(60):
+        field = rng.choice([k for k in saved if k != "format"] + ["format"])
+        bad = rng.choice([v for v in loadable if not (field == "format" and v is None)])
+        torch.save({**saved, field: bad}, path)
+        _refused(f"{field} = {brief(bad)}", field, lambda: storage.load(path), seed)
+        with pytest.raises(ValueError, match=r"batch\.pt: "):
+            storage.load(path)
