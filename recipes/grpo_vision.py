@@ -23,7 +23,7 @@ from pathlib import Path
 from grpo import vision, vision_data
 from grpo.runs import (OVERRIDES, add_run_options, device_and_output, embedded_side, first_step_section, git_commit,
                        parse_run_options, recipe_error, recipe_parser, run_config)
-from grpo.vision_model import PRESETS, build_local_vlm
+from grpo.vision_model import PRESETS, CacheError, build_local_vlm
 from rl_kernel_core import bench, report
 from rl_kernel_core.cli import integer, number
 from rl_kernel_core.multimodal.parity import ParityError
@@ -75,7 +75,10 @@ def main(argv=None) -> int:
     print(f"[grpo_vision] engine: embedded; device: {device}; output: {out}", flush=True)
     problems = vision_data.synthetic_problems(args.problems, args.tasks, args.seed)
     source = f"synthetic: {args.problems} problems ({', '.join(args.tasks)}), seed {args.seed}"
-    model_dir = build_local_vlm(args.preset, ROOT / "runs" / "models", vision_data.vocabulary_texts(), seed=args.seed)
+    try:
+        model_dir = build_local_vlm(args.preset, ROOT / "runs" / "models", vision_data.vocabulary_texts(), seed=args.seed)
+    except CacheError as exc:
+        return recipe_error("grpo_vision", str(exc))
     model_desc = f"local {args.preset} (Qwen2-VL-style, random weights, tokenizer trained on the data): {model_dir.name}"
     print(f"[grpo_vision] data: {source}\n[grpo_vision] model: {model_desc}", flush=True)
 
