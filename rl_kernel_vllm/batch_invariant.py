@@ -13,6 +13,10 @@ In each vLLM process the hook:
   oneDNN/SGL kernels vLLM packs weights for;
 * computes RMSNorm with the residual added in the model dtype first, as transformers does (vLLM's
   native fused add-norm takes the mean square of the unrounded fp32 sum);
+* fills every rotary layer's ``cos_sin_cache`` with the values the model's transformers rotary
+  module gives (:func:`rl_kernel_core.consistency.rope.cos_sin_table`: inverse frequencies from the
+  CPU, ``cos``/``sin`` on the device): vLLM computes its table on the GPU, where ``pow`` and scalar
+  division round differently, and scales ``linear`` ropes' positions instead of their frequencies;
 * configures the engine so that no other arithmetic sneaks in: compilation mode ``NONE`` (no
   ``torch.compile`` fusion), ``custom_ops=["none"]`` (vLLM's native PyTorch RMSNorm, rotary and
   SiLU-and-mul instead of its fused kernels) and no cascade attention; on CUDA, unless the user
@@ -21,7 +25,8 @@ In each vLLM process the hook:
   same inputs; prefill and mixed batches run eagerly), announced once per process.
 
 Refused with an error naming the setting (at engine configuration): a model architecture outside
-:data:`ARCHITECTURES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
+:data:`ARCHITECTURES`, a rope type outside
+:data:`~rl_kernel_core.consistency.rope.COVERED_ROPE_TYPES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
 model's, and an ``attention_backend`` other than the platform's default entry. Attention layers
 the backend does not cover are refused when built (:mod:`rl_kernel_vllm.attention`). Prefix
 caching stays on: a cached block holds the bits a recomputation would give (not separately tested).
@@ -35,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from rl_kernel_core import adapters
+from rl_kernel_core.consistency.rope import COVERED_ROPE_TYPES, cos_sin_table, rope_type
 from rl_kernel_core.invariance import set_batch_invariant_mode
 from rl_kernel_vllm._log import log_once
 
@@ -44,7 +50,8 @@ ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3
 OVERRIDES: tuple[str, ...] = (
     "batch-invariant mode: compilation mode NONE, compilation_config.custom_ops=['none'], no cascade attention, "
     "CUDA graphs for uniform decode batches only (CUDA), attention through rl-kernel's fixed-order attention "
-    "over the paged KV cache, matmuls/means/log-softmax through rl-kernel's batch-invariant kernels",
+    "over the paged KV cache, matmuls/means/log-softmax through rl-kernel's batch-invariant kernels, "
+    "rotary tables from the model's transformers rope",
 )
 """The vLLM settings this hook changes, announced once per process when it is live."""
 
@@ -55,6 +62,10 @@ BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 RMS_NORM_TARGET = "vllm.model_executor.layers.layernorm:RMSNorm.forward_native"
+ROTARY_TARGET = "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbeddingBase.__init__"
+ROTARY_CLASSES: tuple[str, ...] = ("RotaryEmbedding", "Llama3RotaryEmbedding", "LinearScalingRotaryEmbedding",
+                                   "YaRNScalingRotaryEmbedding")
+"""vLLM's rotary classes for the covered rope types, whose table :func:`_trainer_rope_table` replaces."""
 CPU_GEMM_TARGET = "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm"
 
 
@@ -80,6 +91,9 @@ def check_config(vllm_config: Any, entry: str) -> list[str]:
             refusals.append(f"model architecture {archs} (covered: {', '.join(ARCHITECTURES)})")
         if getattr(model, "quantization", None):
             refusals.append(f"quantization={model.quantization!r}")
+        kind = rope_type(_text_config(model))
+        if kind not in COVERED_ROPE_TYPES:
+            refusals.append(f"rope_type={kind!r} (covered: {', '.join(COVERED_ROPE_TYPES)})")
     if vllm_config.speculative_config is not None:
         refusals.append("speculative decoding (speculative_config is set)")
     if vllm_config.lora_config is not None:
@@ -161,6 +175,36 @@ def _hf_rms_norm(original: Any) -> Callable[..., Any]:
     return forward_native
 
 
+def _text_config(model_config: Any) -> Any:
+    return getattr(model_config, "hf_text_config", None) or model_config.hf_config
+
+
+def _trainer_rope_table(original: Any) -> Callable[..., None]:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        cache = getattr(self, "cos_sin_cache", None)
+        if cache is None:
+            return
+        from vllm.config import get_current_vllm_config_or_none
+
+        kind = type(self).__name__
+        vllm_config = get_current_vllm_config_or_none()
+        if kind not in ROTARY_CLASSES or not self.is_neox_style or len(getattr(self, "scaling_factors", [1.0])) != 1:
+            raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover vLLM's {kind} (neox style "
+                             f"{self.is_neox_style}; covered: {', '.join(ROTARY_CLASSES)}, neox style, one scaling factor)")
+        if vllm_config is None or vllm_config.model_config is None:
+            raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: vLLM built a {kind} outside a model's construction "
+                             f"(no current vLLM config), so its table cannot be matched to the model's transformers rope")
+        cos, sin = cos_sin_table(_text_config(vllm_config.model_config), cache.shape[0], cache.device)
+        if not cos.shape[1] == self.rotary_dim == cache.shape[1]:
+            raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: vLLM's {kind} rotates {self.rotary_dim} dims, "
+                             f"transformers' rope for this config {cos.shape[1]}")
+        half = self.rotary_dim // 2
+        self.cos_sin_cache = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).to(cache.dtype)
+
+    return __init__
+
+
 def _defining_class(cls: type, name: str) -> type:
     """The class in ``cls``'s MRO whose own namespace holds ``name`` (the platform classes inherit it)."""
     for klass in cls.__mro__:
@@ -182,7 +226,8 @@ def install(patches: adapters.Patches) -> dict[str, Any]:
         member = AttentionBackendEnum[entry]
         owner = _defining_class(type(current_platform), "check_and_update_config")
         config_target = f"{owner.__module__}:{owner.__qualname__}.check_and_update_config"
-        wanted = [(config_target, _wrap_check_and_update_config(entry)), (RMS_NORM_TARGET, _hf_rms_norm)]
+        wanted = [(config_target, _wrap_check_and_update_config(entry)), (RMS_NORM_TARGET, _hf_rms_norm),
+                  (ROTARY_TARGET, _trainer_rope_table)]
         if current_platform.is_cpu():
             wanted.append((CPU_GEMM_TARGET, _routed_cpu_gemm))
         for target, _ in wanted:

