@@ -4,7 +4,7 @@ forward and the trainer's, on one sequence.
 vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tensor parallel size 1) with the
 plugin's switches from the environment; forward hooks on its decoder modules record every row of
 a one-request prefill of the sequence (``max_tokens=1``, so no decode step runs), keyed by the
-positions the model receives. The transformers model of the same checkpoint runs one forward of
+positions the model receives (the logits: the last position's, the only row vLLM computes). The transformers model of the same checkpoint runs one forward of
 the same ids under ``rk.batch_invariant()`` with the same hooks. The points compared, in forward
 order, per layer: the input norm, the q/k/v projections, the attention core (rotary embedding
 included), the output projection, the post-attention norm, the MLP's down projection; then the
@@ -80,9 +80,10 @@ def _hook_vllm(model: Any) -> list[str]:
     the positions the model receives; returns the point names in forward order."""
     _captured.clear()
     inner = model.model
-    inner.register_forward_pre_hook(
+    # the decoder model's own __call__ is vLLM's compile wrapper (no module hooks): its first layer's get the positions
+    inner.layers[0].register_forward_pre_hook(
         lambda module, args, kwargs: _captured.setdefault("positions", []).append(
-            (kwargs.get("positions") if "positions" in kwargs else args[1]).detach().reshape(-1).cpu()), with_kwargs=True)
+            (kwargs["positions"] if "positions" in kwargs else args[0]).detach().reshape(-1).cpu()), with_kwargs=True)
     names = []
     for i, layer in enumerate(inner.layers):
         for point, suffix, pick in VLLM_POINTS:
@@ -92,6 +93,13 @@ def _hook_vllm(model: Any) -> list[str]:
     inner.norm.register_forward_hook(_record("norm", _out))
     model.logits_processor.register_forward_hook(_record("logits", _out))
     return names + ["norm", "logits"]
+
+
+def _take(model: Any) -> dict[str, list[torch.Tensor]]:
+    """What the hooks recorded (CPU tensors), handed back and forgotten."""
+    taken = dict(_captured)
+    _captured.clear()
+    return taken
 
 
 def _hf_points(model, ids: list[int], device: str) -> dict[str, torch.Tensor]:
@@ -151,20 +159,26 @@ def probe(model_dir: str, ids: list[int], dtype: str, device: str, engine: Optio
     engine = {k: v for k, v in (engine or {}).items() if k not in ("tensor_parallel_size", "enable_chunked_prefill",
                                                                      "max_num_batched_tokens")}
     engine.setdefault("max_model_len", max(len(ids) + 1, 16))
+    engine["distributed_executor_backend"] = "uni"  # the worker, and so its hooks, in this process
+    engine["enforce_eager"] = True  # module hooks see eager forwards only (the mode's prefill is eager anyway)
     llm = LLM(model=model_dir, dtype=dtype, enable_chunked_prefill=False, **engine)
     names = llm.apply_model(_hook_vllm)[0]
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
-    positions = torch.cat(_captured.pop("positions"))
+    captured = llm.apply_model(_take)[0]
+    positions = torch.cat(captured.pop("positions"))
     rows = len(ids)
     if not torch.equal(positions[:rows], torch.arange(rows)):
         raise RuntimeError(f"the engine's prefill rows are not positions 0..{rows - 1}: {positions[:rows].tolist()[:20]}")
-    ours = {name: torch.cat(parts)[:rows] for name, parts in _captured.items()}
+    ours = {name: torch.cat(parts)[:rows] for name, parts in captured.items()}
     del llm
     loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model = loaded.to(device).eval()
     use_mode_attention(model)
-    result = compare_points(names, ours, _hf_points(model, ids, device))
-    result["path"] = "one-request prefill, tensor parallel size 1, no chunking"
+    trainer = _hf_points(model, ids, device)
+    # vLLM computes the logits of the last prompt position only
+    ours["logits"], trainer["logits"] = ours["logits"][-1:], trainer["logits"][-1:]
+    result = compare_points(names, ours, trainer)
+    result["path"] = "one-request eager prefill, tensor parallel size 1, no chunking"
     return result
 
 
