@@ -46,13 +46,17 @@ crashes that thread.
 (``torch.compiler.set_stance``), so compiled functions and modules run their Python eagerly, their
 ops are routed and a compiled model gives the eager model's bits (the fused kernels of its compiled
 code would reach no route); the stance in force before comes back when the mode turns off.
-Turning the mode on inside a compiled function raises: torch.compile refuses a stance change
-there. A CUDA graph replays the kernels captured in it, routed only if captured in the mode.
+Entering the mode (or setting its switch) inside a function torch.compile is tracing raises a
+one-line ``RuntimeError``: a traced function cannot change the stance. A CUDA graph replays the kernels captured in it, routed only if captured in the mode.
 
 The mode is process-wide, as ``torch.use_deterministic_algorithms`` is, and counted: while a
 ``batch_invariant()`` block on any thread or the switch holds it, every thread's routed ops are
 routed; blocks on different threads may overlap in any order, and the mode turns off when the last
-holder lets go. ``batch_invariant(False)`` takes one thread out of it for a block. Nesting and
+holder lets go. ``batch_invariant(False)`` takes one context out of it for a block. Which
+``batch_invariant`` block is innermost is kept per context (a ``contextvars.ContextVar``: each
+thread, each asyncio task): blocks that close out of order (interleaved asyncio tasks or
+generators suspended inside one, a block closed from another thread) leave every context with its
+innermost block still open, and the state before the first block once all have closed. Nesting and
 exceptions restore the previous state exactly. It needs torch >= 2.9
 (``torch.library.get_kernel``); turning it on with an older torch raises.
 
@@ -71,6 +75,7 @@ cost no copy); the other ops' inputs are made contiguous first.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import threading
 import warnings
@@ -94,10 +99,38 @@ ROUTED_DISPATCH_KEYS: tuple[str, ...] = ("CPU", "CUDA")
 
 class _ThreadState(threading.local):
     suspended = False  # a route or routing_suspended() is running on this thread
-    block: Optional[bool] = None  # the innermost batch_invariant(enabled) block on this thread, if any
 
 
 _thread = _ThreadState()
+
+
+class _Block:
+    """One ``batch_invariant(enabled)`` block: its setting, the block that was innermost in its context
+    when it was entered, and whether it is still open (closed from any thread or context)."""
+
+    __slots__ = ("enabled", "parent", "open")
+
+    def __init__(self, enabled: bool, parent: Optional["_Block"]) -> None:
+        self.enabled, self.parent, self.open = enabled, parent, True
+
+
+# The innermost block of the running context (thread, asyncio task): a block closed out of order (a
+# generator or task suspended inside it, an exit from another thread) is skipped, never restored over
+# a block still open.
+_innermost_block: contextvars.ContextVar[Optional[_Block]] = contextvars.ContextVar("rl_kernel_batch_invariant_block",
+                                                                                    default=None)
+
+
+def _open_block(node: Optional[_Block]) -> Optional[_Block]:
+    while node is not None and not node.open:
+        node = node.parent
+    return node
+
+
+def _block_setting() -> Optional[bool]:
+    """The setting of the innermost open ``batch_invariant`` block of this context, or None."""
+    node = _open_block(_innermost_block.get())
+    return None if node is None else node.enabled
 
 
 def _routed_kernel(route: Callable, original) -> Callable:
@@ -105,7 +138,7 @@ def _routed_kernel(route: Callable, original) -> Callable:
     where ``route`` returns ``NotImplemented``) the replaced kernel."""
 
     def kernel(keyset, *args, **kwargs):
-        if _on and not _thread.suspended and _thread.block is not False:
+        if _on and not _thread.suspended and _block_setting() is not False:
             # below autograd (the op's own formula differentiates it): no graph to build in here
             grad_enabled = torch.is_grad_enabled()
             _thread.suspended = True
@@ -183,6 +216,12 @@ def routing_suspended() -> Iterator[None]:
         _thread.suspended = previous
 
 
+def _refuse_while_compiling(what: str) -> None:
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{what} inside a function torch.compile is tracing: the mode changes torch.compile's stance, "
+                           f"which a traced function cannot; enter the mode around the compiled call instead")
+
+
 def _check_enabled(enabled: object) -> None:
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
@@ -198,9 +237,11 @@ def set_batch_invariant_mode(enabled: bool) -> bool:
     ``batch_invariant()`` block, or on inside a ``batch_invariant(False)`` one.
     """
     _check_enabled(enabled)
-    if _thread.block is not None and _thread.block != enabled:
-        raise RuntimeError(f"set_batch_invariant_mode({enabled}) inside a batch_invariant({_thread.block}) block cannot "
-                           f"change this thread's mode; use `with batch_invariant({enabled}):` instead")
+    _refuse_while_compiling("set_batch_invariant_mode()")
+    block = _block_setting()
+    if block is not None and block != enabled:
+        raise RuntimeError(f"set_batch_invariant_mode({enabled}) inside a batch_invariant({block}) block cannot "
+                           f"change this context's mode; use `with batch_invariant({enabled}):` instead")
     with _lock:
         previous = _switch
         _set_holders(_blocks, enabled)
@@ -208,9 +249,9 @@ def set_batch_invariant_mode(enabled: bool) -> bool:
 
 
 def is_batch_invariant() -> bool:
-    """Whether batch-invariant mode is on for this thread: held by the switch or a block on any
-    thread, and this thread is not inside ``batch_invariant(False)``."""
-    return _on and _thread.block is not False
+    """Whether batch-invariant mode is on for this context (thread, asyncio task): held by the switch
+    or a block in any context, and this context's innermost open block is not ``batch_invariant(False)``."""
+    return _on and _block_setting() is not False
 
 
 @contextlib.contextmanager
@@ -220,8 +261,10 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
     On: the block holds the mode, process-wide (every thread's routed ops take their
     batch-invariant paths), from entry to exit; blocks on any threads nest and overlap freely, and
     the mode stays on until the last one exits (and the switch of :func:`set_batch_invariant_mode`
-    is off). Off: this thread's ops run PyTorch's own kernels inside, whoever holds the mode;
-    other threads keep theirs. Nesting and exceptions restore the previous state.
+    is off). Off: this context's ops run PyTorch's own kernels inside, whoever holds the mode;
+    other threads and tasks keep theirs. Nesting and exceptions restore the previous state; blocks
+    closed out of order (a suspended generator or task, another thread) never leave a context in a
+    block that has closed.
 
     Example::
 
@@ -230,14 +273,18 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
             logprob = rl_kernel_core.linear_logprob(hidden, weight, targets)
     """
     _check_enabled(enabled)
+    _refuse_while_compiling("batch_invariant()")
     if enabled:
         with _lock:
             _set_holders(_blocks + 1, _switch)
-    previous, _thread.block = _thread.block, enabled
+    node = _Block(enabled, _open_block(_innermost_block.get()))
+    _innermost_block.set(node)
     try:
         yield
     finally:
-        _thread.block = previous
+        node.open = False
+        if _innermost_block.get() is node:
+            _innermost_block.set(_open_block(node.parent))
         if enabled:
             with _lock:
                 _set_holders(_blocks - 1, _switch)

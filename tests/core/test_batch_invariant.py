@@ -504,3 +504,79 @@ def test_mode_entered_and_left_on_one_thread_while_others_compute(seed):
     assert not failures, failures[:3]
     assert min(rounds) >= 100, f"the workers ran only {rounds} rounds"
     assert not rk.is_batch_invariant()
+
+
+def test_mode_state_is_per_context_with_out_of_order_exits(seed):
+    """asyncio tasks and generators interleaving batch_invariant blocks on one thread, while another
+    thread holds the mode: every context sees its own innermost open block, and all closed leaves the
+    state of before (issue: per-thread state restored out of order)."""
+    import asyncio
+    import threading
+
+    from rl_kernel_core.invariance import batch_invariant, is_batch_invariant, set_batch_invariant_mode
+
+    holding, release = threading.Event(), threading.Event()
+
+    def holder():
+        with batch_invariant():
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    holding.wait(30)
+    try:
+        assert is_batch_invariant()  # the other thread holds it
+
+        def gen(enabled):
+            with batch_invariant(enabled):
+                yield is_batch_invariant()
+                yield is_batch_invariant()
+
+        off, on = gen(False), gen(True)
+        assert next(off) is False and next(on) is True
+        assert next(off) is True  # the generators share this context: the later block is innermost
+        off.close()  # closed out of order: the open True block stays innermost
+        assert is_batch_invariant() and next(on) is True
+        on.close()
+        assert is_batch_invariant()
+        set_batch_invariant_mode(False)  # no block open in this context: allowed (it raised before)
+
+        async def task(enabled, gate_in, gate_out, seen):
+            with batch_invariant(enabled):
+                gate_in.set()
+                await gate_out.wait()
+                seen.append((enabled, is_batch_invariant()))
+
+        async def main():
+            a_in, a_out, b_in, b_out = (asyncio.Event() for _ in range(4))
+            seen: list = []
+            ta = asyncio.create_task(task(False, a_in, a_out, seen))
+            tb = asyncio.create_task(task(True, b_in, b_out, seen))
+            await a_in.wait()
+            await b_in.wait()
+            a_out.set()  # the first task's block closes first
+            await ta
+            b_out.set()
+            await tb
+            return seen
+
+        assert asyncio.run(main()) == [(False, False), (True, True)]
+        assert is_batch_invariant()
+    finally:
+        release.set()
+        t.join()
+    assert not is_batch_invariant()
+
+
+def test_entering_the_mode_while_compiling_is_a_one_line_error(seed):
+    from rl_kernel_core.invariance import batch_invariant
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(x):
+        with batch_invariant():
+            return x + 1
+
+    with pytest.raises(Exception, match="inside a function torch.compile is tracing"):
+        f(torch.ones(2))
+    assert not rk.is_batch_invariant()
