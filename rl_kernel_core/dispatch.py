@@ -48,6 +48,7 @@ import torch
 
 from rl_kernel_core import ops
 from rl_kernel_core.ops import BACKENDS
+from rl_kernel_core.switches import show_value
 
 logger = logging.getLogger("rl_kernel")
 
@@ -200,7 +201,7 @@ def default_backend() -> str:
     """The backend an op uses when none is given: ``RL_KERNEL_BACKEND`` or ``auto``."""
     value = os.environ.get("RL_KERNEL_BACKEND", "auto").strip().lower() or "auto"
     if value != "auto" and value not in BACKENDS:
-        raise ValueError(f"RL_KERNEL_BACKEND must be 'auto' or one of {BACKENDS}, got {value!r}")
+        raise ValueError(f"RL_KERNEL_BACKEND must be 'auto' or one of {BACKENDS}, got {show_value(value)}")
     return value
 
 

@@ -3,7 +3,8 @@
 Standard library only. Accepted spellings, compared after stripping surrounding whitespace and
 ignoring case: ``1``/``true``/``yes``/``on`` (on) and ``0``/``false``/``no``/``off`` (off). An
 unset or empty (whitespace-only) variable takes the switch's default. Anything else raises
-:class:`SwitchError` naming the variable, the accepted spellings and the value found.
+:class:`SwitchError` naming the variable, the accepted spellings and the value found (a value longer
+than :data:`SHOWN_CHARS` characters is shown by its start and its length: :func:`show_value`).
 
 A family of switches with a master switch (``RL_KERNEL_VLLM`` and its ``RL_KERNEL_VLLM_*``) is
 read by :func:`env_switch_family`: while the master is off, the others are never parsed, so a
@@ -18,6 +19,19 @@ from typing import Mapping, Optional, Union
 TRUE_SPELLINGS: tuple[str, ...] = ("1", "true", "yes", "on")
 FALSE_SPELLINGS: tuple[str, ...] = ("0", "false", "no", "off")
 SPELLINGS_TEXT = "1/0, true/false, yes/no, on/off (any case)"
+SHOWN_CHARS = 80
+"""The most characters of a value an error message quotes (:func:`show_value`)."""
+
+
+def show_value(raw: str, *, quote: bool = True) -> str:
+    """``raw`` as an error message shows it: ``repr(raw)`` (``raw`` itself with ``quote=False``),
+    or, for a value longer than :data:`SHOWN_CHARS` characters, its first :data:`SHOWN_CHARS`
+    characters followed by ``... (N chars)``, so that a huge value never fills a log line."""
+    text = str(raw)
+    if len(text) <= SHOWN_CHARS:
+        return repr(text) if quote else text
+    head = text[:SHOWN_CHARS]
+    return f"{head!r}... ({len(text)} chars)" if quote else f"{head}... ({len(text)} chars)"
 
 
 class SwitchError(ValueError):
@@ -35,7 +49,7 @@ def parse_flag(name: str, raw: str) -> bool:
         return True
     if value in FALSE_SPELLINGS:
         return False
-    raise SwitchError(f"{name} must be one of {SPELLINGS_TEXT}, got {raw!r}")
+    raise SwitchError(f"{name} must be one of {SPELLINGS_TEXT}, got {show_value(raw)}")
 
 
 def _env(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from rl_kernel_core import adapters
+from rl_kernel_core.switches import show_value
 from rl_kernel_verl import switch, targets
 from rl_kernel_verl.engine import METRIC_PREFIX
 
@@ -140,7 +141,7 @@ def _refusal(rollout: Any) -> Optional[str]:
     value = os.environ.get(INSECURE_ENV, "0")
     if not value.strip().isdigit() or int(value) == 0:
         return (f"vLLM's server runs a function in its workers only with {INSECURE_ENV}=1 in the rollout's "
-                f"environment, got {value!r}")
+                f"environment, got {show_value(value)}")
     return None
 
 

@@ -25,15 +25,21 @@ variable                           default  effect
 While ``RL_KERNEL_VLLM`` is off the other variables are not read at all: a malformed
 sub-switch cannot stop vLLM from starting when the plugin is off. ``RL_KERNEL_VLLM_BATCH_INVARIANT``
 and vLLM's own ``VLLM_BATCH_INVARIANT`` are exclusive (an error names both): each replaces the
-same kernels with its own.
+same kernels with its own. ``VLLM_BATCH_INVARIANT`` is vLLM's variable, so it is read (only with
+``RL_KERNEL_VLLM_BATCH_INVARIANT`` on) exactly as vLLM reads it, not with rl-kernel's spellings:
+``bool(int(value))`` with ``"0"`` when unset (:func:`vllm_own_mode`). ``2`` or ``-1`` are on and
+``0`` off; a value ``int()`` does not take (``true``, ``on``, an empty string) makes vLLM itself
+fail with a ``ValueError`` when it reads it, and is refused here the same way, by a
+:class:`~rl_kernel_core.switches.SwitchError` naming the variable and the value.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from rl_kernel_core.switches import env_flag, env_switch_family
+from rl_kernel_core.switches import SwitchError, env_switch_family, show_value
 
 MASTER = "RL_KERNEL_VLLM"
 STRICT = "RL_KERNEL_VLLM_STRICT"
@@ -62,19 +68,38 @@ class Switches:
 VLLM_OWN_MODE = "VLLM_BATCH_INVARIANT"
 
 
+def vllm_own_mode(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether vLLM's own batch-invariant mode is on, read as vLLM reads ``VLLM_BATCH_INVARIANT``
+    (``vllm.envs``: ``bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0")))``): any integer ``int()``
+    takes, nonzero meaning on; unset is ``"0"``.
+
+    Raises:
+        rl_kernel_core.switches.SwitchError: the value is not one ``int()`` takes (``true``, an
+            empty string...), which vLLM refuses with a ``ValueError`` when it reads it.
+    """
+    raw = (os.environ if environ is None else environ).get(VLLM_OWN_MODE, "0")
+    try:
+        return int(raw) != 0
+    except ValueError:
+        raise SwitchError(f"{VLLM_OWN_MODE} is vLLM's switch, which vLLM reads as an integer (0 off, any other "
+                          f"integer on) and refuses {show_value(raw)}: set it to 0 or 1, or unset it") from None
+
+
 def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
     """Read the switches from ``environ`` (default ``os.environ``): the master switch first, the
     others only when it is on.
 
     Raises:
-        rl_kernel_core.switches.SwitchError: a switch that is read holds an unaccepted value.
+        rl_kernel_core.switches.SwitchError: a switch that is read holds an unaccepted value
+            (``VLLM_BATCH_INVARIANT``: one vLLM refuses, :func:`vllm_own_mode`).
         ValueError: ``RL_KERNEL_VLLM_BATCH_INVARIANT`` and vLLM's ``VLLM_BATCH_INVARIANT`` are both on.
     """
     values = env_switch_family(MASTER, {**HOOK_SWITCHES, "strict": (STRICT, False)}, environ)
     if values is None:
         return Switches(enabled=False, strict=False, hooks={hook: False for hook in HOOK_SWITCHES})
-    if values["batch_invariant"] and env_flag(VLLM_OWN_MODE, environ=environ):
-        raise ValueError(f"{HOOK_SWITCHES['batch_invariant'][0]}=1 and vLLM's {VLLM_OWN_MODE}=1 are exclusive: "
+    if values["batch_invariant"] and vllm_own_mode(environ):
+        own = show_value((os.environ if environ is None else environ)[VLLM_OWN_MODE].strip(), quote=False)
+        raise ValueError(f"{HOOK_SWITCHES['batch_invariant'][0]}=1 and vLLM's {VLLM_OWN_MODE}={own} are exclusive: "
                          "each replaces the same kernels with its own; unset one")
     strict = values.pop("strict")
     return Switches(enabled=True, strict=strict, hooks=values)

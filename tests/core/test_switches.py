@@ -4,7 +4,8 @@ from collections.abc import Mapping
 
 import pytest
 
-from rl_kernel_core.switches import SwitchError, env_flag, env_flag_or_path, env_switch_family, parse_flag
+from rl_kernel_core.switches import (SHOWN_CHARS, SwitchError, env_flag, env_flag_or_path, env_switch_family, parse_flag,
+                                     show_value)
 
 
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", "True", "yes", "Yes", "on", "ON", " on ", "\t1\n"])
@@ -84,3 +85,23 @@ def test_family_with_the_master_on_reads_every_member():
 def test_flag_or_path(raw, expected):
     env = {} if raw is None else {"RL_KERNEL_PROFILE": raw}
     assert env_flag_or_path("RL_KERNEL_PROFILE", env) == expected
+
+
+def test_a_huge_value_is_shown_by_its_start_and_length():
+    raw = "x" * (1 << 20)
+    with pytest.raises(SwitchError) as info:
+        env_flag("RL_KERNEL_SOMETHING", False, {"RL_KERNEL_SOMETHING": raw})
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 300, len(message)
+    assert message.endswith(f"got {'x' * SHOWN_CHARS!r}... (1048576 chars)")
+    assert show_value("y" * SHOWN_CHARS) == repr("y" * SHOWN_CHARS)  # up to the limit: whole
+    assert show_value("a\nb" * 100, quote=False) == ("a\nb" * 100)[:SHOWN_CHARS] + "... (300 chars)"
+
+
+def test_a_huge_backend_name_is_shown_by_its_start_and_length(monkeypatch):
+    from rl_kernel_core import dispatch
+
+    monkeypatch.setenv("RL_KERNEL_BACKEND", "z" * (1 << 20))
+    with pytest.raises(ValueError) as info:
+        dispatch.default_backend()
+    assert len(str(info.value)) < 300 and str(info.value).endswith("... (1048576 chars)"), str(info.value)[:400]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -176,6 +177,88 @@ def test_switch_values():
         switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1", "VLLM_BATCH_INVARIANT": "1"})
     # vLLM's own mode alone, or beside the plugin without ours, is vLLM's business
     assert not switches.read({"RL_KERNEL_VLLM": "1", "VLLM_BATCH_INVARIANT": "1"}).wanted("batch_invariant")
+
+
+def _vllm_reads(value: str) -> bool:
+    """``VLLM_BATCH_INVARIANT=value`` as vLLM reads it: its own ``vllm.envs`` entry where vLLM is
+    installed, else the definition it has there (``bool(int(os.getenv(name, "0")))``); raises
+    ValueError where vLLM does."""
+    try:
+        import vllm.envs as vllm_envs
+    except ImportError:
+        return bool(int(value))
+    saved = os.environ.get("VLLM_BATCH_INVARIANT")
+    os.environ["VLLM_BATCH_INVARIANT"] = value
+    try:
+        return bool(vllm_envs.environment_variables["VLLM_BATCH_INVARIANT"]())
+    finally:
+        if saved is None:
+            del os.environ["VLLM_BATCH_INVARIANT"]
+        else:
+            os.environ["VLLM_BATCH_INVARIANT"] = saved
+
+
+def _exclusive_or_refused(value: str) -> str:
+    """What ``switches.read`` does with our mode on and vLLM's set to ``value``: "ok", "exclusive"
+    (vLLM's mode on too) or "refused" (a value vLLM refuses)."""
+    env = {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1", "VLLM_BATCH_INVARIANT": value}
+    try:
+        switches.read(env)
+    except SwitchError as exc:
+        assert str(exc).startswith("VLLM_BATCH_INVARIANT is vLLM's switch, which vLLM reads as an integer"), exc
+        assert "\n" not in str(exc) and len(str(exc)) < 400, str(exc)[:500]
+        return "refused"
+    except ValueError as exc:
+        assert "are exclusive" in str(exc) and len(str(exc)) < 400, str(exc)[:500]
+        return "exclusive"
+    return "ok"
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1", "exclusive"), ("2", "exclusive"), ("-1", "exclusive"), (" 7 ", "exclusive"), ("1_0", "exclusive"),
+    ("0", "ok"), ("00", "ok"), ("+0", "ok"), ("-0", "ok"),
+    ("true", "refused"), ("on", "refused"), ("yes", "refused"), ("false", "refused"), ("", "refused"), ("1.0", "refused"),
+    ("9" * 5000, "refused"),  # beyond int()'s digit limit: vLLM refuses it too
+])
+def test_vllms_own_mode_is_read_as_vllm_reads_it(value, expected):
+    """``VLLM_BATCH_INVARIANT`` is vLLM's variable: ``2`` is on for vLLM (so exclusive with ours),
+    ``true`` a value vLLM refuses (so refused, not called "exclusive"), whatever rl-kernel's own
+    spellings are."""
+    assert _exclusive_or_refused(value) == expected
+    if expected == "refused":
+        with pytest.raises(ValueError):
+            _vllm_reads(value)
+    else:
+        assert _vllm_reads(value) is (expected == "exclusive")
+    # without our mode, vLLM's variable is vLLM's business and never read
+    assert not switches.read({"RL_KERNEL_VLLM": "1", "VLLM_BATCH_INVARIANT": value}).wanted("batch_invariant")
+
+
+def test_vllms_own_mode_matches_vllm_on_random_values(seed):
+    """Property: for random short strings over digits, signs, underscores, spaces, letters and
+    non-ASCII digits, the plugin refuses exactly the values vLLM refuses and calls exclusive
+    exactly the ones vLLM reads as on."""
+    rng = random.Random(seed)
+    alphabet = "0123456789" * 3 + "+-_ \t" + "truefalsonyx." + "\u0661\u0660\u096a"
+    for _ in range(300):
+        value = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6)))
+        try:
+            on = _vllm_reads(value)
+        except ValueError:
+            expected = "refused"
+        else:
+            expected = "exclusive" if on else "ok"
+        assert _exclusive_or_refused(value) == expected, (value, f"seed={seed}")
+
+
+def test_a_huge_vllm_value_is_shown_by_its_start_and_length():
+    for value, kind in (("x" * (1 << 20), SwitchError), ("1" * 4000, ValueError)):
+        with pytest.raises(kind) as info:
+            switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1", "VLLM_BATCH_INVARIANT": value})
+        assert len(str(info.value)) < 400 and f"... ({len(value)} chars)" in str(info.value), str(info.value)[:500]
+    with pytest.raises(SwitchError) as info:
+        switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_SAMPLER": "y" * (1 << 20)})
+    assert len(str(info.value)) < 400 and str(info.value).endswith("... (1048576 chars)")
 
 
 def test_master_off_reads_no_other_switch():
