@@ -15,7 +15,7 @@ rl-kernel's batch-invariant mode, with log-probs defined as vLLM's rollout under
 ``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` returns them (see :mod:`rl_kernel_verl.forward`). It turns the
 backend on by itself; with ``use_rl_kernel_backend=False`` written beside it, it is an error.
 
-``rl_kernel_row_parallel_split=2`` beside it (:data:`ROW_SPLIT_OVERRIDE`; 1 or 2, default 1) computes
+``rl_kernel_row_parallel_split=2`` beside it (:data:`ROW_SPLIT_OVERRIDE`; the integer 1 or 2, default 1) computes
 the decoder layers' ``o_proj``/``down_proj`` as the sum of two ranks' products, as verl's vLLM
 rollout at ``tensor_model_parallel_size=2`` computes them
 (:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`), so a TP=2 rollout's log-probs are the
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from rl_kernel_core import adapters
+from rl_kernel_core.switches import show_value
 from rl_kernel_verl import targets
 
 logger = logging.getLogger("rl_kernel.verl")
@@ -70,18 +71,35 @@ class Switch:
     row_split: int = 1
 
 
+def _shown(value: Any) -> str:
+    """``value`` as the errors show it: its repr, cut to its start and length when long."""
+    return show_value(repr(value), quote=False)
+
+
 def _as_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise ValueError(f"fused_kernel_options.{name} must be true or false, got {value!r} ({type(value).__name__})")
+    raise ValueError(f"fused_kernel_options.{name} must be true or false, got {_shown(value)} ({type(value).__name__})")
 
 
 def _as_count(name: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    raise ValueError(f"fused_kernel_options.{name} must be an integer >= 0 (0: off), got {value!r} ({type(value).__name__})")
+    raise ValueError(f"fused_kernel_options.{name} must be an integer >= 0 (0: off), got {_shown(value)} ({type(value).__name__})")
+
+
+def _options(model_config: Any) -> Mapping:
+    """The model config's ``fused_kernel_options``: a mapping (verl's ``dict``, an OmegaConf
+    ``DictConfig``), ``{}`` when absent or None."""
+    options = _get(model_config, "fused_kernel_options")
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"actor_rollout_ref.model.fused_kernel_options must be a mapping of option names to values "
+                         f"(e.g. {OVERRIDE}), got {_shown(options)} ({type(options).__name__})")
+    return options
 
 
 def _looks_like_ours(key: str) -> bool:
@@ -103,15 +121,15 @@ def read(model_config: Any) -> Switch:
     it). ``RL_KERNEL_VERL_STRICT`` is read only when the switch is on.
 
     Raises:
-        ValueError: the switch, ``rl_kernel_strict`` or ``rl_kernel_batch_invariant`` holds
-            something other than a boolean, ``rl_kernel_batch_invariant=True`` sits beside
+        ValueError: ``fused_kernel_options`` is not a mapping, the switch, ``rl_kernel_strict``
+            or ``rl_kernel_batch_invariant`` holds something other than a boolean, ``rl_kernel_batch_invariant=True`` sits beside
             ``use_rl_kernel_backend=False``, ``rl_kernel_weight_check_every`` is not an
-            integer >= 0, or ``rl_kernel_row_parallel_split`` is not 1 or 2 or is 2 without
+            integer >= 0, or ``rl_kernel_row_parallel_split`` is not the integer 1 or 2 or is 2 without
             ``rl_kernel_batch_invariant=True``.
         rl_kernel_core.switches.SwitchError: the switch is on and ``RL_KERNEL_VERL_STRICT`` holds
             an unaccepted value.
     """
-    options: Mapping = _get(model_config, "fused_kernel_options") or {}
+    options = _options(model_config)
     strict = _as_bool(STRICT_KEY, options[STRICT_KEY]) if STRICT_KEY in options else False
     batch_invariant = _as_bool(BATCH_INVARIANT_KEY, options[BATCH_INVARIANT_KEY]) if BATCH_INVARIANT_KEY in options else False
     on = _as_bool(SWITCH_KEY, options[SWITCH_KEY]) if SWITCH_KEY in options else batch_invariant
@@ -120,9 +138,9 @@ def read(model_config: Any) -> Switch:
         raise ValueError(f"fused_kernel_options.{BATCH_INVARIANT_KEY}=True runs the rl-kernel backend, but "
                          f"{SWITCH_KEY}=False turns it off: drop {SWITCH_KEY} or set it to True")
     row_split = options[ROW_SPLIT_KEY] if ROW_SPLIT_KEY in options else 1
-    if isinstance(row_split, bool) or row_split not in (1, 2):
-        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY} must be 1 or 2 (the rollout's tensor parallel size; "
-                         f"more ranks are not covered), got {row_split!r}")
+    if type(row_split) is not int or row_split not in (1, 2):  # an int: 2.0 or True would pass `in (1, 2)`
+        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY} must be 1 or 2, an integer (the rollout's tensor "
+                         f"parallel size; more ranks are not covered), got {_shown(row_split)} ({type(row_split).__name__})")
     if row_split == 2 and not batch_invariant:
         raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY}=2 reproduces a TP=2 rollout bit for bit only in the "
                          f"batch-invariant mode: set {BATCH_INVARIANT_KEY}=True beside it")

@@ -173,6 +173,19 @@ def test_row_parallel_split_needs_the_mode_and_two_ranks():
     assert switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": 2}}).row_split == 2
 
 
+@pytest.mark.parametrize("value", [2.0, 1.0, True, "2", [2], None])
+def test_row_parallel_split_must_be_an_int(value):
+    """``2.0`` equals 2, so ``in (1, 2)`` let it through and the first forward failed slicing with
+    it; it is refused up front, naming the option, the value and its type."""
+    from rl_kernel_verl import switch
+
+    with pytest.raises(ValueError) as info:
+        switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": value}})
+    message = str(info.value)
+    assert message.startswith("fused_kernel_options.rl_kernel_row_parallel_split must be 1 or 2, an integer")
+    assert message.endswith(f"got {value!r} ({type(value).__name__})") and "\n" not in message, message
+
+
 def test_a_fallback_is_an_error(build_worker, seed):
     worker = build_worker("tied", "actor", BATCH_INVARIANT)
     rollout = random_rollout(torch.Generator().manual_seed(seed))

@@ -147,6 +147,42 @@ def test_non_boolean_switch_is_an_error(model_dirs):
         switch.read(_model_config(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=yes"))
 
 
+@pytest.mark.parametrize("options", ["use_rl_kernel_backend=True", ["use_rl_kernel_backend"], 1, True])
+def test_fused_kernel_options_that_are_not_a_mapping_are_an_error(options):
+    """A string or a list where verl keeps a dict: one line naming the key, the value and its type
+    (it was a raw TypeError, or a string searched for the switch by substring)."""
+    from rl_kernel_verl import switch
+
+    for config in ({"fused_kernel_options": options}, types.SimpleNamespace(fused_kernel_options=options)):
+        with pytest.raises(ValueError) as info:
+            switch.read(config)
+        message = str(info.value)
+        assert message.startswith("actor_rollout_ref.model.fused_kernel_options must be a mapping of option names to values")
+        assert message.endswith(f"got {options!r} ({type(options).__name__})") and "\n" not in message, message
+    assert switch.read({"fused_kernel_options": None}) == switch.Switch(on=False, strict=False)
+
+
+def test_bad_option_shapes_through_verls_config(model_dirs):
+    """As Hydra composes them: ``rl_kernel_row_parallel_split=2.0`` (a float, which passed and then
+    failed the first forward slicing with it) and ``fused_kernel_options=abc`` (a string)."""
+    from rl_kernel_verl import switch
+
+    split = ("+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True",
+             "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_row_parallel_split=2.0")
+    with pytest.raises(ValueError, match=r"rl_kernel_row_parallel_split must be 1 or 2, an integer .* got 2.0 \(float\)$"):
+        switch.read(_model_config(model_dirs, *split))
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.fused_kernel_options must be a mapping .* got 'abc' \(str\)$"):
+        switch.read(_model_config(model_dirs, "actor_rollout_ref.model.fused_kernel_options=abc"))
+
+
+def test_a_huge_option_value_is_shown_by_its_start_and_length():
+    from rl_kernel_verl import switch
+
+    with pytest.raises(ValueError) as info:
+        switch.read({"fused_kernel_options": {"use_rl_kernel_backend": "y" * (1 << 20)}})
+    assert len(str(info.value)) < 300 and "... (1048578 chars)" in str(info.value), str(info.value)[:400]
+
+
 @pytest.mark.parametrize("node", ["actor", "model"])
 def test_switch_on_a_dataclass_node_is_rejected_by_verl(model_dirs, node):
     """``+actor_rollout_ref.{actor,model}.use_rl_kernel_backend`` composes, but verl's config
