@@ -84,15 +84,19 @@ def _check_items(name: str, mask: torch.Tensor, positions: dict[str, torch.Tenso
     _checks.same_device("mask", mask, **{f"{name}.values": values}, **{f"{name}.{f}": t for f, t in positions.items()})
 
 
-def _check_ranges(name: str, seq_len: int, low: torch.Tensor, high: torch.Tensor, valid: torch.Tensor, what: str) -> None:
-    """Valid entries must satisfy ``0 <= low`` and ``high <= seq_len`` (read on CPU, and on GPUs
-    with ``RL_KERNEL_CHECK_VALUES``)."""
-    if not _checks.values_checked(low):
+def _check_ranges(name: str, seq_len: int, starts: torch.Tensor, lengths: torch.Tensor, valid: torch.Tensor,
+                  what: str) -> None:
+    """Valid entries ``[start, start + length)`` must lie in ``[0, seq_len)``: ``0 <= start`` and
+    ``length <= seq_len - start``, compared without forming ``start + length`` (which wraps around
+    in int64 or int32 and would let a region far outside the sequence pass). Read on CPU, and on
+    GPUs with ``RL_KERNEL_CHECK_VALUES``."""
+    if not _checks.values_checked(starts):
         return
-    bad = valid & ((low < 0) | (high > seq_len))
+    bad = valid & ((starts < 0) | (starts >= seq_len) | (lengths > seq_len - starts))
     if bool(bad.any()):
         b, k = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name}[{b}][{k}]: {what} must lie in [0, {seq_len}) (mask's T), got [{int(low[b, k])}, {int(high[b, k])})")
+        low = int(starts[b, k])
+        raise ValueError(f"{name}[{b}][{k}]: {what} must lie in [0, {seq_len}) (mask's T), got [{low}, {low + int(lengths[b, k])})")
 
 
 def _group_normalised(values: torch.Tensor, valid: torch.Tensor, group_size: int, estimator: str, norm_by_std: bool,
@@ -137,7 +141,7 @@ def _signal_tokens(name: str, signal: Signal, mask: torch.Tensor, group_size: in
         steps = signal.steps
         _check_items(f"{name}.steps", mask, {"ends": steps.ends}, steps.values)
         valid = steps.ends >= 0
-        _check_ranges(f"{name}.steps.ends", seq_len, steps.ends, steps.ends + 1, valid, "a step's last token")
+        _check_ranges(f"{name}.steps.ends", seq_len, steps.ends, torch.ones_like(steps.ends), valid, "a step's last token")
         adv = _group_normalised(steps.values, valid, group_size, **kwargs)
         reaches = steps.ends[:, :, None] >= positions
         out = out + torch.where(reaches, adv[:, :, None], 0.0).sum(dim=1)
@@ -145,10 +149,10 @@ def _signal_tokens(name: str, signal: Signal, mask: torch.Tensor, group_size: in
         regions = signal.regions
         _check_items(f"{name}.regions", mask, {"starts": regions.starts, "lengths": regions.lengths}, regions.values)
         valid = regions.lengths > 0
-        ends = regions.starts + regions.lengths
-        _check_ranges(f"{name}.regions", seq_len, regions.starts, ends, valid, "a region")
+        _check_ranges(f"{name}.regions", seq_len, regions.starts, regions.lengths, valid, "a region")
         adv = _group_normalised(regions.values, valid, group_size, **kwargs)
-        inside = (regions.starts[:, :, None] <= positions) & (positions < ends[:, :, None])
+        offset = positions - regions.starts[:, :, None]  # no start + length: it could wrap around
+        inside = (offset >= 0) & (offset < regions.lengths[:, :, None])
         out = out + torch.where(inside, adv[:, :, None], 0.0).sum(dim=1)
     return out
 
@@ -166,7 +170,8 @@ def token_advantages(
     """Token-level advantages of a reward signal and, apart, of a cost signal.
 
     Args:
-        mask: ``[B, T]`` bool or float, the response tokens that receive advantages (non-zero).
+        mask: ``[B, T]`` bool or float, the response tokens that receive advantages (non-zero);
+            a float mask must be >= 0 and not NaN.
         reward: a :class:`Signal`: sequence ``[B]``, :class:`Steps` and/or :class:`Regions`
             over the T axis of ``mask``.
         cost: a :class:`Signal` of costs, normalised and scattered the same way, or None.
@@ -178,6 +183,12 @@ def token_advantages(
         :class:`TokenAdvantages` ``(rewards, costs)``: ``[B, T]`` fp32 each (``costs`` None
         without ``cost``), 0 outside ``mask``; not differentiable. No host sync for GPU inputs
         (value range checks read CPU tensors only, or GPU ones with ``RL_KERNEL_CHECK_VALUES``).
+
+    Raises:
+        ValueError: besides shapes, devices and arguments, a step's end at or beyond T, a region
+            (length > 0) not inside ``[0, T)`` (``start + length`` is never formed, so one that
+            would wrap around int64 is refused, not dropped), or a float ``mask`` with a negative
+            or NaN entry.
     """
     _checks.tensor("mask", mask, dtypes=(torch.bool,) + _checks.FLOAT_DTYPES, ndim=2)
     if isinstance(group_size, bool) or not isinstance(group_size, int):
@@ -188,6 +199,7 @@ def token_advantages(
     if not isinstance(norm_by_std, bool):
         raise TypeError(f"norm_by_std must be a bool, got {type(norm_by_std).__name__}")
     kwargs = {"estimator": estimator, "norm_by_std": norm_by_std, "eps": _checks.non_negative("eps", eps)}
+    _checks.non_negative_weights("mask", mask)
     keep = mask != 0
     rewards = torch.where(keep, _signal_tokens("reward", reward, mask, group_size, kwargs), 0.0).to(torch.float32)
     if cost is None:

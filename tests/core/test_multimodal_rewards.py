@@ -4,6 +4,8 @@ region rewards, group-normalised (GRPO, Dr.GRPO, RLOO), and a cost kept apart.""
 from __future__ import annotations
 
 import math
+import random
+import re
 from typing import Any
 
 import pytest
@@ -166,3 +168,80 @@ def test_no_host_sync_on_the_gpu(seed):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_close(out.rewards.cpu(), oracle(mask.cpu(), signal, "rloo", True, 1e-6), "elementwise", torch.float32, "rewards")
+
+
+INT64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_a_region_whose_end_wraps_around_is_refused(seed, dtype):
+    """``start + length`` beyond the index dtype's range wraps around to a negative end: such a
+    region used to pass the range check, land on no token and still enter its group's
+    statistics, which flipped the sign of another region's advantage."""
+    top = torch.iinfo(dtype).max
+    starts = torch.tensor([[2], [top - 1], [5]] * 2, dtype=dtype)
+    lengths = torch.tensor([[3], [4], [2]] * 2, dtype=dtype)
+    values = torch.tensor([[1.0], [0.0], [3.0]] * 2)
+    with pytest.raises(ValueError, match=re.escape(f"reward.regions[1][0]: a region must lie in [0, {T}) (mask's T), "
+                                                   f"got [{top - 1}, {top + 3})")):
+        token_advantages(torch.ones(B, T, dtype=torch.bool), Signal(regions=Regions(starts, lengths, values)), group_size=G)
+    ends = torch.tensor([[INT64_MAX]] * B if dtype == torch.int64 else [[2**31 - 1]] * B, dtype=dtype)
+    with pytest.raises(ValueError, match=re.escape("reward.steps.ends[0][0]: a step's last token must lie in [0, 14)")):
+        token_advantages(torch.ones(B, T, dtype=torch.bool), Signal(steps=Steps(ends, torch.randn(B, 1))), group_size=G)
+
+
+def test_region_positions_property(seed):
+    """Property: random regions, some near the index dtype's limits or outside [0, T): refused
+    exactly when a region (length > 0) does not lie inside [0, T), computed with Python's
+    unbounded integers; otherwise equal to the fp64 loop formula."""
+    rng = random.Random(seed)
+    for trial in range(60):
+        dtype = rng.choice([torch.int64, torch.int32])
+        top = torch.iinfo(dtype).max
+        pick = [lambda: rng.randint(0, T - 1), lambda: rng.randint(-3, T + 3), lambda: top - rng.randint(0, 5),
+                lambda: -top - 1 + rng.randint(0, 5)]
+        r = rng.randint(1, 3)
+        starts = [[rng.choice(pick[:1] * 6 + pick)() for _ in range(r)] for _ in range(B)]
+        lengths = [[rng.choice([0, rng.randint(1, 4), rng.randint(-2, 0), top - rng.randint(0, 5)]) for _ in range(r)]
+                   for _ in range(B)]
+        outside = any(n > 0 and not (0 <= s and s + n <= T) for row_s, row_n in zip(starts, lengths)
+                      for s, n in zip(row_s, row_n))
+        regions = Regions(torch.tensor(starts, dtype=dtype), torch.tensor(lengths, dtype=dtype), torch.randn(B, r))
+        mask = torch.rand(B, T) < 0.8
+        if outside:
+            with pytest.raises(ValueError, match=r"a region must lie in \[0, 14\)"):
+                token_advantages(mask, Signal(regions=regions), group_size=G)
+            continue
+        got = token_advantages(mask, Signal(regions=regions), group_size=G).rewards
+        assert_close(got, oracle(mask, Signal(regions=regions), "grpo", True, 1e-6), "elementwise", torch.float32,
+                     f"trial {trial}, seed={seed}")
+
+
+@pytest.mark.parametrize("poison", [float("nan"), -1.0, -1e-30, float("-inf")])
+def test_negative_or_nan_mask_weights_are_refused(seed, poison):
+    mask = torch.rand(B, T) + 0.5
+    mask[2, 7] = poison
+    with pytest.raises(ValueError, match=r"^mask weights must be >= 0 and not NaN, got 1 entries outside it"):
+        token_advantages(mask, Signal(sequence=torch.randn(B)), group_size=G)
+
+
+def test_float_mask_property(seed):
+    """Property: a float mask with random entries (zeros, positive, negative, NaN, inf) is
+    refused exactly when an entry is negative or NaN; otherwise its non-zero entries are the
+    tokens that receive advantages."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        mask = torch.tensor([[rng.choice([0.0, 0.0, 1.0, rng.random(), 1e30, float("inf"), -rng.random(), float("nan"),
+                                          -0.0]) for _ in range(T)] for _ in range(B)], dtype=rng.choice(_FLOATS))
+        bad = bool(((mask < 0) | mask.isnan()).any())
+        reward = Signal(sequence=torch.randn(B))
+        if bad:
+            with pytest.raises(ValueError, match="mask weights must be >= 0 and not NaN"):
+                token_advantages(mask, reward, group_size=G)
+        else:
+            got = token_advantages(mask, reward, group_size=G).rewards
+            expected = token_advantages(mask != 0, reward, group_size=G).rewards
+            assert torch.equal(got, expected), f"seed={seed}"
+
+
+_FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
