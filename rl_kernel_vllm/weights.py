@@ -71,9 +71,18 @@ def engine_name(name: str) -> str:
 def trainer_digest(name: str, tensor: torch.Tensor, engine_dtypes: Mapping[str, torch.dtype]) -> torch.Tensor:
     """``row_digests`` of the trainer's ``tensor`` (checkpoint name ``name``) in the dtype the engine
     holds it in (``engine_dtypes``: engine name -> dtype; a name the engine lacks keeps the tensor's
-    dtype, and the comparison reports it missing). On ``tensor``'s device."""
+    dtype, and the comparison reports it missing). On ``tensor``'s device.
+
+    Raises:
+        TypeError, ValueError: ``tensor`` is one :func:`rl_kernel_core.digest.row_digests` refuses
+            (not a tensor, sparse, quantized, meta); the message starts with ``name``.
+    """
     dtype: Optional[torch.dtype] = engine_dtypes.get(engine_name(name))
-    return row_digests(tensor, dtype if tensor.is_floating_point() else None)
+    floating = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+    try:
+        return row_digests(tensor, dtype if floating else None)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
 
 
 def in_engine_layout(digests: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rl_kernel_vllm.attention import gather_index, split_cache, write_cache
@@ -47,3 +48,17 @@ def test_trainer_digests_in_vllm_layout():
     assert sorted(out) == ["m.0.attn.qkv_proj.weight", "m.0.mlp.gate_up_proj.weight", "m.0.norm.weight"]
     assert torch.equal(out["m.0.attn.qkv_proj.weight"], row_digests(torch.cat([q, k, v])))
     assert torch.equal(out["m.0.mlp.gate_up_proj.weight"], row_digests(torch.cat([g, u])))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([1.0, 2.0], "m.0.attn.q_proj.weight: row_digests: t must be a torch.Tensor, got list"),
+    (torch.eye(2).to_sparse(), "m.0.attn.q_proj.weight: row_digests: t must be a dense (strided) tensor, got layout sparse_coo"),
+])
+def test_a_pushed_tensor_that_cannot_be_digested_is_named(bad, message):
+    from rl_kernel_vllm.weights import trainer_digest
+
+    with pytest.raises((TypeError, ValueError)) as info:
+        trainer_digest("m.0.attn.q_proj.weight", bad, {"m.0.attn.qkv_proj.weight": torch.bfloat16})
+    assert str(info.value) == message
+    wide = torch.randn(3, 2, dtype=torch.complex128)  # was a KeyError (16-byte elements)
+    assert trainer_digest("m.0.norm.weight", wide, {}).shape == (3,)
