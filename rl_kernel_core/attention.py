@@ -25,6 +25,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 def _offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:
     _checks.tensor(name, cu, dtypes=_INDEX_DTYPES, ndim=1)
+    _checks.needs_data(name, cu, "its offsets are read on the host")
     values = cu.tolist()
     if len(values) < 2 or values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{name} must start at 0, never decrease and end at the token count {total}, got {values}")

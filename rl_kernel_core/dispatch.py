@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import threading
@@ -228,9 +229,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _meta_reason(backend: str) -> str:
+    return (f"{backend} runs kernels that read data and the inputs are meta tensors (shapes without data); "
+            "backend='torch' runs on them")
+
+
 def _device_reason(backend: str, device: torch.device, explicit: bool) -> Optional[str]:
     if backend == "torch":
         return None
+    if device.type == "meta":  # the interpreter would take them too, and fail copying their (absent) data
+        return _meta_reason(backend)
     if device.type == "cuda":
         return None
     if backend == "triton" and explicit and _interpreting():
@@ -333,12 +341,34 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
             _record(decision)
             return impl.fn
         if plan.explicit:
+            if device.type == "meta" and reason == _meta_reason(candidate):
+                reason = _meta_argument_reason(op, candidate, args, kwargs)
             raise BackendUnavailableError(f"{op}: backend={candidate!r} cannot run: {reason}")
         if refused is None and not static:
             refused = dict(plan.decisions[i].skipped)
         if refused is not None:
             refused[candidate] = str(reason)
     raise BackendUnavailableError(f"{op}: no backend can run these inputs: {refused or plan.all_skipped}")
+
+
+def _meta_argument_reason(op: str, backend: str, args: tuple, kwargs: dict) -> str:
+    """Why ``backend`` cannot run ``op`` on these meta tensors, naming the first one by the name the
+    op's reference implementation gives it (a field of a tuple of inputs by the field's name)."""
+    named: list[tuple[str, object]] = []
+    if _ensure_loaded("torch", op) is None and (reference := REGISTRY.implementation(op, "torch")) is not None:
+        try:
+            named = list(inspect.signature(reference.fn).bind_partial(*args, **kwargs).arguments.items())
+        except (TypeError, ValueError):
+            named = []
+    if not named:
+        named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        fields = value._asdict().items() if hasattr(value, "_asdict") else [(name, value)]
+        for field_name, t in fields:
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return (f"{field_name} is a meta tensor (shape {tuple(t.shape)}, no data) and {backend}'s kernels read "
+                        "data; backend='torch' runs on meta tensors")
+    return _meta_reason(backend)
 
 
 def _auto_order(op: str, device: torch.device) -> tuple[str, ...]:

@@ -213,3 +213,64 @@ def test_decisions_kept_between_calls_follow_the_inputs_the_environment_and_the_
     dispatch.set_preference(toy_op, ("native",))
     with pytest.raises(BackendUnavailableError, match="no backend can run these inputs: {'native'"):
         dispatch.select(toy_op, "auto", cpu, 3)
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+_META_CALLS = {  # op -> (call with meta inputs on a backend, the argument the error names)
+    "ratio_kl": (lambda rk, b: rk.ratio_kl(_meta(4, 8), _meta(4, 8), backend=b), "logprob", (4, 8)),
+    "policy_loss": (lambda rk, b: rk.policy_loss(_meta(4, 8), _meta(4, 8), _meta(4, 8), _meta(4, 8), backend=b),
+                    "logprob", (4, 8)),
+    "rms_norm": (lambda rk, b: rk.rms_norm(_meta(3, 8), _meta(8), backend=b), "x", (3, 8)),
+    "varlen_attention": (lambda rk, b: rk.varlen_attention(_meta(8, 2, 4), _meta(8, 2, 4), _meta(8, 2, 4),
+                                                           torch.tensor([0, 3, 8]), backend=b), "q", (8, 2, 4)),
+}
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("op", sorted(_META_CALLS))
+def test_meta_tensors_on_a_kernel_backend_are_refused_naming_the_argument(op, interpret, monkeypatch):
+    """The Triton interpreter took meta tensors and failed copying their data (a raw
+    NotImplementedError); a named kernel backend now refuses them in one line naming the argument,
+    while torch and auto run them for their shapes."""
+    import rl_kernel_core as rk
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    call, name, shape = _META_CALLS[op]
+    with pytest.raises(BackendUnavailableError) as info:
+        call(rk, "triton")
+    assert str(info.value) == (f"{op}: backend='triton' cannot run: {name} is a meta tensor (shape {shape}, no data) "
+                               "and triton's kernels read data; backend='torch' runs on meta tensors")
+    for backend in ("torch", "auto"):
+        out = call(rk, backend)
+        assert all(t.is_meta for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
+@pytest.mark.parametrize("which", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_meta_cu_seqlens_are_refused_naming_the_argument(backend, which, monkeypatch):
+    import rl_kernel_core as rk
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(8, 2, 4)
+    cu = {"cu_seqlens_q": torch.tensor([0, 3, 8]), "cu_seqlens_k": torch.tensor([0, 3, 8])}
+    cu[which] = cu[which].to("meta")
+    with pytest.raises(ValueError, match=rf"^{which} must hold data \(its offsets are read on the host\), got a meta "
+                                         r"tensor of shape \(3,\)$"):
+        rk.varlen_attention(q, q, q, cu["cu_seqlens_q"], cu["cu_seqlens_k"], backend=backend)
+
+
+def test_meta_inputs_in_a_tuple_are_named_by_field(toy_op, monkeypatch):
+    """An op whose backends take a tuple of inputs (``fused_linear_policy_loss``'s
+    ``FusedLossInputs``) names the field holding the meta tensor."""
+    from typing import NamedTuple
+
+    class Inputs(NamedTuple):
+        hidden: torch.Tensor
+        weight: torch.Tensor
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(BackendUnavailableError, match=r"cannot run: hidden is a meta tensor \(shape \(2, 3\), no data\)"):
+        dispatch.select(toy_op, "triton", torch.device("meta"), Inputs(_meta(2, 3), _meta(3, 3)))
