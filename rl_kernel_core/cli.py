@@ -221,6 +221,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     try:
         off, on = report.read_step_log(args.off), report.read_step_log(args.on)
+        report.check_comparable(off, on)
         if args.out:
             path = report.write_report(args.off, args.on, args.out, warmup_steps=args.warmup_steps)
     except report.StepLogError as exc:

@@ -15,7 +15,9 @@ that overflow are written as ``null`` in JSON (:func:`json_safe`). A record with
 marks a run that ran out of memory at that step.
 
 An optional ``<log>.meta.json`` beside a log (hardware, versions, command line, resolved config,
-git commit) is included in the report.
+git commit) is included in the report; it must hold a JSON object (an array or a string there is
+an error naming the file). Two logs that both hold metrics but share none are refused
+(:func:`check_comparable`).
 """
 
 from __future__ import annotations
@@ -132,10 +134,33 @@ def read_step_log(path: str | Path) -> StepLog:
     meta_path = path.with_name(path.stem + ".meta.json")
     if meta_path.is_file():
         try:
-            log.meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise StepLogError(f"{meta_path}: not a JSON object ({exc})") from None
+        if not isinstance(meta, dict):
+            raise StepLogError(f"{meta_path}: must hold a JSON object (hardware, versions, config...), "
+                               f"got a JSON {_JSON_KINDS.get(type(meta), type(meta).__name__)}")
+        log.meta = meta
     return log
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def check_comparable(off: StepLog, on: StepLog) -> None:
+    """Refuse two logs that both hold metrics but share none (say, a step log beside another
+    tool's JSONL): their comparison would be two disjoint halves of a table, silently.
+
+    Raises:
+        StepLogError: naming both files and a few metrics of each.
+    """
+    if off.series and on.series and set(off.series).isdisjoint(on.series):
+        def some(log: StepLog) -> str:
+            keys = sorted(log.series)
+            return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+        raise StepLogError(f"{off.path} and {on.path} share no metric ({off.path.name}: {some(off)}; {on.path.name}: "
+                           f"{some(on)}): they are not two runs of one kind to compare")
 
 
 def json_object_line(raw: bytes, where: str, what: str, error: type[Exception] = StepLogError) -> Optional[dict[str, Any]]:
@@ -401,6 +426,8 @@ def _meta_markdown(off: StepLog, on: StepLog) -> str:
             continue
         meta = dict(log.meta)
         env = meta.pop("environment", {})
+        if not isinstance(env, dict):
+            meta["environment"], env = env, {}
         config = meta.pop("config", None)
         lines = [f"**{side}** ({log.path.name})", ""]
         lines += [f"- {k}: `{v}`" for k, v in meta.items()]
@@ -429,6 +456,7 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
     the plots show every step). Returns the report's path.
     """
     off, on = read_step_log(off_path), read_step_log(on_path)
+    check_comparable(off, on)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = compare_table(off, on, warmup_steps)

@@ -243,3 +243,45 @@ def test_compare_shows_medians_spreads_and_timing_noise(tmp_path, capsys):
     assert "timing noise: 1 of 1 timing series have overlapping off and on spreads" in out
     code, out, err = _main("compare", off, _steps(tmp_path / "fast.jsonl", range(5), ms=5.0), capsys=capsys)
     assert code == 0 and "timing noise" not in out and not out.rstrip().endswith("~")
+
+
+@pytest.mark.parametrize("meta, kind", [("[1, 2]", "array"), ('"a run"', "string"), ("3", "number"), ("null", "null")])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_compare_refuses_a_meta_file_that_is_not_an_object(tmp_path, capsys, meta, kind, with_out):
+    """A ``<log>.meta.json`` holding a JSON array or string was a traceback under ``--out``."""
+    off, on = tmp_path / "off.jsonl", tmp_path / "on.jsonl"
+    for path in (off, on):
+        path.write_text(json.dumps({"step": 0, "regions": {"step": 1.0}}) + "\n")
+    (tmp_path / "on.meta.json").write_text(meta)
+    code, out, err = _main("compare", str(off), str(on), *(["--out", str(tmp_path / "rep")] if with_out else []), capsys=capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [f"rl-kernel compare: error: {tmp_path / 'on.meta.json'}: must hold a JSON object "
+                                        f"(hardware, versions, config...), got a JSON {kind}"]
+
+
+def test_compare_shows_a_meta_environment_that_is_not_an_object(tmp_path, capsys):
+    off, on = tmp_path / "off.jsonl", tmp_path / "on.jsonl"
+    for path in (off, on):
+        path.write_text(json.dumps({"step": 0, "regions": {"step": 1.0}}) + "\n")
+    (tmp_path / "on.meta.json").write_text(json.dumps({"environment": "cpu box", "config": [1]}))
+    code, _, err = _main("compare", str(off), str(on), "--out", str(tmp_path / "rep"), capsys=capsys)
+    assert code == 0, err
+    assert "- environment: `cpu box`" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_compare_refuses_logs_that_share_no_metric(tmp_path, capsys):
+    """Two logs with disjoint metrics compared silently (two half-empty rows per metric): refused
+    with exit 2, naming both files; a log with no records at all stays a warning."""
+    off, on, empty = tmp_path / "off.jsonl", tmp_path / "other.jsonl", tmp_path / "empty.jsonl"
+    off.write_text(json.dumps({"step": 0, "regions": {"step": 1.0}, "reward": 0.5}) + "\n")
+    on.write_text(json.dumps({"step": 0, "loss_a": 1.0, "loss_b": 2.0}) + "\n")
+    empty.write_text("")
+    for extra in ([], ["--json"], ["--out", str(tmp_path / "rep")]):
+        code, out, err = _main("compare", str(off), str(on), *extra, capsys=capsys)
+        assert code == 2 and out == "", (extra, out)
+        assert err.strip().splitlines() == [f"rl-kernel compare: error: {off} and {on} share no metric (off.jsonl: "
+                                            "region/step, reward; other.jsonl: loss_a, loss_b): they are not two runs of "
+                                            "one kind to compare"], err
+    assert not (tmp_path / "rep").exists()
+    code, _, err = _main("compare", str(off), str(empty), capsys=capsys)
+    assert code == 0 and "has no step records" in err

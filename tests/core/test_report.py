@@ -177,3 +177,13 @@ def test_timing_noise_counts_a_run_s_timed_steps_not_a_one_sided_region(tmp_path
         "only 1 timed step(s) in a run: too few for its spread to show the noise"]
     assert report.timing_noise(report.compare_table(off, short, warmup_steps=2)) == [
         "only 0 timed step(s) in a run: too few for its spread to show the noise"]
+
+
+def test_disjoint_logs_are_refused_by_the_report_too(tmp_path):
+    off, on = tmp_path / "off.jsonl", tmp_path / "on.jsonl"
+    _log(off, [_rec(0), _rec(1)])
+    on.write_text(json.dumps({"step": 0, "accuracy": 1.0}) + "\n")
+    with pytest.raises(report.StepLogError, match=r"off.jsonl and .*on.jsonl share no metric \(off.jsonl: region/actor_update, "
+                                                  r"region/backward, region/logprob, region/loss and 2 more; on.jsonl: accuracy\)"):
+        report.write_report(off, on, tmp_path / "rep")
+    assert not (tmp_path / "rep").exists()
