@@ -81,21 +81,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_engine(requested: str, device: torch.device) -> tuple[str, str]:
-    """The engine to run and why (``auto`` takes verl only when verl, vLLM and a GPU are present)."""
+    """The engine to run and why (``auto`` takes verl only when a GPU and every module of
+    :data:`VERL_ENGINE_NEEDS` are present)."""
     if requested != "auto":
         return requested, "requested with --engine"
-    missing = [name for name in ("verl", "vllm") if _importable(name) is False]
+    missing = verl_engine_missing()
     if device.type != "cuda":
         missing.append("a GPU")
     if missing:
         return "embedded", f"auto: embedded (no {', '.join(missing)})"
-    return "verl", "auto: verl (verl, vLLM and a GPU are present)"
+    return "verl", "auto: verl (verl, vLLM, pandas, pyarrow and a GPU are present)"
 
 
 def _importable(name: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import, a module without a spec
+        return False
+
+
+VERL_ENGINE_NEEDS = ("verl", "vllm", "pandas", "pyarrow")
+"""What ``--engine verl`` imports in this Python: verl's trainer, its vLLM rollout, and pandas and
+pyarrow for the parquet files it reads the problems from."""
+
+
+def verl_engine_missing() -> list[str]:
+    """The modules of :data:`VERL_ENGINE_NEEDS` this Python cannot import."""
+    return [name for name in VERL_ENGINE_NEEDS if not _importable(name)]
 
 
 def run_verl_side(cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Path, problems, device: torch.device) -> dict:
@@ -177,6 +191,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device, out = device_and_output(args, "grpo_gsm8k")
     engine, why = resolve_engine(args.engine, device)
+    if engine == "verl" and (missing := verl_engine_missing()):
+        return recipe_error("grpo_gsm8k", f"--engine verl needs {', '.join(VERL_ENGINE_NEEDS)} in this Python "
+                                          f"({sys.executable}), missing: {', '.join(missing)}; recipes/grpo_gsm8k.sh "
+                                          "builds an environment with them (scripts/env.sh recipe-verl)")
     print(f"[grpo_gsm8k] engine: {engine} ({why}); device: {device}; output: {out}", flush=True)
     if args.model:
         problem = model_problem(args.model)

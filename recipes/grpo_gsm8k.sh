@@ -5,14 +5,14 @@
 #   bash recipes/grpo_gsm8k.sh --engine verl --data synthetic # verl's trainer + vLLM (CPU or GPU)
 #   bash recipes/grpo_gsm8k.sh --help                         # every option
 # Uses the current python3 when it already has torch, transformers, matplotlib and tqdm (and,
-# for --engine verl, verl and vllm); otherwise builds (once) and uses the project's cached
+# for --engine verl, verl, vllm, pandas and pyarrow); otherwise builds (once) and uses the project's cached
 # environment (scripts/env.sh): core, or recipe-verl for --engine verl.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 needs="torch, transformers, matplotlib, tqdm" tier=core prev=
 for arg in "$@"; do
   if [ "$arg" = "--engine=verl" ] || { [ "$prev" = "--engine" ] && [ "$arg" = verl ]; }; then
-    needs="$needs, verl, vllm" tier=recipe-verl
+    needs="$needs, verl, vllm, pandas, pyarrow" tier=recipe-verl
   fi
   prev=$arg
 done

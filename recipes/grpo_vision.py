@@ -54,7 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="synthetic: images drawn from --seed (count squares, read a number, name a colour)")
     p.add_argument("--tasks", type=_tasks, default=vision_data.TASKS,
                    help=f"comma-separated subset of {','.join(vision_data.TASKS)} (default: all)")
-    p.add_argument("--problems", type=integer(1), default=512, help="generated problems, >= 1 (default 512)")
+    p.add_argument("--problems", type=integer(1, vision_data.MAX_PROBLEMS), default=512,
+                   help=f"generated problems, in [1, {vision_data.MAX_PROBLEMS}] (default 512); each is drawn up front "
+                        "(a run uses at most steps x prompts-per-step of them)")
     p.add_argument("--sampler", choices=("torch", "rl-kernel"), default="torch",
                    help="rollout sampler, the same in both runs")
     p.add_argument("--format-score", type=number(0.0, 1.0), default=0.1,

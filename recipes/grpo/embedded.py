@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -551,6 +552,41 @@ def problem_schedule(problems: list[Problem], cfg: GRPOConfig) -> list[list[Prob
             for k in range(cfg.steps)]
 
 
+class StepProgress:
+    """The run's progress: a tqdm bar on a terminal (or a notebook), and on a stream that is not one
+    (a log file, a pipe) plain lines instead of the bar's carriage-return frames, which pile up into
+    one long line: the first step, about every tenth of the run (:data:`PLAIN_LINES` lines in
+    all) and the last, each ``GRPO [side] step k/N: reward R, step_ms T``."""
+
+    PLAIN_LINES = 10
+
+    def __init__(self, desc: str, total: int, enabled: bool, stream: Any = None):
+        from tqdm.auto import tqdm
+        from tqdm.autonotebook import tqdm as notebook_tqdm
+
+        self.stream = sys.stderr if stream is None else stream
+        self.desc, self.total, self.done = desc, total, 0
+        isatty = getattr(self.stream, "isatty", None)
+        terminal = bool(isatty()) if callable(isatty) else False
+        notebook = notebook_tqdm.__module__ == "tqdm.notebook"  # a widget there, no frames written
+        self.bar = tqdm(total=total, desc=desc, unit="step", file=self.stream, disable=not (enabled and (terminal or notebook)))
+        self.plain = enabled and not (terminal or notebook)
+        self.every = max(1, -(-total // self.PLAIN_LINES))
+
+    def step(self, **fields: str) -> None:
+        """One step done; ``fields`` (name -> formatted value) are shown beside it."""
+        self.done += 1
+        self.bar.set_postfix(**fields)
+        self.bar.update(1)
+        if self.plain and (self.done == 1 or self.done % self.every == 0 or self.done == self.total):
+            shown = ", ".join(f"{name} {value}" for name, value in fields.items())
+            print(f"{self.desc} step {self.done}/{self.total}" + (f": {shown}" if shown else ""), file=self.stream,
+                  flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def run(model_dir: Path, problems: list, cfg: GRPOConfig, side: Path_, log_path: Path,
         device: torch.device, progress: bool = True, cross_check: Optional[Path_] = None,
         engine_class: type = Engine) -> dict:
@@ -564,15 +600,14 @@ def run(model_dir: Path, problems: list, cfg: GRPOConfig, side: Path_, log_path:
     "first_step"}`` where ``first_step`` holds step 0's tensors (samples, log-probs, entropy, loss).
     ``engine_class``: the :class:`Engine` (or a subclass, for another kind of model) to train with.
     """
-    from tqdm.auto import tqdm
-
     engine = engine_class(model_dir, cfg, side, device, cross_check)
     profiling.enable(str(log_path))
     first_step: Optional[dict] = None
     oom: Optional[str] = None
-    bar = tqdm(problem_schedule(problems, cfg), desc=f"GRPO [{side.name}]", unit="step", disable=not progress)
+    schedule = problem_schedule(problems, cfg)
+    bar = StepProgress(f"GRPO [{side.name}]", len(schedule), progress)
     try:
-        for step, batch in enumerate(bar):
+        for step, batch in enumerate(schedule):
             try:
                 with profiling.region("step"):
                     fields = engine.step(step, batch)
@@ -583,7 +618,7 @@ def run(model_dir: Path, problems: list, cfg: GRPOConfig, side: Path_, log_path:
                 break
             first_step = fields.pop("_first_step", first_step)
             record = profiling.step_end(step=step, backend=side.name, **fields)
-            bar.set_postfix(reward=f"{record['reward']:.3f}", step_ms=f"{record['regions']['step']:.0f}")
+            bar.step(reward=f"{record['reward']:.3f}", step_ms=f"{record['regions']['step']:.0f}")
     finally:
         profiling.disable()
         bar.close()

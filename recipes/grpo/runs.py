@@ -24,6 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SEED_MAX = 2**32 - 1
 
+LR_MAX = 1.0
+"""The largest ``--lr``: AdamW moves each weight by about ``lr`` per step, so above 1 a run only
+diverges (``1e30``: NaN weights after one step; ``1e300`` does not even fit the fp32 update)."""
+
+TEMPERATURE_RANGE = (torch.finfo(torch.float32).tiny, 1.0 / torch.finfo(torch.float32).tiny)
+"""``--temperature``'s range, the ops' own (``2**-126`` to ``2**126``, so that the temperature and
+its reciprocal are normal fp32 numbers): outside it rl-kernel's ops refuse the run's temperature."""
+
 # the options that override a preset's run: name, argparse type, what it takes
 OVERRIDES = (
     ("steps", integer(1), "GRPO steps, >= 1"),
@@ -32,8 +40,9 @@ OVERRIDES = (
     ("max_new_tokens", integer(1), "response tokens at most, >= 1"),
     ("micro_batch", integer(1), "sequences per forward/backward, >= 1"),
     ("max_prompt_tokens", integer(1), "prompt tokens kept (longer prompts are truncated), >= 1"),
-    ("lr", number(0.0, low_open=True), "AdamW learning rate, > 0"),
-    ("temperature", number(0.0, low_open=True), "sampling and log-prob temperature, > 0"),
+    ("lr", number(0.0, LR_MAX, low_open=True), "AdamW learning rate, in (0, 1]"),
+    ("temperature", number(*TEMPERATURE_RANGE),
+     "sampling and log-prob temperature, in [2**-126, 2**126] (about 1.2e-38 to 8.5e37, the ops' range)"),
     ("kl_coef", number(0.0), "coefficient of the KL-to-reference loss term, >= 0 (0: no reference model)"),
     ("entropy_coef", number(0.0), "coefficient of the entropy bonus, >= 0"),
 )
@@ -115,11 +124,13 @@ def add_run_options(p: argparse.ArgumentParser, overrides: tuple = OVERRIDES) ->
 
 def parse_run_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     """``p.parse_args(argv)`` with ``--sides`` as a list; ``p.error`` (one line, exit 2) where
-    ``--sides`` lists something other than off/on or ``--out`` is a file."""
+    ``--sides`` lists something other than off/on, or one of them twice, or ``--out`` is a file."""
     args = p.parse_args(argv)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not args.sides or any(s not in ("off", "on") for s in args.sides):
         p.error(f"--sides must list off and/or on, got {','.join(args.sides)!r}")
+    if len(set(args.sides)) < len(args.sides):  # a second run of a side would overwrite the first's log
+        p.error(f"--sides must list off and/or on, each once, got {','.join(args.sides)!r}")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         p.error(f"--out must be a directory, got {args.out!r}, which is a file")
     return args

@@ -183,18 +183,24 @@ def _main(*args: str, capsys) -> tuple[int, str]:
     (("--steps", "0"), "argument --steps: must be a positive integer, got 0"),
     (("--prompts-per-step", "-2"), "argument --prompts-per-step: must be a positive integer, got -2"),
     (("--max-prompt-tokens", "x"), "argument --max-prompt-tokens: must be a positive integer, got 'x'"),
-    (("--temperature", "0"), "argument --temperature: must be a finite number > 0, got '0'"),
-    (("--temperature", "nan"), "argument --temperature: must be a finite number > 0, got 'nan'"),
-    (("--temperature", "-1"), "argument --temperature: must be a finite number > 0, got '-1'"),
-    (("--temperature", "1e400"), "argument --temperature: must be a finite number > 0, got '1e400'"),
+    (("--temperature", "0"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '0'"),
+    (("--temperature", "nan"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got 'nan'"),
+    (("--temperature", "-1"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '-1'"),
+    (("--temperature", "1e400"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e400'"),
+    (("--temperature", "1e-40"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e-40'"),
+    (("--temperature", "1e38"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e38'"),
     (("--kl-coef", "-1"), "argument --kl-coef: must be a finite number >= 0, got '-1'"),
     (("--entropy-coef", "inf"), "argument --entropy-coef: must be a finite number >= 0, got 'inf'"),
-    (("--lr", "0"), "argument --lr: must be a finite number > 0, got '0'"),
+    (("--lr", "0"), "argument --lr: must be a number in (0, 1], got '0'"),
+    (("--lr", "1e300"), "argument --lr: must be a number in (0, 1], got '1e300'"),
+    (("--lr", "1.5"), "argument --lr: must be a number in (0, 1], got '1.5'"),
     (("--format-score", "2"), "argument --format-score: must be a number in [0, 1], got '2'"),
     (("--limit", "0"), "argument --limit: must be a positive integer, got 0"),
     (("--seed", "-1"), "argument --seed: must be an integer in [0, 4294967295], got -1"),
     (("--device", "tpu"), "argument --device: must be cpu or cuda[:N], got 'tpu'"),
     (("--sides", "both"), "--sides must list off and/or on, got 'both'"),
+    (("--sides", "on,on"), "--sides must list off and/or on, each once, got 'on,on'"),
+    (("--sides", "off, on,off"), "--sides must list off and/or on, each once, got 'off,on,off'"),
 ])
 def test_bad_options_are_one_line_errors(capsys, args, says):
     code, err = _main("--data", "synthetic", *args, capsys=capsys)
@@ -279,3 +285,96 @@ def test_known_differences_name_the_equal_reward_residue_with_its_size(tmp_path)
             "on: 6 such groups over 4 steps, largest |advantage| 0.") in text
     verl = grpo_gsm8k.known_differences("verl", cfg, logs["off"], logs["on"])
     assert "same float residue in both runs" in verl and "| 0.1 | 0.00739 | 0 |" in verl
+
+
+def test_numeric_options_property(seed):
+    """Property: random numbers over the whole float range (and beyond it, NaN, infinities) for
+    --temperature and --lr are accepted exactly when inside the documented range, and a refusal is
+    argparse's one line (exit 2), never a traceback later in the run."""
+    import argparse
+    import math
+    import random
+
+    from grpo import runs
+
+    rng = random.Random(seed)
+    parse = {name: kind for name, kind, _ in runs.OVERRIDES}
+    ranges = {"temperature": (2.0 ** -126, 2.0 ** 126, False), "lr": (0.0, 1.0, True)}
+    for _ in range(400):
+        name = rng.choice(sorted(ranges))
+        text = rng.choice([f"{rng.choice('+-')}{rng.random():.3f}e{rng.randint(-400, 400)}", f"{rng.uniform(-2, 2):.6g}",
+                           "nan", "inf", "-inf", f"1e{rng.randint(-330, 330)}", "0", "1", "2.0", "x"])
+        low, high, low_open = ranges[name]
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        inside = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+        try:
+            got = parse[name](text)
+        except argparse.ArgumentTypeError as exc:
+            assert not inside, (name, text, f"seed={seed}")
+            assert str(exc).startswith("must be a number in ") and text in str(exc), (str(exc), f"seed={seed}")
+        else:
+            assert inside and got == value, (name, text, f"seed={seed}")
+
+
+def test_verl_engine_without_pandas_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """``--engine verl`` in a Python without pandas went through the data and model, then failed
+    writing the parquet files with a ModuleNotFoundError; it is refused up front, naming what is
+    missing, and ``auto`` does not pick verl there."""
+    import grpo_gsm8k
+    import torch
+
+    monkeypatch.setitem(sys.modules, "pandas", None)  # importlib finds no spec for it: not importable
+    code, err = _main("--engine", "verl", "--data", "synthetic", "--out", str(tmp_path / "run"), capsys=capsys)
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("[grpo_gsm8k] error: --engine verl needs verl, vllm, pandas, pyarrow in this Python (")
+    assert "missing: " in err and "pandas" in err.split("missing: ")[1], err
+    engine, why = grpo_gsm8k.resolve_engine("auto", torch.device("cuda"))
+    assert engine == "embedded" and "pandas" in why, why
+
+
+def test_progress_is_plain_lines_when_not_a_terminal():
+    """On a stream that is not a terminal (a log file) the progress is a plain line about every
+    tenth of the run, never tqdm's carriage-return frames (one 30 KB line per run in a log)."""
+    import io
+
+    from grpo.embedded import StepProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for total, expected in ((25, [1, 3, 6, 9, 12, 15, 18, 21, 24, 25]), (3, [1, 2, 3]), (1, [1])):
+        log = io.StringIO()
+        bar = StepProgress("GRPO [off]", total, True, log)
+        for k in range(total):
+            bar.step(reward=f"{k / 10:.3f}", step_ms=f"{100 + k}")
+        bar.close()
+        lines = log.getvalue().splitlines()
+        assert "\r" not in log.getvalue()
+        assert [int(line.split(" step ")[1].split("/")[0]) for line in lines] == expected, lines
+        assert lines[0] == f"GRPO [off] step 1/{total}: reward 0.000, step_ms 100"
+    quiet = io.StringIO()
+    bar = StepProgress("GRPO [on]", 5, False, quiet)
+    bar.step(reward="1.000")
+    bar.close()
+    assert quiet.getvalue() == ""
+    term = Terminal()
+    bar = StepProgress("GRPO [on]", 5, True, term)
+    for _ in range(5):
+        bar.step(reward="1.000")
+    bar.close()
+    assert "\r" in term.getvalue() and "GRPO [on] step" not in term.getvalue()  # tqdm's bar on a terminal
+
+
+def test_recipe_progress_in_a_log_file_is_plain_lines(tmp_path):
+    cmd = ["bash", str(ROOT / "recipes" / "grpo_gsm8k.sh"), "--preset", "tiny", "--steps", "2", "--prompts-per-step", "2",
+           "--group-size", "2", "--max-new-tokens", "4", "--out", str(tmp_path), "--data", "synthetic", "--sides", "off"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stderr
+    assert [line.split(":")[0] for line in proc.stderr.splitlines() if line.startswith("GRPO [")] == [
+        "GRPO [off] step 1/2", "GRPO [off] step 2/2"], proc.stderr[-2000:]

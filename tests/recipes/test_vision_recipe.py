@@ -72,6 +72,9 @@ def test_a_processor_mismatch_stops_the_recipe_before_training(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "count,shapes"], "--tasks: expected a comma-separated subset of count,digits,colour, got 'count,shapes'"),
     (["--problems", "0"], "--problems"),
+    (["--problems", "1000000000"], "argument --problems: must be an integer in [1, 100000], got 1000000000"),
+    (["--problems", "100001"], "argument --problems: must be an integer in [1, 100000], got 100001"),
+    (["--sides", "off,off"], "--sides must list off and/or on, each once, got 'off,off'"),
     (["--training-max-pixels", "-5"], "--training-max-pixels"),
     (["--data", "gsm8k"], "--data: invalid choice: 'gsm8k'"),
     (["--sides", "both"], "--sides must list off and/or on, got 'both'"),
@@ -120,5 +123,7 @@ def test_score_reads_the_first_word():
 def test_synthetic_problems_reject_bad_arguments():
     with pytest.raises(ValueError, match="count must be an int >= 1, got 0"):
         vision_data.synthetic_problems(0)
+    with pytest.raises(ValueError, match="count must be at most 100000 \\(every problem is drawn up front\\), got 1000000000"):
+        vision_data.synthetic_problems(10**9)  # refused at once, before drawing (a billion took hours)
     with pytest.raises(ValueError, match="tasks must be a non-empty subset of count, digits, colour, got shapes"):
         vision_data.synthetic_problems(3, ("shapes",))
