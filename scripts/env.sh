@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Usage: scripts/env.sh TIER
-# Creates (once) and prints the path of a virtual environment for a test tier, built from
-# requirements/TIER.txt (plus requirements/TIER.post.sh if present, run inside the env), with
-# rl-kernel installed editable. Environments are cached outside the clone, keyed on the content
-# of those files, so CI reuses them and rebuilds when the requirement lists change.
+# Usage: scripts/env.sh TIER          create (once) and print the path of TIER's environment
+#        scripts/env.sh --path TIER   print that path only (nothing is built or installed)
+# A virtual environment for a test tier, built from requirements/TIER.txt (plus
+# requirements/TIER.post.sh if present, run inside the env), with rl-kernel installed editable
+# from this checkout. Environments are cached outside the clone, keyed on the content of those
+# files and on this checkout's path (its physical path, symlinks resolved): CI reuses them and
+# rebuilds when the requirement lists change, and two clones never share one, since an editable
+# install points at one checkout and a shared environment would run whichever clone installed
+# itself last. A clone that moves gets a new environment; the old one can be deleted.
 set -euo pipefail
-tier=${1:?usage: scripts/env.sh TIER}
+path_only=
+if [ "${1:-}" = --path ]; then path_only=1; shift; fi
+tier=${1:?usage: scripts/env.sh [--path] TIER}
 root=$(cd "$(dirname "$0")/.." && pwd)
 req="$root/requirements/$tier.txt"
 post="$root/requirements/$tier.post.sh"
 [ -f "$req" ] || { echo "no requirement list $req" >&2; exit 2; }
-key=$( { cat "$req"; [ ! -f "$post" ] || cat "$post"; } | sha256sum | cut -c1-12)
+checkout=$(cd "$root" && pwd -P)
+key=$( { cat "$req"; [ ! -f "$post" ] || cat "$post"; printf 'checkout %s\n' "$checkout"; } | sha256sum | cut -c1-12)
 cache=${RL_KERNEL_ENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rl-kernel/envs}
 env="$cache/$tier-$key"
+if [ -n "$path_only" ]; then echo "$env"; exit 0; fi
 if [ ! -f "$env/.complete" ]; then
   rm -rf "$env"
   mkdir -p "$cache"
@@ -20,8 +28,10 @@ if [ ! -f "$env/.complete" ]; then
   "$env/bin/python" -m pip install -q --upgrade pip >&2
   "$env/bin/python" -m pip install -q -r "$req" >&2
   if [ -f "$post" ]; then (source "$env/bin/activate" && bash "$post") >&2; fi
+  printf '%s\n' "$checkout" > "$env/.checkout"
   touch "$env/.complete"
 fi
-# The project itself is (re)installed every time: it is small and the clone may have moved.
+# The project itself is (re)installed every time: it is small and its version or entry points may
+# have changed since.
 "$env/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
 echo "$env"
