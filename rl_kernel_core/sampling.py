@@ -35,6 +35,8 @@ from typing import Literal, Optional, Union, overload
 import torch
 
 from rl_kernel_core import _checks, dispatch
+from rl_kernel_core.invariance import is_batch_invariant
+from rl_kernel_core.logprob import logprob_from_logits
 from rl_kernel_core.reference import sampling as _reference  # noqa: F401  (registers the torch backend)
 
 Param = Union[int, float, torch.Tensor, None]
@@ -192,7 +194,10 @@ def sample(
         ``(tokens, logprobs)``: ``tokens`` int64 ``[B]``; ``logprobs`` fp32 ``[B]``, the sampled
         token's log-prob under the FULL tempered distribution ``log_softmax(fp32(logits) / T)``
         before any top-k/top-p/min-p filtering (what a trainer recomputes from the same logits);
-        greedy rows use ``T = 1``. Nothing is differentiable. A row whose tempered logits hold no
+        greedy rows use ``T = 1``; under the batch-invariant mode those of
+        :func:`rl_kernel_core.logprob_from_logits` in the mode (``log_softmax(fp32(logits) / T)`` by
+        PyTorch's division and the mode's log-sum-exp: a trainer's own formulation gets them).
+        Nothing is differentiable. A row whose tempered logits hold no
         distribution (every entry -inf, a NaN, or a +inf, from the logits or from overflow at a
         tiny temperature) gets token 0 and log-prob NaN on every backend, so the NaN reaches
         whatever consumes the log-prob; no error is raised, since finding such rows before the
@@ -224,7 +229,23 @@ def sample(
     impl = dispatch.select("sample", backend, logits.device, logits, temp, given, pos, k, p, mp)
     with torch.no_grad():
         tokens, logprobs = impl(logits, temp, s, pos, k, p, mp)
+        if is_batch_invariant():
+            logprobs = _mode_logprobs(logits, tokens, temp)
         return _without_distribution(tokens, logprobs)
+
+
+def _mode_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temp: Union[float, torch.Tensor]) -> torch.Tensor:
+    """The sampled tokens' log-probs ``[B]`` under the batch-invariant mode's definition
+    (:func:`rl_kernel_core.logprob_from_logits` in the mode, one call per distinct temperature; greedy
+    rows at T = 1), so a trainer's formulation in the mode gets these bits."""
+    if not isinstance(temp, torch.Tensor):
+        return logprob_from_logits(logits, tokens, temperature=float(temp) if temp > 0 else 1.0)
+    temps = torch.where(temp > 0, temp, torch.ones_like(temp)).tolist()
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for t in sorted(set(temps)):
+        rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=logits.device)
+        out[rows] = logprob_from_logits(logits[rows], tokens[rows], temperature=t).float()
+    return out
 
 
 def _without_distribution(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
