@@ -230,22 +230,28 @@ def sample(
     with torch.no_grad():
         tokens, logprobs = impl(logits, temp, s, pos, k, p, mp)
         if is_batch_invariant():
+            assert temp is not None, "sample's temperature is validated to a number or a tensor"
             logprobs = _mode_logprobs(logits, tokens, temp)
         return _without_distribution(tokens, logprobs)
 
 
-def _mode_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temp: Union[float, torch.Tensor]) -> torch.Tensor:
+def _mode_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temp: Union[int, float, torch.Tensor]) -> torch.Tensor:
     """The sampled tokens' log-probs ``[B]`` under the batch-invariant mode's definition
     (:func:`rl_kernel_core.logprob_from_logits` in the mode, one call per distinct temperature; greedy
     rows at T = 1), so a trainer's formulation in the mode gets these bits."""
     if not isinstance(temp, torch.Tensor):
-        return logprob_from_logits(logits, tokens, temperature=float(temp) if temp > 0 else 1.0)
+        return _as_tensor(logprob_from_logits(logits, tokens, temperature=float(temp) if temp > 0 else 1.0))
     temps = torch.where(temp > 0, temp, torch.ones_like(temp)).tolist()
     out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     for t in sorted(set(temps)):
         rows = torch.tensor([i for i, x in enumerate(temps) if x == t], device=logits.device)
-        out[rows] = logprob_from_logits(logits[rows], tokens[rows], temperature=t).float()
+        out[rows] = _as_tensor(logprob_from_logits(logits[rows], tokens[rows], temperature=t)).float()
     return out
+
+
+def _as_tensor(result: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    assert isinstance(result, torch.Tensor), "logprob_from_logits without return_entropy returns one tensor"
+    return result
 
 
 def _without_distribution(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,10 +111,11 @@ def test_mode_logprob_gradient_matches_the_formulation(seed):
     t = torch.randint(0, 50, (9,))
     with rk.batch_invariant():
         rk.logprob_from_logits(logits, t, temperature=0.8).sum().backward()
+        assert logits.grad is not None
         g_ours = logits.grad.clone()
         logits.grad = None
         torch.log_softmax(logits / 0.8, -1).gather(-1, t[:, None]).sum().backward()
-    assert torch.allclose(g_ours, logits.grad, atol=1e-6, rtol=1e-5)
+    assert logits.grad is not None and torch.allclose(g_ours, logits.grad, atol=1e-6, rtol=1e-5)
 
 
 def test_sample_under_the_mode_returns_the_mode_logprobs(seed):
