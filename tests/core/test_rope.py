@@ -71,3 +71,22 @@ def test_dynamic_rope_types_are_refused_by_name(kind):
     assert use_cpu_rope_frequencies(transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16, vocab_size=32,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))) == []
+
+
+@pytest.mark.gpu
+def test_a_model_built_on_the_gpu_gets_the_cpu_frequencies(seed):
+    """A transformers model constructed on CUDA computes its inverse frequencies with CUDA's pow (what
+    vLLM's own table does); use_mode_attention gives it the CPU build's, bitwise. Prints how many of
+    the drawn configurations' frequencies CUDA rounded otherwise."""
+    rng = random.Random(seed)
+    differed = 0
+    for i in range(16):
+        _, config = _config(rng)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        inv_freq = model.get_submodule("model.rotary_emb").get_buffer("inv_freq")
+        want = reference_rotary(config).get_buffer("inv_freq").cuda()
+        differed += int(not torch.equal(inv_freq, want))
+        use_mode_attention(model)
+        assert torch.equal(inv_freq, want), f"seed={seed} draw {i}: {config.rope_parameters}"
+    print(f"configurations whose CUDA-built frequencies differed from the CPU build: {differed} of 16")
