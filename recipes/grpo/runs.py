@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from rl_kernel_core import contract, dispatch, report
-from rl_kernel_core.cli import device_name, integer, number
+from rl_kernel_core.argtypes import device_name, integer, number
 
 from . import embedded
 

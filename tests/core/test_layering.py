@@ -2,11 +2,13 @@
 
 Layers, bottom up: standalone helpers (the manifest of ops, switches, adapters, codes, checks, contract, the native
 build), op definitions (``opdef``, the backend-neutral ``linear_chunks``), ``dispatch``, the
-reference backend, the fast backends (Triton and native never import each other; FlashInfer's
-sampler takes its log-probs from the Triton kernel), the public
-ops, and the tools on top (CLI, benchmarks' helpers, profiling, report, consistency). Only
-module-level imports count: a function may import a higher layer lazily (dispatch loads
-backends by name).
+reference backend, the fast backends (Triton and native never import each other, except
+``triton.linear_sm90``, which loads the Hopper CUDA passes the Triton route runs from ``native``;
+FlashInfer's sampler takes its log-probs from the Triton kernel), the public
+ops, and the tools on top (CLI, benchmarks' helpers, profiling, report, consistency). Every import
+counts, a function's lazy one too (only dispatch's ``importlib``, which loads backends by name,
+is not an import statement); no module of the core imports an adapter package
+(``rl_kernel_vllm``, ``rl_kernel_verl``, ``rl_kernel_vime``).
 
 The tests: no module under tests/ imports a test module (helpers shared by test modules live in
 tests/core/oracles.py and each tier's helper modules).
@@ -26,7 +28,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "rl_kernel_core"
 TESTS = PACKAGE.parent / "tests"
 LAYERS: list[tuple[str, ...]] = [
-    ("ops", "switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest", "spans"),
+    ("ops", "switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest", "spans", "argtypes"),
     ("opdef", "linear_chunks"),
     ("dispatch",),
     ("reference",),
@@ -57,13 +59,16 @@ def _layer(module: str) -> tuple[int, str]:
     raise AssertionError(f"{module} is in no layer of this test; add it to LAYERS")
 
 
-def _module_level_imports(module: str) -> set[str]:
+def _path(module: str) -> Path:
     rel = Path(*module.split("."))
     path = PACKAGE.parent / rel.with_suffix(".py")
-    if not path.exists():
-        path = PACKAGE.parent / rel / "__init__.py"
+    return path if path.exists() else PACKAGE.parent / rel / "__init__.py"
+
+
+def _imports(module: str) -> set[str]:
+    """The ``rl_kernel_core`` modules ``module`` imports anywhere (at module level or in a function)."""
     found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(_path(module).read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -83,11 +88,19 @@ def test_no_module_imports_a_layer_above_its_own():
         if module == "rl_kernel_core":
             continue
         level, family = _layer(module)
-        for imported in _module_level_imports(module):
+        for imported in _imports(module):
             their_level, their_family = _layer(imported)
-            sideways = their_level == level == 4 and their_family != family and (family, their_family) != ("flashinfer", "triton")
+            sideways = their_level == level == 4 and their_family != family and (family, their_family) != ("flashinfer", "triton") \
+                and (module, their_family) != ("rl_kernel_core.triton.linear_sm90", "native")
             if their_level > level or sideways:
                 violations.append(f"{module} (layer {level}) imports {imported} (layer {their_level})")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_core_imports_no_adapter():
+    adapters = ("rl_kernel_vllm", "rl_kernel_verl", "rl_kernel_vime")
+    violations = [f"{module} imports {name}" for module in _modules()
+                  for name in _imported_names(ast.parse(_path(module).read_text())) if name.split(".")[0] in adapters]
     assert not violations, "\n".join(violations)
 
 
