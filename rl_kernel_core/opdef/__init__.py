@@ -5,9 +5,9 @@ one forward and one backward ``torch.library`` custom op (``rl_kernel::<backend>
 fake (meta) implementations, tied together with ``register_autograd``, and an eager path over
 the same Python bodies. The backend-independent halves of each op family (fakes, ``setup``,
 the autograd backward given the backend's backward, ``supports`` predicates) live beside it:
-:mod:`.logprob`, :mod:`.loss`, :mod:`.advantages`. This package imports nothing of
-``rl_kernel_core`` but :mod:`rl_kernel_core.loss_codes`, so every backend and the reference can
-import it.
+:mod:`.logprob`, :mod:`.loss`, :mod:`.advantages`. Of ``rl_kernel_core`` this package imports
+only :mod:`rl_kernel_core.linear_chunks` (:mod:`.logprob`, for the tuning key), which imports no
+backend, so every backend and the reference can import it.
 """
 
 from __future__ import annotations
