@@ -241,12 +241,12 @@ def logprob_from_logits(
     if l2d.stride(-1) != 1:
         l2d = l2d.contiguous()
     t1d = targets.reshape(-1).contiguous()
+    if is_batch_invariant() and not return_entropy:
+        return _pack(_mode_logprob(l2d, t1d, temperature, ignore_index), None, targets.shape, False)
     impl = dispatch.select("logprob_from_logits", backend, logits.device, l2d, t1d, temperature, ignore_index, return_entropy)
-    if is_batch_invariant():
+    logprob, entropy = impl(l2d, t1d, temperature, ignore_index, return_entropy)
+    if is_batch_invariant():  # the entropy from the fused kernel, the log-prob with the mode's definition
         logprob = _mode_logprob(l2d, t1d, temperature, ignore_index)
-        entropy = impl(l2d, t1d, temperature, ignore_index, True)[1] if return_entropy else None
-    else:
-        logprob, entropy = impl(l2d, t1d, temperature, ignore_index, return_entropy)
     return _pack(logprob, entropy, targets.shape, return_entropy)
 
 

@@ -139,8 +139,8 @@ def use_mode_attention(model) -> None:
     batch-invariant mode is on, transformers' ``sdpa`` while it is off. Also gives its rotary
     modules the inverse frequencies a CPU build computes
     (:func:`~rl_kernel_core.consistency.rope.use_cpu_rope_frequencies`, the values the engine side's
-    rotary table is built from), and raises ``ValueError`` for a rope type the identity does not
-    cover."""
+    rotary table is built from); rotary modules of a rope type the identity does not cover are left
+    as they are (the engine side refuses those types)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

@@ -100,6 +100,9 @@ def test_3d_logits_and_ignore_index(seed):
     t[1, 2] = -100
     with rk.batch_invariant():
         lp = rk.logprob_from_logits(logits, t, temperature=0.9)
+        lp_with_entropy, entropy = rk.logprob_from_logits(logits, t, temperature=0.9, return_entropy=True)
+    assert torch.equal(lp_with_entropy, lp) and entropy.shape == lp.shape and bool(torch.isfinite(entropy).all())
+    with rk.batch_invariant():
         ref = torch.log_softmax(logits.float() / 0.9, -1).gather(-1, t.clamp_min(0)[..., None]).squeeze(-1)
     assert lp[1, 2] == 0.0
     keep = t != -100
