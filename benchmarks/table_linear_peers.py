@@ -5,9 +5,9 @@ row per (shape, input regime), N then D then V ascending: the GEMM floor of the 
 method's forward+backward median (ms; ours with its TF/s), and the forward medians of ours,
 Liger's CuTe path and QuACK. Bold marks the fastest method with per-token outputs and a per-token
 upstream gradient (ours, eager, CCE, Liger's Triton and CuTe paths); ``-`` a method that did not
-run at that shape (refused, or not asked for). ``docs/benchmarks.md`` quotes its output:
+run at that shape (refused, or not asked for). The results folder's README quotes its output:
 
-    python benchmarks/table_linear_peers.py benchmarks/results/linear_h200/peers_grid/*.json
+    python benchmarks/table_linear_peers.py benchmarks/results/linear_h200/peers_grid_b3b49c0/*.json
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def known_differences(engine: str, cfg: embedded.GRPOConfig, off_log: Path, on_l
                 "float residue in both runs (fp32 on CPU; rl-kernel's own `group_advantages` gives 0 there):\n\n" + table
                 + "\n\n**Loss.** rl-kernel's `policy_loss` differs from verl's only where a micro-batch has no response "
                 "token (0 instead of NaN) and in verl's `1e-8` added to token counts (below half an fp32 ulp); "
-                "neither arises here, every response having at least one token (`docs/semantics.md`).")
+                "neither arises here, every response having at least one token (`docs/loss.md`).")
     logs = {side: report.read_step_log(path) for side, path in (("off", off_log), ("on", on_log))}
     measured = []
     for side, log in logs.items():
@@ -161,7 +161,7 @@ def known_differences(engine: str, cfg: embedded.GRPOConfig, off_log: Path, on_l
     return ("**Advantages of a group whose rewards are all equal.** The off path computes `(r - mean) / (std + 1e-6)` "
             "in fp32 as written (and as verl's `compute_grpo_outcome_advantage`): `r - mean` is a float residue, not "
             "0, and the division by `1e-6` magnifies it. rl-kernel's `group_advantages` gives exactly 0 "
-            "(`docs/semantics.md`). Computed for this run's group size and rewards (fp32 on CPU):\n\n" + table
+            "(`docs/advantages.md`). Computed for this run's group size and rewards (fp32 on CPU):\n\n" + table
             + "\n\nMeasured in these runs: " + "; ".join(measured) + ". A nonzero residue gives that group's tokens a "
             "policy gradient on the off path only, so from the step after the first one the runs' weights, samples and "
             "rewards are no longer the same.\n\n**Groups of unequal rewards.** The off path's group mean and std are "

@@ -3,7 +3,7 @@
 Public ops: :func:`ratio_kl`, :func:`policy_loss`, :func:`fused_linear_policy_loss`. Each checks
 its arguments (errors name the argument, what was expected and what was found), normalises
 them, then runs the implementation :func:`rl_kernel_core.dispatch.select` picks. The formulas,
-clamps and aggregation modes are verl 0.9.1's; ``docs/semantics.md`` states them.
+clamps and aggregation modes are verl 0.9.1's; ``docs/loss.md`` states them.
 
 Backend implementation signatures (``dispatch.register(op, backend)``; every backend takes
 exactly these arguments, already validated):

@@ -10,7 +10,7 @@ to the group's first reward, so a group of equal rewards has ``r - mean`` and ``
 a zero ``std + eps`` (``eps = 0``) then gives advantage 0, not 0/0.
 
 The formulas follow verl 0.9.1 ``compute_grpo_outcome_advantage`` and
-``compute_rloo_outcome_advantage``; ``docs/semantics.md`` states them.
+``compute_rloo_outcome_advantage``; ``docs/advantages.md`` states them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ ones every backend implements (see that module's docstring). All arithmetic runs
 The formulas follow verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (``kl_penalty``,
 ``kl_penalty_forward``, ``agg_loss``, ``compute_policy_loss_vanilla``) and
 ``verl/workers/utils/losses.py`` (``ppo_loss``: how the KL and entropy terms join the loss);
-``docs/semantics.md`` states them and every clamp.
+``docs/loss.md`` states them and every clamp.
 """
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def test_cited_environment_variables_are_read():
     ("rl_kernel_core/reference/policy_loss.py", "README.md", False, True),
     ("reference/policy_loss.py", "README.md", False, True),
     ("bindings.cpp", "native/csrc/ops.h", False, True),
-    ("native.md", "docs/vllm.md", True, False),
+    ("backends.md", "docs/vllm.md", True, False),
     ("slime/utils/ppo_utils.py", "docs/vime.md", False, False),
     ("verl/trainer/ppo/core_algos.py", "docs/semantics.md", False, False),
 ])
