@@ -92,6 +92,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import bench
 from rl_kernel_core import linear_chunks as LC
+from rl_kernel_core.triton import tuning as triton_tuning
 
 DEV = torch.device("cuda")
 SHAPES = {  # name -> (N, D, V); "tiny" is a CPU smoke test of this script under TRITON_INTERPRET=1
@@ -131,7 +132,7 @@ class Recorder:
             "benchmark": "linear_logprob / fused_linear_policy_loss",
             "command": bench.command_line(),
             "environment": bench.environment(DEV),
-            "tuning_defaults": _tuning_dict(LC.tuning()),
+            "tuning_defaults": _tuning_dict(),
             "peer_versions": peer_versions(),
             "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows, "inputs": args.inputs.split(","),
                          "flops": FLOPS},
@@ -162,8 +163,9 @@ FLOPS = {
 }
 
 
-def _tuning_dict(t: LC.LinearTuning) -> dict:
-    return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in dataclasses.asdict(t).items()}
+def _tuning_dict() -> dict:
+    """The tuning in force, with the Triton backend's table values where it leaves a field None."""
+    return {**dataclasses.asdict(LC.tuning()), **dataclasses.asdict(triton_tuning.linear())}
 
 
 def _free() -> None:
@@ -672,12 +674,12 @@ def _parse_variant(spec: str) -> tuple[str, dict]:
         key, _, val = item.partition(":")
         if "." in key:  # one field of a tile shape, e.g. gemm_tiles.tma:true
             tiles, sub = key.split(".", 1)
-            base = over.get(tiles, getattr(LC.tuning(), tiles))
+            base = over.get(tiles, getattr(triton_tuning.linear(), tiles))
             sub_type = {f.name: f.type for f in dataclasses.fields(LC.TileConfig)}[sub]
             over[tiles] = dataclasses.replace(base, **{sub: convert[sub_type](val)})
             continue
         field_type = {f.name: f.type for f in dataclasses.fields(LC.LinearTuning)}[key]
-        over[key] = convert[field_type](val)
+        over[key] = convert[field_type.removeprefix("Optional[").removesuffix("]")](val)
     return name, over
 
 

@@ -2,11 +2,12 @@
 
 Both ops walk the rows of ``hidden [N, D]`` in chunks of a fixed height (a function of V, the
 dtype and :attr:`LinearTuning.chunk_bytes`, never of N) and never hold ``[N, V]``. Per chunk a
-*pass* (a :class:`ChunkBuffers` subclass: the Triton kernels, or the native CUDA pass) forms
-the log-prob statistics or the logit gradient ``dl``; this module owns what is the same for
-every backend: the chunking, the fixed-shape cuBLAS products (the fp32 logits of the chunked
-route, ``dh = dl W``, ``dW += dl^T h``), the zero padding of the last chunk (cuBLAS picks its
-algorithm and split from the shape, so every chunk has the same shape) and the gradient sink.
+backend's passes (a :class:`ChunkPasses`: the Triton kernels, or the native CUDA pass) form the
+log-prob statistics or the logit gradient ``dl``; this module owns what is the same for every
+backend: the chunking, the fixed-shape cuBLAS products (the fp32 logits of the chunked route,
+``dh = dl W``, ``dW += dl^T h``), the zero padding of the last chunk (cuBLAS picks its algorithm
+and split from the shape, so every chunk has the same shape) and the gradient sink. It imports no
+backend: the backend hands its passes in.
 
 Tuning is an explicit, immutable :class:`LinearTuning`. :func:`tuning` returns the one in force
 (from the environment at first use: ``RL_KERNEL_WGRAD_FP32``), :func:`tuned` replaces fields
@@ -22,8 +23,8 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Iterator, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
@@ -51,60 +52,52 @@ class TileConfig:
 
 @dataclass(frozen=True)
 class LinearTuning:
-    """Choices measured on an H100 (``docs/kernels_linear_logprob.md``).
+    """The choices of the chunked linear ops in force; a field left None takes the Triton backend's
+    default from ``rl_kernel_core/triton/tuning.py`` (its ``LINEAR_*`` tables, read through
+    :func:`rl_kernel_core.triton.tuning.linear`).
 
-    ``route``: where every pass (forward, backward, loss) of the Triton backend takes its logits
-    from: ``"gemm"`` (a Triton ``tl.dot`` pass: the logits stay in registers) or ``"chunked"``
-    (cuBLAS writes an fp32 logits chunk that one pass reads; the native backend's only route).
-    One route for all passes, so a row's logits have the same bits in the forward, the backward
-    and the loss. ``chunk_bytes``: the budget of the per-chunk work buffer (``dl``, or the fp32
-    logits chunk that ``dl`` then overwrites), filled to the largest power-of-two number of rows
-    that fits (:func:`chunk_rows`); 640 MiB gives 2048 rows of a 16-bit ``dl`` at V=128256 and
-    151936. Taller chunks make taller ``dh``/``dW`` products, and with powers of two a token count
-    that is a multiple of the chunk pads no chunk: at N=16384, D=4096 on an H200, forward+backward
-    took 4.26x one GEMM (timed alternately with it) with 2048 rows against 4.66x with the 1792 of
-    the earlier 448 MiB budget in multiples of 128, and 4.33x against 4.60x at N=12000
-    (``benchmarks/results/linear_h200/chunk_rows/``). ``stats_bytes``: the budget of the gemm-route
-forward's tile-statistics buffers (12 bytes per row and vocab tile). ``wgrad_fp32``: accumulate ``dW`` over chunks in
-    an fp32 ``[V, D]`` buffer (``4 V D`` extra bytes while the gradient is formed, and slower)
-    instead of in ``weight``'s dtype (one rounding per chunk). ``gemm_tiles`` /
+    Both backends: ``route``, where every pass (forward, backward, loss) takes its logits from:
+    ``"gemm"`` (a Triton ``tl.dot`` pass: the logits stay in registers) or ``"chunked"`` (cuBLAS
+    writes an fp32 logits chunk that one pass reads; the native backend's only route). One route
+    for all passes, so a row's logits have the same bits in the forward, the backward and the loss.
+    ``chunk_bytes``: the budget of the per-chunk work buffer (``dl``, or the fp32 logits chunk that
+    ``dl`` then overwrites), filled to the largest power-of-two number of rows that fits
+    (:func:`chunk_rows`): 640 MiB gives 2048 rows of a 16-bit ``dl`` at V=128256 and 151936, and
+    with powers of two a token count that is a multiple of the chunk pads no chunk
+    (``benchmarks/results/linear_h200/chunk_rows/``). ``wgrad_fp32``: accumulate ``dW`` over
+    chunks in an fp32 ``[V, D]`` buffer (``4 V D`` extra bytes while the gradient is formed, and
+    slower) instead of in ``weight``'s dtype (one rounding per chunk).
+
+    The Triton backend only (None: its table's value): ``stats_bytes``, the budget of the gemm-route
+    forward's tile-statistics buffers (12 bytes per row and vocab tile). ``gemm_tiles`` /
     ``gemm_grad_tiles``: the gemm route's tiles for 16-bit inputs on a GPU in the statistics /
     gradient pass. ``loss_keeps_logits_from_dim``: on the gemm route with ``D`` at least this,
-    ``fused_linear_policy_loss``'s statistics pass also writes each chunk's logits into an fp32
-    chunk buffer, which its gradient pass reads instead of forming them again: three matrix
-    products instead of four, the same log-prob bits. That buffer has the rows of a ``dl`` chunk
-    in ``hidden``'s dtype, so for 16-bit inputs it takes twice ``chunk_bytes``: at D=4096 the loss
-    took 3.63x one GEMM with 2048 kept rows against 3.97x with 896 (+0.55 GiB, same run). Writing
-    and reading the fp32 logits costs about the same at every ``D``, the product it saves grows
-    with ``D``: on an H200 keeping them took 0.83x the time at D=4096, 0.88x at D=2048 and 1.01-1.06x at D=1024 (``benchmarks/results/linear_h200/profile_8e69d6e/``).
-    The statistics pass takes TMA loads and a persistent launch; the gradient
-    pass, which stores a 16-bit ``dl`` tile, measured slower with them (``bench_linear_logprob.py
-    --variants "tmagrad=gemm_grad_tiles.tma:true;gemm_grad_tiles.persistent:true"``).
-    ``sm90``: which gemm-route passes run the CUDA kernels for Hopper (``native/csrc/linear_sm90.cu``:
-    warp-specialized, the same bits as the Triton passes at the default tiles) where they are
-    available (a compute capability 9.0 device and the native ``linear_logprob`` extension built for
-    ``sm_90a``): ``"auto"`` those that measured faster on an H200
-    (:func:`rl_kernel_core.triton.linear_sm90.serves`; today every one), ``"all"`` every one,
-    ``"off"`` none. The choice changes the time, never the bits.
+    ``fused_linear_policy_loss``'s statistics pass also writes each chunk's fp32 logits into a
+    buffer (twice ``chunk_bytes`` for 16-bit inputs) that its gradient pass reads instead of
+    forming them again: three matrix products instead of four, the same log-prob bits.
+    ``sm90``: which gemm-route passes run the Hopper CUDA kernels (``native/csrc/linear_sm90.cu``,
+    the same bits as the Triton passes at the default tiles) where they are available:
+    ``"auto"`` those that measured faster (:func:`rl_kernel_core.triton.linear_sm90.serves`),
+    ``"all"`` every one, ``"off"`` none. The choice changes the time, never the bits.
     """
 
     route: str = "gemm"
     chunk_bytes: int = 640 * 2**20
-    stats_bytes: int = 128 * 2**20
+    stats_bytes: Optional[int] = None
     wgrad_fp32: bool = False
-    gemm_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True))
-    gemm_grad_tiles: TileConfig = field(default_factory=lambda: TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3))
-    loss_keeps_logits_from_dim: int = 2048
-    sm90: str = "auto"
+    gemm_tiles: Optional[TileConfig] = None
+    gemm_grad_tiles: Optional[TileConfig] = None
+    loss_keeps_logits_from_dim: Optional[int] = None
+    sm90: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.route not in ("gemm", "chunked"):
             raise ValueError(f"route must be 'gemm' or 'chunked', got {self.route!r}")
-        if self.sm90 not in ("auto", "all", "off"):
+        if self.sm90 not in (None, "auto", "all", "off"):
             raise ValueError(f"sm90 must be 'auto', 'all' or 'off', got {self.sm90!r}")
         for name in ("chunk_bytes", "stats_bytes", "loss_keeps_logits_from_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
     def route_for(self, hidden: torch.Tensor) -> str:
@@ -247,19 +240,58 @@ def canonical_layout(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+class StatsPass(Protocol):
+    """A backend's statistics pass over one chunk (see :class:`ChunkPasses`)."""
+
+    def __call__(
+        self, buf: ChunkBuffers, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+        n: int, inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
+    ) -> None: ...
+
+
+class GradPass(Protocol):
+    """A backend's gradient pass over one chunk (see :class:`ChunkPasses`)."""
+
+    def __call__(
+        self, buf: ChunkBuffers, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+        n: int, inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
+        g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ChunkPasses:
+    """A backend's per-chunk passes, handed to the driver, which calls them for every chunk.
+
+    ``stats(buf, x, weight, bias, targets, n, inv_temp, ignore_index, lp, ent, lse)`` writes ``lp``,
+    ``lse`` and (unless None) ``ent`` (fp32 ``[n]`` views) for ``n`` rows of ``x`` (what
+    :meth:`ChunkBuffers.source` returned). ``grad(buf, x, weight, bias, targets, n, inv_temp,
+    ignore_index, lse, ent, g_lp, g_ent)`` returns ``dl`` of ``n`` rows on the fixed ``[rows, V]``
+    shape from the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``: it writes ``buf.dl[:n]`` and
+    returns :meth:`ChunkBuffers.padded_dl`. ``scratch(hidden, weight, route, rows)``: the backend's
+    own work buffers, allocated once per pass (``buf.scratch``). ``stats_rows(hidden, weight,
+    route)``: the rows per chunk of a forward that holds neither ``dl`` nor a logits chunk
+    (:func:`chunk_rows` when None).
+    """
+
+    stats: StatsPass
+    grad: GradPass
+    scratch: Optional[Callable[[torch.Tensor, torch.Tensor, str, int], Any]] = None
+    stats_rows: Optional[Callable[[torch.Tensor, torch.Tensor, str], int]] = None
+
+
 class ChunkBuffers:
-    """The fixed-size work buffers of one forward, backward or loss pass, reused for every chunk,
-    and the per-chunk passes a backend supplies.
+    """The fixed-size work buffers of one forward, backward or loss pass, reused for every chunk.
 
     ``rows`` is the chunk height. On the chunked route ``logits`` is the fp32 ``[rows, V]`` chunk
     cuBLAS writes (:meth:`source`) and ``dl`` overwrites it in place; with ``keep_logits`` (gemm
     route; ``keeps_logits`` records it) ``logits`` is the same buffer, written by the statistics
     pass and read by the gradient pass; otherwise ``dl`` (when needed) is a ``[rows, V]`` buffer in
-    ``hidden``'s dtype. A backend subclass implements :meth:`stats` and :meth:`grad` (and may size
-    ``rows`` itself for passes that need no ``dl``, through :meth:`stats_rows`).
+    ``hidden``'s dtype. ``scratch`` holds what ``passes.scratch`` allocated (None without it).
     """
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool, keep_logits: bool = False) -> None:
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, passes: ChunkPasses, need_dl: bool,
+                 keep_logits: bool = False) -> None:
         vocab, dim = weight.shape
         dev, dt = hidden.device, hidden.dtype
         self.route = route
@@ -278,8 +310,11 @@ class ChunkBuffers:
         elif need_dl:
             self.rows = chunk_rows(vocab, hidden.element_size())
             self._dl = torch.empty(self.rows, vocab, dtype=dt, device=dev)
+        elif passes.stats_rows is not None:
+            self.rows = passes.stats_rows(hidden, weight, route)
         else:
-            self.rows = self.stats_rows(hidden, weight)
+            self.rows = chunk_rows(vocab, hidden.element_size())
+        self.scratch: Any = None if passes.scratch is None else passes.scratch(hidden, weight, route, self.rows)
 
     @property
     def dl(self) -> torch.Tensor:
@@ -287,10 +322,6 @@ class ChunkBuffers:
         if self._dl is None:
             raise RuntimeError("these chunk buffers hold no dl: build them with need_dl=True")
         return self._dl
-
-    def stats_rows(self, hidden: torch.Tensor, weight: torch.Tensor) -> int:
-        """Rows per chunk of a forward on a route other than chunked (no ``dl``, no logits buffer)."""
-        return chunk_rows(weight.shape[0], hidden.element_size())
 
     def source(self, hidden: torch.Tensor, weight: torch.Tensor, r0: int, n: int) -> torch.Tensor:
         """What the pass reads for rows ``[r0, r0+n)``: hidden rows, or (chunked route) their fp32
@@ -303,23 +334,6 @@ class ChunkBuffers:
         mm_fp32_into(self.h_pad, weight.t(), self.logits)
         return self.logits
 
-    def stats(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
-        inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
-    ) -> None:
-        """Write ``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]`` views) for ``n`` rows of ``x``."""
-        raise NotImplementedError
-
-    def grad(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, n: int,
-        inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
-        g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        """``dl`` of ``n`` rows of ``x`` on the fixed ``[rows, V]`` shape (rows past ``n`` zero), from
-        the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``: the pass writes ``self.dl[:n]`` and
-        returns :meth:`padded_dl`."""
-        raise NotImplementedError
-
     def padded_dl(self, n: int) -> torch.Tensor:
         """``self.dl`` with its rows past ``n`` zeroed, once a pass has written its first ``n`` rows."""
         if n < self.rows:
@@ -329,19 +343,19 @@ class ChunkBuffers:
 
 def forward_stats(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_temp: float, ignore_index: int, route: str, want_entropy: bool, buffers: type[ChunkBuffers],
+    inv_temp: float, ignore_index: int, route: str, want_entropy: bool, passes: ChunkPasses,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """``(logprob, entropy or None, lse)``, fp32 ``[N]``, by ``buffers``' per-chunk passes."""
+    """``(logprob, entropy or None, lse)``, fp32 ``[N]``, by ``passes``' statistics pass."""
     n_rows = hidden.shape[0]
     lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     ent = torch.empty_like(lp) if want_entropy else None
     lse = torch.empty_like(lp)
-    buf = buffers(hidden, weight, route, need_dl=False)
+    buf = ChunkBuffers(hidden, weight, route, passes, need_dl=False)
     for r0 in range(0, n_rows, buf.rows):
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
-        buf.stats(
-            buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
+        passes.stats(
+            buf, buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
             lp[sl], None if ent is None else ent[sl], lse[sl],
         )
     return lp, ent, lse
@@ -400,16 +414,16 @@ class GradSink:
 def backward_chunks(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-    inv_temp: float, ignore_index: int, route: str, sink: Sink, buffers: type[ChunkBuffers],
+    inv_temp: float, ignore_index: int, route: str, sink: Sink, passes: ChunkPasses,
 ) -> None:
-    """Recompute each chunk's logits, form ``dl`` (``buffers``' pass) and hand it to ``sink``."""
+    """Recompute each chunk's logits, form ``dl`` (``passes``' gradient pass) and hand it to ``sink``."""
     n_rows = hidden.shape[0]
-    buf = buffers(hidden, weight, route, need_dl=True)
+    buf = ChunkBuffers(hidden, weight, route, passes, need_dl=True)
     for r0 in range(0, n_rows, buf.rows):
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
-        dl = buf.grad(
-            buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
+        dl = passes.grad(
+            buf, buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
             lse[sl], None if ent is None else ent[sl], g_lp[sl], None if g_ent is None else g_ent[sl],
         )
         sink.add(dl, r0, n)
@@ -417,13 +431,13 @@ def backward_chunks(
 
 def linear_forward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    temperature: float, ignore_index: int, return_entropy: bool, route: str, buffers: type[ChunkBuffers],
+    temperature: float, ignore_index: int, return_entropy: bool, route: str, passes: ChunkPasses,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``linear_logprob``'s forward custom-op body on one process: ``(logprob [N], entropy [N] or
-    [0], lse [N])`` fp32 by ``buffers``' passes on ``route``."""
+    [0], lse [N])`` fp32 by ``passes`` on ``route``."""
     lp, ent, lse = forward_stats(
         canonical_layout(hidden), canonical_layout(weight), bias, targets, 1.0 / temperature, ignore_index, route,
-        return_entropy, buffers,
+        return_entropy, passes,
     )
     return lp, (lp.new_empty(0) if ent is None else ent), lse
 
@@ -432,7 +446,7 @@ def linear_backward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
     lse: torch.Tensor, entropy: torch.Tensor, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
     temperature: float, ignore_index: int, need_h: bool, need_w: bool, need_b: bool, route: str,
-    buffers: type[ChunkBuffers], sink: Optional[Sink] = None,
+    passes: ChunkPasses, sink: Optional[Sink] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``linear_logprob``'s backward custom-op body: ``(dh, dW, db)`` in the inputs' dtypes, ``[0]``
     where not asked for. ``sink`` replaces the single-process :class:`GradSink` (vocab parallel)."""
@@ -442,7 +456,7 @@ def linear_backward(
     sink = sink or GradSink(hidden, weight, need_h, need_w, need_b)
     backward_chunks(
         hidden, weight, bias, targets, lse, None if g_ent is None else entropy, g_lp, g_ent,
-        1.0 / temperature, ignore_index, route, sink, buffers,
+        1.0 / temperature, ignore_index, route, sink, passes,
     )
     empty = hidden.new_empty(0)
     dh, dw, db = (empty.clone() if g is None else g for g in sink.grads())

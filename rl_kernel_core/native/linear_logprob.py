@@ -28,24 +28,27 @@ ROUTE = "chunked"
 """The native passes read the cuBLAS fp32 logits chunk, for every pass."""
 
 
-class NativeChunkBuffers(LC.ChunkBuffers):
-    """The chunked route's buffers with the CUDA per-chunk pass: one block per row computes LSE,
-    target logit and entropy, or overwrites the fp32 logits with ``dl`` in place."""
+def _stats(buf, x, weight, bias, targets, n, inv_temp, ignore_index, lp, ent, lse) -> None:
+    """``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]``) of the first ``n`` rows of the logits
+    chunk ``x``: one block per row."""
+    _ext.linear_chunk_stats(x, bias, targets, inv_temp, ignore_index, lp, ent, lse)
 
-    def stats(self, x, weight, bias, targets, n, inv_temp, ignore_index, lp, ent, lse) -> None:
-        """``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]``) of the first ``n`` rows of the logits chunk ``x``."""
-        _ext.linear_chunk_stats(x, bias, targets, inv_temp, ignore_index, lp, ent, lse)
 
-    def grad(self, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> torch.Tensor:
-        """``dl`` (written in place over the logits chunk ``x``) from the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``."""
-        _ext.linear_chunk_grad(x, self.dl, bias, targets, lse, None if g_ent is None else ent, g_lp, g_ent, inv_temp, ignore_index)
-        return self.padded_dl(n)
+def _grad(buf, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> torch.Tensor:
+    """``dl`` written in place over the logits chunk ``x`` from the saved ``lse``/``ent`` and fp32
+    ``g_lp``/``g_ent``: one block per row."""
+    _ext.linear_chunk_grad(x, buf.dl, bias, targets, lse, None if g_ent is None else ent, g_lp, g_ent, inv_temp, ignore_index)
+    return buf.padded_dl(n)
+
+
+PASSES = LC.ChunkPasses(stats=_stats, grad=_grad)
+"""The CUDA per-chunk passes the chunk driver runs on the chunked route."""
 
 
 def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, tuning):
     """The forward custom op's body (schema :data:`rl_kernel_core.opdef.logprob.LINEAR_SCHEMA`; ``tp_group`` is None)."""
     with LC.tuning_of(tuning):
-        return LC.linear_forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, ROUTE, NativeChunkBuffers)
+        return LC.linear_forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, ROUTE, PASSES)
 
 
 def _backward(hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
@@ -54,7 +57,7 @@ def _backward(hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_en
     with LC.tuning_of(tuning):  # autograd may run the backward on another thread: the forward's tuning, named
         return LC.linear_backward(
             hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
-            need_h, need_w, need_b, ROUTE, NativeChunkBuffers,
+            need_h, need_w, need_b, ROUTE, PASSES,
         )
 
 

@@ -17,7 +17,7 @@ entropy and on ``w_i``, nothing global. The forward therefore runs, per fixed-si
    chunk's ``w`` as a float mask, which is exactly ``d loss / d logprob`` and ``d loss /
    d entropy`` (the reference's formulas, clamps and tie rules);
 4. the gradient pass: ``dl = d loss / d logits`` written over the fp32 chunk in place (chunked,
-   and gemm where ``tuning().loss_keeps_logits_from_dim`` has the statistics pass keep the
+   and gemm where ``LinearTuning.loss_keeps_logits_from_dim`` has the statistics pass keep the
    chunk's logits) or recomputed from ``hidden`` and ``weight`` (gemm otherwise: one more matrix
    product);
 5. ``dh = dl @ W`` (fixed shape) and ``dW += dl^T @ h``.
@@ -49,8 +49,9 @@ from rl_kernel_core.opdef import loss as opdef
 from rl_kernel_core.opdef.loss import METRIC_NAMES, FusedLossInputs, LossSettings
 from rl_kernel_core.reference import loss as reference
 from rl_kernel_core import linear_chunks as LC
-from rl_kernel_core.triton.linear_logprob import TritonChunkBuffers
+from rl_kernel_core.triton.linear_logprob import PASSES
 from rl_kernel_core.triton.loss import policy_loss_bwd
+from rl_kernel_core.triton.tuning import linear
 
 
 def _token_grads(
@@ -88,7 +89,7 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
     route = LC.tuning().route_for(h2d)
     empty = hidden.new_empty(0)
     if not (need_h or need_w or need_b):
-        lp, ent, _ = LC.forward_stats(h2d, weight, bias, t1d, inv_temp, ignore_index, route, True, TritonChunkBuffers)
+        lp, ent, _ = LC.forward_stats(h2d, weight, bias, t1d, inv_temp, ignore_index, route, True, PASSES)
         loss, metrics = reference.policy_loss(lp.view(shape), old, adv, mask_eff, ref, None if ent is None else ent.view(shape), rw, settings)
         return loss, _metrics_tensor(metrics), empty, empty.clone(), empty.clone()
     n_rows = h2d.shape[0]
@@ -97,8 +98,8 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
     rw1 = None if rw is None else rw.reshape(-1)
     token_sum = dataclasses.replace(settings, loss_agg_mode="token-sum")
     sink = LC.GradSink(h2d, weight, need_h, need_w, need_b and bias is not None)
-    keep_logits = route == "gemm" and weight.shape[1] >= LC.tuning().loss_keeps_logits_from_dim
-    buf = TritonChunkBuffers(h2d, weight, route, need_dl=True, keep_logits=keep_logits)
+    keep_logits = route == "gemm" and weight.shape[1] >= linear().loss_keeps_logits_from_dim
+    buf = LC.ChunkBuffers(h2d, weight, route, PASSES, need_dl=True, keep_logits=keep_logits)
     one = torch.ones((), dtype=torch.float32, device=hidden.device)
     lp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     ent = torch.empty_like(lp)
@@ -107,9 +108,9 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
         x = buf.source(h2d, weight, r0, n)
-        buf.stats(x, weight, bias, t1d[sl], n, inv_temp, ignore_index, lp[sl], ent[sl], lse[sl])
+        PASSES.stats(buf, x, weight, bias, t1d[sl], n, inv_temp, ignore_index, lp[sl], ent[sl], lse[sl])
         g_lp, g_ent = _token_grads(lp[sl], ent[sl], old1[sl], adv1[sl], w[sl], ref1[sl], None if rw1 is None else rw1[sl], token_sum, one)
-        dl = buf.grad(x, weight, bias, t1d[sl], n, inv_temp, ignore_index, lse[sl], ent[sl], g_lp, g_ent)
+        dl = PASSES.grad(buf, x, weight, bias, t1d[sl], n, inv_temp, ignore_index, lse[sl], ent[sl], g_lp, g_ent)
         sink.add(dl, r0, n)
     del buf
     loss, metrics = reference.policy_loss(lp.view(shape), old, adv, mask_eff, ref, ent.view(shape), rw, settings)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core.linear_chunks import ChunkBuffers
 from rl_kernel_core.triton import linear_sm90
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
@@ -112,3 +113,16 @@ def launch_grad(
         per_prog, g[0],
         FROM_LOGITS=from_logits, HAS_GENT=has_gent, IN_PLACE=in_place, **tile_flags(weight, bias, cfg, tma),
     )
+
+
+def chunk_grad(
+    buf: ChunkBuffers, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    n: int, inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
+    g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The chunk driver's gradient pass: ``buf.dl`` of ``n`` rows of ``x`` (rows past ``n`` zero); with
+    ``buf.keeps_logits``, from the logits the statistics pass of the same rows kept."""
+    kept = buf.logits if buf.keeps_logits else None
+    launch_grad(x if kept is None else kept, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, buf.dl,
+                buf.route == "chunked" or kept is not None)
+    return buf.padded_dl(n)

@@ -2,7 +2,7 @@
 
 The op is the custom op ``rl_kernel::triton_linear_logprob`` and its backward (schemas and
 autograd glue in :mod:`rl_kernel_core.opdef.logprob`) over the backend-neutral chunk driver
-(:mod:`rl_kernel_core.linear_chunks`) with the Triton passes of :class:`TritonChunkBuffers`:
+(:mod:`rl_kernel_core.linear_chunks`) with the Triton passes :data:`PASSES`:
 
 * one route (``tuning().route``) for every pass, so the backward recomputes the forward's logit
   bits and a row's log-prob is the same with or without entropy or grad.
@@ -27,47 +27,18 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from rl_kernel_core import dispatch
 from rl_kernel_core import linear_chunks as LC
 from rl_kernel_core.opdef import logprob as opdef
 from rl_kernel_core.triton import _vocab_parallel as VP
-from rl_kernel_core.triton.linear_grad import launch_grad
-from rl_kernel_core.triton.linear_stats import launch_merge, launch_stats, stats_rows
-from rl_kernel_core.triton.linear_tile import tiles
+from rl_kernel_core.triton.linear_grad import chunk_grad
+from rl_kernel_core.triton.linear_stats import chunk_scratch, chunk_stats, forward_rows
 
 
-class TritonChunkBuffers(LC.ChunkBuffers):
-    """The chunk buffers with the Triton passes: the statistics pass and merge
-    (:func:`~rl_kernel_core.triton.linear_stats.launch_stats`, ``partials``/``ztgt`` hold one
-    chunk's tile statistics) and the gradient pass (:func:`~rl_kernel_core.triton.linear_grad.launch_grad`)."""
-
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, need_dl: bool, keep_logits: bool = False) -> None:
-        self.n_tiles = triton.cdiv(weight.shape[0], tiles(hidden.dtype, hidden.device, route == "chunked").block_n)
-        super().__init__(hidden, weight, route, need_dl, keep_logits)
-        self.partials = torch.empty(3, self.rows, self.n_tiles, dtype=torch.float32, device=hidden.device)
-        self.ztgt = torch.empty(self.rows, dtype=torch.float32, device=hidden.device)
-
-    def stats_rows(self, hidden: torch.Tensor, weight: torch.Tensor) -> int:
-        """Rows per gemm-route forward chunk: as many as the statistics buffer holds (:func:`~rl_kernel_core.triton.linear_stats.stats_rows`)."""
-        return stats_rows(self.n_tiles)
-
-    def stats(self, x, weight, bias, targets, n, inv_temp, ignore_index, lp, ent, lse) -> None:
-        """Tile statistics of ``n`` rows of ``x`` merged into ``lp``/``ent``/``lse`` (``[n]`` views; ``ent`` may be None)."""
-        launch_stats(
-            x, weight, bias, targets, n, inv_temp, ignore_index, self.partials, self.ztgt, self.route == "chunked",
-            ent is not None, self.logits if self.keeps_logits else None,
-        )
-        launch_merge(self.partials, self.ztgt, targets, n, self.n_tiles, ignore_index, lp, ent, lse)
-
-    def grad(self, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> torch.Tensor:
-        """``dl`` of ``n`` rows of ``x`` (rows past ``n`` zero); with ``keep_logits``, from the logits the
-        statistics pass of the same rows kept."""
-        if self.keeps_logits:
-            x = self.logits
-        launch_grad(x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, self.dl, self.route == "chunked" or self.keeps_logits)
-        return self.padded_dl(n)
+PASSES = LC.ChunkPasses(stats=chunk_stats, grad=chunk_grad, scratch=chunk_scratch, stats_rows=forward_rows)
+"""The Triton passes the chunk driver runs: the statistics pass and merge of :mod:`.linear_stats`
+(``buf.scratch`` holds one chunk's tile statistics) and the gradient pass of :mod:`.linear_grad`."""
 
 
 def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, tuning):
@@ -75,7 +46,7 @@ def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_en
     with LC.tuning_of(tuning):
         if tp_group is None:
             route = LC.tuning().route_for(hidden)
-            return LC.linear_forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, route, TritonChunkBuffers)
+            return LC.linear_forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, route, PASSES)
         lp, ent, lse = VP.forward_stats(
             LC.canonical_layout(hidden), LC.canonical_layout(weight), bias, targets, 1.0 / temperature, ignore_index,
             return_entropy, opdef.group_named(tp_group),
@@ -90,7 +61,7 @@ def _backward(hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_en
         if tp_group is None:
             return LC.linear_backward(
                 hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
-                need_h, need_w, need_b, LC.tuning().route_for(hidden), TritonChunkBuffers,
+                need_h, need_w, need_b, LC.tuning().route_for(hidden), PASSES,
             )
         # this rank's shard: shard-local target ids, dh summed over the group, the forward's gemm route
         group = opdef.group_named(tp_group)
@@ -98,7 +69,7 @@ def _backward(hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_en
         sink = VP.ShardGradSink(LC.canonical_layout(hidden), LC.canonical_layout(weight), need_h, need_w, need_b, group)
         return LC.linear_backward(
             hidden, weight, bias, local, lse, entropy, grad_logprob, grad_entropy, temperature, VP.IGNORED,
-            need_h, need_w, need_b, VP.ROUTE, TritonChunkBuffers, sink,
+            need_h, need_w, need_b, VP.ROUTE, PASSES, sink,
         )
 
 

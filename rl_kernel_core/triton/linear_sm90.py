@@ -19,13 +19,9 @@ from typing import Optional
 
 import torch
 
-from rl_kernel_core.linear_chunks import tuning
 from rl_kernel_core.triton._jit import interpreting
 from rl_kernel_core.triton.linear_tile import tiles
-
-_TILE = (128, 256, 64, 8)
-"""The Triton tile the kernel mirrors (block_m, block_n, block_k, num_warps): the statistics' vocab
-partition and the thread layout whose order the sums follow."""
+from rl_kernel_core.triton.tuning import LINEAR_SM90_TILE, linear
 
 _LOCK = threading.Lock()
 _state: dict[str, Optional[ModuleType]] = {}
@@ -62,7 +58,8 @@ def status() -> str:
     """One line for ``rl-kernel info`` on whether the Hopper passes can run here, building nothing."""
     from rl_kernel_core import native_build
 
-    if tuning().sm90 == "off":
+    mode = linear().sm90
+    if mode == "off":
         return "off (LinearTuning.sm90='off'): the Triton passes run"
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return "not used: they need a compute capability 9.0 GPU (the Triton passes run, with the same bits)"
@@ -71,7 +68,7 @@ def status() -> str:
         return f"unavailable: {reason}; the Triton passes run (the same bits, slower)"
     if native_build.is_built("linear_logprob"):
         return (f"the linear_logprob extension is built (whether with sm_90a code shows at the first linear_logprob "
-                f"call); used by the gemm route's passes where LinearTuning.sm90={tuning().sm90!r} allows")
+                f"call); used by the gemm route's passes where LinearTuning.sm90={mode!r} allows")
     return ("not built yet: the first linear_logprob call compiles them (about a minute), or "
             "'python -m rl_kernel_core.native build linear_logprob' ahead of time")
 
@@ -84,20 +81,20 @@ def serves(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     """The extension whose kernel runs this gemm-route pass, or None for the Triton pass.
 
     ``kind``: ``"stats"`` or ``"grad"``; ``x``: the pass's ``hidden`` rows. Needs
-    ``LinearTuning.sm90`` to allow it (``"auto"`` and ``"all"`` take every pass: each measured at
-    least as fast as its Triton pass on an H200, ``benchmarks/results/linear_h200/epilogue/``), a
+    ``LinearTuning.sm90`` to allow it (``"auto"`` and ``"all"`` take every pass:
+    :data:`~rl_kernel_core.triton.tuning.LINEAR_SM90`), a
     compute capability 9.0 device (compiled, not interpreted), bf16 or fp16 TMA-compatible operands
     (unit inner stride, 16-byte aligned rows and address), a bias of the same dtype, and the default
     tile of the pass (another tile has another partition or thread layout, so only the Triton pass
-    gives its bits).
+    gives its bits: :data:`~rl_kernel_core.triton.tuning.LINEAR_SM90_TILE`).
     """
-    mode = tuning().sm90
+    mode = linear().sm90
     if mode == "off" or x.device.type != "cuda" or interpreting():
         return None
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return None
     cfg = tiles(weight.dtype, weight.device, False, grad=kind == "grad")
-    if (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) != _TILE:
+    if (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) != LINEAR_SM90_TILE:
         return None
     if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or not (_tma_operand(x) and _tma_operand(weight)):
         return None

@@ -16,18 +16,19 @@ same bits (:mod:`.linear_sm90`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from rl_kernel_core.linear_chunks import tuning
+from rl_kernel_core.linear_chunks import ChunkBuffers
 from rl_kernel_core.triton import linear_sm90
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
 from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
-from rl_kernel_core.triton.tuning import MERGE_BLOCK_R, MERGE_BLOCK_T
+from rl_kernel_core.triton.tuning import MERGE_BLOCK_R, MERGE_BLOCK_T, linear
 
 
 @launch_time_jit
@@ -131,8 +132,8 @@ def _merge_kernel(
 
 def stats_rows(n_tiles: int) -> int:
     """Rows per chunk of the gemm-route forward (a function of the tile count only, never of N):
-    as many as fit ``n_tiles`` tiles of statistics in ``tuning().stats_bytes``, from 16 to 16384."""
-    return max(MERGE_BLOCK_R, min(16384, tuning().stats_bytes // (12 * n_tiles)))
+    as many as fit ``n_tiles`` tiles of statistics in ``LinearTuning.stats_bytes``, from 16 to 16384."""
+    return max(MERGE_BLOCK_R, min(16384, linear().stats_bytes // (12 * n_tiles)))
 
 
 def launch_stats(
@@ -183,3 +184,47 @@ def launch_merge(
         rows, n_tiles, partials.stride(1), ignore_index,
         WANT_ENT=ent is not None, BLOCK_R=MERGE_BLOCK_R, BLOCK_T=MERGE_BLOCK_T, num_warps=4,
     )
+
+
+@dataclass
+class StatsScratch:
+    """One chunk's tile statistics (``ChunkBuffers.scratch`` of the Triton passes): fp32
+    ``partials [3, rows, n_tiles]`` (``m_j``, ``s_j``, ``a_j``) and ``ztgt [rows]`` (target logits)."""
+
+    n_tiles: int
+    partials: torch.Tensor
+    ztgt: torch.Tensor
+
+
+def _vocab_tiles(hidden: torch.Tensor, weight: torch.Tensor, route: str) -> int:
+    return triton.cdiv(weight.shape[0], tiles(hidden.dtype, hidden.device, route == "chunked").block_n)
+
+
+def chunk_scratch(hidden: torch.Tensor, weight: torch.Tensor, route: str, rows: int) -> StatsScratch:
+    """The statistics buffers of ``rows``-row chunks of ``hidden`` against ``weight`` on ``route``."""
+    n_tiles = _vocab_tiles(hidden, weight, route)
+    return StatsScratch(
+        n_tiles,
+        torch.empty(3, rows, n_tiles, dtype=torch.float32, device=hidden.device),
+        torch.empty(rows, dtype=torch.float32, device=hidden.device),
+    )
+
+
+def forward_rows(hidden: torch.Tensor, weight: torch.Tensor, route: str) -> int:
+    """Rows per gemm-route forward chunk: as many as the statistics buffer holds (:func:`stats_rows`)."""
+    return stats_rows(_vocab_tiles(hidden, weight, route))
+
+
+def chunk_stats(
+    buf: ChunkBuffers, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+    n: int, inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
+) -> None:
+    """The chunk driver's statistics pass: tile statistics of ``n`` rows of ``x`` into ``buf.scratch``
+    (with ``buf.keeps_logits``, the logits into ``buf.logits``), merged into ``lp``/``ent``/``lse``
+    (``[n]`` views; ``ent`` may be None)."""
+    scratch: StatsScratch = buf.scratch
+    launch_stats(
+        x, weight, bias, targets, n, inv_temp, ignore_index, scratch.partials, scratch.ztgt, buf.route == "chunked",
+        ent is not None, buf.logits if buf.keeps_logits else None,
+    )
+    launch_merge(scratch.partials, scratch.ztgt, targets, n, scratch.n_tiles, ignore_index, lp, ent, lse)

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import triton.language as tl
 
-from rl_kernel_core.linear_chunks import TileConfig, tuning
+from rl_kernel_core.linear_chunks import TileConfig
 from rl_kernel_core.triton._jit import helper_jit, interpreting
 from rl_kernel_core.triton._matmul_helpers import dot_acc
 from rl_kernel_core.triton.tuning import (
@@ -27,6 +27,7 @@ from rl_kernel_core.triton.tuning import (
     LINEAR_INTERPRETER_PROGRAMS,
     LINEAR_INTERPRETER_TILES,
     LINEAR_MEMORY_PASS_TILES,
+    linear,
 )
 
 
@@ -96,8 +97,8 @@ def logits_tile(
 def tiles(dtype: torch.dtype, device: torch.device, from_logits: bool, grad: bool = False) -> TileConfig:
     """The tile shape of a statistics (or, with ``grad``, gradient) pass over ``dtype`` inputs on
     ``device`` under the :func:`~rl_kernel_core.linear_chunks.tuning` in force."""
-    t = tuning()
-    gemm = t.gemm_grad_tiles if grad else t.gemm_tiles
+    choices = linear()
+    gemm = choices.gemm_grad_tiles if grad else choices.gemm_tiles
     if device.type != "cuda" or interpreting():
         return dataclasses.replace(LINEAR_INTERPRETER_TILES, tma=gemm.tma, persistent=gemm.persistent)
     if from_logits:

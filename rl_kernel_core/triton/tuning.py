@@ -1,23 +1,23 @@
 """The Triton backend's tile and tuning tables, in one place: block sizes, warps and stages of every
-kernel launch that the kernel modules take from a named table or constant.
+kernel launch that the kernel modules take from a named table or constant, and the defaults of the
+chunked linear ops' Triton choices (the ``LINEAR_*`` tables, which a
+:class:`~rl_kernel_core.linear_chunks.LinearTuning` field replaces at run time: :func:`linear`).
 
 A tile is part of a kernel's numerical result wherever it sets a summation order (the attention and
 matmul tiles, the vocab blocks of the log-prob and sampling passes): changing a value here changes
 bits, so each value is fixed per dtype (and, for the matmul, per device's shared memory), never per
-call shape. Values measured on a GPU say so, with the benchmark that chose them.
-
-The gemm route of ``linear_logprob`` / ``fused_linear_policy_loss`` takes its 16-bit tiles from
-:class:`rl_kernel_core.linear_chunks.LinearTuning` (``gemm_tiles``, ``gemm_grad_tiles``), which
-benchmarks and tests replace at run time with :func:`rl_kernel_core.linear_chunks.tuned`; that
-backend-neutral module sits below the backends, so those defaults and :class:`TileConfig` stay
-there. The native backend's launch constants are in ``native/csrc/tuning.h``.
+call shape. A value chosen by measurement names the committed measurement under
+``benchmarks/results/``. The native backend's launch constants are in ``native/csrc/tuning.h``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-from rl_kernel_core.linear_chunks import TileConfig
+from rl_kernel_core.linear_chunks import LinearTuning, TileConfig, tuning
 
 # --- varlen_attention (triton/attention.py) -------------------------------------------------------
 
@@ -127,7 +127,36 @@ ROW_BLOCK: int = 1024
 INTERPRETED_ROW_BLOCK: int = 64
 """:data:`ROW_BLOCK` under the Triton interpreter (CPU tests)."""
 
-# --- linear_logprob / fused_linear_policy_loss passes (triton/linear_tile.py) ---------------------
+# --- linear_logprob / fused_linear_policy_loss passes (triton/linear_*.py) ------------------------
+
+LINEAR_GEMM_TILES = TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True, persistent=True)
+"""Tile of the gemm route's statistics pass for 16-bit inputs on a GPU (``LinearTuning.gemm_tiles``
+replaces it): TMA loads and a persistent launch (``benchmarks/results/linear_h200/tiles/``)."""
+
+LINEAR_GEMM_GRAD_TILES = TileConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3)
+"""Tile of the gemm route's gradient pass for 16-bit inputs on a GPU (``LinearTuning.gemm_grad_tiles``
+replaces it): pointer loads, one program per tile; the pass stores a 16-bit ``dl`` tile, and TMA
+loads with a persistent launch measured no faster
+(``benchmarks/results/linear_h200/profile_keep_experiments/tma_store.json``)."""
+
+LINEAR_STATS_BYTES: int = 128 * 2**20
+"""Budget of the gemm-route forward's tile-statistics buffers (``LinearTuning.stats_bytes``)."""
+
+LINEAR_LOSS_KEEPS_LOGITS_FROM_DIM: int = 2048
+"""``fused_linear_policy_loss`` keeps each chunk's logits for its gradient pass from this ``D`` on
+(``LinearTuning.loss_keeps_logits_from_dim``): writing and reading the fp32 logits costs about the
+same at every ``D``, the matrix product it saves grows with ``D``
+(``benchmarks/results/linear_h200/profile_8e69d6e/``)."""
+
+LINEAR_SM90: str = "auto"
+"""Which gemm-route passes run the Hopper CUDA kernels (``LinearTuning.sm90``): every one, as each
+measured at least as fast as its Triton pass (``benchmarks/results/linear_h200/epilogue/``)."""
+
+LINEAR_SM90_TILE: tuple[int, int, int, int] = (128, 256, 64, 8)
+"""``(block_m, block_n, block_k, num_warps)``: the one Triton tile whose passes the Hopper CUDA
+kernels reproduce (``kSm90BlockM``/``N``/``K`` and ``kSm90Consumers`` warpgroups in
+``native/csrc/tuning.h``): the statistics' vocab partition and the thread layout whose order the
+sums follow. Another tile runs the Triton passes."""
 
 LINEAR_INTERPRETER_TILES = TileConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=1)
 """Tile of the linear statistics and gradient passes (``_stats_kernel``, ``_grad_kernel``) under
@@ -138,12 +167,46 @@ LINEAR_INTERPRETER_PROGRAMS: int = 3
 """Programs of a persistent launch under the interpreter: few, so each walks several units."""
 
 LINEAR_FP32_TILES = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
-"""Tile of the gemm route's passes for fp32 inputs on a GPU (16-bit inputs take the tuning's
-``gemm_tiles`` / ``gemm_grad_tiles``)."""
+"""Tile of the gemm route's passes for fp32 inputs on a GPU (16-bit inputs take
+:func:`linear`'s ``gemm_tiles`` / ``gemm_grad_tiles``)."""
 
 LINEAR_MEMORY_PASS_TILES = TileConfig(1, 2048, 16, group_m=1, num_warps=8, num_stages=1)
 """Tile of the chunked route's passes on a GPU, which read an fp32 logits chunk (one row,
 ``BLOCK_N`` vocab columns per program)."""
+
+
+@dataclass(frozen=True)
+class LinearChoices:
+    """The Triton passes' choices under a :class:`~rl_kernel_core.linear_chunks.LinearTuning`: its
+    field where set, else the ``LINEAR_*`` table above (fields as ``LinearTuning``'s)."""
+
+    stats_bytes: int
+    gemm_tiles: TileConfig
+    gemm_grad_tiles: TileConfig
+    loss_keeps_logits_from_dim: int
+    sm90: str
+
+
+_resolved: Optional[tuple[LinearTuning, LinearChoices]] = None
+
+
+def linear() -> LinearChoices:
+    """The :class:`LinearChoices` of the :func:`~rl_kernel_core.linear_chunks.tuning` in force."""
+    global _resolved
+    t = tuning()
+    kept = _resolved
+    if kept is not None and kept[0] is t:
+        return kept[1]
+    choices = LinearChoices(
+        LINEAR_STATS_BYTES if t.stats_bytes is None else t.stats_bytes,
+        LINEAR_GEMM_TILES if t.gemm_tiles is None else t.gemm_tiles,
+        LINEAR_GEMM_GRAD_TILES if t.gemm_grad_tiles is None else t.gemm_grad_tiles,
+        LINEAR_LOSS_KEEPS_LOGITS_FROM_DIM if t.loss_keeps_logits_from_dim is None else t.loss_keeps_logits_from_dim,
+        LINEAR_SM90 if t.sm90 is None else t.sm90,
+    )
+    _resolved = (t, choices)
+    return choices
+
 
 MERGE_BLOCK_R: int = 16
 """Rows per program of the gemm route's statistics merge (``_merge_kernel``), and the fewest rows

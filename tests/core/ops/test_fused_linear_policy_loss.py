@@ -156,11 +156,12 @@ def test_fused_loss_is_linear_logprob_then_policy_loss_bit_for_bit(seed, device,
 
 
 def test_only_the_gemm_route_keeps_logits(device):
-    from rl_kernel_core.triton.linear_logprob import TritonChunkBuffers
+    from rl_kernel_core.linear_chunks import ChunkBuffers
+    from rl_kernel_core.triton.linear_logprob import PASSES
 
     h, w = torch.randn(4, 16, device=device), torch.randn(32, 16, device=device)
     with pytest.raises(ValueError, match="keep_logits: only the gemm route keeps its logits, got route 'chunked'"):
-        TritonChunkBuffers(h, w, "chunked", need_dl=True, keep_logits=True)
+        ChunkBuffers(h, w, "chunked", PASSES, need_dl=True, keep_logits=True)
 
 
 def test_fused_loss_second_backward_is_refused(seed, device):
