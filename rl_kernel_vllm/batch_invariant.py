@@ -17,6 +17,8 @@ In each vLLM process the hook:
   module gives (:func:`rl_kernel_core.consistency.rope.cos_sin_table`: inverse frequencies from the
   CPU, ``cos``/``sin`` on the device): vLLM computes its table on the GPU, where ``pow`` and scalar
   division round differently, and scales ``linear`` ropes' positions instead of their frequencies;
+* runs a Qwen3-MoE's sparse blocks as the trainer's (:mod:`rl_kernel_vllm.moe`: router, top-k,
+  experts and combine of :mod:`rl_kernel_core.consistency.moe`; its steps eager on CUDA);
 * configures the engine so that no other arithmetic sneaks in: compilation mode ``NONE`` (no
   ``torch.compile`` fusion), ``custom_ops=["none"]`` (vLLM's native PyTorch RMSNorm, rotary and
   SiLU-and-mul instead of its fused kernels) and no cascade attention; on CUDA, unless the user
@@ -42,10 +44,12 @@ import torch
 from rl_kernel_core import adapters
 from rl_kernel_core.consistency.rope import COVERED_ROPE_TYPES, cos_sin_table, rope_type
 from rl_kernel_core.invariance import set_batch_invariant_mode
+from rl_kernel_vllm import moe
 from rl_kernel_vllm._log import log_once
 
-ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-"""Architectures whose vLLM forward, with these patches, is op for op transformers' forward."""
+ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM") + moe.ARCHITECTURES
+"""Architectures whose vLLM forward, with these patches, is op for op transformers' forward (the MoE
+ones with :mod:`rl_kernel_vllm.moe`'s blocks)."""
 
 OVERRIDES: tuple[str, ...] = (
     "batch-invariant mode: compilation mode NONE, compilation_config.custom_ops=['none'], no cascade attention, "
@@ -85,10 +89,13 @@ def check_config(vllm_config: Any, entry: str) -> list[str]:
 
     model = vllm_config.model_config
     refusals = []
+    archs: list[str] = []
     if model is not None:
         archs = list(getattr(model, "architectures", None) or [])
         if not set(archs) & set(ARCHITECTURES):
             refusals.append(f"model architecture {archs} (covered: {', '.join(ARCHITECTURES)})")
+        if moe.is_moe(archs):
+            refusals += moe.refusals(vllm_config, _text_config(model))
         if getattr(model, "quantization", None):
             refusals.append(f"quantization={model.quantization!r}")
         kind = rope_type(_text_config(model))
@@ -116,7 +123,8 @@ def check_config(vllm_config: Any, entry: str) -> list[str]:
         compilation.mode = CompilationMode.NONE
         changed.append("compilation mode NONE (no torch.compile)")
     if compilation.cudagraph_mode != CUDAGraphMode.NONE:  # NONE: enforce_eager or the user's choice, kept
-        graphs = CUDAGraphMode.FULL_DECODE_ONLY if entry == BACKENDS["cuda"][0] else CUDAGraphMode.NONE
+        graphs = CUDAGraphMode.FULL_DECODE_ONLY if entry == BACKENDS["cuda"][0] and not moe.is_moe(archs) \
+            else CUDAGraphMode.NONE
         if compilation.cudagraph_mode != graphs:
             compilation.cudagraph_mode = graphs
             if graphs == CUDAGraphMode.NONE:
@@ -230,6 +238,7 @@ def install(patches: adapters.Patches) -> dict[str, Any]:
                   (ROTARY_TARGET, _trainer_rope_table)]
         if current_platform.is_cpu():
             wanted.append((CPU_GEMM_TARGET, _routed_cpu_gemm))
+        wanted += moe.TARGETS
         for target, _ in wanted:
             adapters.locate(target)
     except (adapters.TargetMissing, ImportError, KeyError, AttributeError, ValueError) as exc:

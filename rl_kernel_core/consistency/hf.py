@@ -17,6 +17,7 @@ import torch
 
 from rl_kernel_core.attention import checked_varlen_attention, varlen_attention
 from rl_kernel_core.consistency.chain import selected_logprobs as _selected_logprobs
+from rl_kernel_core.consistency.moe import use_mode_moe
 from rl_kernel_core.consistency.rope import use_cpu_rope_frequencies
 from rl_kernel_core.invariance import is_batch_invariant
 
@@ -140,11 +141,14 @@ def use_mode_attention(model) -> None:
     modules the inverse frequencies a CPU build computes
     (:func:`~rl_kernel_core.consistency.rope.use_cpu_rope_frequencies`, the values the engine side's
     rotary table is built from); rotary modules of a rope type the identity does not cover are left
-    as they are (the engine side refuses those types)."""
+    as they are (the engine side refuses those types). A Qwen3-MoE's sparse blocks compute their
+    router, experts and combine as the engine side does while the mode is on
+    (:func:`~rl_kernel_core.consistency.moe.use_mode_moe`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     use_cpu_rope_frequencies(model)
+    use_mode_moe(model)
     AttentionInterface.register(ATTN_IMPLEMENTATION, mode_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _bool_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -1,6 +1,6 @@
 """The adversarial consistency harness (rl_kernel_vllm.harness) on vLLM's CPU build.
 
-12 draws per run, each a random model (Llama, Qwen2 or Qwen3; rope theta, rope scaling, head_dim, GQA
+12 draws per run, each a random model (Llama, Qwen2, Qwen3 or Qwen3-MoE; rope theta, rope scaling, head_dim, GQA
 ratio, tied head, dtype) and workload (prompt lengths up to max_model_len, shared prefixes and prefix
 caching, chunked prefill budgets, samples per prompt, temperatures, per-request seeds, mixed
 max_tokens, max_num_seqs, prompt log-probs, tensor parallel 2) from a fresh seed, printed: every
@@ -43,8 +43,14 @@ def test_draws_are_valid_and_cover_every_setting(seed):
             assert 0 <= d["shared_prefix"] <= min(d["prompt_lengths"]), d
             assert len(d["max_tokens"]) == len(d["prompt_lengths"])
             assert m["num_attention_heads"] % m["num_key_value_heads"] == 0
-            assert m["hidden_size"] == m["num_attention_heads"] * m["head_dim"]
             tp = e.get("tensor_parallel_size", 1)
+            if m["architecture"] == harness.MOE:
+                assert tp == 1 and 1 <= m["num_experts_per_tok"] <= m["num_experts"], m
+                if where == "gpu":  # Qwen3-30B-A3B's widths, fewer layers
+                    assert (m["hidden_size"], m["num_experts"], m["num_experts_per_tok"], m["moe_intermediate_size"],
+                            m["dtype"]) == (2048, 128, 8, 768, "bfloat16") and m["num_hidden_layers"] >= 8, m
+            else:
+                assert m["hidden_size"] == m["num_attention_heads"] * m["head_dim"]
             assert m["num_key_value_heads"] % tp == 0 and m["intermediate_size"] % tp == 0
             rope = m["rope_parameters"]
             if rope["rope_type"] == "yarn":
