@@ -18,6 +18,7 @@ from rl_kernel_core.consistency import chain, hf, parity
 from rl_kernel_core.consistency.moe import experts, route, sparse_moe, use_mode_moe
 
 transformers = pytest.importorskip("transformers")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _weights(rng: random.Random, dtype: torch.dtype):
@@ -66,21 +67,39 @@ def test_experts_match_an_fp64_formula(seed, dtype):
                                    msg=lambda m: f"seed={seed}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_is_bitwise_independent_of_the_batch(seed, dtype):
+def test_each_row_is_bitwise_independent_of_the_batch(seed, dtype, device):
     rng = random.Random(seed)
     gate, gate_up, down, k = _weights(rng, dtype)
-    x = torch.randn(rng.randint(40, 120), gate.shape[1]).to(dtype)
+    gate, gate_up, down = gate.to(device), gate_up.to(device), down.to(device)
+    x = torch.randn(rng.randint(40, 120), gate.shape[1]).to(dtype).to(device)
     x[5] = x[9]  # the same token twice in one batch
     normalize = rng.random() < 0.5
     with rk.batch_invariant():
         full = sparse_moe(x, gate, gate_up, down, k, normalize)
-        rows = torch.tensor(rng.sample(range(x.shape[0]), rng.randint(1, 9)))
+        rows = torch.tensor(rng.sample(range(x.shape[0]), rng.randint(1, 9)), device=device)
         part = sparse_moe(x[rows], gate, gate_up, down, k, normalize)
         alone = sparse_moe(x[rows[:1]], gate, gate_up, down, k, normalize)
     assert torch.equal(full[rows], part), f"seed={seed}"
     assert torch.equal(full[rows[:1]], alone), f"seed={seed}"
     assert torch.equal(full[5], full[9]), f"seed={seed}"
+
+
+@pytest.mark.gpu
+def test_rows_are_bitwise_independent_of_the_batch_at_qwen3_30b_a3b_widths(seed):
+    """One sparse block of Qwen3-30B-A3B's shape (hidden 2048, 128 experts, top-8, intermediate 768,
+    bf16) on CUDA: a prefill-sized batch against decode-sized subsets of it."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    gate = (torch.randn(128, 2048, device="cuda", generator=gen) * 0.02).bfloat16()
+    gate_up = (torch.randn(128, 1536, 2048, device="cuda", generator=gen) * 0.02).bfloat16()
+    down = (torch.randn(128, 2048, 768, device="cuda", generator=gen) * 0.02).bfloat16()
+    x = torch.randn(2048, 2048, device="cuda", generator=gen).bfloat16()
+    with rk.batch_invariant():
+        full = sparse_moe(x, gate, gate_up, down, 8, True)
+        for n in (1, 3, 64, 512):
+            rows = torch.randperm(2048, device="cuda", generator=gen)[:n]
+            assert torch.equal(sparse_moe(x[rows], gate, gate_up, down, 8, True), full[rows]), f"seed={seed} n={n}"
 
 
 def _tiny_moe(seed: int, dtype: torch.dtype, top_k: int, normalize: bool):
@@ -97,17 +116,18 @@ def _tiny_moe(seed: int, dtype: torch.dtype, top_k: int, normalize: bool):
     return model.to(dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qwen3_moe_rollout_equals_training_bitwise_and_off_is_untouched(seed, dtype):
+def test_qwen3_moe_rollout_equals_training_bitwise_and_off_is_untouched(seed, dtype, device):
     rng = random.Random(seed)
-    model = _tiny_moe(seed, dtype, rng.choice([1, 2, 3]), rng.random() < 0.5)
+    model = _tiny_moe(seed, dtype, rng.choice([1, 2, 3]), rng.random() < 0.5).to(device)
     shipped = copy.deepcopy(model)
-    ids = torch.randint(3, 101, (3, 11))
+    ids = torch.randint(3, 101, (3, 11), device=device)
     hf.use_mode_attention(model)
     assert use_mode_moe(model) == []  # already patched by use_mode_attention; a second call changes nothing
     with torch.no_grad():
         assert torch.equal(model(ids).logits, shipped(ids).logits), f"seed={seed}: mode off changed the model"
-        seqs = chain.fixed_sequences(101, 5, 7, 14, seed)
+        seqs = [s.to(device) for s in chain.fixed_sequences(101, 5, 7, 14, seed)]
         batch = parity.from_sequences(seqs, "right", [0] * 5, 0)
         with rk.batch_invariant():
             training = hf.training_logprobs(model, batch)
