@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from rl_kernel_core import bench, dispatch, report
+from rl_kernel_core import bench, dispatch, ops, report
 from rl_kernel_core.argtypes import device_name, integer, json_object, number  # noqa: F401  (the parser's types; also importable from here)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,12 +38,15 @@ def _info(args: argparse.Namespace) -> int:
     if backends["triton"] == "available" and device.type != "cuda":
         backends["triton"] = "imports, but runs only on CUDA tensors (or under TRITON_INTERPRET=1 when named explicitly)"
     env["backends"] = backends
+    env["routes"] = dict(ops.ROUTES)
     try:
-        from rl_kernel_core.triton import linear_sm90
+        from rl_kernel_core.triton import linear_sm90, native_launch
 
         env["linear_logprob_hopper_passes"] = linear_sm90.status()
-    except ImportError as exc:  # they replace the Triton backend's passes
+        env["triton_cpp_launch"] = native_launch.status()
+    except ImportError as exc:  # both serve the Triton backend's launches
         env["linear_logprob_hopper_passes"] = f"not used: the Triton backend does not import ({exc})"
+        env["triton_cpp_launch"] = env["linear_logprob_hopper_passes"]
     try:
         env["default_backend"] = dispatch.default_backend()
     except ValueError as exc:  # a diagnostic command reports a bad variable and goes on
@@ -54,8 +57,8 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     width = max(len(k) for k in env)
     for key, value in env.items():
-        if key == "backends":
-            print("backends:")
+        if key in ("backends", "routes"):
+            print(f"{key}:")
             for name, text in value.items():
                 print(f"  {name:<{width - 2}} {text}")
         else:
@@ -141,11 +144,13 @@ def _bench(args: argparse.Namespace) -> int:
         "shape": {"N": n, "D": d, "V": v},
         "dtype": args.dtype,
         "backend": decision.backend,
+        "route": decision.route,
         "environment": bench.environment(device),
         "results": rows,
         "ratio_to_eager": rows[0]["median_ms"] / rows[1]["median_ms"],
     }
-    print(f"linear_logprob fwd+bwd N={n} D={d} V={v} {args.dtype} on {device} (backend {result['backend']})")
+    print(f"linear_logprob fwd+bwd N={n} D={d} V={v} {args.dtype} on {device} "
+          f"(backend {result['backend']}, route {result['route']})")
     print(f"{'impl':<12}{'median ms':>12}{'peak extra GiB':>16}")
     for row in rows:
         mem = "n/a" if row["peak_extra_gib"] is None else f"{row['peak_extra_gib']:.3f}"

@@ -25,6 +25,9 @@ Rules:
   silent fallback anywhere: a skipped candidate under ``auto`` is recorded with its reason.
 * Triton kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set and
   the backend is named explicitly (``auto`` never picks the interpreter: it is a test tool).
+* What ran under the chosen backend is the decision's :attr:`~Decision.route` (a key of
+  :data:`rl_kernel_core.ops.ROUTES`): the launches that choose between Triton's own launch, the
+  Hopper CUDA passes and the C++ launcher record their choice with :func:`ran`.
 
 What an op is (its backends' modules, its ``auto`` order) is declared in :mod:`rl_kernel_core.ops`;
 what this process has registered, chosen and logged is :data:`REGISTRY` (a :class:`Registry`).
@@ -69,17 +72,31 @@ class _Impl:
     fn: Callable
     supports: Optional[Supports]
     any_device: bool = False  # a stand-in of override(any_device=True): runs on every device, nothing imported for it
+    kernels: Optional[str] = None
 
 
 @dataclass
 class Decision:
-    """What :func:`select` chose for one call, and why the others were skipped."""
+    """What :func:`select` chose for one call, and why the others were skipped.
+
+    ``kernels``: the name under which the chosen implementation's launches record their route
+    (:func:`ran`), None where it always runs its backend's own.
+    """
 
     op: str
     requested: str
     backend: str
     device: str
     skipped: dict[str, str] = field(default_factory=dict)
+    kernels: Optional[str] = None
+
+    @property
+    def route(self) -> str:
+        """What ran (a key of :data:`rl_kernel_core.ops.ROUTES`): the route the last launch of
+        :attr:`kernels` took in this process (ops sharing kernels share it), else the backend's own."""
+        if self.kernels is None:
+            return self.backend
+        return REGISTRY.routes.get(self.kernels, self.backend)
 
 
 class Registry:
@@ -99,6 +116,7 @@ class Registry:
         lock: held while a backend module is imported.
         plans: :func:`select`'s input-independent decisions, emptied whenever the tables above
             that decide them change (:meth:`changed`).
+        routes: ``{kernels: the route their last launch took}`` (:func:`ran`).
     """
 
     def __init__(self) -> None:
@@ -112,6 +130,7 @@ class Registry:
         self.logged: set[tuple[str, str, str]] = set()
         self.lock = threading.Lock()
         self.plans: dict[tuple, "_Plan"] = {}
+        self.routes: dict[str, str] = {}
 
     def changed(self) -> None:
         """Forget :attr:`plans`: an implementation, stand-in, preference or import changed."""
@@ -146,11 +165,14 @@ REGISTRY = Registry()
 """The dispatch state of this process."""
 
 
-def register(op: str, backend: str, *, supports: Optional[Supports] = None) -> Callable[[Callable], Callable]:
+def register(op: str, backend: str, *, supports: Optional[Supports] = None,
+             kernels: Optional[str] = None) -> Callable[[Callable], Callable]:
     """Decorator registering ``fn`` as ``backend``'s implementation of ``op``.
 
     ``supports(*args, **kwargs)`` receives the same arguments as the implementation and returns
     ``None`` when it can serve them, else a short reason (e.g. ``"D=8192 exceeds the tile limit"``).
+    ``kernels``: the name under which ``fn``'s launches record the route they take (:func:`ran`);
+    None where ``fn`` always runs ``backend``'s own route.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -158,11 +180,18 @@ def register(op: str, backend: str, *, supports: Optional[Supports] = None) -> C
         raise ValueError(f"{backend} does not serve {op} in the manifest rl_kernel_core.ops.OPS; declare it there to register it")
 
     def deco(fn: Callable) -> Callable:
-        REGISTRY.impls[(op, backend)] = _Impl(fn, supports)
+        REGISTRY.impls[(op, backend)] = _Impl(fn, supports, kernels=kernels)
         REGISTRY.changed()
         return fn
 
     return deco
+
+
+def ran(kernels: str, route: str) -> None:
+    """Record that a launch of ``kernels`` (the name its ops :func:`register` with) took ``route``,
+    a key of :data:`rl_kernel_core.ops.ROUTES`; :attr:`Decision.route` reads it. Called by the
+    launch that decides the route, so the record is what ran, never a guess made before it."""
+    REGISTRY.routes[kernels] = route
 
 
 @contextmanager
@@ -304,8 +333,9 @@ def _plan(op: str, requested: str, device: torch.device) -> _Plan:
     order = (requested,) if explicit else tuple(c for c in _auto_order(op, device) if c not in skipped)
     candidates = tuple((c, *_static_reason(op, c, device, explicit)) for c in order)
     decisions, before = [], dict(skipped)
-    for backend, reason, _impl in candidates:
-        decisions.append(Decision(op, requested if explicit else "auto", backend, device.type, dict(before)))
+    for backend, reason, impl in candidates:
+        kernels = None if impl is None else impl.kernels
+        decisions.append(Decision(op, requested if explicit else "auto", backend, device.type, dict(before), kernels))
         if reason:
             before[backend] = reason
     return _Plan(explicit, candidates, skipped, tuple(decisions), before)
@@ -337,7 +367,7 @@ def select(op: str, backend: Optional[str], device: torch.device, *args, **kwarg
         if not reason and impl is not None:
             decision = plan.decisions[i]
             if refused is not None:
-                decision = Decision(op, decision.requested, candidate, device.type, refused)
+                decision = Decision(op, decision.requested, candidate, device.type, refused, decision.kernels)
             _record(decision)
             return impl.fn
         if plan.explicit:
@@ -412,6 +442,7 @@ def explain(op: None = None) -> dict[str, Decision]: ...
 def explain(op: str) -> Decision: ...
 def explain(op: Optional[str] = None) -> Union[dict[str, Decision], Decision]:
     """The last decision for ``op``, or ``{op: decision}`` for every op decided so far when ``op`` is None.
+    Its :attr:`~Decision.route` says what ran.
 
     Raises:
         LookupError: no call of ``op`` has chosen a backend in this process yet.

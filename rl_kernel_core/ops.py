@@ -21,6 +21,19 @@ DEFAULT_AUTO_ORDER: tuple[str, ...] = ("native", "triton", "torch")
 """``auto``'s order for an op whose :class:`OpSpec` gives none. ``flashinfer`` is in no default
 order: its draws depend on a row's place in the batch, so ``auto`` takes it only when asked to
 (:mod:`rl_kernel_core.dispatch`)."""
+ROUTES: Mapping[str, str] = MappingProxyType({
+    "native": "the CUDA kernels of native/csrc",
+    "triton": "Triton kernels, launched by Triton",
+    "triton+sm90": "Triton kernels, with the gemm route's statistics and gradient passes run by the Hopper CUDA "
+                   "kernels of native/csrc/linear_sm90.cu (the Triton passes' bits)",
+    "triton+cpp_launch": "the Triton kernels' compiled cubins, launched from C++ by native/csrc/bind_triton_launch.cpp "
+                         "(Triton's launch's bits)",
+    "torch": "the plain-PyTorch reference",
+    "flashinfer": "FlashInfer's kernels",
+})
+"""``{route: what runs}``. A backend runs the route of its own name; the Triton backend's launches
+of ``linear_logprob``'s passes and of the batch-invariant and attention kernels may take a route of
+their own, which each launch records (:attr:`rl_kernel_core.dispatch.Decision.route`)."""
 GLUE_KINDS: Mapping[str, str] = MappingProxyType({
     "differentiable_custom_op": "rl_kernel::<backend>_<op> and rl_kernel::<backend>_<op>_backward custom ops with fakes, "
                                 "autograd registered, from opdef.define_differentiable_op",
@@ -88,12 +101,8 @@ def _batch_invariant(name: str, public_module: Optional[str] = None) -> OpSpec:
 
 
 OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
-    # H100 (sm_90) orders from benchmarks/results/bench_native_h100.json: logprob_from_logits
-    # fwd+bwd (N=8192, V=151936, bf16) native 2.79 ms / triton 3.11 ms; policy_loss fwd+bwd (1M
-    # tokens, CUDA graph) native 32.8 us / triton 23.3 us; ratio_kl fwd+bwd (1M, CUDA graph) native
-    # 51.9 us / triton 47.5 us; group_advantages (64k rewards by index) native 0.28 ms / triton
-    # 0.49 ms; linear_logprob (N=16384, D=4096, V=128256: 2 no-grad forwards + 1 fwd+bwd with
-    # entropy) native 192.5 ms / triton 178.5 ms.
+    # the "9.0" orders: the faster of native and triton first, as benchmarks/bench_native.py measured
+    # them on an H100 (benchmarks/results/bench_native_h100.json)
     OpSpec("logprob_from_logits", "rl_kernel_core.logprob",
            {"torch": _REFERENCE_LOGPROB, "triton": "rl_kernel_core.triton.logprob_from_logits",
             "native": "rl_kernel_core.native.logprob_from_logits"},

@@ -16,8 +16,9 @@ off, :func:`region` returns one shared no-op context manager: no allocation, no 
 Each step record holds ``step``, ``regions`` (name -> ms), ``tokens``, ``tokens_per_s`` (tokens
 over the ``step`` region, or over the wall time since the previous step_end when there is no
 ``step`` region), ``peak_vram_gib`` (CUDA only, reset each step; only where profiling owns
-CUDA's peak-memory counter, see :func:`enable`) and every extra field the caller passes
-(``reward``, ``logprob_diff``, ...). ``rl-kernel compare`` (:mod:`rl_kernel_core.report`) reads
+CUDA's peak-memory counter, see :func:`enable`), ``routes`` (op -> what ran at its last call in
+this process, :attr:`rl_kernel_core.dispatch.Decision.route`; absent before any op ran) and every
+extra field the caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare`` (:mod:`rl_kernel_core.report`) reads
 these files.
 """
 
@@ -31,6 +32,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from rl_kernel_core import dispatch
 from rl_kernel_core.switches import env_flag_or_path
 
 PROFILE_ENV = "RL_KERNEL_PROFILE"
@@ -179,6 +181,9 @@ def step_end(**fields: Any) -> Optional[dict[str, Any]]:
     if _state.memory and torch.cuda.is_available() and torch.cuda.is_initialized():
         record["peak_vram_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
+    routes = {op: decision.route for op, decision in dispatch.explain().items()}
+    if routes:
+        record["routes"] = routes
     record.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
     if _state.path:
         with open(_state.path, "a", encoding="utf-8") as f:

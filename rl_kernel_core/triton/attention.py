@@ -61,6 +61,12 @@ from rl_kernel_core.triton._jit import helper_jit, interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc
 from rl_kernel_core.triton.tuning import ATTENTION_INTERPRETED_TILES, BWD_TILES, TILES
 
+FORWARD_KERNELS = "varlen_attention_forward"
+"""The name under which the forward's launches record their route
+(:func:`rl_kernel_core.dispatch.ran`): ``"triton+cpp_launch"`` where the C++ launcher served one,
+else ``"triton"``; a launch under torch.compile or the interpreter records none (the backward
+always launches through Triton)."""
+
 
 @helper_jit
 def _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr):
@@ -371,8 +377,11 @@ def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: flo
     planned = not interpreted and q.is_cuda and not torch.compiler.is_compiling()
     tensors = [q, k, v, out, lse, *tables]
     block = (launch["BLOCK_M"], launch["BLOCK_N"])
-    if planned and native_launch.attention_forward(tensors, scale, block, causal) is not None:
-        return out, lse
+    if planned:
+        served = native_launch.attention_forward(tensors, scale, block, causal) is not None
+        dispatch.ran(FORWARD_KERNELS, "triton+cpp_launch" if served else "triton")
+        if served:
+            return out, lse
     grid = (tables[2].shape[0], hq)
     compiled = _attention_fwd_kernel[grid](q, k, v, out, lse, *tables, float(scale), **launch)
     if planned:
@@ -465,7 +474,7 @@ def _supports(q: torch.Tensor, *args, **kwargs) -> Optional[str]:
     return None
 
 
-@dispatch.register("varlen_attention", "triton", supports=_supports)
+@dispatch.register("varlen_attention", "triton", supports=_supports, kernels=FORWARD_KERNELS)
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
                      causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` contiguous, offsets as Python lists -> (out ``[Tq, Hq, D]``

@@ -66,6 +66,15 @@ from rl_kernel_core.triton.tuning import (
     TMA_MIN_WEIGHT_GRAD_K,
 )
 
+MATMUL_KERNELS = "bi_matmul"
+"""The name under which :func:`matmul_forward`'s launches record their route
+(:func:`rl_kernel_core.dispatch.ran`): ``"triton+cpp_launch"`` where the C++ launcher served one,
+else ``"triton"``; a launch under torch.compile, the interpreter or a ``tile``/``tma`` override
+records none."""
+
+ROW_KERNELS = "bi_row_stats"
+"""Likewise for the row reductions' launches (the mean, log-softmax, log-sum-exp and RMS norm)."""
+
 
 @launch_time_jit(do_not_specialize=["M"])  # N=1 must not compile another kernel
 def _persistent_matmul_kernel(
@@ -259,6 +268,7 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
     planned = tile is None and tma is None and not interpreted and a.is_cuda and not torch.compiler.is_compiling()
     if planned:
         out = native_launch.matmul(a, b_t, bias)
+        dispatch.ran(MATMUL_KERNELS, "triton" if out is None else "triton+cpp_launch")
         if out is not None:
             return out
     m, k = a.shape
@@ -332,13 +342,13 @@ def _supports(x: torch.Tensor, *args, **kwargs) -> Optional[str]:
     return None
 
 
-@dispatch.register("bi_linear", "triton", supports=_supports)
+@dispatch.register("bi_linear", "triton", supports=_supports, kernels=MATMUL_KERNELS)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x [N, K] @ weight [M, K].T + bias [M]`` with the persistent kernel: ``[N, M]`` in x's dtype."""
     return _Linear.apply(x, weight, bias) if records_graph(x, weight, bias) else matmul_forward(x, weight, bias)
 
 
-@dispatch.register("bi_matmul", "triton", supports=_supports)
+@dispatch.register("bi_matmul", "triton", supports=_supports, kernels=MATMUL_KERNELS)
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [N, K] @ b [K, M]`` (any strides) with the persistent kernel: ``[N, M]`` in a's dtype."""
     return _Linear.apply(a, b.t(), None) if records_graph(a, b) else matmul_forward(a, b.t(), None)
@@ -395,8 +405,11 @@ def _row_pass(x: torch.Tensor, mode: int, eps: float = 0.0) -> torch.Tensor:
     if rows and width:
         interpreted = interpreting()
         planned = not interpreted and x.is_cuda and not torch.compiler.is_compiling()
-        if planned and native_launch.row_stats(x, out, mode, eps) is not None:
-            return out
+        if planned:
+            served = native_launch.row_stats(x, out, mode, eps) is not None
+            dispatch.ran(ROW_KERNELS, "triton+cpp_launch" if served else "triton")
+            if served:
+                return out
         compiled = _row_stats_kernel[(rows,)](x, out, width, x.stride(0), float(eps), MODE=mode,
                                               BLOCK=INTERPRETED_ROW_BLOCK if interpreted else ROW_BLOCK)
         if planned:
@@ -462,26 +475,26 @@ class _RMSNorm(torch.autograd.Function):
         return dx.to(x.dtype), dw.to(weight.dtype), None
 
 
-@dispatch.register("bi_log_softmax", "triton", supports=_supports)
+@dispatch.register("bi_log_softmax", "triton", supports=_supports, kernels=ROW_KERNELS)
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax of ``x [N, L]`` over L: fp32 online max/sum, in x's dtype."""
     return _LogSoftmax.apply(x) if records_graph(x) else _row_pass(x, 1)
 
 
-@dispatch.register("bi_logsumexp", "triton", supports=_supports)
+@dispatch.register("bi_logsumexp", "triton", supports=_supports, kernels=ROW_KERNELS)
 def logsumexp(x: torch.Tensor) -> torch.Tensor:
     """Row-wise log-sum-exp of ``x [N, L]`` -> ``[N]`` in x's dtype: the fp32 lse that
     :func:`log_softmax` subtracts, bit for bit."""
     return _LogSumExp.apply(x) if records_graph(x) else _row_pass(x, 3)
 
 
-@dispatch.register("bi_mean", "triton", supports=_supports)
+@dispatch.register("bi_mean", "triton", supports=_supports, kernels=ROW_KERNELS)
 def mean(x: torch.Tensor) -> torch.Tensor:
     """Row-wise mean of ``x [N, L]`` -> ``[N]`` in x's dtype, accumulated in fp32."""
     return _Mean.apply(x) if records_graph(x) else _row_pass(x, 0)
 
 
-@dispatch.register("rms_norm", "triton", supports=_supports)
+@dispatch.register("rms_norm", "triton", supports=_supports, kernels=ROW_KERNELS)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [N, H] * rsqrt(mean(x^2) + eps) * weight [H]`` in fp32, one rounding to x's dtype."""
     return _RMSNorm.apply(x, weight, eps)

@@ -49,6 +49,7 @@ from rl_kernel_core.opdef import loss as opdef
 from rl_kernel_core.opdef.loss import METRIC_NAMES, FusedLossInputs, LossSettings
 from rl_kernel_core.reference import loss as reference
 from rl_kernel_core import linear_chunks as LC
+from rl_kernel_core.triton import linear_sm90
 from rl_kernel_core.triton.linear_logprob import PASSES
 from rl_kernel_core.triton.loss import policy_loss_bwd
 from rl_kernel_core.triton.tuning import linear
@@ -179,7 +180,7 @@ def _supports(inputs: FusedLossInputs, **kwargs) -> Optional[str]:
     return None
 
 
-@dispatch.register("fused_linear_policy_loss", "triton", supports=_supports)
+@dispatch.register("fused_linear_policy_loss", "triton", supports=_supports, kernels=linear_sm90.KERNELS)
 def fused_linear_policy_loss_triton(
     inputs: FusedLossInputs, *, temperature: float, ignore_index: int, settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

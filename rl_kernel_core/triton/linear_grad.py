@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core import dispatch
 from rl_kernel_core.linear_chunks import ChunkBuffers
 from rl_kernel_core.triton import linear_sm90
 from rl_kernel_core.triton._jit import launch_time_jit
@@ -91,10 +92,13 @@ def launch_grad(
     if not from_logits and dl.dtype == weight.dtype and all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors):
         ext = linear_sm90.serves("grad", x[:rows], weight, bias)
         if ext is not None:
+            dispatch.ran(linear_sm90.KERNELS, "triton+sm90")
             group_m = tiles(weight.dtype, weight.device, False, grad=True).group_m
             ext.linear_grad_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, lse, ent if has_gent else None,
                                  g_lp, g_ent, dl, group_m)
             return
+    if not from_logits:
+        dispatch.ran(linear_sm90.KERNELS, "triton")
     vocab, dim = weight.shape
     cfg = tiles(weight.dtype, weight.device, from_logits, grad=True)
     n_tiles = triton.cdiv(vocab, cfg.block_n)

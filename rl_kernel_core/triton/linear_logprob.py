@@ -32,6 +32,7 @@ from rl_kernel_core import dispatch
 from rl_kernel_core import linear_chunks as LC
 from rl_kernel_core.opdef import logprob as opdef
 from rl_kernel_core.triton import _vocab_parallel as VP
+from rl_kernel_core.triton import linear_sm90
 from rl_kernel_core.triton.linear_grad import chunk_grad
 from rl_kernel_core.triton.linear_stats import chunk_scratch, chunk_stats, forward_rows
 
@@ -81,7 +82,7 @@ def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_e
     return None
 
 
-linear_logprob = dispatch.register("linear_logprob", "triton", supports=_supports)(
+linear_logprob = dispatch.register("linear_logprob", "triton", supports=_supports, kernels=linear_sm90.KERNELS)(
     opdef.define_linear_logprob("triton_linear_logprob", _forward, _backward)
 )
 linear_logprob.__doc__ = """Validated ``hidden [N, D]``, ``weight [V, D]``, ``targets [N]`` → ``(logprob [N], entropy [N] or None)``, fp32.

@@ -23,6 +23,11 @@ from rl_kernel_core.triton._jit import interpreting
 from rl_kernel_core.triton.linear_tile import tiles
 from rl_kernel_core.triton.tuning import LINEAR_SM90_TILE, linear
 
+KERNELS = "linear_passes"
+"""The name under which the statistics and gradient passes record their route
+(:func:`rl_kernel_core.dispatch.ran`): ``"triton+sm90"`` where a pass ran the Hopper kernel, else
+``"triton"``; a gradient pass over stored logits (always Triton) records none."""
+
 _LOCK = threading.Lock()
 _state: dict[str, Optional[ModuleType]] = {}
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rl_kernel_core import dispatch
 from rl_kernel_core.linear_chunks import ChunkBuffers
 from rl_kernel_core.triton import linear_sm90
 from rl_kernel_core.triton._jit import launch_time_jit
@@ -153,6 +154,7 @@ def launch_stats(
     if keep is not None and from_logits:
         raise ValueError("launch_stats: keep takes the gemm route's logits; from_logits passes already read stored ones")
     ext = None if from_logits else linear_sm90.serves("stats", x[:rows], weight, bias)
+    dispatch.ran(linear_sm90.KERNELS, "triton" if ext is None else "triton+sm90")
     if ext is not None:
         group_m = tiles(weight.dtype, weight.device, False).group_m
         ext.linear_stats_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, partials, ztgt, want_entropy, keep, group_m)

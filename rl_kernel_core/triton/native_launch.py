@@ -79,6 +79,23 @@ def unavailable_reason() -> Optional[str]:
     return _reason
 
 
+def status() -> str:
+    """One line for ``rl-kernel info`` on whether launches go from C++ here, building nothing."""
+    try:
+        on = env_flag(SWITCH, True)
+    except ValueError as exc:  # a diagnostic reports a malformed switch and goes on
+        return f"invalid: {exc}"
+    if not on:
+        return f"off ({SWITCH}=0): Triton launches every kernel"
+    reason = native_build.unavailable_reason()
+    if reason is not None:
+        return f"unavailable: {reason}; Triton launches every kernel (the same bits, more host time)"
+    if native_build.is_built(native_build.LAUNCH_GROUP):
+        return "built: a specialization's launches go from C++ from its second launch on"
+    return (f"not built yet: the first batch-invariant or attention launch compiles it, or "
+            f"'python -m rl_kernel_core.native build {native_build.LAUNCH_GROUP}' ahead of time")
+
+
 def stats() -> dict[str, int]:
     """``{"kernels", "hits", "misses"}``: kernels remembered, launches served, launches not served
     (a specialization seen for the first time). Loads (builds) the extension if needed; empty where

@@ -145,6 +145,31 @@ def test_override_and_scope_leave_the_registry_as_they_found_it(monkeypatch):
             pass
 
 
+def test_a_decision_names_the_route_its_kernels_last_took(monkeypatch):
+    """``Decision.route``: the backend's own route until a launch of its kernels records another."""
+    monkeypatch.setattr(dispatch.REGISTRY, "routes", {})
+    decision = dispatch.Decision("op", "auto", "triton", "cuda", kernels="toy_kernels")
+    assert decision.route == "triton"
+    dispatch.ran("toy_kernels", "triton+cpp_launch")
+    assert decision.route == "triton+cpp_launch"
+    assert dispatch.Decision("op", "auto", "native", "cuda").route == "native"
+
+
+def test_every_route_a_launch_records_is_in_the_manifest():
+    """The routes passed to ``dispatch.ran`` anywhere in the package are keys of ``ops.ROUTES``."""
+    import ast
+    from pathlib import Path
+
+    recorded = set()
+    for path in Path(dispatch.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "ran" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dispatch":
+                recorded |= {c.value for c in ast.walk(node.args[1]) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    assert {"triton", "triton+sm90", "triton+cpp_launch"} <= recorded <= set(ops.ROUTES)
+    assert set(ops.BACKENDS) <= set(ops.ROUTES)
+
+
 def test_triton_registers_exactly_what_it_declares():
     pytest.importorskip("triton")
     import importlib

@@ -142,3 +142,12 @@ def test_cuda_regions_use_events_and_report_vram():
     assert record is not None and record["regions"]["logprob"] > 0
     assert record["peak_vram_gib"] > 0
     del y
+
+
+def test_step_records_name_the_route_each_op_ran():
+    from rl_kernel_core.invariance import bi_mean
+
+    profiling.enable()
+    bi_mean(torch.randn(4, 8), -1, backend="torch")
+    record = profiling.step_end()
+    assert record is not None and record["routes"]["bi_mean"] == "torch"

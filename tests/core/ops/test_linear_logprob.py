@@ -187,6 +187,22 @@ def test_no_grad_forward_saves_nothing(seed, device, route):
     assert torch.equal(lp, with_grad.detach())
 
 
+def test_explain_names_the_route_that_ran(seed, device):
+    """``explain`` says what ran: the Triton kernels under the interpreter (CPU), a route of the
+    Triton backend's on a GPU (the Hopper passes' own check is in test_linear_sm90.py), the
+    reference for ``backend="torch"``."""
+    shape = linear_shapes(device)[0]
+    hidden, weight, bias, targets = make_inputs(device, **shape, dtype=torch.bfloat16)
+    with torch.no_grad():
+        rk.linear_logprob(hidden, weight, targets, bias=bias, backend="triton")
+        decision = dispatch.explain("linear_logprob")
+        assert decision.backend == "triton" and decision.route in ("triton", "triton+sm90")
+        if device.type == "cpu":
+            assert decision.route == "triton"
+        rk.linear_logprob(hidden, weight, targets, bias=bias, backend="torch")
+        assert dispatch.explain("linear_logprob").route == "torch"
+
+
 def test_triton_backend_refuses_what_it_cannot_run():
     hidden = torch.randn(3, 8, dtype=torch.float64)
     weight = torch.randn(10, 8, dtype=torch.float64)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import linear_chunks, native_build
+from rl_kernel_core import dispatch, linear_chunks, native_build
 from rl_kernel_core.triton import linear_grad, linear_sm90, linear_stats
 
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -134,6 +134,17 @@ def test_linear_logprob_has_the_same_bits_with_and_without_the_sm90_passes(monke
         outs[mode] = (lp, ent, hh.grad, ww.grad, bb.grad)
     for ours, ref in zip(outs["all"], outs["off"]):
         assert torch.equal(ours, ref)
+
+
+@pytest.mark.gpu
+@hopper
+def test_explain_names_the_hopper_passes_where_they_ran(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h, w, b, t = _inputs(700, 896, 3000, torch.bfloat16, True, seed=1)
+    for mode, route in (("all", "triton+sm90"), ("off", "triton")):
+        with linear_chunks.tuned(sm90=mode), torch.no_grad():
+            rk.linear_logprob(h, w, t, bias=b, backend="triton")
+        assert dispatch.explain("linear_logprob").route == route, mode
 
 
 @pytest.mark.gpu

@@ -80,6 +80,22 @@ def test_served_matmul_gives_tritons_bits(seed, launcher, layout, m, k, n, dtype
     assert torch.equal(got, expected), f"max |served - triton| {(got.float() - expected.float()).abs().max()}"
 
 
+def test_explain_names_the_cpp_launch_where_it_served(seed, launcher):
+    from rl_kernel_core import dispatch
+    from rl_kernel_core.invariance import bi_matmul, bi_mean
+
+    a, b_t = _operands("fwd", 64, 128, 96, torch.bfloat16)
+    x = torch.randn(5, 300, device="cuda")
+    for call, op in ((lambda: bi_matmul(a, b_t.t(), backend="triton"), "bi_matmul"),
+                     (lambda: bi_mean(x, -1, backend="triton"), "bi_mean")):
+        _served_twice(call)
+        assert dispatch.explain(op).route == "triton+cpp_launch", op
+        native_launch.set_enabled(False)
+        call()
+        native_launch.set_enabled(True)
+        assert dispatch.explain(op).route == "triton", op
+
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("rows,width,dtype", [(1, 1, torch.bfloat16), (5, 7, torch.float32), (3, 4099, torch.bfloat16),
                                               (17, 1024, torch.float16)])
