@@ -138,7 +138,7 @@ def _scaled(grad_loss: torch.Tensor, grads: tuple[torch.Tensor, ...], in_place: 
     """Each of ``grads`` (contiguous; ``[0]`` when absent) times the 0-d ``grad_loss``: ``grad_loss``
     rounded to the gradient's dtype, the product formed in fp32 and rounded once, in one
     vectorized pass with ``grad_loss`` read on the device: torch's ``mul_`` by a 0-d CUDA tensor
-    takes its strided kernel, 1.56 ms of the loss's device time at D=4096 on an H200
+    takes its strided kernel, a visible share of the loss's device time
     (``benchmarks/results/linear_h200/chunk_rows/profile_loss.json``)."""
     out = []
     for x in grads:

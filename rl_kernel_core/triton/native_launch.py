@@ -3,9 +3,9 @@
 
 Under the batch-invariant mode each routed ``mm``/``addmm``/``mean`` launches one of
 :mod:`rl_kernel_core.triton.batch_invariant`'s kernels, and each attention call ``varlen_attention``'s
-forward (:mod:`rl_kernel_core.triton.attention`); through Triton's ``JITFunction.run`` that costs
-~25-45 us of host time per launch, which was most of the mode's eager overhead (a decode step is
-host-bound). The extension plans the same launch in C++ (kernel, tile, program count, tensor
+forward (:mod:`rl_kernel_core.triton.attention`); through Triton's ``JITFunction.run`` that
+launch's host time was most of the mode's eager overhead, and a decode step is host-bound
+(``benchmarks/results/mode_host_h200/``). The extension plans the same launch in C++ (kernel, tile, program count, tensor
 descriptors), computes the specialization Triton would compute, and launches the cubin Triton
 compiled for it with ``cuLaunchKernel``. A specialization it has not seen returns ``None``: the
 caller launches through Triton (which compiles it if needed) and hands the compiled kernel to

@@ -37,10 +37,9 @@ BWD_TILES: dict[torch.dtype, tuple[tuple[int, int, int, int], tuple[int, int, in
 """Attention backward (``_attention_bwd_kernel``) tiles per dtype, ``(BLOCK_M, BLOCK_N, num_warps,
 num_stages)`` of the dq pass (a program holds ``BLOCK_M`` queries and steps over keys ``BLOCK_N`` at
 a time) and of the dk/dv pass (a program holds ``BLOCK_N`` keys and steps over queries ``BLOCK_M`` at
-a time). 16-bit: the fastest of ``benchmarks/bench_attention.py --sweep`` on an H200 at head_dim 128
-(bf16; 0.57 vs 1.01 ms for the 8-warp pair at 8x1024 tokens, though ptxas reports spills; the same
-gradient bits: ``benchmarks/results/attention_h200/``); fp16 follows bf16 untimed. fp32 from
-ptxas's register report, untimed. Any choice gives correct, deterministic gradients."""
+a time). 16-bit: the fastest of ``benchmarks/bench_attention.py --sweep`` at head_dim 128 (bf16,
+``benchmarks/results/attention_h200/``); fp16 follows bf16, fp32 ptxas's register report. Any choice
+gives correct, deterministic gradients."""
 
 ATTENTION_INTERPRETED_TILES: tuple[int, int] = (16, 16)
 """``(BLOCK_M, BLOCK_N)`` of the attention forward and both backward passes under the Triton
@@ -55,8 +54,8 @@ MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
 }
 """Persistent matmul (``_persistent_matmul_kernel``): ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
 num_stages)`` per input dtype; never a function of N. The 16-bit tile is the fastest of
-``benchmarks/sweep_bi_matmul_tiles.py``'s candidates on an H100 over a Qwen3-0.6B layer's products
-and LM head at 8192 rows; its pipeline needs 192 KiB of shared memory per block, more than GPUs
+``benchmarks/sweep_bi_matmul_tiles.py``'s candidates over a Qwen3-0.6B layer's products and LM head
+at 8192 rows; its pipeline needs 192 KiB of shared memory per block, more than GPUs
 before Hopper have (A100: 163 KiB), which take :data:`COMPACT_MATMUL_TILES` instead (see
 :func:`rl_kernel_core.triton.batch_invariant.matmul_tile`)."""
 
@@ -75,9 +74,8 @@ TMA_MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
 """The TMA matmul's tiles (``_tma_matmul_kernel``, 16-bit inputs on Hopper; fields as
 :data:`MATMUL_TILES`): the same blocks as :data:`MATMUL_TILES`', so the same k steps, with three
 stages (its epilogue's half-tile buffer shares the shared memory). The fastest of
-``benchmarks/sweep_bi_matmul_tiles.py``'s candidates on an H200 over a Qwen3-1.7B layer's
-products in the three layouts of a training step at 8192 rows
-(``benchmarks/results/bi_matmul_h200/``)."""
+``benchmarks/sweep_bi_matmul_tiles.py``'s candidates over a Qwen3-1.7B layer's products in the
+three layouts of a training step (``benchmarks/results/bi_matmul_h200/``)."""
 
 TMA_WEIGHT_GRAD_NARROW_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
     torch.bfloat16: (128, 128, 64, 4, 4),
@@ -86,27 +84,22 @@ TMA_WEIGHT_GRAD_NARROW_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] 
 """The TMA matmul's tile (fields as :data:`MATMUL_TILES`) for a weight gradient (a column-major left
 operand) whose output :data:`TMA_MATMUL_TILES` would cover with fewer full waves of programs than
 this tile does (``batch_invariant.tma_tile``): a layer with few output features, whose product has
-too few 128x256 tiles for the SMs. The same ``BLOCK_K``, so the same k steps and bits. On the H200,
-device time (CUDA graphs) against cuBLAS at 8192 tokens, with :data:`TMA_MATMUL_TILES`' then this:
-Qwen3-0.6B ``q_proj`` 1.75x then 1.03x, ``k_proj`` 3.08x then 1.61x, ``o_proj`` 1.81x then 1.05x;
-Qwen3-1.7B ``k_proj`` 1.90x then 1.05x. Where both tiles fill their waves alike (``gate_proj``,
-``down_proj``), the wider one stays: 1.23x against 1.38x
+too few 128x256 tiles for the SMs. The same ``BLOCK_K``, so the same k steps and bits. Where both
+tiles fill their waves alike, the wider one is faster and stays
 (``benchmarks/results/bi_matmul_h200/graph_timing/``)."""
 
 TMA_MIN_ROWS: int = 4096
 """Products with at least this many rows take the TMA kernel, fewer the pointer kernel (Hopper,
-16-bit). On the H200 the TMA kernel is faster from 8192 rows (1.18x cuBLAS's time vs 1.59x) and
-slower up to 2048 (1.87x vs 1.79x; 2.87x vs 2.21x at 512): ``benchmarks/results/bi_matmul_h200/``.
-Both kernels take the same k steps from the same blocks, and a GPU test asserts their bits equal
+16-bit): the TMA kernel is the faster from about this many rows on, the pointer kernel below
+(``benchmarks/results/bi_matmul_h200/``). Both kernels take the same k steps from the same blocks, and a GPU test asserts their bits equal
 (``tests/core/ops/test_bi_matmul.py``), so a row's bits do not depend on the side it falls."""
 
 TMA_MIN_WEIGHT_GRAD_K: int = 2048
 """A product whose left operand is column-major (a weight gradient ``g.T @ x``: its rows are the
 layer's output features, its reduction runs over the tokens) takes the TMA kernel from this many
-summed rows K, whatever its row count. The pointer kernel reads such an operand with strided loads:
-on the H200, over Qwen3-0.6B's layer products in that layout, 4.98x cuBLAS's time vs the TMA
-kernel's 2.14x at K = 8192 tokens, 4.75x vs 2.71x at 4096, 3.24x vs 2.71x at 2048, 2.93x vs 3.16x
-at 1024 (``benchmarks/results/bi_matmul_h200/weight_grad_rule/``). The bits are the same either way."""
+summed rows K, whatever its row count: the pointer kernel reads such an operand with strided loads,
+slower than the TMA kernel from about this K on (``benchmarks/results/bi_matmul_h200/weight_grad_rule/``).
+The bits are the same either way."""
 
 TMA_MIN_ROWS_INTERPRETED: int = 16
 """:data:`TMA_MIN_ROWS` and :data:`TMA_MIN_WEIGHT_GRAD_K` under the Triton interpreter: small, so
@@ -225,8 +218,8 @@ FWD_TILE: tuple[int, int] = (4096, 4)
 """The log-prob forward's ``(largest BLOCK_V, num_warps)``, one for both entropy settings so a row's
 log-prob has the same bits with and without entropy (the old/ref passes skip the entropy, the
 training pass asks for it; on-policy ratios must then be exactly 1). The fastest over the sum
-of both settings in ``benchmarks/sweep_logprob_from_logits.py`` on an H100 (N=8192, V=151936,
-bf16; ``benchmarks/results/sweep_logprob_from_logits_h100.json``). The sampler's block scan and
+of both settings in ``benchmarks/sweep_logprob_from_logits.py``
+(``benchmarks/results/sweep_logprob_from_logits_h100.json``). The sampler's block scan and
 gather passes take the same vocab block and warps."""
 
 GATHER_PART: int = 512
