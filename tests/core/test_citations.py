@@ -18,6 +18,11 @@ Read: README.md, CONTRIBUTING.md, docs/*.md (the whole text) and the comments of
   ``linear_chunks.tuned(...)``): each snake_case identifier in it occurs in the code (``.py``,
   CUDA/C++, shell, TOML files), so a renamed or removed function is not cited. Names of other
   projects that the docs cite are listed in ``OTHER_PROJECTS_NAMES``.
+- **Homes**: a file cited with the names it holds (``rl_kernel_core/loss.py`` (``ratio_kl``,
+  ``policy_loss``), or ``chunk_bytes`` in ``rl_kernel_core/linear_chunks.py``) defines each of them
+  (a Python file: a function, class, assignment or import anywhere in it; another source: the word).
+- **Import claims**: ``file.py`` imports / does not import / never imports / imports nothing of
+  ``module`` agrees with the file's import statements (a function's lazy import counts).
 - **Environment variables** ``RL_KERNEL_*`` / ``VIME_RL_KERNEL*``: read somewhere, i.e. they occur in
   a string literal of the code that is not a docstring, or in a shell line that is not a comment;
   in a test module only a key read from ``os.environ`` counts (one that a test merely sets is not
@@ -222,6 +227,102 @@ def test_code_names_in_the_docs_occur_in_the_code():
                 if name not in code_words() and name not in OTHER_PROJECTS_NAMES:
                     missing.append(f"{citing}: {name} (in `{span.group(1)}`)")
     assert not missing, "names in code spans that occur nowhere in the code:\n" + "\n".join(sorted(set(missing)))
+
+
+# ---------------------------------------------------------------- homes and import claims
+
+_NAME_IN_SPAN = r"`([A-Za-z_]\w*)(?:\(\))?`"
+_HOME_LIST = re.compile(rf"`([^`\s]+\.(?:py|cu|cuh|h|cpp))` \(((?:{_NAME_IN_SPAN}(?:, | and | or )?)+)\)")
+_NAME_IN_HOME = re.compile(rf"{_NAME_IN_SPAN} in `([^`\s]+\.(?:py|cu|cuh|h|cpp))`")
+_IMPORT_CLAIM = re.compile(r"`([^`\s]+\.py)` (does not import|never imports|imports nothing of|imports) `([^`\s]+)`")
+
+
+def cited_file(cited: str) -> Path | None:
+    """The tracked file ``cited`` names: the path from the root, else the one tracked path that ends
+    with it; None for a pattern, another project's path or an ambiguous name."""
+    if "<" in cited or "*" in cited:
+        return None
+    matches = [p for p in tracked() if p == cited or p.endswith("/" + cited)]
+    return ROOT / matches[0] if len(matches) == 1 else None
+
+
+def defines(path: Path, name: str) -> bool:
+    """Whether the source ``path`` defines ``name`` (Python) or holds it as a word (other sources)."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return re.search(rf"\b{re.escape(name)}\b", text) is not None
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name).split(".")[0] == name for a in node.names):
+            return True
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            if (node.id if isinstance(node, ast.Name) else node.attr) == name:
+                return True
+    return False
+
+
+def home_claims(text: str) -> list[tuple[str, str]]:
+    """``(file, name)`` for every name ``text`` places in a file."""
+    claims = [(m.group(1), n) for m in _HOME_LIST.finditer(text) for n in re.findall(_NAME_IN_SPAN, m.group(2))]
+    return claims + [(m.group(2), m.group(1)) for m in _NAME_IN_HOME.finditer(text)]
+
+
+def test_cited_homes_define_their_names():
+    wrong = []
+    for citing, text in cited_texts():
+        for cited, name in home_claims(text):
+            path = cited_file(cited)
+            if path is not None and path.suffix in (".py", ".cu", ".cuh", ".h", ".cpp") and not defines(path, name):
+                wrong.append(f"{citing}: `{name}` is not in {cited}")
+    assert not wrong, "names placed in a file that does not hold them:\n" + "\n".join(sorted(set(wrong)))
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The modules ``path`` imports anywhere (relative imports resolved against its package)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def import_claim_holds(cited: str, verb: str, target: str) -> bool | None:
+    """Whether ``cited`` (a Python file) ``verb`` (imports / does not import / ...) ``target`` (a
+    dotted module or a path); None where ``cited`` names no single tracked file."""
+    path = cited_file(cited)
+    if path is None:
+        return None
+    name = target.removesuffix("/").removesuffix(".py").replace("/", ".")
+    imports = any(m == name or m.startswith(name + ".") or f".{name}." in f".{m}." for m in imported_modules(path))
+    return imports if verb == "imports" else not imports
+
+
+def test_import_claims_hold():
+    wrong = [f"{citing}: {m.group(0)}" for citing, text in cited_texts() for m in _IMPORT_CLAIM.finditer(text)
+             if import_claim_holds(*m.groups()) is False]
+    assert not wrong, "claims about imports that the code contradicts:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_home_and_import_rules():
+    assert home_claims("`rl_kernel_core/loss.py` (`ratio_kl`, `policy_loss`) and `chunk_rows` in `linear_chunks.py`") == [
+        ("rl_kernel_core/loss.py", "ratio_kl"), ("rl_kernel_core/loss.py", "policy_loss"), ("linear_chunks.py", "chunk_rows")]
+    linear_sm90 = cited_file("rl_kernel_core/triton/linear_sm90.py")
+    assert linear_sm90 is not None and defines(linear_sm90, "serves") and not defines(linear_sm90, "_TILE")
+    assert defines(ROOT / "native/csrc/tuning.h", "kSm90BlockN")
+    assert import_claim_holds("triton/linear_sm90.py", "imports", "rl_kernel_core.native") is True
+    assert import_claim_holds("rl_kernel_core/linear_chunks.py", "never imports", "rl_kernel_core/triton/") is True
+    assert import_claim_holds("rl_kernel_core/linear_chunks.py", "imports", "triton") is False
+    assert import_claim_holds("rl_kernel_core/opdef/logprob.py", "imports nothing of", "rl_kernel_core.linear_chunks") is False
+    assert import_claim_holds("<family>.py", "imports", "torch") is None
 
 
 # ---------------------------------------------------------------- environment variables
