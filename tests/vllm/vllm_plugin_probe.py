@@ -27,7 +27,7 @@ def main(scenario: str) -> None:
     import rl_kernel_vllm
     from rl_kernel_core import adapters
     from rl_kernel_core.switches import SwitchError
-    from rl_kernel_vllm import batch_invariant, logprobs, sampler
+    from rl_kernel_vllm import batch_invariant, logprobs, moe, sampler
 
     if scenario == "moved":
         logprobs.RUNNERS["v1"] = logprobs.V1_TARGETS + ("vllm.v1.sample.sampler:Sampler.no_such_method",)
@@ -43,7 +43,7 @@ def main(scenario: str) -> None:
     # CPU-only machine has neither)
     bi_platform = bool(current_platform.is_cpu() or current_platform.is_cuda())
     if scenario == "restore" and bi_platform:  # every hook on
-        targets += [batch_invariant.RMS_NORM_TARGET, batch_invariant.CPU_GEMM_TARGET]
+        targets += [batch_invariant.RMS_NORM_TARGET, batch_invariant.CPU_GEMM_TARGET, *(t for t, _ in moe.TARGETS)]
     before = {t: adapters.locate(t)[2] for t in targets}
     oot_before = dict(op_registry_oot)
     error = None
