@@ -17,6 +17,9 @@ In each vLLM process the hook:
   module gives (:func:`rl_kernel_core.consistency.rope.cos_sin_table`: inverse frequencies from the
   CPU, ``cos``/``sin`` on the device): vLLM computes its table on the GPU, where ``pow`` and scalar
   division round differently, and scales ``linear`` ropes' positions instead of their frequencies;
+* at tensor parallel size >= 3, sums the tensor-parallel group's partials in rank order after
+  gathering them (:mod:`rl_kernel_vllm.tensor_parallel`), the sum the trainer's
+  ``use_row_parallel_split`` computes; refuses pipeline and context parallelism;
 * runs a Qwen3-MoE's sparse blocks as the trainer's (:mod:`rl_kernel_vllm.moe`: router, top-k,
   experts and combine of :mod:`rl_kernel_core.consistency.moe`; its steps eager on CUDA);
 * configures the engine so that no other arithmetic sneaks in: compilation mode ``NONE`` (no
@@ -44,7 +47,7 @@ import torch
 from rl_kernel_core import adapters
 from rl_kernel_core.consistency.rope import COVERED_ROPE_TYPES, cos_sin_table, rope_type
 from rl_kernel_core.invariance import set_batch_invariant_mode
-from rl_kernel_vllm import moe
+from rl_kernel_vllm import moe, tensor_parallel
 from rl_kernel_vllm._log import log_once
 
 ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM") + moe.ARCHITECTURES
@@ -55,7 +58,7 @@ OVERRIDES: tuple[str, ...] = (
     "batch-invariant mode: compilation mode NONE, compilation_config.custom_ops=['none'], no cascade attention, "
     "CUDA graphs for uniform decode batches only (CUDA), attention through rl-kernel's fixed-order attention "
     "over the paged KV cache, matmuls/means/log-softmax through rl-kernel's batch-invariant kernels, "
-    "rotary tables from the model's transformers rope",
+    "rotary tables from the model's transformers rope, tensor-parallel sums (3+ ranks) in rank order",
 )
 """The vLLM settings this hook changes, announced once per process when it is live."""
 
@@ -112,9 +115,10 @@ def check_config(vllm_config: Any, entry: str) -> list[str]:
     wanted = AttentionBackendEnum[entry]
     if attention.backend not in (None, wanted):
         refusals.append(f"attention_backend={attention.backend.name} (the mode replaces {entry}; leave it unset)")
+    refusals += tensor_parallel.refusals(vllm_config, None if model is None else _text_config(model))
     if refusals:
         raise ValueError("RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover: " + "; ".join(refusals))
-    changed = []
+    changed = tensor_parallel.settle(vllm_config)
     if attention.backend is None:
         attention.backend = wanted
         changed.append(f"attention_backend={entry}")
@@ -235,7 +239,7 @@ def install(patches: adapters.Patches) -> dict[str, Any]:
         owner = _defining_class(type(current_platform), "check_and_update_config")
         config_target = f"{owner.__module__}:{owner.__qualname__}.check_and_update_config"
         wanted = [(config_target, _wrap_check_and_update_config(entry)), (RMS_NORM_TARGET, _hf_rms_norm),
-                  (ROTARY_TARGET, _trainer_rope_table)]
+                  (ROTARY_TARGET, _trainer_rope_table), (tensor_parallel.TARGET, tensor_parallel.ordered_all_reduce)]
         if current_platform.is_cpu():
             wanted.append((CPU_GEMM_TARGET, _routed_cpu_gemm))
         wanted += moe.TARGETS

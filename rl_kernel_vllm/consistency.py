@@ -181,9 +181,12 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
 
     if row_split is None:  # the mode's trainer follows the rollout's row-parallel split
         row_split = int((engine or {}).get("tensor_parallel_size", 1)) if batch_invariant else 1
-    if row_split not in (1, 2):  # before the rollout, not after it
-        raise ValueError(f"the trainer reproduces a rollout's row-parallel split at tensor_parallel_size 1 or 2, "
-                         f"got {row_split} (pass --trainer-row-split 1 to compare against the unsplit trainer)")
+    if row_split != 1:  # before the rollout, not after it
+        from transformers import AutoConfig
+
+        from rl_kernel_core.consistency.row_parallel import check_split, text_config
+
+        check_split(text_config(AutoConfig.from_pretrained(model_path)), row_split, "the trainer's row split")
     if prompt_logprobs and not logprobs:
         raise ValueError("prompt_logprobs needs logprobs: a rollout without log-probs has nothing to compare")
     samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
@@ -275,7 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="also ask vLLM for the prompt tokens' log-probs and compare them with the trainer's (T = 1)")
     add("--no-logprobs", action="store_true",
         help="the requests ask for no log-probs and no trainer runs: vLLM's throughput alone (the sampler hook's path)")
-    add("--trainer-row-split", type=integer(1, 2), default=None,
+    add("--trainer-row-split", type=integer(1), default=None,
         help="the trainer's o_proj/down_proj as the sum of this many ranks' products (default: the engine's "
              "tensor_parallel_size with --batch-invariant, else 1)")
     add("--unseeded-requests", action="store_true",

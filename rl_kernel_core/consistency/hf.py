@@ -19,6 +19,7 @@ from rl_kernel_core.attention import checked_varlen_attention, varlen_attention
 from rl_kernel_core.consistency.chain import selected_logprobs as _selected_logprobs
 from rl_kernel_core.consistency.moe import use_mode_moe
 from rl_kernel_core.consistency.rope import use_cpu_rope_frequencies
+from rl_kernel_core.consistency.row_parallel import check_split, rank_order_sum, text_config
 from rl_kernel_core.invariance import is_batch_invariant
 
 ATTN_IMPLEMENTATION = "rl_kernel_varlen"
@@ -161,18 +162,21 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 def use_row_parallel_split(model, parts: int) -> list[str]:
     """Make ``model``'s row-parallel linears (:data:`ROW_PARALLEL`) compute what an engine at tensor
-    parallel size ``parts`` = 2 computes: the product of each contiguous half of the input features
-    with the weight's matching columns, each rounded to the model dtype, then their sum in the model
-    dtype (``a + b``, the one rounding a two-rank all-reduce makes, in either order). With the
-    mode's matmul each half's product has the bits of the engine rank's, so a TP=1 trainer gets a
-    TP=2 rollout's values. Returns the patched module names.
+    parallel size ``parts`` computes under the batch-invariant mode: rank r's product of the r-th
+    contiguous slice of the input features with the weight's matching columns, rounded to the model
+    dtype, and the ranks' products summed by
+    :func:`~rl_kernel_core.consistency.row_parallel.rank_order_sum` (float32 accumulation in rank
+    order 0, 1, ..., one rounding to the model dtype; at ``parts`` 2 the single rounding any
+    two-rank all-reduce makes). With the mode's matmul each slice's product has the bits of the
+    engine rank's, so a one-process trainer gets a TP=``parts`` rollout's values. Returns the
+    patched module names.
 
-    Raises ``ValueError`` for ``parts`` other than 1 or 2 (with more ranks the all-reduce's order is
-    the collective library's: not reproduced), a linear with a bias (an engine adds it on one rank
-    only) or an input size not divisible by ``parts``. ``parts`` 1 changes nothing."""
-    if parts not in (1, 2):
-        raise ValueError(f"parts must be 1 or 2 (a two-rank all-reduce adds in either order; more ranks follow the "
-                         f"collective's order, not reproduced), got {parts!r}")
+    Raises ``ValueError`` (``TypeError`` for a non-integer ``parts``) naming what is refused:
+    ``parts`` < 1, ``parts`` not dividing the model's ``num_attention_heads`` or
+    ``intermediate_size`` (:func:`~rl_kernel_core.consistency.row_parallel.check_split`) or a
+    linear's input size, a linear with a bias (an engine adds it on one rank only). ``parts`` 1
+    changes nothing."""
+    check_split(text_config(getattr(model, "config", None)), parts)
     patched: list[str] = []
     if parts == 1:
         return patched
@@ -197,10 +201,7 @@ def _split_forward(module: torch.nn.Linear, parts: int):
         return torch.nn.functional.linear(x[..., r * width:(r + 1) * width], weight)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        out = rank(x, 0)
-        for r in range(1, parts):
-            out = out + rank(x, r)
-        return out
+        return rank_order_sum([rank(x, r) for r in range(parts)])
 
     return forward
 

@@ -214,8 +214,8 @@ def test_row_parallel_split_computes_a_two_rank_engines_sum(seed):
     assert torch.equal(split, ranks[1] + ranks[0])
     # the unsplit layer up to the halves' extra bf16 roundings (eps 2**-8 each)
     assert (split.float() - whole.float()).abs().max() <= 4 * 2**-8 * whole.float().abs().max()
-    with pytest.raises(ValueError, match="parts must be 1 or 2"):
-        hf.use_row_parallel_split(model, 4)
+    with pytest.raises(ValueError, match="parts=3 does not divide the model's num_attention_heads=4"):
+        hf.use_row_parallel_split(model, 3)
     biased = _tiny_qwen3()
     biased.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
     with pytest.raises(ValueError, match="model.layers.1.self_attn.o_proj: a row-parallel linear with a bias"):

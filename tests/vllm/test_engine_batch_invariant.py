@@ -168,13 +168,14 @@ def test_prompt_logprobs_without_logprobs_is_refused(capsys):
     assert "--prompt-logprobs: not with --no-logprobs" in capsys.readouterr().err
 
 
-def test_an_uncovered_row_split_is_refused_before_the_rollout(monkeypatch):
+def test_an_uncovered_row_split_is_refused_before_the_rollout(monkeypatch, model_dir: Path):
     from rl_kernel_vllm import consistency
 
     def no_rollout(*args, **kwargs):
         raise AssertionError("the rollout ran before the row split was checked")
 
     monkeypatch.setattr(consistency, "rollout", no_rollout)
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 or 2, got 4"):
-        consistency.compare("unused", prompts=[[1, 2]], n=1, max_tokens=1, temperature=1.0, seed=0, dtype="float32",
-                            device="cpu", batch_invariant=True, train_batch_size=1, engine={"tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match="^the trainer's row split=4 does not divide the model's num_attention_heads=2"):
+        consistency.compare(str(model_dir), prompts=[[1, 2]], n=1, max_tokens=1, temperature=1.0, seed=0,
+                            dtype="float32", device="cpu", batch_invariant=True, train_batch_size=1,
+                            engine={"tensor_parallel_size": 4})
