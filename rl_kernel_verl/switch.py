@@ -15,11 +15,12 @@ rl-kernel's batch-invariant mode, with log-probs defined as vLLM's rollout under
 ``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` returns them (see :mod:`rl_kernel_verl.forward`). It turns the
 backend on by itself; with ``use_rl_kernel_backend=False`` written beside it, it is an error.
 
-``rl_kernel_row_parallel_split=2`` beside it (:data:`ROW_SPLIT_OVERRIDE`; the integer 1 or 2, default 1) computes
-the decoder layers' ``o_proj``/``down_proj`` as the sum of two ranks' products, as verl's vLLM
-rollout at ``tensor_model_parallel_size=2`` computes them
-(:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`), so a TP=2 rollout's log-probs are the
-trainer's bit for bit. It needs the batch-invariant option.
+``rl_kernel_row_parallel_split=N`` beside it (:data:`ROW_SPLIT_OVERRIDE`; an integer >= 1, default 1) computes
+the decoder layers' ``o_proj``/``down_proj`` as the rank-ordered sum of N ranks' products, as verl's
+vLLM rollout at ``tensor_model_parallel_size=N`` computes them under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1``
+(:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`, which refuses an N not dividing the
+model's heads or MLP width when the model is built), so a TP=N rollout's log-probs are the
+trainer's bit for bit. N > 1 needs the batch-invariant option.
 
 ``rl_kernel_weight_check_every=N`` (:data:`WEIGHT_CHECK_OVERRIDE`; a non-negative integer, 0 or
 absent: off) checks every N-th weight sync into verl's vLLM rollout bit for bit
@@ -124,8 +125,8 @@ def read(model_config: Any) -> Switch:
         ValueError: ``fused_kernel_options`` is not a mapping, the switch, ``rl_kernel_strict``
             or ``rl_kernel_batch_invariant`` holds something other than a boolean, ``rl_kernel_batch_invariant=True`` sits beside
             ``use_rl_kernel_backend=False``, ``rl_kernel_weight_check_every`` is not an
-            integer >= 0, or ``rl_kernel_row_parallel_split`` is not the integer 1 or 2 or is 2 without
-            ``rl_kernel_batch_invariant=True``.
+            integer >= 0, or ``rl_kernel_row_parallel_split`` is not an integer >= 1 or is above 1
+            without ``rl_kernel_batch_invariant=True``.
         rl_kernel_core.switches.SwitchError: the switch is on and ``RL_KERNEL_VERL_STRICT`` holds
             an unaccepted value.
     """
@@ -138,12 +139,12 @@ def read(model_config: Any) -> Switch:
         raise ValueError(f"fused_kernel_options.{BATCH_INVARIANT_KEY}=True runs the rl-kernel backend, but "
                          f"{SWITCH_KEY}=False turns it off: drop {SWITCH_KEY} or set it to True")
     row_split = options[ROW_SPLIT_KEY] if ROW_SPLIT_KEY in options else 1
-    if type(row_split) is not int or row_split not in (1, 2):  # an int: 2.0 or True would pass `in (1, 2)`
-        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY} must be 1 or 2, an integer (the rollout's tensor "
-                         f"parallel size; more ranks are not covered), got {_shown(row_split)} ({type(row_split).__name__})")
-    if row_split == 2 and not batch_invariant:
-        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY}=2 reproduces a TP=2 rollout bit for bit only in the "
-                         f"batch-invariant mode: set {BATCH_INVARIANT_KEY}=True beside it")
+    if type(row_split) is not int or row_split < 1:  # an int: 2.0 or True would pass `>= 1`
+        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY} must be an integer >= 1 (the rollout's tensor "
+                         f"parallel size), got {_shown(row_split)} ({type(row_split).__name__})")
+    if row_split > 1 and not batch_invariant:
+        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY}={row_split} reproduces a TP={row_split} rollout bit for "
+                         f"bit only in the batch-invariant mode: set {BATCH_INVARIANT_KEY}=True beside it")
     for key in options:
         if key not in _OUR_KEYS and key not in _VERL_KEYS and _looks_like_ours(str(key)):
             meant = (difflib.get_close_matches(str(key), _OUR_KEYS, n=1, cutoff=0.75) or [SWITCH_KEY])[0]

@@ -163,14 +163,16 @@ def test_row_parallel_split_gives_a_tp2_rollouts_definition(build_worker, model_
     assert not all(torch.equal(a, w) for a, w in zip(got, whole))
 
 
-def test_row_parallel_split_needs_the_mode_and_two_ranks():
+def test_row_parallel_split_needs_the_mode_and_a_positive_size():
     from rl_kernel_verl import switch
 
-    with pytest.raises(ValueError, match="rl_kernel_row_parallel_split=2 reproduces a TP=2 rollout bit for bit only"):
-        switch.read({"fused_kernel_options": {"use_rl_kernel_backend": True, "rl_kernel_row_parallel_split": 2}})
-    with pytest.raises(ValueError, match="rl_kernel_row_parallel_split must be 1 or 2.*got 4"):
-        switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": 4}})
-    assert switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": 2}}).row_split == 2
+    for n in (2, 4):
+        with pytest.raises(ValueError, match=f"rl_kernel_row_parallel_split={n} reproduces a TP={n} rollout bit for bit only"):
+            switch.read({"fused_kernel_options": {"use_rl_kernel_backend": True, "rl_kernel_row_parallel_split": n}})
+        assert switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": n}}).row_split == n
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match=f"rl_kernel_row_parallel_split must be an integer >= 1 .*got {bad}"):
+            switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": bad}})
 
 
 @pytest.mark.parametrize("value", [2.0, 1.0, True, "2", [2], None])
@@ -182,7 +184,7 @@ def test_row_parallel_split_must_be_an_int(value):
     with pytest.raises(ValueError) as info:
         switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": value}})
     message = str(info.value)
-    assert message.startswith("fused_kernel_options.rl_kernel_row_parallel_split must be 1 or 2, an integer")
+    assert message.startswith("fused_kernel_options.rl_kernel_row_parallel_split must be an integer >= 1")
     assert message.endswith(f"got {value!r} ({type(value).__name__})") and "\n" not in message, message
 
 

@@ -169,7 +169,7 @@ def test_bad_option_shapes_through_verls_config(model_dirs):
 
     split = ("+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True",
              "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_row_parallel_split=2.0")
-    with pytest.raises(ValueError, match=r"rl_kernel_row_parallel_split must be 1 or 2, an integer .* got 2.0 \(float\)$"):
+    with pytest.raises(ValueError, match=r"rl_kernel_row_parallel_split must be an integer >= 1 .* got 2.0 \(float\)$"):
         switch.read(_model_config(model_dirs, *split))
     with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.fused_kernel_options must be a mapping .* got 'abc' \(str\)$"):
         switch.read(_model_config(model_dirs, "actor_rollout_ref.model.fused_kernel_options=abc"))
