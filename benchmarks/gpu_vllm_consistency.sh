@@ -6,9 +6,9 @@
 #   vllm_bi    - vLLM's own VLLM_BATCH_INVARIANT=1, trainer forward as shipped
 #   rl_kernel  - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1, trainer under rl-kernel's mode
 #                (decode batches as full CUDA graphs; rl_kernel_eager: the same with enforce_eager=True)
-# On two GPUs, the rollout at tensor_parallel_size 2 against the one-GPU trainer (the mode's trainer sums each
-# row-parallel linear as two halves, the rollout's split):
-#   default_tp2 / rl_kernel_tp2 - default / rl_kernel with "tensor_parallel_size":2
+# On N GPUs, the rollout at tensor_parallel_size N against the one-GPU trainer (the mode's trainer sums each
+# row-parallel linear's N rank products in rank order, the rollout's split and sum; N divides 16 at these shapes):
+#   default_tpN / rl_kernel_tpN - default / rl_kernel with "tensor_parallel_size":N (default_tp2, rl_kernel_tp4, ...)
 # and two more for the plugin's other hooks (vLLM's own kernels, CUDA graphs on; their throughput
 # against `default` of the same job is what the hooks cost). Each setting: one warm-up generate call identical to the
 # timed ones (WARMUP, default 1), then REPS (default 3) timed calls, median reported; PROMPT_LOGPROBS=1 also compares
@@ -49,8 +49,8 @@ for s in ${@:-default vllm_bi rl_kernel}; do
     rl_kernel) run rl_kernel --batch-invariant RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
     rl_kernel_eager) run rl_kernel_eager "--batch-invariant --engine {$engine,\"enforce_eager\":true}" \
       RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
-    default_tp2) run default_tp2 "--engine {$engine,\"tensor_parallel_size\":2}" RL_KERNEL_VLLM=0;;
-    rl_kernel_tp2) run rl_kernel_tp2 "--batch-invariant --engine {$engine,\"tensor_parallel_size\":2}" \
+    default_tp[0-9]*) run "$s" "--engine {$engine,\"tensor_parallel_size\":${s#default_tp}}" RL_KERNEL_VLLM=0;;
+    rl_kernel_tp[0-9]*) run "$s" "--batch-invariant --engine {$engine,\"tensor_parallel_size\":${s#rl_kernel_tp}}" \
       RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
     plugin_default) run plugin_default '' RL_KERNEL_VLLM=1;;
     default_v1) run default_v1 '' RL_KERNEL_VLLM=0 VLLM_USE_V2_MODEL_RUNNER=0;;
@@ -58,7 +58,7 @@ for s in ${@:-default vllm_bi rl_kernel}; do
     plugin_sampler_v1) run plugin_sampler_v1 '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1 VLLM_USE_V2_MODEL_RUNNER=0;;
     rollout_v1) run rollout_v1 --no-logprobs RL_KERNEL_VLLM=0 VLLM_USE_V2_MODEL_RUNNER=0;;
     rollout_sampler_v1) run rollout_sampler_v1 --no-logprobs RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1 VLLM_USE_V2_MODEL_RUNNER=0;;
-    *) echo "unknown setting $s: default vllm_bi rl_kernel rl_kernel_eager default_tp2 rl_kernel_tp2 plugin_default default_v1 plugin_default_v1 plugin_sampler_v1 rollout_v1 rollout_sampler_v1"; status=1;;
+    *) echo "unknown setting $s: default vllm_bi rl_kernel rl_kernel_eager default_tpN rl_kernel_tpN plugin_default default_v1 plugin_default_v1 plugin_sampler_v1 rollout_v1 rollout_sampler_v1"; status=1;;
   esac
 done
 echo "gpu_vllm_consistency status=$status"
