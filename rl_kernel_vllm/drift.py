@@ -7,7 +7,7 @@ a one-request prefill of the sequence (``max_tokens=1``, so no decode step runs)
 positions the model receives (the logits: the last position's, the only row vLLM computes). The transformers model of the same checkpoint runs one forward of
 the same ids under ``rk.batch_invariant()`` with the same hooks. The points compared, in forward
 order, per layer: the input norm, the q/k/v projections, the attention core (rotary embedding
-included), the output projection, the post-attention norm, the MLP's down projection; then the
+included), the output projection, the post-attention norm, the MLP's output (a dense MLP's or a sparse MoE block's); then the
 final norm and the logits. :func:`compare_points` names the first point whose rows differ.
 
 A divergence that this prefill does not show lies in a path it does not take (a decode step, a
@@ -63,7 +63,7 @@ VLLM_POINTS: tuple[tuple[str, str, Callable], ...] = (
     ("attention", "self_attn.attn", _out),
     ("o_proj", "self_attn.o_proj", _out),
     ("post_attention_layernorm", "post_attention_layernorm", _out),
-    ("down_proj", "mlp.down_proj", _out),
+    ("mlp", "mlp", _out),
 )
 HF_POINTS: dict[str, tuple[tuple[str, Callable], ...]] = {
     "input_layernorm": (("input_layernorm", _out),),
@@ -71,7 +71,7 @@ HF_POINTS: dict[str, tuple[tuple[str, Callable], ...]] = {
     "attention": (("self_attn.o_proj", _in),),
     "o_proj": (("self_attn.o_proj", _out),),
     "post_attention_layernorm": (("post_attention_layernorm", _out),),
-    "down_proj": (("mlp.down_proj", _out),),
+    "mlp": (("mlp", _out),),
 }
 
 

@@ -12,11 +12,11 @@ Here the block is one function of the token's own row, used by both sides while 
 batch-invariant mode is on (the engine side: :mod:`rl_kernel_vllm.moe`; the trainer side:
 :func:`use_mode_moe`, called by :func:`rl_kernel_core.consistency.hf.use_mode_attention`):
 
-* :func:`route`: router logits ``x @ W_gate.T`` in the model dtype (the mode's matmul), their
-  log-softmax over the experts in fp32 (the mode's log-softmax), the experts sorted by it with a
-  stable sort (ties go to the lower expert index), the first ``top_k`` taken; the weights are
-  ``exp`` of their log-probabilities (fp32) and, with ``normalize``, divided by their sum, added
-  left to right in that order.
+* :func:`route`: router logits ``x @ W_gate.T`` in the model dtype (the mode's matmul,
+  :func:`router_logits`), their log-softmax over the experts in fp32 (the mode's log-softmax), the
+  experts sorted by it with a stable sort (ties go to the lower expert index), the first ``top_k``
+  taken; the weights are ``exp`` of their log-probabilities (fp32) and, with ``normalize``,
+  divided by their sum, added left to right in that order.
 * :func:`experts`: each (token, slot) pair's expert MLP ``down(silu(gate(x)) * up(x))`` through
   the mode's row-invariant matmuls in the model dtype (the tokens of one expert in one product),
   then the combine ``sum_j w_j * y_j`` in fp32, slot 0 first (descending routing weight), rounded
@@ -38,6 +38,9 @@ import torch.nn.functional as F
 from rl_kernel_core.invariance import is_batch_invariant
 from rl_kernel_core.reference.batch_invariant import row_tiled
 
+CPU_ROUTER_COLUMNS = 16
+"""The router product's output width on the CPU is padded to a multiple of this (:func:`router_logits`)."""
+
 BLOCK_CLASSES: tuple[str, ...] = ("Qwen3MoeSparseMoeBlock",)
 """transformers' sparse MoE blocks whose router and experts :func:`use_mode_moe` takes over."""
 
@@ -47,6 +50,19 @@ def _rows(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tens
     if tensors[0].device.type == "cpu":
         return row_tiled(fn, *tensors)
     return fn(*tensors)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x [N, H], weight [E, H]) -> [N, E]`` in ``x``'s dtype. On the CPU the product is
+    taken with ``weight`` zero-padded to a multiple of :data:`CPU_ROUTER_COLUMNS` rows: the CPU
+    library GEMM behind the mode's fixed 32-row tiles rounds some rows of a narrow product (5-7 or
+    9-11 output columns on MKL) by their position in the tile, so a few experts would make a
+    token's logits depend on its batch."""
+    experts = weight.shape[0]
+    pad = -experts % CPU_ROUTER_COLUMNS if x.device.type == "cpu" else 0
+    if pad:
+        return F.linear(x, F.pad(weight, (0, 0, 0, pad)))[:, :experts]
+    return F.linear(x, weight)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,14 +132,17 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
-    parts = []
+    segments = []  # (expert, first row, rows) of the experts that have tokens
     start = 0
     for e, count in enumerate(counts):
         if count:
-            h = F.linear(rows[start:start + count], gate_up[e])
-            parts.append(F.linear(_rows(_gated, h), down[e]))
+            segments.append((e, start, count))
         start += count
-    grouped = torch.cat(parts) if parts else x.new_zeros((0, hidden))
+    if not segments:  # no tokens
+        return x.new_zeros(x.shape)
+    # two products per routed expert; the activation once over all of them
+    act = _rows(_gated, torch.cat([F.linear(rows[s:s + c], gate_up[e]) for e, s, c in segments]))
+    grouped = torch.cat([F.linear(act[s:s + c], down[e]) for e, s, c in segments])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     per_slot = grouped.index_select(0, inverse).view(n, k, hidden)
@@ -135,9 +154,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
 
 def sparse_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                top_k: int, normalize: bool) -> torch.Tensor:
-    """A Qwen3-MoE sparse block on ``x [N, H]``: :func:`route` of ``F.linear(x, gate_weight [E, H])``,
-    then :func:`experts`; ``[N, H]`` in ``x``'s dtype."""
-    weights, ids = route(F.linear(x, gate_weight), top_k, normalize)
+    """A Qwen3-MoE sparse block on ``x [N, H]``: :func:`route` of :func:`router_logits` of
+    ``gate_weight [E, H]``, then :func:`experts`; ``[N, H]`` in ``x``'s dtype."""
+    weights, ids = route(router_logits(x, gate_weight), top_k, normalize)
     return experts(x, ids, weights, gate_up, down)
 
 
@@ -147,7 +166,7 @@ def _router_forward(router: Any) -> Callable[[torch.Tensor], tuple[torch.Tensor,
     def forward(hidden_states: torch.Tensor):
         if not is_batch_invariant():
             return original(hidden_states)
-        logits = F.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)
+        logits = router_logits(hidden_states.reshape(-1, router.hidden_dim), router.weight)
         weights, ids = route(logits, router.top_k, router.norm_topk_prob)
         return logits, weights, ids
 

@@ -15,14 +15,14 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import contract
 from rl_kernel_core.consistency import chain, hf, parity
-from rl_kernel_core.consistency.moe import experts, route, sparse_moe, use_mode_moe
+from rl_kernel_core.consistency.moe import experts, route, router_logits, sparse_moe, use_mode_moe
 
 transformers = pytest.importorskip("transformers")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _weights(rng: random.Random, dtype: torch.dtype):
-    e, h, i = rng.choice([4, 8, 12]), rng.choice([32, 64]), rng.choice([16, 24, 48])
+    e, h, i = rng.choice([4, 6, 8, 12]), rng.choice([32, 64]), rng.choice([16, 24, 48])
     k = rng.randint(1, min(4, e))
     gate = torch.randn(e, h).to(dtype)
     gate_up = (torch.randn(e, 2 * i, h) * 0.2).to(dtype)
@@ -41,6 +41,21 @@ def test_route_breaks_ties_by_expert_index_and_renormalises():
     torch.testing.assert_close(normed.sum(-1), torch.ones(2), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="top_k: expected 1..5"):
         route(logits, 6, normalize=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_rows_do_not_depend_on_their_place_in_the_batch(seed, dtype):
+    # every expert count: on the CPU a narrow product (5-7, 9-11 columns on MKL) rounded a row by
+    # its position in the mode's 32-row tile until the router padded its width
+    rng = random.Random(seed)
+    for e in range(1, 41):
+        w, x = torch.randn(e, 32).to(dtype), torch.randn(100, 32).to(dtype)
+        with rk.batch_invariant():
+            full = router_logits(x, w)
+            for start in rng.sample(range(1, 60), 4):
+                assert torch.equal(router_logits(x[start:start + 40], w), full[start:start + 40]), \
+                    f"seed={seed}: {e} experts, rows from {start}"
+        torch.testing.assert_close(full.double(), x.double() @ w.double().T, rtol=1e-2, atol=1e-2 * e ** 0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
