@@ -91,7 +91,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import bench
-from rl_kernel_core import linear_chunks as LC
+from rl_kernel_core.linear import chunks as LC
 from rl_kernel_core.triton import tuning as triton_tuning
 
 DEV = torch.device("cuda")
@@ -388,7 +388,7 @@ def part_floor(shape: str, n: int, d: int, v: int, dtype, args, rec: Recorder) -
 
 
 def _with_tuning(**overrides) -> contextlib.ExitStack:
-    """Enter :func:`rl_kernel_core.linear_chunks.tuned` with ``overrides``; ``.close()`` leaves it."""
+    """Enter :func:`rl_kernel_core.linear.chunks.tuned` with ``overrides``; ``.close()`` leaves it."""
     scope = contextlib.ExitStack()
     scope.enter_context(LC.tuned(**overrides))
     return scope

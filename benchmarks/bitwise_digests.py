@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import sys
 
@@ -35,22 +36,24 @@ def digest(t: torch.Tensor) -> str:
 
 def route_scope(route: str):
     """The ``linear_logprob`` route for the block, on this version of the code."""
-    try:
-        from rl_kernel_core import linear_chunks
-    except ImportError:  # the layout before rl_kernel_core.linear_chunks existed
-        from rl_kernel_core.triton import _linear_kernels as K
+    for driver in ("rl_kernel_core.linear.chunks", "rl_kernel_core.linear_chunks"):  # this layout, then the one before
+        try:
+            return importlib.import_module(driver).tuned(route=route)
+        except ModuleNotFoundError:
+            pass
+    # the layout before the chunk driver existed
+    from rl_kernel_core.triton import _linear_kernels as K
 
-        @contextlib.contextmanager
-        def old():
-            saved = K.TUNING
-            K.TUNING = dataclasses.replace(saved, route=route)
-            try:
-                yield
-            finally:
-                K.TUNING = saved
+    @contextlib.contextmanager
+    def old():
+        saved = K.TUNING
+        K.TUNING = dataclasses.replace(saved, route=route)
+        try:
+            yield
+        finally:
+            K.TUNING = saved
 
-        return old()
-    return linear_chunks.tuned(route=route)
+    return old()
 
 
 def gen(seed: int, dev: torch.device) -> torch.Generator:

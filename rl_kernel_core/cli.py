@@ -40,9 +40,10 @@ def _info(args: argparse.Namespace) -> int:
     env["backends"] = backends
     env["routes"] = dict(ops.ROUTES)
     try:
-        from rl_kernel_core.triton import linear_sm90, native_launch
+        from rl_kernel_core.linear import triton_sm90
+        from rl_kernel_core.triton import native_launch
 
-        env["linear_logprob_hopper_passes"] = linear_sm90.status()
+        env["linear_logprob_hopper_passes"] = triton_sm90.status()
         env["triton_cpp_launch"] = native_launch.status()
     except ImportError as exc:  # both serve the Triton backend's launches
         env["linear_logprob_hopper_passes"] = f"not used: the Triton backend does not import ({exc})"
@@ -96,7 +97,7 @@ def _check_out(path: str) -> Optional[str]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from rl_kernel_core.logprob import linear_logprob
+    from rl_kernel_core.linear.api import linear_logprob
 
     if args.out:
         problem = _check_out(args.out)

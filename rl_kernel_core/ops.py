@@ -85,7 +85,7 @@ class OpSpec:
             raise ValueError(f"glue of {self.name} must be one of {list(GLUE_KINDS)}, got {self.glue!r}")
 
 
-_REFERENCE_LOGPROB = "rl_kernel_core.reference.logprob"
+_REFERENCE_LOGPROB = "rl_kernel_core.linear.reference"
 _REFERENCE_LOSS = "rl_kernel_core.reference.loss"
 _REFERENCE_BATCH_INVARIANT = "rl_kernel_core.reference.batch_invariant"
 _TRITON_BATCH_INVARIANT = "rl_kernel_core.triton.batch_invariant"
@@ -113,15 +113,15 @@ OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
     OpSpec("policy_loss", "rl_kernel_core.loss", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
            glue="differentiable_custom_op", native_group="loss", measured_order={"9.0": _TRITON_FIRST}),
     OpSpec("fused_linear_policy_loss", "rl_kernel_core.loss",
-           {"torch": _REFERENCE_LOSS, "triton": "rl_kernel_core.triton.fused_linear_policy_loss"},
+           {"torch": _REFERENCE_LOSS, "triton": "rl_kernel_core.linear.triton_fused_loss"},
            glue="differentiable_custom_op"),
     OpSpec("group_advantages", "rl_kernel_core.advantages",
            {"torch": "rl_kernel_core.reference.advantages", "triton": "rl_kernel_core.triton.advantages",
             "native": "rl_kernel_core.native.advantages"},
            glue="custom_op", native_group="advantages", measured_order={"9.0": ("native", "triton", "torch")}),
-    OpSpec("linear_logprob", "rl_kernel_core.logprob",
-           {"torch": _REFERENCE_LOGPROB, "triton": "rl_kernel_core.triton.linear_logprob",
-            "native": "rl_kernel_core.native.linear_logprob"},
+    OpSpec("linear_logprob", "rl_kernel_core.linear.api",
+           {"torch": _REFERENCE_LOGPROB, "triton": "rl_kernel_core.linear.triton",
+            "native": "rl_kernel_core.linear.native"},
            glue="differentiable_custom_op", native_group="linear_logprob",
            auto_order=_TRITON_FIRST, measured_order={"9.0": _TRITON_FIRST}),
     OpSpec("sample", "rl_kernel_core.sampling",

@@ -95,10 +95,26 @@ def backend(request, monkeypatch):
 @pytest.fixture
 def tune():
     """``tune(**changes)``: run the rest of the test under
-    :func:`rl_kernel_core.linear_chunks.tuned` with these changes (calls nest; all undone after)."""
+    :func:`rl_kernel_core.linear.chunks.tuned` with these changes (calls nest; all undone after)."""
     import contextlib
 
-    from rl_kernel_core import linear_chunks
+    from rl_kernel_core.linear import chunks as linear_chunks
 
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(linear_chunks.tuned(**changes))
+
+
+# the op tests that run one backend's kernels (each family's folder under tests/core)
+@pytest.fixture
+def device(triton_device) -> torch.device:
+    """``cpu`` runs the Triton kernels in the interpreter; ``cuda`` (``gpu`` marker) compiles them
+    (see ``triton_device`` above)."""
+    return triton_device
+
+
+@pytest.fixture(params=("gemm", "chunked"))
+def route(request, tune) -> str:
+    """Run linear_logprob's and fused_linear_policy_loss's forward, backward and loss on one kernel
+    route (``gemm``: ``tl.dot`` tiles in registers; ``chunked``: an fp32 logits chunk from cuBLAS)."""
+    tune(route=request.param)
+    return request.param

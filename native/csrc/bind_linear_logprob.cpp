@@ -1,6 +1,6 @@
 // Python bindings of the native linear_logprob's per-chunk pass (linear_logprob.cu) and of the sm_90a
 // gemm-route passes the Triton backend uses on Hopper (linear_sm90.cu): one extension per source group, built on the first
-// call of one of its ops. rl_kernel_core.native.linear_logprob wraps each function in a torch.library
+// call of one of its ops. rl_kernel_core.linear.native wraps each function in a torch.library
 // custom op; the argument contracts are stated in ops.h.
 #include <torch/extension.h>
 

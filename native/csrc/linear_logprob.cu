@@ -1,6 +1,6 @@
 // The per-chunk pass of linear_logprob's native backend.
 //
-// The chunk driver (rl_kernel_core/linear_chunks.py, driven by rl_kernel_core/native/linear_logprob.py)
+// The chunk driver (rl_kernel_core/linear/chunks.py, driven by rl_kernel_core/linear/native.py)
 // has cuBLAS write the fp32 logits of a fixed-size chunk of rows, raw = h @ W^T, then calls one of
 // these passes over the chunk's first n rows; z = (raw + b) / T:
 //

@@ -1,6 +1,6 @@
 // linear_logprob's gemm-route passes on Hopper (sm_90a): the same functions as the Triton statistics
-// pass (rl_kernel_core/triton/linear_stats.py: _stats_kernel, at its default tile: 128 x 256 x 64,
-// 8 warps) and gradient pass (rl_kernel_core/triton/linear_grad.py: _grad_kernel), with the same bits,
+// pass (rl_kernel_core/linear/triton_stats.py: _stats_kernel, at its default tile: 128 x 256 x 64,
+// 8 warps) and gradient pass (rl_kernel_core/linear/triton_grad.py: _grad_kernel), with the same bits,
 // as one warp-specialized persistent kernel with two epilogues.
 //
 // One producer thread loads [128, 64] blocks of hidden and [256, 64] blocks of weight through TMA
@@ -14,7 +14,7 @@
 //   gradient: dl = (g (onehot(t) - p) - e p (log p + entropy)) / T with p = exp(z - lse), stored in
 //     dl's 16-bit dtype; a row at ignore_index gets 0;
 // z = (raw + bias) / T. Each epilogue repeats the arithmetic of Triton's compiled code in its order
-// (its comments say where Triton fuses a multiply-add), which tests/core/ops/test_linear_sm90.py
+// (its comments say where Triton fuses a multiply-add), which tests/core/linear/test_linear_sm90.py
 // checks bit for bit.
 //
 // Built only for sm_90a (native_build adds the target for this group on a compute capability 9.0

@@ -67,7 +67,7 @@ void linear_chunk_grad(const at::Tensor& logits, at::Tensor dl, const std::optio
                        int64_t ignore_index);
 
 // linear_logprob's gemm-route passes on sm_90a (linear_sm90.cu), bit for bit the Triton passes at the
-// default tile (rl_kernel_core/triton/linear_stats.py, linear_grad.py), over the first `rows` rows of
+// default tile (rl_kernel_core/linear/triton_stats.py, triton_grad.py), over the first `rows` rows of
 // hidden [>=rows, D] against weight [V, D] (both bf16 or both fp16, TMA-compatible: unit inner stride,
 // 16-byte aligned rows and address); z = (hidden @ weight^T + bias) * inv_temp; targets [>=rows]
 // int64/int32; bias: contiguous [V] of weight's dtype, or None; group_m: row blocks that sweep the

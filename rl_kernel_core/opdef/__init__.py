@@ -4,10 +4,11 @@ Each fast backend (``triton``, ``native``) defines its ops with :func:`define_di
 one forward and one backward ``torch.library`` custom op (``rl_kernel::<backend>_<op>``) with
 fake (meta) implementations, tied together with ``register_autograd``, and an eager path over
 the same Python bodies. The backend-independent halves of each op family (fakes, ``setup``,
-the autograd backward given the backend's backward, ``supports`` predicates) live beside it:
-:mod:`.logprob`, :mod:`.loss`, :mod:`.advantages`. Of ``rl_kernel_core`` this package imports
-only :mod:`rl_kernel_core.linear_chunks` (:mod:`.logprob`, for the tuning key), which imports no
-backend, so every backend and the reference can import it.
+the autograd backward given the backend's backward, ``supports`` predicates) live beside it
+(:mod:`.logprob`, :mod:`.loss`, :mod:`.advantages`) or in the family's package
+(:mod:`rl_kernel_core.linear.opdef`, which imports the backend-neutral
+:mod:`rl_kernel_core.linear.chunks` for the tuning key). This module imports nothing of
+``rl_kernel_core``, so every backend and the reference can import it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.opdef.loss import FusedLossInputs, LossSettings
-from rl_kernel_core.reference.logprob import linear_logprob_torch
+from rl_kernel_core.linear.reference import linear_logprob_torch
 
 LOG_RATIO_CLAMP = 20.0
 """``|log ratio|`` bound before ``exp``, in the PPO ratio and in the k3 estimator (verl)."""

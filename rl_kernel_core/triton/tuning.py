@@ -1,7 +1,7 @@
 """The Triton backend's tile and tuning tables, in one place: block sizes, warps and stages of every
 kernel launch that the kernel modules take from a named table or constant, and the defaults of the
 chunked linear ops' Triton choices (the ``LINEAR_*`` tables, which a
-:class:`~rl_kernel_core.linear_chunks.LinearTuning` field replaces at run time: :func:`linear`).
+:class:`~rl_kernel_core.linear.chunks.LinearTuning` field replaces at run time: :func:`linear`).
 
 A tile is part of a kernel's numerical result wherever it sets a summation order (the attention and
 matmul tiles, the vocab blocks of the log-prob and sampling passes): changing a value here changes
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from rl_kernel_core.linear_chunks import LinearTuning, TileConfig, tuning
+from rl_kernel_core.linear.chunks import LinearTuning, TileConfig, tuning
 
 # --- varlen_attention (triton/attention.py) -------------------------------------------------------
 
@@ -170,7 +170,7 @@ LINEAR_MEMORY_PASS_TILES = TileConfig(1, 2048, 16, group_m=1, num_warps=8, num_s
 
 @dataclass(frozen=True)
 class LinearChoices:
-    """The Triton passes' choices under a :class:`~rl_kernel_core.linear_chunks.LinearTuning`: its
+    """The Triton passes' choices under a :class:`~rl_kernel_core.linear.chunks.LinearTuning`: its
     field where set, else the ``LINEAR_*`` table above (fields as ``LinearTuning``'s)."""
 
     stats_bytes: int
@@ -184,7 +184,7 @@ _resolved: Optional[tuple[LinearTuning, LinearChoices]] = None
 
 
 def linear() -> LinearChoices:
-    """The :class:`LinearChoices` of the :func:`~rl_kernel_core.linear_chunks.tuning` in force."""
+    """The :class:`LinearChoices` of the :func:`~rl_kernel_core.linear.chunks.tuning` in force."""
     global _resolved
     t = tuning()
     kept = _resolved

@@ -19,7 +19,7 @@ Read: README.md, CONTRIBUTING.md, docs/*.md (the whole text) and the comments of
   CUDA/C++, shell, TOML files), so a renamed or removed function is not cited. Names of other
   projects that the docs cite are listed in ``OTHER_PROJECTS_NAMES``.
 - **Homes**: a file cited with the names it holds (``rl_kernel_core/loss.py`` (``ratio_kl``,
-  ``policy_loss``), or ``chunk_bytes`` in ``rl_kernel_core/linear_chunks.py``) defines each of them
+  ``policy_loss``), or ``chunk_bytes`` in ``rl_kernel_core/linear/chunks.py``) defines each of them
   (a Python file: a function, class, assignment or import anywhere in it; another source: the word).
 - **Import claims**: ``file.py`` imports / does not import / never imports / imports nothing of
   ``module`` agrees with the file's import statements (a function's lazy import counts).
@@ -315,13 +315,13 @@ def test_import_claims_hold():
 def test_home_and_import_rules():
     assert home_claims("`rl_kernel_core/loss.py` (`ratio_kl`, `policy_loss`) and `chunk_rows` in `linear_chunks.py`") == [
         ("rl_kernel_core/loss.py", "ratio_kl"), ("rl_kernel_core/loss.py", "policy_loss"), ("linear_chunks.py", "chunk_rows")]
-    linear_sm90 = cited_file("rl_kernel_core/triton/linear_sm90.py")
+    linear_sm90 = cited_file("rl_kernel_core/linear/triton_sm90.py")
     assert linear_sm90 is not None and defines(linear_sm90, "serves") and not defines(linear_sm90, "_TILE")
     assert defines(ROOT / "native/csrc/tuning.h", "kSm90BlockN")
-    assert import_claim_holds("triton/linear_sm90.py", "imports", "rl_kernel_core.native") is True
-    assert import_claim_holds("rl_kernel_core/linear_chunks.py", "never imports", "rl_kernel_core/triton/") is True
-    assert import_claim_holds("rl_kernel_core/linear_chunks.py", "imports", "triton") is False
-    assert import_claim_holds("rl_kernel_core/opdef/logprob.py", "imports nothing of", "rl_kernel_core.linear_chunks") is False
+    assert import_claim_holds("linear/triton_sm90.py", "imports", "rl_kernel_core.native") is True
+    assert import_claim_holds("rl_kernel_core/linear/chunks.py", "never imports", "rl_kernel_core/triton/") is True
+    assert import_claim_holds("rl_kernel_core/linear/chunks.py", "imports", "triton") is False
+    assert import_claim_holds("rl_kernel_core/linear/opdef.py", "imports nothing of", "rl_kernel_core.linear.chunks") is False
     assert import_claim_holds("<family>.py", "imports", "torch") is None
 
 
@@ -391,7 +391,7 @@ def test_cited_environment_variables_are_read():
 
 
 @pytest.mark.parametrize("cited,citing,link,expected", [
-    ("rl_kernel_core/linear_chunks.py", "README.md", False, False),
+    ("rl_kernel_core/linear/chunks.py", "README.md", False, False),
     ("rl_kernel_core/<family>.py", "README.md", False, False),
     ("bind_<family>.cpp", "CONTRIBUTING.md", False, False),
     ("opdef/<family>.py", "CONTRIBUTING.md", False, False),
@@ -408,6 +408,6 @@ def test_path_rules(cited, citing, link, expected):
 
 
 def test_name_rules():
-    assert resolves("rl_kernel_core.linear_chunks.tuned") and resolves("rl_kernel_core.dispatch.Decision.backend")
+    assert resolves("rl_kernel_core.linear.chunks.tuned") and resolves("rl_kernel_core.dispatch.Decision.backend")
     assert resolves("rl_kernel_core.group_advantages") and resolves("rl_kernel_core.native")
     assert not resolves("rl_kernel_core.native_ops") and not resolves("rl_kernel_core.dispatch.no_such_function")

@@ -118,19 +118,19 @@ def _sm90_cases() -> list:
     for agg, block_s, block_nb in [(0, 1024, 1), (1, 128, 8), (2, 128, 8), (3, 1, 128), (4, 1024, 1)]:
         cases.append((pl._policy_loss_finish_kernel, dict(kl_coef=f32, entropy_coef=f32),
                       dict(AGG=agg, ADD_KL=True, ADD_ENT=True, BLOCK_S=block_s, BLOCK_NB=block_nb), 4))
-    from rl_kernel_core.triton import linear_grad, linear_stats
+    from rl_kernel_core.linear import triton_grad, triton_stats
 
     linear = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", tgt_ptr="*i64", inv_temp=f32, ignore_index="i64", dl_ptr="*bf16")
     tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, HAS_BIAS=True, EVEN_K=True, IEEE=False,
                  UPCAST_DOT=False, TMA=False, FLATTEN=False)
     for from_logits, want_ent in [(False, True), (False, False), (True, True)]:
         types = dict(linear, x_ptr="*fp32") if from_logits else linear
-        cases.append((linear_stats._stats_kernel, types, dict(FROM_LOGITS=from_logits, WANT_ENT=want_ent, **tiles), 8))
+        cases.append((triton_stats._stats_kernel, types, dict(FROM_LOGITS=from_logits, WANT_ENT=want_ent, **tiles), 8))
     for from_logits, in_place in [(False, False), (True, True)]:
         types = dict(linear, x_ptr="*fp32") if from_logits else linear
-        cases.append((linear_grad._grad_kernel, types, dict(FROM_LOGITS=from_logits, HAS_GENT=True, IN_PLACE=in_place, **tiles), 8))
+        cases.append((triton_grad._grad_kernel, types, dict(FROM_LOGITS=from_logits, HAS_GENT=True, IN_PLACE=in_place, **tiles), 8))
     for want_ent in (True, False):
-        cases.append((linear_stats._merge_kernel, dict(tgt_ptr="*i64", ignore_index="i64"), dict(WANT_ENT=want_ent, BLOCK_R=tuning.MERGE_BLOCK_R, BLOCK_T=tuning.MERGE_BLOCK_T), 4))
+        cases.append((triton_stats._merge_kernel, dict(tgt_ptr="*i64", ignore_index="i64"), dict(WANT_ENT=want_ent, BLOCK_R=tuning.MERGE_BLOCK_R, BLOCK_T=tuning.MERGE_BLOCK_T), 4))
     for by_index, estimator, norm in [(False, 0, True), (True, 0, True), (True, 1, False), (False, 2, True)]:
         cases.append((adv._group_advantages_kernel, dict(order_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64", group_size="i64", eps_ptr="*fp64"),
                       dict(BY_INDEX=by_index, ESTIMATOR=estimator, NORM_BY_STD=norm, BLOCK=tuning.ADVANTAGES_MAX_BLOCK), 4))

@@ -1,13 +1,15 @@
 """The package's import graph: every module imports alone (no cycle), and no module imports a layer above its own.
 
 Layers, bottom up: standalone helpers (the manifest of ops, switches, adapters, codes, checks, contract, the native
-build), op definitions (``opdef``, the backend-neutral ``linear_chunks``), ``dispatch``, the
-reference backend, the fast backends (Triton and native never import each other, except
-``triton.linear_sm90``, which loads the Hopper CUDA passes the Triton route runs from ``native``;
+build), op definitions (``opdef``, a family's ``opdef.py`` and the backend-neutral ``linear/chunks.py``),
+``dispatch``, the reference backend, the fast backends (Triton and native never import each other, except
+``linear/triton_sm90.py``, which loads the Hopper CUDA passes the Triton route runs from ``native``;
 FlashInfer's sampler takes its log-probs from the Triton kernel), the public
-ops, and the tools on top (CLI, benchmarks' helpers, profiling, report, consistency). Every import
-counts, a function's lazy one too (only dispatch's ``importlib``, which loads backends by name,
-is not an import statement); no module of the core imports an adapter package
+ops, and the tools on top (CLI, benchmarks' helpers, profiling, report, consistency). An op family's package
+(:data:`FAMILIES`) holds one file per layer, named for it (:data:`FAMILY_ROLES`: ``api.py``, ``opdef.py``,
+``reference.py``, ``triton.py`` and ``triton_<part>.py``, ``native.py``), and its ``__init__.py`` imports
+nothing. Every import counts, a function's lazy one too (only dispatch's ``importlib``, which loads backends by
+name, is not an import statement); no module of the core imports an adapter package
 (``rl_kernel_vllm``, ``rl_kernel_verl``, ``rl_kernel_vime``).
 
 The tests: no module under tests/ imports a test module (helpers shared by test modules live in
@@ -29,13 +31,21 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rl_kernel_core"
 TESTS = PACKAGE.parent / "tests"
 LAYERS: list[tuple[str, ...]] = [
     ("ops", "switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest", "spans", "argtypes"),
-    ("opdef", "linear_chunks"),
+    ("opdef",),
     ("dispatch",),
     ("reference",),
     ("triton", "native", "flashinfer"),
     ("logprob", "loss", "advantages", "sampling", "attention", "invariance", "rewards"),
     ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
 ]
+"""The layers of the modules outside the op families' packages, by their first name under ``rl_kernel_core``."""
+FAMILIES: tuple[str, ...] = ("linear",)
+"""The op families' packages (``rl_kernel_core/<family>/``), one per family (CONTRIBUTING.md, "Map")."""
+FAMILY_ROLES: dict[str, tuple[int, str]] = {
+    "opdef": (1, "opdef"), "chunks": (1, "opdef"), "reference": (3, "reference"),
+    "triton": (4, "triton"), "native": (4, "native"), "api": (5, "api"),
+}
+"""``{file name in a family's package: (its layer, its backend or role)}``; ``triton_<part>.py`` is ``triton``'s."""
 
 
 def _modules() -> list[str]:
@@ -52,7 +62,17 @@ def _modules() -> list[str]:
 
 
 def _layer(module: str) -> tuple[int, str]:
-    top = module.split(".")[1] if "." in module else ""
+    """``(layer, name)``: a fast backend's module is named by its backend (``triton``, ``native``,
+    ``flashinfer``), so that modules of different backends can be told apart."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else ""
+    if top in FAMILIES:
+        if len(parts) == 2:  # the family's __init__.py, which imports nothing
+            return 0, top
+        role = "triton" if parts[2].startswith("triton_") else parts[2]
+        if role not in FAMILY_ROLES:
+            raise AssertionError(f"{module}: a family's module is named for its layer (FAMILY_ROLES)")
+        return FAMILY_ROLES[role]
     for i, names in enumerate(LAYERS):
         if top in names:
             return i, top
@@ -91,7 +111,7 @@ def test_no_module_imports_a_layer_above_its_own():
         for imported in _imports(module):
             their_level, their_family = _layer(imported)
             sideways = their_level == level == 4 and their_family != family and (family, their_family) != ("flashinfer", "triton") \
-                and (module, their_family) != ("rl_kernel_core.triton.linear_sm90", "native")
+                and (module, their_family) != ("rl_kernel_core.linear.triton_sm90", "native")
             if their_level > level or sideways:
                 violations.append(f"{module} (layer {level}) imports {imported} (layer {their_level})")
     assert not violations, "\n".join(violations)
@@ -110,9 +130,10 @@ def _import_alone(module: str) -> str | None:
     if proc.returncode == 0:
         return None
     last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-    # a native family module cannot build without CUDA, the FlashInfer module needs FlashInfer:
+    # a native family module (a family's native.py) cannot build without CUDA, the FlashInfer module needs FlashInfer:
     # their ImportError is the reason dispatch reports, by design
-    optional = module.startswith("rl_kernel_core.native.") or module == "rl_kernel_core.flashinfer.sampling"
+    optional = module.startswith("rl_kernel_core.native.") or module.split(".")[1:] in ([f, "native"] for f in FAMILIES) \
+        or module == "rl_kernel_core.flashinfer.sampling"
     if optional and last.startswith(("ImportError:", "ModuleNotFoundError: No module named 'flashinfer'")):
         return None
     return f"{module}: {last}"

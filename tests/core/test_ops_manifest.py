@@ -10,7 +10,9 @@ import rl_kernel_core as rk
 from rl_kernel_core import ops
 from rl_kernel_core.ops import OpSpec
 
-OP_TESTS = Path(__file__).resolve().parent / "ops"
+TESTS = Path(__file__).resolve().parent
+OP_TESTS = TESTS / "ops"
+PACKAGE = TESTS.parents[1] / "rl_kernel_core"
 
 
 def test_the_package_exports_every_public_op_and_other_name_from_its_module():
@@ -49,9 +51,25 @@ def test_each_native_module_loads_the_extension_of_its_ops_group():
 
 
 def test_every_op_has_its_test_module():
-    """Each op of the manifest has ``tests/core/ops/test_<op>.py`` (CONTRIBUTING.md, "Adding an op")."""
-    missing = [name for name in ops.OPS if not (OP_TESTS / f"test_{name}.py").is_file()]
-    assert not missing, f"ops without tests/core/ops/test_<op>.py: {missing}"
+    """Each op of the manifest has ``test_<op>.py`` in its family's test folder: ``tests/core/<family>/``
+    for an op whose modules live in a family's package ``rl_kernel_core/<family>/`` (its Triton
+    module's family first, then its public function's), ``tests/core/ops/``
+    otherwise (CONTRIBUTING.md, "Adding an op")."""
+    missing = [f"tests/core/{folder.name}/test_{spec.name}.py" for spec in ops.OPS.values()
+               if not ((folder := _test_folder(spec)) / f"test_{spec.name}.py").is_file()]
+    assert not missing, f"ops without their test module: {missing}"
+
+
+SHARED_PACKAGES = ("opdef", "reference", "triton", "native", "flashinfer", "consistency", "multimodal")
+"""The packages of ``rl_kernel_core`` that are no op family's (shared machinery and tools)."""
+
+
+def _test_folder(spec: OpSpec) -> Path:
+    for module in (spec.backends.get("triton"), spec.public_module):
+        parts = (module or "").split(".")
+        if len(parts) > 2 and parts[1] not in SHARED_PACKAGES and (PACKAGE / parts[1] / "__init__.py").is_file():
+            return TESTS / parts[1]
+    return OP_TESTS
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, os.getcwd())
 import benchmarks.bench_linear_logprob as B  # noqa: E402
 import rl_kernel_core as rk  # noqa: E402
-from rl_kernel_core import linear_chunks as LC  # noqa: E402
+from rl_kernel_core.linear import chunks as LC  # noqa: E402
 
 out = sys.argv[1]
 args = argparse.Namespace(warmup=3, reps=int(os.environ.get("REPS", "7")))

@@ -29,7 +29,7 @@ backward only scales the stored ``dh``, ``dW``, ``db`` by the upstream gradient:
 three products (logits, dh, dW) where the logits are kept or chunked, four where the gradient
 pass forms them again.
 
-Memory: the chunk buffer (``tuning().chunk_bytes``, :mod:`rl_kernel_core.linear_chunks`), ``dh``
+Memory: the chunk buffer (``tuning().chunk_bytes``, :mod:`rl_kernel_core.linear.chunks`), ``dh``
 and ``dW`` in the inputs' dtypes (the gradients, kept from the forward until the backward; with
 ``tuning().wgrad_fp32`` ``dW`` is accumulated in fp32, ``4 V D`` bytes, during the forward).
 """
@@ -44,13 +44,13 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
+from rl_kernel_core.linear import chunks as LC
+from rl_kernel_core.linear import triton_sm90
+from rl_kernel_core.linear.triton import PASSES
 from rl_kernel_core.opdef import define_differentiable_op
 from rl_kernel_core.opdef import loss as opdef
 from rl_kernel_core.opdef.loss import METRIC_NAMES, FusedLossInputs, LossSettings
 from rl_kernel_core.reference import loss as reference
-from rl_kernel_core import linear_chunks as LC
-from rl_kernel_core.triton import linear_sm90
-from rl_kernel_core.triton.linear_logprob import PASSES
 from rl_kernel_core.triton.loss import policy_loss_bwd
 from rl_kernel_core.triton.tuning import linear
 
@@ -180,7 +180,7 @@ def _supports(inputs: FusedLossInputs, **kwargs) -> Optional[str]:
     return None
 
 
-@dispatch.register("fused_linear_policy_loss", "triton", supports=_supports, kernels=linear_sm90.KERNELS)
+@dispatch.register("fused_linear_policy_loss", "triton", supports=_supports, kernels=triton_sm90.KERNELS)
 def fused_linear_policy_loss_triton(
     inputs: FusedLossInputs, *, temperature: float, ignore_index: int, settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -37,9 +37,9 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.linear_chunks import tuned, tuning
-from rl_kernel_core.triton.linear_tile import tiles
-from rl_kernel_core.triton import _vocab_parallel as VP
+from rl_kernel_core.linear.chunks import tuned, tuning
+from rl_kernel_core.linear.triton_tile import tiles
+from rl_kernel_core.linear import triton_vocab_parallel as VP
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
@@ -58,7 +58,7 @@ _WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     import rl_kernel_core as rk
-    from rl_kernel_core.linear_chunks import tuned
+    from rl_kernel_core.linear.chunks import tuned
 
     rank, world, store, inputs, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     sizes = [int(s) for s in sys.argv[6].split(",")]
@@ -240,7 +240,7 @@ _REFERENCE_WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     import rl_kernel_core as rk
-    from rl_kernel_core.reference import logprob as reference
+    from rl_kernel_core.linear import reference as reference
 
     rank, world, store, inputs, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)

@@ -1,11 +1,11 @@
 """Gradient pass of the Triton ``linear_logprob``: ``dl = dL/d logits`` per tile, from the
-recomputed logits (:func:`rl_kernel_core.triton.linear_tile.logits_tile`) and the forward's
+recomputed logits (:func:`rl_kernel_core.linear.triton_tile.logits_tile`) and the forward's
 saved ``lse`` and entropy. On Hopper the pass may run as a CUDA kernel with the same bits
-(:mod:`.linear_sm90`).
+(:mod:`.triton_sm90`).
 
 With ``p = exp(z - lse)`` and upstream gradients ``g`` (log-prob) and ``e`` (entropy):
 ``dL/dz = g (onehot(t) - p) - e p (log p + entropy)`` and ``dl = dL/dz / T``, the gradient of
-the raw logits; the chunk driver (:mod:`rl_kernel_core.linear_chunks`) then forms ``dh = dl @ W``,
+the raw logits; the chunk driver (:mod:`rl_kernel_core.linear.chunks`) then forms ``dh = dl @ W``,
 ``dW += dl^T @ h`` and ``db = sum_rows dl``. A row at ``ignore_index`` gets ``dl = 0``.
 """
 
@@ -18,11 +18,11 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.linear_chunks import ChunkBuffers
-from rl_kernel_core.triton import linear_sm90
+from rl_kernel_core.linear import triton_sm90
+from rl_kernel_core.linear.chunks import ChunkBuffers
+from rl_kernel_core.linear.triton_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
-from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
 
 
 @launch_time_jit
@@ -85,20 +85,20 @@ def launch_grad(
     it: ``x`` itself (fp32 inputs), or a 2-byte view with ``x``'s byte row stride, for which each
     program then sweeps whole rows in ascending column order. A gemm-route pass into a ``dl`` of
     ``weight``'s dtype runs the Hopper CUDA kernel where
-    :func:`~rl_kernel_core.triton.linear_sm90.serves` says so, with the same bits.
+    :func:`~rl_kernel_core.linear.triton_sm90.serves` says so, with the same bits.
     """
     has_gent = g_ent is not None
     vectors = (lse, g_lp, *((ent, g_ent) if has_gent else ()))
     if not from_logits and dl.dtype == weight.dtype and all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors):
-        ext = linear_sm90.serves("grad", x[:rows], weight, bias)
+        ext = triton_sm90.serves("grad", x[:rows], weight, bias)
         if ext is not None:
-            dispatch.ran(linear_sm90.KERNELS, "triton+sm90")
+            dispatch.ran(triton_sm90.KERNELS, "triton+sm90")
             group_m = tiles(weight.dtype, weight.device, False, grad=True).group_m
             ext.linear_grad_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, lse, ent if has_gent else None,
                                  g_lp, g_ent, dl, group_m)
             return
     if not from_logits:
-        dispatch.ran(linear_sm90.KERNELS, "triton")
+        dispatch.ran(triton_sm90.KERNELS, "triton")
     vocab, dim = weight.shape
     cfg = tiles(weight.dtype, weight.device, from_logits, grad=True)
     n_tiles = triton.cdiv(vocab, cfg.block_n)

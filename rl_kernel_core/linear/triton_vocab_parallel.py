@@ -7,7 +7,7 @@ ids) and gets the same, replicated, results.
 **Forward: the same bits for every TP size.** The single-process forward on the gemm route cuts
 the vocab into tiles of ``BLOCK_N`` columns, reduces each (row, tile) to ``(m_j, s_j, a_j)`` (and
 the target logit in the tile that holds the target) and merges a row's tiles in ascending order
-with ``_merge_kernel`` (:mod:`.linear_stats`). When ``V_local`` is a multiple of ``BLOCK_N``,
+with ``_merge_kernel`` (:mod:`.triton_stats`). When ``V_local`` is a multiple of ``BLOCK_N``,
 local tile ``j`` of rank ``r`` *is* global tile ``r V_local / BLOCK_N + j``: the same operands go
 through the same ``tl.dot`` code, so its statistics are the same bits. Each rank computes the
 statistics of its shard, one ``all_gather`` per chunk of rows lays every rank's ``[n, tiles_local]``
@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 import triton
 
-from rl_kernel_core import linear_chunks as LC
-from rl_kernel_core.triton.linear_stats import launch_merge, launch_stats, stats_rows
-from rl_kernel_core.triton.linear_tile import tiles
+from rl_kernel_core.linear import chunks as LC
+from rl_kernel_core.linear.triton_stats import launch_merge, launch_stats, stats_rows
+from rl_kernel_core.linear.triton_tile import tiles
 
 ROUTE = "gemm"
 """The logits route of every vocab-parallel pass (forward and backward)."""
@@ -134,7 +134,7 @@ def forward_stats(
 
 
 class ShardGradSink:
-    """Like :class:`rl_kernel_core.linear_chunks.GradSink` for one vocab shard: local ``dW``/``db``, ``dh`` summed over the group.
+    """Like :class:`rl_kernel_core.linear.chunks.GradSink` for one vocab shard: local ``dW``/``db``, ``dh`` summed over the group.
 
     Each chunk's ``dh`` partial ``dl @ W_local`` is formed in fp32 on the fixed ``[rows, D]``
     shape, all-reduced (sum) over ``group`` and rounded once into ``dh`` (``hidden``'s dtype).

@@ -1,12 +1,12 @@
 """When the Triton ``linear_logprob`` passes run as CUDA kernels for Hopper.
 
-``native/csrc/linear_sm90.cu`` holds the gemm route's statistics pass (:mod:`.linear_stats`) and
-gradient pass (:mod:`.linear_grad`) as one warp-specialized persistent kernel (TMA loads by one
+``native/csrc/linear_sm90.cu`` holds the gemm route's statistics pass (:mod:`.triton_stats`) and
+gradient pass (:mod:`.triton_grad`) as one warp-specialized persistent kernel (TMA loads by one
 producer thread, wgmma by two consumer warpgroups, the epilogue of one tile while the next tile's
 operands load). It issues the wgmma instructions Triton issues for the default tiles and repeats
 the epilogues' arithmetic in the order of Triton's compiled code, so its outputs have the Triton
 passes' bits: which one runs changes the time, never a result (asserted bit for bit by
-``tests/core/ops/test_linear_sm90.py``). :func:`serves` decides per launch, from
+``tests/core/linear/test_linear_sm90.py``). :func:`serves` decides per launch, from
 ``LinearTuning.sm90``, the device, the operands and the tile.
 """
 
@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
+from rl_kernel_core.linear.triton_tile import tiles
 from rl_kernel_core.triton._jit import interpreting
-from rl_kernel_core.triton.linear_tile import tiles
 from rl_kernel_core.triton.tuning import LINEAR_SM90_TILE, linear
 
 KERNELS = "linear_passes"
@@ -52,7 +52,7 @@ def extension() -> Optional[ModuleType]:
             if reason is not None:
                 warnings.warn(
                     f"rl-kernel: linear_logprob's Hopper kernels are unavailable ({reason}); the Triton passes run instead "
-                    "(the same bits, slower). linear_chunks.tuned(sm90='off') chooses them without this warning.",
+                    "(the same bits, slower). rl_kernel_core.linear.chunks.tuned(sm90='off') chooses them without this warning.",
                     RuntimeWarning, stacklevel=4,
                 )
             _state["ext"] = ext

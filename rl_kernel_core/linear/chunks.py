@@ -77,7 +77,7 @@ class LinearTuning:
     forming them again: three matrix products instead of four, the same log-prob bits.
     ``sm90``: which gemm-route passes run the Hopper CUDA kernels (``native/csrc/linear_sm90.cu``,
     the same bits as the Triton passes at the default tiles) where they are available:
-    ``"auto"`` those that measured faster (:func:`rl_kernel_core.triton.linear_sm90.serves`),
+    ``"auto"`` those that measured faster (:func:`rl_kernel_core.linear.triton_sm90.serves`),
     ``"all"`` every one, ``"off"`` none. The choice changes the time, never the bits.
     """
 

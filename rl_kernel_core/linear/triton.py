@@ -1,24 +1,24 @@
 """Triton ``linear_logprob``: log-probs and entropies from hidden states, never holding ``[N, V]``.
 
 The op is the custom op ``rl_kernel::triton_linear_logprob`` and its backward (schemas and
-autograd glue in :mod:`rl_kernel_core.opdef.logprob`) over the backend-neutral chunk driver
-(:mod:`rl_kernel_core.linear_chunks`) with the Triton passes :data:`PASSES`:
+autograd glue in :mod:`rl_kernel_core.linear.opdef`) over the backend-neutral chunk driver
+(:mod:`rl_kernel_core.linear.chunks`) with the Triton passes :data:`PASSES`:
 
 * one route (``tuning().route``) for every pass, so the backward recomputes the forward's logit
   bits and a row's log-prob is the same with or without entropy or grad.
-* forward: per chunk of rows, the statistics pass (:mod:`.linear_stats`) forms each
+* forward: per chunk of rows, the statistics pass (:mod:`.triton_stats`) forms each
   ``[BLOCK_M, BLOCK_N]`` logits tile (``tl.dot`` on the gemm route, a cuBLAS fp32 chunk on the
   chunked route) and reduces it to tile statistics and the target logit, merged per row in a
   fixed order into ``logprob``, ``entropy`` and ``lse``. Only ``lse`` and ``entropy`` (``[N]``
   fp32) are saved for the backward.
-* backward: per fixed-size chunk of rows, the gradient pass (:mod:`.linear_grad`) recomputes
+* backward: per fixed-size chunk of rows, the gradient pass (:mod:`.triton_grad`) recomputes
   the logits and writes ``dl = dL/d logits`` (one buffer ``[chunk, V]``), then cuBLAS
   ``dh = dl @ W`` (fixed shape) and ``dW += dl^T @ h``: four matrix products with the forward.
 
 Deterministic and batch invariant; extra memory is the chunk buffer plus, with
 ``tuning().wgrad_fp32``, the fp32 ``dW`` accumulator while the backward runs.
 
-Vocab parallel (``tp_group``): :mod:`rl_kernel_core.triton._vocab_parallel` (forward bitwise equal
+Vocab parallel (``tp_group``): :mod:`rl_kernel_core.linear.triton_vocab_parallel` (forward bitwise equal
 for every TP size; ``dh`` summed over the group, ``dW``/``db`` shards local).
 """
 
@@ -29,21 +29,21 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core import linear_chunks as LC
-from rl_kernel_core.opdef import logprob as opdef
-from rl_kernel_core.triton import _vocab_parallel as VP
-from rl_kernel_core.triton import linear_sm90
-from rl_kernel_core.triton.linear_grad import chunk_grad
-from rl_kernel_core.triton.linear_stats import chunk_scratch, chunk_stats, forward_rows
+from rl_kernel_core.linear import chunks as LC
+from rl_kernel_core.linear import opdef
+from rl_kernel_core.linear import triton_sm90
+from rl_kernel_core.linear import triton_vocab_parallel as VP
+from rl_kernel_core.linear.triton_grad import chunk_grad
+from rl_kernel_core.linear.triton_stats import chunk_scratch, chunk_stats, forward_rows
 
 
 PASSES = LC.ChunkPasses(stats=chunk_stats, grad=chunk_grad, scratch=chunk_scratch, stats_rows=forward_rows)
-"""The Triton passes the chunk driver runs: the statistics pass and merge of :mod:`.linear_stats`
-(``buf.scratch`` holds one chunk's tile statistics) and the gradient pass of :mod:`.linear_grad`."""
+"""The Triton passes the chunk driver runs: the statistics pass and merge of :mod:`.triton_stats`
+(``buf.scratch`` holds one chunk's tile statistics) and the gradient pass of :mod:`.triton_grad`."""
 
 
 def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, tuning):
-    """The forward custom op's body (schema :data:`rl_kernel_core.opdef.logprob.LINEAR_SCHEMA`)."""
+    """The forward custom op's body (schema :data:`rl_kernel_core.linear.opdef.LINEAR_SCHEMA`)."""
     with LC.tuning_of(tuning):
         if tp_group is None:
             route = LC.tuning().route_for(hidden)
@@ -82,7 +82,7 @@ def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_e
     return None
 
 
-linear_logprob = dispatch.register("linear_logprob", "triton", supports=_supports, kernels=linear_sm90.KERNELS)(
+linear_logprob = dispatch.register("linear_logprob", "triton", supports=_supports, kernels=triton_sm90.KERNELS)(
     opdef.define_linear_logprob("triton_linear_logprob", _forward, _backward)
 )
 linear_logprob.__doc__ = """Validated ``hidden [N, D]``, ``weight [V, D]``, ``targets [N]`` → ``(logprob [N], entropy [N] or None)``, fp32.

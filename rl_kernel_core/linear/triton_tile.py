@@ -1,11 +1,11 @@
 """The logits tile of the Triton ``linear_logprob`` passes: how a ``[BLOCK_M, BLOCK_N]`` tile of
 ``z = (h @ W.T + b) / T`` is formed, which tile shape a pass takes, and the launch plumbing the
-statistics pass (:mod:`.linear_stats`) and the gradient pass (:mod:`.linear_grad`) share.
+statistics pass (:mod:`.triton_stats`) and the gradient pass (:mod:`.triton_grad`) share.
 
 Where the logits come from is a compile-time switch of both passes: ``FROM_LOGITS=False`` forms
 the tile with ``tl.dot`` from ``hidden`` and ``weight`` (the logits never leave registers: the
 *gemm* route); ``FROM_LOGITS=True`` reads the fp32 logits chunk cuBLAS wrote (the *chunked*
-route, :mod:`rl_kernel_core.linear_chunks`). Each output element is one length-D dot product
+route, :mod:`rl_kernel_core.linear.chunks`). Each output element is one length-D dot product
 accumulated in a fixed ``BLOCK_K`` order, and the tile shape depends only on the device kind,
 the dtype and the pass (:func:`tiles`), never on N: a row's logits do not depend on N or on the
 other rows.
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import triton.language as tl
 
-from rl_kernel_core.linear_chunks import TileConfig
+from rl_kernel_core.linear.chunks import TileConfig
 from rl_kernel_core.triton._jit import helper_jit, interpreting
 from rl_kernel_core.triton._matmul_helpers import dot_acc
 from rl_kernel_core.triton.tuning import (
@@ -96,7 +96,7 @@ def logits_tile(
 
 def tiles(dtype: torch.dtype, device: torch.device, from_logits: bool, grad: bool = False) -> TileConfig:
     """The tile shape of a statistics (or, with ``grad``, gradient) pass over ``dtype`` inputs on
-    ``device`` under the :func:`~rl_kernel_core.linear_chunks.tuning` in force."""
+    ``device`` under the :func:`~rl_kernel_core.linear.chunks.tuning` in force."""
     choices = linear()
     gemm = choices.gemm_grad_tiles if grad else choices.gemm_tiles
     if device.type != "cuda" or interpreting():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_linear_logprob.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_linear_logprob.py"
 PEERS = ["liger_flce", "cce", "liger_cute", "liger_cute_flce", "quack"]
 
 

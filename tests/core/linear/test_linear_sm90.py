@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import dispatch, linear_chunks, native_build
-from rl_kernel_core.triton import linear_grad, linear_sm90, linear_stats
+from rl_kernel_core import dispatch, native_build
+from rl_kernel_core.linear import chunks as linear_chunks
+from rl_kernel_core.linear import triton_grad, triton_sm90, triton_stats
 
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not _HOPPER, reason="the sm_90a kernel needs a compute capability 9.0 device")
@@ -25,8 +26,8 @@ def test_sm90_passes_are_never_taken_off_a_gpu(tune):
     tune(sm90="all")
     h = torch.randn(8, 64).bfloat16()
     w = torch.randn(300, 64).bfloat16()
-    assert linear_sm90.serves("stats", h, w, None) is None
-    assert linear_sm90.serves("grad", h, w, None) is None
+    assert triton_sm90.serves("stats", h, w, None) is None
+    assert triton_sm90.serves("grad", h, w, None) is None
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def _stats(h, w, b, t, want_entropy, mode, keep=False, temperature=0.7):
     ztgt = torch.full((n,), float("nan"), device="cuda")
     logits = torch.full((n, v), float("nan"), device="cuda") if keep else None
     with linear_chunks.tuned(sm90=mode):
-        linear_stats.launch_stats(h, w, b, t, n, 1 / temperature, -100, partials, ztgt, False, want_entropy, logits)
+        triton_stats.launch_stats(h, w, b, t, n, 1 / temperature, -100, partials, ztgt, False, want_entropy, logits)
     kept = partials if want_entropy else partials[:2]
     return (kept, ztgt[t != -100]) + ((logits,) if keep else ())
 
@@ -79,7 +80,7 @@ def _stats(h, w, b, t, want_entropy, mode, keep=False, temperature=0.7):
 def test_sm90_statistics_have_the_triton_pass_bits(monkeypatch, dtype, bias, temperature, n, d, v):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h, w, b, t = _inputs(n, d, v, dtype, bias)
-    assert linear_sm90.serves("stats", h, w, b) is not None
+    assert triton_sm90.serves("stats", h, w, b) is not None
     for want_entropy in (True, False):
         ours, ours_z = _stats(h, w, b, t, want_entropy, "all", temperature=temperature)
         ref, ref_z = _stats(h, w, b, t, want_entropy, "off", temperature=temperature)
@@ -98,7 +99,7 @@ def test_sm90_statistics_have_the_triton_pass_bits(monkeypatch, dtype, bias, tem
 def _dl(h, w, b, t, lse, ent, g_lp, g_ent, mode, temperature):
     dl = torch.full((h.shape[0], w.shape[0]), float("nan"), device="cuda").to(h.dtype)
     with linear_chunks.tuned(sm90=mode):
-        linear_grad.launch_grad(h, w, b, t, h.shape[0], 1 / temperature, -100, lse, ent, g_lp, g_ent, dl, False)
+        triton_grad.launch_grad(h, w, b, t, h.shape[0], 1 / temperature, -100, lse, ent, g_lp, g_ent, dl, False)
     return dl
 
 
@@ -110,7 +111,7 @@ def test_sm90_gradient_has_the_triton_pass_bits(monkeypatch, dtype, bias, temper
                                 return_entropy=True, backend="torch")
     lse = torch.randn(n, device="cuda") + 3.0  # any saved lse: the pass is elementwise in it
     g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
-    assert linear_sm90.serves("grad", h, w, b) is not None
+    assert triton_sm90.serves("grad", h, w, b) is not None
     for with_entropy in (True, False):
         e, ge = (ent.contiguous(), g_ent) if with_entropy else (None, None)
         ours = _dl(h, w, b, t, lse, e, g_lp, ge, "all", temperature)
@@ -174,7 +175,7 @@ def test_fused_loss_has_the_same_bits_with_and_without_the_sm90_passes(monkeypat
 def test_sm90_kernel_refuses_what_it_cannot_read(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h, w, b, t = _inputs(64, 256, 512, torch.bfloat16, False)
-    ext = linear_sm90.serves("stats", h, w, b)
+    ext = triton_sm90.serves("stats", h, w, b)
     assert ext is not None
     partials = torch.empty(3, 64, 2, device="cuda")
     ztgt = torch.empty(64, device="cuda")
@@ -195,14 +196,14 @@ def test_sm90_kernel_refuses_what_it_cannot_read(monkeypatch):
     with pytest.raises(RuntimeError, match="grad_logprob must be a contiguous fp32 CUDA tensor of at least 64 elements, got \\[32\\]"):
         ext.linear_grad_sm90(h, w, None, t, 64, 1.0, -100, lse, None, g[:32], None, dl, 16)
     # the Python rule sends a misaligned operand or another tile to the Triton pass instead
-    assert linear_sm90.serves("stats", h[:, 1:], w[:, 1:], None) is None
+    assert triton_sm90.serves("stats", h[:, 1:], w[:, 1:], None) is None
     with linear_chunks.tuned(gemm_tiles=linear_chunks.TileConfig(128, 128, 64, num_warps=8, tma=True, persistent=True)):
-        assert linear_sm90.serves("stats", h, w, None) is None
-        assert linear_sm90.serves("grad", h, w, None) is not None
+        assert triton_sm90.serves("stats", h, w, None) is None
+        assert triton_sm90.serves("grad", h, w, None) is not None
     # the default takes the kernels at every D, and "off" never
     wide = torch.randn(512, 4096, device="cuda").bfloat16()
     hw = torch.randn(64, 4096, device="cuda").bfloat16()
-    assert linear_sm90.serves("stats", hw, wide, None) is not None
+    assert triton_sm90.serves("stats", hw, wide, None) is not None
     with linear_chunks.tuned(sm90="off"):
-        assert linear_sm90.serves("stats", hw, wide, None) is None
+        assert triton_sm90.serves("stats", hw, wide, None) is None
 

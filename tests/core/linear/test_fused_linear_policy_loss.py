@@ -156,8 +156,8 @@ def test_fused_loss_is_linear_logprob_then_policy_loss_bit_for_bit(seed, device,
 
 
 def test_only_the_gemm_route_keeps_logits(device):
-    from rl_kernel_core.linear_chunks import ChunkBuffers
-    from rl_kernel_core.triton.linear_logprob import PASSES
+    from rl_kernel_core.linear.chunks import ChunkBuffers
+    from rl_kernel_core.linear.triton import PASSES
 
     h, w = torch.randn(4, 16, device=device), torch.randn(32, 16, device=device)
     with pytest.raises(ValueError, match="keep_logits: only the gemm route keeps its logits, got route 'chunked'"):
@@ -178,7 +178,7 @@ def test_fused_loss_second_backward_is_refused(seed, device):
 
 def test_custom_op_passes_opcheck(seed, device):
     """The schema, fake and autograd registration of the Triton fused_linear_policy_loss agree with the kernels."""
-    import rl_kernel_core.triton.fused_linear_policy_loss  # noqa: F401  (defines the op)
+    import rl_kernel_core.linear.triton_fused_loss  # noqa: F401  (defines the op)
 
     shape = linear_shapes(device)[0]
     hidden, weight, _, targets = make_inputs(device, 12, shape["d"], 96, torch.float32)

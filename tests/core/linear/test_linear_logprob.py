@@ -25,10 +25,10 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.reference import logprob as reference
-from rl_kernel_core import linear_chunks
+from rl_kernel_core.linear import reference as reference
+from rl_kernel_core.linear import chunks as linear_chunks
 from rl_kernel_core.triton import tuning as triton_tuning
-from rl_kernel_core.triton.linear_logprob import linear_logprob as linear_logprob_triton
+from rl_kernel_core.linear.triton import linear_logprob as linear_logprob_triton
 from op_backends import Backend, on_backends
 from oracles import (
     LINEAR_GPU_SHAPES, leaves, linear_oracle, linear_oracle_grads, linear_shapes, make_inputs, run_linear, small_chunks, upstream,
@@ -292,7 +292,7 @@ def test_fp32_weight_gradient_accumulation(seed, device, route, tune):
 
 
 def test_tuning_is_scoped_validated_and_read_from_the_environment(monkeypatch):
-    from rl_kernel_core import linear_chunks
+    from rl_kernel_core.linear import chunks as linear_chunks
 
     base = linear_chunks.tuning()
     with linear_chunks.tuned(route="chunked", chunk_bytes=1 << 20) as inner:
@@ -316,7 +316,7 @@ def test_tuning_is_scoped_validated_and_read_from_the_environment(monkeypatch):
 @pytest.mark.gpu
 def test_weight_gradient_without_fused_fp32_addmm(seed, monkeypatch, tune):
     """A torch without ``addmm(out_dtype=)``: dW is accumulated from fp32 products over row slices, within the contract."""
-    from rl_kernel_core import linear_chunks
+    from rl_kernel_core.linear import chunks as linear_chunks
 
     device = torch.device("cuda")
     shape = LINEAR_GPU_SHAPES[0]
@@ -361,7 +361,7 @@ def test_backward_on_another_thread_keeps_the_forward_tuning(seed, device, tune)
 def test_chunked_route_without_fp32_mm_runs_the_gemm_route(seed, monkeypatch, tune):
     """A torch whose cuBLAS mm cannot write fp32 logits from 16-bit operands: the chunked route
     runs the gemm route for every pass, with the gemm route's bits."""
-    from rl_kernel_core import linear_chunks
+    from rl_kernel_core.linear import chunks as linear_chunks
 
     device = torch.device("cuda")
     shape = LINEAR_GPU_SHAPES[0]
@@ -472,7 +472,7 @@ def test_heads_deterministic_and_batch_invariant(seed, backend: Backend, tune, s
 
 @pytest.mark.gpu
 def test_native_no_grad_saves_nothing_and_refusals(seed):
-    from rl_kernel_core.native import linear_logprob as native_linear
+    from rl_kernel_core.linear import native as native_linear
 
     shape = HEAD_SHAPES[0]
     hidden, weight, bias, targets = make_inputs("cuda", **shape, dtype=torch.bfloat16)

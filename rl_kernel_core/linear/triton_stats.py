@@ -2,16 +2,16 @@
 logit, then their merge into ``logprob``, ``lse`` and ``entropy``.
 
 For a row with scaled logits ``z`` and target ``t`` (the math is stated once here;
-``rl_kernel_core.reference.logprob`` states the same): per vocab tile ``j`` of ``BLOCK_N``
+``rl_kernel_core.linear.reference`` states the same): per vocab tile ``j`` of ``BLOCK_N``
 columns, ``m_j = max z``, ``s_j = sum exp(z - m_j)``, ``a_j = sum exp(z - m_j) (z - m_j)``, and
 the target logit ``z_t`` from the tile that holds ``t`` (:func:`_stats_kernel`). Merged over
 tiles in ascending order (:func:`_merge_kernel`) with ``M = max m_j``, ``S = sum s_j e^(m_j - M)``,
 ``A = sum e^(m_j - M) (a_j + (m_j - M) s_j)``: ``lse = M + log S``, ``logprob = z_t - lse``,
 ``entropy = log S - A / S``. ``z_t`` is read from the same tile as the other logits, so the
-gradient pass (:mod:`.linear_grad`), which recomputes the tile, forms ``z - lse`` from the
+gradient pass (:mod:`.triton_grad`), which recomputes the tile, forms ``z - lse`` from the
 forward's bits. Tile statistics are reduced by a fixed tree and merged in a fixed order, without
 atomics: deterministic and batch invariant. On Hopper the pass may run as a CUDA kernel with the
-same bits (:mod:`.linear_sm90`).
+same bits (:mod:`.triton_sm90`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.linear_chunks import ChunkBuffers
-from rl_kernel_core.triton import linear_sm90
+from rl_kernel_core.linear import triton_sm90
+from rl_kernel_core.linear.chunks import ChunkBuffers
+from rl_kernel_core.linear.triton_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
-from rl_kernel_core.triton.linear_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
 from rl_kernel_core.triton.tuning import MERGE_BLOCK_R, MERGE_BLOCK_T, linear
 
 
@@ -149,12 +149,12 @@ def launch_stats(
     ``keep`` (gemm route only): an fp32 ``[>=rows, V]`` buffer that receives the rows' logits
     before bias and temperature, which a ``from_logits`` gradient pass over it turns into the
     gemm route's logits bit for bit. A gemm-route pass runs the Hopper CUDA kernel where
-    :func:`~rl_kernel_core.triton.linear_sm90.serves` says so, with the same bits.
+    :func:`~rl_kernel_core.linear.triton_sm90.serves` says so, with the same bits.
     """
     if keep is not None and from_logits:
         raise ValueError("launch_stats: keep takes the gemm route's logits; from_logits passes already read stored ones")
-    ext = None if from_logits else linear_sm90.serves("stats", x[:rows], weight, bias)
-    dispatch.ran(linear_sm90.KERNELS, "triton" if ext is None else "triton+sm90")
+    ext = None if from_logits else triton_sm90.serves("stats", x[:rows], weight, bias)
+    dispatch.ran(triton_sm90.KERNELS, "triton" if ext is None else "triton+sm90")
     if ext is not None:
         group_m = tiles(weight.dtype, weight.device, False).group_m
         ext.linear_stats_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, partials, ztgt, want_entropy, keep, group_m)

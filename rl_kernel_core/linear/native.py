@@ -1,10 +1,10 @@
 """Native ``linear_logprob``: the chunked route with the CUDA per-chunk pass of
 ``native/csrc/linear_logprob.cu``, as the custom op ``rl_kernel::native_linear_logprob`` and its
-backward (schemas and autograd glue in :mod:`rl_kernel_core.opdef.logprob`), registered as the
+backward (schemas and autograd glue in :mod:`rl_kernel_core.linear.opdef`), registered as the
 ``native`` backend. Importing this module builds the ``linear_logprob`` extension.
 
 Per fixed-size chunk of rows (a function of V only) cuBLAS writes fp32 logits
-(:mod:`rl_kernel_core.linear_chunks`, the driver the Triton backend uses too) and one CUDA pass
+(:mod:`rl_kernel_core.linear.chunks`, the driver the Triton backend uses too) and one CUDA pass
 forms the statistics or, in the backward, the logit gradient in place; then ``dh = dl W`` and
 ``dW += dl^T h`` (cuBLAS). Deterministic; a row's log-prob, entropy and ``dh`` do not depend on
 N or on the other rows. Single-process only (``supports`` refuses ``tp_group``).
@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core import linear_chunks as LC
+from rl_kernel_core.linear import chunks as LC
+from rl_kernel_core.linear import opdef
 from rl_kernel_core.native import extension
 from rl_kernel_core.opdef import fp64_reason
-from rl_kernel_core.opdef import logprob as opdef
 
 Tensor = torch.Tensor
 _ext = extension("linear_logprob")
@@ -46,7 +46,7 @@ PASSES = LC.ChunkPasses(stats=_stats, grad=_grad)
 
 
 def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, tuning):
-    """The forward custom op's body (schema :data:`rl_kernel_core.opdef.logprob.LINEAR_SCHEMA`; ``tp_group`` is None)."""
+    """The forward custom op's body (schema :data:`rl_kernel_core.linear.opdef.LINEAR_SCHEMA`; ``tp_group`` is None)."""
     with LC.tuning_of(tuning):
         return LC.linear_forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, ROUTE, PASSES)
 
