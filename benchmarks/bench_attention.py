@@ -48,7 +48,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import bench
-from rl_kernel_core.triton import attention as triton_attention
+from rl_kernel_core.batch_invariant_mode import triton_attention as triton_attention
 from rl_kernel_core.triton.tuning import BWD_TILES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

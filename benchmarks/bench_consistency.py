@@ -47,9 +47,9 @@ import time
 import torch
 
 from rl_kernel_core import bench, dispatch
+from rl_kernel_core.batch_invariant_mode.api import batch_invariant
 from rl_kernel_core.consistency import chain
 from rl_kernel_core.consistency.model import TinyConfig, TinyDecoder
-from rl_kernel_core.invariance import batch_invariant
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                  intermediate_size=3072, rope_theta=1_000_000.0, rms_eps=1e-6)
@@ -159,7 +159,7 @@ def profile_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.dev
 def routed_matmul_host_us(args: argparse.Namespace, device: torch.device) -> dict:
     """Host microseconds per call of one ``[512, D] @ [D, D]`` product: as the model issues it with
     the mode off (cuBLAS) and on (the route, all of it), and the route's Triton launch alone."""
-    from rl_kernel_core.triton.batch_invariant import matmul_forward
+    from rl_kernel_core.batch_invariant_mode.triton import matmul_forward
 
     d = QWEN3_06B["hidden_size"]
     a = torch.randn(512, d, device=device, dtype=DTYPES[args.dtype])

@@ -17,7 +17,7 @@ calls compile the Triton kernels); the JSON names the GPU, versions, shapes and 
 ``--profile`` adds each case's CUDA kernels by device time (``bench.kernel_table``) and
 ``--cprofile`` its Python functions by own time, for both modes: where the on/off gap is.
 ``--compare-launcher`` adds the mode with the kernels launched through Triton rather than the C++
-launcher (:mod:`rl_kernel_core.triton.native_launch`), same process.
+launcher (:mod:`rl_kernel_core.batch_invariant_mode.triton_launch`), same process.
 Targets (issue 20): ``generate`` on/off <= 1.3, ``train`` on/off <= 1.15.
 
     python benchmarks/bench_mode_eager.py --out OUT
@@ -40,8 +40,8 @@ from make_random_model import PRESETS  # noqa: E402
 
 import rl_kernel_core as rk  # noqa: E402
 from rl_kernel_core import bench  # noqa: E402
+from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch  # noqa: E402
 from rl_kernel_core.consistency.hf import use_mode_attention  # noqa: E402
-from rl_kernel_core.triton import native_launch  # noqa: E402
 
 TARGETS = {"generate": 1.3, "train": 1.15}
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="add each case's CUDA kernels by device time, both modes (torch.profiler, one call)")
     p.add_argument("--cases", default="generate,train", help="the cases --profile and --cprofile cover")
     p.add_argument("--compare-launcher", action="store_true",
-                   help="also time the mode with the C++ launcher off (rl_kernel_core.triton.native_launch.set_enabled)")
+                   help="also time the mode with the C++ launcher off (rl_kernel_core.batch_invariant_mode.triton_launch.set_enabled)")
     p.add_argument("--cprofile", action="store_true",
                    help="add each case's Python functions by own time, both modes (cProfile, one call)")
     bench.add_timing_options(p, reps=5, warmup=2)

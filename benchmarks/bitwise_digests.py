@@ -134,7 +134,7 @@ def loss_cases(dev: torch.device, out: dict) -> None:
 
 
 def other_cases(dev: torch.device, out: dict) -> None:
-    from rl_kernel_core.invariance import bi_linear, bi_matmul
+    from rl_kernel_core.batch_invariant_mode.api import bi_linear, bi_matmul
 
     g = gen(3, dev)
     a = torch.randn(300, 1024, device=dev, generator=g).to(torch.bfloat16)

@@ -1,10 +1,10 @@
 """Host cost of one routed product under the batch-invariant mode, piece by piece (CUDA).
 
 A model's ``x @ w.T`` with the mode on passes through: the route's ``torch.library`` kernel,
-:func:`rl_kernel_core.invariance._matmul` (``dispatch.select`` and the Triton backend's
-``matmul``), :func:`rl_kernel_core.triton.batch_invariant.matmul_forward` (output, tile, kernel
+:func:`rl_kernel_core.batch_invariant_mode.api._matmul` (``dispatch.select`` and the Triton backend's
+``matmul``), :func:`rl_kernel_core.batch_invariant_mode.triton.matmul_forward` (output, tile, kernel
 choice, descriptors) and the kernel's launch: the C++ launcher's
-(:mod:`rl_kernel_core.triton.native_launch`; ``native_launch_matmul`` alone) or, in the rows
+(:mod:`rl_kernel_core.batch_invariant_mode.triton_launch`; ``native_launch_matmul`` alone) or, in the rows
 ending ``_triton_launch``, Triton's. Each row times a loop of one piece alone, in host
 microseconds per call (``--calls`` calls after 20 warm-up calls, no synchronisation inside the
 loop, median of ``--reps`` loops), at a decode-sized product (8 rows), a prefill-sized one (512)
@@ -31,9 +31,10 @@ import time
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench, dispatch, invariance
-from rl_kernel_core.triton import batch_invariant as tbi
-from rl_kernel_core.triton import native_launch
+from rl_kernel_core import bench, dispatch
+from rl_kernel_core.batch_invariant_mode import api as invariance
+from rl_kernel_core.batch_invariant_mode import triton as tbi
+from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
 
 
 def host_us(fn, calls: int, reps: int) -> float:
@@ -82,9 +83,9 @@ def decode_pieces(batch: int, hidden: int, cache: int, device: torch.device) -> 
     a no-argument callable; names starting ``mode_on`` are timed inside the mode."""
     from types import SimpleNamespace
 
-    from rl_kernel_core.attention import varlen_attention
+    from rl_kernel_core.batch_invariant_mode.api_attention import varlen_attention
     from rl_kernel_core.consistency.hf import mode_attention
-    from rl_kernel_core.triton import attention as tattn
+    from rl_kernel_core.batch_invariant_mode import triton_attention as tattn
 
     squares = torch.randn(batch, 1, hidden, device=device).pow(2)
     rows = squares.view(batch, hidden)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import bench, contract
-from rl_kernel_core.triton.batch_invariant import matmul_forward, matmul_tile, uses_tma
+from rl_kernel_core.batch_invariant_mode.triton import matmul_forward, matmul_tile, uses_tma
 from rl_kernel_core.triton.tuning import TMA_MATMUL_TILES, TMA_MIN_ROWS
 
 MODELS = {  # (hidden, q heads x head_dim, kv heads x head_dim, intermediate, vocab)

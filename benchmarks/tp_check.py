@@ -43,9 +43,9 @@ import torch.distributed as dist
 import rl_kernel_core as rk
 from rl_kernel_core import bench
 from rl_kernel_core.contract import assert_close
+from rl_kernel_core.linear import triton_vocab_parallel as VP
 from rl_kernel_core.linear.chunks import tuning
 from rl_kernel_core.linear.triton_tile import tiles
-from rl_kernel_core.linear import triton_vocab_parallel as VP
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

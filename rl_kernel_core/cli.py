@@ -41,7 +41,7 @@ def _info(args: argparse.Namespace) -> int:
     env["routes"] = dict(ops.ROUTES)
     try:
         from rl_kernel_core.linear import triton_sm90
-        from rl_kernel_core.triton import native_launch
+        from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
 
         env["linear_logprob_hopper_passes"] = triton_sm90.status()
         env["triton_cpp_launch"] = native_launch.status()

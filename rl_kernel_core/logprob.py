@@ -37,7 +37,7 @@ from typing import Optional, Union
 import torch
 
 from rl_kernel_core import _checks, dispatch
-from rl_kernel_core.invariance import is_batch_invariant
+from rl_kernel_core.batch_invariant_mode.api import is_batch_invariant
 from rl_kernel_core.linear import reference as _reference  # noqa: F401  (registers the torch backend)
 
 Result = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]

@@ -44,7 +44,7 @@ SOURCE_DIR = next(
 EXTENSION_PREFIX = "rl_kernel_native_"
 LAUNCH_GROUP = "triton_launch"
 """The group with no op of its own: C++ launches of the batch-invariant mode's compiled Triton
-kernels (:mod:`rl_kernel_core.triton.native_launch`)."""
+kernels (:mod:`rl_kernel_core.batch_invariant_mode.triton_launch`)."""
 SM90A_SOURCES: dict[str, tuple[str, ...]] = {"linear_logprob": ("linear_sm90.cu",)}
 """``{group: its sources with Hopper-only code}`` (wgmma, TMA, ``setmaxnreg``): compiled for
 ``sm_90a`` where the group is built for a compute capability 9.0 device (:func:`sm90a_flags`); for

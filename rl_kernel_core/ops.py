@@ -87,8 +87,8 @@ class OpSpec:
 
 _REFERENCE_LOGPROB = "rl_kernel_core.linear.reference"
 _REFERENCE_LOSS = "rl_kernel_core.reference.loss"
-_REFERENCE_BATCH_INVARIANT = "rl_kernel_core.reference.batch_invariant"
-_TRITON_BATCH_INVARIANT = "rl_kernel_core.triton.batch_invariant"
+_REFERENCE_BATCH_INVARIANT = "rl_kernel_core.batch_invariant_mode.reference"
+_TRITON_BATCH_INVARIANT = "rl_kernel_core.batch_invariant_mode.triton"
 _TRITON_LOSS = "rl_kernel_core.triton.loss"
 _NATIVE_LOSS = "rl_kernel_core.native.loss"
 _TRITON_FIRST = ("triton", "native", "torch")
@@ -128,10 +128,10 @@ OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
            {"torch": "rl_kernel_core.reference.sampling", "triton": "rl_kernel_core.triton.sampling",
             "flashinfer": "rl_kernel_core.flashinfer.sampling"},
            glue="function"),
-    OpSpec("varlen_attention", "rl_kernel_core.attention",
-           {"torch": "rl_kernel_core.reference.attention", "triton": "rl_kernel_core.triton.attention"},
+    OpSpec("varlen_attention", "rl_kernel_core.batch_invariant_mode.api_attention",
+           {"torch": "rl_kernel_core.batch_invariant_mode.reference_attention", "triton": "rl_kernel_core.batch_invariant_mode.triton_attention"},
            glue="autograd_function"),
-    _batch_invariant("rms_norm", "rl_kernel_core.invariance"),
+    _batch_invariant("rms_norm", "rl_kernel_core.batch_invariant_mode.api"),
     _batch_invariant("bi_matmul"),
     _batch_invariant("bi_linear"),
     _batch_invariant("bi_log_softmax"),
@@ -142,11 +142,11 @@ OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
 
 OTHER_EXPORTS: Mapping[str, str] = MappingProxyType({
     "BackendUnavailableError": "rl_kernel_core.dispatch",
-    "batch_invariant": "rl_kernel_core.invariance",
-    "is_batch_invariant": "rl_kernel_core.invariance",
+    "batch_invariant": "rl_kernel_core.batch_invariant_mode.api",
+    "is_batch_invariant": "rl_kernel_core.batch_invariant_mode.api",
     "LossSpans": "rl_kernel_core.spans",
     "MultimodalBatch": "rl_kernel_core.multimodal.schema",
-    "set_batch_invariant_mode": "rl_kernel_core.invariance",
+    "set_batch_invariant_mode": "rl_kernel_core.batch_invariant_mode.api",
     "token_advantages": "rl_kernel_core.rewards",
 })
 """``{public name: the module that defines it}`` for what ``rl_kernel_core`` exports that is not an op."""

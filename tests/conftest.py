@@ -26,7 +26,7 @@ def _batch_invariant_mode_left_off():
     """After each test: the mode is off (a test that leaves it on fails here, and the switch is
     reset so that the tests after it run as written)."""
     yield
-    invariance = sys.modules.get("rl_kernel_core.invariance")
+    invariance = sys.modules.get("rl_kernel_core.batch_invariant_mode.api")
     if invariance is not None and invariance.is_batch_invariant():
         invariance.set_batch_invariant_mode(False)
         pytest.fail("the test left batch-invariant mode on")

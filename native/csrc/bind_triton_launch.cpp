@@ -1,6 +1,6 @@
-// C++ launches of the batch-invariant mode's Triton kernels (rl_kernel_core/triton/batch_invariant.py): the
+// C++ launches of the batch-invariant mode's Triton kernels (rl_kernel_core/batch_invariant_mode/triton.py): the
 // persistent matmul (pointer and TMA kernels) and the row-statistics pass; and of varlen_attention's forward
-// (rl_kernel_core/triton/attention.py), which the mode's transformers attention runs once a layer per decode step. Python launches them through Triton's
+// (rl_kernel_core/batch_invariant_mode/triton_attention.py), which the mode's transformers attention runs once a layer per decode step. Python launches them through Triton's
 // JITFunction.run, ~45 us of host time per launch (the argument binder, the specialization key, the generated
 // launcher); a decode step issues hundreds. Here one call plans the launch (the same decisions as the Python code:
 // kernel, tile, program count, tensor descriptors), computes the specialization Triton would compute for those
@@ -237,7 +237,7 @@ struct Plan {
   std::vector<Arg> args;
 };
 
-struct MatmulConfig {  // rl_kernel_core.triton.batch_invariant's choices for one (device, dtype)
+struct MatmulConfig {  // rl_kernel_core.batch_invariant_mode.triton's choices for one (device, dtype)
   int64_t pointer_block_m = 0, pointer_block_n = 0;
   int64_t tma_block_m = 0, tma_block_n = 0;
   int64_t narrow_block_m = 0, narrow_block_n = 0;  // the TMA kernel's tile for a weight gradient that fills waves fuller

@@ -43,7 +43,7 @@ For one row with logits ``l [V]``, temperature ``T``, filters and a 64-bit ``see
    op returns token 0 for it on every backend (the draws above pick different tokens there).
 
 Every row-wise step runs in fixed-shape row tiles
-(:func:`rl_kernel_core.reference.batch_invariant.row_tiled`), so the tokens and the log-prob bits
+(:func:`rl_kernel_core.batch_invariant_mode.reference.row_tiled`), so the tokens and the log-prob bits
 of a row do not depend on the batch size or the row's position either.
 """
 
@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.reference.batch_invariant import row_tiled
+from rl_kernel_core.batch_invariant_mode.reference import row_tiled
 from rl_kernel_core.linear.reference import token_logprobs
 
 

@@ -57,7 +57,7 @@ num_stages)`` per input dtype; never a function of N. The 16-bit tile is the fas
 ``benchmarks/sweep_bi_matmul_tiles.py``'s candidates over a Qwen3-0.6B layer's products and LM head
 at 8192 rows; its pipeline needs 192 KiB of shared memory per block, more than GPUs
 before Hopper have (A100: 163 KiB), which take :data:`COMPACT_MATMUL_TILES` instead (see
-:func:`rl_kernel_core.triton.batch_invariant.matmul_tile`)."""
+:func:`rl_kernel_core.batch_invariant_mode.triton.matmul_tile`)."""
 
 COMPACT_MATMUL_TILES: dict[torch.dtype, tuple[int, int, int, int, int]] = {
     torch.float32: (64, 64, 32, 4, 3),
@@ -92,7 +92,7 @@ TMA_MIN_ROWS: int = 4096
 """Products with at least this many rows take the TMA kernel, fewer the pointer kernel (Hopper,
 16-bit): the TMA kernel is the faster from about this many rows on, the pointer kernel below
 (``benchmarks/results/bi_matmul_h200/``). Both kernels take the same k steps from the same blocks, and a GPU test asserts their bits equal
-(``tests/core/ops/test_bi_matmul.py``), so a row's bits do not depend on the side it falls."""
+(``tests/core/batch_invariant_mode/test_bi_matmul.py``), so a row's bits do not depend on the side it falls."""
 
 TMA_MIN_WEIGHT_GRAD_K: int = 2048
 """A product whose left operand is column-major (a weight gradient ``g.T @ x``: its rows are the

@@ -134,7 +134,7 @@ def _sm90_cases() -> list:
     for by_index, estimator, norm in [(False, 0, True), (True, 0, True), (True, 1, False), (False, 2, True)]:
         cases.append((adv._group_advantages_kernel, dict(order_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64", group_size="i64", eps_ptr="*fp64"),
                       dict(BY_INDEX=by_index, ESTIMATOR=estimator, NORM_BY_STD=norm, BLOCK=tuning.ADVANTAGES_MAX_BLOCK), 4))
-    from rl_kernel_core.triton import attention as attn
+    from rl_kernel_core.batch_invariant_mode import triton_attention as attn
 
     tables = dict(cu_q_ptr="*i32", cu_k_ptr="*i32", tile_seq_ptr="*i32", tile_start_ptr="*i32", scale=f32)
     bm, bn, warps, _ = tuning.TILES[torch.bfloat16]

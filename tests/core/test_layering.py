@@ -7,8 +7,8 @@ build), op definitions (``opdef``, a family's ``opdef.py`` and the backend-neutr
 FlashInfer's sampler takes its log-probs from the Triton kernel), the public
 ops, and the tools on top (CLI, benchmarks' helpers, profiling, report, consistency). An op family's package
 (:data:`FAMILIES`) holds one file per layer, named for it (:data:`FAMILY_ROLES`: ``api.py``, ``opdef.py``,
-``reference.py``, ``triton.py`` and ``triton_<part>.py``, ``native.py``), and its ``__init__.py`` imports
-nothing. Every import counts, a function's lazy one too (only dispatch's ``importlib``, which loads backends by
+``reference.py``, ``triton.py``, ``native.py``; ``<role>_<part>.py`` for a role split over files,
+:data:`PART_ROLES`), and its ``__init__.py`` imports nothing. Every import counts, a function's lazy one too (only dispatch's ``importlib``, which loads backends by
 name, is not an import statement); no module of the core imports an adapter package
 (``rl_kernel_vllm``, ``rl_kernel_verl``, ``rl_kernel_vime``).
 
@@ -39,13 +39,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
 ]
 """The layers of the modules outside the op families' packages, by their first name under ``rl_kernel_core``."""
-FAMILIES: tuple[str, ...] = ("linear",)
+FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode")
 """The op families' packages (``rl_kernel_core/<family>/``), one per family (CONTRIBUTING.md, "Map")."""
 FAMILY_ROLES: dict[str, tuple[int, str]] = {
     "opdef": (1, "opdef"), "chunks": (1, "opdef"), "reference": (3, "reference"),
     "triton": (4, "triton"), "native": (4, "native"), "api": (5, "api"),
 }
-"""``{file name in a family's package: (its layer, its backend or role)}``; ``triton_<part>.py`` is ``triton``'s."""
+"""``{file name in a family's package: (its layer, its backend or role)}``."""
+PART_ROLES: tuple[str, ...] = ("api", "reference", "triton")
+"""Roles a family may split over several files: ``<role>_<part>.py`` has ``<role>``'s layer."""
 
 
 def _modules() -> list[str]:
@@ -69,7 +71,7 @@ def _layer(module: str) -> tuple[int, str]:
     if top in FAMILIES:
         if len(parts) == 2:  # the family's __init__.py, which imports nothing
             return 0, top
-        role = "triton" if parts[2].startswith("triton_") else parts[2]
+        role = next((r for r in PART_ROLES if parts[2].startswith(f"{r}_")), parts[2])
         if role not in FAMILY_ROLES:
             raise AssertionError(f"{module}: a family's module is named for its layer (FAMILY_ROLES)")
         return FAMILY_ROLES[role]

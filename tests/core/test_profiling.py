@@ -145,7 +145,7 @@ def test_cuda_regions_use_events_and_report_vram():
 
 
 def test_step_records_name_the_route_each_op_ran():
-    from rl_kernel_core.invariance import bi_mean
+    from rl_kernel_core.batch_invariant_mode.api import bi_mean
 
     profiling.enable()
     bi_mean(torch.randn(4, 8), -1, backend="torch")

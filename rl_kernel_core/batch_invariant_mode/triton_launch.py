@@ -2,8 +2,8 @@
 ``native/csrc/bind_triton_launch.cpp``).
 
 Under the batch-invariant mode each routed ``mm``/``addmm``/``mean`` launches one of
-:mod:`rl_kernel_core.triton.batch_invariant`'s kernels, and each attention call ``varlen_attention``'s
-forward (:mod:`rl_kernel_core.triton.attention`); through Triton's ``JITFunction.run`` that
+:mod:`rl_kernel_core.batch_invariant_mode.triton`'s kernels, and each attention call ``varlen_attention``'s
+forward (:mod:`rl_kernel_core.batch_invariant_mode.triton_attention`); through Triton's ``JITFunction.run`` that
 launch's host time was most of the mode's eager overhead, and a decode step is host-bound
 (``benchmarks/results/mode_host_h200/``). The extension plans the same launch in C++ (kernel, tile, program count, tensor
 descriptors), computes the specialization Triton would compute, and launches the cubin Triton
@@ -11,7 +11,7 @@ compiled for it with ``cuLaunchKernel``. A specialization it has not seen return
 caller launches through Triton (which compiles it if needed) and hands the compiled kernel to
 :func:`remember_matmul` / :func:`remember_row_stats` / :func:`remember_attention_forward`, which check that the C++ plan is the launch
 Python made (a mismatch raises) and keep the kernel for the next call. Same cubin, grid and
-arguments: the bits are Triton's launch's bits (``tests/core/ops/test_native_launch.py``).
+arguments: the bits are Triton's launch's bits (``tests/core/batch_invariant_mode/test_native_launch.py``).
 
 Switch: ``RL_KERNEL_NATIVE_LAUNCH`` (default on; a malformed value raises ``SwitchError``). Off,
 or where the extension cannot be built or used (a ``RuntimeWarning`` once, with the reason that

@@ -1,9 +1,9 @@
-"""Triton backend of ``varlen_attention`` (signature in :mod:`rl_kernel_core.attention`).
+"""Triton backend of ``varlen_attention`` (signature in :mod:`rl_kernel_core.batch_invariant_mode.api_attention`).
 
 Forward: one program per (query tile, query head). A tile is ``BLOCK_M`` consecutive queries of one
 sequence; the program walks that sequence's keys in blocks of ``BLOCK_N`` in ascending order 0, 1,
 2, ... with an online softmax (running max, sum and weighted values in fp32), exactly the order of
-the torch reference (:mod:`rl_kernel_core.reference.attention`), so a query visits the same blocks
+the torch reference (:mod:`rl_kernel_core.batch_invariant_mode.reference_attention`), so a query visits the same blocks
 in the same order whether it is computed in a full prefill or alone in a decode step over a KV
 cache. A block that is entirely masked for a query (past its causal end, visited for the tile's
 later rows) leaves its state bit for bit unchanged (rescale ``exp(0) = 1``, probabilities exactly
@@ -26,7 +26,7 @@ head, ``P = exp(S * scale - lse)`` (0 where masked: the softmax the forward comp
     dV = P^T dO        dS = P * (dO V^T - delta)        dQ = dS K * scale        dK = dS^T Q * scale
 
 with dK and dV summed over the query heads of a GQA group: the gradient of the attention defined in
-:mod:`rl_kernel_core.reference.attention`.
+:mod:`rl_kernel_core.batch_invariant_mode.reference_attention`.
 
 * dq pass, one program per (query tile, query head), over a tile table of the queries: the tile's
   delta (stored for the next pass), then its key blocks in ascending order, as the forward.
@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.triton import native_launch
+from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
 from rl_kernel_core.triton._autograd import records_graph
 from rl_kernel_core.triton._jit import helper_jit, interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc
@@ -420,7 +420,7 @@ def _backward(q, k, v, out, lse, grad_out, cu_q: list[int], cu_k: list[int], cau
 
 def paged_forward(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,
                   seq_lens: torch.Tensor, max_query_len: int, causal: bool, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """:func:`rl_kernel_core.attention.paged_attention` (arguments checked there) on the forward's
+    """:func:`rl_kernel_core.batch_invariant_mode.api_attention.paged_attention` (arguments checked there) on the forward's
     tiles and arithmetic: writes ``out`` and returns it. One launch, no host read."""
     hq = q.shape[1]
     launch = _forward_launch(q.dtype, hq, kv_cache.shape[1], q.shape[2], causal)
@@ -438,7 +438,7 @@ def paged_forward(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 
 
 def paged_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """:func:`rl_kernel_core.attention.write_paged_kv` (arguments checked there): one launch over
+    """:func:`rl_kernel_core.batch_invariant_mode.api_attention.write_paged_kv` (arguments checked there): one launch over
     ``slot_mapping``'s tokens and the KV heads, no host read."""
     n, hkv, d = slot_mapping.shape[0], kv_cache.shape[1], key.shape[2]
     if n == 0:

@@ -12,7 +12,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract
-from rl_kernel_core.invariance import bi_linear, bi_log_softmax, bi_matmul, bi_mean
+from rl_kernel_core.batch_invariant_mode.api import bi_linear, bi_log_softmax, bi_matmul, bi_mean
 from rl_kernel_core.dispatch import BackendUnavailableError, explain
 from oracles import close_in_dtype, rows_invariant
 
@@ -265,7 +265,7 @@ def test_rl_kernel_ops_give_a_row_the_same_bits_at_any_batch_size_in_the_mode(se
 
 
 def test_routing_table_names_each_op():
-    from rl_kernel_core import invariance
+    from rl_kernel_core.batch_invariant_mode import api as invariance
 
     names = {str(op) for op in invariance.ROUTED_OPS}
     for op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._log_softmax.default", "aten.mean.dim",
@@ -288,7 +288,7 @@ def test_fused_rms_norm_route_matches_torch(seed):
 def _routed_cpu_kernel(op: str) -> bool:
     """Whether aten ``op``'s CPU kernel is currently the mode's route."""
     table = torch._C._dispatch_dump_table(op)
-    return any(line.startswith("CPU:") and "invariance.py" in line for line in table.splitlines())
+    return any(line.startswith("CPU:") and "batch_invariant_mode/api.py" in line for line in table.splitlines())
 
 
 def test_routing_is_restored_on_exit_nesting_and_exceptions(seed):
@@ -316,7 +316,7 @@ def test_mode_touches_no_other_op_and_no_dispatch_mode():
 def test_mode_routes_other_threads_and_inference_mode(seed, monkeypatch):
     import threading
 
-    from rl_kernel_core import invariance
+    from rl_kernel_core.batch_invariant_mode import api as invariance
 
     routed = []
 
@@ -513,7 +513,7 @@ def test_mode_state_is_per_context_with_out_of_order_exits(seed):
     import asyncio
     import threading
 
-    from rl_kernel_core.invariance import batch_invariant, is_batch_invariant, set_batch_invariant_mode
+    from rl_kernel_core.batch_invariant_mode.api import batch_invariant, is_batch_invariant, set_batch_invariant_mode
 
     holding, release = threading.Event(), threading.Event()
 
@@ -570,7 +570,7 @@ def test_mode_state_is_per_context_with_out_of_order_exits(seed):
 
 
 def test_entering_the_mode_while_compiling_is_a_one_line_error(seed):
-    from rl_kernel_core.invariance import batch_invariant
+    from rl_kernel_core.batch_invariant_mode.api import batch_invariant
 
     @torch.compile(backend="eager", fullgraph=True)
     def f(x):

@@ -13,7 +13,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract
-from rl_kernel_core.invariance import bi_linear, bi_log_softmax, bi_mean
+from rl_kernel_core.batch_invariant_mode.api import bi_linear, bi_log_softmax, bi_mean
 from oracles import bi_shape
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes

@@ -18,7 +18,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract, dispatch
-from rl_kernel_core.attention import paged_attention, write_paged_kv
+from rl_kernel_core.batch_invariant_mode.api_attention import paged_attention, write_paged_kv
 from oracles import dense_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
@@ -166,7 +166,7 @@ def test_fp64_is_left_to_the_torch_backend(device):
 def test_layout_tables_are_copied_once_per_layout(seed, device):
     """A layout's device tables are built once and reused by later calls (the layers of one forward,
     a CUDA graph captured after a call); another layout builds its own; results do not change."""
-    from rl_kernel_core.triton import attention as triton_attention
+    from rl_kernel_core.batch_invariant_mode import triton_attention as triton_attention
 
     q, k, v, cu = _packed(device, _lengths(device))
     triton_attention._tables.cache_clear()

@@ -1,4 +1,4 @@
-"""The C++ launcher of the batch-invariant kernels (:mod:`rl_kernel_core.triton.native_launch`):
+"""The C++ launcher of the batch-invariant kernels (:mod:`rl_kernel_core.batch_invariant_mode.triton_launch`):
 a launch it serves gives the bits Triton's launch gives, for every kernel and layout the mode
 routes and for varlen_attention's forward; it serves the second call of a specialization; its plan is checked against Python's.
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core.triton import batch_invariant as tbi
-from rl_kernel_core.triton import native_launch, tuning
+from rl_kernel_core.batch_invariant_mode import triton as tbi
+from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
+from rl_kernel_core.triton import tuning
 
 pytestmark = pytest.mark.gpu
 
@@ -82,7 +83,7 @@ def test_served_matmul_gives_tritons_bits(seed, launcher, layout, m, k, n, dtype
 
 def test_explain_names_the_cpp_launch_where_it_served(seed, launcher):
     from rl_kernel_core import dispatch
-    from rl_kernel_core.invariance import bi_matmul, bi_mean
+    from rl_kernel_core.batch_invariant_mode.api import bi_matmul, bi_mean
 
     a, b_t = _operands("fwd", 64, 128, 96, torch.bfloat16)
     x = torch.randn(5, 300, device="cuda")
@@ -113,7 +114,7 @@ def test_served_row_pass_gives_tritons_bits(seed, launcher, mode, rows, width, d
 def test_served_attention_forward_gives_tritons_bits(seed, launcher, dtype, hq, hkv, d, causal):
     """varlen_attention's forward (a decode step over a KV cache: one query a sequence; or a full
     prefill), GQA, a head dim that is not a power of two: out and lse bitwise Triton's launch's."""
-    from rl_kernel_core.triton import attention as tattn
+    from rl_kernel_core.batch_invariant_mode import triton_attention as tattn
 
     lens_q, lens_k = ([1, 1, 1], [5, 40, 130]) if causal else ([7, 33], [7, 33])
     cu_q = [sum(lens_q[:i]) for i in range(len(lens_q) + 1)]
@@ -210,7 +211,7 @@ def test_switched_off_every_launch_goes_through_triton(seed, monkeypatch):
     import subprocess
     import sys
 
-    code = ("import torch; from rl_kernel_core.triton import native_launch as n, batch_invariant as b;"
+    code = ("import torch; from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch as n, batch_invariant as b;"
             "a = torch.randn(3, 64, device='cuda', dtype=torch.bfloat16);"
             "b.matmul_forward(a, a, None); b.matmul_forward(a, a, None);"
             "print(n.extension() is None, n.unavailable_reason(), n.stats())")

@@ -1,5 +1,5 @@
 """Triton backend of the batch-invariant ops: ``bi_matmul``, ``bi_linear``, ``bi_log_softmax``,
-``bi_logsumexp``, ``bi_mean`` and ``rms_norm`` (signatures in :mod:`rl_kernel_core.invariance`).
+``bi_logsumexp``, ``bi_mean`` and ``rms_norm`` (signatures in :mod:`rl_kernel_core.batch_invariant_mode.api`).
 
 Why these are batch-invariant:
 
@@ -17,7 +17,7 @@ Why these are batch-invariant:
   tile's loads overlap this tile's epilogue), faster there. Both take the
   same ``BLOCK_M x BLOCK_N`` blocks through the same ``BLOCK_K`` steps into one fp32 accumulator,
   and the tensor-core MMA gives each element from its own row and column, so their bits are equal;
-  a GPU test asserts it (``tests/core/ops/test_bi_matmul.py``), since the row count picks the
+  a GPU test asserts it (``tests/core/batch_invariant_mode/test_bi_matmul.py``), since the row count picks the
   kernel. An operand whose layout TMA cannot describe (a stride that is not a multiple of 16
   bytes, an unaligned base) is copied into one it can. The k tail past K reads zeros in both.
   A weight gradient (column-major ``g.T``), whose rows are the layer's features and whose
@@ -27,7 +27,7 @@ Why these are batch-invariant:
   order, with the same ``BLOCK`` for every N: the mean and the log-sum-exp of a row are the same
   sequence of fp32 operations whatever else is in the call.
 
-Launches: where :mod:`rl_kernel_core.triton.native_launch` serves a call (a CUDA tensor, the
+Launches: where :mod:`rl_kernel_core.batch_invariant_mode.triton_launch` serves a call (a CUDA tensor, the
 kernel's own tile and choice, a specialization seen before), ``matmul_forward`` and the row pass
 launch the Triton-compiled kernel from C++ (the same cubin, grid and arguments, so the same bits);
 otherwise through Triton, which then hands the compiled kernel to it.
@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.triton import native_launch
+from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
 from rl_kernel_core.triton._autograd import records_graph
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import dot_acc, grouped_tile
@@ -309,7 +309,7 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
 
 
 def _configure_native_launch(dtype: torch.dtype, device: torch.device) -> None:
-    """Hand :mod:`~rl_kernel_core.triton.native_launch` this module's tiles and kernel rule for ``(device, dtype)``."""
+    """Hand :mod:`~rl_kernel_core.batch_invariant_mode.triton_launch` this module's tiles and kernel rule for ``(device, dtype)``."""
     if native_launch.extension() is None:
         return
     pointer = matmul_tile(dtype, device)

@@ -25,7 +25,7 @@ import math
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.reference.batch_invariant import acc_dtype
+from rl_kernel_core.batch_invariant_mode.reference import acc_dtype
 
 Q_TILE: int = 16
 """Query rows per tile."""

@@ -13,7 +13,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
-from rl_kernel_core.invariance import bi_matmul, bi_mean
+from rl_kernel_core.batch_invariant_mode.api import bi_matmul, bi_mean
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
@@ -56,7 +56,7 @@ def test_output_past_two_to_the_31_elements(seed, monkeypatch):
 def test_matmul_tile_fits_the_devices_shared_memory(monkeypatch):
     """The 16-bit tile's pipeline needs 192 KiB of shared memory per block: an H100 (227 KiB) takes
     it, an A100 (163 KiB) the compact tile; fp32 keeps its one tile. Decided per dtype and device."""
-    from rl_kernel_core.triton import batch_invariant as tbi
+    from rl_kernel_core.batch_invariant_mode import triton as tbi
     from rl_kernel_core.triton import tuning
 
     device = torch.device("cuda", 0)
@@ -105,7 +105,7 @@ def test_a_weight_gradient_takes_the_tile_that_fills_the_sms():
     the narrow tile; where both fill their waves alike the wide one stays; every other product keeps
     the wide tile whatever its shape (132 program slots: an H100/H200)."""
     from rl_kernel_core.triton import tuning
-    from rl_kernel_core.triton.batch_invariant import tma_tile
+    from rl_kernel_core.batch_invariant_mode.triton import tma_tile
 
     wide, narrow = tuning.TMA_MATMUL_TILES[torch.bfloat16], tuning.TMA_WEIGHT_GRAD_NARROW_TILES[torch.bfloat16]
     assert narrow[2] == wide[2]  # the same k steps: the same bits
@@ -126,7 +126,7 @@ def test_the_tma_and_pointer_kernels_give_the_same_bits(seed, triton_device, lay
     crosses the threshold gives its rows the bits they get alone. Compiled: Qwen3-1.7B's MLP
     widths, several tiles and k steps."""
     from rl_kernel_core.triton import tuning
-    from rl_kernel_core.triton.batch_invariant import matmul_forward, uses_tma
+    from rl_kernel_core.batch_invariant_mode.triton import matmul_forward, uses_tma
 
     cuda = triton_device.type == "cuda"
     if cuda and not uses_tma(torch.bfloat16, triton_device, tuning.TMA_MIN_ROWS):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core.invariance import bi_log_softmax, bi_mean
+from rl_kernel_core.batch_invariant_mode.api import bi_log_softmax, bi_mean
 from oracles import bi_shape, close_in_dtype, rows_invariant
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes

@@ -345,7 +345,7 @@ def test_issue_cases_raise_pytorchs_error(call, error):
 
 
 def test_out_in_place_and_baddbmm_forms_are_routed(monkeypatch):
-    from rl_kernel_core import invariance
+    from rl_kernel_core.batch_invariant_mode import api as invariance
 
     aten = torch.ops.aten
     forms = {

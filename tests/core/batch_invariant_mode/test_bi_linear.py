@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.invariance import bi_linear, bi_matmul
+from rl_kernel_core.batch_invariant_mode.api import bi_linear, bi_matmul
 from oracles import bi_shape, close_in_dtype, rows_invariant
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes

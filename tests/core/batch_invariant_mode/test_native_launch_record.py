@@ -1,7 +1,7 @@
-"""The Python half of the C++ launcher (:mod:`rl_kernel_core.triton.native_launch`), on the CPU:
+"""The Python half of the C++ launcher (:mod:`rl_kernel_core.batch_invariant_mode.triton_launch`), on the CPU:
 how a compiled kernel's signature becomes the argument kinds the extension packs, which launches
 it refuses to take over, the switch and the reason it gives. The launches themselves are GPU tests
-(``tests/core/ops/test_native_launch.py``)."""
+(``tests/core/batch_invariant_mode/test_native_launch.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from rl_kernel_core.batch_invariant_mode import triton as tbi
+from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
 from rl_kernel_core.switches import SwitchError
-from rl_kernel_core.triton import batch_invariant as tbi
-from rl_kernel_core.triton import native_launch
 
 _POINTER_NAMES = ["a_ptr", "b_ptr", "bias_ptr", "c_ptr", "M", "N", "K", "stride_am", "stride_ak", "stride_bk",
                   "stride_bn", "stride_cm", "stride_cn", "n_progs"]
