@@ -15,6 +15,13 @@ call with the same reduction order. The tests check this bit for bit (rows at ot
 batch sizes N = 1, 7, 64, 300); it is the property, not any particular kernel, that a GPU kernel
 for this mode must reproduce. The cost is up to ``ROW_TILE - 1`` padded rows of work per call.
 
+A fixed shape alone does not make a CPU GEMM treat its rows alike: MKL rounds some rows of one
+call by their place in the tile for a ``[K, M]``-layout right operand with a narrow or odd M (fp32:
+M = 5-7, 9-11; fp64: most odd M) and for an odd K in either layout. The products therefore all take
+the ``x @ W.T`` layout (``W [M, K]`` contiguous) with K zero-padded to a multiple of
+:data:`PRODUCT_K_MULTIPLE`, where every row of a call is computed alike
+(``tests/core/batch_invariant_mode/test_bi_matmul.py`` draws the shapes).
+
 Accumulation: fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 inputs (GEMMs accumulate as the
 library does for the input dtype, which is fp32 for bf16/fp16 in PyTorch). Outputs keep the input
 dtype, as the torch ops they replace do. All ops are differentiable through plain autograd; the
@@ -32,6 +39,9 @@ from rl_kernel_core import dispatch
 
 ROW_TILE: int = 32
 """Rows per library call in every batch-invariant reference op."""
+
+PRODUCT_K_MULTIPLE: int = 16
+"""Every reference product's reduction length K is zero-padded to a multiple of this."""
 
 Outputs = TypeVar("Outputs", torch.Tensor, tuple[torch.Tensor, ...])
 """What a row-wise function of :func:`row_tiled` returns: a tensor or a tuple of tensors."""
@@ -66,17 +76,27 @@ def row_tiled(fn: Callable[..., Outputs], *tensors: torch.Tensor, tile: int = RO
     return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
 
 
+def _product(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The row-wise ``t [T, K] -> t @ weight[M, K].T + bias [M]`` that every product tile runs:
+    ``weight`` contiguous and K zero-padded to a multiple of :data:`PRODUCT_K_MULTIPLE` (see the
+    module docstring; the padded terms add exact zeros)."""
+    pad = -weight.shape[1] % PRODUCT_K_MULTIPLE
+    weight = F.pad(weight, (0, pad)) if pad else weight.contiguous()
+    if not pad:
+        return lambda t: F.linear(t, weight, bias)
+    return lambda t: F.linear(F.pad(t, (0, pad)), weight, bias)
+
+
 @dispatch.register("bi_matmul", "torch")
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [N, K] @ b [K, M] -> [N, M]`` in fixed-shape row tiles (a's dtype); a and b any strides."""
-    b = b.contiguous()
-    return row_tiled(lambda t: t @ b, a.contiguous())
+    return row_tiled(_product(b.t(), None), a.contiguous())
 
 
 @dispatch.register("bi_linear", "torch")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x [N, K] @ weight[M, K].T + bias [M] -> [N, M]`` in fixed-shape row tiles."""
-    return row_tiled(lambda t: F.linear(t, weight, bias), x)
+    return row_tiled(_product(weight, bias), x.contiguous())
 
 
 @dispatch.register("bi_log_softmax", "torch")

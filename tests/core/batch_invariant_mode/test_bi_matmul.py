@@ -13,7 +13,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
-from rl_kernel_core.batch_invariant_mode.api import bi_matmul, bi_mean
+from rl_kernel_core.batch_invariant_mode.api import bi_linear, bi_matmul, bi_mean
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
@@ -152,3 +152,31 @@ def test_the_tma_and_pointer_kernels_give_the_same_bits(seed, triton_device, lay
         full = matmul_forward(a, b_t, None)
         assert torch.equal(full[:5], matmul_forward(a[:5], b_t, None))
         assert torch.equal(full[-5:], matmul_forward(a[-5:], b_t, None))
+
+
+def test_the_cpu_reference_computes_every_row_alike(seed):
+    """The torch backend's products give a row the same bits at every place in a call, over drawn
+    shapes where the CPU library's GEMM would round rows by their place in the tile (narrow and odd
+    M, odd K) and both layouts of the right operand; ``bi_linear`` likewise."""
+    import random
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for draw in range(24):
+        dtype = rng.choice([torch.float32, torch.float64, torch.bfloat16, torch.float16])
+        k = rng.choice([rng.randint(1, 40), rng.randint(41, 600)])
+        m = rng.choice([rng.randint(1, 40), rng.randint(41, 3000)])
+        n = rng.randint(2, 80)
+        a = torch.randn(n, k, generator=gen).to(dtype)
+        weight = torch.randn(m, k, generator=gen).to(dtype)
+        b = weight.t() if rng.random() < 0.5 else weight.t().contiguous()
+        perm = torch.randperm(n, generator=gen)
+        for name, op in (("bi_matmul", lambda x: bi_matmul(x, b, backend="torch")),
+                         ("bi_linear", lambda x: bi_linear(x, weight, backend="torch"))):
+            whole = op(a)
+            shuffled = op(a[perm])
+            i = rng.randrange(n)
+            single = op(a[i:i + 1])
+            context = f"seed {seed}, draw {draw}: {name} {dtype} N={n} K={k} M={m}, b contiguous={b.is_contiguous()}"
+            assert torch.equal(shuffled, whole[perm]), context
+            assert torch.equal(single[0], whole[i]), context
