@@ -85,7 +85,6 @@ class OpSpec:
             raise ValueError(f"glue of {self.name} must be one of {list(GLUE_KINDS)}, got {self.glue!r}")
 
 
-_REFERENCE_LOGPROB = "rl_kernel_core.linear.reference"
 _REFERENCE_LOSS = "rl_kernel_core.reference.loss"
 _REFERENCE_BATCH_INVARIANT = "rl_kernel_core.batch_invariant_mode.reference"
 _TRITON_BATCH_INVARIANT = "rl_kernel_core.batch_invariant_mode.triton"
@@ -103,9 +102,9 @@ def _batch_invariant(name: str, public_module: Optional[str] = None) -> OpSpec:
 OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
     # the "9.0" orders: the faster of native and triton first, as benchmarks/bench_native.py measured
     # them on an H100 (benchmarks/results/bench_native_h100.json)
-    OpSpec("logprob_from_logits", "rl_kernel_core.logprob",
-           {"torch": _REFERENCE_LOGPROB, "triton": "rl_kernel_core.triton.logprob_from_logits",
-            "native": "rl_kernel_core.native.logprob_from_logits"},
+    OpSpec("logprob_from_logits", "rl_kernel_core.logprob.api",
+           {"torch": "rl_kernel_core.logprob.reference", "triton": "rl_kernel_core.logprob.triton",
+            "native": "rl_kernel_core.logprob.native"},
            glue="differentiable_custom_op", native_group="logprob_from_logits",
            measured_order={"9.0": ("native", "triton", "torch")}),
     OpSpec("ratio_kl", "rl_kernel_core.loss", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
@@ -120,7 +119,7 @@ OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
             "native": "rl_kernel_core.native.advantages"},
            glue="custom_op", native_group="advantages", measured_order={"9.0": ("native", "triton", "torch")}),
     OpSpec("linear_logprob", "rl_kernel_core.linear.api",
-           {"torch": _REFERENCE_LOGPROB, "triton": "rl_kernel_core.linear.triton",
+           {"torch": "rl_kernel_core.linear.reference", "triton": "rl_kernel_core.linear.triton",
             "native": "rl_kernel_core.linear.native"},
            glue="differentiable_custom_op", native_group="linear_logprob",
            auto_order=_TRITON_FIRST, measured_order={"9.0": _TRITON_FIRST}),

@@ -36,7 +36,7 @@ import torch
 
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.batch_invariant_mode.api import is_batch_invariant
-from rl_kernel_core.logprob import logprob_from_logits
+from rl_kernel_core.logprob.api import logprob_from_logits
 from rl_kernel_core.reference import sampling as _reference  # noqa: F401  (registers the torch backend)
 
 Param = Union[int, float, torch.Tensor, None]

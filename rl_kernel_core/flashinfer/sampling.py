@@ -11,7 +11,7 @@ import torch
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.flashinfer import Param, active_filters, supports
-from rl_kernel_core.triton.logprob_from_logits import logprob_fwd
+from rl_kernel_core.logprob.triton import logprob_fwd
 
 
 def draw(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> torch.Tensor:

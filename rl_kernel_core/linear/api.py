@@ -19,7 +19,7 @@ arguments are already validated, tensors are on one device and contiguous)::
     tp_group  a torch.distributed ProcessGroup or None
 
 The rest of the contract (output dtypes, autograd, ignored rows, ``-inf`` logits) is
-``logprob_from_logits``' (:mod:`rl_kernel_core.logprob`).
+``logprob_from_logits``' (:mod:`rl_kernel_core.logprob.api`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.linear import reference as _reference  # noqa: F401  (registers the torch backend)
-from rl_kernel_core.logprob import Result, _empty, _out_dtype, _pack, _scalars
+from rl_kernel_core.logprob.api import Result, _empty, _out_dtype, _pack, _scalars
 from rl_kernel_core.spans import LossSpans
 
 

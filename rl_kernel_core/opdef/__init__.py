@@ -4,10 +4,10 @@ Each fast backend (``triton``, ``native``) defines its ops with :func:`define_di
 one forward and one backward ``torch.library`` custom op (``rl_kernel::<backend>_<op>``) with
 fake (meta) implementations, tied together with ``register_autograd``, and an eager path over
 the same Python bodies. The backend-independent halves of each op family (fakes, ``setup``,
-the autograd backward given the backend's backward, ``supports`` predicates) live beside it
-(:mod:`.logprob`, :mod:`.loss`, :mod:`.advantages`) or in the family's package
-(:mod:`rl_kernel_core.linear.opdef`, which imports the backend-neutral
-:mod:`rl_kernel_core.linear.chunks` for the tuning key). This module imports nothing of
+the autograd backward given the backend's backward, ``supports`` predicates) live in the family's package
+(``rl_kernel_core/<family>/opdef.py``; :mod:`rl_kernel_core.linear.opdef` imports the backend-neutral
+:mod:`rl_kernel_core.linear.chunks` for the tuning key) or, for a family not in a package yet, beside it
+(:mod:`.loss`, :mod:`.advantages`). This module imports nothing of
 ``rl_kernel_core``, so every backend and the reference can import it.
 """
 

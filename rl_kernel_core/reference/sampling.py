@@ -55,7 +55,7 @@ import torch
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.batch_invariant_mode.reference import row_tiled
-from rl_kernel_core.linear.reference import token_logprobs
+from rl_kernel_core.logprob.reference import token_logprobs
 
 
 def _signed(value: int) -> int:

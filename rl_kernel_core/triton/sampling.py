@@ -55,7 +55,7 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
-from rl_kernel_core.triton.logprob_from_logits import _block_v
+from rl_kernel_core.logprob.triton import _block_v
 from rl_kernel_core.triton.tuning import (
     EXACT_TILE,
     FWD_TILE,

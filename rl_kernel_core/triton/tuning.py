@@ -208,7 +208,7 @@ of a statistics chunk (``stats_rows``)."""
 MERGE_BLOCK_T: int = 64
 """Vocab tiles per step of the statistics merge (``_merge_kernel``)."""
 
-# --- logprob_from_logits (triton/logprob_from_logits.py) and sample (triton/sampling.py) ----------
+# --- logprob_from_logits (logprob/triton.py) and sample (triton/sampling.py) ----------
 
 LOGPROB_MAX_BLOCK_V: int = 4096
 """Largest ``BLOCK_V`` (vocab columns per step) of the log-prob backward, and the default cap of

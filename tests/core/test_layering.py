@@ -35,11 +35,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),
     ("reference",),
     ("triton", "native", "flashinfer"),
-    ("logprob", "loss", "advantages", "sampling", "attention", "invariance", "rewards"),
+    ("loss", "advantages", "sampling", "attention", "invariance", "rewards"),
     ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
 ]
 """The layers of the modules outside the op families' packages, by their first name under ``rl_kernel_core``."""
-FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode")
+FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode", "logprob")
 """The op families' packages (``rl_kernel_core/<family>/``), one per family (CONTRIBUTING.md, "Map")."""
 FAMILY_ROLES: dict[str, tuple[int, str]] = {
     "opdef": (1, "opdef"), "chunks": (1, "opdef"), "reference": (3, "reference"),

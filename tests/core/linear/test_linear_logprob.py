@@ -25,7 +25,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.linear import reference as reference
+from rl_kernel_core.logprob import reference as reference  # CHUNK_ELEMENTS: the row chunk both log-prob references take
 from rl_kernel_core.linear import chunks as linear_chunks
 from rl_kernel_core.triton import tuning as triton_tuning
 from rl_kernel_core.linear.triton import linear_logprob as linear_logprob_triton

@@ -240,7 +240,7 @@ _REFERENCE_WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     import rl_kernel_core as rk
-    from rl_kernel_core.linear import reference as reference
+    from rl_kernel_core.logprob import reference as reference  # CHUNK_ELEMENTS: the row chunk both log-prob references take
 
     rank, world, store, inputs, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)

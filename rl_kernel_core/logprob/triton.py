@@ -18,9 +18,9 @@ a fixed order inside one program, so results are bitwise reproducible and a row'
 depend on N or on other rows.
 
 The launchers take already-validated tensors (argument checks live in
-:mod:`rl_kernel_core.logprob`); :func:`logprob_from_logits` is the backend implementation
+:mod:`rl_kernel_core.logprob.api`); :func:`logprob_from_logits` is the backend implementation
 dispatch registers, over the custom ops ``rl_kernel::triton_logprob_from_logits`` and its
-backward (:mod:`rl_kernel_core.opdef.logprob`).
+backward (:mod:`rl_kernel_core.logprob.opdef`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.opdef import logprob as opdef
+from rl_kernel_core.logprob import opdef
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 from rl_kernel_core.triton.tuning import FWD_TILE, LOGPROB_MAX_BLOCK_V
 

@@ -1,6 +1,6 @@
 """Native ``logprob_from_logits``: the CUDA kernels of ``native/csrc/logprob_from_logits.cu`` as the
 custom ops ``rl_kernel::native_logprob_from_logits`` and its backward (schemas and autograd glue
-in :mod:`rl_kernel_core.opdef.logprob`), registered as the ``native`` backend. Importing this
+in :mod:`rl_kernel_core.logprob.opdef`), registered as the ``native`` backend. Importing this
 module builds the ``logprob_from_logits`` extension (:func:`rl_kernel_core.native.extension`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.native import extension
-from rl_kernel_core.opdef import logprob as opdef
+from rl_kernel_core.logprob import opdef
 
 Tensor = torch.Tensor
 _ext = extension("logprob_from_logits")

@@ -38,7 +38,7 @@ import torch
 
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.batch_invariant_mode.api import is_batch_invariant
-from rl_kernel_core.linear import reference as _reference  # noqa: F401  (registers the torch backend)
+from rl_kernel_core.logprob import reference as _reference  # noqa: F401  (registers the torch backend)
 
 Result = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 

@@ -16,7 +16,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.linear import reference as reference
+from rl_kernel_core.logprob import reference as reference
 from op_backends import Backend, on_backends
 from oracles import check_logprob, logprob_oracle, make_logits, upstream
 from peak_memory import measure_peak, skip_without_proc
