@@ -85,11 +85,11 @@ class OpSpec:
             raise ValueError(f"glue of {self.name} must be one of {list(GLUE_KINDS)}, got {self.glue!r}")
 
 
-_REFERENCE_LOSS = "rl_kernel_core.reference.loss"
+_REFERENCE_LOSS = "rl_kernel_core.loss.reference"
 _REFERENCE_BATCH_INVARIANT = "rl_kernel_core.batch_invariant_mode.reference"
 _TRITON_BATCH_INVARIANT = "rl_kernel_core.batch_invariant_mode.triton"
-_TRITON_LOSS = "rl_kernel_core.triton.loss"
-_NATIVE_LOSS = "rl_kernel_core.native.loss"
+_TRITON_LOSS = "rl_kernel_core.loss.triton"
+_NATIVE_LOSS = "rl_kernel_core.loss.native"
 _TRITON_FIRST = ("triton", "native", "torch")
 
 
@@ -107,11 +107,11 @@ OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
             "native": "rl_kernel_core.logprob.native"},
            glue="differentiable_custom_op", native_group="logprob_from_logits",
            measured_order={"9.0": ("native", "triton", "torch")}),
-    OpSpec("ratio_kl", "rl_kernel_core.loss", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
+    OpSpec("ratio_kl", "rl_kernel_core.loss.api", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
            glue="differentiable_custom_op", native_group="loss", measured_order={"9.0": _TRITON_FIRST}),
-    OpSpec("policy_loss", "rl_kernel_core.loss", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
+    OpSpec("policy_loss", "rl_kernel_core.loss.api", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
            glue="differentiable_custom_op", native_group="loss", measured_order={"9.0": _TRITON_FIRST}),
-    OpSpec("fused_linear_policy_loss", "rl_kernel_core.loss",
+    OpSpec("fused_linear_policy_loss", "rl_kernel_core.loss.api",
            {"torch": _REFERENCE_LOSS, "triton": "rl_kernel_core.linear.triton_fused_loss"},
            glue="differentiable_custom_op"),
     OpSpec("group_advantages", "rl_kernel_core.advantages",

@@ -12,7 +12,7 @@ how a mini-batch is split into micro-batches and data-parallel ranks: ``token-me
 local masked sum by the global token count ``batch_num_tokens`` and multiplies by ``dp_size``;
 the ``seq-mean-*`` modes divide by ``global_batch_size``; ``seq-mean-token-sum-norm`` divides by
 ``loss_scale_factor`` when it is set. ``policy_loss`` applies that normalisation itself when given
-a :class:`rl_kernel_core.loss.GlobalBatch` (the loss and each aggregate metric).
+a :class:`rl_kernel_core.loss.api.GlobalBatch` (the loss and each aggregate metric).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from rl_kernel_core import adapters, policy_loss, profiling
-from rl_kernel_core.loss import KL_TYPES, LOSS_AGG_MODES, GlobalBatch
+from rl_kernel_core.loss.api import KL_TYPES, LOSS_AGG_MODES, GlobalBatch
 from rl_kernel_verl import targets
 
 

@@ -1,5 +1,5 @@
 // Python bindings of the native ratio_kl and policy_loss (loss.cu): one extension per source group, built on the first
-// call of one of its ops. rl_kernel_core.native.loss wraps each function in a torch.library
+// call of one of its ops. rl_kernel_core.loss.native wraps each function in a torch.library
 // custom op; the argument contracts are stated in ops.h.
 #include <torch/extension.h>
 

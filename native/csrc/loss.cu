@@ -1,4 +1,4 @@
-// ratio_kl and policy_loss: the semantics of rl_kernel_core/reference/loss.py (verl 0.9.1),
+// ratio_kl and policy_loss: the semantics of rl_kernel_core/loss/reference.py (verl 0.9.1),
 // computed in fp32 with the reference's clamps:
 //
 //   ratio = exp(clamp(logprob - old, +-20)); KL estimators k1, abs, k2, k3 (x = clamp(ref - logprob,

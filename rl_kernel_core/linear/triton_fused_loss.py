@@ -13,7 +13,7 @@ entropy and on ``w_i``, nothing global. The forward therefore runs, per fixed-si
    so the log-probs have ``linear_logprob``'s bits;
 2. the tile-statistics pass and merge: the chunk's log-probs, entropies and ``lse``;
 3. the per-token loss gradients: one launch of the Triton policy-loss backward kernel
-   (:func:`rl_kernel_core.triton.loss.policy_loss_bwd`) in ``token-sum`` mode with the
+   (:func:`rl_kernel_core.loss.triton.policy_loss_bwd`) in ``token-sum`` mode with the
    chunk's ``w`` as a float mask, which is exactly ``d loss / d logprob`` and ``d loss /
    d entropy`` (the reference's formulas, clamps and tie rules);
 4. the gradient pass: ``dl = d loss / d logits`` written over the fp32 chunk in place (chunked,
@@ -24,7 +24,7 @@ entropy and on ``w_i``, nothing global. The forward therefore runs, per fixed-si
 
 Then the loss value and metrics come from the reference loss on the ``[N]`` log-probs and
 entropies. The op is the custom op ``rl_kernel::triton_fused_linear_policy_loss`` (schemas and
-autograd glue in :mod:`rl_kernel_core.opdef.loss`), which returns the gradients it formed; its
+autograd glue in :mod:`rl_kernel_core.loss.opdef`), which returns the gradients it formed; its
 backward only scales the stored ``dh``, ``dW``, ``db`` by the upstream gradient:
 three products (logits, dh, dW) where the logits are kept or chunked, four where the gradient
 pass forms them again.
@@ -48,10 +48,10 @@ from rl_kernel_core.linear import chunks as LC
 from rl_kernel_core.linear import triton_sm90
 from rl_kernel_core.linear.triton import PASSES
 from rl_kernel_core.opdef import define_differentiable_op
-from rl_kernel_core.opdef import loss as opdef
-from rl_kernel_core.opdef.loss import METRIC_NAMES, FusedLossInputs, LossSettings
-from rl_kernel_core.reference import loss as reference
-from rl_kernel_core.triton.loss import policy_loss_bwd
+from rl_kernel_core.loss import opdef
+from rl_kernel_core.loss.opdef import METRIC_NAMES, FusedLossInputs, LossSettings
+from rl_kernel_core.loss import reference as reference
+from rl_kernel_core.loss.triton import policy_loss_bwd
 from rl_kernel_core.triton.tuning import linear
 
 
@@ -78,7 +78,7 @@ def _metrics_tensor(metrics: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, temperature, ignore_index, *rest):
-    """The forward custom op's body (schema :data:`rl_kernel_core.opdef.loss.FUSED_LOSS_SCHEMA`):
+    """The forward custom op's body (schema :data:`rl_kernel_core.loss.opdef.FUSED_LOSS_SCHEMA`):
     ``(loss, metrics [6], dh, dW, db)``, a gradient not asked for ``[0]``."""
     *settings_args, need_h, need_w, need_b = rest
     settings = LossSettings.from_args(tuple(settings_args))
@@ -159,7 +159,7 @@ def _scaled_gradients(grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_w
 def _scaled_gradients_in_place(grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor,
                                grad_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The eager backward: :func:`_scaled_gradients` in place (the same bits). The stored gradients
-    are the node's own buffers, used once (:func:`rl_kernel_core.opdef.loss.fused_loss_backward`
+    are the node's own buffers, used once (:func:`rl_kernel_core.loss.opdef.fused_loss_backward`
     refuses a second backward), and a copy of ``dW`` would double its memory."""
     dh, dw, db = _scaled(grad_loss, (grad_hidden, grad_weight, grad_bias), in_place=True)
     return dh, dw, db
@@ -184,9 +184,9 @@ def _supports(inputs: FusedLossInputs, **kwargs) -> Optional[str]:
 def fused_linear_policy_loss_triton(
     inputs: FusedLossInputs, *, temperature: float, ignore_index: int, settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PPO/GRPO loss of :func:`rl_kernel_core.loss.policy_loss` from ``hidden [S, T, D]`` and ``weight [V, D]``.
+    """The PPO/GRPO loss of :func:`rl_kernel_core.loss.api.policy_loss` from ``hidden [S, T, D]`` and ``weight [V, D]``.
 
-    Validated inputs (see :mod:`rl_kernel_core.loss`): 16-bit or fp32 ``hidden``/``weight``/
+    Validated inputs (see :mod:`rl_kernel_core.loss.api`): 16-bit or fp32 ``hidden``/``weight``/
     ``bias``, ``targets [S, T]`` in ``[0, V)`` or ``ignore_index`` (such tokens leave the mask),
     per-token ``[S, T]`` float tensors, ``mask`` bool or float. Returns ``(loss, metrics)``:
     ``loss`` 0-d fp32, differentiable in ``hidden``, ``weight`` and ``bias`` (its gradient is

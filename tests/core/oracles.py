@@ -14,7 +14,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close, tolerance
-from rl_kernel_core.loss import METRIC_NAMES
+from rl_kernel_core.loss.api import METRIC_NAMES
 
 # ============================================================== logprob_from_logits, ratio_kl, policy_loss, group_advantages
 

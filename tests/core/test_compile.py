@@ -29,7 +29,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.loss import METRIC_NAMES
+from rl_kernel_core.loss.api import METRIC_NAMES
 from op_backends import Backend, on_backends
 from oracles import check_compiled_equals_eager, make_logits, make_tokens
 
@@ -93,7 +93,7 @@ def _sm90_cases() -> list:
     """(kernel, argument types that are not i32 / *fp32, constexprs, num_warps) covering every branch."""
     from rl_kernel_core.triton import advantages as adv
     from rl_kernel_core.logprob import triton as lpl
-    from rl_kernel_core.triton import loss as pl
+    from rl_kernel_core.loss import triton as pl
     from rl_kernel_core.triton import tuning
 
     f32 = "fp32"

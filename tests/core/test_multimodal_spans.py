@@ -14,8 +14,8 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.loss import LOSS_AGG_MODES
-from rl_kernel_core.opdef.loss import FusedLossInputs
+from rl_kernel_core.loss.api import LOSS_AGG_MODES
+from rl_kernel_core.loss.opdef import FusedLossInputs
 from rl_kernel_core.spans import LossSpans
 from oracles import upstream
 

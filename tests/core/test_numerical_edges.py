@@ -22,7 +22,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.reference import loss as reference_loss
+from rl_kernel_core.loss import reference as reference_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 

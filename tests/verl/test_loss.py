@@ -17,7 +17,7 @@ import torch
 from verl_cpu import compose_config, random_rollout, to_engine_batch
 
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.loss import LOSS_AGG_MODES
+from rl_kernel_core.loss.api import LOSS_AGG_MODES
 
 FP32 = torch.float32
 

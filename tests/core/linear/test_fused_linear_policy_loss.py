@@ -18,8 +18,8 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.loss import KL_TYPES, LossSettings
-from rl_kernel_core.reference import loss as reference_loss
+from rl_kernel_core.loss.api import KL_TYPES, LossSettings
+from rl_kernel_core.loss import reference as reference_loss
 from oracles import AGG_MODES, METRICS, as_fp64, leaves, linear_oracle, linear_shapes, loss_formula, make_inputs, make_loss_inputs, small_chunks
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes

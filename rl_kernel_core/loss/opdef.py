@@ -54,12 +54,12 @@ class FusedLossInputs(NamedTuple):
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The validated settings of the PPO/GRPO loss (:func:`rl_kernel_core.loss.policy_loss` checks them).
+    """The validated settings of the PPO/GRPO loss (:func:`rl_kernel_core.loss.api.policy_loss` checks them).
 
     ``clip_ratio_low``/``clip_ratio_high`` >= 0; ``clip_ratio_c`` None (no dual clip) or > 1;
     ``kl_type`` canonical (``k1``, ``abs``, ``k2``, ``k3``, ``k1+``, ``abs+``, ``k3+``);
     ``kl_coef``/``entropy_coef`` >= 0; ``loss_agg_mode`` one of
-    :data:`rl_kernel_core.loss.LOSS_AGG_MODES`.
+    :data:`rl_kernel_core.loss.api.LOSS_AGG_MODES`.
     """
 
     clip_ratio_low: float

@@ -1,6 +1,6 @@
 """Native ``ratio_kl`` and ``policy_loss``: the CUDA kernels of ``native/csrc/loss.cu`` as the custom
 ops ``rl_kernel::native_ratio_kl``, ``rl_kernel::native_policy_loss`` and their backwards
-(schemas and autograd glue in :mod:`rl_kernel_core.opdef.loss`), registered as the ``native``
+(schemas and autograd glue in :mod:`rl_kernel_core.loss.opdef`), registered as the ``native``
 backend. Importing this module builds the ``loss`` extension (:func:`rl_kernel_core.native.extension`)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from rl_kernel_core import dispatch
 from rl_kernel_core.loss_codes import AGG_CODES, kl_code
 from rl_kernel_core.native import extension
 from rl_kernel_core.opdef import define_differentiable_op
-from rl_kernel_core.opdef import loss as opdef
-from rl_kernel_core.opdef.loss import LossSettings
+from rl_kernel_core.loss import opdef
+from rl_kernel_core.loss.opdef import LossSettings
 
 Tensor = torch.Tensor
 _ext = extension("loss")
@@ -45,7 +45,7 @@ ratio_kl = dispatch.register("ratio_kl", "native", supports=opdef.ratio_kl_suppo
 
 def _policy_loss_forward(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *settings):
     """``(loss [], metrics [6], seq_weight [S], totals [2])`` fp32 over ``[S, T]`` tensors (schema
-    :data:`rl_kernel_core.opdef.loss.POLICY_LOSS_SCHEMA`); metrics in ``METRIC_NAMES`` order."""
+    :data:`rl_kernel_core.loss.opdef.POLICY_LOSS_SCHEMA`); metrics in ``METRIC_NAMES`` order."""
     s = LossSettings.from_args(settings)
     loss, metrics, seq_weight, totals = _ext.policy_loss_fwd(
         logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,

@@ -21,7 +21,7 @@ import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core._checks import CHECK_VALUES_ENV, values_checked
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.loss import LOSS_AGG_MODES, METRIC_NAMES
+from rl_kernel_core.loss.api import LOSS_AGG_MODES, METRIC_NAMES
 from rl_kernel_core.switches import SwitchError
 from op_backends import Backend, on_backends
 from oracles import (
@@ -137,7 +137,7 @@ def test_triton_eager_path_matches_custom_op_bitwise(seed, backend: Backend):
     """Eager calls take a torch.autograd.Function over the kernels, torch.compile the custom op:
     same values and gradients, bit for bit; neither backward can be differentiated again (the
     eager one refuses create_graph=True at once, naming the op)."""
-    from rl_kernel_core.triton import loss as triton_loss
+    from rl_kernel_core.loss import triton as triton_loss
 
     t = make_tokens((3, 11), backend.device)
     args = (t["old"], t["adv"], t["mask"], t["ref"], None, t["is_w"], 0.2, 0.28, 3.0, "k3+", 0.1, 0.0, "seq-mean-token-mean")
@@ -533,7 +533,7 @@ def test_policy_loss_cuda_matches_cpu_and_is_deterministic(seed):
 def test_aggregation_weights_are_the_gradient_of_the_aggregate(seed, mode, float_mask):
     """The closed-form token weights the fused loss uses equal autograd's ``d aggregate / d v``
     (empty sequences, an empty row and float weights included)."""
-    from rl_kernel_core.reference.loss import aggregate, aggregation_weights
+    from rl_kernel_core.loss.reference import aggregate, aggregation_weights
 
     mask = torch.rand(5, 7) < 0.6
     mask[1] = False
@@ -551,7 +551,7 @@ def test_aggregation_weights_are_the_gradient_of_the_aggregate(seed, mode, float
 def test_global_batch_makes_the_aggregate_a_share_of_the_global_one(seed):
     """``global_batch``: verl's normalisation by global batch quantities, applied to the loss and the
     aggregate metrics (pg_loss, kl_loss, entropy); the token-mean metrics stay local."""
-    from rl_kernel_core.loss import GlobalBatch
+    from rl_kernel_core.loss.api import GlobalBatch
 
     x = make_loss_inputs((6, 32), empty_row=True)
     ent = torch.rand(6, 32) * 2

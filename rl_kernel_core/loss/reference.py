@@ -1,8 +1,8 @@
 """Plain-PyTorch reference for ratio/KL, the PPO policy loss and its fused-from-hidden variant.
 
 The semantics oracle and the CPU path. Inputs arrive validated and normalised by
-:mod:`rl_kernel_core.loss` (shapes, ``ref_logprob`` resolved, the settings as one
-:class:`~rl_kernel_core.opdef.loss.LossSettings`); the call signatures registered here are the
+:mod:`rl_kernel_core.loss.api` (shapes, ``ref_logprob`` resolved, the settings as one
+:class:`~rl_kernel_core.loss.opdef.LossSettings`); the call signatures registered here are the
 ones every backend implements (see that module's docstring). All arithmetic runs in fp32 (fp64 when an input is fp64); autograd is PyTorch's own.
 
 The formulas follow verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (``kl_penalty``,
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.opdef.loss import FusedLossInputs, LossSettings
+from rl_kernel_core.loss.opdef import FusedLossInputs, LossSettings
 from rl_kernel_core.linear.reference import linear_logprob_torch
 
 LOG_RATIO_CLAMP = 20.0

@@ -21,7 +21,7 @@ exactly these arguments, already validated):
   inputs) tensor differentiable in ``logprob`` and ``entropy``; ``metrics`` maps the names of
   :data:`METRIC_NAMES` to detached 0-d tensors, computed without a host sync.
 * ``"fused_linear_policy_loss"``: ``fn(inputs, *, temperature, ignore_index, settings) -> (loss,
-  metrics)``, ``inputs`` a :class:`rl_kernel_core.opdef.loss.FusedLossInputs` (``hidden [S, T, D]``,
+  metrics)``, ``inputs`` a :class:`rl_kernel_core.loss.opdef.FusedLossInputs` (``hidden [S, T, D]``,
   ``weight [V, D]``, ``targets [S, T]`` int with ids checked in range, ``bias [V]`` or None,
   per-token tensors ``[S, T]``, S·T >= 1); same outputs as ``policy_loss``,
   with the entropy of the tempered softmax always computed (metric and ``entropy_coef`` term)
@@ -38,8 +38,8 @@ from typing import Any, Optional
 import torch
 
 from rl_kernel_core import _checks, dispatch
-from rl_kernel_core.opdef.loss import METRIC_NAMES, FusedLossInputs, LossSettings
-from rl_kernel_core.reference import loss as _reference  # registers the torch backend
+from rl_kernel_core.loss.opdef import METRIC_NAMES, FusedLossInputs, LossSettings
+from rl_kernel_core.loss import reference as _reference  # registers the torch backend
 from rl_kernel_core.spans import LossSpans
 
 __all__ = ["KL_TYPES", "LOSS_AGG_MODES", "METRIC_NAMES", "GlobalBatch", "LossSettings", "fused_linear_policy_loss", "policy_loss", "ratio_kl"]

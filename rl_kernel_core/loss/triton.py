@@ -1,6 +1,6 @@
 """Triton kernels for ``ratio_kl`` and ``policy_loss``: one fused pass forward, one backward.
 
-Semantics are :mod:`rl_kernel_core.reference.loss`'s (verl 0.9.1), computed in fp32:
+Semantics are :mod:`rl_kernel_core.loss.reference`'s (verl 0.9.1), computed in fp32:
 
 * ``ratio = exp(clamp(logprob - old_logprob, ±20))``; KL estimators k1, abs, k2, k3 (``x =
   clamp(ref - logprob, ±20)``, ``clamp(eˣ - x - 1, ±10)``) and the ``+`` variants (the base
@@ -42,9 +42,9 @@ import triton.language as tl
 from rl_kernel_core import dispatch
 from rl_kernel_core.loss_codes import AGG_CODES, KL_CODES, kl_code
 from rl_kernel_core.opdef import define_differentiable_op
-from rl_kernel_core.opdef import loss as opdef
-from rl_kernel_core.opdef.loss import LossSettings
-from rl_kernel_core.reference.loss import LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP
+from rl_kernel_core.loss import opdef
+from rl_kernel_core.loss.opdef import LossSettings
+from rl_kernel_core.loss.reference import LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP
 from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 from rl_kernel_core.triton.tuning import LOSS_ELEMENTWISE_BLOCK
 
@@ -458,7 +458,7 @@ ratio_kl = dispatch.register("ratio_kl", "triton", supports=opdef.ratio_kl_suppo
 
 
 def _policy_loss_forward(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *settings):
-    """The forward custom op's body (schema :data:`rl_kernel_core.opdef.loss.POLICY_LOSS_SCHEMA`)."""
+    """The forward custom op's body (schema :data:`rl_kernel_core.loss.opdef.POLICY_LOSS_SCHEMA`)."""
     return policy_loss_fwd(
         logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, LossSettings.from_args(settings)
     )
