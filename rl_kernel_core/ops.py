@@ -114,9 +114,9 @@ OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
     OpSpec("fused_linear_policy_loss", "rl_kernel_core.loss.api",
            {"torch": _REFERENCE_LOSS, "triton": "rl_kernel_core.linear.triton_fused_loss"},
            glue="differentiable_custom_op"),
-    OpSpec("group_advantages", "rl_kernel_core.advantages",
-           {"torch": "rl_kernel_core.reference.advantages", "triton": "rl_kernel_core.triton.advantages",
-            "native": "rl_kernel_core.native.advantages"},
+    OpSpec("group_advantages", "rl_kernel_core.advantages.api",
+           {"torch": "rl_kernel_core.advantages.reference", "triton": "rl_kernel_core.advantages.triton",
+            "native": "rl_kernel_core.advantages.native"},
            glue="custom_op", native_group="advantages", measured_order={"9.0": ("native", "triton", "torch")}),
     OpSpec("linear_logprob", "rl_kernel_core.linear.api",
            {"torch": "rl_kernel_core.linear.reference", "triton": "rl_kernel_core.linear.triton",
@@ -146,7 +146,7 @@ OTHER_EXPORTS: Mapping[str, str] = MappingProxyType({
     "LossSpans": "rl_kernel_core.spans",
     "MultimodalBatch": "rl_kernel_core.multimodal.schema",
     "set_batch_invariant_mode": "rl_kernel_core.batch_invariant_mode.api",
-    "token_advantages": "rl_kernel_core.rewards",
+    "token_advantages": "rl_kernel_core.advantages.api_rewards",
 })
 """``{public name: the module that defines it}`` for what ``rl_kernel_core`` exports that is not an op."""
 

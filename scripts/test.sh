@@ -45,7 +45,7 @@ run_tier() {
 run_tier core tests -q --ignore=tests/verl --ignore=tests/vllm "${by_file[@]}" "$@"
 # the core tests' parity checks against verl's own estimators and loss run here, where verl is installed
 [ -d tests/verl ] && run_tier verl tests/verl -q \
-  tests/core/ops/test_group_advantages.py::test_matches_verl_core_algos_when_installed \
+  tests/core/advantages/test_group_advantages.py::test_matches_verl_core_algos_when_installed \
   tests/core/loss/test_policy_loss.py::test_matches_verl_core_algos_when_installed "$@"
 [ -d tests/vllm ] && run_tier vllm tests/vllm -q "${by_file[@]}" "$@"
 [ -d tests/vllm ] && run_tier vllm-gpu tests/vllm/test_mrv2.py tests/vllm/test_plugin.py -q "$@"

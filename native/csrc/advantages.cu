@@ -1,5 +1,5 @@
 // group_advantages: GRPO / Dr.GRPO / RLOO advantages with the semantics (and the fp64 arithmetic)
-// of rl_kernel_core/reference/advantages.py (verl 0.9.1). Per group of n rewards: mean (the first
+// of rl_kernel_core/advantages/reference.py (verl 0.9.1). Per group of n rewards: mean (the first
 // reward plus the mean of the differences from it: exact for equal rewards) and the unbiased std
 // (two passes: the sum, then the sum of squared deviations from the mean); grpo: (r - mean) /
 // (std + eps), 0 where std + eps is 0 (or r - mean without std normalisation); dr_grpo: r - mean;

@@ -1,5 +1,5 @@
 // Python bindings of the native group_advantages (advantages.cu): one extension per source group, built on the first
-// call of one of its ops. rl_kernel_core.native.advantages wraps each function in a torch.library
+// call of one of its ops. rl_kernel_core.advantages.native wraps each function in a torch.library
 // custom op; the argument contracts are stated in ops.h.
 #include <torch/extension.h>
 

@@ -2,7 +2,7 @@
 
 One module per op family registers that family's ops with :mod:`rl_kernel_core.dispatch`:
 the family's ``native.py`` (:mod:`rl_kernel_core.logprob.native`, :mod:`rl_kernel_core.loss.native`,
-:mod:`rl_kernel_core.linear.native`) or, for a family not in a package yet, :mod:`.advantages`. Dispatch imports a module on the first call of an op it serves
+:mod:`rl_kernel_core.advantages.native`, :mod:`rl_kernel_core.linear.native`). Dispatch imports a module on the first call of an op it serves
 (:attr:`rl_kernel_core.ops.OpSpec.backends`); importing it builds (or loads the cached build
 of) that family's extension only (:func:`extension`). When it cannot be built or used here (a
 CPU-only PyTorch, no CUDA device, no nvcc or ninja, no sources in this installation, a compiler

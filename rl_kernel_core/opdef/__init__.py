@@ -6,8 +6,7 @@ fake (meta) implementations, tied together with ``register_autograd``, and an ea
 the same Python bodies. The backend-independent halves of each op family (fakes, ``setup``,
 the autograd backward given the backend's backward, ``supports`` predicates) live in the family's package
 (``rl_kernel_core/<family>/opdef.py``; :mod:`rl_kernel_core.linear.opdef` imports the backend-neutral
-:mod:`rl_kernel_core.linear.chunks` for the tuning key) or, for a family not in a package yet, beside it
-(:mod:`.advantages`). This module imports nothing of
+:mod:`rl_kernel_core.linear.chunks` for the tuning key). This module imports nothing of
 ``rl_kernel_core``, so every backend and the reference can import it.
 """
 

@@ -244,7 +244,7 @@ many small programs per SM."""
 SAMPLING_PLAN_WARPS: int = 8
 """Warps of the sampler's row plan (``_row_plan_kernel``)."""
 
-# --- losses and advantages (loss/triton.py, triton/advantages.py) ---------------------------------
+# --- losses and advantages (loss/triton.py, advantages/triton.py) ---------------------------------
 
 LOSS_ELEMENTWISE_BLOCK: int = 1024
 """Elements per program of the ratio/KL kernel (``_ratio_kl_kernel``)."""

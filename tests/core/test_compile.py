@@ -91,7 +91,7 @@ def test_compiled_loss_step_fullgraph_triton(seed, backend: Backend):
 
 def _sm90_cases() -> list:
     """(kernel, argument types that are not i32 / *fp32, constexprs, num_warps) covering every branch."""
-    from rl_kernel_core.triton import advantages as adv
+    from rl_kernel_core.advantages import triton as adv
     from rl_kernel_core.logprob import triton as lpl
     from rl_kernel_core.loss import triton as pl
     from rl_kernel_core.triton import tuning

@@ -35,11 +35,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("dispatch",),
     ("reference",),
     ("triton", "native", "flashinfer"),
-    ("advantages", "sampling", "attention", "invariance", "rewards"),
+    ("sampling", "attention", "invariance"),
     ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
 ]
 """The layers of the modules outside the op families' packages, by their first name under ``rl_kernel_core``."""
-FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode", "logprob", "loss")
+FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode", "logprob", "loss", "advantages")
 """The op families' packages (``rl_kernel_core/<family>/``), one per family (CONTRIBUTING.md, "Map")."""
 FAMILY_ROLES: dict[str, tuple[int, str]] = {
     "opdef": (1, "opdef"), "chunks": (1, "opdef"), "reference": (3, "reference"),

@@ -13,7 +13,7 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.rewards import Regions, Signal, Steps, token_advantages
+from rl_kernel_core.advantages.api_rewards import Regions, Signal, Steps, token_advantages
 
 B, G, T = 6, 3, 14
 
@@ -145,7 +145,7 @@ def test_group_of_one_entry_and_no_entries(seed):
     (dict(reward=Signal(steps=Steps(torch.zeros(B, 2), torch.randn(B, 2)))), TypeError, r"reward.steps.ends must have dtype in \(int64, int32\)"),
     (dict(reward=Signal(steps=Steps(torch.zeros(B, 2, dtype=torch.long), torch.randn(B, 3)))), ValueError,
      r"reward.steps.ends must have the shape of reward.steps.values \(6, 3\), got \(6, 2\)"),
-    (dict(reward=torch.randn(B)), TypeError, r"reward must be a rl_kernel_core.rewards.Signal, got Tensor"),
+    (dict(reward=torch.randn(B)), TypeError, r"reward must be a rl_kernel_core.advantages.api_rewards.Signal, got Tensor"),
     (dict(estimator="ppo"), ValueError, r"estimator must be one of"),
 ])
 def test_bad_input_names_the_argument(seed, bad, error, message):

@@ -1,6 +1,6 @@
 """Triton kernel for ``group_advantages``: GRPO / Dr.GRPO / RLOO advantages, deterministic.
 
-Semantics and arithmetic are :mod:`rl_kernel_core.reference.advantages`'s (verl 0.9.1): fp64
+Semantics and arithmetic are :mod:`rl_kernel_core.advantages.reference`'s (verl 0.9.1): fp64
 whatever the rewards' dtype, rounded to fp32 at the store. Per group of ``n`` rewards, ``mean``
 (the first reward plus the mean of the differences from it: exact for equal rewards) and the
 unbiased ``std`` (two passes: the sum, then the sum of squared deviations from the mean);
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.loss_codes import ESTIMATOR_CODES
-from rl_kernel_core.opdef import advantages as opdef
+from rl_kernel_core.advantages import opdef
 from rl_kernel_core.opdef import fp64_reason
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton.tuning import ADVANTAGES_MAX_BLOCK

@@ -1,6 +1,6 @@
 """Plain-PyTorch reference for group-relative advantages (GRPO, Dr.GRPO, RLOO).
 
-Inputs arrive validated by :mod:`rl_kernel_core.advantages`. Group statistics come from
+Inputs arrive validated by :mod:`rl_kernel_core.advantages.api`. Group statistics come from
 ``torch.segment_reduce`` over rewards laid out group by group (a stable sort by group id when
 groups are given by index): every reduction has a fixed order and no float atomics, so results
 are bitwise reproducible. Arithmetic is fp64 whatever the rewards' dtype: ``r - mean`` of two

@@ -1,5 +1,5 @@
 """Native ``group_advantages``: the CUDA kernel of ``native/csrc/advantages.cu`` as the custom op
-``rl_kernel::native_group_advantages`` (fake in :mod:`rl_kernel_core.opdef.advantages`),
+``rl_kernel::native_group_advantages`` (fake in :mod:`rl_kernel_core.advantages.opdef`),
 registered as the ``native`` backend. Importing this module builds the ``advantages`` extension."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from rl_kernel_core import dispatch
 from rl_kernel_core.loss_codes import ESTIMATOR_CODES
 from rl_kernel_core.native import extension
-from rl_kernel_core.opdef import advantages as opdef
+from rl_kernel_core.advantages import opdef
 
 Tensor = torch.Tensor
 _ext = extension("advantages")

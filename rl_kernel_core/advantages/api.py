@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import _checks, dispatch
-from rl_kernel_core.reference import advantages as _reference  # registers the torch backend
+from rl_kernel_core.advantages import reference as _reference  # registers the torch backend
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 

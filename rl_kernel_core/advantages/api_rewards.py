@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from rl_kernel_core import _checks
-from rl_kernel_core.advantages import ESTIMATORS, group_advantages
+from rl_kernel_core.advantages.api import ESTIMATORS, group_advantages
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def _group_normalised(values: torch.Tensor, valid: torch.Tensor, group_size: int
 def _signal_tokens(name: str, signal: Signal, mask: torch.Tensor, group_size: int, kwargs: dict) -> torch.Tensor:
     """``[B, T]`` fp64 token advantages of one signal (before masking)."""
     if not isinstance(signal, Signal):
-        raise TypeError(f"{name} must be a rl_kernel_core.rewards.Signal, got {type(signal).__name__}")
+        raise TypeError(f"{name} must be a rl_kernel_core.advantages.api_rewards.Signal, got {type(signal).__name__}")
     num, seq_len = mask.shape
     positions = torch.arange(seq_len, device=mask.device)
     out = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
