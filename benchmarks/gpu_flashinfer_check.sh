@@ -23,7 +23,7 @@ for params in ({}, {"top_k": 50}, {"top_p": 0.9}, {"top_k": 50, "top_p": 0.9}, {
     print(params, "first call", f"{time.perf_counter() - start:.1f} s", tokens.tolist())
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-python3 -m pytest -q -m gpu tests/core/ops/test_sample_flashinfer.py -p no:cacheprovider --durations=10 2>&1 \
+python3 -m pytest -q -m gpu tests/core/sampling/test_sample_flashinfer.py -p no:cacheprovider --durations=10 2>&1 \
   | tee "$out/flashinfer_gpu_tests.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 benchmarks/bench_sampling.py --out "$out" 2>&1 | tee "$out/bench_sampling.log" | grep -v '^[ {}]' | tail -20

@@ -6,14 +6,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_preamble.sh gpu-results "$@"
 python3 -m rl_kernel_core.cli info > "$out/info.txt" 2>&1
-python3 -m pytest -q -m gpu tests/core/ops/test_sample.py -p no:cacheprovider --durations=15 2>&1 \
+python3 -m pytest -q -m gpu tests/core/sampling/test_sample.py -p no:cacheprovider --durations=15 2>&1 \
   | tee "$out/sampling_gpu_tests.log" | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 - > "$out/sampling_kernels.txt" 2>&1 <<'PY'
 # registers and spills of every compiled sampling kernel (headline calls in bf16 and fp32 compile them)
 import torch
 import rl_kernel_core as rk
-from rl_kernel_core.triton import sampling as S
+from rl_kernel_core.sampling import triton as S
 kernels = (("scan", S._block_scan_kernel), ("plan", S._row_plan_kernel), ("gather", S._block_gather_kernel),
            ("finish", S._finish_kernel), ("exact", S._exact_kernel))
 seen = set()

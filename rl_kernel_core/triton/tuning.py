@@ -208,7 +208,7 @@ of a statistics chunk (``stats_rows``)."""
 MERGE_BLOCK_T: int = 64
 """Vocab tiles per step of the statistics merge (``_merge_kernel``)."""
 
-# --- logprob_from_logits (logprob/triton.py) and sample (triton/sampling.py) ----------
+# --- logprob_from_logits (logprob/triton.py) and sample (sampling/triton.py) ----------
 
 LOGPROB_MAX_BLOCK_V: int = 4096
 """Largest ``BLOCK_V`` (vocab columns per step) of the log-prob backward, and the default cap of
@@ -229,7 +229,7 @@ registers, more programs per SM)."""
 RANK_TILE: tuple[int, int, int] = (128, 4096, 8)
 """``(SMALL, PAIR_TILE, num_warps)`` of the sampler's finish (``_finish_kernel``): candidate lists of
 at most ``SMALL`` are ranked in a tile of that size, longer ones in one of ``CANDIDATES``
-(:mod:`rl_kernel_core.triton.sampling`); a step compares every candidate with ``PAIR_TILE / size``
+(:mod:`rl_kernel_core.sampling.triton`); a step compares every candidate with ``PAIR_TILE / size``
 others."""
 
 EXACT_TILE: tuple[int, int, int, int] = (1024, 8, 2048, 8)

@@ -7,7 +7,7 @@ build), op definitions (``opdef``, a family's ``opdef.py`` and the backend-neutr
 FlashInfer's sampler takes its log-probs from the Triton kernel), the public
 ops, and the tools on top (CLI, benchmarks' helpers, profiling, report, consistency). An op family's package
 (:data:`FAMILIES`) holds one file per layer, named for it (:data:`FAMILY_ROLES`: ``api.py``, ``opdef.py``,
-``reference.py``, ``triton.py``, ``native.py``; ``<role>_<part>.py`` for a role split over files,
+``reference.py``, ``triton.py``, ``native.py``, ``flashinfer.py``; ``<role>_<part>.py`` for a role split over files,
 :data:`PART_ROLES`), and its ``__init__.py`` imports nothing. Every import counts, a function's lazy one too (only dispatch's ``importlib``, which loads backends by
 name, is not an import statement); no module of the core imports an adapter package
 (``rl_kernel_vllm``, ``rl_kernel_verl``, ``rl_kernel_vime``).
@@ -34,19 +34,19 @@ LAYERS: list[tuple[str, ...]] = [
     ("opdef",),
     ("dispatch",),
     ("reference",),
-    ("triton", "native", "flashinfer"),
-    ("sampling", "attention", "invariance"),
+    ("triton", "native"),
+    ("attention", "invariance"),
     ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
 ]
 """The layers of the modules outside the op families' packages, by their first name under ``rl_kernel_core``."""
-FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode", "logprob", "loss", "advantages")
+FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode", "logprob", "loss", "advantages", "sampling")
 """The op families' packages (``rl_kernel_core/<family>/``), one per family (CONTRIBUTING.md, "Map")."""
 FAMILY_ROLES: dict[str, tuple[int, str]] = {
     "opdef": (1, "opdef"), "chunks": (1, "opdef"), "reference": (3, "reference"),
-    "triton": (4, "triton"), "native": (4, "native"), "api": (5, "api"),
+    "triton": (4, "triton"), "native": (4, "native"), "flashinfer": (4, "flashinfer"), "api": (5, "api"),
 }
 """``{file name in a family's package: (its layer, its backend or role)}``."""
-PART_ROLES: tuple[str, ...] = ("api", "reference", "triton")
+PART_ROLES: tuple[str, ...] = ("api", "reference", "triton", "flashinfer")
 """Roles a family may split over several files: ``<role>_<part>.py`` has ``<role>``'s layer."""
 
 
@@ -135,7 +135,7 @@ def _import_alone(module: str) -> str | None:
     # a native family module (a family's native.py) cannot build without CUDA, the FlashInfer module needs FlashInfer:
     # their ImportError is the reason dispatch reports, by design
     optional = module.startswith("rl_kernel_core.native.") or module.split(".")[1:] in ([f, "native"] for f in FAMILIES) \
-        or module == "rl_kernel_core.flashinfer.sampling"
+        or module == "rl_kernel_core.sampling.flashinfer"
     if optional and last.startswith(("ImportError:", "ModuleNotFoundError: No module named 'flashinfer'")):
         return None
     return f"{module}: {last}"

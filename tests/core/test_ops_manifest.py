@@ -11,7 +11,6 @@ from rl_kernel_core import ops
 from rl_kernel_core.ops import OpSpec
 
 TESTS = Path(__file__).resolve().parent
-OP_TESTS = TESTS / "ops"
 PACKAGE = TESTS.parents[1] / "rl_kernel_core"
 
 
@@ -51,16 +50,15 @@ def test_each_native_module_loads_the_extension_of_its_ops_group():
 
 
 def test_every_op_has_its_test_module():
-    """Each op of the manifest has ``test_<op>.py`` in its family's test folder: ``tests/core/<family>/``
-    for an op whose modules live in a family's package ``rl_kernel_core/<family>/`` (its Triton
-    module's family first, then its public function's), ``tests/core/ops/``
-    otherwise (CONTRIBUTING.md, "Adding an op")."""
+    """Each op of the manifest has ``test_<op>.py`` in its family's test folder ``tests/core/<family>/``,
+    the family whose package ``rl_kernel_core/<family>/`` holds its modules (its Triton module's family
+    first, then its public function's; CONTRIBUTING.md, "Adding an op")."""
     missing = [f"tests/core/{folder.name}/test_{spec.name}.py" for spec in ops.OPS.values()
                if not ((folder := _test_folder(spec)) / f"test_{spec.name}.py").is_file()]
     assert not missing, f"ops without their test module: {missing}"
 
 
-SHARED_PACKAGES = ("opdef", "reference", "triton", "native", "flashinfer", "consistency", "multimodal")
+SHARED_PACKAGES = ("opdef", "reference", "triton", "native", "tools", "consistency", "multimodal")
 """The packages of ``rl_kernel_core`` that are no op family's (shared machinery and tools)."""
 
 
@@ -69,7 +67,7 @@ def _test_folder(spec: OpSpec) -> Path:
         parts = (module or "").split(".")
         if len(parts) > 2 and parts[1] not in SHARED_PACKAGES and (PACKAGE / parts[1] / "__init__.py").is_file():
             return TESTS / parts[1]
-    return OP_TESTS
+    raise AssertionError(f"{spec.name}: no module in a family's package (rl_kernel_core/<family>/)")
 
 
 @pytest.mark.parametrize("fields,message", [

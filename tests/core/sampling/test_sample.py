@@ -20,8 +20,8 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import contract
 from rl_kernel_core.dispatch import BackendUnavailableError, explain
-from rl_kernel_core.reference import sampling as ref
-from rl_kernel_core.triton import sampling as triton_sampling
+from rl_kernel_core.sampling import reference as ref
+from rl_kernel_core.sampling import triton as triton_sampling
 from op_backends import Backend, on_backends
 from oracles import CHI_SQUARE_CASES, SAMPLING_GPU_SHAPE, SIGMAS, allowed_tokens, chi_square_check, random_seeds, row_params
 

@@ -25,7 +25,7 @@ parameter is a Python number for the whole batch or a ``[B]`` tensor)::
 ``seeds``: there it is the caller's tensor, or None when the caller gave none (so a backend whose
 draws are not keyed on each row's seed alone can refuse exactly the calls that carry seeds).
 
-The semantics every backend must reproduce are stated in :mod:`rl_kernel_core.reference.sampling`.
+The semantics every backend must reproduce are stated in :mod:`rl_kernel_core.sampling.reference`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.batch_invariant_mode.api import is_batch_invariant
 from rl_kernel_core.logprob.api import logprob_from_logits
-from rl_kernel_core.reference import sampling as _reference  # noqa: F401  (registers the torch backend)
+from rl_kernel_core.sampling import reference as _reference  # noqa: F401  (registers the torch backend)
 
 Param = Union[int, float, torch.Tensor, None]
 
@@ -160,7 +160,7 @@ def sample(
 
     Filtering follows vLLM (V1 sampler and Model Runner V2): temperature, then min-p, then top-k,
     then top-p, each on what the previous kept (top-k/top-p ties at the threshold are kept). The
-    exact definitions are in :mod:`rl_kernel_core.reference.sampling`.
+    exact definitions are in :mod:`rl_kernel_core.sampling.reference`.
 
     Args:
         logits: ``[B, V]`` float32/bfloat16/float16/float64 (upcast to fp32; fp64 is rounded to fp32).
@@ -187,7 +187,7 @@ def sample(
             (the ``flashinfer`` backend seeds FlashInfer's Philox stream with the first of them).
         backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto), ``"native"``,
             ``"triton"``, ``"torch"`` or ``"flashinfer"`` (FlashInfer's samplers, only when named
-            or preferred, and only without ``seeds``: see :mod:`rl_kernel_core.flashinfer`); see
+            or preferred, and only without ``seeds``: see :mod:`rl_kernel_core.sampling.flashinfer_supports`); see
             :mod:`rl_kernel_core.dispatch`.
 
     Returns:

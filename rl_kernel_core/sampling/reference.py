@@ -143,7 +143,7 @@ def _as_rows(value, b: int, dtype: torch.dtype, device: torch.device) -> Optiona
 @dispatch.register("sample", "torch")
 def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded sampling of ``logits [B, V]``; see the module docstring for the exact semantics and
-    :mod:`rl_kernel_core.sampling` for the argument contract (numbers or ``[B]`` tensors)."""
+    :mod:`rl_kernel_core.sampling.api` for the argument contract (numbers or ``[B]`` tensors)."""
     b, dev = logits.shape[0], logits.device
     temperature = _as_rows(temperature, b, torch.float64, dev)
     positions = _as_rows(0 if positions is None else positions, b, torch.int64, dev)

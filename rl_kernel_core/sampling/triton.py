@@ -39,7 +39,7 @@ when it is finite and survives min-p. Stages, one kernel each:
    ``CANDIDATES`` tokens they are gathered and the search ends on them. Then the draw over the row.
 
 The noise ``g_i = -log(-log u_i)`` is fp32, ``u_i`` from the counter-based hash of
-:mod:`rl_kernel_core.reference.sampling` keyed on ``(seed, position, i)``. Greedy rows
+:mod:`rl_kernel_core.sampling.reference` keyed on ``(seed, position, i)``. Greedy rows
 (temperature 0) take ``argmax logits`` and the log-prob at temperature 1.
 """
 
@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 from rl_kernel_core.logprob.triton import _block_v
+from rl_kernel_core.triton._jit import helper_jit, launch_time_jit
 from rl_kernel_core.triton.tuning import (
     EXACT_TILE,
     FWD_TILE,
@@ -112,7 +112,7 @@ def _mix64(z):
 def _row_state(seed, pos):
     """A row's hash state from its int64 ``seed`` and ``pos`` (uint64 arithmetic): the seed, then
     the position, absorbed through SplitMix64's finaliser, as
-    :func:`rl_kernel_core.reference.sampling.row_state`."""
+    :func:`rl_kernel_core.sampling.reference.row_state`."""
     start = _mix64(seed.to(tl.uint64, bitcast=True) + 0xD1B54A32D192ED03)
     return _mix64(start + pos.to(tl.uint64, bitcast=True) * 0xDB4F0B9175AE2165)
 
@@ -584,7 +584,7 @@ def _float_bits(value: float) -> int:
 def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds: torch.Tensor, positions: Param,
            top_k: Param, top_p: Param, min_p: Param) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded sampling of ``logits [B, V]`` (fp32/bf16/fp16); see the module docstring and
-    :mod:`rl_kernel_core.sampling` for the argument contract (numbers or ``[B]`` tensors).
+    :mod:`rl_kernel_core.sampling.api` for the argument contract (numbers or ``[B]`` tensors).
     Returns ``(tokens [B] int64, logprobs [B] fp32)``."""
     b, v = logits.shape
     dev = logits.device

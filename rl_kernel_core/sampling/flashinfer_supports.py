@@ -2,7 +2,7 @@
 
 FlashInfer (the ``flashinfer-python`` package; 0.7.2 tested, on an H100) draws the tokens; the log-probs are
 ``logprob_from_logits``' Triton kernel on the same logits, so they have its bits. The backend
-(:mod:`rl_kernel_core.flashinfer.sampling`) imports FlashInfer; this module does not, so
+(:mod:`rl_kernel_core.sampling.flashinfer`) imports FlashInfer; this module does not, so
 :func:`supports` can be imported and tested without it.
 
 What it serves, and how each call maps onto FlashInfer (``x = fp32(logits) * fp32(1 / T)``, the
@@ -58,7 +58,7 @@ def supports(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seed
     else the reason it does not, naming the argument (``dispatch.explain`` shows it).
 
     Takes ``sample``'s backend arguments as ``dispatch.select`` passes them (``seeds`` None when the
-    caller gave none; see :mod:`rl_kernel_core.sampling`). The device is dispatch's check, before
+    caller gave none; see :mod:`rl_kernel_core.sampling.api`). The device is dispatch's check, before
     this one (FlashInfer runs on CUDA tensors only).
     """
     if seeds is not None:

@@ -3,7 +3,7 @@ never takes it unasked, the clear error without FlashInfer, and on a GPU with Fl
 inside the reference's filtered set, log-probs bitwise ``logprob_from_logits``, and a chi-square
 test of the draws against the exact truncated distribution at the serving vocabulary.
 
-The CPU tests need no FlashInfer: :func:`rl_kernel_core.flashinfer.supports` imports without it,
+The CPU tests need no FlashInfer: :func:`rl_kernel_core.sampling.flashinfer_supports.supports` imports without it,
 and the dispatch test puts a stand-in implementation behind the real predicate. The ``gpu`` tests
 skip without CUDA or without FlashInfer.
 """
@@ -19,8 +19,8 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import dispatch
 from rl_kernel_core.dispatch import BackendUnavailableError, explain
-from rl_kernel_core.flashinfer import supports
-from rl_kernel_core.reference import sampling as ref
+from rl_kernel_core.sampling.flashinfer_supports import supports
+from rl_kernel_core.sampling import reference as ref
 from oracles import CHI_SQUARE_CASES, SAMPLING_GPU_SHAPE, chi_square_check, random_seeds
 
 

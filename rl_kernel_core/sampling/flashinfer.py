@@ -1,7 +1,7 @@
 """The ``flashinfer`` backend of ``sample``: FlashInfer draws the tokens, ``logprob_from_logits``'
 Triton kernel gives their log-probs. Importing this module imports FlashInfer (and Triton): when
 either is missing the import fails, and dispatch reports that error for ``backend="flashinfer"``.
-Which calls it serves, and how each maps onto FlashInfer: :mod:`rl_kernel_core.flashinfer`.
+Which calls it serves, and how each maps onto FlashInfer: :mod:`rl_kernel_core.sampling.flashinfer_supports`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import flashinfer.sampling as fi
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.flashinfer import Param, active_filters, supports
 from rl_kernel_core.logprob.triton import logprob_fwd
+from rl_kernel_core.sampling.flashinfer_supports import Param, active_filters, supports
 
 
 def draw(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> torch.Tensor:
@@ -25,11 +25,11 @@ def draw(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, top_k: P
         top_k: None, an int in ``[1, V]`` or an integer tensor ``[B]``.
         top_p: None, a number in ``(0, 1]`` or a float tensor ``[B]``.
         min_p: None, a number in ``[0, 1)`` or a float tensor ``[B]``; not with an active
-            ``top_k``/``top_p`` (:func:`rl_kernel_core.flashinfer.supports` refuses that).
+            ``top_k``/``top_p`` (:func:`rl_kernel_core.sampling.flashinfer_supports.supports` refuses that).
 
     Returns:
         ``[B]`` int64 token ids. The FlashInfer call for each filter combination is listed in
-        :mod:`rl_kernel_core.flashinfer`.
+        :mod:`rl_kernel_core.sampling.flashinfer_supports`.
     """
     x = logits.float()
     if temperature != 1.0:
@@ -56,8 +56,8 @@ def draw(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, top_k: P
 @dispatch.register("sample", "flashinfer", supports=supports)
 def sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: Param,
            top_k: Param, top_p: Param, min_p: Param) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sample``'s backend contract (:mod:`rl_kernel_core.sampling`) for the calls
-    :func:`~rl_kernel_core.flashinfer.supports` accepts (no caller seeds, so ``positions`` do not
+    """``sample``'s backend contract (:mod:`rl_kernel_core.sampling.api`) for the calls
+    :func:`~rl_kernel_core.sampling.flashinfer_supports.supports` accepts (no caller seeds, so ``positions`` do not
     enter the draw). Returns ``(tokens [B] int64, logprobs [B] fp32)``, the log-probs with the bits
     of ``logprob_from_logits(logits, tokens, temperature=temperature, backend="triton")``."""
     tokens = draw(logits, temperature, seeds, top_k, top_p, min_p)
