@@ -17,7 +17,7 @@ causal, scale ``D ** -0.5``, by default):
 Layouts (``--layouts``): ``BxL`` is B sequences of L tokens; ``BxL1-L2`` is B lengths drawn
 uniformly from [L1, L2] (seeded). Per layout and method: the forward, the backward alone (one
 ``autograd.grad`` over the retained graph) and their sum, each the median of ``--reps``
-CUDA-event timings after ``--warmup`` calls (``rl_kernel_core.bench``), and the peak extra
+CUDA-event timings after ``--warmup`` calls (``rl_kernel_core.tools.bench``), and the peak extra
 memory of forward + backward. Checks per layout: the Triton gradients bitwise equal over two
 calls, and their largest difference from the per-sequence baseline's relative to the largest
 gradient (both are fp32-accumulated approximations; the tests hold each to the fp64 formula).
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench
+from rl_kernel_core.tools import bench
 from rl_kernel_core.batch_invariant_mode import triton_attention as triton_attention
 from rl_kernel_core.triton.tuning import BWD_TILES
 

@@ -1,6 +1,6 @@
 """Benchmark the consistency chain's forward with batch-invariant mode on vs off at Qwen3-0.6B shapes.
 
-The model is :class:`rl_kernel_core.consistency.model.TinyDecoder` with Qwen3-0.6B's layer shapes
+The model is :class:`rl_kernel_core.tools.consistency.model.TinyDecoder` with Qwen3-0.6B's layer shapes
 (D=1024, 16 query / 8 KV heads, head_dim 128, F=3072, V=151936) and ``--layers`` layers (default 4
 of the real model's 28: every layer has the same shape, so the per-layer cost ratio is what a
 few layers measure; the LM head and log-prob are included once, as in the real model). One timed
@@ -14,7 +14,7 @@ head and the selected log-probs (``chain.packed_logprobs``), under ``torch.no_gr
 
 Batch sizes 1..256 with ``--seq`` tokens per sequence (512), capped at ``--max-tokens`` tokens per
 forward (8192: 16 x 512; larger batches use shorter sequences, recorded per row). Each timing is the
-median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.bench``); the JSON names the GPU,
+median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.tools.bench``); the JSON names the GPU,
 versions, shapes, dtype and command line. Target: mode on <= 1.15x mode off.
 
 ``--graph-batches`` (CUDA only) also times each mode's forward captured as a CUDA graph and
@@ -46,10 +46,11 @@ import time
 
 import torch
 
-from rl_kernel_core import bench, dispatch
+from rl_kernel_core import dispatch
+from rl_kernel_core.tools import bench
 from rl_kernel_core.batch_invariant_mode.api import batch_invariant
-from rl_kernel_core.consistency import chain
-from rl_kernel_core.consistency.model import TinyConfig, TinyDecoder
+from rl_kernel_core.tools.consistency import chain
+from rl_kernel_core.tools.consistency.model import TinyConfig, TinyDecoder
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                  intermediate_size=3072, rope_theta=1_000_000.0, rms_eps=1e-6)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 
 from grpo.embedded import (GRPOConfig, plain_head_logprob, plain_policy_loss,  # noqa: E402
                            rl_kernel_head_logprob, rl_kernel_policy_loss)
-from rl_kernel_core import bench  # noqa: E402
+from rl_kernel_core.tools import bench  # noqa: E402
 
 SHAPES = {  # name -> (D, V)
     "qwen3-0.6b": (1024, 151936),

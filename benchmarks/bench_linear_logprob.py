@@ -90,7 +90,7 @@ from typing import Callable
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench
+from rl_kernel_core.tools import bench
 from rl_kernel_core.linear import chunks as LC
 from rl_kernel_core.triton import tuning as triton_tuning
 

@@ -15,7 +15,7 @@ What it measures (every baseline in the same run, on the same inputs):
   written once) at the measured copy bandwidth.
 
 Each timing is the median of ``--reps`` CUDA-event-timed calls after ``--warmup`` calls
-(``rl_kernel_core.bench``), so it includes the host's work inside the call (validation with
+(``rl_kernel_core.tools.bench``), so it includes the host's work inside the call (validation with
 the target-id check's one sync, dispatch, launches); ``profile_host.py`` separates host and
 device time. Peak extra memory is the allocator peak during one call over what was allocated
 before it; errors are max |value - fp64 reference| on the same inputs (the fp64
@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench
+from rl_kernel_core.tools import bench
 
 CHUNK_ROWS = 1024
 

@@ -10,9 +10,9 @@ One process, one random-weight ``Qwen3ForCausalLM`` (``make_random_model.PRESETS
   tokens (8192 by default), with gradients for every parameter.
 
 Mode on: :func:`rl_kernel_core.batch_invariant` around the call, and the model's attention set to
-:func:`rl_kernel_core.consistency.hf.use_mode_attention` (``varlen_attention`` while the mode is on,
+:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_mode_attention` (``varlen_attention`` while the mode is on,
 transformers' ``sdpa`` while it is off), so the off rows are transformers as shipped. Each row is
-the median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.bench.time_ms``; the first
+the median of ``--reps`` calls after ``--warmup`` (``rl_kernel_core.tools.bench.time_ms``; the first
 calls compile the Triton kernels); the JSON names the GPU, versions, shapes and command line.
 ``--profile`` adds each case's CUDA kernels by device time (``bench.kernel_table``) and
 ``--cprofile`` its Python functions by own time, for both modes: where the on/off gap is.
@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_random_model import PRESETS  # noqa: E402
 
 import rl_kernel_core as rk  # noqa: E402
-from rl_kernel_core import bench  # noqa: E402
+from rl_kernel_core.tools import bench  # noqa: E402
 from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch  # noqa: E402
-from rl_kernel_core.consistency.hf import use_mode_attention  # noqa: E402
+from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention  # noqa: E402
 
 TARGETS = {"generate": 1.3, "train": 1.15}
 

@@ -35,7 +35,8 @@ from typing import Callable, Optional
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench, dispatch
+from rl_kernel_core import dispatch
+from rl_kernel_core.tools import bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_losses import (  # noqa: E402

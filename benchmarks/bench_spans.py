@@ -17,7 +17,7 @@ Each variant runs forward + backward from ``hidden [B, L, D]`` and the LM head `
 * ``ours_fused_dense_mask``: ``fused_linear_policy_loss`` with the dense mask (every row
   through the LM head): what the spans save over our own dense path.
 
-Timing: median of ``--reps`` CUDA-event-timed calls after ``--warmup`` (``rl_kernel_core.bench``);
+Timing: median of ``--reps`` CUDA-event-timed calls after ``--warmup`` (``rl_kernel_core.tools.bench``);
 memory: the allocator peak during one call over what was allocated before it (inputs
 allocated). A variant that runs out of memory is recorded as such. The issue's target: peak
 extra memory of ``transformers_default`` at least 10x ours, its time at least 3x ours (``met`` is
@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench
+from rl_kernel_core.tools import bench
 from rl_kernel_core.spans import LossSpans
 
 KNOBS = dict(clip_ratio_c=3.0, kl_type="low_var_kl", kl_coef=0.0, loss_agg_mode="token-mean")

@@ -86,7 +86,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from make_random_model import PRESETS, write_random_model  # noqa: E402
 
-from rl_kernel_core import bench, contract  # noqa: E402
+from rl_kernel_core import contract  # noqa: E402
+from rl_kernel_core.tools import bench  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "verl_default": (),

@@ -23,7 +23,7 @@ import sys
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench
+from rl_kernel_core.tools import bench
 
 
 def digest(t: torch.Tensor) -> str:

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench, contract, dispatch
+from rl_kernel_core import contract, dispatch
+from rl_kernel_core.tools import bench
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

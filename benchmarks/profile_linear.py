@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_linear_logprob as B  # noqa: E402
 
-from rl_kernel_core import bench  # noqa: E402
+from rl_kernel_core.tools import bench  # noqa: E402
 
 
 def _case_fn(case: str, shape: str, dtype: torch.dtype):

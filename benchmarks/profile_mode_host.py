@@ -31,7 +31,8 @@ import time
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench, dispatch
+from rl_kernel_core import dispatch
+from rl_kernel_core.tools import bench
 from rl_kernel_core.batch_invariant_mode import api as invariance
 from rl_kernel_core.batch_invariant_mode import triton as tbi
 from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
@@ -79,12 +80,12 @@ def decode_pieces(batch: int, hidden: int, cache: int, device: torch.device) -> 
     """The pieces of a decode step's routed RMSNorm mean (``hidden_states.pow(2).mean(-1,
     keepdim=True)`` over ``[batch, 1, hidden]`` fp32, as transformers' Qwen3 RMSNorm) and of its
     attention call (Qwen3-0.6B's 16 query and 8 KV heads of 128 over a ``cache``-token KV cache,
-    through :func:`rl_kernel_core.consistency.hf.mode_attention`: ``sdpa`` with the mode off), each
+    through :func:`rl_kernel_core.batch_invariant_mode.api_hf.mode_attention`: ``sdpa`` with the mode off), each
     a no-argument callable; names starting ``mode_on`` are timed inside the mode."""
     from types import SimpleNamespace
 
     from rl_kernel_core.batch_invariant_mode.api_attention import varlen_attention
-    from rl_kernel_core.consistency.hf import mode_attention
+    from rl_kernel_core.batch_invariant_mode.api_hf import mode_attention
     from rl_kernel_core.batch_invariant_mode import triton_attention as tattn
 
     squares = torch.randn(batch, 1, hidden, device=device).pow(2)

@@ -7,7 +7,7 @@ vLLM config; the plugin not installed) and transformers' rotary module as ``from
 transformers' ``cos``/``sin`` at every position below ``max_position_embeddings``: the number of
 differing entries, the first differing position, and how many inverse frequencies differ between
 vLLM's computation on the GPU and on the CPU. Also checks that
-:func:`rl_kernel_core.consistency.rope.cos_sin_table` (what the batch-invariant hook puts in vLLM's
+:func:`rl_kernel_core.batch_invariant_mode.api_rope.cos_sin_table` (what the batch-invariant hook puts in vLLM's
 table) equals transformers' values everywhere.
 
 ``python benchmarks/rope_tables.py --out rope_tables.json`` (needs vLLM; ``--device cpu`` compares vLLM's CPU table)
@@ -58,7 +58,7 @@ def compare(arch: str, theta: float, head_dim: int, params: dict, dtype: torch.d
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from rl_kernel_core.consistency.rope import cos_sin_table, reference_rotary
+    from rl_kernel_core.batch_invariant_mode.api_rope import cos_sin_table, reference_rotary
 
     config = config_of(arch, theta, head_dim, params, dtype)
     with set_current_vllm_config(VllmConfig()), torch.device(device):

@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from rl_kernel_core import bench, contract
+from rl_kernel_core import contract
+from rl_kernel_core.tools import bench
 from rl_kernel_core.batch_invariant_mode.triton import matmul_forward, matmul_tile, uses_tma
 from rl_kernel_core.triton.tuning import TMA_MATMUL_TILES, TMA_MIN_ROWS
 

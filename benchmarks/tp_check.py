@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench
+from rl_kernel_core.tools import bench
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.linear import triton_vocab_parallel as VP
 from rl_kernel_core.linear.chunks import tuning

@@ -26,7 +26,7 @@ from grpo.model import PRESETS, build_local_model
 from grpo.runs import (add_run_options, device_and_output, embedded_side, first_step_section, git_commit,
                        parse_run_options, recipe_error, recipe_parser, run_config)
 import rl_kernel_core as rk
-from rl_kernel_core import bench, report
+from rl_kernel_core.tools import bench, report
 from rl_kernel_core.argtypes import integer, number
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,9 +24,9 @@ from grpo import vision, vision_data
 from grpo.runs import (OVERRIDES, add_run_options, device_and_output, embedded_side, first_step_section, git_commit,
                        parse_run_options, recipe_error, recipe_parser, run_config)
 from grpo.vision_model import PRESETS, CacheError, build_local_vlm
-from rl_kernel_core import bench, report
+from rl_kernel_core.tools import bench, report
 from rl_kernel_core.argtypes import integer, number
-from rl_kernel_core.multimodal.parity import ParityError
+from rl_kernel_core.tools.multimodal.parity import ParityError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         f"- model: {model_desc}", f"- sampler: {cfg.sampler} (the same in both runs)",
         f"- reward: 1 when the response's first word is the answer, {cfg.format_score:g} when it is a wrong answer of "
         "the right kind (a number, a colour), else 0",
-        "- processor-layout parity (rl_kernel_core.multimodal.parity) on each run's first batch, rollout vs training "
+        "- processor-layout parity (rl_kernel_core.tools.multimodal.parity) on each run's first batch, rollout vs training "
         "encoding: no mismatch (a mismatch stops the run before training)",
         f"- batch-invariant mode: {'on in both runs' if cfg.batch_invariant else 'off'}"])))
     report_path = report.write_report(out / "off.jsonl", out / "on.jsonl", out,

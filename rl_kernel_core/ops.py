@@ -144,7 +144,7 @@ OTHER_EXPORTS: Mapping[str, str] = MappingProxyType({
     "batch_invariant": "rl_kernel_core.batch_invariant_mode.api",
     "is_batch_invariant": "rl_kernel_core.batch_invariant_mode.api",
     "LossSpans": "rl_kernel_core.spans",
-    "MultimodalBatch": "rl_kernel_core.multimodal.schema",
+    "MultimodalBatch": "rl_kernel_core.tools.multimodal.schema",
     "set_batch_invariant_mode": "rl_kernel_core.batch_invariant_mode.api",
     "token_advantages": "rl_kernel_core.advantages.api_rewards",
 })

@@ -18,7 +18,7 @@ over the ``step`` region, or over the wall time since the previous step_end when
 ``step`` region), ``peak_vram_gib`` (CUDA only, reset each step; only where profiling owns
 CUDA's peak-memory counter, see :func:`enable`), ``routes`` (op -> what ran at its last call in
 this process, :attr:`rl_kernel_core.dispatch.Decision.route`; absent before any op ran) and every
-extra field the caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare`` (:mod:`rl_kernel_core.report`) reads
+extra field the caller passes (``reward``, ``logprob_diff``, ...). ``rl-kernel compare`` (:mod:`rl_kernel_core.tools.report`) reads
 these files.
 """
 

@@ -16,7 +16,7 @@ engine whose model config has the switch off, in the same process, runs verl's c
   used to the metrics verl returns (``update_actor``, ``compute_log_prob``, ``compute_ref_log_prob``).
 
 With the batch-invariant option (``rl_kernel_batch_invariant``) the model also gets
-:func:`rl_kernel_core.consistency.hf.use_mode_attention` when built, each ``train_batch`` /
+:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_mode_attention` when built, each ``train_batch`` /
 ``infer_batch`` (forward, backward and optimizer step) runs inside
 :func:`rl_kernel_core.batch_invariant`, the forward computes the rollout's log-prob definition
 (:mod:`rl_kernel_verl.forward`) over the tokenizer's ids, and every fallback is an error: a
@@ -173,7 +173,7 @@ def _hook_build_module(state: EngineState, original: Callable) -> Callable:
         if reason is None:
             forward.install(module)
             if state.batch_invariant:
-                from rl_kernel_core.consistency.hf import use_mode_attention, use_row_parallel_split
+                from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention, use_row_parallel_split
 
                 use_mode_attention(module)
                 use_row_parallel_split(module, state.row_split)

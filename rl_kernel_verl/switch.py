@@ -18,7 +18,7 @@ backend on by itself; with ``use_rl_kernel_backend=False`` written beside it, it
 ``rl_kernel_row_parallel_split=N`` beside it (:data:`ROW_SPLIT_OVERRIDE`; an integer >= 1, default 1) computes
 the decoder layers' ``o_proj``/``down_proj`` as the rank-ordered sum of N ranks' products, as verl's
 vLLM rollout at ``tensor_model_parallel_size=N`` computes them under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1``
-(:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`, which refuses an N not dividing the
+(:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_row_parallel_split`, which refuses an N not dividing the
 model's heads or MLP width when the model is built), so a TP=N rollout's log-probs are the
 trainer's bit for bit. N > 1 needs the batch-invariant option.
 

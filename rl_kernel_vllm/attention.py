@@ -11,7 +11,7 @@ may pack blocks for their ISA.
 
 A query's output has the same bits whether it was computed in a full prefill, a chunk or a decode
 step, in any batch: exactly what a trainer running ``varlen_attention`` over the whole sequence
-(:func:`rl_kernel_core.consistency.hf.use_mode_attention`) gets.
+(:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_mode_attention`) gets.
 
 * CUDA: :func:`rl_kernel_core.attention.paged_attention` reads the keys and values through vLLM's
   block table with ``varlen_attention``'s Triton tiles and arithmetic, and

@@ -2,7 +2,7 @@
 
 Goal: a sampled token's log-prob returned by vLLM has the same bits as the trainer's recomputation
 of the whole sequence (transformers under :func:`rl_kernel_core.batch_invariant` with
-:func:`rl_kernel_core.consistency.hf.use_mode_attention`), whatever else shares the engine step.
+:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_mode_attention`), whatever else shares the engine step.
 In each vLLM process the hook:
 
 * turns the mode on (:func:`rl_kernel_core.set_batch_invariant_mode`): the model's ``aten``
@@ -14,14 +14,14 @@ In each vLLM process the hook:
 * computes RMSNorm with the residual added in the model dtype first, as transformers does (vLLM's
   native fused add-norm takes the mean square of the unrounded fp32 sum);
 * fills every rotary layer's ``cos_sin_cache`` with the values the model's transformers rotary
-  module gives (:func:`rl_kernel_core.consistency.rope.cos_sin_table`: inverse frequencies from the
+  module gives (:func:`rl_kernel_core.batch_invariant_mode.api_rope.cos_sin_table`: inverse frequencies from the
   CPU, ``cos``/``sin`` on the device): vLLM computes its table on the GPU, where ``pow`` and scalar
   division round differently, and scales ``linear`` ropes' positions instead of their frequencies;
 * at tensor parallel size >= 3, sums the tensor-parallel group's partials in rank order after
   gathering them (:mod:`rl_kernel_vllm.tensor_parallel`), the sum the trainer's
   ``use_row_parallel_split`` computes; refuses pipeline and context parallelism;
 * runs a Qwen3-MoE's sparse blocks as the trainer's (:mod:`rl_kernel_vllm.moe`: router, top-k,
-  experts and combine of :mod:`rl_kernel_core.consistency.moe`; its steps eager on CUDA);
+  experts and combine of :mod:`rl_kernel_core.batch_invariant_mode.api_moe`; its steps eager on CUDA);
 * configures the engine so that no other arithmetic sneaks in: compilation mode ``NONE`` (no
   ``torch.compile`` fusion), ``custom_ops=["none"]`` (vLLM's native PyTorch RMSNorm, rotary and
   SiLU-and-mul instead of its fused kernels) and no cascade attention; on CUDA, unless the user
@@ -31,7 +31,7 @@ In each vLLM process the hook:
 
 Refused with an error naming the setting (at engine configuration): a model architecture outside
 :data:`ARCHITECTURES`, a rope type outside
-:data:`~rl_kernel_core.consistency.rope.COVERED_ROPE_TYPES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
+:data:`~rl_kernel_core.batch_invariant_mode.api_rope.COVERED_ROPE_TYPES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
 model's, and an ``attention_backend`` other than the platform's default entry. Attention layers
 the backend does not cover are refused when built (:mod:`rl_kernel_vllm.attention`). Prefix
 caching stays on: a cached block holds the bits a recomputation would give (not separately tested).
@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from rl_kernel_core import adapters
-from rl_kernel_core.consistency.rope import COVERED_ROPE_TYPES, cos_sin_table, rope_type
+from rl_kernel_core.batch_invariant_mode.api_rope import COVERED_ROPE_TYPES, cos_sin_table, rope_type
 from rl_kernel_core.invariance import set_batch_invariant_mode
 from rl_kernel_vllm import moe, tensor_parallel
 from rl_kernel_vllm._log import log_once

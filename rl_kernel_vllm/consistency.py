@@ -5,7 +5,7 @@ environment, as in any deployment), then recomputes every sampled token's log-pr
 trainer does: one padded forward of prompt + completion through the transformers model of the same
 checkpoint, ``rl_kernel_core.logprob_from_logits`` of its logits at the sampling temperature. With
 ``batch_invariant=True`` the trainer side runs under :func:`rl_kernel_core.batch_invariant` with
-:func:`rl_kernel_core.consistency.hf.use_mode_attention` (the trainer half of the identity; the
+:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_mode_attention` (the trainer half of the identity; the
 rollout half is ``RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1``).
 
 Run it in a fresh process per engine setting (vLLM's switches are read once per process):
@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from rl_kernel_core.consistency.engine_pair import MODE_ENV, off_and_on, plot, text  # noqa: F401  (this module's run, off and on)
+from rl_kernel_core.tools.consistency.engine_pair import MODE_ENV, off_and_on, plot, text  # noqa: F401  (this module's run, off and on)
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     timing; settings). Without ``logprobs``: the rollout alone, its requests asking for no
     log-probs, and no trainer (the report has no ``gap``). ``row_split``: the trainer's
     row-parallel linears computed as that many ranks' sum
-    (:func:`rl_kernel_core.consistency.hf.use_row_parallel_split`); None: the engine's
+    (:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_row_parallel_split`); None: the engine's
     ``tensor_parallel_size`` when ``batch_invariant``, else 1."""
     import rl_kernel_vllm
 
@@ -184,7 +184,7 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     if row_split != 1:  # before the rollout, not after it
         from transformers import AutoConfig
 
-        from rl_kernel_core.consistency.row_parallel import check_split, text_config
+        from rl_kernel_core.batch_invariant_mode.api_row_parallel import check_split, text_config
 
         check_split(text_config(AutoConfig.from_pretrained(model_path)), row_split, "the trainer's row split")
     if prompt_logprobs and not logprobs:
@@ -208,7 +208,7 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     from transformers import AutoModelForCausalLM
 
     import rl_kernel_core as rk
-    from rl_kernel_core.consistency.hf import use_mode_attention, use_row_parallel_split
+    from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention, use_row_parallel_split
 
     torch_dtype = getattr(torch, dtype)
     model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)

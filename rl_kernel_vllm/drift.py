@@ -154,7 +154,7 @@ def probe(model_dir: str, ids: list[int], dtype: str, device: str, engine: Optio
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from rl_kernel_core.consistency.hf import use_mode_attention
+    from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention
 
     engine = {k: v for k, v in (engine or {}).items() if k not in ("tensor_parallel_size", "enable_chunked_prefill",
                                                                      "max_num_batched_tokens")}

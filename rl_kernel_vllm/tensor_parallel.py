@@ -10,9 +10,9 @@ partials in an order of its own. In vLLM 0.26 (the GPU release) and 0.32 (vllm-c
 :func:`ordered_all_reduce` replaces ``_all_reduce_out_place`` (:data:`TARGET`) for the
 tensor-parallel group at three or more ranks: the device communicator all-gathers each rank's
 partial (data movement only) and every rank adds them with
-:func:`rl_kernel_core.consistency.row_parallel.rank_order_sum` (float32 accumulation in ascending
+:func:`rl_kernel_core.batch_invariant_mode.api_row_parallel.rank_order_sum` (float32 accumulation in ascending
 rank order, one rounding to the model dtype), the sum the trainer's
-:func:`rl_kernel_core.consistency.hf.use_row_parallel_split` computes. At two ranks vLLM's own
+:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_row_parallel_split` computes. At two ranks vLLM's own
 all-reduce is kept: a sum of two partials rounds once in any order and by any algorithm, the same
 bits. Other groups (pipeline, data, expert parallel) and integer tensors keep vLLM's all-reduce. The
 LM head's vocab-parallel logits are gathered (concatenated), not summed: left as they are.
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from rl_kernel_core.consistency.row_parallel import check_split, rank_order_sum
+from rl_kernel_core.batch_invariant_mode.api_row_parallel import check_split, rank_order_sum
 from rl_kernel_vllm._log import log_once
 
 TARGET = "vllm.distributed.parallel_state:GroupCoordinator._all_reduce_out_place"

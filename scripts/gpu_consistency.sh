@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_preamble.sh gpu-consistency "$@"
 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/core/batch_invariant_mode/test_rms_norm.py tests/core/batch_invariant_mode/test_bi_*.py \
-  tests/core/batch_invariant_mode/test_varlen_attention.py tests/core/test_consistency_chain.py tests/core/batch_invariant_mode/test_batch_invariant.py -s 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  tests/core/batch_invariant_mode/test_varlen_attention.py tests/core/tools/test_consistency_chain.py tests/core/batch_invariant_mode/test_batch_invariant.py -s 2>&1 | tee "$out/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 python3 benchmarks/bench_consistency.py --out "$out" 2>&1 | tee "$out/bench_consistency.log" | tail -16 || status=1
 python3 benchmarks/bench_attention.py --sweep --out "$out" 2>&1 | tee "$out/bench_attention.log" | tail -40 || status=1

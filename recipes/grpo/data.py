@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rl_kernel_core.report import json_object_line
+from rl_kernel_core.tools.report import json_object_line
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SYNTHETIC = "synthetic"

@@ -20,7 +20,7 @@ step's samples are identical off and on. Every step writes one profiler record.
 ``batch_invariant`` (``--batch-invariant``) runs each step inside
 :func:`rl_kernel_core.batch_invariant`: the model's matmuls, norms and log-softmax take the
 batch-invariant kernels, its attention is :func:`rl_kernel_core.varlen_attention`
-(:func:`rl_kernel_core.consistency.hf.use_mode_attention`), and the rollout records each sampled
+(:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_mode_attention`), and the rollout records each sampled
 token's log-prob with the same head function (and kernels) the trainer recomputes it with, from the
 decode step's final hidden state. A token then gets the same bits in the rollout (a KV-cache decode
 step over the whole batch) and in the recomputation (one forward per micro-batch): the step's
@@ -380,7 +380,7 @@ class Engine:
 
     def use_mode(self) -> None:
         """Make the policy's attention follow batch-invariant mode."""
-        from rl_kernel_core.consistency.hf import use_mode_attention
+        from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention
 
         use_mode_attention(self.model)
 

@@ -15,8 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from rl_kernel_core import contract, dispatch, report
+from rl_kernel_core import contract, dispatch
 from rl_kernel_core.argtypes import device_name, integer, number
+from rl_kernel_core.tools import report
 
 from . import embedded
 

@@ -6,7 +6,7 @@ verl writes one JSON line per step through its ``file`` logger (``trainer.logger
 ``file``; the path from ``VERL_FILE_LOGGER_PATH``): ``{"step": n, "data": {metric: value}}``.
 :func:`metrics_to_record` maps verl's stage timers (``timing_s/<stage>``, seconds) onto the
 profiler's shared region names (ms) and its data metrics onto the record's fields, so
-``rl_kernel_core.report`` compares two verl runs as it compares two embedded ones.
+``rl_kernel_core.tools.report`` compares two verl runs as it compares two embedded ones.
 
 On a machine without a GPU the run uses verl's FSDP2 engine on CPU (:mod:`grpo.verl_cpu`,
 registered in every process through ``VERL_USE_EXTERNAL_MODULES``) and vLLM's CPU build as the

@@ -5,13 +5,13 @@ Two processors, as in a real deployment: the rollout side's lays out the prompts
 from; the trainer's re-encodes each prompt for the training forward (by default the same
 settings; ``training_max_pixels`` gives the trainer's image processor another resolution budget).
 Before the first step's log-probs and update, :meth:`VisionEngine.check` runs rl-kernel's
-processor-layout parity (:func:`rl_kernel_core.multimodal.parity.check`) on the first batch: token
+processor-layout parity (:func:`rl_kernel_core.tools.multimodal.parity.check`) on the first batch: token
 ids, image-token insertion, the 3-D rotary positions each side feeds the model, attention masks,
 media and loss spans (the response tokens). A mismatch raises
-:class:`~rl_kernel_core.multimodal.parity.ParityError` naming the first mismatched span, and the
+:class:`~rl_kernel_core.tools.multimodal.parity.ParityError` naming the first mismatched span, and the
 run stops before any training.
 
-Batch-invariant mode: :func:`rl_kernel_core.consistency.vlm.use_mode_vlm` (attention of the
+Batch-invariant mode: :func:`rl_kernel_core.batch_invariant_mode.api_vlm.use_mode_vlm` (attention of the
 language model and the vision tower, the patch embedding), so rollout and training log-probs are
 bitwise equal (``logprob_diff`` 0).
 """
@@ -25,8 +25,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rl_kernel_core.multimodal import parity
-from rl_kernel_core.multimodal.schema import MultimodalBatch
+from rl_kernel_core.tools.multimodal import parity
+from rl_kernel_core.tools.multimodal.schema import MultimodalBatch
 
 from . import embedded, vision_data, vision_model
 
@@ -69,7 +69,7 @@ class VisionEngine(embedded.Engine):
                              config.vision_end_token_id], device=self.device)
 
     def use_mode(self) -> None:
-        from rl_kernel_core.consistency.vlm import use_mode_vlm
+        from rl_kernel_core.batch_invariant_mode.api_vlm import use_mode_vlm
 
         use_mode_vlm(self.model)
 
@@ -127,13 +127,13 @@ class VisionEngine(embedded.Engine):
 
     def check(self, step: int, ro: embedded.Rollout) -> None:
         """Step 0: processor-layout parity of the rollout's batch against the trainer's (raises
-        :class:`~rl_kernel_core.multimodal.parity.ParityError` on the first mismatch)."""
+        :class:`~rl_kernel_core.tools.multimodal.parity.ParityError` on the first mismatch)."""
         if step != 0:
             return
         parity.check(*self.parity_batches(ro))
 
     def parity_batches(self, ro: embedded.Rollout) -> tuple[MultimodalBatch, MultimodalBatch]:
-        """``(rollout, training)`` :class:`~rl_kernel_core.multimodal.schema.MultimodalBatch` es of
+        """``(rollout, training)`` :class:`~rl_kernel_core.tools.multimodal.schema.MultimodalBatch` es of
         ``ro``: each side's token ids, mask, pixels, grids and the positions it feeds the model;
         the loss spans are the response tokens."""
         s = ro.response_ids.shape[0]

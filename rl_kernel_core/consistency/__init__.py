@@ -1,4 +1,3 @@
-"""Train/rollout consistency: the chain model (:mod:`.model`), its log-probs in each layout
-(:mod:`.chain`), Hugging Face models in batch-invariant mode (:mod:`.hf`), the input parity precheck
-(:mod:`.parity`), the layer-wise drift probe (:mod:`.probe`) and the ``rl-kernel consistency``
-report (:mod:`.run`)."""
+"""Deprecated paths, kept for one release: the trainer's hooks moved to
+``rl_kernel_core/batch_invariant_mode/`` (``api_hf``, ``api_vlm``, ``api_rope``, ``api_moe``,
+``api_row_parallel``), the consistency tooling to :mod:`rl_kernel_core.tools.consistency`."""

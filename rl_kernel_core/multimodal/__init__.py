@@ -1,2 +1,1 @@
-"""Image-text batches for RL: the schema (:mod:`.schema`), rollout-vs-training layout parity
-(:mod:`.parity`) and the saved form both sides write (:mod:`.storage`)."""
+"""Deprecated paths, kept for one release: moved to :mod:`rl_kernel_core.tools.multimodal`."""

@@ -32,13 +32,16 @@ TESTS = PACKAGE.parent / "tests"
 LAYERS: list[tuple[str, ...]] = [
     ("ops", "switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest", "spans", "argtypes"),
     ("opdef",),
-    ("dispatch",),
+    ("dispatch", "profiling"),
     ("reference",),
     ("triton", "native"),
     ("attention", "invariance"),
-    ("cli", "bench", "profiling", "report", "consistency", "multimodal"),
+    ("tools", "cli", "report", "consistency", "multimodal"),
 ]
-"""The layers of the modules outside the op families' packages, by their first name under ``rl_kernel_core``."""
+"""The layers of the modules outside the op families' packages, by their first name under ``rl_kernel_core``;
+the last is the tools' (``rl_kernel_core/tools/`` and the old paths ``cli.py``, ``report.py``, ``consistency/``,
+``multimodal/`` that re-export from it and from the batch-invariant mode's family)."""
+TOOLS: tuple[str, ...] = LAYERS[-1]
 FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode", "logprob", "loss", "advantages", "sampling")
 """The op families' packages (``rl_kernel_core/<family>/``), one per family (CONTRIBUTING.md, "Map")."""
 FAMILY_ROLES: dict[str, tuple[int, str]] = {
@@ -117,6 +120,39 @@ def test_no_module_imports_a_layer_above_its_own():
             if their_level > level or sideways:
                 violations.append(f"{module} (layer {level}) imports {imported} (layer {their_level})")
     assert not violations, "\n".join(violations)
+
+
+def test_no_operator_module_imports_a_tool():
+    """The tools sit above the operators: what the adapters and trainers run never needs them."""
+    violations = [f"{module} imports {imported}" for module in _modules() if _top(module) not in TOOLS
+                  for imported in _imports(module) if _top(imported) in TOOLS]
+    assert not violations, "\n".join(violations)
+
+
+def test_no_import_cycle():
+    """No circle of imports, lazy ones counted (dispatch's ``importlib`` loads of backends are not imports)."""
+    graph = {module: _imports(module) for module in _modules() if module != "rl_kernel_core"}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return []
+        for imported in sorted(graph.get(module, ())):
+            cycle = visit(imported, path + [module])
+            if cycle:
+                return cycle
+        done.add(module)
+        return []
+
+    cycles = [" -> ".join(c) for c in (visit(m, []) for m in sorted(graph)) if c]
+    assert not cycles, "\n".join(cycles)
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
 
 
 def test_the_core_imports_no_adapter():

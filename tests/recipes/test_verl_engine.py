@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 from grpo import data, scoring, verl_engine  # noqa: E402
 from grpo.embedded import GRPOConfig  # noqa: E402
-from rl_kernel_core import report  # noqa: E402
+from rl_kernel_core.tools import report  # noqa: E402
 
 HAVE_VERL = all(importlib.util.find_spec(m) is not None for m in ("verl", "vllm", "ray", "pandas"))
 needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl, vllm, ray or pandas not importable: runs in the "

@@ -15,7 +15,7 @@ import torch
 from verl_cpu import VOCAB, build_worker as build_uncached, engine_of, infer, random_rollout, to_engine_batch, update_actor
 
 import rl_kernel_core as rk
-from rl_kernel_core.consistency.hf import use_mode_attention, use_row_parallel_split
+from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention, use_row_parallel_split
 
 BATCH_INVARIANT = "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True"
 PACKED = "actor_rollout_ref.model.use_remove_padding=True"

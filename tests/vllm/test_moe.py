@@ -1,4 +1,4 @@
-"""Qwen3-MoE under the identity on vLLM's CPU build (rl_kernel_vllm.moe, rl_kernel_core.consistency.moe).
+"""Qwen3-MoE under the identity on vLLM's CPU build (rl_kernel_vllm.moe, rl_kernel_core.batch_invariant_mode.api_moe).
 
 A tiny Qwen3-MoE (2 layers; 6-12 experts, top-1 to top-3, renormalised or not, drawn by the harness)
 runs through the consistency harness with both switches on: every sampled (and, where drawn, prompt)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rl_kernel_core import adapters
-from rl_kernel_core.consistency.row_parallel import rank_order_sum
+from rl_kernel_core.batch_invariant_mode.api_row_parallel import rank_order_sum
 from rl_kernel_vllm import harness, tensor_parallel
 
 TIMEOUT_S = 900

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core.consistency import chain, hf, parity, run
+from rl_kernel_core.batch_invariant_mode import api_hf
+from rl_kernel_core.tools.consistency import chain, hf, parity, run
 from rl_kernel_core.contract import assert_close
-from rl_kernel_core.consistency.model import TinyConfig, TinyDecoder
-from rl_kernel_core.consistency.probe import DriftProbe
+from rl_kernel_core.tools.consistency.model import TinyConfig, TinyDecoder
+from rl_kernel_core.tools.consistency.probe import DriftProbe
 
 
 def test_cli_reports_both_modes_as_json_and_plots(tmp_path):
@@ -85,7 +86,7 @@ def test_probe_names_the_operator_that_diverges(seed):
 
 
 def test_probe_names_attention(seed, monkeypatch):
-    from rl_kernel_core.consistency import model as model_module
+    from rl_kernel_core.tools.consistency import model as model_module
 
     original = model_module.F.scaled_dot_product_attention
     probe = _probe_with_fault(seed, lambda model: monkeypatch.setattr(
@@ -95,7 +96,7 @@ def test_probe_names_attention(seed, monkeypatch):
 
 
 def test_probe_blames_code_between_modules_when_the_input_already_differs(seed, monkeypatch):
-    from rl_kernel_core.consistency import model as model_module
+    from rl_kernel_core.tools.consistency import model as model_module
 
     original = model_module._rope
     probe = _probe_with_fault(seed, lambda model: monkeypatch.setattr(
@@ -110,7 +111,7 @@ def _tiny_qwen3():
     cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
-    hf.use_mode_attention(model)
+    api_hf.use_mode_attention(model)
     return model
 
 
@@ -161,13 +162,13 @@ def test_hf_mode_attention_reads_a_forwards_layout_once(seed, monkeypatch):
     model = _tiny_qwen3()  # 2 layers
     calls = {"padded": 0, "packed": 0}
     for name in calls:
-        original = getattr(hf, f"_{name}_layout" if name == "padded" else "_packed_offsets")
+        original = getattr(api_hf, f"_{name}_layout" if name == "padded" else "_packed_offsets")
 
         def counted(*args, _name=name, _original=original, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(hf, f"_{name}_layout" if name == "padded" else "_packed_offsets", counted)
+        monkeypatch.setattr(api_hf, f"_{name}_layout" if name == "padded" else "_packed_offsets", counted)
     seqs = chain.fixed_sequences(101, 5, 3, 9, seed)
     batch = parity.from_sequences(seqs, "left", [0] * 5, 0)
     ids = torch.cat(seqs)[None]
@@ -184,11 +185,11 @@ def test_hf_mode_attention_reads_a_forwards_layout_once(seed, monkeypatch):
     q = torch.randn(2, 4, 4, 16)
     kv = torch.randn(2, 2, 4, 16)
     with rk.batch_invariant():
-        hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
-        hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
+        api_hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
+        api_hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
         assert calls["padded"] == 3, calls
         mask[1, 0, -1, 0] = False  # changed in place: a new layout
-        hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
+        api_hf.mode_attention(model.model.layers[0].self_attn, q, kv, kv, mask)
     assert calls["padded"] == 4, calls
 
 
@@ -203,10 +204,10 @@ def test_row_parallel_split_computes_a_two_rank_engines_sum(seed):
     x = torch.randn(3, 5, layer.in_features).to(torch.bfloat16)
     with torch.no_grad(), rk.batch_invariant():
         whole = layer(x)
-        assert hf.use_row_parallel_split(model, 1) == []
+        assert api_hf.use_row_parallel_split(model, 1) == []
         assert torch.equal(layer(x), whole)
-        names = hf.use_row_parallel_split(model, 2)
-        assert names == [f"model.layers.{i}.{m}" for i in range(2) for m in hf.ROW_PARALLEL], names
+        names = api_hf.use_row_parallel_split(model, 2)
+        assert names == [f"model.layers.{i}.{m}" for i in range(2) for m in api_hf.ROW_PARALLEL], names
         split = layer(x)
         half = layer.in_features // 2
         ranks = [torch.nn.functional.linear(x[..., r * half:(r + 1) * half].contiguous(),
@@ -215,11 +216,11 @@ def test_row_parallel_split_computes_a_two_rank_engines_sum(seed):
     # the unsplit layer up to the halves' extra bf16 roundings (eps 2**-8 each)
     assert (split.float() - whole.float()).abs().max() <= 4 * 2**-8 * whole.float().abs().max()
     with pytest.raises(ValueError, match="parts=3 does not divide the model's num_attention_heads=4"):
-        hf.use_row_parallel_split(model, 3)
+        api_hf.use_row_parallel_split(model, 3)
     biased = _tiny_qwen3()
     biased.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
     with pytest.raises(ValueError, match="model.layers.1.self_attn.o_proj: a row-parallel linear with a bias"):
-        hf.use_row_parallel_split(biased, 2)
+        api_hf.use_row_parallel_split(biased, 2)
 
 
 def test_hf_mode_attention_packs_an_unpadded_batch_as_it_is(seed):
@@ -232,12 +233,12 @@ def test_hf_mode_attention_packs_an_unpadded_batch_as_it_is(seed):
     full = torch.ones(3, 1, 1, 9, dtype=torch.bool)
     padded = torch.ones(4, 1, 1, 9, dtype=torch.bool)
     padded[3, 0, 0, :4] = False  # a left-padded fourth row
-    assert hf._padded_layout(full, 3, 1, 9)[:2] == (None, None)
-    assert hf._padded_layout(padded, 4, 1, 9)[0] is not None
+    assert api_hf._padded_layout(full, 3, 1, 9)[:2] == (None, None)
+    assert api_hf._padded_layout(padded, 4, 1, 9)[0] is not None
     with rk.batch_invariant():
-        dense, _ = hf.mode_attention(module, q[:3], k[:3], v[:3], full)
-        no_mask, _ = hf.mode_attention(module, q[:3], k[:3], v[:3], None)
-        gathered, _ = hf.mode_attention(module, q, k, v, padded)
+        dense, _ = api_hf.mode_attention(module, q[:3], k[:3], v[:3], full)
+        no_mask, _ = api_hf.mode_attention(module, q[:3], k[:3], v[:3], None)
+        gathered, _ = api_hf.mode_attention(module, q, k, v, padded)
     assert torch.equal(dense, gathered[:3])
     assert torch.equal(no_mask, dense)
 
@@ -248,13 +249,13 @@ def test_hf_mode_attention_refuses_a_sliding_window():
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
                                    sliding_window=4, max_window_layers=0, layer_types=["sliding_attention"])
     model = transformers.Qwen3ForCausalLM(cfg).eval()
-    hf.use_mode_attention(model)
+    api_hf.use_mode_attention(model)
     with torch.no_grad(), rk.batch_invariant(), pytest.raises(ValueError, match="no sliding window; got sliding_window=4"):
         model(input_ids=torch.ones(1, 6, dtype=torch.long))
 
 
 def _cli(monkeypatch, capsys, *extra):
-    from rl_kernel_core import cli
+    from rl_kernel_core.tools import cli
 
     code = cli.main(["consistency", "--sequences", "3", "--min-len", "6", "--max-len", "10", "--rollout-batch", "2",
                      "--device", "cpu", *extra])
@@ -315,7 +316,7 @@ def test_comparison_against_the_contract():
 
 
 def test_cli_parity_of_saved_batches(tmp_path, capsys):
-    from rl_kernel_core import cli
+    from rl_kernel_core.tools import cli
 
     rollout, training = _batches()
     paths = [str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")]
@@ -338,7 +339,7 @@ def test_cli_parity_of_files_that_are_not_saved_batches(tmp_path, capsys):
     without unpickling arbitrary objects or materialising an expanded tensor."""
     from dataclasses import asdict
 
-    from rl_kernel_core import cli
+    from rl_kernel_core.tools import cli
 
     rollout, training = _batches()
     good, bad = str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")
@@ -348,9 +349,9 @@ def test_cli_parity_of_files_that_are_not_saved_batches(tmp_path, capsys):
     capsys.readouterr()
     expanded = {**asdict(training), "loss_mask": torch.zeros(1, 1, dtype=torch.long).expand(10**6, 10**6)}
     cases = [
-        (b"not a torch file", "training.pt: not a batch written by rl_kernel_core.consistency.parity.save"),
-        (b"", "training.pt: not a batch written by rl_kernel_core.consistency.parity.save or rl_kernel_core.multimodal.storage.save (torch.load with weights_only=True failed: EOFError)"),
-        ({"x": torch.nn.Linear(1, 1)}, "training.pt: not a batch written by rl_kernel_core.consistency.parity.save"),
+        (b"not a torch file", "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save"),
+        (b"", "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save or rl_kernel_core.tools.multimodal.storage.save (torch.load with weights_only=True failed: EOFError)"),
+        ({"x": torch.nn.Linear(1, 1)}, "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save"),
         (expanded, "training.pt: loss_mask must be a dense tensor, got shape (1000000, 1000000) over 1 stored elements"),
         ({**asdict(training), "special_tokens": {"pad": torch.tensor([0, 1])}}, "training.pt: special_tokens['pad'] must be an int token id, got Tensor"),
     ]
@@ -369,14 +370,14 @@ def test_cli_parity_of_files_that_are_not_saved_batches(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_cli_parity_refuses_sparse_and_stride_0_tensors_and_fifos(tmp_path, capsys):
-    """The text loader shares the multimodal one's refusals (rl_kernel_core.consistency.parity's
+    """The text loader shares the multimodal one's refusals (rl_kernel_core.tools.consistency.parity's
     open_regular and stored_tensor_problem): a sparse or quantized tensor, a stride-0 view whose
     storage holds as many elements as the view, and a FIFO exit 2 with one line naming the file
     (a FIFO at once: the CLI runs in a subprocess with a timeout, so a hang fails the test)."""
     import os
     from dataclasses import asdict
 
-    from rl_kernel_core import cli
+    from rl_kernel_core.tools import cli
 
     rollout, training = _batches()
     good, bad = str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")
@@ -412,7 +413,7 @@ def test_cli_parity_refuses_sparse_and_stride_0_tensors_and_fifos(tmp_path, caps
     (["--engine", "vllm", "--model", "m", "--engine-args", "[1]"], "argument --engine-args: must be a JSON object"),
 ])
 def test_engine_mode_refuses_bad_input_in_one_line(argv, message, capsys):
-    from rl_kernel_core import cli
+    from rl_kernel_core.tools import cli
 
     pytest.importorskip("rl_kernel_vllm.consistency")
     try:

@@ -1,4 +1,4 @@
-"""rl_kernel_core.report: reading step logs (malformed input named by file and line), the
+"""rl_kernel_core.tools.report: reading step logs (malformed input named by file and line), the
 comparison statistics, and the report with its plots."""
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rl_kernel_core import report
+from rl_kernel_core.tools import report
 
 
 def _log(path, records, tail=""):

@@ -1,4 +1,4 @@
-"""Rotary values shared by the engine and the trainer (rl_kernel_core.consistency.rope): the table is
+"""Rotary values shared by the engine and the trainer (rl_kernel_core.batch_invariant_mode.api_rope): the table is
 transformers' own rotary output for every drawn architecture, rope type, theta and head_dim; a
 trainer's rotary modules get the CPU build's frequencies however the model was built; dynamic rope
 types are refused by name. Seeded draws; the seed is printed."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from rl_kernel_core.consistency.hf import use_mode_attention
-from rl_kernel_core.consistency.rope import (COVERED_ROPE_TYPES, check_rope, cos_sin_table, reference_rotary,
+from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention
+from rl_kernel_core.batch_invariant_mode.api_rope import (COVERED_ROPE_TYPES, check_rope, cos_sin_table, reference_rotary,
                                              rope_type, use_cpu_rope_frequencies)
 
 

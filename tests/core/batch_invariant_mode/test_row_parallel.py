@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core.consistency import hf
-from rl_kernel_core.consistency.row_parallel import check_split, rank_order_sum
+from rl_kernel_core.batch_invariant_mode import api_hf
+from rl_kernel_core.batch_invariant_mode.api_row_parallel import check_split, rank_order_sum
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,11 +93,11 @@ def test_row_parallel_split_equals_the_rank_ordered_sum_of_partial_products(seed
         parts = rng.randint(1, 8)
         model = _model(rng, parts, dtype)
         ids = torch.randint(3, 97, (2, rng.randint(2, 9)), generator=torch.Generator().manual_seed(seed))
-        layers = [(name, module) for name, module in model.named_modules() if name.endswith(hf.ROW_PARALLEL)]
+        layers = [(name, module) for name, module in model.named_modules() if name.endswith(api_hf.ROW_PARALLEL)]
         xs = {name: torch.randn(3, 4, m.in_features).to(dtype) for name, m in layers}
         with torch.no_grad(), rk.batch_invariant():
             whole = {name: m(xs[name]) for name, m in layers}
-            names = hf.use_row_parallel_split(model, parts)
+            names = api_hf.use_row_parallel_split(model, parts)
             assert names == ([] if parts == 1 else [n for n, _ in layers]), names
             for name, m in layers:
                 w = m.in_features // parts
@@ -122,14 +122,14 @@ def test_row_parallel_split_refuses_what_it_cannot_reproduce():
     model = _model(rng, 4, torch.float32)  # 4 or 8 heads, intermediate a multiple of 4
     heads = model.config.num_attention_heads
     with pytest.raises(ValueError, match=f"^parts=3 does not divide the model's num_attention_heads={heads}"):
-        hf.use_row_parallel_split(model, 3)
+        api_hf.use_row_parallel_split(model, 3)
     for bad in (0, -2):
         with pytest.raises(ValueError, match=f"^parts: expected an integer >= 1, got {bad}$"):
-            hf.use_row_parallel_split(model, bad)
+            api_hf.use_row_parallel_split(model, bad)
     wrong: list[Any] = [True, 2.0, "2"]
     for value in wrong:
         with pytest.raises(TypeError, match=r"^parts: expected an integer >= 1, got .* \((bool|float|str)\)$"):
-            hf.use_row_parallel_split(model, value)
+            api_hf.use_row_parallel_split(model, value)
     cfg = transformers.Qwen3Config(num_attention_heads=8, intermediate_size=36)
     with pytest.raises(ValueError, match="^tensor_parallel_size=8 does not divide the model's intermediate_size=36"):
         check_split(cfg, 8, "tensor_parallel_size")
@@ -138,4 +138,4 @@ def test_row_parallel_split_refuses_what_it_cannot_reproduce():
     biased = _model(rng, 2, torch.float32)
     biased.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(biased.config.hidden_size))
     with pytest.raises(ValueError, match="model.layers.1.self_attn.o_proj: a row-parallel linear with a bias"):
-        hf.use_row_parallel_split(biased, 2)
+        api_hf.use_row_parallel_split(biased, 2)

@@ -9,7 +9,8 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract
-from rl_kernel_core.consistency import chain, hf, vlm
+from rl_kernel_core.batch_invariant_mode import api_hf, api_vlm
+from rl_kernel_core.tools.consistency import chain, vlm
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,7 +79,7 @@ DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=p
                                            (torch.float32, "qwen2_5_vl")])
 def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padding(seed, dtype, family, device):
     model, cfg = _model(seed, dtype, family, device)
-    assert vlm.use_mode_vlm(model) == ["model.visual.patch_embed.proj"]
+    assert api_vlm.use_mode_vlm(model) == ["model.visual.patch_embed.proj"]
     prompts = _prompts(seed, cfg, dtype)
     with torch.no_grad():
         with rk.batch_invariant():
@@ -117,7 +118,7 @@ def test_mode_off_drift_is_measured(seed, device):
     for s in range(seed, seed + CONTROL_SEEDS):
         for dtype in (torch.float32, torch.bfloat16):
             model, cfg = _model(s, dtype, device=device)
-            vlm.use_mode_vlm(model)
+            api_vlm.use_mode_vlm(model)
             with torch.no_grad():
                 _, rollout, others = _layouts(model, _prompts(s, cfg, dtype))
             tol = contract.tolerance("logprob", dtype)
@@ -143,7 +144,7 @@ def test_patch_product_equals_the_convolution_and_is_batch_invariant(seed, conv,
     model = torch.nn.Sequential(conv)
     x = torch.randn(shape)
     expected = conv(x)
-    assert vlm.use_mode_patch_convolutions(model) == ["0"] and type(conv).__name__.startswith("ModePatch")
+    assert api_vlm.use_mode_patch_convolutions(model) == ["0"] and type(conv).__name__.startswith("ModePatch")
     assert torch.equal(conv(x), expected), "mode off must be the library convolution"
     with torch.no_grad(), rk.batch_invariant():
         got = conv(x)
@@ -156,7 +157,7 @@ def test_use_mode_vlm_keeps_parameters_and_is_idempotent(seed):
     model, _ = _model(seed, torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = [id(p) for p in model.parameters()]
-    assert vlm.use_mode_vlm(model) == vlm.use_mode_vlm(model) == ["model.visual.patch_embed.proj"]
+    assert api_vlm.use_mode_vlm(model) == api_vlm.use_mode_vlm(model) == ["model.visual.patch_embed.proj"]
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items())
     assert [id(p) for p in model.parameters()] == params
@@ -165,7 +166,7 @@ def test_use_mode_vlm_keeps_parameters_and_is_idempotent(seed):
 def test_use_mode_patch_convolutions_refuses_a_convolution_it_cannot_route():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1))
     with pytest.raises(ValueError, match="convolution '0'.*not a patchify convolution"):
-        vlm.use_mode_patch_convolutions(model)
+        api_vlm.use_mode_patch_convolutions(model)
 
 
 def test_layouts_reject_bad_arguments(seed):
@@ -191,4 +192,4 @@ def test_mode_attention_full_attention_needs_as_many_queries_as_keys(seed):
     torch.manual_seed(seed)
     q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
     with rk.batch_invariant(), pytest.raises(ValueError, match="full attention needs as many queries as keys; got Lq=3, Lk=5"):
-        hf.mode_attention(torch.nn.Module(), q, kv, kv, None, is_causal=False)
+        api_hf.mode_attention(torch.nn.Module(), q, kv, kv, None, is_causal=False)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts blocks under the batch-invariant mode (rl_kernel_core.consistency.moe): routing
+"""Mixture-of-experts blocks under the batch-invariant mode (rl_kernel_core.batch_invariant_mode.api_moe): routing
 with ties broken by expert index, the experts and combine against an fp64 formula, every row's bits
 independent of the batch, and transformers' Qwen3-MoE patched by use_mode_attention: untouched with
 the mode off, rollout (KV cache, one token per step) bitwise equal to the training forward with it
@@ -14,8 +14,9 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract
-from rl_kernel_core.consistency import chain, hf, parity
-from rl_kernel_core.consistency.moe import experts, route, router_logits, sparse_moe, use_mode_moe
+from rl_kernel_core.batch_invariant_mode import api_hf
+from rl_kernel_core.batch_invariant_mode.api_moe import experts, route, router_logits, sparse_moe, use_mode_moe
+from rl_kernel_core.tools.consistency import chain, hf, parity
 
 transformers = pytest.importorskip("transformers")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -138,7 +139,7 @@ def test_qwen3_moe_rollout_equals_training_bitwise_and_off_is_untouched(seed, dt
     model = _tiny_moe(seed, dtype, rng.choice([1, 2, 3]), rng.random() < 0.5).to(device)
     shipped = copy.deepcopy(model)
     ids = torch.randint(3, 101, (3, 11), device=device)
-    hf.use_mode_attention(model)
+    api_hf.use_mode_attention(model)
     assert use_mode_moe(model) == []  # already patched by use_mode_attention; a second call changes nothing
     with torch.no_grad():
         assert torch.equal(model(ids).logits, shipped(ids).logits), f"seed={seed}: mode off changed the model"
@@ -154,7 +155,7 @@ def test_qwen3_moe_rollout_equals_training_bitwise_and_off_is_untouched(seed, dt
 def test_gradients_flow_through_router_and_experts(seed):
     model = _tiny_moe(seed, torch.float32, 2, True)
     shipped = copy.deepcopy(model)
-    hf.use_mode_attention(model)
+    api_hf.use_mode_attention(model)
     ids = torch.randint(3, 101, (2, 9))
     with rk.batch_invariant():
         model(ids, labels=ids).loss.backward()

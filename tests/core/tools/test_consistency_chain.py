@@ -14,8 +14,8 @@ import torch
 
 import rl_kernel_core as rk
 from rl_kernel_core import contract
-from rl_kernel_core.consistency import chain
-from rl_kernel_core.consistency.model import TinyConfig, TinyDecoder
+from rl_kernel_core.tools.consistency import chain
+from rl_kernel_core.tools.consistency.model import TinyConfig, TinyDecoder
 
 CONFIG = TinyConfig()
 GPU_CONFIG = TinyConfig(vocab_size=32000, hidden_size=512, num_layers=3, num_heads=8, num_kv_heads=4, head_dim=128,

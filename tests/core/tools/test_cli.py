@@ -66,7 +66,7 @@ def test_compare_bad_file_is_one_line_error(tmp_path):
 
 def _main(*args, capsys):
     """``rl-kernel ARGS`` in this process: (exit status, stdout, stderr)."""
-    from rl_kernel_core.cli import main
+    from rl_kernel_core.tools.cli import main
 
     code: int | str | None
     try:
@@ -123,8 +123,8 @@ def test_bench_checks_out_before_running(capsys, tmp_path):
 
 
 def test_bench_checks_memory_before_allocating(capsys):
-    from rl_kernel_core import bench
-    from rl_kernel_core.cli import bench_bytes
+    from rl_kernel_core.tools import bench
+    from rl_kernel_core.tools.cli import bench_bytes
 
     free = bench.free_memory_bytes(torch.device("cpu"))
     n = v = 1 << 20  # [N, V] fp32 tensors of 4 TiB each: more than any host here
@@ -137,7 +137,7 @@ def test_bench_checks_memory_before_allocating(capsys):
 
 
 def test_bench_bytes_counts_inputs_and_the_eager_logits():
-    from rl_kernel_core.cli import bench_bytes
+    from rl_kernel_core.tools.cli import bench_bytes
 
     got = bench_bytes(10, 4, 100, torch.bfloat16)
     assert got["inputs"] == 2 * (10 * 4 + 100 * 4) * 2 + 10 * 8 + 10 * 4
@@ -173,7 +173,7 @@ def test_compare_refuses_bad_out_and_warmup(tmp_path, capsys):
 def test_every_option_has_help():
     import argparse
 
-    from rl_kernel_core.cli import build_parser
+    from rl_kernel_core.tools.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

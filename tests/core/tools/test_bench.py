@@ -1,4 +1,4 @@
-"""``rl_kernel_core.bench.peak_extra_gib``: the peak of the measured call over what was allocated
+"""``rl_kernel_core.tools.bench.peak_extra_gib``: the peak of the measured call over what was allocated
 before it, refused when the call resets CUDA's peak counter. CUDA's memory functions are stand-ins
 (CPU)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_kernel_core import bench
+from rl_kernel_core.tools import bench
 
 
 @pytest.fixture

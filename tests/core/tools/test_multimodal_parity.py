@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from rl_kernel_core.multimodal import parity
-from rl_kernel_core.multimodal.schema import MultimodalBatch, Span
+from rl_kernel_core.tools.multimodal import parity
+from rl_kernel_core.tools.multimodal.schema import MultimodalBatch, Span
 from tiny_vlm_processor import IMAGE, random_images, tiny_processor
 
 TEXTS = [f"<|im_start|> w1 {IMAGE} w2 w3 {IMAGE} <|im_end|> w5 w6 w7", f"w4 {IMAGE} w5 w9 w11"]
@@ -144,7 +144,7 @@ def test_sequence_count_and_malformed_sides(seed):
 
 
 def test_saved_batches_round_trip(tmp_path, seed):
-    from rl_kernel_core.multimodal import storage
+    from rl_kernel_core.tools.multimodal import storage
 
     batch = side(seed, padding_side="left")
     path = str(tmp_path / "batch.pt")
@@ -156,8 +156,8 @@ def test_saved_batches_round_trip(tmp_path, seed):
 
 
 def test_cli_parity_of_saved_multimodal_batches(tmp_path, capsys, seed):
-    from rl_kernel_core import cli
-    from rl_kernel_core.multimodal import storage
+    from rl_kernel_core.tools import cli
+    from rl_kernel_core.tools.multimodal import storage
 
     paths = [str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")]
     storage.save(side(seed, padding_side="left"), paths[0])
@@ -172,9 +172,9 @@ def test_cli_parity_of_saved_multimodal_batches(tmp_path, capsys, seed):
 
 
 def test_cli_parity_refuses_bad_multimodal_files_in_one_line(tmp_path, capsys, seed):
-    from rl_kernel_core import cli
-    from rl_kernel_core.consistency import parity as text_parity
-    from rl_kernel_core.multimodal import storage
+    from rl_kernel_core.tools import cli
+    from rl_kernel_core.tools.consistency import parity as text_parity
+    from rl_kernel_core.tools.multimodal import storage
 
     good, bad = str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")
     storage.save(side(seed), good)
@@ -196,7 +196,7 @@ def test_cli_parity_refuses_bad_multimodal_files_in_one_line(tmp_path, capsys, s
     with open(bad, "wb") as f:
         f.write(b"not a torch file")
     assert cli.main(["consistency", "--parity", good, bad]) == 2
-    assert "training.pt: not a batch written by rl_kernel_core.consistency.parity.save or rl_kernel_core.multimodal.storage.save" in capsys.readouterr().err
+    assert "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save or rl_kernel_core.tools.multimodal.storage.save" in capsys.readouterr().err
     text = text_parity.from_sequences([torch.tensor([5, 6, 7])], "left", [0], 0)
     text_parity.save(text, bad)
     assert cli.main(["consistency", "--parity", good, bad]) == 2
@@ -217,8 +217,8 @@ def test_cli_parity_refuses_expanded_sparse_and_mistyped_fields_in_one_line(tmp_
     """Expanded views (the memory bomb: stride-0 [2, 2**27] tensors in a file of a few KB),
     sparse or quantized tensors and fields of the wrong type exit 2 (not 1, the mismatch code) with
     one line naming the file and the field, before any tensor is read element by element."""
-    from rl_kernel_core import cli
-    from rl_kernel_core.multimodal import storage
+    from rl_kernel_core.tools import cli
+    from rl_kernel_core.tools.multimodal import storage
 
     good, bad = str(tmp_path / "rollout.pt"), str(tmp_path / "training.pt")
     storage.save(side(seed), good)
@@ -269,7 +269,7 @@ def test_cli_parity_refuses_expanded_sparse_and_mistyped_fields_in_one_line(tmp_
 def test_cli_parity_refuses_a_fifo_without_waiting_for_a_writer(tmp_path, seed):
     """A FIFO in place of a saved batch exits 2 at once, naming it (reading it would block until
     some process writes to it). In a subprocess with a timeout: a hang fails the test."""
-    from rl_kernel_core.multimodal import storage
+    from rl_kernel_core.tools.multimodal import storage
 
     good, fifo = str(tmp_path / "training.pt"), str(tmp_path / "rollout.pt")
     storage.save(side(seed), good)

@@ -12,7 +12,7 @@ import torch
 from rl_kernel_core._checks import brief
 from rl_kernel_core.contract import assert_close
 
-from rl_kernel_core.multimodal.schema import MultimodalBatch, ProcessorFingerprint, Span
+from rl_kernel_core.tools.multimodal.schema import MultimodalBatch, ProcessorFingerprint, Span
 from tiny_vlm_processor import IMAGE, random_images, tiny_processor
 
 TEXTS = [f"<|im_start|> w1 {IMAGE} w2 w3 {IMAGE} <|im_end|> w5 w6 w7", f"w4 {IMAGE} w5 w9"]
@@ -415,7 +415,7 @@ def test_saved_batch_with_a_malformed_field_is_refused_naming_it(tmp_path, seed)
     """Property (seeded draws): a saved batch with one field replaced by a wrong value (of a
     type ``torch.load(weights_only=True)`` reads back) is refused by ``storage.load`` with a
     one-line ValueError naming the file and that field."""
-    from rl_kernel_core.multimodal import storage
+    from rl_kernel_core.tools.multimodal import storage
 
     batch, _ = build(seed)
     path = str(tmp_path / "batch.pt")
