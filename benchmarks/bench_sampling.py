@@ -11,7 +11,7 @@ bf16; ``randn * 3``), with top-k 50 and top-p 0.9 at temperature 1 unless stated
 * ``torch_topk``: ``torch.topk`` of the fp32 row, top-p and the exponential-race draw on the k
   values, the log-prob from ``logsumexp`` of the full row.
 * ``flashinfer``: the FlashInfer calls of the ``flashinfer`` backend
-  (:func:`rl_kernel_core.flashinfer.sampling.draw`: the fp32 tempered logits, FlashInfer's top-k
+  (:func:`rl_kernel_core.sampling.flashinfer.draw`: the fp32 tempered logits, FlashInfer's top-k
   mask, softmax and top-p sampler), tokens only, no log-prob; and ``flashinfer_backend``:
   ``rk.sample(logits, backend="flashinfer", ...)`` without seeds (seeds drawn from the global RNG,
   FlashInfer's tokens, their log-probs from ``logprob_from_logits``' Triton kernel). Both are
@@ -19,7 +19,7 @@ bf16; ``randn * 3``), with top-k 50 and top-p 0.9 at temperature 1 unless stated
 
 At B=128 bf16 it also times ours and ``torch_sort`` with top-p 0.9 alone, min-p 0.05 alone and
 no filter. Each timing is the median of ``--reps`` CUDA-event-timed calls after ``--warmup``
-calls (``rl_kernel_core.bench``), launched from Python, and the median of CUDA-graph replays where
+calls (``rl_kernel_core.tools.bench``), launched from Python, and the median of CUDA-graph replays where
 capture works (device time without launch overhead). Peak extra memory is the allocator peak
 during one call over what was allocated before it. Checks recorded with the timings: ours draws
 the torch reference backend's tokens for the same seeds (fraction equal) and its log-probs equal
@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import torch
 
 import rl_kernel_core as rk
-from rl_kernel_core import bench
+from rl_kernel_core.tools import bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_losses import _timed, checked_device, write_result  # noqa: E402
@@ -86,10 +86,10 @@ def torch_topk_path(logits: torch.Tensor, k: int, p: float) -> tuple[torch.Tenso
 
 
 def flashinfer_sampler() -> tuple[Optional[Callable], Optional[str]]:
-    """The ``flashinfer`` backend's token draw (:func:`rl_kernel_core.flashinfer.sampling.draw`),
+    """The ``flashinfer`` backend's token draw (:func:`rl_kernel_core.sampling.flashinfer.draw`),
     or why it is unavailable."""
     try:
-        from rl_kernel_core.flashinfer.sampling import draw
+        from rl_kernel_core.sampling.flashinfer import draw
     except Exception as exc:  # recorded in the JSON
         return None, f"unavailable: {type(exc).__name__}: {exc}"
     return draw, None

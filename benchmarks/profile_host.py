@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_losses as BL  # noqa: E402
 
 import rl_kernel_core as rk  # noqa: E402
-from rl_kernel_core import bench  # noqa: E402
+from rl_kernel_core.tools import bench  # noqa: E402
 
 
 def _host(fn: Callable[[], object], calls: int, top: int) -> tuple[float, list[str]]:
@@ -73,7 +73,7 @@ def _short_paths(line: str) -> str:
     return re.sub(r"\S*/site-packages/", "site-packages/", line.replace(_REPO, ""))
 
 
-OP_MODULES = {"triton": "rl_kernel_core.triton.loss", "native": "rl_kernel_core.native.loss"}
+OP_MODULES = {"triton": "rl_kernel_core.loss.triton", "native": "rl_kernel_core.loss.native"}
 """The modules whose ``_policy_loss_op`` is the eager path of each fast backend's policy loss."""
 
 

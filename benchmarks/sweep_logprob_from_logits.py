@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_losses as BL  # noqa: E402
 
-from rl_kernel_core import bench  # noqa: E402
-from rl_kernel_core.triton import logprob_from_logits as L  # noqa: E402
+from rl_kernel_core.tools import bench  # noqa: E402
+from rl_kernel_core.logprob import triton as L  # noqa: E402
 from rl_kernel_core.triton.tuning import FWD_TILE  # noqa: E402
 
 

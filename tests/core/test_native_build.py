@@ -3,7 +3,7 @@ agnostic, build every error message with ``cat`` and declare the loss codes the 
 without a usable extension the backend says why (``backend="native"`` raises the reason,
 ``rl-kernel info`` shows it, the ahead-of-time build exits with it); on a CUDA machine (``gpu``)
 the ahead-of-time build succeeds, ``auto`` follows the order measured on that GPU and the entry
-points' own checks raise one-line errors. The ops' values are checked in tests/core/ops."""
+points' own checks raise one-line errors. The ops' values are checked in each family's tests (tests/core/<family>/)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_native_codes_match_python():
 
 
 def test_info_builds_and_loads_nothing():
-    code = ("import sys; from rl_kernel_core import cli; cli.main(['info']); "
+    code = ("import sys; from rl_kernel_core.tools import cli; cli.main(['info']); "
             "assert 'rl_kernel_core.native' not in sys.modules, 'info imported the native backend'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
