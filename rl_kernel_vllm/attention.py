@@ -13,9 +13,9 @@ A query's output has the same bits whether it was computed in a full prefill, a 
 step, in any batch: exactly what a trainer running ``varlen_attention`` over the whole sequence
 (:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_mode_attention`) gets.
 
-* CUDA: :func:`rl_kernel_core.attention.paged_attention` reads the keys and values through vLLM's
+* CUDA: :func:`rl_kernel_core.batch_invariant_mode.api_attention.paged_attention` reads the keys and values through vLLM's
   block table with ``varlen_attention``'s Triton tiles and arithmetic, and
-  :func:`~rl_kernel_core.attention.write_paged_kv` writes the cache; both read every size from
+  :func:`~rl_kernel_core.batch_invariant_mode.api_attention.write_paged_kv` writes the cache; both read every size from
   device memory, so vLLM can capture the step in a CUDA graph (the hook runs uniform decode batches
   as full CUDA graphs).
 * CPU: every running sequence's keys and values are gathered from its cache blocks in position order
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from rl_kernel_core.attention import paged_attention, varlen_attention, write_paged_kv
+from rl_kernel_core.batch_invariant_mode.api_attention import paged_attention, varlen_attention, write_paged_kv
 
 # our class name -> (vLLM module, its backend class)
 BASES: dict[str, tuple[str, str]] = {

@@ -46,7 +46,7 @@ import torch
 
 from rl_kernel_core import adapters
 from rl_kernel_core.batch_invariant_mode.api_rope import COVERED_ROPE_TYPES, cos_sin_table, rope_type
-from rl_kernel_core.invariance import set_batch_invariant_mode
+from rl_kernel_core.batch_invariant_mode.api import set_batch_invariant_mode
 from rl_kernel_vllm import moe, tensor_parallel
 from rl_kernel_vllm._log import log_once
 

@@ -4,7 +4,7 @@ vLLM's ``LogitsProcessor`` is a ``PluggableLayer``: a class registered with
 ``LogitsProcessor.register_oot`` (keyed by the class name ``"LogitsProcessor"``) is instantiated
 in its place when the model is built, which is after general plugins load. Our subclass overrides
 only ``_apply_head`` (the projection ``hidden @ lm_head.weight.T + bias``) with
-:func:`rl_kernel_core.invariance.bi_linear` on fp32 operands, so the logits are fp32 and each
+:func:`rl_kernel_core.batch_invariant_mode.api.bi_linear` on fp32 operands, so the logits are fp32 and each
 row's bits do not depend on how many requests share the step. Everything else stays vLLM's:
 the tensor-parallel gather, vocab-padding removal, soft-cap and scale, and the vocab-parallel
 argmax/top-k helpers (which call ``_apply_head`` too).
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rl_kernel_core import adapters
-from rl_kernel_core.invariance import bi_linear
+from rl_kernel_core.batch_invariant_mode.api import bi_linear
 from rl_kernel_vllm._log import log_once
 
 TARGETS: tuple[str, ...] = (

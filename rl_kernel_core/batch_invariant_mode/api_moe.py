@@ -38,8 +38,6 @@ import torch.nn.functional as F
 from rl_kernel_core.batch_invariant_mode.api import is_batch_invariant
 from rl_kernel_core.batch_invariant_mode.reference import row_tiled
 
-CPU_ROUTER_COLUMNS = 16
-"""The router product's output width on the CPU is padded to a multiple of this (:func:`router_logits`)."""
 
 BLOCK_CLASSES: tuple[str, ...] = ("Qwen3MoeSparseMoeBlock",)
 """transformers' sparse MoE blocks whose router and experts :func:`use_mode_moe` takes over."""
@@ -53,15 +51,7 @@ def _rows(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tens
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x [N, H], weight [E, H]) -> [N, E]`` in ``x``'s dtype. On the CPU the product is
-    taken with ``weight`` zero-padded to a multiple of :data:`CPU_ROUTER_COLUMNS` rows: the CPU
-    library GEMM behind the mode's fixed 32-row tiles rounds some rows of a narrow product (5-7 or
-    9-11 output columns on MKL) by their position in the tile, so a few experts would make a
-    token's logits depend on its batch."""
-    experts = weight.shape[0]
-    pad = -experts % CPU_ROUTER_COLUMNS if x.device.type == "cpu" else 0
-    if pad:
-        return F.linear(x, F.pad(weight, (0, 0, 0, pad)))[:, :experts]
+    """``F.linear(x [N, H], weight [E, H]) -> [N, E]`` in ``x``'s dtype (the mode's matmul while it is on)."""
     return F.linear(x, weight)
 
 
