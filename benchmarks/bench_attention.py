@@ -52,8 +52,16 @@ from rl_kernel_core.batch_invariant_mode import triton_attention as triton_atten
 from rl_kernel_core.triton.tuning import BWD_TILES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SWEEP = ["64,32,8,2;32,64,8,2", "64,32,4,2;32,64,4,2", "64,32,8,3;32,64,8,3", "128,32,8,2;32,128,8,2",
-         "64,64,8,2;64,64,8,2", "128,64,8,2;64,128,8,2", "64,32,8,2;16,64,8,2", "128,32,4,3;32,128,4,3"]
+SWEEP = [
+    "64,32,8,2;32,64,8,2",
+    "64,32,4,2;32,64,4,2",
+    "64,32,8,3;32,64,8,3",
+    "128,32,8,2;32,128,8,2",
+    "64,64,8,2;64,64,8,2",
+    "128,64,8,2;64,128,8,2",
+    "64,32,8,2;16,64,8,2",
+    "128,32,4,3;32,128,4,3",
+]
 
 
 def per_sequence_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, causal, scale):
@@ -76,7 +84,11 @@ def per_sequence_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, causal, scale
             future = torch.arange(lk, device=q.device)[None, :] > (lk - lq + torch.arange(lq, device=q.device))[:, None]
             s = s.masked_fill(future, -math.inf)
         p = torch.exp(s - lse[qs:qe].transpose(0, 1)[..., None])
-        ds = p * (torch.matmul(go, vb.transpose(1, 2)) - (go * out[qs:qe].float().transpose(0, 1)).sum(-1, keepdim=True)) * scale
+        ds = (
+            p
+            * (torch.matmul(go, vb.transpose(1, 2)) - (go * out[qs:qe].float().transpose(0, 1)).sum(-1, keepdim=True))
+            * scale
+        )
         dq[qs:qe] = torch.matmul(ds, kb).transpose(0, 1)
         hkv = k.shape[1]
         dk[ks:ke] = torch.matmul(ds.transpose(1, 2), qb).view(hkv, group, ke - ks, -1).sum(1).transpose(0, 1)
@@ -114,7 +126,7 @@ def _sdpa(q, k, v, lengths, scale):
     def padded(x):
         out = x.new_zeros(b, lmax, x.shape[1], x.shape[2])
         for i, n in enumerate(lengths):
-            out[i, :n] = x[starts[i]:starts[i] + n]
+            out[i, :n] = x[starts[i] : starts[i] + n]
         return out.transpose(1, 2).contiguous().detach().requires_grad_()
 
     qp, kp, vp = padded(q), padded(k), padded(v)
@@ -149,21 +161,27 @@ def _time_method(leaves, forward: Callable[[], torch.Tensor], device, args) -> d
     grad = torch.randn_like(out)
     backward = lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)  # noqa: E731
     both = lambda: torch.autograd.grad(forward(), leaves, grad)  # noqa: E731
-    row = {"forward": bench.time_ms(forward, device, warmup=args.warmup, reps=args.reps),
-           "backward": bench.time_ms(backward, device, warmup=args.warmup, reps=args.reps)}
+    row = {
+        "forward": bench.time_ms(forward, device, warmup=args.warmup, reps=args.reps),
+        "backward": bench.time_ms(backward, device, warmup=args.warmup, reps=args.reps),
+    }
     row["forward_backward_ms"] = row["forward"]["median_ms"] + row["backward"]["median_ms"]
     row["peak_extra_gib"] = bench.peak_extra_gib(both, device)
     return row
 
 
 def _relative_diff(got, ref) -> float:
-    return max(float((g.float() - r.float()).abs().max()) / max(float(r.float().abs().max()), 1e-30) for g, r in zip(got, ref))
+    return max(
+        float((g.float() - r.float()).abs().max()) / max(float(r.float().abs().max()), 1e-30) for g, r in zip(got, ref)
+    )
 
 
 def _tile_pair(text: str):
     pair = tuple(tuple(int(x) for x in half.split(",")) for half in text.split(";"))
     if len(pair) != 2 or any(len(t) != 4 for t in pair):
-        raise ValueError(f"a sweep entry is 'dq BLOCK_M,BLOCK_N,warps,stages;dkdv BLOCK_M,BLOCK_N,warps,stages', got {text!r}")
+        raise ValueError(
+            f"a sweep entry is 'dq BLOCK_M,BLOCK_N,warps,stages;dkdv BLOCK_M,BLOCK_N,warps,stages', got {text!r}"
+        )
     return pair
 
 
@@ -173,12 +191,15 @@ def layout_row(layout: str, args, device, dtype, rng) -> dict:
     d, t = args.head_dim, sum(lengths)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
     c = cu.tolist()
-    scale = d ** -0.5
+    scale = d**-0.5
     g = torch.Generator(device=device).manual_seed(args.seed)
     q, k, v = (torch.randn(t, h, d, device=device, generator=g).to(dtype).requires_grad_() for h in (hq, hkv, hkv))
     row = {"layout": layout, "lengths": lengths, "tokens": t, "methods": {}}
     methods = {
-        "triton": lambda: ((q, k, v), lambda: rk.varlen_attention(q, k, v, cu, causal=True, scale=scale, backend="triton")),
+        "triton": lambda: (
+            (q, k, v),
+            lambda: rk.varlen_attention(q, k, v, cu, causal=True, scale=scale, backend="triton"),
+        ),
         "triton_per_sequence_bwd": lambda: ((q, k, v), lambda: _PerSequenceBackward.apply(q, k, v, c, c, True, scale)),
         "sdpa": lambda: _sdpa(q, k, v, lengths, scale),
         "torch_varlen": lambda: _torch_varlen(q, k, v, cu, lengths, scale),
@@ -193,7 +214,9 @@ def layout_row(layout: str, args, device, dtype, rng) -> dict:
     grad_out = torch.randn_like(out)
     bwd_args = (q.detach(), k.detach(), v.detach(), out, lse, grad_out, c, c, True, scale)
     ours = triton_attention._backward(*bwd_args)
-    row["triton_bitwise_deterministic"] = all(torch.equal(a, b) for a, b in zip(ours, triton_attention._backward(*bwd_args)))
+    row["triton_bitwise_deterministic"] = all(
+        torch.equal(a, b) for a, b in zip(ours, triton_attention._backward(*bwd_args))
+    )
     row["triton_vs_per_sequence_relative_diff"] = _relative_diff(ours, per_sequence_backward(*bwd_args))
     if args.sweep and device.type == "cuda":
         row["sweep"] = {}
@@ -201,8 +224,16 @@ def layout_row(layout: str, args, device, dtype, rng) -> dict:
             try:
                 tiles = _tile_pair(text)
                 grads = triton_attention._backward(*bwd_args, tiles=tiles)
-                timing = bench.time_ms(lambda: triton_attention._backward(*bwd_args, tiles=tiles), device, warmup=args.warmup, reps=args.reps)
-                row["sweep"][text] = {"backward_ms": timing["median_ms"], "relative_diff_vs_current": _relative_diff(grads, ours)}
+                timing = bench.time_ms(
+                    lambda: triton_attention._backward(*bwd_args, tiles=tiles),
+                    device,
+                    warmup=args.warmup,
+                    reps=args.reps,
+                )
+                row["sweep"][text] = {
+                    "backward_ms": timing["median_ms"],
+                    "relative_diff_vs_current": _relative_diff(grads, ours),
+                }
             except Exception as exc:  # a tile that does not compile (shared memory, registers) is reported
                 row["sweep"][text] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     return row
@@ -210,8 +241,10 @@ def layout_row(layout: str, args, device, dtype, rng) -> dict:
 
 def _print_row(row: dict) -> None:
     base = row["methods"]["triton_per_sequence_bwd"].get("forward_backward_ms")
-    print(f"-- {row['layout']}: {len(row['lengths'])} sequences, {row['tokens']} tokens; Triton backward bitwise "
-          f"deterministic: {row['triton_bitwise_deterministic']}, relative diff vs per-sequence: {row['triton_vs_per_sequence_relative_diff']:.2e}")
+    print(
+        f"-- {row['layout']}: {len(row['lengths'])} sequences, {row['tokens']} tokens; Triton backward bitwise "
+        f"deterministic: {row['triton_bitwise_deterministic']}, relative diff vs per-sequence: {row['triton_vs_per_sequence_relative_diff']:.2e}"
+    )
     print(f"   {'method':<26}{'fwd ms':>10}{'bwd ms':>10}{'fwd+bwd':>10}{'vs per-seq':>12}{'peak GiB':>10}")
     for name, m in row["methods"].items():
         if "error" in m:
@@ -219,11 +252,20 @@ def _print_row(row: dict) -> None:
             continue
         speed = f"{base / m['forward_backward_ms']:.2f}x" if base else "-"
         peak = "-" if m["peak_extra_gib"] is None else f"{m['peak_extra_gib']:.2f}"
-        print(f"   {name:<26}{m['forward']['median_ms']:>10.3f}{m['backward']['median_ms']:>10.3f}"
-              f"{m['forward_backward_ms']:>10.3f}{speed:>12}{peak:>10}")
+        print(
+            f"   {name:<26}{m['forward']['median_ms']:>10.3f}{m['backward']['median_ms']:>10.3f}"
+            f"{m['forward_backward_ms']:>10.3f}{speed:>12}{peak:>10}"
+        )
     for text, s in row.get("sweep", {}).items():
         done = "error" not in s
-        print(f"   sweep {text:<24}" + (f"bwd {s['backward_ms']:.3f} ms, rel diff {s['relative_diff_vs_current']:.1e}" if done else s["error"][:80]))
+        print(
+            f"   sweep {text:<24}"
+            + (
+                f"bwd {s['backward_ms']:.3f} ms, rel diff {s['relative_diff_vs_current']:.1e}"
+                if done
+                else s["error"][:80]
+            )
+        )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -242,17 +284,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels run in the interpreter (a smoke test)
     dtype = DTYPES[args.dtype]
     rng = random.Random(args.seed)
-    print(f"varlen_attention forward/backward, heads {args.heads}, head_dim {args.head_dim}, {args.dtype}, causal, on {device}")
+    print(
+        f"varlen_attention forward/backward, heads {args.heads}, head_dim {args.head_dim}, {args.dtype}, causal, on {device}"
+    )
     rows = []
     for layout in args.layouts.split(","):
         rows.append(layout_row(layout, args, device, dtype, rng))
         _print_row(rows[-1])
     result = {
         "benchmark": "varlen_attention forward and backward: Triton vs the per-sequence backward it replaced, SDPA and torch varlen",
-        "command": bench.command_line(), "environment": bench.environment(device),
+        "command": bench.command_line(),
+        "environment": bench.environment(device),
         "shapes": {"heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "causal": True},
         "backward_tiles": [list(t) for t in BWD_TILES[dtype]],
-        "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"}, "rows": rows,
+        "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
+        "rows": rows,
     }
     if args.out:
         bench.write_json(args.out, "bench_attention.json", result)

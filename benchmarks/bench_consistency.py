@@ -52,8 +52,16 @@ from rl_kernel_core.batch_invariant_mode.api import batch_invariant
 from rl_kernel_core.tools.consistency import chain
 from rl_kernel_core.tools.consistency.model import TinyConfig, TinyDecoder
 
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
-                 intermediate_size=3072, rope_theta=1_000_000.0, rms_eps=1e-6)
+QWEN3_06B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    rope_theta=1_000_000.0,
+    rms_eps=1e-6,
+)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -66,7 +74,9 @@ def _sequences(count: int, length: int, vocab: int, seed: int, device: torch.dev
     return [torch.randint(1, vocab, (length,), generator=g).to(device) for _ in range(count)]
 
 
-def _batch(model: TinyDecoder, args: argparse.Namespace, device: torch.device, batch: int) -> tuple[int, list[torch.Tensor]]:
+def _batch(
+    model: TinyDecoder, args: argparse.Namespace, device: torch.device, batch: int
+) -> tuple[int, list[torch.Tensor]]:
     """``(tokens per sequence, the batch's sequences)``: ``--seq`` tokens, fewer where
     ``--max-tokens`` caps the forward."""
     seq = min(args.seq, args.max_tokens // batch)
@@ -90,16 +100,23 @@ def timing_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.devi
         seq, calls = forwards(model, args, device, batch)
         row = {"batch": batch, "seq": seq, "tokens": batch * seq}
         for mode, forward in calls.items():
-            row[mode] = {**bench.time_ms(forward, device, warmup=args.warmup, reps=args.reps),
-                         "peak_extra_gib": bench.peak_extra_gib(forward, device)}
+            row[mode] = {
+                **bench.time_ms(forward, device, warmup=args.warmup, reps=args.reps),
+                "peak_extra_gib": bench.peak_extra_gib(forward, device),
+            }
         row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
         rows.append(row)
-        print(f"{batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
-              f"{row['on_over_off']:>9.3f}", flush=True)
+        print(
+            f"{batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
+            f"{row['on_over_off']:>9.3f}",
+            flush=True,
+        )
     return rows
 
 
-def _captured_forward(model: TinyDecoder, inputs: tuple, mode: str) -> tuple["torch.cuda.CUDAGraph", torch.Tensor, bool]:
+def _captured_forward(
+    model: TinyDecoder, inputs: tuple, mode: str
+) -> tuple["torch.cuda.CUDAGraph", torch.Tensor, bool]:
     """The training-style forward of ``inputs`` (``chain.packed_inputs``) captured as a CUDA graph
     with the mode ``mode``, after two warm-up calls on a side stream (Triton compiles, and
     ``varlen_attention`` copies this layout's tables to the device, outside the capture). Returns
@@ -130,13 +147,19 @@ def graph_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.devic
         row = {"batch": batch, "seq": seq, "tokens": batch * seq}
         for mode in ("off", "on"):
             graph, out, same_bits = _captured_forward(model, inputs, mode)
-            row[mode] = {**bench.time_ms(graph.replay, device, warmup=args.warmup, reps=args.reps), "replay_equals_eager": same_bits}
+            row[mode] = {
+                **bench.time_ms(graph.replay, device, warmup=args.warmup, reps=args.reps),
+                "replay_equals_eager": same_bits,
+            }
             del graph, out
             torch.cuda.empty_cache()
         row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
         rows.append(row)
-        print(f"graph {batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
-              f"{row['on_over_off']:>9.3f}", flush=True)
+        print(
+            f"graph {batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
+            f"{row['on_over_off']:>9.3f}",
+            flush=True,
+        )
     return rows
 
 
@@ -148,10 +171,13 @@ def profile_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.dev
         row = {"batch": batch, "seq": seq}
         for mode, forward in calls.items():
             device_ms, kernels = bench.kernel_table(forward, args.warmup)
-            row[mode] = {"device_ms": device_ms, "wall_median_ms": wall.get(batch, {}).get(mode, {}).get("median_ms"),
-                         "kernels": kernels[:args.profile_top]}
+            row[mode] = {
+                "device_ms": device_ms,
+                "wall_median_ms": wall.get(batch, {}).get(mode, {}).get("median_ms"),
+                "kernels": kernels[: args.profile_top],
+            }
             print(f"-- profile batch {batch} mode {mode}: {device_ms:.2f} ms device")
-            for k in kernels[:args.profile_top]:
+            for k in kernels[: args.profile_top]:
                 print(f"   {k['ms']:9.3f} ms {k['launches']:5d}x  {k['kernel'][:90]}")
         rows.append(row)
     return rows
@@ -197,8 +223,10 @@ def invariance(model: TinyDecoder, args: argparse.Namespace, device: torch.devic
             for size in _ints(args.check_sizes):
                 if size < len(probes):
                     continue
-                got = chain.packed_logprobs(model, filler[:size // 2] + probes + filler[size // 2:size - len(probes)])
-                got = got[size // 2:size // 2 + len(probes)]
+                got = chain.packed_logprobs(
+                    model, filler[: size // 2] + probes + filler[size // 2 : size - len(probes)]
+                )
+                got = got[size // 2 : size // 2 + len(probes)]
                 equal = equal and all(torch.equal(a, b) for a, b in zip(alone, got))
                 worst = max(worst, chain.max_abs_diff(alone, got))
         out[mode] = {"bitwise_equal_at_every_size": equal, "max_abs_logprob_diff": worst}
@@ -217,8 +245,14 @@ def main(argv=None) -> int:
     p.add_argument("--check-len", type=int, default=32)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     bench.add_timing_options(p, reps=10)
-    p.add_argument("--graph-batches", default="1,2,4,8,16,32,64,128,256", help="batch sizes also timed as CUDA graphs (CUDA only; '' for none)")
-    p.add_argument("--profile-batches", default="1,16,256", help="batch sizes profiled per kernel (CUDA only; '' for none)")
+    p.add_argument(
+        "--graph-batches",
+        default="1,2,4,8,16,32,64,128,256",
+        help="batch sizes also timed as CUDA graphs (CUDA only; '' for none)",
+    )
+    p.add_argument(
+        "--profile-batches", default="1,16,256", help="batch sizes profiled per kernel (CUDA only; '' for none)"
+    )
     p.add_argument("--profile-top", type=int, default=12, help="kernels kept per profiled forward")
     p.add_argument("--out", default=None, help="directory for bench_consistency.json")
     args = p.parse_args(argv)
@@ -236,19 +270,33 @@ def main(argv=None) -> int:
         print("host us per matmul call: " + ", ".join(f"{k} {v:.1f}" for k, v in host["host_us_per_call"].items()))
     check = invariance(model, args, device)
     backends = {op: d.backend for op, d in dispatch.explain().items()}
-    print(f"invariance (seq {args.check_len}, sizes {args.check_sizes}): "
-          f"on bitwise={check['on']['bitwise_equal_at_every_size']}, off max |diff|={check['off']['max_abs_logprob_diff']:.3g}")
+    print(
+        f"invariance (seq {args.check_len}, sizes {args.check_sizes}): "
+        f"on bitwise={check['on']['bitwise_equal_at_every_size']}, off max |diff|={check['off']['max_abs_logprob_diff']:.3g}"
+    )
     worst = max(r["on_over_off"] for r in rows)
     worst_graph = max((r["on_over_off"] for r in graphs), default=None)
-    print(f"largest on/off ratio: {worst:.3f} launched from Python, "
-          f"{'n/a' if worst_graph is None else f'{worst_graph:.3f}'} as CUDA graphs (target <= 1.15); backends in the mode: {backends}")
+    print(
+        f"largest on/off ratio: {worst:.3f} launched from Python, "
+        f"{'n/a' if worst_graph is None else f'{worst_graph:.3f}'} as CUDA graphs (target <= 1.15); backends in the mode: {backends}"
+    )
     result = {
         "benchmark": "consistency chain forward, batch-invariant mode on vs off",
-        "command": bench.command_line(), "environment": bench.environment(device),
-        "model": {"layers": args.layers, "of_real_model_layers": 28, **QWEN3_06B}, "dtype": args.dtype,
-        "baseline": "mode off: cuBLAS, SDPA, PyTorch reductions", "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
-        "rows": rows, "graph_rows": graphs, "profile": profile, "routed_matmul_host": host, "largest_on_over_off": worst,
-        "largest_on_over_off_graph": worst_graph, "target_on_over_off": 1.15, "invariance": check, "backends": backends,
+        "command": bench.command_line(),
+        "environment": bench.environment(device),
+        "model": {"layers": args.layers, "of_real_model_layers": 28, **QWEN3_06B},
+        "dtype": args.dtype,
+        "baseline": "mode off: cuBLAS, SDPA, PyTorch reductions",
+        "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},
+        "rows": rows,
+        "graph_rows": graphs,
+        "profile": profile,
+        "routed_matmul_host": host,
+        "largest_on_over_off": worst,
+        "largest_on_over_off_graph": worst_graph,
+        "target_on_over_off": 1.15,
+        "invariance": check,
+        "backends": backends,
     }
     if args.out:
         bench.write_json(args.out, "bench_consistency.json", result)

@@ -30,8 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 
-from grpo.embedded import (GRPOConfig, plain_head_logprob, plain_policy_loss,  # noqa: E402
-                           rl_kernel_head_logprob, rl_kernel_policy_loss)
+from grpo.embedded import (
+    GRPOConfig,
+    plain_head_logprob,
+    plain_policy_loss,  # noqa: E402
+    rl_kernel_head_logprob,
+    rl_kernel_policy_loss,
+)
 from rl_kernel_core.tools import bench  # noqa: E402
 
 SHAPES = {  # name -> (D, V)
@@ -87,6 +92,7 @@ def bench_shape(name: str, tokens: int, args, device) -> list[dict]:
     hidden.requires_grad_(True)
     rows = []
     for side, (logprob, loss_fn) in SIDES.items():
+
         def old_pass():
             with torch.no_grad():
                 return logprob(hidden, head, targets, False)[0]
@@ -99,8 +105,17 @@ def bench_shape(name: str, tokens: int, args, device) -> list[dict]:
             head.weight.grad = None
 
         for part, fn in (("old_logprob", old_pass), ("train_fwd_bwd", train_pass)):
-            row = {"shape": name, "D": d, "V": v, "tokens": g * args.seq_len, "G": g, "L": args.seq_len,
-                   "side": side, "part": part, **measure(fn, device, args)}
+            row = {
+                "shape": name,
+                "D": d,
+                "V": v,
+                "tokens": g * args.seq_len,
+                "G": g,
+                "L": args.seq_len,
+                "side": side,
+                "part": part,
+                **measure(fn, device, args),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     del hidden, head
@@ -124,7 +139,9 @@ def main(argv=None) -> int:
         for tokens in (int(t) for t in args.tokens.split(",")):
             rows += bench_shape(name, tokens, args, device)
     by = {(r["shape"], r["tokens"], r["part"], r["side"]): r for r in rows}
-    print(f"\n{'shape':<12}{'tokens':>8} {'part':<15}{'off ms':>10}{'on ms':>10}{'off/on':>8}{'off GiB':>10}{'on GiB':>9}")
+    print(
+        f"\n{'shape':<12}{'tokens':>8} {'part':<15}{'off ms':>10}{'on ms':>10}{'off/on':>8}{'off GiB':>10}{'on GiB':>9}"
+    )
     summary = []
     for (shape, tokens, part, side), r in by.items():
         if side != "off":
@@ -135,13 +152,22 @@ def main(argv=None) -> int:
 
         def cell(x, key, fmt):
             return "OOM" if "oom" in x else (format(x[key], fmt) if x.get(key) is not None else "-")
-        print(f"{shape:<12}{tokens:>8} {part:<15}{cell(r, 'median_ms', '.2f'):>10}{cell(on, 'median_ms', '.2f'):>10}"
-              f"{'-' if speedup is None else format(speedup, '.2f'):>8}{cell(r, 'peak_extra_gib', '.2f'):>10}{cell(on, 'peak_extra_gib', '.2f'):>9}")
-    result = {"benchmark": "GRPO log-prob + ratio/KL + loss, off (plain PyTorch) vs on (rl-kernel)",
-              "command": bench.command_line(), "environment": bench.environment(device), "dtype": "bf16",
-              "inputs": args.inputs, "settings": {"warmup": args.warmup, "reps": args.reps, "seq_len": args.seq_len},
-              "config": {"kl_coef": CFG.kl_coef, "entropy_coef": CFG.entropy_coef, "clip_ratio_c": CFG.clip_ratio_c},
-              "results": rows, "summary": summary}
+
+        print(
+            f"{shape:<12}{tokens:>8} {part:<15}{cell(r, 'median_ms', '.2f'):>10}{cell(on, 'median_ms', '.2f'):>10}"
+            f"{'-' if speedup is None else format(speedup, '.2f'):>8}{cell(r, 'peak_extra_gib', '.2f'):>10}{cell(on, 'peak_extra_gib', '.2f'):>9}"
+        )
+    result = {
+        "benchmark": "GRPO log-prob + ratio/KL + loss, off (plain PyTorch) vs on (rl-kernel)",
+        "command": bench.command_line(),
+        "environment": bench.environment(device),
+        "dtype": "bf16",
+        "inputs": args.inputs,
+        "settings": {"warmup": args.warmup, "reps": args.reps, "seq_len": args.seq_len},
+        "config": {"kl_coef": CFG.kl_coef, "entropy_coef": CFG.entropy_coef, "clip_ratio_c": CFG.clip_ratio_c},
+        "results": rows,
+        "summary": summary,
+    }
     os.makedirs(args.out, exist_ok=True)
     gpu = result["environment"].get("gpu", "cpu").split()[1].lower() if device.type == "cuda" else "cpu"
     path = Path(args.out) / f"bench_grpo_modules_{gpu}_{args.inputs}.json"

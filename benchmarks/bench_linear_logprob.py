@@ -134,8 +134,14 @@ class Recorder:
             "environment": bench.environment(DEV),
             "tuning_defaults": _tuning_dict(),
             "peer_versions": peer_versions(),
-            "settings": {"warmup": args.warmup, "reps": args.reps, "dtype": args.dtype, "acc_rows": args.acc_rows, "inputs": args.inputs.split(","),
-                         "flops": FLOPS},
+            "settings": {
+                "warmup": args.warmup,
+                "reps": args.reps,
+                "dtype": args.dtype,
+                "acc_rows": args.acc_rows,
+                "inputs": args.inputs.split(","),
+                "flops": FLOPS,
+            },
             "notes": [],
             "results": [],
         }
@@ -174,7 +180,9 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def measure(fn: Callable[[], object], args: argparse.Namespace, out_bytes: Callable[[object], int] = lambda r: 0) -> dict:
+def measure(
+    fn: Callable[[], object], args: argparse.Namespace, out_bytes: Callable[[object], int] = lambda r: 0
+) -> dict:
     """Median ms, and peak GiB beyond what was allocated before (and beyond the outputs' bytes)."""
     _free()
     try:
@@ -190,8 +198,12 @@ def measure(fn: Callable[[], object], args: argparse.Namespace, out_bytes: Calla
         peak = torch.cuda.max_memory_allocated() - before
         kept = out_bytes(result)
         del result
-        return {"median_ms": round(timing["median_ms"], 3), "min_ms": round(timing["min_ms"], 3),
-                "peak_extra_gib": round(peak / 2**30, 3), "peak_beyond_outputs_gib": round((peak - kept) / 2**30, 3)}
+        return {
+            "median_ms": round(timing["median_ms"], 3),
+            "min_ms": round(timing["min_ms"], 3),
+            "peak_extra_gib": round(peak / 2**30, 3),
+            "peak_beyond_outputs_gib": round((peak - kept) / 2**30, 3),
+        }
     except torch.cuda.OutOfMemoryError as exc:
         return {"error": f"OOM: {str(exc).splitlines()[0]}"}
     finally:
@@ -213,8 +225,11 @@ def paired_ratio(fn: Callable[[], object], floor_fn: Callable[[], object], args:
             torch.cuda.synchronize()
             acc.append(start.elapsed_time(end))
     ratios = sorted(a / b for a, b in zip(ours_ms, floor_ms))
-    return {"paired_ms": round(sorted(ours_ms)[len(ours_ms) // 2], 3), "paired_floor_ms": round(sorted(floor_ms)[len(floor_ms) // 2], 3),
-            "paired_x_floor": round(ratios[len(ratios) // 2], 3)}
+    return {
+        "paired_ms": round(sorted(ours_ms)[len(ours_ms) // 2], 3),
+        "paired_floor_ms": round(sorted(floor_ms)[len(floor_ms) // 2], 3),
+        "paired_x_floor": round(ratios[len(ratios) // 2], 3),
+    }
 
 
 def _nbytes(*ts) -> int:
@@ -246,7 +261,9 @@ def make(n: int, d: int, v: int, dtype: torch.dtype, seed: int = 0):
         del wp
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     targets[torch.rand(n, device=DEV, generator=g) < 0.05] = -100
-    g_lp = (torch.rand(n, device=DEV, generator=g) + 0.5) * torch.where(torch.rand(n, device=DEV, generator=g) < 0.5, -1.0, 1.0)
+    g_lp = (torch.rand(n, device=DEV, generator=g) + 0.5) * torch.where(
+        torch.rand(n, device=DEV, generator=g) < 0.5, -1.0, 1.0
+    )
     return hidden, weight, targets, g_lp
 
 
@@ -267,7 +284,12 @@ def eager(h, w, t):
 def eager_chunked_ckpt(h, w, t, rows: int = 2048):
     from torch.utils.checkpoint import checkpoint
 
-    return torch.cat([checkpoint(eager, h[i : i + rows], w, t[i : i + rows], use_reentrant=False) for i in range(0, h.shape[0], rows)])
+    return torch.cat(
+        [
+            checkpoint(eager, h[i : i + rows], w, t[i : i + rows], use_reentrant=False)
+            for i in range(0, h.shape[0], rows)
+        ]
+    )
 
 
 def liger(h, w, t):
@@ -314,21 +336,38 @@ def quack(h, w, t):
     return -chunked_linear_cross_entropy(h, w, t, chunk_size=chunk, reduction="sum")
 
 
-METHODS = {"ours": ours, "eager": eager, "eager_chunked_ckpt": eager_chunked_ckpt, "liger_flce": liger, "cce": cce, "cce_exact": cce_exact,
-           "liger_cute": liger_cute, "liger_cute_flce": liger_cute_flce, "quack": quack}
+METHODS = {
+    "ours": ours,
+    "eager": eager,
+    "eager_chunked_ckpt": eager_chunked_ckpt,
+    "liger_flce": liger,
+    "cce": cce,
+    "cce_exact": cce_exact,
+    "liger_cute": liger_cute,
+    "liger_cute_flce": liger_cute_flce,
+    "quack": quack,
+}
 PEER_MODULES = {  # method -> the module its call imports; probed once, before any timing
     "liger_flce": "liger_kernel.transformers.fused_linear_cross_entropy",
-    "cce": "cut_cross_entropy", "cce_exact": "cut_cross_entropy",
+    "cce": "cut_cross_entropy",
+    "cce_exact": "cut_cross_entropy",
     "liger_cute": "liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90",
     "liger_cute_flce": "liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90",
     "quack": "quack.linear_cross_entropy",
 }
-PEER_PACKAGES = ("liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13",
-                 "nvidia-cutlass-dsl-libs-cu12", "apache-tvm-ffi")
+PEER_PACKAGES = (
+    "liger-kernel",
+    "cut-cross-entropy",
+    "quack-kernels",
+    "nvidia-cutlass-dsl",
+    "nvidia-cutlass-dsl-libs-cu13",
+    "nvidia-cutlass-dsl-libs-cu12",
+    "apache-tvm-ffi",
+)
 SCALAR_OUTPUT = {
     "liger_cute_flce": "minus the summed loss (reduction='sum'; the API has no per-token output); backward of that scalar",
     "quack": "minus the summed loss (reduction='sum'; the fused API has no per-token output); backward of that scalar; "
-             "chunk_size 8192 where D = 4096 (its default 4096 raises there), else 4096",
+    "chunk_size 8192 where D = 4096 (its default 4096 raises there), else 4096",
 }
 FORWARD_NOTES = {"liger_cute_flce": "its forward also computes dh (gradient-in-forward): not a forward-only cost"}
 
@@ -382,8 +421,18 @@ def part_floor(shape: str, n: int, d: int, v: int, dtype, args, rec: Recorder) -
     h, w, _, _ = make(n, d, v, dtype)
     # at least 5 warm-up products: the floor is the first thing timed on a cold GPU
     res = measure(lambda: h @ w.T, argparse.Namespace(warmup=max(5, args.warmup), reps=args.reps))
-    rec.add({"part": "floor", "shape": shape, "N": n, "D": d, "V": v, "method": "cublas h@W.T", **res,
-             "tflops": tflops(res.get("median_ms"), n, d, v, 1)})
+    rec.add(
+        {
+            "part": "floor",
+            "shape": shape,
+            "N": n,
+            "D": d,
+            "V": v,
+            "method": "cublas h@W.T",
+            **res,
+            "tflops": tflops(res.get("median_ms"), n, d, v, 1),
+        }
+    )
     return res["median_ms"]
 
 
@@ -398,7 +447,7 @@ def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
     h, w, t, g = make(n, d, v, dtype)
     where = {"shape": shape, "N": n, "D": d, "V": v, "inputs": INPUTS}
     for name in methods:
-        for vname, over in (variants if name == "ours" else [("", {})]):
+        for vname, over in variants if name == "ours" else [("", {})]:
             scope = _with_tuning(**over)
             label = name + (f"[{vname}]" if vname else "")
             notes = {"output": SCALAR_OUTPUT[name]} if name in SCALAR_OUTPUT else {}
@@ -409,13 +458,33 @@ def part_logprob(shape, n, d, v, dtype, args, rec, floor_ms, methods, variants):
                     res_f.update(paired_ratio(lambda: fwd_only(m, h, w, t), lambda: h @ w.T, args))
                 route = LC.tuning().route_for(h) if name == "ours" else None
                 fwd_notes = {"note": FORWARD_NOTES[name]} if name in FORWARD_NOTES else {}
-                rec.add({"part": "forward", **where, "method": label, "route": route, **res_f, **notes, **fwd_notes,
-                         "tflops": tflops(res_f.get("median_ms"), n, d, v, 1), "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3)})
+                rec.add(
+                    {
+                        "part": "forward",
+                        **where,
+                        "method": label,
+                        "route": route,
+                        **res_f,
+                        **notes,
+                        **fwd_notes,
+                        "tflops": tflops(res_f.get("median_ms"), n, d, v, 1),
+                        "x_floor": round(res_f.get("median_ms", math.nan) / floor_ms, 3),
+                    }
+                )
                 res_b = measure(lambda: fwd_bwd(m, h, w, t, g), args, out_bytes=lambda r: _nbytes(*r))
                 if DEV.type == "cuda" and name == "ours":
                     res_b.update(paired_ratio(lambda: fwd_bwd(m, h, w, t, g), lambda: h @ w.T, args))
-                rec.add({"part": "fwd+bwd", **where, "method": label, **res_b, **notes,
-                         "tflops": tflops(res_b.get("median_ms"), n, d, v, 4), "x_floor": round(res_b.get("median_ms", math.nan) / floor_ms, 3)})
+                rec.add(
+                    {
+                        "part": "fwd+bwd",
+                        **where,
+                        "method": label,
+                        **res_b,
+                        **notes,
+                        "tflops": tflops(res_b.get("median_ms"), n, d, v, 4),
+                        "x_floor": round(res_b.get("median_ms", math.nan) / floor_ms, 3),
+                    }
+                )
             except Exception as exc:
                 rec.add({"part": "logprob", **where, "method": label, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()
@@ -441,14 +510,30 @@ def part_accuracy(shape, n, d, v, dtype, args, rec, methods, variants):
     where = {"shape": shape, "N": rows, "D": d, "V": v, "inputs": INPUTS}
     for name in methods:
         if name in SCALAR_OUTPUT:
-            rec.add({"part": "accuracy", **where, "method": name, "skipped": "scalar output: no per-token log-probs to compare"})
+            rec.add(
+                {
+                    "part": "accuracy",
+                    **where,
+                    "method": name,
+                    "skipped": "scalar output: no per-token log-probs to compare",
+                }
+            )
             continue
-        for vname, over in (variants if name == "ours" else [("", {})]):
+        for vname, over in variants if name == "ours" else [("", {})]:
             scope = _with_tuning(**over)
             label = name + (f"[{vname}]" if vname else "")
             try:
                 lp, dh, dw = fwd_bwd(METHODS[name], h, w, t, g)
-                rec.add({"part": "accuracy", **where, "method": label, "logprob": _err(lp, lp64), "dhidden": _err(dh, dh64), "dweight": _err(dw, dw64)})
+                rec.add(
+                    {
+                        "part": "accuracy",
+                        **where,
+                        "method": label,
+                        "logprob": _err(lp, lp64),
+                        "dhidden": _err(dh, dh64),
+                        "dweight": _err(dw, dw64),
+                    }
+                )
             except Exception as exc:
                 rec.add({"part": "accuracy", **where, "method": label, "error": f"{type(exc).__name__}: {exc}"})
             finally:
@@ -460,23 +545,48 @@ def part_tiles(shape, n, d, v, dtype, args, rec, floor_ms):
     h, w, t, _ = make(n, d, v, dtype)
     T = LC.TileConfig
     configs = [
-        T(128, 256, 64, 16, 8, 3), T(128, 256, 64, 16, 8, 3, tma=True),
-        T(128, 256, 64, 16, 8, 3, persistent=True), T(128, 256, 64, 16, 8, 3, tma=True, persistent=True),
-        T(128, 256, 64, 16, 8, 4, tma=True, persistent=True), T(128, 256, 64, 8, 8, 3, tma=True, persistent=True),
-        T(256, 128, 64, 16, 8, 3, tma=True, persistent=True), T(128, 256, 64, 16, 8, 4, persistent=True),
+        T(128, 256, 64, 16, 8, 3),
+        T(128, 256, 64, 16, 8, 3, tma=True),
+        T(128, 256, 64, 16, 8, 3, persistent=True),
+        T(128, 256, 64, 16, 8, 3, tma=True, persistent=True),
+        T(128, 256, 64, 16, 8, 4, tma=True, persistent=True),
+        T(128, 256, 64, 8, 8, 3, tma=True, persistent=True),
+        T(256, 128, 64, 16, 8, 3, tma=True, persistent=True),
+        T(128, 256, 64, 16, 8, 4, persistent=True),
         # narrower tiles: a shorter epilogue per tile, which weighs more at small D
-        T(128, 128, 64, 16, 8, 4, tma=True, persistent=True), T(128, 128, 64, 16, 4, 4, tma=True, persistent=True),
-        T(64, 256, 64, 16, 4, 4, tma=True, persistent=True), T(128, 128, 128, 16, 8, 3, tma=True, persistent=True),
+        T(128, 128, 64, 16, 8, 4, tma=True, persistent=True),
+        T(128, 128, 64, 16, 4, 4, tma=True, persistent=True),
+        T(64, 256, 64, 16, 4, 4, tma=True, persistent=True),
+        T(128, 128, 128, 16, 8, 3, tma=True, persistent=True),
     ]
     for cfg in configs:
         scope = _with_tuning(gemm_tiles=cfg, route="gemm")
         try:
             res = measure(lambda: fwd_only(ours, h, w, t), args)
             paired = paired_ratio(lambda: fwd_only(ours, h, w, t), lambda: h @ w.T, args) if DEV.type == "cuda" else {}
-            rec.add({"part": "tiles", "shape": shape, "N": n, "D": d, "V": v, "tiles": dataclasses.asdict(cfg), **res,
-                     "tflops": tflops(res.get("median_ms"), n, d, v, 1), "x_floor": round(res.get("median_ms", math.nan) / floor_ms, 3), **paired})
+            rec.add(
+                {
+                    "part": "tiles",
+                    "shape": shape,
+                    "N": n,
+                    "D": d,
+                    "V": v,
+                    "tiles": dataclasses.asdict(cfg),
+                    **res,
+                    "tflops": tflops(res.get("median_ms"), n, d, v, 1),
+                    "x_floor": round(res.get("median_ms", math.nan) / floor_ms, 3),
+                    **paired,
+                }
+            )
         except Exception as exc:
-            rec.add({"part": "tiles", "shape": shape, "tiles": dataclasses.asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
+            rec.add(
+                {
+                    "part": "tiles",
+                    "shape": shape,
+                    "tiles": dataclasses.asdict(cfg),
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
         finally:
             scope.close()
 
@@ -491,7 +601,9 @@ def _loss_inputs(b: int, tl: int, d: int, v: int, dtype):
 
 
 def ours_loss(h, w, t, old, adv, mask):
-    return rk.fused_linear_policy_loss(h, w, t, old, adv[:, None].expand_as(old), mask, loss_agg_mode="token-mean", backend="triton")[0]
+    return rk.fused_linear_policy_loss(
+        h, w, t, old, adv[:, None].expand_as(old), mask, loss_agg_mode="token-mean", backend="triton"
+    )[0]
 
 
 def liger_grpo(h, w, t, old, adv, mask):
@@ -526,21 +638,56 @@ def part_loss(shape, b, tl, d, v, dtype, args, rec, methods, variants):
     dl = torch.randn(n, v, device=DEV).to(dtype)
     floor = measure(lambda: (hh @ w.T, dl @ w, dl.T @ hh), args)["median_ms"]
     del dl
-    rec.add({"part": "loss_floor", "shape": shape, "N": n, "D": d, "V": v, "method": "cublas logits+dh+dW", "median_ms": floor,
-             "tflops": tflops(floor, n, d, v, 3)})
+    rec.add(
+        {
+            "part": "loss_floor",
+            "shape": shape,
+            "N": n,
+            "D": d,
+            "V": v,
+            "method": "cublas logits+dh+dW",
+            "median_ms": floor,
+            "tflops": tflops(floor, n, d, v, 3),
+        }
+    )
     for name in methods:
-        for vname, over in (variants if name == "ours" else [("", {})]):
+        for vname, over in variants if name == "ours" else [("", {})]:
             scope = _with_tuning(**over)
             try:
-                res = measure(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), args, out_bytes=lambda r: _nbytes(*r))
+                res = measure(
+                    lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), args, out_bytes=lambda r: _nbytes(*r)
+                )
                 if DEV.type == "cuda" and name == "ours":  # the target's unit: one GEMM h @ W.T, timed alternately
-                    res.update(paired_ratio(lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), lambda: hh @ w.T, args))
-                rec.add({"part": "loss fwd+bwd", "shape": shape, "B": b, "T": tl, "N": n, "D": d, "V": v,
-                         "method": name + (f"[{vname}]" if vname else ""),
-                         "route": LC.tuning().route_for(hh) if name == "ours" else None, **res,
-                         "tflops": tflops(res.get("median_ms"), n, d, v, 4), "x_floor3": round(res.get("median_ms", math.nan) / floor, 3)})
+                    res.update(
+                        paired_ratio(
+                            lambda: loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask), lambda: hh @ w.T, args
+                        )
+                    )
+                rec.add(
+                    {
+                        "part": "loss fwd+bwd",
+                        "shape": shape,
+                        "B": b,
+                        "T": tl,
+                        "N": n,
+                        "D": d,
+                        "V": v,
+                        "method": name + (f"[{vname}]" if vname else ""),
+                        "route": LC.tuning().route_for(hh) if name == "ours" else None,
+                        **res,
+                        "tflops": tflops(res.get("median_ms"), n, d, v, 4),
+                        "x_floor3": round(res.get("median_ms", math.nan) / floor, 3),
+                    }
+                )
             except Exception as exc:
-                rec.add({"part": "loss fwd+bwd", "shape": shape, "method": name + vname, "error": f"{type(exc).__name__}: {exc}"})
+                rec.add(
+                    {
+                        "part": "loss fwd+bwd",
+                        "shape": shape,
+                        "method": name + vname,
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                )
                 traceback.print_exc()
             finally:
                 scope.close()
@@ -553,8 +700,19 @@ def part_loss_accuracy(d, v, dtype, args, rec, methods):
     for name in methods:
         try:
             got = loss_fwd_bwd(LOSSES[name], h, w, t, old, adv, mask)
-            rec.add({"part": "loss accuracy", "B": b, "T": tl, "D": d, "V": v, "method": name,
-                     "loss": _err(got[0].reshape(1), ref[0].reshape(1)), "dhidden": _err(got[1], ref[1]), "dweight": _err(got[2], ref[2])})
+            rec.add(
+                {
+                    "part": "loss accuracy",
+                    "B": b,
+                    "T": tl,
+                    "D": d,
+                    "V": v,
+                    "method": name,
+                    "loss": _err(got[0].reshape(1), ref[0].reshape(1)),
+                    "dhidden": _err(got[1], ref[1]),
+                    "dweight": _err(got[2], ref[2]),
+                }
+            )
         except Exception as exc:
             rec.add({"part": "loss accuracy", "method": name, "error": f"{type(exc).__name__}: {exc}"})
         _free()
@@ -564,8 +722,22 @@ def part_memory(d, v, dtype, args, rec, sizes):
     for n in sizes:
         h, w, t, g = make(n, d, v, dtype)
         for name in ("ours", "eager"):
-            res = measure(lambda: fwd_bwd(METHODS[name], h, w, t, g), argparse.Namespace(warmup=1, reps=2), out_bytes=lambda r: _nbytes(*r))
-            rec.add({"part": "memory fwd+bwd", "N": n, "D": d, "V": v, "method": name, **res, "tflops": tflops(res.get("median_ms"), n, d, v, 4)})
+            res = measure(
+                lambda: fwd_bwd(METHODS[name], h, w, t, g),
+                argparse.Namespace(warmup=1, reps=2),
+                out_bytes=lambda r: _nbytes(*r),
+            )
+            rec.add(
+                {
+                    "part": "memory fwd+bwd",
+                    "N": n,
+                    "D": d,
+                    "V": v,
+                    "method": name,
+                    **res,
+                    "tflops": tflops(res.get("median_ms"), n, d, v, 4),
+                }
+            )
         del h, w, t, g
         _free()
 
@@ -580,7 +752,16 @@ def part_invariance(d, v, dtype, args, rec):
             for n in (1, 7, 1000):
                 part = METHODS[name](h[:n], w, t[:n])
                 worst = max(worst, float((part - full[:n]).abs().max()))
-        rec.add({"part": "batch invariance", "D": d, "V": v, "method": name, "Ns": [1, 7, 1000, 16384], "max_abs_diff": worst})
+        rec.add(
+            {
+                "part": "batch invariance",
+                "D": d,
+                "V": v,
+                "method": name,
+                "Ns": [1, 7, 1000, 16384],
+                "max_abs_diff": worst,
+            }
+        )
         _free()
 
 
@@ -588,17 +769,33 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--part", default="all", help="comma list: tiles,logprob,accuracy,loss,memory,invariance or all")
-    p.add_argument("--shapes", default=None, help="comma list of SHAPES names or d<D>_v<V>_n<N> (default llama8b,qwen0.5b,n1000,d2048)")
-    p.add_argument("--grid", nargs="?", const=",".join(map(str, GRID_D)), default=None, metavar="D,...",
-                   help="the issue-20 grid at these D (default all of GRID_D) x GRID_V x GRID_N, instead of --shapes")
-    p.add_argument("--methods", default="ours,eager,eager_chunked_ckpt,liger_flce,cce", help=f"comma list of {', '.join(METHODS)}")
-    p.add_argument("--variants", default="", help="ours variants: name=field:value;field:value,... (LinearTuning overrides)")
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="comma list of SHAPES names or d<D>_v<V>_n<N> (default llama8b,qwen0.5b,n1000,d2048)",
+    )
+    p.add_argument(
+        "--grid",
+        nargs="?",
+        const=",".join(map(str, GRID_D)),
+        default=None,
+        metavar="D,...",
+        help="the issue-20 grid at these D (default all of GRID_D) x GRID_V x GRID_N, instead of --shapes",
+    )
+    p.add_argument(
+        "--methods", default="ours,eager,eager_chunked_ckpt,liger_flce,cce", help=f"comma list of {', '.join(METHODS)}"
+    )
+    p.add_argument(
+        "--variants", default="", help="ours variants: name=field:value;field:value,... (LinearTuning overrides)"
+    )
     p.add_argument("--memory-sizes", default="4096,16384,65536,131072")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--acc-rows", type=int, default=2048)
-    p.add_argument("--device", default="cuda", help="cuda; or cpu with TRITON_INTERPRET=1 and --shapes tiny (smoke test)")
+    p.add_argument(
+        "--device", default="cuda", help="cuda; or cpu with TRITON_INTERPRET=1 and --shapes tiny (smoke test)"
+    )
     p.add_argument("--inputs", default="flat", help="comma list of input regimes, flat and/or peaked (see INPUTS)")
     args = p.parse_args(argv)
     global DEV, INPUTS
@@ -630,7 +827,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = [("", {})] + [_parse_variant(s) for s in args.variants.split(",") if s]
     rec = Recorder(os.path.join(args.out, "bench_linear_logprob.json"), args)
     if DEV.type == "cuda":
-        rec.note(f"torch.mm(out_dtype=fp32): {LC.fp32_logits_supported(DEV, torch.bfloat16)}; addmm(out_dtype=fp32, in place): {LC._dtype_mm_supported('addmm')}")
+        rec.note(
+            f"torch.mm(out_dtype=fp32): {LC.fp32_logits_supported(DEV, torch.bfloat16)}; addmm(out_dtype=fp32, in place): {LC._dtype_mm_supported('addmm')}"
+        )
     missing = {m: import_error(m) for m in methods if import_error(m) is not None}
     runnable = [m for m in methods if m not in missing]
     t0 = time.time()
@@ -643,8 +842,19 @@ def main(argv: list[str] | None = None) -> int:
         n, d, v = shape_of(shape)
         if parts & {"logprob", "accuracy"}:
             for name, error in missing.items():
-                rec.add({"part": "logprob", "shape": shape, "N": n, "D": d, "V": v, "inputs": regimes, "method": name,
-                         "unavailable": True, "error": error})
+                rec.add(
+                    {
+                        "part": "logprob",
+                        "shape": shape,
+                        "N": n,
+                        "D": d,
+                        "V": v,
+                        "inputs": regimes,
+                        "method": name,
+                        "unavailable": True,
+                        "error": error,
+                    }
+                )
         INPUTS = regimes[0]
         floor = part_floor(shape, n, d, v, dtype, args, rec)
         if "tiles" in parts:
@@ -684,14 +894,20 @@ def _parse_variant(spec: str) -> tuple[str, dict]:
 
 
 def _table(rows: list) -> None:
-    print(f"{'part':16} {'shape':20} {'inputs':7} {'method':28} {'ms':>9} {'TF/s':>6} {'x_floor':>8} {'GiB+':>7} {'GiB+out':>8}")
+    print(
+        f"{'part':16} {'shape':20} {'inputs':7} {'method':28} {'ms':>9} {'TF/s':>6} {'x_floor':>8} {'GiB+':>7} {'GiB+out':>8}"
+    )
     for r in rows:
         inputs = r.get("inputs", "")
         inputs = ",".join(inputs) if isinstance(inputs, list) else inputs
-        head = f"{r['part']:16} {str(r.get('shape', '')):20} {inputs:7.7} {str(r.get('method', r.get('tiles', ''))):28.28}"
+        head = (
+            f"{r['part']:16} {str(r.get('shape', '')):20} {inputs:7.7} {str(r.get('method', r.get('tiles', ''))):28.28}"
+        )
         if "median_ms" in r:
-            print(f"{head} {r['median_ms']:9.2f} {str(r.get('tflops', '')):>6} {r.get('x_floor', r.get('x_floor3', '')):>8} "
-                  f"{r.get('peak_extra_gib', ''):>7} {r.get('peak_beyond_outputs_gib', ''):>8}")
+            print(
+                f"{head} {r['median_ms']:9.2f} {str(r.get('tflops', '')):>6} {r.get('x_floor', r.get('x_floor3', '')):>8} "
+                f"{r.get('peak_extra_gib', ''):>7} {r.get('peak_beyond_outputs_gib', ''):>8}"
+            )
         elif "error" in r:
             print(f"{head} ERROR {r['error'][:80]}")
 

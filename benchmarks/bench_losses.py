@@ -81,7 +81,9 @@ def _max_err(pairs) -> float:
     return max(float((a.double() - b).abs().max()) for a, b in pairs)
 
 
-def eager_logprob(logits: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, g_lp: torch.Tensor) -> tuple[Callable, Callable]:
+def eager_logprob(
+    logits: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, g_lp: torch.Tensor
+) -> tuple[Callable, Callable]:
     """The eager baseline ``log_softmax(logits.float()).gather``: ``(forward without grad on
     logits, forward+backward on x -> d x)`` with the upstream gradient ``g_lp``."""
 
@@ -122,14 +124,21 @@ def bench_logprob(args: argparse.Namespace, device: torch.device, bandwidth_gbs:
 
     def chunked_bf16_fwd():
         with torch.no_grad():
-            return torch.cat([
-                torch.log_softmax(logits[r : r + CHUNK_ROWS], dim=-1).gather(-1, targets[r : r + CHUNK_ROWS, None])[:, 0]
-                for r in range(0, n, CHUNK_ROWS)
-            ])
+            return torch.cat(
+                [
+                    torch.log_softmax(logits[r : r + CHUNK_ROWS], dim=-1).gather(-1, targets[r : r + CHUNK_ROWS, None])[
+                        :, 0
+                    ]
+                    for r in range(0, n, CHUNK_ROWS)
+                ]
+            )
 
     impls = {
-        "ours_fwd_no_grad": ours_fwd, "ours_fwd_entropy_no_grad": ours_fwd_entropy, "ours_fwd_bwd_entropy": ours_fwd_bwd,
-        "eager_fp32_log_softmax_gather_fwd": eager_fwd, "eager_fp32_log_softmax_gather_fwd_bwd": eager_fwd_bwd,
+        "ours_fwd_no_grad": ours_fwd,
+        "ours_fwd_entropy_no_grad": ours_fwd_entropy,
+        "ours_fwd_bwd_entropy": ours_fwd_bwd,
+        "eager_fp32_log_softmax_gather_fwd": eager_fwd,
+        "eager_fp32_log_softmax_gather_fwd_bwd": eager_fwd_bwd,
         "chunked_bf16_log_softmax_fwd": chunked_bf16_fwd,
     }
     rows = {}
@@ -142,7 +151,10 @@ def bench_logprob(args: argparse.Namespace, device: torch.device, bandwidth_gbs:
     ours_grad = ours_fwd_bwd()
     eager_lp, eager_grad = eager_fwd(), eager_fwd_bwd()
     chunked_lp = chunked_bf16_fwd()
-    errs = {k: 0.0 for k in ("ours_logprob", "ours_entropy", "ours_grad", "eager_logprob", "eager_grad", "chunked_bf16_logprob")}
+    errs = {
+        k: 0.0
+        for k in ("ours_logprob", "ours_entropy", "ours_grad", "eager_logprob", "eager_grad", "chunked_bf16_logprob")
+    }
     for r, lp64, ent64, grad64 in _fp64_logprob(logits, targets, g_lp, g_ent):
         errs["ours_logprob"] = max(errs["ours_logprob"], _max_err([(ours_lp[r], lp64)]))
         errs["ours_entropy"] = max(errs["ours_entropy"], _max_err([(ours_ent[r], ent64)]))
@@ -153,11 +165,17 @@ def bench_logprob(args: argparse.Namespace, device: torch.device, bandwidth_gbs:
         errs["eager_grad"] = max(errs["eager_grad"], _max_err([(eager_grad[r], grad64)]))
     target_ratio = 1.3
     return {
-        "shape": {"N": n, "V": v}, "dtype": "bfloat16", "temperature": 1.0,
-        "logits_gib": logits_bytes / 2**30, "read_once_ms_at_copy_bandwidth": read_once_ms,
-        "results": rows, "max_abs_err_vs_fp64": errs,
-        "target": {"ours_fwd_no_grad_x_read_once_max": target_ratio,
-                   "met": rows["ours_fwd_no_grad"]["x_read_once"] <= target_ratio},
+        "shape": {"N": n, "V": v},
+        "dtype": "bfloat16",
+        "temperature": 1.0,
+        "logits_gib": logits_bytes / 2**30,
+        "read_once_ms_at_copy_bandwidth": read_once_ms,
+        "results": rows,
+        "max_abs_err_vs_fp64": errs,
+        "target": {
+            "ours_fwd_no_grad_x_read_once_max": target_ratio,
+            "met": rows["ours_fwd_no_grad"]["x_read_once"] <= target_ratio,
+        },
     }
 
 
@@ -172,13 +190,21 @@ def bench_policy_loss(args: argparse.Namespace, device: torch.device, bandwidth_
     adv = torch.randn(s, t, device=device)
     mask = torch.rand(s, t, device=device) < 0.9
     ent = torch.rand(s, t, device=device) * 3
-    knobs = dict(ref_logprob=ref, clip_ratio_c=3.0, kl_type="low_var_kl", kl_coef=0.05, entropy_coef=0.01, loss_agg_mode="token-mean")
+    knobs = dict(
+        ref_logprob=ref,
+        clip_ratio_c=3.0,
+        kl_type="low_var_kl",
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        loss_agg_mode="token-mean",
+    )
     x, e = lp.detach().requires_grad_(), ent.detach().requires_grad_()
 
     def make(backend: str) -> Callable[[], tuple]:
         def fwd_bwd():
             loss, metrics = rk.policy_loss(x, old, adv, mask, entropy=e, backend=backend, **knobs)
             return torch.autograd.grad(loss, (x, e))
+
         return fwd_bwd
 
     # each input read once (5 fp32 tensors + a bool mask), both gradients written once (fp32)
@@ -203,17 +229,27 @@ def bench_policy_loss(args: argparse.Namespace, device: torch.device, bandwidth_
     errs = {}
     for name, backend in (("ours", "triton"), ("eager_reference", "torch")):
         got = run(backend, torch.float32)
-        errs[name] = {"loss_and_metrics": _max_err(zip(got[:7], exact[:7])), "grad_logprob": _max_err([(got[7], exact[7])]),
-                      "grad_entropy": _max_err([(got[8], exact[8])])}
+        errs[name] = {
+            "loss_and_metrics": _max_err(zip(got[:7], exact[:7])),
+            "grad_logprob": _max_err([(got[7], exact[7])]),
+            "grad_entropy": _max_err([(got[8], exact[8])]),
+        }
     graph = rows["ours"]["cuda_graph"]
     best = graph["median_ms"] if "median_ms" in graph else rows["ours"]["median_ms"]
     return {
-        "shape": {"S": s, "T": t, "tokens": s * t}, "dtype": "float32", "mask": "bool",
+        "shape": {"S": s, "T": t, "tokens": s * t},
+        "dtype": "float32",
+        "mask": "bool",
         "knobs": {k: v for k, v in knobs.items() if k != "ref_logprob"} | {"entropy": True, "ref_logprob": True},
-        "bytes_floor_mb": floor_bytes / 1e6, "bytes_floor_ms_at_copy_bandwidth": floor_ms,
-        "results": rows, "max_abs_err_vs_fp64": errs,
-        "target": {"ours_fwd_bwd_x_bytes_floor_max": 3.0, "measured_on": "cuda_graph" if "median_ms" in graph else "launched",
-                   "met": best / floor_ms <= 3.0},
+        "bytes_floor_mb": floor_bytes / 1e6,
+        "bytes_floor_ms_at_copy_bandwidth": floor_ms,
+        "results": rows,
+        "max_abs_err_vs_fp64": errs,
+        "target": {
+            "ours_fwd_bwd_x_bytes_floor_max": 3.0,
+            "measured_on": "cuda_graph" if "median_ms" in graph else "launched",
+            "met": best / floor_ms <= 3.0,
+        },
     }
 
 
@@ -256,22 +292,32 @@ def checked_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu with TRITON_INTERPRET=1 for a smoke test)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--device cpu needs TRITON_INTERPRET=1 (the triton backend runs on CPU only under the interpreter)")
+        parser.error(
+            "--device cpu needs TRITON_INTERPRET=1 (the triton backend runs on CPU only under the interpreter)"
+        )
     return device
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser)
-    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu under TRITON_INTERPRET=1 as a smoke test")
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (default), or cpu under TRITON_INTERPRET=1 as a smoke test"
+    )
     parser.add_argument("--only", choices=("logprob", "policy_loss"), help="run one of the two benchmarks")
     args = parser.parse_args(argv)
     device = checked_device(parser, args.device)
     torch.manual_seed(0)
     env = bench.environment(device)
     bandwidth = copy_bandwidth_gbs(args, device)
-    result = {"benchmark": "bench_losses", "command": bench.command_line(),
-              "environment": env, "copy_bandwidth": bandwidth, "warmup": args.warmup, "reps": args.reps}
+    result = {
+        "benchmark": "bench_losses",
+        "command": bench.command_line(),
+        "environment": env,
+        "copy_bandwidth": bandwidth,
+        "warmup": args.warmup,
+        "reps": args.reps,
+    }
     if args.only in (None, "logprob"):
         result["logprob_from_logits"] = bench_logprob(args, device, bandwidth["gbs"])
         if device.type == "cuda":

@@ -83,13 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--train-batch", type=int, default=16)
     p.add_argument("--train-len", type=int, default=512)
-    p.add_argument("--profile", action="store_true",
-                   help="add each case's CUDA kernels by device time, both modes (torch.profiler, one call)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="add each case's CUDA kernels by device time, both modes (torch.profiler, one call)",
+    )
     p.add_argument("--cases", default="generate,train", help="the cases --profile and --cprofile cover")
-    p.add_argument("--compare-launcher", action="store_true",
-                   help="also time the mode with the C++ launcher off (rl_kernel_core.batch_invariant_mode.triton_launch.set_enabled)")
-    p.add_argument("--cprofile", action="store_true",
-                   help="add each case's Python functions by own time, both modes (cProfile, one call)")
+    p.add_argument(
+        "--compare-launcher",
+        action="store_true",
+        help="also time the mode with the C++ launcher off (rl_kernel_core.batch_invariant_mode.triton_launch.set_enabled)",
+    )
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="add each case's Python functions by own time, both modes (cProfile, one call)",
+    )
     bench.add_timing_options(p, reps=5, warmup=2)
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device or "cuda"), getattr(torch, args.dtype)
@@ -101,8 +110,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def generate():
         with torch.no_grad():
-            return model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=2)
+            return model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=False,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                pad_token_id=2,
+            )
 
     def train():
         model.zero_grad(set_to_none=True)
@@ -118,20 +133,34 @@ def main(argv: list[str] | None = None) -> int:
                 timed[mode] = bench.time_ms(fn, device, warmup=args.warmup, reps=args.reps)
             native_launch.set_enabled(True)
         ratio = timed["on"]["median_ms"] / timed["off"]["median_ms"]
-        row = {"case": case, "off": timed["off"], "on": timed["on"], "on_over_off": round(ratio, 3), "target": TARGETS[case]}
+        row = {
+            "case": case,
+            "off": timed["off"],
+            "on": timed["on"],
+            "on_over_off": round(ratio, 3),
+            "target": TARGETS[case],
+        }
         if args.compare_launcher:
             row["on_triton_launch"] = timed["on_triton_launch"]
-            row["on_triton_launch_over_off"] = round(timed["on_triton_launch"]["median_ms"] / timed["off"]["median_ms"], 3)
-            print(f"  on with Triton's launcher: {timed['on_triton_launch']['median_ms']:.2f} ms, "
-                  f"{row['on_triton_launch_over_off']:.3f}x off", flush=True)
+            row["on_triton_launch_over_off"] = round(
+                timed["on_triton_launch"]["median_ms"] / timed["off"]["median_ms"], 3
+            )
+            print(
+                f"  on with Triton's launcher: {timed['on_triton_launch']['median_ms']:.2f} ms, "
+                f"{row['on_triton_launch_over_off']:.3f}x off",
+                flush=True,
+            )
         if args.profile and case in args.cases.split(","):
             row["profile"] = {}
             for mode in ("off", "on"):
                 with rk.batch_invariant(mode == "on"):
                     device_ms, kernels = bench.kernel_table(fn, warmup=0)
                 row["profile"][mode] = {"device_ms": device_ms, "kernels": kernels[:12]}
-                print(f"  profile {mode}: {device_ms:.1f} ms device of {timed[mode]['median_ms']:.1f} ms wall; top: "
-                      + "; ".join(f"{k['ms']:.1f} ms {k['launches']}x {k['kernel'][:60]}" for k in kernels[:4]), flush=True)
+                print(
+                    f"  profile {mode}: {device_ms:.1f} ms device of {timed[mode]['median_ms']:.1f} ms wall; top: "
+                    + "; ".join(f"{k['ms']:.1f} ms {k['launches']}x {k['kernel'][:60]}" for k in kernels[:4]),
+                    flush=True,
+                )
         if args.cprofile and case in args.cases.split(","):
             row["cprofile"] = {}
             for mode in ("off", "on"):
@@ -139,15 +168,23 @@ def main(argv: list[str] | None = None) -> int:
                     row["cprofile"][mode] = host_profile(fn, device)
                 print(f"  cProfile {mode}:\n{row['cprofile'][mode]}", flush=True)
         rows.append(row)
-        print(f"{case:9} off {timed['off']['median_ms']:9.2f} ms  on {timed['on']['median_ms']:9.2f} ms  on/off {ratio:6.3f}  (target <= {TARGETS[case]})",
-              flush=True)
+        print(
+            f"{case:9} off {timed['off']['median_ms']:9.2f} ms  on {timed['on']['median_ms']:9.2f} ms  on/off {ratio:6.3f}  (target <= {TARGETS[case]})",
+            flush=True,
+        )
     result = {
         "benchmark": "batch-invariant mode on vs off in eager code (transformers Qwen3)",
-        "command": bench.command_line(), "environment": bench.environment(device),
-        "shapes": {"preset": args.preset, "config": PRESETS[args.preset], "dtype": args.dtype,
-                   "generate": {"batch": args.gen_batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens},
-                   "train": {"batch": args.train_batch, "seq_len": args.train_len}},
-        "settings": {"warmup": args.warmup, "reps": args.reps}, "rows": rows,
+        "command": bench.command_line(),
+        "environment": bench.environment(device),
+        "shapes": {
+            "preset": args.preset,
+            "config": PRESETS[args.preset],
+            "dtype": args.dtype,
+            "generate": {"batch": args.gen_batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens},
+            "train": {"batch": args.train_batch, "seq_len": args.train_len},
+        },
+        "settings": {"warmup": args.warmup, "reps": args.reps},
+        "rows": rows,
         "native_launch": {"unavailable_reason": native_launch.unavailable_reason(), **native_launch.stats()},
     }
     if args.out:

@@ -40,7 +40,13 @@ from rl_kernel_core.tools import bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_losses import (  # noqa: E402
-    _fp64_logprob, _max_err, _timed, add_common_args, copy_bandwidth_gbs, eager_logprob, write_result,
+    _fp64_logprob,
+    _max_err,
+    _timed,
+    add_common_args,
+    copy_bandwidth_gbs,
+    eager_logprob,
+    write_result,
 )
 
 FAST = ("native", "triton")
@@ -70,12 +76,14 @@ def bench_logprob(args: argparse.Namespace, device: torch.device, bandwidth_gbs:
         def run():
             with torch.no_grad():
                 return rk.logprob_from_logits(logits, targets, return_entropy=entropy, backend=backend)
+
         return run
 
     def fwd_bwd(backend: str):
         def run():
             lp, ent = rk.logprob_from_logits(x, targets, return_entropy=True, backend=backend)
             return torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (x,))[0]
+
         return run
 
     eager_fwd, eager_fwd_bwd = eager_logprob(logits, x, targets, g_lp)
@@ -101,8 +109,11 @@ def bench_logprob(args: argparse.Namespace, device: torch.device, bandwidth_gbs:
         errs[b] = e
         del grad
     return {
-        "shape": {"N": n, "V": v}, "dtype": "bfloat16", "read_once_ms_at_copy_bandwidth": read_once_ms,
-        "results": rows, "max_abs_err_vs_fp64": errs,
+        "shape": {"N": n, "V": v},
+        "dtype": "bfloat16",
+        "read_once_ms_at_copy_bandwidth": read_once_ms,
+        "results": rows,
+        "max_abs_err_vs_fp64": errs,
         "auto_order": _order(rows, "fwd_bwd_entropy"),
         "auto_order_rule": "faster forward+backward with entropy",
     }
@@ -112,8 +123,12 @@ def _tokens(args: argparse.Namespace, device: torch.device) -> dict:
     s, t = args.seqs, args.seq_len
     lp = torch.rand(s, t, device=device) * -4 - 0.05
     return dict(
-        lp=lp, old=lp + torch.randn(s, t, device=device) * 0.3, ref=lp + torch.randn(s, t, device=device) * 0.3,
-        adv=torch.randn(s, t, device=device), mask=torch.rand(s, t, device=device) < 0.9, ent=torch.rand(s, t, device=device) * 3,
+        lp=lp,
+        old=lp + torch.randn(s, t, device=device) * 0.3,
+        ref=lp + torch.randn(s, t, device=device) * 0.3,
+        adv=torch.randn(s, t, device=device),
+        mask=torch.rand(s, t, device=device) < 0.9,
+        ent=torch.rand(s, t, device=device) * 3,
     )
 
 
@@ -125,32 +140,55 @@ def bench_policy_loss(args: argparse.Namespace, device: torch.device, bandwidth_
 
     def make(backend: str) -> Callable[[], tuple]:
         def fwd_bwd():
-            loss, _ = rk.policy_loss(x, tk["old"], tk["adv"], tk["mask"], ref_logprob=tk["ref"], entropy=e, backend=backend, **knobs)
+            loss, _ = rk.policy_loss(
+                x, tk["old"], tk["adv"], tk["mask"], ref_logprob=tk["ref"], entropy=e, backend=backend, **knobs
+            )
             return torch.autograd.grad(loss, (x, e))
+
         return fwd_bwd
 
     floor_ms = s * t * (5 * 4 + 1 + 2 * 4) / (bandwidth_gbs * 1e9) * 1e3
     rows = {}
-    for name, backend in (("native_fwd_bwd", "native"), ("triton_fwd_bwd", "triton"), ("eager_reference_fwd_bwd", "torch")):
+    for name, backend in (
+        ("native_fwd_bwd", "native"),
+        ("triton_fwd_bwd", "triton"),
+        ("eager_reference_fwd_bwd", "torch"),
+    ):
         rows[name] = _timed(make(backend), device, args, graph=True)
         rows[name]["x_bytes_floor"] = _best_ms(rows[name]) / floor_ms
 
     def run(backend: str, dtype: torch.dtype):
         xx, ee = tk["lp"].to(dtype).requires_grad_(), tk["ent"].to(dtype).requires_grad_()
-        loss, metrics = rk.policy_loss(xx, tk["old"].to(dtype), tk["adv"].to(dtype), tk["mask"], ref_logprob=tk["ref"].to(dtype),
-                                       entropy=ee, backend=backend, **knobs)
+        loss, metrics = rk.policy_loss(
+            xx,
+            tk["old"].to(dtype),
+            tk["adv"].to(dtype),
+            tk["mask"],
+            ref_logprob=tk["ref"].to(dtype),
+            entropy=ee,
+            backend=backend,
+            **knobs,
+        )
         return (loss, *metrics.values(), *torch.autograd.grad(loss, (xx, ee)))
 
     exact = run("torch", torch.float64)
     errs = {}
     for b in FAST:
         got = run(b, torch.float32)
-        errs[b] = {"loss_and_metrics": _max_err(zip(got[:7], exact[:7])), "grad_logprob": _max_err([(got[7], exact[7])]),
-                   "grad_entropy": _max_err([(got[8], exact[8])])}
+        errs[b] = {
+            "loss_and_metrics": _max_err(zip(got[:7], exact[:7])),
+            "grad_logprob": _max_err([(got[7], exact[7])]),
+            "grad_entropy": _max_err([(got[8], exact[8])]),
+        }
     return {
-        "shape": {"S": s, "T": t, "tokens": s * t}, "dtype": "float32", "knobs": knobs,
-        "bytes_floor_ms_at_copy_bandwidth": floor_ms, "results": rows, "max_abs_err_vs_fp64": errs,
-        "auto_order": _order(rows, "fwd_bwd"), "auto_order_rule": "faster forward+backward (CUDA graph replay)",
+        "shape": {"S": s, "T": t, "tokens": s * t},
+        "dtype": "float32",
+        "knobs": knobs,
+        "bytes_floor_ms_at_copy_bandwidth": floor_ms,
+        "results": rows,
+        "max_abs_err_vs_fp64": errs,
+        "auto_order": _order(rows, "fwd_bwd"),
+        "auto_order_rule": "faster forward+backward (CUDA graph replay)",
     }
 
 
@@ -163,11 +201,19 @@ def bench_ratio_kl(args: argparse.Namespace, device: torch.device) -> dict:
         def fwd_bwd():
             ratio, kl = rk.ratio_kl(x, tk["old"], tk["ref"], kl_type="low_var_kl", backend=backend)
             return torch.autograd.grad((ratio * g).sum() + kl.sum(), (x,))
+
         return fwd_bwd
 
-    rows = {f"{n}_fwd_bwd": _timed(make(b), device, args, graph=True) for n, b in (("native", "native"), ("triton", "triton"), ("eager", "torch"))}
-    return {"shape": {"tokens": x.numel()}, "results": rows, "auto_order": _order(rows, "fwd_bwd"),
-            "auto_order_rule": "faster forward+backward (CUDA graph replay)"}
+    rows = {
+        f"{n}_fwd_bwd": _timed(make(b), device, args, graph=True)
+        for n, b in (("native", "native"), ("triton", "triton"), ("eager", "torch"))
+    }
+    return {
+        "shape": {"tokens": x.numel()},
+        "results": rows,
+        "auto_order": _order(rows, "fwd_bwd"),
+        "auto_order_rule": "faster forward+backward (CUDA graph replay)",
+    }
 
 
 def bench_group_advantages(args: argparse.Namespace, device: torch.device) -> dict:
@@ -177,12 +223,21 @@ def bench_group_advantages(args: argparse.Namespace, device: torch.device) -> di
 
     rows = {}
     for name, backend in (("native", "native"), ("triton", "triton"), ("eager", "torch")):
-        rows[f"{name}_by_size"] = _timed(lambda b=backend: rk.group_advantages(rewards, group_size=size, backend=b), device, args)
-        rows[f"{name}_by_index"] = _timed(lambda b=backend: rk.group_advantages(rewards, group_index=index, backend=b), device, args)
+        rows[f"{name}_by_size"] = _timed(
+            lambda b=backend: rk.group_advantages(rewards, group_size=size, backend=b), device, args
+        )
+        rows[f"{name}_by_index"] = _timed(
+            lambda b=backend: rk.group_advantages(rewards, group_index=index, backend=b), device, args
+        )
     exact = rk.group_advantages(rewards.double(), group_size=size, backend="torch")
     errs = {b: _max_err([(rk.group_advantages(rewards, group_size=size, backend=b), exact)]) for b in FAST}
-    return {"shape": {"N": n, "group_size": size}, "results": rows, "max_abs_err_vs_fp64_by_size": errs,
-            "auto_order": _order(rows, "by_index"), "auto_order_rule": "faster by index (the layout-free case)"}
+    return {
+        "shape": {"N": n, "group_size": size},
+        "results": rows,
+        "max_abs_err_vs_fp64_by_size": errs,
+        "auto_order": _order(rows, "by_index"),
+        "auto_order_rule": "faster by index (the layout-free case)",
+    }
 
 
 def bench_linear_logprob(args: argparse.Namespace, device: torch.device) -> dict:
@@ -197,6 +252,7 @@ def bench_linear_logprob(args: argparse.Namespace, device: torch.device) -> dict
         def run():
             with torch.no_grad():
                 return rk.linear_logprob(hidden, weight, targets, backend=backend)
+
         return run
 
     def fwd_bwd(backend: str):
@@ -204,18 +260,29 @@ def bench_linear_logprob(args: argparse.Namespace, device: torch.device) -> dict
             h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
             lp, ent = rk.linear_logprob(h, w, targets, return_entropy=True, backend=backend)
             return torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
+
         return run
 
     rows = {"cublas_logits_floor": _timed(lambda: hidden @ weight.T, device, args)}
     for b in FAST:
         rows[f"{b}_fwd_no_grad"] = _timed(fwd(b), device, args)
         rows[f"{b}_fwd_bwd_entropy"] = _timed(fwd_bwd(b), device, args)
-        rows[f"{b}_rl_step"] = {"median_ms": 2 * rows[f"{b}_fwd_no_grad"]["median_ms"] + rows[f"{b}_fwd_bwd_entropy"]["median_ms"]}
+        rows[f"{b}_rl_step"] = {
+            "median_ms": 2 * rows[f"{b}_fwd_no_grad"]["median_ms"] + rows[f"{b}_fwd_bwd_entropy"]["median_ms"]
+        }
     rows_ref = min(n, 1024)
-    lp64 = torch.log_softmax(hidden[:rows_ref].double() @ weight.double().T, dim=-1).gather(-1, targets[:rows_ref, None])[:, 0]
+    lp64 = torch.log_softmax(hidden[:rows_ref].double() @ weight.double().T, dim=-1).gather(
+        -1, targets[:rows_ref, None]
+    )[:, 0]
     errs = {b: _max_err([(fwd(b)()[:rows_ref], lp64)]) for b in FAST}
-    return {"shape": {"N": n, "D": d, "V": v}, "dtype": "bfloat16", "results": rows, "max_abs_err_logprob_vs_fp64_first_rows": errs,
-            "auto_order": _order(rows, "rl_step"), "auto_order_rule": "faster 2 x forward without grad + 1 x forward+backward with entropy"}
+    return {
+        "shape": {"N": n, "D": d, "V": v},
+        "dtype": "bfloat16",
+        "results": rows,
+        "max_abs_err_logprob_vs_fp64_first_rows": errs,
+        "auto_order": _order(rows, "rl_step"),
+        "auto_order_rule": "faster 2 x forward without grad + 1 x forward+backward with entropy",
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -230,8 +297,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = bench.environment(device)
     env["native"] = dispatch.backend_status()["native"] or "available"
     bandwidth = copy_bandwidth_gbs(args, device)
-    result = {"benchmark": "bench_native", "command": bench.command_line(),
-              "environment": env, "copy_bandwidth": bandwidth, "warmup": args.warmup, "reps": args.reps}
+    result = {
+        "benchmark": "bench_native",
+        "command": bench.command_line(),
+        "environment": env,
+        "copy_bandwidth": bandwidth,
+        "warmup": args.warmup,
+        "reps": args.reps,
+    }
     result["logprob_from_logits"] = bench_logprob(args, device, bandwidth["gbs"])
     torch.cuda.empty_cache()
     result["policy_loss"] = bench_policy_loss(args, device, bandwidth["gbs"])
@@ -240,8 +313,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.cuda.empty_cache()
     result["linear_logprob"] = bench_linear_logprob(args, device)
     major, minor = torch.cuda.get_device_capability(device)
-    result["measured_preference"] = {f"{major}.{minor}": {op: result[op]["auto_order"] for op in
-                                                           ("logprob_from_logits", "policy_loss", "ratio_kl", "group_advantages", "linear_logprob")}}
+    result["measured_preference"] = {
+        f"{major}.{minor}": {
+            op: result[op]["auto_order"]
+            for op in ("logprob_from_logits", "policy_loss", "ratio_kl", "group_advantages", "linear_logprob")
+        }
+    }
     write_result(result, args.out, f"bench_native_{env.get('gpu', 'cuda').replace(' ', '_')}.json")
     return 0
 

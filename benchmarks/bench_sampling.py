@@ -50,7 +50,9 @@ from bench_losses import _timed, checked_device, write_result  # noqa: E402
 TARGET_MS = 0.25
 
 
-def torch_sort_path(logits: torch.Tensor, k: Optional[int], p: Optional[float], min_p: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_sort_path(
+    logits: torch.Tensor, k: Optional[int], p: Optional[float], min_p: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM V1's PyTorch sampler path (``vllm/v1/sample/ops/topk_topp_sampler.py``), plus the log-prob."""
     x = logits.float()
     full = torch.log_softmax(x, dim=-1)
@@ -100,12 +102,22 @@ def _checks(logits: torch.Tensor, seeds: torch.Tensor, params: dict) -> dict:
     tokens, logprobs = rk.sample(logits, seeds=seeds, backend="triton", **params)
     ref_tokens, _ = rk.sample(logits, seeds=seeds, backend="torch", **params)
     expected = rk.logprob_from_logits(logits, tokens, temperature=params.get("temperature", 1.0), backend="triton")
-    return {"tokens_equal_reference_fraction": float((tokens == ref_tokens).double().mean()),
-            "logprob_bitwise_logprob_from_logits": bool(torch.equal(logprobs, expected))}
+    return {
+        "tokens_equal_reference_fraction": float((tokens == ref_tokens).double().mean()),
+        "logprob_bitwise_logprob_from_logits": bool(torch.equal(logprobs, expected)),
+    }
 
 
-def bench_case(args: argparse.Namespace, device: torch.device, b: int, dtype: torch.dtype, fi: Optional[Callable], fi_reason: Optional[str],
-               filters: dict, baselines: bool) -> dict:
+def bench_case(
+    args: argparse.Namespace,
+    device: torch.device,
+    b: int,
+    dtype: torch.dtype,
+    fi: Optional[Callable],
+    fi_reason: Optional[str],
+    filters: dict,
+    baselines: bool,
+) -> dict:
     v = args.v
     logits = (torch.randn(b, v, device=device) * 3).to(dtype)
     info = torch.iinfo(torch.int64)
@@ -124,13 +136,22 @@ def bench_case(args: argparse.Namespace, device: torch.device, b: int, dtype: to
             rows["flashinfer"] = {"skipped": fi_reason}
             rows["flashinfer_backend"] = {"skipped": fi_reason}
         else:
-            rows["flashinfer"] = _timed(lambda: fi(logits, 1.0, seeds, k, p, mp), device, args, graph=device.type == "cuda")
+            rows["flashinfer"] = _timed(
+                lambda: fi(logits, 1.0, seeds, k, p, mp), device, args, graph=device.type == "cuda"
+            )
             rows["flashinfer"]["note"] = "tokens only (no log-prob): the flashinfer backend's FlashInfer calls"
-            rows["flashinfer_backend"] = _timed(lambda: rk.sample(logits, backend="flashinfer", **filters), device, args,
-                                                graph=device.type == "cuda")
+            rows["flashinfer_backend"] = _timed(
+                lambda: rk.sample(logits, backend="flashinfer", **filters), device, args, graph=device.type == "cuda"
+            )
             rows["flashinfer_backend"]["note"] = "rk.sample(backend='flashinfer') without seeds: tokens and log-probs"
-    return {"B": b, "V": v, "dtype": str(dtype).replace("torch.", ""), "filters": filters, "results": rows,
-            "checks": _checks(logits, seeds, filters)}
+    return {
+        "B": b,
+        "V": v,
+        "dtype": str(dtype).replace("torch.", ""),
+        "filters": filters,
+        "results": rows,
+        "checks": _checks(logits, seeds, filters),
+    }
 
 
 def _best_ms(row: dict) -> Optional[float]:
@@ -141,7 +162,11 @@ def _best_ms(row: dict) -> Optional[float]:
 def _table(cases: list[dict]) -> str:
     names = ["ours", "torch_sort", "torch_topk", "flashinfer", "flashinfer_backend"]
     widths = [max(14, len(n) + 2) for n in names]
-    lines = [f"{'B':<5} {'dtype':<9} {'filters':<28}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths)) + "  (ms: graph replay where captured)"]
+    lines = [
+        f"{'B':<5} {'dtype':<9} {'filters':<28}"
+        + "".join(f"{n:>{w}}" for n, w in zip(names, widths))
+        + "  (ms: graph replay where captured)"
+    ]
     for c in cases:
         cells = []
         for n, w in zip(names, widths):
@@ -162,7 +187,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu under TRITON_INTERPRET=1 as a smoke test")
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (default), or cpu under TRITON_INTERPRET=1 as a smoke test"
+    )
     args = parser.parse_args(argv)
     device = checked_device(parser, args.device)
     torch.manual_seed(0)
@@ -183,11 +210,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         if c["B"] == b_ref and c["filters"] == headline:
             ms = _best_ms(c["results"]["ours"])
             launched = c["results"]["ours"]["median_ms"]
-            target[c["dtype"]] = {"graph_or_launched_ms": ms, "launched_ms": launched, "met": ms is not None and ms <= TARGET_MS}
-    result = {"benchmark": "bench_sampling", "command": bench.command_line(), "environment": env,
-              "flashinfer": fi_reason or "available", "logits": "randn * 3", "temperature": 1.0,
-              "warmup": args.warmup, "reps": args.reps, "cases": cases,
-              "target": {"ours_ms_max": TARGET_MS, "B": b_ref, "V": args.v, "filters": headline, "by_dtype": target}}
+            target[c["dtype"]] = {
+                "graph_or_launched_ms": ms,
+                "launched_ms": launched,
+                "met": ms is not None and ms <= TARGET_MS,
+            }
+    result = {
+        "benchmark": "bench_sampling",
+        "command": bench.command_line(),
+        "environment": env,
+        "flashinfer": fi_reason or "available",
+        "logits": "randn * 3",
+        "temperature": 1.0,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "cases": cases,
+        "target": {"ours_ms_max": TARGET_MS, "B": b_ref, "V": args.v, "filters": headline, "by_dtype": target},
+    }
     print(_table(cases))
     write_result(result, args.out, f"bench_sampling_{env.get('gpu', device.type).replace(' ', '_')}.json")
     return 0

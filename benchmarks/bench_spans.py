@@ -76,7 +76,9 @@ def variants(x: dict, backend: str) -> dict[str, Callable[[], tuple]]:
         return grads(loss)
 
     def ours_fused_spans():
-        loss, _ = rk.fused_linear_policy_loss(h, w, x["targets"], x["old"], x["adv"], loss_spans=x["spans"], backend=backend, **KNOBS)
+        loss, _ = rk.fused_linear_policy_loss(
+            h, w, x["targets"], x["old"], x["adv"], loss_spans=x["spans"], backend=backend, **KNOBS
+        )
         return grads(loss)
 
     def ours_logprob_then_loss_spans():
@@ -85,11 +87,17 @@ def variants(x: dict, backend: str) -> dict[str, Callable[[], tuple]]:
         return grads(loss)
 
     def ours_fused_dense_mask():
-        loss, _ = rk.fused_linear_policy_loss(h, w, x["targets"], x["old"], x["adv"], x["mask"], backend=backend, **KNOBS)
+        loss, _ = rk.fused_linear_policy_loss(
+            h, w, x["targets"], x["old"], x["adv"], x["mask"], backend=backend, **KNOBS
+        )
         return grads(loss)
 
-    return {"transformers_default": transformers_default, "ours_fused_spans": ours_fused_spans,
-            "ours_logprob_then_loss_spans": ours_logprob_then_loss_spans, "ours_fused_dense_mask": ours_fused_dense_mask}
+    return {
+        "transformers_default": transformers_default,
+        "ours_fused_spans": ours_fused_spans,
+        "ours_logprob_then_loss_spans": ours_logprob_then_loss_spans,
+        "ours_fused_dense_mask": ours_fused_dense_mask,
+    }
 
 
 def measure(fn: Callable[[], tuple], device: torch.device, args: argparse.Namespace) -> dict:
@@ -114,7 +122,8 @@ def run(args: argparse.Namespace) -> dict:
             if name != "transformers_default" and "out_of_memory" not in rows[name]:
                 out = fn()
                 rows[name]["max_abs_diff_vs_transformers_default"] = {
-                    what: float((a.double() - b.double()).abs().max()) for what, a, b in zip(("loss", "dhidden", "dweight"), out, reference)
+                    what: float((a.double() - b.double()).abs().max())
+                    for what, a, b in zip(("loss", "dhidden", "dweight"), out, reference)
                 }
     base, ours = rows["transformers_default"], rows["ours_fused_spans"]
     ratios = {}
@@ -124,19 +133,39 @@ def run(args: argparse.Namespace) -> dict:
             ratios["peak_extra_memory"] = base["peak_extra_gib"] / ours["peak_extra_gib"]
     length = args.image + args.prompt + args.response
     return {
-        "benchmark": "bench_spans", "command": bench.command_line(), "environment": bench.environment(device),
-        "shape": {"sequences": args.seqs, "image_tokens": args.image, "prompt_tokens": args.prompt, "response_tokens": args.response,
-                  "L": length, "D": args.hidden, "V": args.vocab, "scored_rows": x["spans"].total, "all_rows": args.seqs * length},
-        "dtype": args.dtype, "backend": args.backend, "loss": KNOBS, "warmup": args.warmup, "reps": args.reps,
+        "benchmark": "bench_spans",
+        "command": bench.command_line(),
+        "environment": bench.environment(device),
+        "shape": {
+            "sequences": args.seqs,
+            "image_tokens": args.image,
+            "prompt_tokens": args.prompt,
+            "response_tokens": args.response,
+            "L": length,
+            "D": args.hidden,
+            "V": args.vocab,
+            "scored_rows": x["spans"].total,
+            "all_rows": args.seqs * length,
+        },
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "loss": KNOBS,
+        "warmup": args.warmup,
+        "reps": args.reps,
         "results": rows,
         "ours_vs_transformers_default": ratios,
-        "target": {"peak_extra_memory_ratio_min": 10.0, "time_ratio_min": 3.0,
-                   "met": (ratios["peak_extra_memory"] >= 10.0 and ratios["time"] >= 3.0) if len(ratios) == 2 else None},
+        "target": {
+            "peak_extra_memory_ratio_min": 10.0,
+            "time_ratio_min": 3.0,
+            "met": (ratios["peak_extra_memory"] >= 10.0 and ratios["time"] >= 3.0) if len(ratios) == 2 else None,
+        },
     }
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seqs", type=int, default=16)
     p.add_argument("--image", type=int, default=1024, help="image-placeholder tokens per sequence")
     p.add_argument("--prompt", type=int, default=256, help="prompt text tokens per sequence")

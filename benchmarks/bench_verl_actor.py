@@ -91,8 +91,10 @@ from rl_kernel_core.tools import bench  # noqa: E402
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "verl_default": (),
-    "verl_fused_triton": ("actor_rollout_ref.model.use_fused_kernels=True",
-                          "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"),
+    "verl_fused_triton": (
+        "actor_rollout_ref.model.use_fused_kernels=True",
+        "actor_rollout_ref.model.fused_kernel_options.impl_backend=triton",
+    ),
     "rl_kernel": ("+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True",),
     "rl_kernel_batch_invariant": ("+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True",),
 }
@@ -106,7 +108,9 @@ TEMPERATURE = 1.0
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-shape", choices=sorted(PRESETS), default="qwen3-0.6b", help="Qwen3 shapes of the random model")
+    p.add_argument(
+        "--model-shape", choices=sorted(PRESETS), default="qwen3-0.6b", help="Qwen3 shapes of the random model"
+    )
     p.add_argument("--model-dir", help="where to write (or reuse) the random checkpoint; default a temporary directory")
     p.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")), help="directory of the JSON")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -118,17 +122,32 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--response-len", type=int, default=512)
     p.add_argument("--max-token-len", type=int, default=16384, help="tokens per micro-batch (dynamic batch size)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch of the padded layout")
-    p.add_argument("--attn-implementation", default="sdpa", help="the model's attention (flash_attention_2 needs flash-attn)")
+    p.add_argument(
+        "--attn-implementation", default="sdpa", help="the model's attention (flash_attention_2 needs flash-attn)"
+    )
     p.add_argument("--warmup", type=int, default=0, help="calls after the check call, before timing")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--max-microbatch", action="store_true", help="search the largest micro-batch each variant fits (CUDA)")
+    p.add_argument(
+        "--max-microbatch", action="store_true", help="search the largest micro-batch each variant fits (CUDA)"
+    )
     p.add_argument("--max-microbatch-limit", type=int, default=1 << 20, help="stop doubling past this many tokens")
-    p.add_argument("--search-layout", choices=LAYOUTS, default="padded",
-                   help="layout of the search (padded: sdpa over a packed micro-batch masks N x N, which would dominate)")
-    p.add_argument("--check-prompts", type=int, default=2, help="prompts (with their samples) of the fp32 check run; 0: none")
-    p.add_argument("--profile", type=int, default=0, metavar="TOP",
-                   help="after timing, profile one compute_log_prob and one update_actor call per variant and record "
-                        "the TOP operators and kernels by self device time (self CPU time on CPU); 0: no profile")
+    p.add_argument(
+        "--search-layout",
+        choices=LAYOUTS,
+        default="padded",
+        help="layout of the search (padded: sdpa over a packed micro-batch masks N x N, which would dominate)",
+    )
+    p.add_argument(
+        "--check-prompts", type=int, default=2, help="prompts (with their samples) of the fp32 check run; 0: none"
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOP",
+        help="after timing, profile one compute_log_prob and one update_actor call per variant and record "
+        "the TOP operators and kernels by self device time (self CPU time on CPU); 0: no profile",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.profile < 0:
@@ -136,8 +155,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants or (args.check_prompts and args.variants[0] != BASELINE):
-        raise SystemExit(f"--variants: expected a comma list of {list(VARIANTS)}, starting with {BASELINE} unless "
-                         f"--check-prompts is 0 (the checks compare against it), got {','.join(args.variants) or 'nothing'}")
+        raise SystemExit(
+            f"--variants: expected a comma list of {list(VARIANTS)}, starting with {BASELINE} unless "
+            f"--check-prompts is 0 (the checks compare against it), got {','.join(args.variants) or 'nothing'}"
+        )
     # verl's use_fused_kernels patches the model class's forward for the whole process
     # (monkey_patch.patch_forward_with_backends), so no variant may be built after it
     args.variants.sort(key=lambda v: v == "verl_fused_triton")
@@ -159,13 +180,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         fits = max(1, args.max_token_len // seq)
         args.micro_batch_size = max(d for d in range(1, n + 1) if n % d == 0 and d <= fits)
     elif args.micro_batch_size < 1 or n % args.micro_batch_size:
-        raise SystemExit(f"--micro-batch-size: expected a divisor of prompts x samples = {n}, got {args.micro_batch_size}")
+        raise SystemExit(
+            f"--micro-batch-size: expected a divisor of prompts x samples = {n}, got {args.micro_batch_size}"
+        )
     if args.max_microbatch and args.device != "cuda":
         raise SystemExit("--max-microbatch: runs until CUDA runs out of memory; expected --device cuda, got cpu")
     return args
 
 
 # -- verl set-up ------------------------------------------------------------------------------
+
 
 def import_verl(device: str) -> dict[str, Any]:
     """Import verl (and, on CPU, register verl's CPU platform before verl picks one); then the
@@ -184,7 +208,10 @@ def import_verl(device: str) -> dict[str, Any]:
 
     from rl_kernel_verl.switch import BATCH_INVARIANT_OVERRIDE
 
-    for variant, switch in (("rl_kernel", rl_kernel_verl.OVERRIDE), ("rl_kernel_batch_invariant", BATCH_INVARIANT_OVERRIDE)):
+    for variant, switch in (
+        ("rl_kernel", rl_kernel_verl.OVERRIDE),
+        ("rl_kernel_batch_invariant", BATCH_INVARIANT_OVERRIDE),
+    ):
         if VARIANTS[variant] != (switch,):
             raise RuntimeError(f"the {variant} variant's override {VARIANTS[variant]} is not the switch {switch}")
     return {"loaded_by_verl_entry_point": loaded_by_verl}
@@ -197,15 +224,21 @@ def init_process_group(device: str) -> None:
 
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise RuntimeError(f"bench_verl_actor runs in one process: expected world size 1, got {dist.get_world_size()}")
+            raise RuntimeError(
+                f"bench_verl_actor runs in one process: expected world size 1, got {dist.get_world_size()}"
+            )
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    os.environ.update(
+        WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+    )
     if device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
 
 
 def overrides(args: argparse.Namespace, model_dir: str, layout: str, variant: str) -> list[str]:
@@ -232,7 +265,10 @@ def overrides(args: argparse.Namespace, model_dir: str, layout: str, variant: st
         "actor_rollout_ref.actor.entropy_coeff=0",
     ]
     if args.device == "cpu":  # torch.compile on CPU needs a C++ toolchain and minutes; the GPU keeps verl's default
-        out += ["actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False"]
+        out += [
+            "actor_rollout_ref.actor.use_torch_compile=False",
+            "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        ]
     return out + list(VARIANTS[variant])
 
 
@@ -250,6 +286,7 @@ def build_worker(config_overrides: list[str]):
 
 
 # -- the GRPO batch -----------------------------------------------------------------------------
+
 
 def grpo_batch(args: argparse.Namespace, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A padded rollout batch as verl's trainer holds it (CPU tensors, left-padded prompts,
@@ -288,9 +325,19 @@ def log_prob_call(worker, batch: dict[str, torch.Tensor]) -> Callable[[], Any]:
 def update_call(worker, batch: dict[str, torch.Tensor], **extra_meta: Any) -> Callable[[], Any]:
     """One ``update_actor`` with the trainer's meta: the whole batch is one mini-batch."""
     n = batch["input_ids"].shape[0]
-    meta = dict(calculate_entropy=False, distillation_use_topk=False, distillation_only=False, global_batch_size=n,
-                mini_batch_size=n, epochs=1, seed=1, dataloader_kwargs={"shuffle": False}, compute_loss=True,
-                temperature=TEMPERATURE, **extra_meta)
+    meta = dict(
+        calculate_entropy=False,
+        distillation_use_topk=False,
+        distillation_only=False,
+        global_batch_size=n,
+        mini_batch_size=n,
+        epochs=1,
+        seed=1,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+        temperature=TEMPERATURE,
+        **extra_meta,
+    )
     return lambda: worker.update_actor(engine_batch(batch, **meta))
 
 
@@ -350,16 +397,23 @@ def update_with_grads(worker, batch: dict[str, torch.Tensor]) -> tuple[dict, dic
 
 # -- checks ---------------------------------------------------------------------------------
 
+
 def check_gradients(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Every parameter's gradient against the baseline's (``gradient``, fp32): the worst one and
     the failures."""
     if got.keys() != want.keys():
         return {"within_contract": False, "error": f"parameters differ: {sorted(got.keys() ^ want.keys())[:5]}"}
-    rows = {name: contract.verdict(got[name], want[name], "gradient", torch.float32, name=f"grad {name}") for name in want}
+    rows = {
+        name: contract.verdict(got[name], want[name], "gradient", torch.float32, name=f"grad {name}") for name in want
+    }
     worst = max(rows, key=lambda k: rows[k]["worst_fraction"])
     failures = [r["error"] for r in rows.values() if not r["within_contract"]]
-    return {"within_contract": not failures, "parameters": len(rows), "worst": {"parameter": worst, **rows[worst]},
-            "failures": failures[:5]}
+    return {
+        "within_contract": not failures,
+        "parameters": len(rows),
+        "worst": {"parameter": worst, **rows[worst]},
+        "failures": failures[:5],
+    }
 
 
 def hooks_report(worker, variant: str, metric_keys: list[str]) -> dict[str, Any]:
@@ -372,16 +426,27 @@ def hooks_report(worker, variant: str, metric_keys: list[str]) -> dict[str, Any]
     mine = [e for e in status["engines"] if e["engine"] == f"{type(engine).__name__}@{id(engine):#x}"]
     ours = sorted(k for k in metric_keys if k.startswith("rl_kernel/"))
     if variant not in HOOKED:
-        return {"probe": status["probe"], "engine_hooked": bool(mine), "rl_kernel_metrics": ours,
-                "ok": not mine and not ours and status["probe"] == "live"}
+        return {
+            "probe": status["probe"],
+            "engine_hooked": bool(mine),
+            "rl_kernel_metrics": ours,
+            "ok": not mine and not ours and status["probe"] == "live",
+        }
     entry = mine[0] if mine else None
-    ok = (entry is not None and status["probe"] == "live" and entry["forward"] == "live"
-          and set(entry["hooks"].values()) == {"live"} and entry["micro_batches_served"] > 0
-          and not entry["micro_batches_on_verl_path"] and entry["batch_invariant"] == (variant == "rl_kernel_batch_invariant"))
+    ok = (
+        entry is not None
+        and status["probe"] == "live"
+        and entry["forward"] == "live"
+        and set(entry["hooks"].values()) == {"live"}
+        and entry["micro_batches_served"] > 0
+        and not entry["micro_batches_on_verl_path"]
+        and entry["batch_invariant"] == (variant == "rl_kernel_batch_invariant")
+    )
     return {"probe": status["probe"], "engine": entry, "rl_kernel_metrics": ours, "ok": ok}
 
 
 # -- measuring --------------------------------------------------------------------------------
+
 
 class Recorder:
     """The result document, rewritten after every measurement (a cut-off run keeps what it measured)."""
@@ -425,9 +490,12 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int) -> dict[
     wall_ms = (time.perf_counter() - start) * 1e3
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
     return {
-        "sorted_by": key, "wall_ms_under_profiler": wall_ms,
-        "top": [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3, "cpu_total_ms": e.cpu_time_total / 1e3}
-                for e in events],
+        "sorted_by": key,
+        "wall_ms_under_profiler": wall_ms,
+        "top": [
+            {"name": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3, "cpu_total_ms": e.cpu_time_total / 1e3}
+            for e in events
+        ],
     }
 
 
@@ -473,8 +541,13 @@ def check_variant(args, model_dir: str, layout: str, variant: str, batch: dict, 
     want = reference["metrics"]
     for key in [k for k in LOSS_METRICS if k in want] + ["grad_norm"]:
         if key in metrics:
-            checks[key] = contract.verdict(torch.tensor(metrics[key], dtype=torch.float64),
-                                           torch.tensor(want[key], dtype=torch.float64), "reduction", torch.float32, key)
+            checks[key] = contract.verdict(
+                torch.tensor(metrics[key], dtype=torch.float64),
+                torch.tensor(want[key], dtype=torch.float64),
+                "reduction",
+                torch.float32,
+                key,
+            )
         else:
             checks[key] = {"within_contract": False, "error": f"{key} missing from update_actor's metrics"}
     checks["gradients"] = check_gradients(grads, reference["grads"])
@@ -499,8 +572,10 @@ def time_variant(args, device: torch.device, model_dir: str, layout: str, varian
         row["update"] = measure(update_call(worker, batch), device, args, tokens)
         row["hooks"] = hooks_report(worker, variant, metric_keys)
         if args.profile:
-            row["profile"] = {"log_prob": profile_call(log_prob_call(worker, batch), device, args.profile),
-                              "update": profile_call(update_call(worker, batch), device, args.profile)}
+            row["profile"] = {
+                "log_prob": profile_call(log_prob_call(worker, batch), device, args.profile),
+                "update": profile_call(update_call(worker, batch), device, args.profile),
+            }
     finally:
         worker = None
         free(device)
@@ -572,11 +647,26 @@ def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, r
                     peak = None
             except Exception as exc:  # the end of the search: out of memory, or an error recorded as such
                 oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-                row["tried"].append({"tokens": tokens, **meta, "fits": False, "out_of_memory": oom,
-                                     "error": scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")})
+                row["tried"].append(
+                    {
+                        "tokens": tokens,
+                        **meta,
+                        "fits": False,
+                        "out_of_memory": oom,
+                        "error": scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"),
+                    }
+                )
                 break
-            row["tried"].append({"tokens": tokens, **meta, "fits": True, "peak_extra_gib": peak,
-                                 "micro_batches": counter.take(), "sequences": part["input_ids"].shape[0]})
+            row["tried"].append(
+                {
+                    "tokens": tokens,
+                    **meta,
+                    "fits": True,
+                    "peak_extra_gib": peak,
+                    "micro_batches": counter.take(),
+                    "sequences": part["input_ids"].shape[0],
+                }
+            )
             row["largest_fitting_tokens"] = tokens
             if tokens >= total:
                 row["note"] = f"one micro-batch holds the whole batch ({total} tokens): the limit is higher"
@@ -594,12 +684,16 @@ def search_microbatch(args, device, model_dir: str, variant: str, batch: dict, r
 
 # -- report -----------------------------------------------------------------------------------
 
+
 def summary(results: list[dict]) -> list[dict]:
     """Per layout and variant: time and memory ratios against the baseline on the same layout; for
     ``rl_kernel_batch_invariant`` also ``update_mode_cost`` and ``log_prob_mode_cost``, its times
     over ``rl_kernel``'s (what the mode costs the trainer)."""
-    timed = lambda variant: {r["layout"]: r["timing"] for r in results  # noqa: E731
-                             if r["variant"] == variant and r.get("timing", {}).get("status") == "ok"}
+    timed = lambda variant: {
+        r["layout"]: r["timing"]
+        for r in results  # noqa: E731
+        if r["variant"] == variant and r.get("timing", {}).get("status") == "ok"
+    }
     base, backend = timed(BASELINE), timed("rl_kernel")
     rows = []
     for r in results:
@@ -620,26 +714,45 @@ def summary(results: list[dict]) -> list[dict]:
 def passed(row: dict) -> bool:
     """The variant's checks ran and held, and its hooks were as expected in every run it made."""
     check, timing = row.get("check", {}), row.get("timing", {})
-    checked = check.get("status") == "ok" and all(c.get("within_contract") for c in check["checks"].values()) and check["hooks"]["ok"]
-    return (checked or check.get("status", "").startswith("skipped")) and timing.get("status") == "ok" and timing["hooks"]["ok"]
+    checked = (
+        check.get("status") == "ok"
+        and all(c.get("within_contract") for c in check["checks"].values())
+        and check["hooks"]["ok"]
+    )
+    return (
+        (checked or check.get("status", "").startswith("skipped"))
+        and timing.get("status") == "ok"
+        and timing["hooks"]["ok"]
+    )
 
 
 def print_table(doc: dict) -> None:
     gib = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    print(f"{'layout':7} {'variant':25} {'logprob ms':>11} {'GiB+':>7} {'update ms':>11} {'GiB+':>7}  checks (fp32, vs {BASELINE})")
+    print(
+        f"{'layout':7} {'variant':25} {'logprob ms':>11} {'GiB+':>7} {'update ms':>11} {'GiB+':>7}  checks (fp32, vs {BASELINE})"
+    )
     for r in doc["results"]:
         t, c = r.get("timing", {}), r.get("check", {})
-        verdict = ("reference" if r["variant"] == BASELINE and c.get("status") == "ok" else "passed" if passed(r)
-                   else f"FAILED {c.get('error', t.get('error', ''))[:70]}")
+        verdict = (
+            "reference"
+            if r["variant"] == BASELINE and c.get("status") == "ok"
+            else "passed"
+            if passed(r)
+            else f"FAILED {c.get('error', t.get('error', ''))[:70]}"
+        )
         if t.get("status") == "ok":
-            print(f"{r['layout']:7} {r['variant']:25} {t['log_prob']['median_ms']:11.1f} {gib(t['log_prob']['peak_extra_gib']):>7} "
-                  f"{t['update']['median_ms']:11.1f} {gib(t['update']['peak_extra_gib']):>7}  {verdict}")
+            print(
+                f"{r['layout']:7} {r['variant']:25} {t['log_prob']['median_ms']:11.1f} {gib(t['log_prob']['peak_extra_gib']):>7} "
+                f"{t['update']['median_ms']:11.1f} {gib(t['update']['peak_extra_gib']):>7}  {verdict}"
+            )
         else:
             print(f"{r['layout']:7} {r['variant']:25} unavailable: {t.get('error', '')[:100]}")
     for row in doc.get("summary", []):
         if "update_mode_cost" in row:
-            print(f"batch-invariant mode, {row['layout']}: update_actor {row['update_mode_cost']:.2f}x, "
-                  f"compute_log_prob {row['log_prob_mode_cost']:.2f}x the rl_kernel variant's time")
+            print(
+                f"batch-invariant mode, {row['layout']}: update_actor {row['update_mode_cost']:.2f}x, "
+                f"compute_log_prob {row['log_prob_mode_cost']:.2f}x the rl_kernel variant's time"
+            )
     for m in doc["max_microbatch"]:
         print(f"max micro-batch {m['variant']:25} {m['largest_fitting_tokens']} tokens {m.get('error', '')}")
 
@@ -663,12 +776,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": bench.command_line().replace(model_dir, "<model_dir>"),
         "environment": {**bench.environment(device), **versions},
         "settings": {
-            "model_shape": args.model_shape, "model_config": PRESETS[args.model_shape], "weights": "random N(0, 0.02), bf16",
-            "compute_dtype": "bfloat16 (verl's FSDP2 mixed precision default)", "gradient_checkpointing": True,
-            "attn_implementation": args.attn_implementation, "prompts": args.prompts, "samples": args.samples,
-            "prompt_len": args.prompt_len, "response_len": args.response_len, "max_token_len": args.max_token_len,
-            "padded_micro_batch_size": args.micro_batch_size, "warmup_after_first_call": args.warmup, "reps": args.reps, "profile_top": args.profile,
-            "temperature": TEMPERATURE, "loss": "GRPO, one mini-batch, kl low_var_kl 0.001, entropy_coeff 0", "seed": args.seed,
+            "model_shape": args.model_shape,
+            "model_config": PRESETS[args.model_shape],
+            "weights": "random N(0, 0.02), bf16",
+            "compute_dtype": "bfloat16 (verl's FSDP2 mixed precision default)",
+            "gradient_checkpointing": True,
+            "attn_implementation": args.attn_implementation,
+            "prompts": args.prompts,
+            "samples": args.samples,
+            "prompt_len": args.prompt_len,
+            "response_len": args.response_len,
+            "max_token_len": args.max_token_len,
+            "padded_micro_batch_size": args.micro_batch_size,
+            "warmup_after_first_call": args.warmup,
+            "reps": args.reps,
+            "profile_top": args.profile,
+            "temperature": TEMPERATURE,
+            "loss": "GRPO, one mini-batch, kl low_var_kl 0.001, entropy_coeff 0",
+            "seed": args.seed,
             "checks": f"fp32 compute on the first {args.check_prompts} prompts' groups, contract fp32 rows, against {BASELINE}",
             "variant_order": "use_fused_kernels patches the model class's forward for the whole process, so its variant runs last",
         },
@@ -688,7 +813,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             if not args.check_prompts:
                 row["check"] = {"status": "skipped (--check-prompts 0)", "checks": {}}
             else:
-                guarded(row, "check", lambda: check_variant(args, model_dir, layout, variant, check_batch, references[layout]), rec)
+                guarded(
+                    row,
+                    "check",
+                    lambda: check_variant(args, model_dir, layout, variant, check_batch, references[layout]),
+                    rec,
+                )
             guarded(row, "timing", lambda: time_variant(args, device, model_dir, layout, variant, batch), rec)
             doc["summary"] = summary(doc["results"])
             rec.flush()

@@ -77,23 +77,41 @@ def linear_cases(dev: torch.device, out: dict) -> None:
         for route in routes:
             with route_scope(route):
                 h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
-                lp, ent = rk.linear_logprob(h, w, targets, bias=b, temperature=0.8, return_entropy=True, backend=backend)
+                lp, ent = rk.linear_logprob(
+                    h, w, targets, bias=b, temperature=0.8, return_entropy=True, backend=backend
+                )
                 grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w, b))
                 with torch.no_grad():
                     lp_ng = rk.linear_logprob(hidden, weight, targets, bias=bias, temperature=0.8, backend=backend)
                 out[f"linear_logprob[{backend},{route}]"] = {
-                    "logprob": digest(lp), "entropy": digest(ent), "logprob_no_grad": digest(lp_ng),
-                    "dhidden": digest(grads[0]), "dweight": digest(grads[1]), "dbias": digest(grads[2]),
+                    "logprob": digest(lp),
+                    "entropy": digest(ent),
+                    "logprob_no_grad": digest(lp_ng),
+                    "dhidden": digest(grads[0]),
+                    "dweight": digest(grads[1]),
+                    "dbias": digest(grads[2]),
                 }
                 if backend == "triton":
                     h, w = (x.clone().requires_grad_() for x in (hidden, weight))
                     loss, metrics = rk.fused_linear_policy_loss(
-                        h.view(s, t, d), w, targets.view(s, t), old, adv, mask, temperature=0.8, kl_coef=0.05,
-                        entropy_coef=0.01, clip_ratio_c=3.0, backend=backend,
+                        h.view(s, t, d),
+                        w,
+                        targets.view(s, t),
+                        old,
+                        adv,
+                        mask,
+                        temperature=0.8,
+                        kl_coef=0.05,
+                        entropy_coef=0.01,
+                        clip_ratio_c=3.0,
+                        backend=backend,
                     )
                     dh, dw = torch.autograd.grad(loss, (h, w))
                     out[f"fused_linear_policy_loss[{backend},{route}]"] = {
-                        "loss": digest(loss), **{k: digest(m) for k, m in metrics.items()}, "dhidden": digest(dh), "dweight": digest(dw),
+                        "loss": digest(loss),
+                        **{k: digest(m) for k, m in metrics.items()},
+                        "dhidden": digest(dh),
+                        "dweight": digest(dw),
                     }
 
 
@@ -122,11 +140,27 @@ def loss_cases(dev: torch.device, out: dict) -> None:
         out[f"ratio_kl[{backend}]"] = {"ratio": digest(ratio), "kl": digest(kl), "dlogprob": digest(dlp)}
         for mode in ("token-mean", "seq-mean-token-sum-norm"):
             lp, en = lp0.clone().requires_grad_(), ent.clone().requires_grad_()
-            loss, metrics = rk.policy_loss(lp, old, adv, mask, ref_logprob=ref, clip_ratio_c=3.0, kl_type="low_var_kl",
-                                           kl_coef=0.05, entropy=en, entropy_coef=0.01, loss_agg_mode=mode, backend=backend)
+            loss, metrics = rk.policy_loss(
+                lp,
+                old,
+                adv,
+                mask,
+                ref_logprob=ref,
+                clip_ratio_c=3.0,
+                kl_type="low_var_kl",
+                kl_coef=0.05,
+                entropy=en,
+                entropy_coef=0.01,
+                loss_agg_mode=mode,
+                backend=backend,
+            )
             dlp, den = torch.autograd.grad(loss, (lp, en))
-            out[f"policy_loss[{backend},{mode}]"] = {"loss": digest(loss), **{k: digest(m) for k, m in metrics.items()},
-                                                     "dlogprob": digest(dlp), "dentropy": digest(den)}
+            out[f"policy_loss[{backend},{mode}]"] = {
+                "loss": digest(loss),
+                **{k: digest(m) for k, m in metrics.items()},
+                "dlogprob": digest(dlp),
+                "dentropy": digest(den),
+            }
         out[f"group_advantages[{backend}]"] = {
             "by_size": digest(rk.group_advantages(rewards, group_size=8, backend=backend)),
             "by_index": digest(rk.group_advantages(rewards, group_index=index, backend=backend)),
@@ -154,8 +188,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.compare:
         a, b = (json.load(open(path))["digests"] for path in args.compare)
-        diffs = [f"{case}.{name}" for case in sorted(set(a) | set(b)) for name in sorted(set(a.get(case, {})) | set(b.get(case, {})))
-                 if a.get(case, {}).get(name) != b.get(case, {}).get(name)]
+        diffs = [
+            f"{case}.{name}"
+            for case in sorted(set(a) | set(b))
+            for name in sorted(set(a.get(case, {})) | set(b.get(case, {})))
+            if a.get(case, {}).get(name) != b.get(case, {}).get(name)
+        ]
         print(f"{sum(len(v) for v in a.values())} digests, {len(diffs)} differ" + "".join(f"\n  {d}" for d in diffs))
         return 1 if diffs else 0
     dev = torch.device("cuda")

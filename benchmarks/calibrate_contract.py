@@ -31,7 +31,10 @@ def _fraction(actual: torch.Tensor, expected: torch.Tensor, op_class: str, dtype
     if not torch.isfinite(a).all():
         return {"worst_fraction": float("inf"), "max_abs_err": float("inf")}
     err = (a - e).abs()
-    return {"worst_fraction": float((err / contract.error_bound(e, op_class, dtype)).max()), "max_abs_err": float(err.max())}
+    return {
+        "worst_fraction": float((err / contract.error_bound(e, op_class, dtype)).max()),
+        "max_abs_err": float(err.max()),
+    }
 
 
 def _linear_inputs(n: int, d: int, v: int, regime: str, dtype: torch.dtype, device: torch.device):
@@ -55,7 +58,9 @@ def calibrate_linear_logprob(backend: str, dtype: torch.dtype, regime: str, devi
         h = h.detach().requires_grad_(True)
         w = w.detach().requires_grad_(True)
         lp, ent = rk.linear_logprob(h, w, targets, temperature=0.7, return_entropy=True, backend=be)
-        gh, gw = torch.autograd.grad((lp * upstream_lp.to(lp.dtype)).sum() + (ent * upstream_ent.to(ent.dtype)).sum(), (h, w))
+        gh, gw = torch.autograd.grad(
+            (lp * upstream_lp.to(lp.dtype)).sum() + (ent * upstream_ent.to(ent.dtype)).sum(), (h, w)
+        )
         return lp, ent, gh, gw
 
     lp, ent, gh, gw = run(hidden, weight, backend)
@@ -101,12 +106,23 @@ def calibrate_policy_loss(backend: str, dtype: torch.dtype, regime: str, device:
     mask = torch.rand(b, t, device=device) > 0.2
     out = {}
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+
         def run(lp, be):
             lp = lp.detach().requires_grad_(True)
-            loss, _ = rk.policy_loss(lp, old.to(lp.dtype), adv.to(lp.dtype), mask, ref_logprob=ref.to(lp.dtype), clip_ratio_c=3.0,
-                                     kl_coef=0.1, loss_agg_mode=mode, backend=be)
+            loss, _ = rk.policy_loss(
+                lp,
+                old.to(lp.dtype),
+                adv.to(lp.dtype),
+                mask,
+                ref_logprob=ref.to(lp.dtype),
+                clip_ratio_c=3.0,
+                kl_coef=0.1,
+                loss_agg_mode=mode,
+                backend=be,
+            )
             (g,) = torch.autograd.grad(loss, (lp,))
             return loss, g
+
         loss, g = run(logprob, backend)
         rloss, rg = run(logprob.double(), "torch")
         out[f"loss[{mode}]"] = _fraction(loss, rloss, "reduction", dtype)
@@ -148,7 +164,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     shape = tuple(int(x) for x in args.shape.split(","))
-    backends = [b for b in dispatch.BACKENDS if dispatch.backend_status()[b] is None and (b == "torch" or device.type == "cuda")]
+    backends = [
+        b for b in dispatch.BACKENDS if dispatch.backend_status()[b] is None and (b == "torch" or device.type == "cuda")
+    ]
     rows = []
     for op, fn in OPS.items():
         for backend in (b for b in backends if dispatch.serves(b, op)):
@@ -165,7 +183,12 @@ def main() -> None:
                         continue
                     worst = max(r["worst_fraction"] for r in result.values())
                     print(f"{op:<22}{backend:<8}{dname:<6}{regime:<7} worst fraction of bound {worst:8.4f}", flush=True)
-    payload = {"command": bench.command_line(), "shape_NDV": shape, "environment": bench.environment(device), "rows": rows}
+    payload = {
+        "command": bench.command_line(),
+        "shape_NDV": shape,
+        "environment": bench.environment(device),
+        "rows": rows,
+    }
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=1)

@@ -37,11 +37,32 @@ import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIST = os.path.join(HERE, "gpu_verl_wheels.txt")
-PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
-            "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64"]
-ANTLR_SDIST = ("antlr4-python3-runtime-4.9.3.tar.gz", "f224469b4168294902bb1efa80a8bf7855f24c99aef99cbefc1bcd3cce77881b")
-RAY_UPSTREAM = ("ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl", "b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a")
-RAY_DROPPED = ("ray/jars/", "ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray/raylet/raylet", "ray/dashboard/client/build/")
+PLATFORM = [
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--platform",
+    "manylinux2014_x86_64",
+    "--platform",
+    "manylinux_2_17_x86_64",
+]
+ANTLR_SDIST = (
+    "antlr4-python3-runtime-4.9.3.tar.gz",
+    "f224469b4168294902bb1efa80a8bf7855f24c99aef99cbefc1bcd3cce77881b",
+)
+RAY_UPSTREAM = (
+    "ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl",
+    "b951b40965947a63615830916be04f26440d234de1e9a29dbf2155d03fa9ad2a",
+)
+RAY_DROPPED = (
+    "ray/jars/",
+    "ray/core/src/ray/gcs/gcs_server",
+    "ray/core/src/ray/raylet/raylet",
+    "ray/dashboard/client/build/",
+)
 PART_BYTES = 54 * 2**20  # a carried folder per part, under one GPU call's 64 MiB
 EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can hold
 
@@ -89,14 +110,19 @@ def build_antlr(dest: str, work: str) -> str:
     import importlib.util
 
     if importlib.util.find_spec("setuptools.command.bdist_wheel") is None and importlib.util.find_spec("wheel") is None:
-        raise SystemExit(f"{sys.executable}: building antlr4-python3-runtime 4.9.3's wheel needs setuptools >= 70.1 or the "
-                         "wheel package in this Python; run this script with a Python that has one")
+        raise SystemExit(
+            f"{sys.executable}: building antlr4-python3-runtime 4.9.3's wheel needs setuptools >= 70.1 or the "
+            "wheel package in this Python; run this script with a Python that has one"
+        )
     pip_download("antlr4-python3-runtime==4.9.3", work, "--no-binary=:all:")
     sdist = os.path.join(work, ANTLR_SDIST[0])
     expect(sdist, ANTLR_SDIST[1])
     env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH}
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dest, sdist],
-                   check=True, env=env)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dest, sdist],
+        check=True,
+        env=env,
+    )
     return os.path.join(dest, "antlr4_python3_runtime-4.9.3-py3-none-any.whl")
 
 
@@ -144,7 +170,9 @@ def fetch_parts(rows: list[tuple[str, str, str, str]], dest: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dest", nargs="?", default=".verl-wheels", help="folder for the wheels (git-ignored)")
-    p.add_argument("--ray-parts", metavar="DIR", help="instead: the `parts` lines' wheels, in parts under DIR (git-ignored)")
+    p.add_argument(
+        "--ray-parts", metavar="DIR", help="instead: the `parts` lines' wheels, in parts under DIR (git-ignored)"
+    )
     args = p.parse_args(argv)
     rows = read_list()
     if args.ray_parts:

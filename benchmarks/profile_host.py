@@ -97,6 +97,7 @@ def cases(args: argparse.Namespace, bandwidth_gbs: float) -> dict[str, tuple[Cal
     loss_floor_ms = s * t * (4 * 4 + 1 + 4) / (bandwidth_gbs * 1e9) * 1e3
     out: dict[str, tuple[Callable[[], object], float]] = {}
     for backend in args.backends.split(","):
+
         def lfl_fwd(backend=backend):
             with torch.no_grad():
                 return rk.logprob_from_logits(logits, targets, backend=backend)
@@ -105,8 +106,17 @@ def cases(args: argparse.Namespace, bandwidth_gbs: float) -> dict[str, tuple[Cal
             return torch.autograd.grad((rk.logprob_from_logits(x, targets, backend=backend) * g_lp).sum(), (x,))
 
         def loss_fwd_bwd(backend=backend):
-            loss, _ = rk.policy_loss(lp, old, adv, mask, ref_logprob=ref, clip_ratio_c=3.0, kl_type="low_var_kl",
-                                     kl_coef=0.05, backend=backend)
+            loss, _ = rk.policy_loss(
+                lp,
+                old,
+                adv,
+                mask,
+                ref_logprob=ref,
+                clip_ratio_c=3.0,
+                kl_type="low_var_kl",
+                kl_coef=0.05,
+                backend=backend,
+            )
             return torch.autograd.grad(loss, (lp,))
 
         out[f"logprob_from_logits_fwd_no_grad[{backend}]"] = (lfl_fwd, read_once_ms)
@@ -116,8 +126,11 @@ def cases(args: argparse.Namespace, bandwidth_gbs: float) -> dict[str, tuple[Cal
         if backend in OP_MODULES:  # the op layer alone: the custom op against the eager path
             module = importlib.import_module(OP_MODULES[backend])
             args = (lp, old, adv, mask, ref, None, None, 0.2, 0.2, 3.0, "k3", 0.05, 0.0, "token-mean")
-            for label, op in (("custom op", getattr(torch.ops.rl_kernel, f"{backend}_policy_loss")),
-                              ("eager path", module._policy_loss_op)):
+            for label, op in (
+                ("custom op", getattr(torch.ops.rl_kernel, f"{backend}_policy_loss")),
+                ("eager path", module._policy_loss_op),
+            ):
+
                 def op_fwd_bwd(op=op):
                     return torch.autograd.grad(op(*args)[0], (lp,))
 
@@ -161,12 +174,23 @@ def main() -> int:
         if "error" in row:
             print(f"{name:45s} error: {row['error']}")
         else:
-            print(f"{name:45s} launched {row['launched_ms']:8.3f} ms  host {row['host_ms']:8.3f} ms  "
-                  f"device {row['device_ms']:8.3f} ms = {row['x_floor']:6.2f}x floor")
-    result = {"benchmark": "profile_host", "command": bench.command_line(), "environment": bench.environment(dev),
-              "shapes": {"logprob_from_logits": {"N": args.n, "V": args.v, "dtype": "bfloat16"},
-                         "policy_loss": {"S": args.seqs, "T": args.seq_len, "dtype": "float32"}},
-              "copy_bandwidth": bandwidth, "reps": args.reps, "host_calls": args.host_calls, "results": rows}
+            print(
+                f"{name:45s} launched {row['launched_ms']:8.3f} ms  host {row['host_ms']:8.3f} ms  "
+                f"device {row['device_ms']:8.3f} ms = {row['x_floor']:6.2f}x floor"
+            )
+    result = {
+        "benchmark": "profile_host",
+        "command": bench.command_line(),
+        "environment": bench.environment(dev),
+        "shapes": {
+            "logprob_from_logits": {"N": args.n, "V": args.v, "dtype": "bfloat16"},
+            "policy_loss": {"S": args.seqs, "T": args.seq_len, "dtype": "float32"},
+        },
+        "copy_bandwidth": bandwidth,
+        "reps": args.reps,
+        "host_calls": args.host_calls,
+        "results": rows,
+    }
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"profile_host_{torch.cuda.get_device_name(dev).replace(' ', '_')}.json")

@@ -44,7 +44,11 @@ def _case_fn(case: str, shape: str, dtype: torch.dtype):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    p.add_argument("--shapes", default="llama8b,qwen0.5b", help="comma list of bench_linear_logprob's SHAPES names or d<D>_v<V>_n<N>")
+    p.add_argument(
+        "--shapes",
+        default="llama8b,qwen0.5b",
+        help="comma list of bench_linear_logprob's SHAPES names or d<D>_v<V>_n<N>",
+    )
     p.add_argument("--cases", default="fwd,fwdbwd,loss")
     p.add_argument("--variants", default="", help="as bench_linear_logprob.py: name=field:value;...")
     p.add_argument("--dtype", default="bfloat16")
@@ -54,8 +58,13 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
     variants = [("", {})] + [B._parse_variant(s) for s in args.variants.split(",") if s]
-    doc = {"benchmark": "profile_linear", "command": bench.command_line(), "environment": bench.environment(dev),
-           "tuning_defaults": B._tuning_dict(B.LC.tuning()), "results": []}
+    doc = {
+        "benchmark": "profile_linear",
+        "command": bench.command_line(),
+        "environment": bench.environment(dev),
+        "tuning_defaults": B._tuning_dict(B.LC.tuning()),
+        "results": [],
+    }
     for shape in args.shapes.split(","):
         n, d, v = B.shape_of(shape)
         h = torch.randn(n, d, device=dev).to(dtype)
@@ -72,8 +81,18 @@ def main() -> int:
                 finally:
                     scope.close()
                 label = case + (f"[{vname}]" if vname else "")
-                doc["results"].append({"shape": shape, "case": label, "N": n, "D": d, "V": v, "device_ms": total,
-                                       "x_floor": round(total / floor_ms, 3), "kernels": rows})
+                doc["results"].append(
+                    {
+                        "shape": shape,
+                        "case": label,
+                        "N": n,
+                        "D": d,
+                        "V": v,
+                        "device_ms": total,
+                        "x_floor": round(total / floor_ms, 3),
+                        "kernels": rows,
+                    }
+                )
                 print(f"-- {shape} {label}: {total:.2f} ms device ({total / floor_ms:.2f}x floor)")
                 for r in rows[: args.top]:
                     print(f"   {r['ms']:9.3f} ms {r['launches']:5d}x  {r['kernel'][:90]}")

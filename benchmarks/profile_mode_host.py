@@ -107,7 +107,7 @@ def decode_pieces(batch: int, hidden: int, cache: int, device: torch.device) -> 
     attn_out, lse = torch.empty_like(q), torch.empty(batch, 16, device=device)
 
     def attention_kernel_launch():
-        tattn._attention_fwd_kernel[(tables[2].shape[0], 16)](q, k, v, attn_out, lse, *tables, 128 ** -0.5, **launch)
+        tattn._attention_fwd_kernel[(tables[2].shape[0], 16)](q, k, v, attn_out, lse, *tables, 128**-0.5, **launch)
 
     return {
         "mean_mode_off": lambda: squares.mean(-1, keepdim=True),
@@ -115,10 +115,10 @@ def decode_pieces(batch: int, hidden: int, cache: int, device: torch.device) -> 
         "bi_mean": lambda: invariance.bi_mean(squares, -1, True),
         "row_pass_mean": lambda: tbi._row_pass(rows, 0),
         "native_launch_row_stats": lambda: native_launch.row_stats(rows, mean_out, 0, 0.0),
-        "attention_mode_off_sdpa": lambda: mode_attention(module, query, key, value, mask, scaling=128 ** -0.5),
-        "mode_on_attention": lambda: mode_attention(module, query, key, value, mask, scaling=128 ** -0.5),
-        "varlen_attention": lambda: varlen_attention(q, k, v, cu_q, cu_k, scale=128 ** -0.5),
-        "attention_forward": lambda: tattn._forward(q, k, v, cu_q_list, cu_k_list, True, 128 ** -0.5),
+        "attention_mode_off_sdpa": lambda: mode_attention(module, query, key, value, mask, scaling=128**-0.5),
+        "mode_on_attention": lambda: mode_attention(module, query, key, value, mask, scaling=128**-0.5),
+        "varlen_attention": lambda: varlen_attention(q, k, v, cu_q, cu_k, scale=128**-0.5),
+        "attention_forward": lambda: tattn._forward(q, k, v, cu_q_list, cu_k_list, True, 128**-0.5),
         "attention_kernel_launch": attention_kernel_launch,
     }
 
@@ -128,8 +128,25 @@ def _pointer_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[
     m, k = x.shape
     n = w.shape[0]
     progs = tbi._n_programs(-(-m // bm) * -(-n // bn), x.device)
-    args = (x, w, x, out, m, n, k, x.stride(0), x.stride(1), w.stride(1), w.stride(0), out.stride(0), out.stride(1), progs)
-    constexprs = dict(HAS_BIAS=False, IEEE=False, UPCAST_DOT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tbi.MATMUL_GROUP_M)
+    args = (
+        x,
+        w,
+        x,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        w.stride(1),
+        w.stride(0),
+        out.stride(0),
+        out.stride(1),
+        progs,
+    )
+    constexprs = dict(
+        HAS_BIAS=False, IEEE=False, UPCAST_DOT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tbi.MATMUL_GROUP_M
+    )
     return progs, args, constexprs, extra
 
 
@@ -149,7 +166,9 @@ def _compiled_run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor):
     compiled = tbi._persistent_matmul_kernel.flavour(False)[(progs,)](*args, **constexprs, **extra)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     full = (*args, *constexprs.values())
-    return lambda: compiled.run(progs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
+    return lambda: compiled.run(
+        progs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *full
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,15 +194,21 @@ def main(argv: list[str] | None = None) -> int:
             native_launch.set_enabled(True)
         tma = tbi.uses_tma(torch.bfloat16, device, rows)
         results.append({"rows": rows, "tma_kernel": tma, "host_us_per_call": timed})
-        print(f"rows {rows:6d} ({'TMA' if tma else 'pointer'} kernel): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in timed.items()), flush=True)
+        print(
+            f"rows {rows:6d} ({'TMA' if tma else 'pointer'} kernel): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in timed.items()),
+            flush=True,
+        )
     decode = {}
     if args.decode_batch:
         for name, fn in decode_pieces(args.decode_batch, args.d_in, args.decode_cache, device).items():
             with rk.batch_invariant(name.startswith("mode_on")):
                 decode[name] = round(host_us(fn, args.calls, args.reps), 2)
-        print(f"decode step, batch {args.decode_batch}, cache {args.decode_cache}: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in decode.items()), flush=True)
+        print(
+            f"decode step, batch {args.decode_batch}, cache {args.decode_cache}: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in decode.items()),
+            flush=True,
+        )
     profile_text = None
     if args.cprofile:
         routed = pieces(int(args.rows.split(",")[0]), args.d_in, args.d_out, device)["mode_on_routed"]
@@ -200,14 +225,20 @@ def main(argv: list[str] | None = None) -> int:
         print(profile_text)
     result = {
         "benchmark": "host microseconds per routed product, batch-invariant mode, piece by piece",
-        "command": bench.command_line(), "environment": bench.environment(device),
+        "command": bench.command_line(),
+        "environment": bench.environment(device),
         "shapes": {"d_in": args.d_in, "d_out": args.d_out, "rows": [r["rows"] for r in results], "dtype": "bfloat16"},
         "settings": {"calls": args.calls, "reps": args.reps, "statistic": "median host us per call"},
         "baseline": "mode_off_cublas: the same x @ w.T with the mode off (one cuBLAS call)",
         "native_launch": {"unavailable_reason": native_launch.unavailable_reason(), **native_launch.stats()},
-        "rows": results, "cprofile_routed": profile_text,
-        "decode_step": {"batch": args.decode_batch, "cache": args.decode_cache, "hidden": args.d_in,
-                        "host_us_per_call": decode},
+        "rows": results,
+        "cprofile_routed": profile_text,
+        "decode_step": {
+            "batch": args.decode_batch,
+            "cache": args.decode_cache,
+            "hidden": args.d_in,
+            "host_us_per_call": decode,
+        },
     }
     if args.out:
         print("wrote", bench.write_json(args.out, "profile_mode_host.json", result))

@@ -28,10 +28,30 @@ CONFIGS: list[tuple[str, float, int, dict[str, Any]]] = [
     ("Qwen3ForCausalLM", 1e6, 128, {"rope_type": "default"}),
     ("Qwen3ForCausalLM", 1e4, 128, {"rope_type": "default"}),
     ("LlamaForCausalLM", 5e5, 64, {"rope_type": "default"}),
-    ("LlamaForCausalLM", 5e5, 64, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    ("LlamaForCausalLM", 5e5, 128, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    (
+        "LlamaForCausalLM",
+        5e5,
+        64,
+        {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    (
+        "LlamaForCausalLM",
+        5e5,
+        128,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     ("Qwen2ForCausalLM", 1e6, 128, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}),
     ("Qwen3ForCausalLM", 1e6, 128, {"rope_type": "linear", "factor": 2.0}),
     ("Qwen3ForCausalLM", 1e6, 128, {"rope_type": "linear", "factor": 3.0}),
@@ -44,9 +64,17 @@ def config_of(arch: str, theta: float, head_dim: int, params: dict, dtype: torch
     import transformers
 
     heads = 16
-    kwargs = dict(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=8, num_hidden_layers=1,
-                  intermediate_size=64, vocab_size=256, max_position_embeddings=MAX_POSITIONS,
-                  rope_parameters={**params, "rope_theta": theta}, dtype=dtype)
+    kwargs = dict(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=256,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={**params, "rope_theta": theta},
+        dtype=dtype,
+    )
     if arch != "Qwen2ForCausalLM":
         kwargs["head_dim"] = head_dim
     config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**kwargs)
@@ -62,8 +90,9 @@ def compare(arch: str, theta: float, head_dim: int, params: dict, dtype: torch.d
 
     config = config_of(arch, theta, head_dim, params, dtype)
     with set_current_vllm_config(VllmConfig()), torch.device(device):
-        rotary = get_rope(head_dim, MAX_POSITIONS, is_neox_style=True, rope_parameters=dict(config.rope_parameters),
-                          dtype=dtype)
+        rotary = get_rope(
+            head_dim, MAX_POSITIONS, is_neox_style=True, rope_parameters=dict(config.rope_parameters), dtype=dtype
+        )
         gpu_inv = rotary._compute_inv_freq(theta).cpu() if params["rope_type"] == "default" else None
     with torch.device("cpu"):
         cpu_inv = rotary._compute_inv_freq(theta) if params["rope_type"] == "default" else None
@@ -77,12 +106,19 @@ def compare(arch: str, theta: float, head_dim: int, params: dict, dtype: torch.d
     differs = (got != want).any(-1)
     ours_cos, ours_sin = cos_sin_table(config, rows, torch.device(device))
     ours = torch.cat((ours_cos[:, :half], ours_sin[:, :half]), -1).to(dtype)
-    return {"architecture": arch, "rope_theta": theta, "head_dim": head_dim, "rope": params, "dtype": str(dtype),
-            "positions": rows, "vllm_entries_differing": int((got != want).sum()),
-            "vllm_positions_differing": int(differs.sum()),
-            "vllm_first_differing_position": int(differs.nonzero()[0]) if bool(differs.any()) else None,
-            "inv_freq_gpu_vs_cpu_differing": None if gpu_inv is None else int((gpu_inv != cpu_inv).sum()),
-            "rl_kernel_table_entries_differing": int((ours != want).sum())}
+    return {
+        "architecture": arch,
+        "rope_theta": theta,
+        "head_dim": head_dim,
+        "rope": params,
+        "dtype": str(dtype),
+        "positions": rows,
+        "vllm_entries_differing": int((got != want).sum()),
+        "vllm_positions_differing": int(differs.sum()),
+        "vllm_first_differing_position": int(differs.nonzero()[0]) if bool(differs.any()) else None,
+        "inv_freq_gpu_vs_cpu_differing": None if gpu_inv is None else int((gpu_inv != cpu_inv).sum()),
+        "rl_kernel_table_entries_differing": int((ours != want).sum()),
+    }
 
 
 def main() -> int:
@@ -95,10 +131,13 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float32):
             r = compare(arch, theta, head_dim, params, dtype, args.device)
             rows.append(r)
-            print(f"{arch:18s} theta {theta:9.1f} hd {head_dim:3d} {params['rope_type']:7s} {str(dtype)[6:]:9s}: "
-                  f"vLLM table differs at {r['vllm_positions_differing']:5d}/{r['positions']} positions "
-                  f"(first {r['vllm_first_differing_position']}), inv_freq GPU vs CPU {r['inv_freq_gpu_vs_cpu_differing']}; "
-                  f"rl-kernel's table differs at {r['rl_kernel_table_entries_differing']} entries", flush=True)
+            print(
+                f"{arch:18s} theta {theta:9.1f} hd {head_dim:3d} {params['rope_type']:7s} {str(dtype)[6:]:9s}: "
+                f"vLLM table differs at {r['vllm_positions_differing']:5d}/{r['positions']} positions "
+                f"(first {r['vllm_first_differing_position']}), inv_freq GPU vs CPU {r['inv_freq_gpu_vs_cpu_differing']}; "
+                f"rl-kernel's table differs at {r['rl_kernel_table_entries_differing']} entries",
+                flush=True,
+            )
     from rl_kernel_vllm.consistency import _versions
 
     with open(args.out, "w", encoding="utf-8") as f:

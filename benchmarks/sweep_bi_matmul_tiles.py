@@ -35,9 +35,17 @@ MODELS = {  # (hidden, q heads x head_dim, kv heads x head_dim, intermediate, vo
     "qwen3-0.6b": (1024, 2048, 1024, 3072, 151936),
     "qwen3-1.7b": (2048, 2048, 1024, 6144, 151936),
 }
-CANDIDATES = ["pointer:128,256,64,8,4", "tma:128,256,64,8,3", "tma:128,256,64,8,4", "tma:64,256,64,4,4",
-              "tma:64,256,64,4,3", "tma:128,128,64,4,4", "tma:128,128,64,4,3", "tma:64,128,64,4,4",
-              "tma:256,128,64,8,3"]
+CANDIDATES = [
+    "pointer:128,256,64,8,4",
+    "tma:128,256,64,8,3",
+    "tma:128,256,64,8,4",
+    "tma:64,256,64,4,4",
+    "tma:64,256,64,4,3",
+    "tma:128,128,64,4,4",
+    "tma:128,128,64,4,3",
+    "tma:64,128,64,4,4",
+    "tma:256,128,64,8,3",
+]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LAYOUTS = ("fwd", "dx", "dw")
 
@@ -45,8 +53,15 @@ LAYOUTS = ("fwd", "dx", "dw")
 def _layer(model: str) -> tuple[dict[str, tuple[int, int]], tuple[int, int]]:
     """``{product: (K, N)}`` of one decoder layer (``W [N, K]``) and the LM head's ``(K, N)``."""
     hidden, q, kv, inter, vocab = MODELS[model]
-    layer = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    layer = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
     return layer, (hidden, vocab)
 
 
@@ -73,19 +88,32 @@ def _check(tma: bool, tile, x: torch.Tensor, w: torch.Tensor) -> tuple[dict, tor
     ref = x.double() @ w.double().T
     tol = contract.tolerance("attention", x.dtype)
     excess = ((full.double() - ref).abs() - (tol.atol + (tol.rtol + torch.finfo(x.dtype).eps) * ref.abs())).max().item()
-    return {"rows_bitwise_invariant": invariant, "worst_excess_over_bound": excess, "ok": invariant and excess <= 0}, full
+    return {
+        "rows_bitwise_invariant": invariant,
+        "worst_excess_over_bound": excess,
+        "ok": invariant and excess <= 0,
+    }, full
 
 
 def _fastest(rows_out: list[dict]) -> dict[int, str]:
     """The fastest candidate (weighted) at each row count."""
-    return {e["rows"]: min((c for c, r in e["candidates"].items() if "weighted_ms" in r),
-                           key=lambda c: e["candidates"][c]["weighted_ms"], default=None) for e in rows_out}
+    return {
+        e["rows"]: min(
+            (c for c, r in e["candidates"].items() if "weighted_ms" in r),
+            key=lambda c: e["candidates"][c]["weighted_ms"],
+            default=None,
+        )
+        for e in rows_out
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--candidates", default=";".join(CANDIDATES),
-                   help="';'-separated tma|pointer:BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages")
+    p.add_argument(
+        "--candidates",
+        default=";".join(CANDIDATES),
+        help="';'-separated tma|pointer:BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages",
+    )
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-1.7b")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"','-separated, of {LAYOUTS}")
     p.add_argument("--rows", default="8192,512")
@@ -93,9 +121,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--timing", choices=("graph", "eager"), default="graph",
-                   help="graph: each call's device time (--graph-calls calls captured in a CUDA graph); eager: "
-                        "host-launched calls timed with events, which also counts a short product's launch")
+    p.add_argument(
+        "--timing",
+        choices=("graph", "eager"),
+        default="graph",
+        help="graph: each call's device time (--graph-calls calls captured in a CUDA graph); eager: "
+        "host-launched calls timed with events, which also counts a short product's launch",
+    )
     p.add_argument("--graph-calls", type=int, default=10)
     p.add_argument("--out", default=None, help="directory for sweep_bi_matmul_tiles.json")
     args = p.parse_args(argv)
@@ -109,8 +141,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     shapes = {f"{name}.{layout}": kn for name, kn in layer.items() for layout in layouts} | {"lm_head.fwd": lm_head}
     weights = {key: args.layers for key in shapes} | {"lm_head.fwd": 1}
     g = torch.Generator(device=device).manual_seed(0)
-    mats = {name: torch.randn(n, k, device=device, dtype=dtype, generator=g) * k ** -0.5
-            for name, (k, n) in (layer | {"lm_head": lm_head}).items()}
+    mats = {
+        name: torch.randn(n, k, device=device, dtype=dtype, generator=g) * k**-0.5
+        for name, (k, n) in (layer | {"lm_head": lm_head}).items()
+    }
 
     def timed_ms(fn) -> float:
         if args.timing == "eager":
@@ -151,24 +185,51 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"  {text:>24}: {entry['candidates'][text]['error']}")
                 continue
             weighted = sum(weights[key] * t for key, t in times.items())
-            by_layout = {layout: sum(t for key, t in times.items() if key.endswith("." + layout)) /
-                         sum(t for key, t in entry["cublas"].items() if key.endswith("." + layout)) for layout in layouts}
-            entry["candidates"][text] = {"check": check, "ms": times, "weighted_ms": weighted,
-                                         "over_cublas": weighted / entry["cublas_weighted_ms"], "over_cublas_by_layout": by_layout}
-            print(f"  {text:>24}: weighted {weighted:.3f} ms ({weighted / entry['cublas_weighted_ms']:.2f}x cuBLAS; "
-                  + ", ".join(f"{layout} {r:.2f}x" for layout, r in by_layout.items())
-                  + f"), check ok={check['ok']}, bits = first's: {check['bits_equal_first_candidate']}")
+            by_layout = {
+                layout: sum(t for key, t in times.items() if key.endswith("." + layout))
+                / sum(t for key, t in entry["cublas"].items() if key.endswith("." + layout))
+                for layout in layouts
+            }
+            entry["candidates"][text] = {
+                "check": check,
+                "ms": times,
+                "weighted_ms": weighted,
+                "over_cublas": weighted / entry["cublas_weighted_ms"],
+                "over_cublas_by_layout": by_layout,
+            }
+            print(
+                f"  {text:>24}: weighted {weighted:.3f} ms ({weighted / entry['cublas_weighted_ms']:.2f}x cuBLAS; "
+                + ", ".join(f"{layout} {r:.2f}x" for layout, r in by_layout.items())
+                + f"), check ok={check['ok']}, bits = first's: {check['bits_equal_first_candidate']}"
+            )
         rows_out.append(entry)
     fastest = _fastest(rows_out)
     for rows, text in fastest.items():
         print(f"fastest at M={rows}: {text}")
-    result = {"benchmark": "batch-invariant matmul tile sweep", "command": bench.command_line(),
-              "environment": bench.environment(device), "dtype": args.dtype, "model": args.model,
-              "current": {"pointer_tile": list(matmul_tile(dtype, device)), "tma_tile": list(TMA_MATMUL_TILES[dtype]),
-                          "tma_min_rows": TMA_MIN_ROWS, "tma_on_this_device": uses_tma(dtype, device, TMA_MIN_ROWS)},
-              "shapes_k_n": shapes, "weights": weights, "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median", "mode": args.timing,
-                         "graph_calls": args.graph_calls if args.timing == "graph" else None},
-              "rows": rows_out, "fastest": fastest}
+    result = {
+        "benchmark": "batch-invariant matmul tile sweep",
+        "command": bench.command_line(),
+        "environment": bench.environment(device),
+        "dtype": args.dtype,
+        "model": args.model,
+        "current": {
+            "pointer_tile": list(matmul_tile(dtype, device)),
+            "tma_tile": list(TMA_MATMUL_TILES[dtype]),
+            "tma_min_rows": TMA_MIN_ROWS,
+            "tma_on_this_device": uses_tma(dtype, device, TMA_MIN_ROWS),
+        },
+        "shapes_k_n": shapes,
+        "weights": weights,
+        "timing": {
+            "warmup": args.warmup,
+            "reps": args.reps,
+            "statistic": "median",
+            "mode": args.timing,
+            "graph_calls": args.graph_calls if args.timing == "graph" else None,
+        },
+        "rows": rows_out,
+        "fastest": fastest,
+    }
     if args.out:
         bench.write_json(args.out, "sweep_bi_matmul_tiles.json", result)
     return 0

@@ -53,13 +53,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                 row[f"max_abs_diff_vs_fp32_eager_{key}"] = float((fn()[0] - eager).abs().max())
             row["sum_ms"] = row["no_entropy"]["median_ms"] + row["entropy"]["median_ms"]
             rows.append(row)
-            print(f"BLOCK_V {block_v:6d} warps {warps:3d}: {row['no_entropy']['median_ms']:.3f} ms, "
-                  f"with entropy {row['entropy']['median_ms']:.3f} ms (read once {read_once_ms:.3f} ms)", flush=True)
+            print(
+                f"BLOCK_V {block_v:6d} warps {warps:3d}: {row['no_entropy']['median_ms']:.3f} ms, "
+                f"with entropy {row['entropy']['median_ms']:.3f} ms (read once {read_once_ms:.3f} ms)",
+                flush=True,
+            )
     best = min(rows, key=lambda r: r["sum_ms"])
-    result = {"benchmark": "sweep_logprob_from_logits", "command": bench.command_line(), "environment": bench.environment(dev),
-              "shape": {"N": args.n, "V": args.v}, "dtype": "bfloat16", "copy_bandwidth": bandwidth,
-              "read_once_ms_at_copy_bandwidth": read_once_ms, "warmup": args.warmup, "reps": args.reps,
-              "current_tile": list(FWD_TILE), "fastest_tile": [best["block_v"], best["num_warps"]], "results": rows}
+    result = {
+        "benchmark": "sweep_logprob_from_logits",
+        "command": bench.command_line(),
+        "environment": bench.environment(dev),
+        "shape": {"N": args.n, "V": args.v},
+        "dtype": "bfloat16",
+        "copy_bandwidth": bandwidth,
+        "read_once_ms_at_copy_bandwidth": read_once_ms,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "current_tile": list(FWD_TILE),
+        "fastest_tile": [best["block_v"], best["num_warps"]],
+        "results": rows,
+    }
     gpu = result["environment"].get("gpu", "cuda").replace(" ", "_")
     BL.write_result(result, args.out, f"sweep_logprob_from_logits_{gpu}.json")
     return 0

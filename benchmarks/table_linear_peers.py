@@ -18,8 +18,10 @@ import sys
 
 COLUMNS = ["ours", "eager", "cce", "liger_flce", "liger_cute", "liger_cute_flce", "quack"]
 PER_TOKEN = ["ours", "eager", "cce", "liger_flce", "liger_cute"]
-HEADER = ("| N, D, V | inputs | GEMM | ours fwd+bwd (TF/s) | eager | CCE | Liger Triton | Liger CuTe | Liger CuTe FLCE* "
-          "| QuACK* | ours fwd | Liger CuTe fwd | QuACK fwd* |")
+HEADER = (
+    "| N, D, V | inputs | GEMM | ours fwd+bwd (TF/s) | eager | CCE | Liger Triton | Liger CuTe | Liger CuTe FLCE* "
+    "| QuACK* | ours fwd | Liger CuTe fwd | QuACK fwd* |"
+)
 
 
 def _dims(shape: str) -> tuple[int, int, int]:
@@ -53,8 +55,11 @@ def table(paths: list[str]) -> list[str]:
         best = min(timed)[1] if timed else None
         row = [f"**{ms(m, 'fwd+bwd')}**" if m == best else ms(m, "fwd+bwd") for m in COLUMNS]
         row[0] += f" ({tflops[(shape, inputs)]:.0f})"
-        lines.append(f"| {n}, {d}, {vocab} | {inputs} | {floor[shape]:.1f} | " + " | ".join(row)
-                     + f" | {ms('ours', 'forward')} | {ms('liger_cute', 'forward')} | {ms('quack', 'forward')} |")
+        lines.append(
+            f"| {n}, {d}, {vocab} | {inputs} | {floor[shape]:.1f} | "
+            + " | ".join(row)
+            + f" | {ms('ours', 'forward')} | {ms('liger_cute', 'forward')} | {ms('quack', 'forward')} |"
+        )
     return lines
 
 

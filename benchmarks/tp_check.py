@@ -86,7 +86,8 @@ def draw_inputs(args: argparse.Namespace, dev: torch.device) -> dict[str, Option
         weight=(torch.randn(v, d, device=dev, generator=gen) * (3.0 / d**0.5)).to(dtype),
         bias=torch.randn(v, device=dev, generator=gen).to(dtype) if args.bias else None,
         targets=torch.randint(0, v, (n,), device=dev, generator=gen),
-        g_lp=(torch.rand(n, device=dev, generator=gen) + 0.5) * torch.where(torch.rand(n, device=dev, generator=gen) < 0.5, -1.0, 1.0),
+        g_lp=(torch.rand(n, device=dev, generator=gen) + 0.5)
+        * torch.where(torch.rand(n, device=dev, generator=gen) < 0.5, -1.0, 1.0),
         g_ent=torch.rand(n, device=dev, generator=gen) + 0.5,
     )
     t = x["targets"]
@@ -107,7 +108,9 @@ def forward_backward(x, weight, bias, group):
     h = x["hidden"].detach().requires_grad_()
     w = weight.detach().requires_grad_()
     b = None if bias is None else bias.detach().requires_grad_()
-    lp, ent = rk.linear_logprob(h, w, x["targets"], bias=b, temperature=x["temperature"], return_entropy=True, tp_group=group, backend="triton")
+    lp, ent = rk.linear_logprob(
+        h, w, x["targets"], bias=b, temperature=x["temperature"], return_entropy=True, tp_group=group, backend="triton"
+    )
     loss = (lp * x["g_lp"]).sum() + (ent * x["g_ent"]).sum()
     grads = torch.autograd.grad(loss, [t for t in (h, w, b) if t is not None])
     return lp.detach(), ent.detach(), *grads, *(() if b is not None else (None,))
@@ -115,7 +118,9 @@ def forward_backward(x, weight, bias, group):
 
 def no_grad_logprob(x, weight, bias, group):
     with torch.no_grad():
-        return rk.linear_logprob(x["hidden"], weight, x["targets"], bias=bias, temperature=x["temperature"], tp_group=group, backend="triton")
+        return rk.linear_logprob(
+            x["hidden"], weight, x["targets"], bias=bias, temperature=x["temperature"], tp_group=group, backend="triton"
+        )
 
 
 def fp64_reference(x):
@@ -123,13 +128,17 @@ def fp64_reference(x):
     h = x["hidden"].double().requires_grad_()
     w = x["weight"].double().requires_grad_()
     b = None if x["bias"] is None else x["bias"].double().requires_grad_()
-    lp, ent = rk.linear_logprob(h, w, x["targets"], bias=b, temperature=x["temperature"], return_entropy=True, backend="torch")
+    lp, ent = rk.linear_logprob(
+        h, w, x["targets"], bias=b, temperature=x["temperature"], return_entropy=True, backend="torch"
+    )
     loss = (lp * x["g_lp"].double()).sum() + (ent * x["g_ent"].double()).sum()
     grads = torch.autograd.grad(loss, [t for t in (h, w, b) if t is not None])
     return dict(lp=lp.detach(), ent=ent.detach(), dh=grads[0], dw=grads[1], db=grads[2] if b is not None else None)
 
 
-def compare(name: str, got: torch.Tensor, want: torch.Tensor, op_class: str, dtype: torch.dtype, failures: list[str]) -> dict:
+def compare(
+    name: str, got: torch.Tensor, want: torch.Tensor, op_class: str, dtype: torch.dtype, failures: list[str]
+) -> dict:
     """Errors of ``got`` against the fp64 ``want`` and the contract's verdict (a failure is appended)."""
     err = (got.double() - want).abs()
     row = {
@@ -225,7 +234,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             "environment": bench.environment(dev),
             "world": world,
             "tp_sizes": sorted(groups),
-            "shape": dict(n=args.tokens, d=args.hidden, vocab=args.vocab, dtype=args.dtype, temperature=args.temperature, bias=args.bias),
+            "shape": dict(
+                n=args.tokens,
+                d=args.hidden,
+                vocab=args.vocab,
+                dtype=args.dtype,
+                temperature=args.temperature,
+                bias=args.bias,
+            ),
             "vocab_tile_block_n": tiles(dtype, dev, from_logits=False).block_n,
             "passed": all(not r["failures"] for r in per_rank),
             "notes": [

@@ -23,8 +23,17 @@ import torch
 from grpo import data as gsm8k
 from grpo import embedded
 from grpo.model import PRESETS, build_local_model
-from grpo.runs import (add_run_options, device_and_output, embedded_side, first_step_section, git_commit,
-                       parse_run_options, recipe_error, recipe_parser, run_config)
+from grpo.runs import (
+    add_run_options,
+    device_and_output,
+    embedded_side,
+    first_step_section,
+    git_commit,
+    parse_run_options,
+    recipe_error,
+    recipe_parser,
+    run_config,
+)
 import rl_kernel_core as rk
 from rl_kernel_core.tools import bench, report
 from rl_kernel_core.argtypes import integer, number
@@ -33,50 +42,104 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # preset -> defaults of the run (every one overridable on the command line)
 PRESET_RUNS = {
-    "tiny": dict(steps=60, prompts_per_step=16, group_size=8, max_new_tokens=8, micro_batch=32,
-                 lr=1e-2, temperature=1.0, kl_coef=0.0, gradient_checkpointing=False,
-                 max_prompt_tokens=160),
-    "qwen3-0.6b": dict(steps=12, prompts_per_step=16, group_size=8, max_new_tokens=256, micro_batch=32,
-                       lr=1e-5, temperature=1.0, kl_coef=1e-3, gradient_checkpointing=True,
-                       max_prompt_tokens=256),
+    "tiny": dict(
+        steps=60,
+        prompts_per_step=16,
+        group_size=8,
+        max_new_tokens=8,
+        micro_batch=32,
+        lr=1e-2,
+        temperature=1.0,
+        kl_coef=0.0,
+        gradient_checkpointing=False,
+        max_prompt_tokens=160,
+    ),
+    "qwen3-0.6b": dict(
+        steps=12,
+        prompts_per_step=16,
+        group_size=8,
+        max_new_tokens=256,
+        micro_batch=32,
+        lr=1e-5,
+        temperature=1.0,
+        kl_coef=1e-3,
+        gradient_checkpointing=True,
+        max_prompt_tokens=256,
+    ),
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = recipe_parser("grpo_gsm8k", PRESETS,
-                      "model shape and run defaults: tiny (2-core CPU, minutes) or qwen3-0.6b (one GPU)",
-                      "GRPO on GSM8K with rl-kernel off and on, then a comparison report "
-                      "(step time per module, tokens/s, peak memory, reward, train/rollout log-prob drift).")
-    p.add_argument("--model", default=None,
-                   help="HF model path or directory (default: a local model of the preset's shape, random weights)")
-    p.add_argument("--data", default=None,
-                   help="GSM8K directory (train.jsonl/test.jsonl or parquet) or 'synthetic'; "
-                        "default: $GSM8K_DIR, else the hub (openai/gsm8k)")
-    p.add_argument("--engine", choices=("auto", "embedded", "verl"), default="auto",
-                   help="auto: verl when verl, vLLM and a GPU are all present, else embedded")
-    p.add_argument("--sampler", choices=("torch", "rl-kernel"), default="torch",
-                   help="rollout sampler of the embedded engine, the same in both runs")
+    p = recipe_parser(
+        "grpo_gsm8k",
+        PRESETS,
+        "model shape and run defaults: tiny (2-core CPU, minutes) or qwen3-0.6b (one GPU)",
+        "GRPO on GSM8K with rl-kernel off and on, then a comparison report "
+        "(step time per module, tokens/s, peak memory, reward, train/rollout log-prob drift).",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model path or directory (default: a local model of the preset's shape, random weights)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="GSM8K directory (train.jsonl/test.jsonl or parquet) or 'synthetic'; "
+        "default: $GSM8K_DIR, else the hub (openai/gsm8k)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("auto", "embedded", "verl"),
+        default="auto",
+        help="auto: verl when verl, vLLM and a GPU are all present, else embedded",
+    )
+    p.add_argument(
+        "--sampler",
+        choices=("torch", "rl-kernel"),
+        default="torch",
+        help="rollout sampler of the embedded engine, the same in both runs",
+    )
     p.add_argument("--limit", type=integer(1), default=None, help="use the first N training problems")
-    p.add_argument("--reward-method", choices=("strict", "flexible"), default="flexible",
-                   help="GSM8K answer extraction, as verl's scorer (default flexible)")
-    p.add_argument("--format-score", type=number(0.0, 1.0), default=0.1,
-                   help="reward in [0, 1] for an extracted but wrong answer (verl's format_score)")
+    p.add_argument(
+        "--reward-method",
+        choices=("strict", "flexible"),
+        default="flexible",
+        help="GSM8K answer extraction, as verl's scorer (default flexible)",
+    )
+    p.add_argument(
+        "--format-score",
+        type=number(0.0, 1.0),
+        default=0.1,
+        help="reward in [0, 1] for an extracted but wrong answer (verl's format_score)",
+    )
     add_run_options(p)
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="rollout and training in rl-kernel's batch-invariant mode, so each token's rollout and "
-                        "recomputed log-probs are bitwise equal. Embedded engine: both runs (logprob_diff 0). "
-                        "verl engine: the on run, with the adapter's rl_kernel_batch_invariant option and "
-                        "RL_KERNEL_VLLM_BATCH_INVARIANT=1 for verl's vLLM server (verl's "
-                        "training/rollout_probs_diff_max 0); the off run is verl's own, the control group")
-    p.add_argument("--weight-check-every", type=integer(0), default=0, metavar="N",
-                   help="verl engine, on run: check every N-th weight sync into verl's vLLM rollout bit for bit "
-                        "(the adapter's rl_kernel_weight_check_every option; 0, the default: off)")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="override the preset")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="rollout and training in rl-kernel's batch-invariant mode, so each token's rollout and "
+        "recomputed log-probs are bitwise equal. Embedded engine: both runs (logprob_diff 0). "
+        "verl engine: the on run, with the adapter's rl_kernel_batch_invariant option and "
+        "RL_KERNEL_VLLM_BATCH_INVARIANT=1 for verl's vLLM server (verl's "
+        "training/rollout_probs_diff_max 0); the off run is verl's own, the control group",
+    )
+    p.add_argument(
+        "--weight-check-every",
+        type=integer(0),
+        default=0,
+        metavar="N",
+        help="verl engine, on run: check every N-th weight sync into verl's vLLM rollout bit for bit "
+        "(the adapter's rl_kernel_weight_check_every option; 0, the default: off)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None, help="override the preset"
+    )
     args = parse_run_options(p, argv)
     if args.weight_check_every and args.engine != "verl":
-        p.error(f"--weight-check-every applies to --engine verl (the embedded engine samples from the model it "
-                f"trains: no weight sync), got --engine {args.engine}")
+        p.error(
+            f"--weight-check-every applies to --engine verl (the embedded engine samples from the model it "
+            f"trains: no weight sync), got --engine {args.engine}"
+        )
     return args
 
 
@@ -112,16 +175,22 @@ def verl_engine_missing() -> list[str]:
     return [name for name in VERL_ENGINE_NEEDS if not _importable(name)]
 
 
-def run_verl_side(cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Path, problems, device: torch.device) -> dict:
+def run_verl_side(
+    cfg: embedded.GRPOConfig, out: Path, side: str, model_dir: Path, problems, device: torch.device
+) -> dict:
     """One run with verl's trainer (:func:`grpo.verl_engine.run_verl`); its fields of the side's meta."""
     from grpo import verl_engine
 
     print(f"[grpo_gsm8k] {side}: verl's trainer, log in {out / f'verl-{side}' / 'verl.log'}", flush=True)
     result = verl_engine.run_verl(dataclasses.asdict(cfg), out, side == "on", model_dir, problems, device.type)
-    return {"verl_command": shlex.join(result["command"]), "verl_rl_kernel_environment": result["rl_kernel_environment"],
-            "verl_returncode": result["returncode"],
-            "verl_steps": result["steps"], "verl_log": result["log"],
-            "backends": result["backends"] if side == "on" else "verl's own path"}
+    return {
+        "verl_command": shlex.join(result["command"]),
+        "verl_rl_kernel_environment": result["rl_kernel_environment"],
+        "verl_returncode": result["returncode"],
+        "verl_steps": result["steps"],
+        "verl_log": result["log"],
+        "backends": result["backends"] if side == "on" else "verl's own path",
+    }
 
 
 def equal_reward_residues(group_size: int, rewards: list[float]) -> list[tuple[float, float, float]]:
@@ -140,15 +209,20 @@ def known_differences(engine: str, cfg: embedded.GRPOConfig, off_log: Path, on_l
     """Markdown naming each known difference in meaning between the off and on paths, with its size
     (computed, and measured in these runs' step logs where the engine records it)."""
     residues = equal_reward_residues(cfg.group_size, sorted({0.0, cfg.format_score, 1.0}))
-    table = "\n".join([f"| reward of all {cfg.group_size} | off advantage (max abs) | on advantage (max abs) |", "|---|---|---|"]
-                      + [f"| {r:g} | {off:.3g} | {on:.3g} |" for r, off, on in residues])
+    table = "\n".join(
+        [f"| reward of all {cfg.group_size} | off advantage (max abs) | on advantage (max abs) |", "|---|---|---|"]
+        + [f"| {r:g} | {off:.3g} | {on:.3g} |" for r, off, on in residues]
+    )
     if engine == "verl":
-        return ("**Advantages.** Both runs compute them with verl's `compute_grpo_outcome_advantage` (the verl adapter "
-                "replaces the log-prob and loss, not the advantages), so a group whose rewards are all equal gets the same "
-                "float residue in both runs (fp32 on CPU; rl-kernel's own `group_advantages` gives 0 there):\n\n" + table
-                + "\n\n**Loss.** rl-kernel's `policy_loss` differs from verl's only where a micro-batch has no response "
-                "token (0 instead of NaN) and in verl's `1e-8` added to token counts (below half an fp32 ulp); "
-                "neither arises here, every response having at least one token (`docs/loss.md`).")
+        return (
+            "**Advantages.** Both runs compute them with verl's `compute_grpo_outcome_advantage` (the verl adapter "
+            "replaces the log-prob and loss, not the advantages), so a group whose rewards are all equal gets the same "
+            "float residue in both runs (fp32 on CPU; rl-kernel's own `group_advantages` gives 0 there):\n\n"
+            + table
+            + "\n\n**Loss.** rl-kernel's `policy_loss` differs from verl's only where a micro-batch has no response "
+            "token (0 instead of NaN) and in verl's `1e-8` added to token counts (below half an fp32 ulp); "
+            "neither arises here, every response having at least one token (`docs/loss.md`)."
+        )
     logs = {side: report.read_step_log(path) for side, path in (("off", off_log), ("on", on_log))}
     measured = []
     for side, log in logs.items():
@@ -157,17 +231,24 @@ def known_differences(engine: str, cfg: embedded.GRPOConfig, off_log: Path, on_l
         worst = max(largest, default=0.0)
         nonzero = [step for step, value in zip(steps, largest) if value]
         first = f", first nonzero at step {nonzero[0]}" if nonzero else ""
-        measured.append(f"{side}: {groups:g} such groups over {log.steps} steps, largest |advantage| {worst:.3g}{first}")
-    return ("**Advantages of a group whose rewards are all equal.** The off path computes `(r - mean) / (std + 1e-6)` "
-            "in fp32 as written (and as verl's `compute_grpo_outcome_advantage`): `r - mean` is a float residue, not "
-            "0, and the division by `1e-6` magnifies it. rl-kernel's `group_advantages` gives exactly 0 "
-            "(`docs/advantages.md`). Computed for this run's group size and rewards (fp32 on CPU):\n\n" + table
-            + "\n\nMeasured in these runs: " + "; ".join(measured) + ". A nonzero residue gives that group's tokens a "
-            "policy gradient on the off path only, so from the step after the first one the runs' weights, samples and "
-            "rewards are no longer the same.\n\n**Groups of unequal rewards.** The off path's group mean and std are "
-            "fp32, rl-kernel's fp64 rounded to fp32: their advantages differ in the last bits of fp32, not in meaning.\n\n"
-            "No other difference in meaning is known between the two paths' log-probs, entropy and loss; the first-step "
-            "check measures their numeric agreement.")
+        measured.append(
+            f"{side}: {groups:g} such groups over {log.steps} steps, largest |advantage| {worst:.3g}{first}"
+        )
+    return (
+        "**Advantages of a group whose rewards are all equal.** The off path computes `(r - mean) / (std + 1e-6)` "
+        "in fp32 as written (and as verl's `compute_grpo_outcome_advantage`): `r - mean` is a float residue, not "
+        "0, and the division by `1e-6` magnifies it. rl-kernel's `group_advantages` gives exactly 0 "
+        "(`docs/advantages.md`). Computed for this run's group size and rewards (fp32 on CPU):\n\n"
+        + table
+        + "\n\nMeasured in these runs: "
+        + "; ".join(measured)
+        + ". A nonzero residue gives that group's tokens a "
+        "policy gradient on the off path only, so from the step after the first one the runs' weights, samples and "
+        "rewards are no longer the same.\n\n**Groups of unequal rewards.** The off path's group mean and std are "
+        "fp32, rl-kernel's fp64 rounded to fp32: their advantages differ in the last bits of fp32, not in meaning.\n\n"
+        "No other difference in meaning is known between the two paths' log-probs, entropy and loss; the first-step "
+        "check measures their numeric agreement."
+    )
 
 
 def model_problem(model: str) -> str | None:
@@ -192,9 +273,12 @@ def main(argv=None) -> int:
     device, out = device_and_output(args, "grpo_gsm8k")
     engine, why = resolve_engine(args.engine, device)
     if engine == "verl" and (missing := verl_engine_missing()):
-        return recipe_error("grpo_gsm8k", f"--engine verl needs {', '.join(VERL_ENGINE_NEEDS)} in this Python "
-                                          f"({sys.executable}), missing: {', '.join(missing)}; recipes/grpo_gsm8k.sh "
-                                          "builds an environment with them (scripts/env.sh recipe-verl)")
+        return recipe_error(
+            "grpo_gsm8k",
+            f"--engine verl needs {', '.join(VERL_ENGINE_NEEDS)} in this Python "
+            f"({sys.executable}), missing: {', '.join(missing)}; recipes/grpo_gsm8k.sh "
+            "builds an environment with them (scripts/env.sh recipe-verl)",
+        )
     print(f"[grpo_gsm8k] engine: {engine} ({why}); device: {device}; output: {out}", flush=True)
     if args.model:
         problem = model_problem(args.model)
@@ -212,16 +296,31 @@ def main(argv=None) -> int:
     else:
         texts = [p.question + " " + p.answer for p in problems[:4000]] + [gsm8k.INSTRUCTION]
         model_dir = build_local_model(args.preset, ROOT / "runs" / "models", texts, seed=args.seed)
-        model_desc = f"local {args.preset} (Qwen3-style, random weights, tokenizer trained on the data): {model_dir.name}"
+        model_desc = (
+            f"local {args.preset} (Qwen3-style, random weights, tokenizer trained on the data): {model_dir.name}"
+        )
     print(f"[grpo_gsm8k] model: {model_desc}", flush=True)
 
-    cfg = run_config(args, PRESET_RUNS[args.preset], sampler=args.sampler, reward_method=args.reward_method,
-                     format_score=args.format_score, batch_invariant=args.batch_invariant,
-                     weight_check_every=args.weight_check_every, seed=args.seed)
+    cfg = run_config(
+        args,
+        PRESET_RUNS[args.preset],
+        sampler=args.sampler,
+        reward_method=args.reward_method,
+        format_score=args.format_score,
+        batch_invariant=args.batch_invariant,
+        weight_check_every=args.weight_check_every,
+        seed=args.seed,
+    )
     meta_common = {
-        "command": " ".join(["bash recipes/grpo_gsm8k.sh", *bench.command_line().split(" ")[2:]]), "engine": engine, "engine_choice": why, "preset": args.preset,
-        "model": model_desc, "data": source, "git_commit": git_commit(),
-        "config": dataclasses.asdict(cfg), "environment": bench.environment(device),
+        "command": " ".join(["bash recipes/grpo_gsm8k.sh", *bench.command_line().split(" ")[2:]]),
+        "engine": engine,
+        "engine_choice": why,
+        "preset": args.preset,
+        "model": model_desc,
+        "data": source,
+        "git_commit": git_commit(),
+        "config": dataclasses.asdict(cfg),
+        "environment": bench.environment(device),
     }
     first, failed = {}, []
     for side in args.sides:
@@ -230,10 +329,15 @@ def main(argv=None) -> int:
             meta = {**meta_common, "side": side, **run_verl_side(cfg, out, side, model_dir, problems, device)}
             if meta["verl_returncode"] != 0:
                 failed.append(side)
-                print(f"[grpo_gsm8k] {side}: verl exited with {meta['verl_returncode']} after {meta['verl_steps']} "
-                      f"step(s); its log: {meta['verl_log']}", flush=True)
+                print(
+                    f"[grpo_gsm8k] {side}: verl exited with {meta['verl_returncode']} after {meta['verl_steps']} "
+                    f"step(s); its log: {meta['verl_log']}",
+                    flush=True,
+                )
         else:
-            result, fields = embedded_side("grpo_gsm8k", side, model_dir, problems, cfg, out, device, not args.no_progress)
+            result, fields = embedded_side(
+                "grpo_gsm8k", side, model_dir, problems, cfg, out, device, not args.no_progress
+            )
             first[side] = result["first_step"]
             meta = {**meta_common, "side": side, **fields}
         (out / f"{side}.meta.json").write_text(json.dumps(meta, indent=2, default=str))
@@ -243,27 +347,44 @@ def main(argv=None) -> int:
     sections = []
     if first.get("on"):
         sections.append(first_step_section(first, device, out))
-    rollout = (f"- rollout: verl's vLLM server, {cfg.group_size} samples per prompt" if engine == "verl"
-               else f"- sampler: {cfg.sampler} (the same in both runs)")
-    run_lines = [f"- engine: {engine} ({why})", f"- data: {source}", f"- model: {model_desc}", rollout,
-                 f"- reward: GSM8K scorer, {cfg.reward_method} extraction, format score {cfg.format_score}"]
+    rollout = (
+        f"- rollout: verl's vLLM server, {cfg.group_size} samples per prompt"
+        if engine == "verl"
+        else f"- sampler: {cfg.sampler} (the same in both runs)"
+    )
+    run_lines = [
+        f"- engine: {engine} ({why})",
+        f"- data: {source}",
+        f"- model: {model_desc}",
+        rollout,
+        f"- reward: GSM8K scorer, {cfg.reward_method} extraction, format score {cfg.format_score}",
+    ]
     if engine == "verl":
         from grpo import verl_engine
 
         if cfg.batch_invariant:
-            run_lines.append("- batch-invariant: the on run with the verl adapter's rl_kernel_batch_invariant option and "
-                             "RL_KERNEL_VLLM_BATCH_INVARIANT=1 in verl's vLLM server; the off run is verl's own (the "
-                             "control group). verl's train/rollout difference: `rollout_probs_diff_max`")
+            run_lines.append(
+                "- batch-invariant: the on run with the verl adapter's rl_kernel_batch_invariant option and "
+                "RL_KERNEL_VLLM_BATCH_INVARIANT=1 in verl's vLLM server; the off run is verl's own (the "
+                "control group). verl's train/rollout difference: `rollout_probs_diff_max`"
+            )
         if cfg.weight_check_every:
-            run_lines.append(f"- weight check: the on run checks every {cfg.weight_check_every}-th weight sync into "
-                             "verl's vLLM rollout bit for bit (`rl_kernel/weight_bits_differ`, parameters whose bits "
-                             "differ)")
+            run_lines.append(
+                f"- weight check: the on run checks every {cfg.weight_check_every}-th weight sync into "
+                "verl's vLLM rollout bit for bit (`rl_kernel/weight_bits_differ`, parameters whose bits "
+                "differ)"
+            )
         run_lines += filter(None, [verl_engine.vocabulary_note(model_dir)])
     sections.append(("Run", "\n".join(run_lines)))
-    sections.append(("Known differences between the off and on paths",
-                     known_differences(engine, cfg, out / "off.jsonl", out / "on.jsonl")))
-    report_path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on",
-                                      sections=sections)
+    sections.append(
+        (
+            "Known differences between the off and on paths",
+            known_differences(engine, cfg, out / "off.jsonl", out / "on.jsonl"),
+        )
+    )
+    report_path = report.write_report(
+        out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on", sections=sections
+    )
     print(f"[grpo_gsm8k] report: {report_path}", flush=True)
     return 0
 

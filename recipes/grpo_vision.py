@@ -21,8 +21,18 @@ from functools import partial
 from pathlib import Path
 
 from grpo import vision, vision_data
-from grpo.runs import (OVERRIDES, add_run_options, device_and_output, embedded_side, first_step_section, git_commit,
-                       parse_run_options, recipe_error, recipe_parser, run_config)
+from grpo.runs import (
+    OVERRIDES,
+    add_run_options,
+    device_and_output,
+    embedded_side,
+    first_step_section,
+    git_commit,
+    parse_run_options,
+    recipe_error,
+    recipe_parser,
+    run_config,
+)
 from grpo.vision_model import PRESETS, CacheError, build_local_vlm
 from rl_kernel_core.tools import bench, report
 from rl_kernel_core.argtypes import integer, number
@@ -31,8 +41,17 @@ from rl_kernel_core.tools.multimodal.parity import ParityError
 ROOT = Path(__file__).resolve().parent.parent
 
 PRESET_RUNS = {
-    "tiny": dict(steps=30, prompts_per_step=8, group_size=4, max_new_tokens=3, micro_batch=32, lr=1e-2,
-                 temperature=1.0, kl_coef=0.0, gradient_checkpointing=False),
+    "tiny": dict(
+        steps=30,
+        prompts_per_step=8,
+        group_size=4,
+        max_new_tokens=3,
+        micro_batch=32,
+        lr=1e-2,
+        temperature=1.0,
+        kl_coef=0.0,
+        gradient_checkpointing=False,
+    ),
 }
 # every override but the prompt length: a prompt's length is its image's tokens and the question
 VISION_OVERRIDES = tuple(o for o in OVERRIDES if o[0] != "max_prompt_tokens")
@@ -42,32 +61,62 @@ def _tasks(value: str) -> tuple[str, ...]:
     tasks = tuple(t.strip() for t in value.split(",") if t.strip())
     unknown = [t for t in tasks if t not in vision_data.TASKS]
     if not tasks or unknown:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(vision_data.TASKS)}, got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(vision_data.TASKS)}, got {value!r}"
+        )
     return tasks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = recipe_parser("grpo_vision", PRESETS, "model shape and run defaults: tiny (2-core CPU, minutes)",
-                      "GRPO on generated image problems with a tiny Qwen2-VL, rl-kernel off and on, then a comparison "
-                      "report; processor-layout parity is checked on the first batch before any training.")
-    p.add_argument("--data", choices=("synthetic",), default="synthetic",
-                   help="synthetic: images drawn from --seed (count squares, read a number, name a colour)")
-    p.add_argument("--tasks", type=_tasks, default=vision_data.TASKS,
-                   help=f"comma-separated subset of {','.join(vision_data.TASKS)} (default: all)")
-    p.add_argument("--problems", type=integer(1, vision_data.MAX_PROBLEMS), default=512,
-                   help=f"generated problems, in [1, {vision_data.MAX_PROBLEMS}] (default 512); each is drawn up front "
-                        "(a run uses at most steps x prompts-per-step of them)")
-    p.add_argument("--sampler", choices=("torch", "rl-kernel"), default="torch",
-                   help="rollout sampler, the same in both runs")
-    p.add_argument("--format-score", type=number(0.0, 1.0), default=0.1,
-                   help="reward in [0, 1] for an answer of the right kind that is wrong (default 0.1)")
-    p.add_argument("--training-max-pixels", type=integer(1), default=None,
-                   help="the trainer's image processor resolution budget in pixels (default: the rollout's); "
-                        "another value lays images out with another token count, which the parity check stops")
+    p = recipe_parser(
+        "grpo_vision",
+        PRESETS,
+        "model shape and run defaults: tiny (2-core CPU, minutes)",
+        "GRPO on generated image problems with a tiny Qwen2-VL, rl-kernel off and on, then a comparison "
+        "report; processor-layout parity is checked on the first batch before any training.",
+    )
+    p.add_argument(
+        "--data",
+        choices=("synthetic",),
+        default="synthetic",
+        help="synthetic: images drawn from --seed (count squares, read a number, name a colour)",
+    )
+    p.add_argument(
+        "--tasks",
+        type=_tasks,
+        default=vision_data.TASKS,
+        help=f"comma-separated subset of {','.join(vision_data.TASKS)} (default: all)",
+    )
+    p.add_argument(
+        "--problems",
+        type=integer(1, vision_data.MAX_PROBLEMS),
+        default=512,
+        help=f"generated problems, in [1, {vision_data.MAX_PROBLEMS}] (default 512); each is drawn up front "
+        "(a run uses at most steps x prompts-per-step of them)",
+    )
+    p.add_argument(
+        "--sampler", choices=("torch", "rl-kernel"), default="torch", help="rollout sampler, the same in both runs"
+    )
+    p.add_argument(
+        "--format-score",
+        type=number(0.0, 1.0),
+        default=0.1,
+        help="reward in [0, 1] for an answer of the right kind that is wrong (default 0.1)",
+    )
+    p.add_argument(
+        "--training-max-pixels",
+        type=integer(1),
+        default=None,
+        help="the trainer's image processor resolution budget in pixels (default: the rollout's); "
+        "another value lays images out with another token count, which the parity check stops",
+    )
     add_run_options(p, VISION_OVERRIDES)
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="rollout and training in rl-kernel's batch-invariant mode (both runs): each token's rollout "
-                        "and recomputed log-probs are bitwise equal (logprob_diff 0)")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="rollout and training in rl-kernel's batch-invariant mode (both runs): each token's rollout "
+        "and recomputed log-probs are bitwise equal (logprob_diff 0)",
+    )
     return parse_run_options(p, argv)
 
 
@@ -78,29 +127,48 @@ def main(argv=None) -> int:
     problems = vision_data.synthetic_problems(args.problems, args.tasks, args.seed)
     source = f"synthetic: {args.problems} problems ({', '.join(args.tasks)}), seed {args.seed}"
     try:
-        model_dir = build_local_vlm(args.preset, ROOT / "runs" / "models", vision_data.vocabulary_texts(), seed=args.seed)
+        model_dir = build_local_vlm(
+            args.preset, ROOT / "runs" / "models", vision_data.vocabulary_texts(), seed=args.seed
+        )
     except CacheError as exc:
         return recipe_error("grpo_vision", str(exc))
-    model_desc = f"local {args.preset} (Qwen2-VL-style, random weights, tokenizer trained on the data): {model_dir.name}"
+    model_desc = (
+        f"local {args.preset} (Qwen2-VL-style, random weights, tokenizer trained on the data): {model_dir.name}"
+    )
     print(f"[grpo_vision] data: {source}\n[grpo_vision] model: {model_desc}", flush=True)
 
-    cfg = run_config(args, PRESET_RUNS[args.preset], sampler=args.sampler, format_score=args.format_score,
-                     batch_invariant=args.batch_invariant, seed=args.seed)
+    cfg = run_config(
+        args,
+        PRESET_RUNS[args.preset],
+        sampler=args.sampler,
+        format_score=args.format_score,
+        batch_invariant=args.batch_invariant,
+        seed=args.seed,
+    )
     engine_class = partial(vision.VisionEngine, training_max_pixels=args.training_max_pixels)
     meta_common = {
-        "command": " ".join(["bash recipes/grpo_vision.sh", *bench.command_line().split(" ")[2:]]), "engine": "embedded",
-        "preset": args.preset, "model": model_desc, "data": source, "git_commit": git_commit(),
+        "command": " ".join(["bash recipes/grpo_vision.sh", *bench.command_line().split(" ")[2:]]),
+        "engine": "embedded",
+        "preset": args.preset,
+        "model": model_desc,
+        "data": source,
+        "git_commit": git_commit(),
         "training_max_pixels": args.training_max_pixels,
-        "config": dataclasses.asdict(cfg), "environment": bench.environment(device),
+        "config": dataclasses.asdict(cfg),
+        "environment": bench.environment(device),
     }
     first = {}
     for side in args.sides:
         try:
-            result, fields = embedded_side("grpo_vision", side, model_dir, problems, cfg, out, device,
-                                           not args.no_progress, engine_class)
+            result, fields = embedded_side(
+                "grpo_vision", side, model_dir, problems, cfg, out, device, not args.no_progress, engine_class
+            )
         except ParityError as exc:
-            return recipe_error("grpo_vision", f"{side} run stopped before training: processor-layout parity failed on "
-                                               f"the first batch, rollout vs training: {exc}")
+            return recipe_error(
+                "grpo_vision",
+                f"{side} run stopped before training: processor-layout parity failed on "
+                f"the first batch, rollout vs training: {exc}",
+            )
         first[side] = result["first_step"]
         meta = {**meta_common, "side": side, **fields, "parity": "first batch checked, no mismatch"}
         (out / f"{side}.meta.json").write_text(json.dumps(meta, indent=2, default=str))
@@ -111,16 +179,31 @@ def main(argv=None) -> int:
     sections = []
     if first.get("on"):
         sections.append(first_step_section(first, device, out))
-    sections.append(("Run", "\n".join([
-        "- engine: embedded (transformers Qwen2-VL, rollout over a KV cache)", f"- data: {source}",
-        f"- model: {model_desc}", f"- sampler: {cfg.sampler} (the same in both runs)",
-        f"- reward: 1 when the response's first word is the answer, {cfg.format_score:g} when it is a wrong answer of "
-        "the right kind (a number, a colour), else 0",
-        "- processor-layout parity (rl_kernel_core.tools.multimodal.parity) on each run's first batch, rollout vs training "
-        "encoding: no mismatch (a mismatch stops the run before training)",
-        f"- batch-invariant mode: {'on in both runs' if cfg.batch_invariant else 'off'}"])))
-    report_path = report.write_report(out / "off.jsonl", out / "on.jsonl", out,
-                                      title="GRPO on generated image problems: rl-kernel off vs on", sections=sections)
+    sections.append(
+        (
+            "Run",
+            "\n".join(
+                [
+                    "- engine: embedded (transformers Qwen2-VL, rollout over a KV cache)",
+                    f"- data: {source}",
+                    f"- model: {model_desc}",
+                    f"- sampler: {cfg.sampler} (the same in both runs)",
+                    f"- reward: 1 when the response's first word is the answer, {cfg.format_score:g} when it is a wrong answer of "
+                    "the right kind (a number, a colour), else 0",
+                    "- processor-layout parity (rl_kernel_core.tools.multimodal.parity) on each run's first batch, rollout vs training "
+                    "encoding: no mismatch (a mismatch stops the run before training)",
+                    f"- batch-invariant mode: {'on in both runs' if cfg.batch_invariant else 'off'}",
+                ]
+            ),
+        )
+    )
+    report_path = report.write_report(
+        out / "off.jsonl",
+        out / "on.jsonl",
+        out,
+        title="GRPO on generated image problems: rl-kernel off vs on",
+        sections=sections,
+    )
     print(f"[grpo_vision] report: {report_path}", flush=True)
     return 0
 

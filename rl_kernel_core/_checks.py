@@ -32,7 +32,14 @@ def brief(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def tensor(name: str, value: object, *, dtypes: Optional[Sequence[torch.dtype]] = None, ndim: Optional[int] = None, min_ndim: Optional[int] = None) -> torch.Tensor:
+def tensor(
+    name: str,
+    value: object,
+    *,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    ndim: Optional[int] = None,
+    min_ndim: Optional[int] = None,
+) -> torch.Tensor:
     """Check that ``value`` is a dense (strided) tensor with an allowed dtype and rank; return it.
 
     Meta tensors pass: the ops that never read a value back run on them (shapes only), and
@@ -40,7 +47,9 @@ def tensor(name: str, value: object, *, dtypes: Optional[Sequence[torch.dtype]] 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {str(value.layout).replace('torch.', '')}")
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got layout {str(value.layout).replace('torch.', '')}"
+        )
     if dtypes is not None and value.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in ({_names(dtypes)}), got {str(value.dtype).replace('torch.', '')}")
     if ndim is not None and value.dim() != ndim:
@@ -72,12 +81,19 @@ def same_shape(reference_name: str, reference: torch.Tensor, **others: Optional[
     """Every tensor in ``others`` must have ``reference``'s shape."""
     for name, t in others.items():
         if t is not None and t.shape != reference.shape:
-            raise ValueError(f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have the shape of {reference_name} {tuple(reference.shape)}, got {tuple(t.shape)}"
+            )
 
 
 def lm_head_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, *,
-    min_ndim: int, vocab_name: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    min_ndim: int,
+    vocab_name: str,
 ) -> None:
     """The inputs of an op on an LM head: ``hidden [..., D]`` float with at least ``min_ndim``
     dims, ``weight [V, D]`` and ``bias [V]`` (or None) in its dtype, integer ``targets`` of its
@@ -211,8 +227,10 @@ factor of 0 turns the kernels' ``-inf`` entries (masked logits, padded lanes) in
 
 def temperature_bounds(name: str) -> str:
     """The accepted temperatures as error messages state them."""
-    return (f">= {SMALLEST_TEMPERATURE:.8g} and <= {LARGEST_TEMPERATURE:.8g} (2**-126 and 2**126, so that "
-            f"{name} and 1/{name} are normal fp32 numbers)")
+    return (
+        f">= {SMALLEST_TEMPERATURE:.8g} and <= {LARGEST_TEMPERATURE:.8g} (2**-126 and 2**126, so that "
+        f"{name} and 1/{name} are normal fp32 numbers)"
+    )
 
 
 def temperature(name: str, value: float) -> float:

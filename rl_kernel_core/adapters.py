@@ -112,7 +112,9 @@ def strict_switch(variable: str, environ: Optional[Mapping[str, str]] = None) ->
 _warned: set[tuple[str, str]] = set()
 
 
-def refuse_or_warn(message: str, *, strict: bool, error: type[Exception], logger: logging.Logger, hint: str = "") -> None:
+def refuse_or_warn(
+    message: str, *, strict: bool, error: type[Exception], logger: logging.Logger, hint: str = ""
+) -> None:
     """Strict mode: raise ``error(message)``. Otherwise log ``message`` (plus ``hint``) once per
     logger and message, and return so the caller can leave the framework's code in place."""
     if strict:
@@ -198,7 +200,9 @@ class _HookedLoader(importlib.abc.Loader):
 
 
 def _loaded(package: str) -> list[tuple[str, ModuleType]]:
-    return [(n, m) for n, m in list(sys.modules.items()) if m is not None and (n == package or n.startswith(package + "."))]
+    return [
+        (n, m) for n, m in list(sys.modules.items()) if m is not None and (n == package or n.startswith(package + "."))
+    ]
 
 
 class Patches:

@@ -15,8 +15,11 @@ import torch
 def integer(low: int, high: Optional[int] = None) -> Callable[[str], int]:
     """An argparse type: an integer in ``[low, high]`` (no upper bound when ``high`` is None);
     the recipe's options use it too."""
-    what = (f"an integer in [{low}, {high}]" if high is not None
-            else {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer >= {low}"))
+    what = (
+        f"an integer in [{low}, {high}]"
+        if high is not None
+        else {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer >= {low}")
+    )
 
     def parse(text: str) -> int:
         try:
@@ -33,8 +36,11 @@ def integer(low: int, high: Optional[int] = None) -> Callable[[str], int]:
 def number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``);
     the recipe's options use it."""
-    what = (f"a finite number {'>' if low_open else '>='} {low:g}" if high == math.inf
-            else f"a number in {'(' if low_open else '['}{low:g}, {high:g}]")
+    what = (
+        f"a finite number {'>' if low_open else '>='} {low:g}"
+        if high == math.inf
+        else f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+    )
 
     def parse(text: str) -> float:
         try:
@@ -71,5 +77,7 @@ def device_name(text: str) -> str:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text} needs CUDA, and torch.cuda.is_available() is False")
     if device.index is not None and device.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text} names a GPU this process does not see ({torch.cuda.device_count()} visible)")
+        raise argparse.ArgumentTypeError(
+            f"{text} names a GPU this process does not see ({torch.cuda.device_count()} visible)"
+        )
     return text

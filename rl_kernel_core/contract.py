@@ -109,7 +109,9 @@ def error_bound(expected: torch.Tensor, op_class: str, dtype: torch.dtype) -> to
     return atol + tol.rtol * e
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, op_class: str, dtype: torch.dtype, name: str = "value") -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, op_class: str, dtype: torch.dtype, name: str = "value"
+) -> None:
     """Assert ``actual`` is within the contract of ``expected`` (the fp64 reference).
 
     NaN or inf anywhere in ``actual`` where ``expected`` is finite fails. The message names the
@@ -137,7 +139,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, op_class: str, dt
         )
 
 
-def verdict(actual: torch.Tensor, expected: torch.Tensor, op_class: str, dtype: torch.dtype, name: str = "value") -> dict:
+def verdict(
+    actual: torch.Tensor, expected: torch.Tensor, op_class: str, dtype: torch.dtype, name: str = "value"
+) -> dict:
     """:func:`assert_close` as a record instead of an exception, for benchmarks that report every check.
 
     Returns ``{"within_contract": bool, "max_abs_err": float, "worst_fraction": float}`` (the

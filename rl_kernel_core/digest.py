@@ -51,15 +51,17 @@ def row_digests(t: torch.Tensor, as_dtype: Optional[torch.dtype] = None) -> torc
     dtype = as_dtype or flat.dtype
     size = dtype.itemsize
     if size > 8 and size % 8:
-        raise TypeError(f"row_digests: dtype {str(dtype).replace('torch.', '')} has {size}-byte elements, which are "
-                        "not whole 8-byte words")
+        raise TypeError(
+            f"row_digests: dtype {str(dtype).replace('torch.', '')} has {size}-byte elements, which are "
+            "not whole 8-byte words"
+        )
     words = max(1, size // 8)  # an element's 8-byte words (complex128: 2), each weighted by its own position
     weights = torch.arange(1, 2 * flat.shape[1] * words + 1, 2, dtype=torch.int64, device=t.device)
     rows = max(1, CHUNK_ELEMENTS // max(1, flat.shape[1] * words))
     out = torch.empty(flat.shape[0], dtype=torch.int64, device=t.device)
     for start in range(0, flat.shape[0], rows):
-        block = flat[start:start + rows].to(dtype).contiguous()
-        out[start:start + rows] = (block.view(_BITS[min(size, 8)]).to(torch.int64) * weights).sum(dim=1)
+        block = flat[start : start + rows].to(dtype).contiguous()
+        out[start : start + rows] = (block.view(_BITS[min(size, 8)]).to(torch.int64) * weights).sum(dim=1)
     return out
 
 
@@ -68,14 +70,18 @@ def _check_digestible(name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"row_digests: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
-        raise TypeError(f"row_digests: {name} must be a dense (strided) tensor, got layout "
-                        f"{str(t.layout).replace('torch.', '')}")
+        raise TypeError(
+            f"row_digests: {name} must be a dense (strided) tensor, got layout {str(t.layout).replace('torch.', '')}"
+        )
     if t.is_quantized:
-        raise TypeError(f"row_digests: {name} must not be quantized (its bits mean nothing without its scale and zero "
-                        f"point; digest int_repr() and those), got dtype {str(t.dtype).replace('torch.', '')}")
+        raise TypeError(
+            f"row_digests: {name} must not be quantized (its bits mean nothing without its scale and zero "
+            f"point; digest int_repr() and those), got dtype {str(t.dtype).replace('torch.', '')}"
+        )
     if t.is_meta:
-        raise ValueError(f"row_digests: {name} must hold data (its bits are digested), got a meta tensor of shape "
-                         f"{tuple(t.shape)}")
+        raise ValueError(
+            f"row_digests: {name} must hold data (its bits are digested), got a meta tensor of shape {tuple(t.shape)}"
+        )
 
 
 def named_digests(params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -146,7 +146,12 @@ class Registry:
         before it. What importing a backend module did (its registrations, ``loaded``,
         ``load_errors``) and the devices' capabilities stay: they are facts of the process, and
         a module is imported once."""
-        stand_ins, preference, last, logged = dict(self.stand_ins), dict(self.preference), dict(self.last), set(self.logged)
+        stand_ins, preference, last, logged = (
+            dict(self.stand_ins),
+            dict(self.preference),
+            dict(self.last),
+            set(self.logged),
+        )
         try:
             yield self
         finally:
@@ -165,8 +170,9 @@ REGISTRY = Registry()
 """The dispatch state of this process."""
 
 
-def register(op: str, backend: str, *, supports: Optional[Supports] = None,
-             kernels: Optional[str] = None) -> Callable[[Callable], Callable]:
+def register(
+    op: str, backend: str, *, supports: Optional[Supports] = None, kernels: Optional[str] = None
+) -> Callable[[Callable], Callable]:
     """Decorator registering ``fn`` as ``backend``'s implementation of ``op``.
 
     ``supports(*args, **kwargs)`` receives the same arguments as the implementation and returns
@@ -177,7 +183,9 @@ def register(op: str, backend: str, *, supports: Optional[Supports] = None,
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not serves(backend, op):
-        raise ValueError(f"{backend} does not serve {op} in the manifest rl_kernel_core.ops.OPS; declare it there to register it")
+        raise ValueError(
+            f"{backend} does not serve {op} in the manifest rl_kernel_core.ops.OPS; declare it there to register it"
+        )
 
     def deco(fn: Callable) -> Callable:
         REGISTRY.impls[(op, backend)] = _Impl(fn, supports, kernels=kernels)
@@ -195,8 +203,9 @@ def ran(kernels: str, route: str) -> None:
 
 
 @contextmanager
-def override(op: str, backend: str, impl: Callable, *, supports: Optional[Supports] = None,
-             any_device: bool = False) -> Iterator[None]:
+def override(
+    op: str, backend: str, impl: Callable, *, supports: Optional[Supports] = None, any_device: bool = False
+) -> Iterator[None]:
     """A block in which ``impl`` is ``backend``'s implementation of ``op`` (for tests: a toy op, a
     stand-in for a backend this machine lacks), whether or not the manifest declares it.
 
@@ -259,8 +268,10 @@ def _interpreting() -> bool:
 
 
 def _meta_reason(backend: str) -> str:
-    return (f"{backend} runs kernels that read data and the inputs are meta tensors (shapes without data); "
-            "backend='torch' runs on them")
+    return (
+        f"{backend} runs kernels that read data and the inputs are meta tensors (shapes without data); "
+        "backend='torch' runs on them"
+    )
 
 
 def _device_reason(backend: str, device: torch.device, explicit: bool) -> Optional[str]:
@@ -277,7 +288,9 @@ def _device_reason(backend: str, device: torch.device, explicit: bool) -> Option
     return f"{backend} needs CUDA tensors (got {device.type})"
 
 
-def _static_reason(op: str, backend: str, device: torch.device, explicit: bool) -> tuple[Optional[str], Optional[_Impl]]:
+def _static_reason(
+    op: str, backend: str, device: torch.device, explicit: bool
+) -> tuple[Optional[str], Optional[_Impl]]:
     """Why ``backend`` cannot run ``op`` on ``device`` whatever the inputs (None when it can), and
     its implementation: what :func:`unavailable_reason` says before asking ``supports``."""
     if not serves(backend, op):
@@ -298,7 +311,9 @@ def _static_reason(op: str, backend: str, device: torch.device, explicit: bool) 
     return None, impl
 
 
-def unavailable_reason(op: str, backend: str, device: torch.device, *args, explicit: bool = True, **kwargs) -> Optional[str]:
+def unavailable_reason(
+    op: str, backend: str, device: torch.device, *args, explicit: bool = True, **kwargs
+) -> Optional[str]:
     """Why ``backend`` cannot run ``op`` on these inputs, or None when it can."""
     reason, impl = _static_reason(op, backend, device, explicit)
     if reason or impl is None or impl.supports is None:
@@ -396,8 +411,10 @@ def _meta_argument_reason(op: str, backend: str, args: tuple, kwargs: dict) -> s
         fields = value._asdict().items() if hasattr(value, "_asdict") else [(name, value)]
         for field_name, t in fields:
             if isinstance(t, torch.Tensor) and t.is_meta:
-                return (f"{field_name} is a meta tensor (shape {tuple(t.shape)}, no data) and {backend}'s kernels read "
-                        "data; backend='torch' runs on meta tensors")
+                return (
+                    f"{field_name} is a meta tensor (shape {tuple(t.shape)}, no data) and {backend}'s kernels read "
+                    "data; backend='torch' runs on meta tensors"
+                )
     return _meta_reason(backend)
 
 
@@ -431,7 +448,10 @@ def _record(decision: Decision) -> None:
         detail = "; ".join(f"{b}: {r}" for b, r in decision.skipped.items())
         logger.info(
             "rl_kernel: %s on %s uses backend=%s (requested %s)%s",
-            decision.op, decision.device, decision.backend, decision.requested,
+            decision.op,
+            decision.device,
+            decision.backend,
+            decision.requested,
             f"; skipped {detail}" if detail else "",
         )
 
@@ -486,7 +506,9 @@ def backend_report() -> dict[str, str]:
     if flashinfer_error:
         report["flashinfer"] = f"unavailable: {flashinfer_error}"
     elif importlib.util.find_spec("flashinfer") is None:
-        report["flashinfer"] = "unavailable: flashinfer is not installed (pip install 'rl-kernel[flashinfer]'); serves sample only"
+        report["flashinfer"] = (
+            "unavailable: flashinfer is not installed (pip install 'rl-kernel[flashinfer]'); serves sample only"
+        )
     else:
         report["flashinfer"] = "installed (serves sample only, when named or preferred)"
     return {b: report[b] for b in BACKENDS}

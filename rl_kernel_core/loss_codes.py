@@ -6,7 +6,11 @@ A ``+`` KL variant (``"k3+"``) is its base code with a straight-through gradient
 
 KL_CODES: dict[str, int] = {"k1": 0, "abs": 1, "k2": 2, "k3": 3}
 AGG_CODES: dict[str, int] = {
-    "token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum-norm": 3, "token-sum": 4,
+    "token-mean": 0,
+    "seq-mean-token-sum": 1,
+    "seq-mean-token-mean": 2,
+    "seq-mean-token-sum-norm": 3,
+    "token-sum": 4,
 }
 ESTIMATOR_CODES: dict[str, int] = {"grpo": 0, "dr_grpo": 1, "rloo": 2}
 

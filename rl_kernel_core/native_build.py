@@ -170,7 +170,9 @@ def status() -> str:
     if not built:
         return f"not built yet: {how}"
     missing = [g for g in GROUPS if g not in built]
-    return f"built in {build_dir()}: {', '.join(built)}" + (f"; not built yet: {', '.join(missing)} ({how})" if missing else "")
+    return f"built in {build_dir()}: {', '.join(built)}" + (
+        f"; not built yet: {', '.join(missing)} ({how})" if missing else ""
+    )
 
 
 def sm90a_flags(group: str) -> list[str]:
@@ -224,7 +226,9 @@ def build(group: str, verbose: bool = False) -> ModuleType:
     except Exception as exc:
         text = str(exc)
         tail = text if len(text) <= _ERROR_TAIL_CHARS else "..." + text[-_ERROR_TAIL_CHARS:]
-        raise RuntimeError(f"building the native extension {group!r} in {out} failed ({type(exc).__name__}): {tail}") from exc
+        raise RuntimeError(
+            f"building the native extension {group!r} in {out} failed ({type(exc).__name__}): {tail}"
+        ) from exc
 
 
 def _compile_command(source: Path, obj: Path, arch: str, include_dirs: Sequence[Path]) -> list[str]:
@@ -233,11 +237,24 @@ def _compile_command(source: Path, obj: Path, arch: str, include_dirs: Sequence[
     from torch.utils import cpp_extension
 
     includes = [f"-I{d}" for d in (*include_dirs, *cpp_extension.include_paths(), sysconfig.get_paths()["include"])]
-    defines = [f"-DTORCH_EXTENSION_NAME={EXTENSION_PREFIX}{source.stem.removeprefix('bind_')}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    defines = [
+        f"-DTORCH_EXTENSION_NAME={EXTENSION_PREFIX}{source.stem.removeprefix('bind_')}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+    ]
     nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else "nvcc"
     if source.suffix == ".cu":
-        return [nvcc, "-c", f"-arch=sm_{arch}", "-std=c++17", *cpp_extension.COMMON_NVCC_FLAGS,
-                *defines, *includes, str(source), "-o", str(obj)]
+        return [
+            nvcc,
+            "-c",
+            f"-arch=sm_{arch}",
+            "-std=c++17",
+            *cpp_extension.COMMON_NVCC_FLAGS,
+            *defines,
+            *includes,
+            str(source),
+            "-o",
+            str(obj),
+        ]
     # nvcc hands a .cpp to the host compiler with the CUDA headers (cuda.h) on its include path
     return [nvcc, "-c", "-Xcompiler", "-fPIC", "-std=c++17", *defines, *includes, str(source), "-o", str(obj)]
 
@@ -301,14 +318,20 @@ def _build_in_processes(groups: Sequence[str], jobs: int, verbose: bool) -> int:
 def main(argv: Sequence[str]) -> int:
     from rl_kernel_core.argtypes import integer
 
-    parser = argparse.ArgumentParser(prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension")
+    parser = argparse.ArgumentParser(
+        prog="python -m rl_kernel_core.native", description="rl-kernel native CUDA extension"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("build", help="compile the extensions ahead of time into the cache")
     p.add_argument("--verbose", action="store_true", help="show the compiler commands and output")
-    p.add_argument("--jobs", type=integer(1), default=1, help="groups built at once, each in its own process (default 1)")
+    p.add_argument(
+        "--jobs", type=integer(1), default=1, help="groups built at once, each in its own process (default 1)"
+    )
     p.add_argument("groups", nargs="*", metavar="GROUP", help=f"groups to build (default: all of {', '.join(GROUPS)})")
     sub.add_parser("where", help="print the build folder")
-    p = sub.add_parser("check", help="compile every source for one GPU architecture without a GPU (no link, nothing loaded)")
+    p = sub.add_parser(
+        "check", help="compile every source for one GPU architecture without a GPU (no link, nothing loaded)"
+    )
     p.add_argument("--arch", default="90", help="compute capability without the dot (default 90: H100/H200)")
     p.add_argument("--jobs", type=integer(1), default=2, help="sources compiled at once")
     args = parser.parse_args(argv)

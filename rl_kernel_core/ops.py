@@ -21,26 +21,30 @@ DEFAULT_AUTO_ORDER: tuple[str, ...] = ("native", "triton", "torch")
 """``auto``'s order for an op whose :class:`OpSpec` gives none. ``flashinfer`` is in no default
 order: its draws depend on a row's place in the batch, so ``auto`` takes it only when asked to
 (:mod:`rl_kernel_core.dispatch`)."""
-ROUTES: Mapping[str, str] = MappingProxyType({
-    "native": "the CUDA kernels of native/csrc",
-    "triton": "Triton kernels, launched by Triton",
-    "triton+sm90": "Triton kernels, with the gemm route's statistics and gradient passes run by the Hopper CUDA "
-                   "kernels of native/csrc/linear_sm90.cu (the Triton passes' bits)",
-    "triton+cpp_launch": "the Triton kernels' compiled cubins, launched from C++ by native/csrc/bind_triton_launch.cpp "
-                         "(Triton's launch's bits)",
-    "torch": "the plain-PyTorch reference",
-    "flashinfer": "FlashInfer's kernels",
-})
+ROUTES: Mapping[str, str] = MappingProxyType(
+    {
+        "native": "the CUDA kernels of native/csrc",
+        "triton": "Triton kernels, launched by Triton",
+        "triton+sm90": "Triton kernels, with the gemm route's statistics and gradient passes run by the Hopper CUDA "
+        "kernels of native/csrc/linear_sm90.cu (the Triton passes' bits)",
+        "triton+cpp_launch": "the Triton kernels' compiled cubins, launched from C++ by native/csrc/bind_triton_launch.cpp "
+        "(Triton's launch's bits)",
+        "torch": "the plain-PyTorch reference",
+        "flashinfer": "FlashInfer's kernels",
+    }
+)
 """``{route: what runs}``. A backend runs the route of its own name; the Triton backend's launches
 of ``linear_logprob``'s passes and of the batch-invariant and attention kernels may take a route of
 their own, which each launch records (:attr:`rl_kernel_core.dispatch.Decision.route`)."""
-GLUE_KINDS: Mapping[str, str] = MappingProxyType({
-    "differentiable_custom_op": "rl_kernel::<backend>_<op> and rl_kernel::<backend>_<op>_backward custom ops with fakes, "
-                                "autograd registered, from opdef.define_differentiable_op",
-    "custom_op": "one rl_kernel::<backend>_<op> custom op with a fake, not differentiable",
-    "autograd_function": "a torch.autograd.Function in the backend's module",
-    "function": "a plain function, not differentiable",
-})
+GLUE_KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        "differentiable_custom_op": "rl_kernel::<backend>_<op> and rl_kernel::<backend>_<op>_backward custom ops with fakes, "
+        "autograd registered, from opdef.define_differentiable_op",
+        "custom_op": "one rl_kernel::<backend>_<op> custom op with a fake, not differentiable",
+        "autograd_function": "a torch.autograd.Function in the backend's module",
+        "function": "a plain function, not differentiable",
+    }
+)
 """``{glue kind: how a fast backend wraps its kernels for PyTorch}`` (:attr:`OpSpec.glue`)."""
 
 
@@ -76,11 +80,17 @@ class OpSpec:
     def __post_init__(self) -> None:
         if "torch" not in self.backends:
             raise ValueError(f"backends of {self.name} must include torch (the reference serves every op)")
-        unknown = sorted({*self.backends, *self.auto_order, *(b for o in self.measured_order.values() for b in o)} - set(BACKENDS))
+        unknown = sorted(
+            {*self.backends, *self.auto_order, *(b for o in self.measured_order.values() for b in o)} - set(BACKENDS)
+        )
         if unknown:
-            raise ValueError(f"backends, auto_order and measured_order of {self.name} must name backends from {BACKENDS}, got {unknown}")
+            raise ValueError(
+                f"backends, auto_order and measured_order of {self.name} must name backends from {BACKENDS}, got {unknown}"
+            )
         if (self.native_group is None) == ("native" in self.backends):
-            raise ValueError(f"native_group of {self.name} must be set exactly when native serves it, got {self.native_group!r}")
+            raise ValueError(
+                f"native_group of {self.name} must be set exactly when native serves it, got {self.native_group!r}"
+            )
         if self.glue not in GLUE_KINDS:
             raise ValueError(f"glue of {self.name} must be one of {list(GLUE_KINDS)}, got {self.glue!r}")
 
@@ -95,59 +105,120 @@ _TRITON_FIRST = ("triton", "native", "torch")
 
 def _batch_invariant(name: str, public_module: Optional[str] = None) -> OpSpec:
     """An op of the batch-invariant mode: reference and Triton kernels in one module each."""
-    return OpSpec(name, public_module, {"torch": _REFERENCE_BATCH_INVARIANT, "triton": _TRITON_BATCH_INVARIANT},
-                  glue="autograd_function")
+    return OpSpec(
+        name,
+        public_module,
+        {"torch": _REFERENCE_BATCH_INVARIANT, "triton": _TRITON_BATCH_INVARIANT},
+        glue="autograd_function",
+    )
 
 
-OPS: Mapping[str, OpSpec] = MappingProxyType({spec.name: spec for spec in (
-    # the "9.0" orders: the faster of native and triton first, as benchmarks/bench_native.py measured
-    # them on an H100 (benchmarks/results/bench_native_h100.json)
-    OpSpec("logprob_from_logits", "rl_kernel_core.logprob.api",
-           {"torch": "rl_kernel_core.logprob.reference", "triton": "rl_kernel_core.logprob.triton",
-            "native": "rl_kernel_core.logprob.native"},
-           glue="differentiable_custom_op", native_group="logprob_from_logits",
-           measured_order={"9.0": ("native", "triton", "torch")}),
-    OpSpec("ratio_kl", "rl_kernel_core.loss.api", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
-           glue="differentiable_custom_op", native_group="loss", measured_order={"9.0": _TRITON_FIRST}),
-    OpSpec("policy_loss", "rl_kernel_core.loss.api", {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
-           glue="differentiable_custom_op", native_group="loss", measured_order={"9.0": _TRITON_FIRST}),
-    OpSpec("fused_linear_policy_loss", "rl_kernel_core.loss.api",
-           {"torch": _REFERENCE_LOSS, "triton": "rl_kernel_core.linear.triton_fused_loss"},
-           glue="differentiable_custom_op"),
-    OpSpec("group_advantages", "rl_kernel_core.advantages.api",
-           {"torch": "rl_kernel_core.advantages.reference", "triton": "rl_kernel_core.advantages.triton",
-            "native": "rl_kernel_core.advantages.native"},
-           glue="custom_op", native_group="advantages", measured_order={"9.0": ("native", "triton", "torch")}),
-    OpSpec("linear_logprob", "rl_kernel_core.linear.api",
-           {"torch": "rl_kernel_core.linear.reference", "triton": "rl_kernel_core.linear.triton",
-            "native": "rl_kernel_core.linear.native"},
-           glue="differentiable_custom_op", native_group="linear_logprob",
-           auto_order=_TRITON_FIRST, measured_order={"9.0": _TRITON_FIRST}),
-    OpSpec("sample", "rl_kernel_core.sampling.api",
-           {"torch": "rl_kernel_core.sampling.reference", "triton": "rl_kernel_core.sampling.triton",
-            "flashinfer": "rl_kernel_core.sampling.flashinfer"},
-           glue="function"),
-    OpSpec("varlen_attention", "rl_kernel_core.batch_invariant_mode.api_attention",
-           {"torch": "rl_kernel_core.batch_invariant_mode.reference_attention", "triton": "rl_kernel_core.batch_invariant_mode.triton_attention"},
-           glue="autograd_function"),
-    _batch_invariant("rms_norm", "rl_kernel_core.batch_invariant_mode.api"),
-    _batch_invariant("bi_matmul"),
-    _batch_invariant("bi_linear"),
-    _batch_invariant("bi_log_softmax"),
-    _batch_invariant("bi_logsumexp"),
-    _batch_invariant("bi_mean"),
-)})
+OPS: Mapping[str, OpSpec] = MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (
+            # the "9.0" orders: the faster of native and triton first, as benchmarks/bench_native.py measured
+            # them on an H100 (benchmarks/results/bench_native_h100.json)
+            OpSpec(
+                "logprob_from_logits",
+                "rl_kernel_core.logprob.api",
+                {
+                    "torch": "rl_kernel_core.logprob.reference",
+                    "triton": "rl_kernel_core.logprob.triton",
+                    "native": "rl_kernel_core.logprob.native",
+                },
+                glue="differentiable_custom_op",
+                native_group="logprob_from_logits",
+                measured_order={"9.0": ("native", "triton", "torch")},
+            ),
+            OpSpec(
+                "ratio_kl",
+                "rl_kernel_core.loss.api",
+                {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
+                glue="differentiable_custom_op",
+                native_group="loss",
+                measured_order={"9.0": _TRITON_FIRST},
+            ),
+            OpSpec(
+                "policy_loss",
+                "rl_kernel_core.loss.api",
+                {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
+                glue="differentiable_custom_op",
+                native_group="loss",
+                measured_order={"9.0": _TRITON_FIRST},
+            ),
+            OpSpec(
+                "fused_linear_policy_loss",
+                "rl_kernel_core.loss.api",
+                {"torch": _REFERENCE_LOSS, "triton": "rl_kernel_core.linear.triton_fused_loss"},
+                glue="differentiable_custom_op",
+            ),
+            OpSpec(
+                "group_advantages",
+                "rl_kernel_core.advantages.api",
+                {
+                    "torch": "rl_kernel_core.advantages.reference",
+                    "triton": "rl_kernel_core.advantages.triton",
+                    "native": "rl_kernel_core.advantages.native",
+                },
+                glue="custom_op",
+                native_group="advantages",
+                measured_order={"9.0": ("native", "triton", "torch")},
+            ),
+            OpSpec(
+                "linear_logprob",
+                "rl_kernel_core.linear.api",
+                {
+                    "torch": "rl_kernel_core.linear.reference",
+                    "triton": "rl_kernel_core.linear.triton",
+                    "native": "rl_kernel_core.linear.native",
+                },
+                glue="differentiable_custom_op",
+                native_group="linear_logprob",
+                auto_order=_TRITON_FIRST,
+                measured_order={"9.0": _TRITON_FIRST},
+            ),
+            OpSpec(
+                "sample",
+                "rl_kernel_core.sampling.api",
+                {
+                    "torch": "rl_kernel_core.sampling.reference",
+                    "triton": "rl_kernel_core.sampling.triton",
+                    "flashinfer": "rl_kernel_core.sampling.flashinfer",
+                },
+                glue="function",
+            ),
+            OpSpec(
+                "varlen_attention",
+                "rl_kernel_core.batch_invariant_mode.api_attention",
+                {
+                    "torch": "rl_kernel_core.batch_invariant_mode.reference_attention",
+                    "triton": "rl_kernel_core.batch_invariant_mode.triton_attention",
+                },
+                glue="autograd_function",
+            ),
+            _batch_invariant("rms_norm", "rl_kernel_core.batch_invariant_mode.api"),
+            _batch_invariant("bi_matmul"),
+            _batch_invariant("bi_linear"),
+            _batch_invariant("bi_log_softmax"),
+            _batch_invariant("bi_logsumexp"),
+            _batch_invariant("bi_mean"),
+        )
+    }
+)
 """``{op name: its declaration}``, every op dispatch serves."""
 
-OTHER_EXPORTS: Mapping[str, str] = MappingProxyType({
-    "BackendUnavailableError": "rl_kernel_core.dispatch",
-    "batch_invariant": "rl_kernel_core.batch_invariant_mode.api",
-    "is_batch_invariant": "rl_kernel_core.batch_invariant_mode.api",
-    "LossSpans": "rl_kernel_core.spans",
-    "MultimodalBatch": "rl_kernel_core.tools.multimodal.schema",
-    "set_batch_invariant_mode": "rl_kernel_core.batch_invariant_mode.api",
-    "token_advantages": "rl_kernel_core.advantages.api_rewards",
-})
+OTHER_EXPORTS: Mapping[str, str] = MappingProxyType(
+    {
+        "BackendUnavailableError": "rl_kernel_core.dispatch",
+        "batch_invariant": "rl_kernel_core.batch_invariant_mode.api",
+        "is_batch_invariant": "rl_kernel_core.batch_invariant_mode.api",
+        "LossSpans": "rl_kernel_core.spans",
+        "MultimodalBatch": "rl_kernel_core.tools.multimodal.schema",
+        "set_batch_invariant_mode": "rl_kernel_core.batch_invariant_mode.api",
+        "token_advantages": "rl_kernel_core.advantages.api_rewards",
+    }
+)
 """``{public name: the module that defines it}`` for what ``rl_kernel_core`` exports that is not an op."""
 
 

@@ -38,8 +38,16 @@ from rl_kernel_core.switches import env_flag_or_path
 PROFILE_ENV = "RL_KERNEL_PROFILE"
 
 REGION_NAMES: tuple[str, ...] = (
-    "rollout", "old_logprob", "ref_logprob", "logprob", "ratio_kl", "loss",
-    "backward", "update", "weight_sync", "step",
+    "rollout",
+    "old_logprob",
+    "ref_logprob",
+    "logprob",
+    "ratio_kl",
+    "loss",
+    "backward",
+    "update",
+    "weight_sync",
+    "step",
 )
 
 _NULL = contextlib.nullcontext()
@@ -62,7 +70,9 @@ _state = _State()
 def _check_writable(path: str, name: str) -> None:
     """Fail now, not at the first ``step_end``: ``path`` must be a file that can be appended to."""
     if os.path.isdir(path):
-        raise ValueError(f"{name} must be a JSONL file path to append step records to, got {path!r}, which is a directory")
+        raise ValueError(
+            f"{name} must be a JSONL file path to append step records to, got {path!r}, which is a directory"
+        )
     try:
         with open(path, "a", encoding="utf-8"):
             pass

@@ -1,4 +1,5 @@
 """Deprecated: moved to :mod:`rl_kernel_core.tools.report`; this path goes in the next release."""
+
 import warnings
 
 from rl_kernel_core.tools.report import *  # noqa: F401,F403

@@ -41,7 +41,9 @@ class _MoveRows(torch.autograd.Function):
     the backward moves the gradient the other way. Indices are distinct, so both are plain copies."""
 
     @staticmethod
-    def forward(ctx, src: torch.Tensor, src_index: torch.Tensor, dst: Optional[torch.Tensor], dst_rows: int) -> torch.Tensor:
+    def forward(
+        ctx, src: torch.Tensor, src_index: torch.Tensor, dst: Optional[torch.Tensor], dst_rows: int
+    ) -> torch.Tensor:
         ctx.save_for_backward(src_index, dst)
         ctx.src_rows = src.shape[0]
         picked = src.index_select(0, src_index)
@@ -64,13 +66,17 @@ def _listed(name: str, value: object, what: str) -> list:
             return list(value)  # type: ignore[call-overload]
         except TypeError:
             pass
-    raise TypeError(f"{name} must be {what}, got {brief(value) if isinstance(value, torch.Tensor) else type(value).__name__}")
+    raise TypeError(
+        f"{name} must be {what}, got {brief(value) if isinstance(value, torch.Tensor) else type(value).__name__}"
+    )
 
 
 def _host_ints(name: str, value: IntSequence) -> list[int]:
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got a {value.dtype} tensor of shape {tuple(value.shape)}")
+            raise TypeError(
+                f"{name} must be a 1-D integer tensor or a list of ints, got a {value.dtype} tensor of shape {tuple(value.shape)}"
+            )
         return [int(x) for x in value.tolist()]
     out = []
     for i, x in enumerate(value):
@@ -107,8 +113,13 @@ class LossSpans:
         flat = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=device)
         self.index += flat - torch.arange(flat.shape[0], device=flat.device)  # b * seq_len + rows[b][p - first]
 
-    def _set(self, runs: list[tuple[int, int, int]], counts: list[int], seq_len: int,
-             device: Optional[Union[str, torch.device]]) -> None:
+    def _set(
+        self,
+        runs: list[tuple[int, int, int]],
+        counts: list[int],
+        seq_len: int,
+        device: Optional[Union[str, torch.device]],
+    ) -> None:
         """Fill the fields from runs of consecutive scored rows in compact order and the rows per
         sequence (host). A run ``(index_base, slot_base, length)`` of compact rows ``p`` has flat id
         ``index_base + p`` and padded slot ``slot_base + p``; both are expanded on ``device``."""
@@ -123,8 +134,9 @@ class LossSpans:
         self._padded_slot = torch.repeat_interleave(slot_base, length, output_size=total).add_(position)
 
     @classmethod
-    def _from_runs(cls, runs: list[tuple[int, int, int]], num_seqs: int, seq_len: int,
-                   device: Optional[Union[str, torch.device]]) -> "LossSpans":
+    def _from_runs(
+        cls, runs: list[tuple[int, int, int]], num_seqs: int, seq_len: int, device: Optional[Union[str, torch.device]]
+    ) -> "LossSpans":
         """Spans given as checked ``(sequence, start, length)`` runs, in compact order (sequence
         ascending, then start), each of length >= 1; the rows are expanded on ``device``."""
         counts = [0] * num_seqs
@@ -152,8 +164,13 @@ class LossSpans:
         return self.index.shape[0]
 
     @classmethod
-    def from_pairs(cls, pairs: Sequence[Sequence[tuple[int, int]]], seq_len: int, *,
-                   device: Optional[Union[str, torch.device]] = None) -> "LossSpans":
+    def from_pairs(
+        cls,
+        pairs: Sequence[Sequence[tuple[int, int]]],
+        seq_len: int,
+        *,
+        device: Optional[Union[str, torch.device]] = None,
+    ) -> "LossSpans":
         """Spans given per sequence as ``(start, length)`` pairs over its ``seq_len`` rows.
 
         ``pairs[b]`` lists sequence b's spans, in order, not overlapping, each inside ``[0,
@@ -164,8 +181,10 @@ class LossSpans:
             raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
         pairs = _listed("pairs", pairs, "a list per sequence of (start, length) pairs")
         if len(pairs) * seq_len > _MAX_FLAT + 1:
-            raise ValueError(f"seq_len: {len(pairs)} sequences of {seq_len} rows make {len(pairs) * seq_len} flat row ids "
-                             f"(b * seq_len + t), more than int64 holds ({_MAX_FLAT + 1})")
+            raise ValueError(
+                f"seq_len: {len(pairs)} sequences of {seq_len} rows make {len(pairs) * seq_len} flat row ids "
+                f"(b * seq_len + t), more than int64 holds ({_MAX_FLAT + 1})"
+            )
         runs: list[tuple[int, int, int]] = []
         total = 0
         for b, spans in enumerate(pairs):
@@ -176,19 +195,29 @@ class LossSpans:
                     raise ValueError(f"pairs[{b}][{i}] must be a (start, length) pair, got {brief(pair)}")
                 start, length = _host_ints(f"pairs[{b}][{i}]", pair)
                 if start < low or length < 1 or start + length > seq_len:
-                    raise ValueError(f"pairs[{b}][{i}]: span (start {start}, length {length}) must have length >= 1 and lie in "
-                                     f"[{low}, {seq_len}) (inside the sequence, after the previous span)")
+                    raise ValueError(
+                        f"pairs[{b}][{i}]: span (start {start}, length {length}) must have length >= 1 and lie in "
+                        f"[{low}, {seq_len}) (inside the sequence, after the previous span)"
+                    )
                 total += length
                 if total > MAX_ROWS:
-                    raise ValueError(f"pairs[{b}][{i}]: span (start {start}, length {length}) brings the scored rows to "
-                                     f"{total}, more than the {MAX_ROWS} a LossSpans holds")
+                    raise ValueError(
+                        f"pairs[{b}][{i}]: span (start {start}, length {length}) brings the scored rows to "
+                        f"{total}, more than the {MAX_ROWS} a LossSpans holds"
+                    )
                 runs.append((b, start, length))
                 low = start + length
         return cls._from_runs(runs, len(pairs), seq_len, device)
 
     @classmethod
-    def from_cu_offsets(cls, starts: IntSequence, cu_offsets: IntSequence, seq_len: int, *,
-                        device: Optional[Union[str, torch.device]] = None) -> "LossSpans":
+    def from_cu_offsets(
+        cls,
+        starts: IntSequence,
+        cu_offsets: IntSequence,
+        seq_len: int,
+        *,
+        device: Optional[Union[str, torch.device]] = None,
+    ) -> "LossSpans":
         """One span per sequence, in ``cu_seqlens`` form: sequence b's scored rows are
         ``[starts[b], starts[b] + cu_offsets[b + 1] - cu_offsets[b])``, which land at compact rows
         ``[cu_offsets[b], cu_offsets[b + 1])``.
@@ -198,7 +227,9 @@ class LossSpans:
         s = _host_ints("starts", starts)
         cu = _host_ints("cu_offsets", cu_offsets)
         if len(cu) != len(s) + 1 or (cu and cu[0] != 0):
-            raise ValueError(f"cu_offsets must hold len(starts) + 1 = {len(s) + 1} entries starting at 0, got {brief(cu)}")
+            raise ValueError(
+                f"cu_offsets must hold len(starts) + 1 = {len(s) + 1} entries starting at 0, got {brief(cu)}"
+            )
         pairs = []
         for b, start in enumerate(s):
             length = cu[b + 1] - cu[b]
@@ -222,8 +253,10 @@ class LossSpans:
         for n in lead[:-1]:
             rows *= n
         if not lead or lead[-1] != self.seq_len or rows != self.num_seqs:
-            raise ValueError(f"{name} must have leading shape [..., T] with B = {self.num_seqs} sequences of T = "
-                             f"{self.seq_len} (loss_spans' layout), got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have leading shape [..., T] with B = {self.num_seqs} sequences of T = "
+                f"{self.seq_len} (loss_spans' layout), got {tuple(t.shape)}"
+            )
         if t.device != self.device:
             raise ValueError(f"loss_spans must be on {name}'s device {t.device}, got {self.device} (LossSpans.to)")
 
@@ -240,7 +273,9 @@ class LossSpans:
         flat = x.reshape(self.num_seqs * self.seq_len, *x.shape[2:])
         width = self.max_seqlen
         out = _MoveRows.apply(flat, self.index, self._padded_slot, self.num_seqs * width)
-        valid = torch.zeros(self.num_seqs * width, dtype=torch.bool, device=x.device).index_fill_(0, self._padded_slot, True)
+        valid = torch.zeros(self.num_seqs * width, dtype=torch.bool, device=x.device).index_fill_(
+            0, self._padded_slot, True
+        )
         return out.reshape(self.num_seqs, width, *x.shape[2:]), valid.reshape(self.num_seqs, width)
 
     def scatter(self, compact: torch.Tensor) -> torch.Tensor:

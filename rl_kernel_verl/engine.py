@@ -83,8 +83,10 @@ def _log_once(message: str) -> None:
 
 def _fallback(state: EngineState, reason: str) -> None:
     if state.batch_invariant:
-        raise RuntimeError(f"rl_kernel_verl: rl_kernel_batch_invariant is set but {reason}, which would run verl's own "
-                           f"path and break rollout = training")
+        raise RuntimeError(
+            f"rl_kernel_verl: rl_kernel_batch_invariant is set but {reason}, which would run verl's own "
+            f"path and break rollout = training"
+        )
     if state.strict:
         raise RuntimeError(f"rl_kernel_verl (strict): {reason}; this would run verl's own path")
     _log_once(f"{reason}: running verl's own path for it")
@@ -133,8 +135,13 @@ def install(engine: Any, *, strict: bool, batch_invariant: bool = False, row_spl
         return False
     role = "ref" if getattr(engine.engine_config, "forward_only", False) else "actor"
     tokenizer = getattr(engine.model_config, "tokenizer", None)
-    state = EngineState(role=role, strict=strict, batch_invariant=batch_invariant, row_split=row_split,
-                        vocab_size=len(tokenizer) if batch_invariant and tokenizer is not None else None)
+    state = EngineState(
+        role=role,
+        strict=strict,
+        batch_invariant=batch_invariant,
+        row_split=row_split,
+        vocab_size=len(tokenizer) if batch_invariant and tokenizer is not None else None,
+    )
     engine._rl_kernel = state
     for name, make in (
         ("_build_module", _hook_build_module),
@@ -150,10 +157,16 @@ def install(engine: Any, *, strict: bool, batch_invariant: bool = False, row_spl
     if not profiling.is_enabled() and not profiling.enable_from_env(memory=False):
         profiling.enable(None, memory=False)
     if batch_invariant:
-        logger.info("rl_kernel_verl: %s engine: batch-invariant mode, log-probs from the logits via logprob_from_logits "
-                    "over %s ids, loss via policy_loss", role, state.vocab_size or "all")
+        logger.info(
+            "rl_kernel_verl: %s engine: batch-invariant mode, log-probs from the logits via logprob_from_logits "
+            "over %s ids, loss via policy_loss",
+            role,
+            state.vocab_size or "all",
+        )
     else:
-        logger.info("rl_kernel_verl: %s engine: log-probs from hidden states via linear_logprob, loss via policy_loss", role)
+        logger.info(
+            "rl_kernel_verl: %s engine: log-probs from hidden states via linear_logprob, loss via policy_loss", role
+        )
     return True
 
 
@@ -251,7 +264,8 @@ def _hook_prepare_model_inputs(state: EngineState, original: Callable) -> Callab
         if get(data=micro_batch, key="rl_kernel_route", default=False):
             model_inputs["rl_kernel"] = forward.Request(
                 return_entropy=bool(get(data=micro_batch, key="calculate_entropy", default=False)),
-                batch_invariant=state.batch_invariant, vocab_size=state.vocab_size,
+                batch_invariant=state.batch_invariant,
+                vocab_size=state.vocab_size,
             )
             if not get(data=micro_batch, key="use_remove_padding", default=True):
                 # verl's logits path labels token t with the next token of the *packed* batch;
@@ -326,17 +340,19 @@ def engines_status() -> list[dict[str, Any]]:
     out = []
     for engine in list(_engines):
         state: EngineState = engine.__dict__["_rl_kernel"]
-        out.append({
-            "engine": f"{type(engine).__name__}@{id(engine):#x}",
-            "role": state.role,
-            "strict": state.strict,
-            "batch_invariant": state.batch_invariant,
-            "row_split": state.row_split,
-            "vocab_size": state.vocab_size,
-            "hooks": dict(state.hooks),
-            "forward": state.forward,
-            "loss": state.loss,
-            "micro_batches_served": state.served,
-            "micro_batches_on_verl_path": dict(state.fallbacks),
-        })
+        out.append(
+            {
+                "engine": f"{type(engine).__name__}@{id(engine):#x}",
+                "role": state.role,
+                "strict": state.strict,
+                "batch_invariant": state.batch_invariant,
+                "row_split": state.row_split,
+                "vocab_size": state.vocab_size,
+                "hooks": dict(state.hooks),
+                "forward": state.forward,
+                "loss": state.loss,
+                "micro_batches_served": state.served,
+                "micro_batches_on_verl_path": dict(state.fallbacks),
+            }
+        )
     return out

@@ -74,7 +74,10 @@ def unsupported_reason(module: torch.nn.Module) -> Optional[str]:
 
 def install(module: torch.nn.Module) -> None:
     """Bind the rl-kernel forward to ``module`` (an instance attribute; idempotent)."""
-    if isinstance(module.__dict__.get("forward"), types.MethodType) and module.__dict__["forward"].__func__ is causal_lm_forward:
+    if (
+        isinstance(module.__dict__.get("forward"), types.MethodType)
+        and module.__dict__["forward"].__func__ is causal_lm_forward
+    ):
         return
     module.forward = types.MethodType(causal_lm_forward, module)
 
@@ -104,7 +107,9 @@ def causal_lm_forward(self: torch.nn.Module, *args: Any, rl_kernel: Optional[Req
     outputs = self.get_submodule("model")(use_cache=False, **kwargs)
     hidden = outputs[0]
     with profiling.region("logprob", hidden.device):
-        log_probs, entropy = _run_as_forward(self.get_submodule("lm_head"), _head_logprob, hidden, labels, temperature, rl_kernel.return_entropy)
+        log_probs, entropy = _run_as_forward(
+            self.get_submodule("lm_head"), _head_logprob, hidden, labels, temperature, rl_kernel.return_entropy
+        )
     return output_type(log_probs=log_probs, entropy=entropy, hidden_states=getattr(outputs, "hidden_states", None))
 
 
@@ -125,14 +130,19 @@ def _logits_logprob(model: torch.nn.Module, kwargs: dict, labels: torch.Tensor, 
         if positions is None:  # what the model would use for the padded rows: 0..T-1 in each
             positions = torch.arange(real.shape[1], device=real.device).expand(real.shape)
         packed = lambda t: t.flatten().index_select(0, tokens)[None]  # noqa: E731
-        kwargs = {**kwargs, "input_ids": packed(kwargs["input_ids"]), "position_ids": packed(positions), "attention_mask": None}
+        kwargs = {
+            **kwargs,
+            "input_ids": packed(kwargs["input_ids"]),
+            "position_ids": packed(positions),
+            "attention_mask": None,
+        }
         labels = packed(labels)
     else:
         real = None
     logits = type(model).forward(model, use_cache=False, **kwargs).logits
     with profiling.region("logprob", logits.device):
         if request.vocab_size is not None and request.vocab_size < logits.shape[-1]:
-            logits[..., request.vocab_size:] = float("-inf")
+            logits[..., request.vocab_size :] = float("-inf")
         with torch.autocast(logits.device.type, enabled=False):
             out = logprob_from_logits(logits, labels, temperature=temperature, return_entropy=request.return_entropy)
     values = out if request.return_entropy else (out,)
@@ -141,7 +151,9 @@ def _logits_logprob(model: torch.nn.Module, kwargs: dict, labels: torch.Tensor, 
     return values if request.return_entropy else (values[0], None)
 
 
-def _head_logprob(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool):
+def _head_logprob(
+    head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, temperature: float, return_entropy: bool
+):
     """The head's work inside its (FSDP-managed) forward: layout and dtype, then ``linear_logprob``."""
     weight, bias = head.weight, getattr(head, "bias", None)
     if isinstance(weight, DTensor):

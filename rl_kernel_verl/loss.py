@@ -60,15 +60,21 @@ def ppo_loss(config: Any, model_output: dict, data: Any, dp_group: Any = None) -
         entropy = no_padding_2_padding(entropy, data)
 
     config.global_batch_info.update(
-        dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"], global_batch_size=data["global_batch_size"],
+        dp_size=data["dp_size"],
+        batch_num_tokens=data["batch_num_tokens"],
+        global_batch_size=data["global_batch_size"],
         loss_scale_factor=config.loss_scale_factor,
     )
     global_batch = GlobalBatch(
-        dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"], global_batch_size=data["global_batch_size"],
+        dp_size=data["dp_size"],
+        batch_num_tokens=data["batch_num_tokens"],
+        global_batch_size=data["global_batch_size"],
         loss_scale_factor=config.loss_scale_factor,
     )
     global_norm = (
-        data["dp_size"] > 1 or data["batch_num_tokens"] is not None or data["global_batch_size"] is not None
+        data["dp_size"] > 1
+        or data["batch_num_tokens"] is not None
+        or data["global_batch_size"] is not None
         or config.loss_scale_factor is not None
     )
     metric_aggregation = aggregation.SUM if global_norm else aggregation.MEAN

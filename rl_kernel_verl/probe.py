@@ -77,7 +77,9 @@ def _wrap_factory(_module: Any = None) -> None:
             _patches.install(targets.ENGINE_REGISTRY_NEW, _wrap_new)
         except adapters.TargetMissing as exc:
             _state["error"] = f"rl_kernel_verl: target {exc}"
-            targets.missing(exc, strict=_strict_for_missing_probe(), consequence="the switch cannot be read and rl-kernel stays off")
+            targets.missing(
+                exc, strict=_strict_for_missing_probe(), consequence="the switch cannot be read and rl-kernel stays off"
+            )
             return
         _state["wrapped"] = adapters.resolve(f"{_MODULE}:EngineRegistry")
         _state["error"] = None

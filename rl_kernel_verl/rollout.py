@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def padded_rollout(prompts: torch.Tensor, responses: torch.Tensor, prompt_len: torch.Tensor,
-                   response_len: torch.Tensor) -> dict[str, torch.Tensor]:
+def padded_rollout(
+    prompts: torch.Tensor, responses: torch.Tensor, prompt_len: torch.Tensor, response_len: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """The padded batch of ``B`` sequences as verl's trainer holds it.
 
     Args:
@@ -30,8 +31,10 @@ def padded_rollout(prompts: torch.Tensor, responses: torch.Tensor, prompt_len: t
     p, r = prompts.shape[1], responses.shape[1]
     for name, lengths, most in (("prompt_len", prompt_len, p), ("response_len", response_len, r)):
         if lengths.shape != prompts.shape[:1] or int(lengths.min()) < 1 or int(lengths.max()) > most:
-            raise ValueError(f"{name}: expected shape {tuple(prompts.shape[:1])} with values in 1..{most}, got shape "
-                             f"{tuple(lengths.shape)} with values {int(lengths.min())}..{int(lengths.max())}")
+            raise ValueError(
+                f"{name}: expected shape {tuple(prompts.shape[:1])} with values in 1..{most}, got shape "
+                f"{tuple(lengths.shape)} with values {int(lengths.min())}..{int(lengths.max())}"
+            )
     prompt_mask = (torch.arange(p)[None] >= (p - prompt_len)[:, None]).long()
     response_mask = (torch.arange(r)[None] < response_len[:, None]).long()
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)

@@ -37,7 +37,7 @@ import difflib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from rl_kernel_core import adapters
 from rl_kernel_core.switches import show_value
@@ -88,7 +88,9 @@ def _as_bool(name: str, value: Any) -> bool:
 def _as_count(name: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    raise ValueError(f"fused_kernel_options.{name} must be an integer >= 0 (0: off), got {_shown(value)} ({type(value).__name__})")
+    raise ValueError(
+        f"fused_kernel_options.{name} must be an integer >= 0 (0: off), got {_shown(value)} ({type(value).__name__})"
+    )
 
 
 def _options(model_config: Any) -> Mapping:
@@ -98,8 +100,10 @@ def _options(model_config: Any) -> Mapping:
     if options is None:
         return {}
     if not isinstance(options, Mapping):
-        raise ValueError(f"actor_rollout_ref.model.fused_kernel_options must be a mapping of option names to values "
-                         f"(e.g. {OVERRIDE}), got {_shown(options)} ({type(options).__name__})")
+        raise ValueError(
+            f"actor_rollout_ref.model.fused_kernel_options must be a mapping of option names to values "
+            f"(e.g. {OVERRIDE}), got {_shown(options)} ({type(options).__name__})"
+        )
     return options
 
 
@@ -132,19 +136,27 @@ def read(model_config: Any) -> Switch:
     """
     options = _options(model_config)
     strict = _as_bool(STRICT_KEY, options[STRICT_KEY]) if STRICT_KEY in options else False
-    batch_invariant = _as_bool(BATCH_INVARIANT_KEY, options[BATCH_INVARIANT_KEY]) if BATCH_INVARIANT_KEY in options else False
+    batch_invariant = (
+        _as_bool(BATCH_INVARIANT_KEY, options[BATCH_INVARIANT_KEY]) if BATCH_INVARIANT_KEY in options else False
+    )
     on = _as_bool(SWITCH_KEY, options[SWITCH_KEY]) if SWITCH_KEY in options else batch_invariant
     every = _as_count(WEIGHT_CHECK_KEY, options[WEIGHT_CHECK_KEY]) if WEIGHT_CHECK_KEY in options else 0
     if batch_invariant and not on:
-        raise ValueError(f"fused_kernel_options.{BATCH_INVARIANT_KEY}=True runs the rl-kernel backend, but "
-                         f"{SWITCH_KEY}=False turns it off: drop {SWITCH_KEY} or set it to True")
+        raise ValueError(
+            f"fused_kernel_options.{BATCH_INVARIANT_KEY}=True runs the rl-kernel backend, but "
+            f"{SWITCH_KEY}=False turns it off: drop {SWITCH_KEY} or set it to True"
+        )
     row_split = options[ROW_SPLIT_KEY] if ROW_SPLIT_KEY in options else 1
     if type(row_split) is not int or row_split < 1:  # an int: 2.0 or True would pass `>= 1`
-        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY} must be an integer >= 1 (the rollout's tensor "
-                         f"parallel size), got {_shown(row_split)} ({type(row_split).__name__})")
+        raise ValueError(
+            f"fused_kernel_options.{ROW_SPLIT_KEY} must be an integer >= 1 (the rollout's tensor "
+            f"parallel size), got {_shown(row_split)} ({type(row_split).__name__})"
+        )
     if row_split > 1 and not batch_invariant:
-        raise ValueError(f"fused_kernel_options.{ROW_SPLIT_KEY}={row_split} reproduces a TP={row_split} rollout bit for "
-                         f"bit only in the batch-invariant mode: set {BATCH_INVARIANT_KEY}=True beside it")
+        raise ValueError(
+            f"fused_kernel_options.{ROW_SPLIT_KEY}={row_split} reproduces a TP={row_split} rollout bit for "
+            f"bit only in the batch-invariant mode: set {BATCH_INVARIANT_KEY}=True beside it"
+        )
     for key in options:
         if key not in _OUR_KEYS and key not in _VERL_KEYS and _looks_like_ours(str(key)):
             meant = (difflib.get_close_matches(str(key), _OUR_KEYS, n=1, cutoff=0.75) or [SWITCH_KEY])[0]
@@ -165,8 +177,13 @@ def read(model_config: Any) -> Switch:
             )
     if not on:
         return Switch(on=False, strict=False, weight_check_every=every)
-    return Switch(on=True, strict=strict or adapters.strict_switch(targets.STRICT_ENV), batch_invariant=batch_invariant,
-                  weight_check_every=every, row_split=row_split)
+    return Switch(
+        on=True,
+        strict=strict or adapters.strict_switch(targets.STRICT_ENV),
+        batch_invariant=batch_invariant,
+        weight_check_every=every,
+        row_split=row_split,
+    )
 
 
 def _get(config: Any, key: str) -> Any:

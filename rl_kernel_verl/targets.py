@@ -20,7 +20,13 @@ ENGINE_REGISTRY_NEW = "verl.workers.engine.base:EngineRegistry.new"
 ENGINE_CLASS = "verl.workers.engine.fsdp.transformer_impl:FSDPEngineWithLMHead"
 """The engine whose instances are hooked when the switch is on."""
 
-ENGINE_METHODS: tuple[str, ...] = ("_build_module", "prepare_model_inputs", "forward_step", "train_batch", "infer_batch")
+ENGINE_METHODS: tuple[str, ...] = (
+    "_build_module",
+    "prepare_model_inputs",
+    "forward_step",
+    "train_batch",
+    "infer_batch",
+)
 """Methods of :data:`ENGINE_CLASS` shadowed on a switched-on engine instance (never on the class)."""
 
 VERL_PPO_LOSS = "verl.workers.utils.losses:ppo_loss"
@@ -51,6 +57,9 @@ def missing(error: adapters.TargetMissing, *, strict: bool, consequence: str) ->
     if strict:
         raise error
     adapters.refuse_or_warn(
-        f"rl_kernel_verl: target {error}; {consequence}", strict=False, error=adapters.TargetMissing, logger=logger,
+        f"rl_kernel_verl: target {error}; {consequence}",
+        strict=False,
+        error=adapters.TargetMissing,
+        logger=logger,
         hint=f"set {STRICT_ENV}=1 to make this an error",
     )

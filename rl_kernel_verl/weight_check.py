@@ -46,8 +46,9 @@ from rl_kernel_verl.engine import METRIC_PREFIX
 
 logger = logging.getLogger("rl_kernel.verl")
 
-METRIC_DIFFER, METRIC_CHECKS, METRIC_MS = (METRIC_PREFIX + m for m in ("weight_bits_differ", "weight_checks",
-                                                                          "weight_check_ms"))
+METRIC_DIFFER, METRIC_CHECKS, METRIC_MS = (
+    METRIC_PREFIX + m for m in ("weight_bits_differ", "weight_checks", "weight_check_ms")
+)
 INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 """vLLM's server passes a function to its workers through ``collective_rpc`` only with this set."""
 
@@ -106,8 +107,13 @@ def status() -> Optional[dict[str, Any]]:
     state = _state
     if state is None:
         return None
-    return {"every": state.every, "rollout": state.rollout or "no vLLM rollout hooked yet", "syncs": state.syncs,
-            "checks": state.checks, "last": state.last}
+    return {
+        "every": state.every,
+        "rollout": state.rollout or "no vLLM rollout hooked yet",
+        "syncs": state.syncs,
+        "checks": state.checks,
+        "last": state.last,
+    }
 
 
 def _wrap_rollout_init(original: Callable) -> Callable:
@@ -126,12 +132,15 @@ def _refusal(rollout: Any) -> Optional[str]:
     if kind != targets.VLLM_ROLLOUT:
         return f"the rollout is {kind} (rollout.name={getattr(rollout.config, 'name', '?')!r}); the check covers {targets.VLLM_ROLLOUT}"
     config = rollout.config
-    sizes = {key: getattr(config, key, 1) for key in
-             ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size")}
+    sizes = {
+        key: getattr(config, key, 1)
+        for key in ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size")
+    }
     wide = {key: size for key, size in sizes.items() if size != 1}
     if wide:
-        return ("the check covers a rollout replica of one vLLM worker, got "
-                + ", ".join(f"rollout.{key}={size}" for key, size in wide.items()))
+        return "the check covers a rollout replica of one vLLM worker, got " + ", ".join(
+            f"rollout.{key}={size}" for key, size in wide.items()
+        )
     disaggregation = getattr(config, "disaggregation", None)
     if getattr(disaggregation, "enabled", False):
         return "rollout.disaggregation.enabled=True (prefill/decode replicas)"
@@ -140,8 +149,10 @@ def _refusal(rollout: Any) -> Optional[str]:
         return f"rollout.checkpoint_engine.backend={backend!r} (the check hooks verl's colocated 'naive' sync)"
     value = os.environ.get(INSECURE_ENV, "0")
     if not value.strip().isdigit() or int(value) == 0:
-        return (f"vLLM's server runs a function in its workers only with {INSECURE_ENV}=1 in the rollout's "
-                f"environment, got {show_value(value)}")
+        return (
+            f"vLLM's server runs a function in its workers only with {INSECURE_ENV}=1 in the rollout's "
+            f"environment, got {show_value(value)}"
+        )
     return None
 
 
@@ -163,8 +174,10 @@ async def _engine_view(rollout: Any, digests: bool) -> dict[str, Any]:
         path = os.path.join(tmp, "engine.pt")
         await rollout._execute_method(weights.save_engine_view, kwargs={"path": path, "digests": digests})
         if not os.path.exists(path):
-            raise RuntimeError(f"rl_kernel_verl: {_OPTION}: the vLLM worker wrote no digests to {path} "
-                               "(does this trainer rank own a rollout server?)")
+            raise RuntimeError(
+                f"rl_kernel_verl: {_OPTION}: the vLLM worker wrote no digests to {path} "
+                "(does this trainer rank own a rollout server?)"
+            )
         return torch.load(path, weights_only=True)
 
 
@@ -192,6 +205,7 @@ def _hook_update_weights(state: CheckState, rollout: Any, original: Callable) ->
             spent += time.perf_counter() - start
 
         if hasattr(weights, "__aiter__"):
+
             async def streamed_async(source):
                 async for name, tensor in source:
                     digested(name, tensor)
@@ -199,6 +213,7 @@ def _hook_update_weights(state: CheckState, rollout: Any, original: Callable) ->
 
             stream: Any = streamed_async(weights)
         else:
+
             def streamed(source):
                 for name, tensor in source:
                     digested(name, tensor)
@@ -213,9 +228,15 @@ def _hook_update_weights(state: CheckState, rollout: Any, original: Callable) ->
         state.checks += 1
         for line in lines:
             logger.warning("rl_kernel_verl: weight check of sync %d (global step %s): %s", sync, global_steps, line)
-        logger.log(logging.WARNING if lines else logging.INFO,
-                   "rl_kernel_verl: weight check of sync %d (global step %s): %d of %d parameters differ (%.1f ms)",
-                   sync, global_steps, len(lines), len(reference), spent * 1e3)
+        logger.log(
+            logging.WARNING if lines else logging.INFO,
+            "rl_kernel_verl: weight check of sync %d (global step %s): %d of %d parameters differ (%.1f ms)",
+            sync,
+            global_steps,
+            len(lines),
+            len(reference),
+            spent * 1e3,
+        )
         state.last = {METRIC_DIFFER: float(len(lines)), METRIC_CHECKS: float(state.checks), METRIC_MS: spent * 1e3}
         return result
 
@@ -226,9 +247,11 @@ def _hook_train_batch(state: CheckState, original: Callable) -> Callable:
     @functools.wraps(original)
     def train_batch(data, loss_function):
         if state.rollout is None:
-            raise RuntimeError(f"rl_kernel_verl: {_OPTION}={state.every} is set but no vLLM rollout was built in "
-                               "this actor's process before its first update (the check covers verl's colocated "
-                               "actor+rollout worker, hybrid engine)")
+            raise RuntimeError(
+                f"rl_kernel_verl: {_OPTION}={state.every} is set but no vLLM rollout was built in "
+                "this actor's process before its first update (the check covers verl's colocated "
+                "actor+rollout worker, hybrid engine)"
+            )
         outputs = original(data, loss_function)
         if state.last is not None and isinstance(outputs, dict) and isinstance(outputs.get("metrics"), dict):
             outputs["metrics"].update({key: [value] for key, value in state.last.items()})

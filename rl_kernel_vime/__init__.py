@@ -49,7 +49,9 @@ def status() -> dict[str, Any]:
         "ops": sorted(cfg.ops) if cfg else [],
         "strict": bool(cfg and cfg.strict),
         "profile_path": cfg.profile_path if cfg else None,
-        "targets": {t.key: states.get(t.key, "pending (module not imported)" if cfg else "off") for t in targets.TARGETS},
+        "targets": {
+            t.key: states.get(t.key, "pending (module not imported)" if cfg else "off") for t in targets.TARGETS
+        },
         "not_replaced": dict(targets.NOT_REPLACED),
         "fallbacks": fallback.counts(),
         "provider": {"path": targets.PROVIDER_PATH, "calls": registry.provider_calls()},

@@ -37,7 +37,9 @@ _state = _State()
 
 def _refuse_invalid(name: str) -> None:
     if _state.error is not None:
-        raise ImportError(f"rl_kernel_vime: {config.SWITCH} is on but a switch is invalid: {_state.error}") from _state.error
+        raise ImportError(
+            f"rl_kernel_vime: {config.SWITCH} is on but a switch is invalid: {_state.error}"
+        ) from _state.error
 
 
 def _install_hook() -> None:

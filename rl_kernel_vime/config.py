@@ -60,7 +60,9 @@ def _ops(environ: Mapping[str, str]) -> frozenset[str]:
         return frozenset()
     unknown = [name for name in raw if name not in OPS]
     if unknown:
-        raise SwitchError(f"{OPS_VAR} must list names from {list(OPS)} or be 'all' or 'none', got {environ[OPS_VAR]!r} (unknown: {unknown})")
+        raise SwitchError(
+            f"{OPS_VAR} must list names from {list(OPS)} or be 'all' or 'none', got {environ[OPS_VAR]!r} (unknown: {unknown})"
+        )
     return frozenset(raw)
 
 

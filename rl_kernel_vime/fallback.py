@@ -33,7 +33,9 @@ def fall_back(op: str, reason: str) -> None:
     (op, reason) pair is seen in the process and returns, and the caller runs the original.
     """
     if strict():
-        raise FallbackError(f"rl_kernel_vime: {op} cannot run on rl-kernel: {reason} ({config.STRICT_VAR}=1 forbids falling back to vime's code)")
+        raise FallbackError(
+            f"rl_kernel_vime: {op} cannot run on rl-kernel: {reason} ({config.STRICT_VAR}=1 forbids falling back to vime's code)"
+        )
     key = (op, reason)
     if key not in _counts:
         logger.warning("rl_kernel_vime: %s falls back to vime's own code: %s (logged once)", op, reason)

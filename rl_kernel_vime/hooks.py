@@ -41,7 +41,11 @@ vime's ``k3`` is the unclamped estimator, rl_kernel_core's ``k3`` is clamped lik
 _UNSUPPORTED_LOSS_FLAGS = ("use_opsm", "use_tis", "get_mismatch_metrics", "use_score_centering", "use_unbiased_kl")
 _ENTROPY_GRAD_FLAGS = ("with_entropy_grad", "entropy_no_grad")
 _NEUTRAL_WHEN_UNSET = (
-    "log_prob_keep_mask", "true_on_policy", "with_dppo_directional_moment", "top_p_token_ids", "top_p_token_offsets",
+    "log_prob_keep_mask",
+    "true_on_policy",
+    "with_dppo_directional_moment",
+    "top_p_token_ids",
+    "top_p_token_offsets",
     "linear_logp_context",  # vime (RL-Align/vime e0d23180) passes the LM-head capture; set, it goes to vime's provider boundary
 )
 _ALWAYS_NEUTRAL = ("vocab_size", "non_loss_data")
@@ -156,17 +160,29 @@ def get_log_probs_and_entropy(
         fallback.fall_back("logprob", reason)
         original = registry.original(f"{LOSS}:get_log_probs_and_entropy")
         return original(
-            logits, args=args, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths,
-            response_lengths=response_lengths, with_entropy=with_entropy, **kwargs,
+            logits,
+            args=args,
+            unconcat_tokens=unconcat_tokens,
+            total_lengths=total_lengths,
+            response_lengths=response_lengths,
+            with_entropy=with_entropy,
+            **kwargs,
         )
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.size(0) != 1:
-        raise ValueError(f"logits must be a [1, T, V] tensor (packed micro-batch), got {getattr(logits, 'shape', type(logits).__name__)}")
+        raise ValueError(
+            f"logits must be a [1, T, V] tensor (packed micro-batch), got {getattr(logits, 'shape', type(logits).__name__)}"
+        )
     num_rows = logits.size(1)
     rows = layout.response_rows(total_lengths, response_lengths, num_rows)
-    targets = layout.response_targets(rows, unconcat_tokens, response_lengths, total_lengths, num_rows, IGNORE_INDEX, logits.device)
+    targets = layout.response_targets(
+        rows, unconcat_tokens, response_lengths, total_lengths, num_rows, IGNORE_INDEX, logits.device
+    )
     with timing.region(timing.logprob_region(), logits.device):
         out = rk.logprob_from_logits(
-            logits[0], targets, temperature=getattr(args, "rollout_temperature", 1.0), ignore_index=IGNORE_INDEX,
+            logits[0],
+            targets,
+            temperature=getattr(args, "rollout_temperature", 1.0),
+            ignore_index=IGNORE_INDEX,
             return_entropy=with_entropy,
         )
     log_prob, entropy = out if with_entropy else (out, None)
@@ -284,8 +300,12 @@ def policy_loss_function(
     use_rollout = getattr(args, "use_rollout_logprobs", False)
     use_kl = getattr(args, "use_kl_loss", False)
     _, res = _live(LOSS, "get_log_probs_and_entropy")(
-        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"], with_entropy=True,
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+        with_entropy=True,
     )
     log_probs = torch.cat(res["log_probs"], dim=0)
     entropy = torch.cat(res["entropy"], dim=0)
@@ -298,10 +318,19 @@ def policy_loss_function(
         # vime's reducer is a weighted token sum: the weights as a float mask, aggregated by token-sum
         weights = layout.reducer_weights(sum_of_sample_mean, log_probs.numel(), log_probs.device)
         loss, m = rk.policy_loss(
-            log_probs, old_log_probs, advantages, weights, ref_logprob=ref_log_probs,
-            clip_ratio_low=args.eps_clip, clip_ratio_high=args.eps_clip_high, clip_ratio_c=getattr(args, "eps_clip_c", None),
-            kl_type=args.kl_loss_type if use_kl else "k1", kl_coef=args.kl_loss_coef if use_kl else 0.0,
-            entropy=entropy, entropy_coef=args.entropy_coef, loss_agg_mode="token-sum",
+            log_probs,
+            old_log_probs,
+            advantages,
+            weights,
+            ref_logprob=ref_log_probs,
+            clip_ratio_low=args.eps_clip,
+            clip_ratio_high=args.eps_clip_high,
+            clip_ratio_c=getattr(args, "eps_clip_c", None),
+            kl_type=args.kl_loss_type if use_kl else "k1",
+            kl_coef=args.kl_loss_coef if use_kl else 0.0,
+            entropy=entropy,
+            entropy_coef=args.entropy_coef,
+            loss_agg_mode="token-sum",
         )
         total_weight = weights.sum()  # the token-mean clip fraction as a weighted sum too
         metrics = {
@@ -329,7 +358,9 @@ def _step_fields(original: Callable, args: tuple, kwargs: dict[str, Any]) -> dic
         bound = {}
     fields = {name: bound[name] for name in ("rollout_id", "step_id") if isinstance(bound.get(name), int)}
     decisions = dispatch.explain()
-    fields["backends"] = {op: decisions[op].backend for op in ("logprob_from_logits", "ratio_kl", "policy_loss") if op in decisions}
+    fields["backends"] = {
+        op: decisions[op].backend for op in ("logprob_from_logits", "ratio_kl", "policy_loss") if op in decisions
+    }
     fields["fallbacks"] = fallback.counts()
     return fields
 

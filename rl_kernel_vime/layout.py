@@ -58,7 +58,9 @@ def response_targets(
     targets = torch.full((num_rows,), ignore_index, dtype=torch.long, device=device)
     for i, (row, tokens, response, total) in enumerate(zip(rows, unconcat_tokens, response_lengths, total_lengths)):
         if tokens.dim() != 1 or tokens.numel() != total:
-            raise ValueError(f"unconcat_tokens[{i}] must be 1-D with total_lengths[{i}]={total} ids, got shape {tuple(tokens.shape)}")
+            raise ValueError(
+                f"unconcat_tokens[{i}] must be 1-D with total_lengths[{i}]={total} ids, got shape {tuple(tokens.shape)}"
+            )
         targets[row] = tokens[total - response : total].to(device=device, dtype=torch.long)
     return targets
 
@@ -89,7 +91,9 @@ def parallel_reason(args: Namespace) -> Optional[str]:
     return None
 
 
-def reducer_weights(reducer: Callable[[torch.Tensor], torch.Tensor], num_tokens: int, device: torch.device) -> torch.Tensor:
+def reducer_weights(
+    reducer: Callable[[torch.Tensor], torch.Tensor], num_tokens: int, device: torch.device
+) -> torch.Tensor:
     """The per-token weights ``w`` of a linear reducer: ``reducer(x) == (w * x).sum()``.
 
     vime reduces per-token values with a closure (``sum_of_sample_mean``: a sum over samples of

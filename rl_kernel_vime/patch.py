@@ -74,7 +74,11 @@ def apply_module(name: str, module: ModuleType, cfg: config.Config) -> None:
         if target.module == name:
             _apply(target, module, cfg)
     _rebind_by_name()
-    logger.info("rl_kernel_vime: %s patched: %s", name, {t.key: registry.states().get(t.key) for t in targets.TARGETS if t.module == name})
+    logger.info(
+        "rl_kernel_vime: %s patched: %s",
+        name,
+        {t.key: registry.states().get(t.key) for t in targets.TARGETS if t.module == name},
+    )
 
 
 def restore() -> None:

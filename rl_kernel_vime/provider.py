@@ -154,7 +154,9 @@ def _temperatures(value: Any, rows: int) -> Optional[torch.Tensor]:
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{path} must be a real-valued tensor, got dtype {value.dtype}")
         if value.numel() not in (1, rows):
-            raise ValueError(f"{path} must hold 1 or T={rows} entries, got {value.numel()} (shape {tuple(value.shape)})")
+            raise ValueError(
+                f"{path} must hold 1 or T={rows} entries, got {value.numel()} (shape {tuple(value.shape)})"
+            )
         if value.numel() == 0:  # T = 0: no row is divided
             return None
         entries = value.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
@@ -219,7 +221,9 @@ def _cp_layout(request: Any, name: str, kind: str) -> dict[str, Any]:
     return {"world_size": world, "rank": rank, "layout": kind_}
 
 
-def _head_tensors(hidden: Any, weight: Any, bias: Any, prefix: str, names: tuple[str, str, str]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def _head_tensors(
+    hidden: Any, weight: Any, bias: Any, prefix: str, names: tuple[str, str, str]
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     h, w, b = (f"{prefix}{n}" for n in names)
     hidden = _tensor(hidden, h, "a [T, H] float tensor", 2)
     weight = _tensor(weight, w, "a [V_local, H] float tensor (this rank's LM-head shard)", 2)
@@ -236,9 +240,17 @@ def _linear_head(request: Any) -> Optional[_Head]:
     projection = _need(context, "request.context.projection", "vime's LinearProjection (weight, bias)")
     weight = _need(projection, "request.context.projection.weight", "a [V_local, H] float tensor")
     hidden, weight, bias = _head_tensors(
-        hidden, weight, getattr(projection, "bias", None), "request.context.", ("hidden", "projection.weight", "projection.bias")
+        hidden,
+        weight,
+        getattr(projection, "bias", None),
+        "request.context.",
+        ("hidden", "projection.weight", "projection.bias"),
     )
-    part = _need(context, "request.context.vocab_partition", "vime's VocabPartition (local_start, local_size, real_size, padded_size)")
+    part = _need(
+        context,
+        "request.context.vocab_partition",
+        "vime's VocabPartition (local_start, local_size, real_size, padded_size)",
+    )
     values = {}
     for name, minimum in (("local_start", 0), ("local_size", 1), ("real_size", 1), ("padded_size", 1)):
         path = f"request.context.vocab_partition.{name}"
@@ -257,11 +269,15 @@ def _selected_head(request: Any) -> Optional[_Head]:
     bias = getattr(request, "lm_head_bias", None)
     if hidden is None and weight is None:
         if bias is not None:
-            raise ValueError("request.lm_head_bias must be None without request.hidden and request.lm_head_weight, got a value")
+            raise ValueError(
+                "request.lm_head_bias must be None without request.hidden and request.lm_head_weight, got a value"
+            )
         return None
     if hidden is None or weight is None:
         given, absent = ("hidden", "lm_head_weight") if weight is None else ("lm_head_weight", "hidden")
-        raise ValueError(f"request.{absent} must be a tensor when request.{given} is given (they come together), got None")
+        raise ValueError(
+            f"request.{absent} must be a tensor when request.{given} is given (they come together), got None"
+        )
     hidden, weight, bias = _head_tensors(hidden, weight, bias, "request.", ("hidden", "lm_head_weight", "lm_head_bias"))
     start = _int(getattr(request, "vocab_start_index", 0), "request.vocab_start_index", 0)
     padded = _optional_int(getattr(request, "global_vocab_size", None), "request.global_vocab_size", 1)
@@ -281,11 +297,23 @@ def _read(request: Any) -> _Request:
             "request must be vime's LinearLogpRequest (with token_layout) or SelectedLogprobRequest (with context_parallel), "
             f"got a {type(request).__name__} with neither field"
         )
-    logits = _tensor(_need(request, "request.logits", "a [T, V_local] float tensor"), "request.logits", "a [T, V_local] float tensor", 2)
+    logits = _tensor(
+        _need(request, "request.logits", "a [T, V_local] float tensor"),
+        "request.logits",
+        "a [T, V_local] float tensor",
+        2,
+    )
     rows = logits.size(0)
-    targets = _tensor(_need(request, "request.target_ids", f"a [T={rows}] integer tensor"), "request.target_ids", f"a [T={rows}] integer tensor", 1)
+    targets = _tensor(
+        _need(request, "request.target_ids", f"a [T={rows}] integer tensor"),
+        "request.target_ids",
+        f"a [T={rows}] integer tensor",
+        1,
+    )
     if targets.size(0) != rows:
-        raise ValueError(f"request.target_ids must have T={rows} entries (one per row of request.logits), got {targets.size(0)}")
+        raise ValueError(
+            f"request.target_ids must have T={rows} entries (one per row of request.logits), got {targets.size(0)}"
+        )
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         raise TypeError(f"request.target_ids must be an integer tensor, got dtype {targets.dtype}")
     tp_group = _need(request, "request.tensor_parallel_group", "vime's tensor-parallel ProcessGroup or None")
@@ -295,11 +323,22 @@ def _read(request: Any) -> _Request:
     temperatures = _temperatures(getattr(request, "temperature", None), rows)
     head = _linear_head(request) if boundary == LINEAR_LOGP else _selected_head(request)
     if head is not None and head.real is not None and head.padded is not None and head.real > head.padded:
-        real, padded = ("real_size", "padded_size") if boundary == LINEAR_LOGP else ("real_vocab_size", "global_vocab_size")
+        real, padded = (
+            ("real_size", "padded_size") if boundary == LINEAR_LOGP else ("real_vocab_size", "global_vocab_size")
+        )
         raise ValueError(f"{real} must be at most {padded}={head.padded} (the padded vocabulary), got {head.real}")
     return _Request(
-        boundary, logits, targets, tp_group, cp_field, cp, with_entropy, with_entropy_grad,
-        getattr(request, "log_prob_keep_mask", None), temperatures, head,
+        boundary,
+        logits,
+        targets,
+        tp_group,
+        cp_field,
+        cp,
+        with_entropy,
+        with_entropy_grad,
+        getattr(request, "log_prob_keep_mask", None),
+        temperatures,
+        head,
     )
 
 
@@ -328,19 +367,35 @@ def _from_hidden(req: _Request, head: _Head, rank: int, world: int) -> tuple[str
         )
     temperature = _one_temperature(req.temperatures)
     out = rk.linear_logprob(
-        head.hidden, head.weight, req.target_ids, bias=head.bias, temperature=temperature,
-        return_entropy=req.with_entropy, tp_group=req.tp_group if world > 1 else None,
+        head.hidden,
+        head.weight,
+        req.target_ids,
+        bias=head.bias,
+        temperature=temperature,
+        return_entropy=req.with_entropy,
+        tp_group=req.tp_group if world > 1 else None,
     )
     field_name = "vocab_partition" if req.boundary == LINEAR_LOGP else "vocab"
-    facts = {"input": "hidden", "temperature": temperature, "input_dtype": contract.dtype_key(head.hidden.dtype), field_name: head.record}
+    facts = {
+        "input": "hidden",
+        "temperature": temperature,
+        "input_dtype": contract.dtype_key(head.hidden.dtype),
+        field_name: head.record,
+    }
     return "linear_logprob", out, facts
 
 
 def _from_logits(req: _Request, world: int) -> tuple[str, Any, dict[str, Any]]:
     if world > 1:
-        raise _Unavailable(f"vocab-parallel logits (TP={world}) without hidden states: rl_kernel_core.logprob_from_logits takes no tp_group")
+        raise _Unavailable(
+            f"vocab-parallel logits (TP={world}) without hidden states: rl_kernel_core.logprob_from_logits takes no tp_group"
+        )
     out = rk.logprob_from_logits(req.logits, req.target_ids, return_entropy=req.with_entropy)
-    return "logprob_from_logits", out, {"input": "logits", "temperature": "applied by vime", "input_dtype": contract.dtype_key(req.logits.dtype)}
+    return (
+        "logprob_from_logits",
+        out,
+        {"input": "logits", "temperature": "applied by vime", "input_dtype": contract.dtype_key(req.logits.dtype)},
+    )
 
 
 def _backend(op: str, rows: int) -> dict[str, Any]:
@@ -392,7 +447,9 @@ def provider(request: Any) -> Any:
     rank, world = _tp(req.tp_group)
     try:
         if req.keep_mask is not None:
-            raise _Unavailable("rollout top-p replay (log_prob_keep_mask) is not supported: rl_kernel_core's log-prob ops take no keep mask")
+            raise _Unavailable(
+                "rollout top-p replay (log_prob_keep_mask) is not supported: rl_kernel_core's log-prob ops take no keep mask"
+            )
         with timing.region(timing.logprob_region(), req.logits.device):
             if req.head is not None:
                 op, out, facts = _from_hidden(req, req.head, rank, world)
@@ -411,12 +468,29 @@ def provider(request: Any) -> Any:
     backend_id = BACKEND_PREFIX + chosen["backend"]
     registry.record_provider_call(f"{backend_id} via {op}")
     provenance = {
-        "boundary": req.boundary, "op": op, **chosen, **facts, "device": str(req.logits.device), "tp_rank": rank,
-        "tp_world_size": world, req.cp_field: req.cp, "rl_kernel_version": rk.__version__,
+        "boundary": req.boundary,
+        "op": op,
+        **chosen,
+        **facts,
+        "device": str(req.logits.device),
+        "tp_rank": rank,
+        "tp_world_size": world,
+        req.cp_field: req.cp,
+        "rl_kernel_version": rk.__version__,
     }
     contract_id = f"rl_kernel_core.contract:logprob:{facts['input_dtype']}"
     if req.boundary == LINEAR_LOGP:
-        return LinearLogpResult(logp=logp.unsqueeze(-1), entropy=entropy, backend_id=backend_id, contract_id=contract_id, provenance=provenance)
+        return LinearLogpResult(
+            logp=logp.unsqueeze(-1),
+            entropy=entropy,
+            backend_id=backend_id,
+            contract_id=contract_id,
+            provenance=provenance,
+        )
     return SelectedLogprobResult(
-        selected_logprobs=logp.unsqueeze(-1), entropy=entropy, backend_id=backend_id, contract_id=contract_id, provenance=provenance,
+        selected_logprobs=logp.unsqueeze(-1),
+        entropy=entropy,
+        backend_id=backend_id,
+        contract_id=contract_id,
+        provenance=provenance,
     )

@@ -49,9 +49,13 @@ def original(key: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImportError(f"rl_kernel_vime needs vime's {key} to fall back to, and {module_name} cannot be imported: {exc}") from exc
+        raise ImportError(
+            f"rl_kernel_vime needs vime's {key} to fall back to, and {module_name} cannot be imported: {exc}"
+        ) from exc
     if not hasattr(module, attr):
-        raise AttributeError(f"rl_kernel_vime needs vime's {key} to fall back to, and {module_name} has no attribute {attr!r}")
+        raise AttributeError(
+            f"rl_kernel_vime needs vime's {key} to fall back to, and {module_name} has no attribute {attr!r}"
+        )
     return getattr(module, attr)
 
 

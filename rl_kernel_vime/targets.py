@@ -40,9 +40,21 @@ class Target:
 
 
 TARGETS: tuple[Target, ...] = (
-    Target(PPO_UTILS, "calculate_log_probs_and_entropy", "logprob", ("logits", "tokens", "tp_group", "with_entropy", "chunk_size")),
-    Target(PPO_UTILS, "compute_approx_kl", "ratio_kl", ("log_probs", "log_probs_base", "kl_loss_type", "importance_ratio")),
-    Target(LOSS, "get_log_probs_and_entropy", "logprob", ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy")),
+    Target(
+        PPO_UTILS,
+        "calculate_log_probs_and_entropy",
+        "logprob",
+        ("logits", "tokens", "tp_group", "with_entropy", "chunk_size"),
+    ),
+    Target(
+        PPO_UTILS, "compute_approx_kl", "ratio_kl", ("log_probs", "log_probs_base", "kl_loss_type", "importance_ratio")
+    ),
+    Target(
+        LOSS,
+        "get_log_probs_and_entropy",
+        "logprob",
+        ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy"),
+    ),
     Target(LOSS, "policy_loss_function", "grpo_loss", ("args", "batch", "logits", "sum_of_sample_mean")),
     Target(MODEL, "train_one_step", None, ("args", "rollout_id", "step_id")),
     Target(PROVIDER_BOUNDARY, "linear_logp_provider_path", "logprob", ("args",)),

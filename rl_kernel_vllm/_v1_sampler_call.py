@@ -6,7 +6,9 @@ import inspect
 from typing import Any
 
 
-def sampler_call_arguments(signature: inspect.Signature, sampler: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, str]:
+def sampler_call_arguments(
+    signature: inspect.Signature, sampler: Any, args: tuple, kwargs: dict
+) -> tuple[Any, Any, str]:
     """``(logits, sampling_metadata, logprobs mode)`` of ``method(sampler, *args, **kwargs)``, the
     method's ``signature`` binding them by name whether passed by position or keyword; the mode is
     the call's ``logprobs_mode_override`` when given, else the sampler's ``logprobs_mode``."""

@@ -55,8 +55,13 @@ def split_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, t
     return key, value
 
 
-def write_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
+def write_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store token ``i``'s key/value ``[Hkv, D]`` at slot ``slot_mapping[i]`` (block ``slot //
     block_size``, row ``slot % block_size``); negative slots (padding) are skipped. key/value may
     hold more rows than ``slot_mapping`` (vLLM pads them); the extra rows are ignored."""
@@ -72,8 +77,9 @@ def write_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.T
     value_cache[blocks, :, rows] = value
 
 
-def gather_index(block_table: torch.Tensor, seq_lens: list[int], block_size: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_index(
+    block_table: torch.Tensor, seq_lens: list[int], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks, rows)``, each ``[sum(seq_lens)]`` int64: where every sequence's positions live, in
     position order. Position ``p`` of sequence ``b`` is in block ``block_table[b, p // block_size]``
     at row ``p % block_size``."""
@@ -96,7 +102,7 @@ def step_layout(attn_metadata, block_size: int, device: torch.device):
     num_reqs = attn_metadata.seq_lens.shape[0]
     seq_lens = attn_metadata.seq_lens.tolist()
     blocks, rows = gather_index(attn_metadata.block_table[:num_reqs], seq_lens, block_size, device)
-    cu_q = attn_metadata.query_start_loc[:num_reqs + 1].cpu()
+    cu_q = attn_metadata.query_start_loc[: num_reqs + 1].cpu()
     cu_k = torch.zeros(num_reqs + 1, dtype=torch.int64)
     cu_k[1:] = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0)
     layout = (blocks, rows, cu_q, cu_k)
@@ -104,8 +110,15 @@ def step_layout(attn_metadata, block_size: int, device: torch.device):
     return layout
 
 
-def _check_supported(attn_type: Any, sliding_window, alibi_slopes, logits_soft_cap, sinks,
-                     kv_sharing_target_layer_name, kv_cache_dtype: str) -> None:
+def _check_supported(
+    attn_type: Any,
+    sliding_window,
+    alibi_slopes,
+    logits_soft_cap,
+    sinks,
+    kv_sharing_target_layer_name,
+    kv_cache_dtype: str,
+) -> None:
     from vllm.v1.attention.backend import AttentionType
 
     refused = {
@@ -124,12 +137,44 @@ def _check_supported(attn_type: Any, sliding_window, alibi_slopes, logits_soft_c
 
 def _make_impl(base_impl: type) -> type:
     class Impl(base_impl):
-        def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                     logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, sinks=None, **kwargs):
-            _check_supported(attn_type, sliding_window, alibi_slopes, logits_soft_cap, sinks,
-                             kv_sharing_target_layer_name, kv_cache_dtype)
-            super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                             logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks, **kwargs)
+        def __init__(
+            self,
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap=None,
+            attn_type="decoder",
+            kv_sharing_target_layer_name=None,
+            sinks=None,
+            **kwargs,
+        ):
+            _check_supported(
+                attn_type,
+                sliding_window,
+                alibi_slopes,
+                logits_soft_cap,
+                sinks,
+                kv_sharing_target_layer_name,
+                kv_cache_dtype,
+            )
+            super().__init__(
+                num_heads,
+                head_size,
+                scale,
+                num_kv_heads,
+                alibi_slopes,
+                sliding_window,
+                kv_cache_dtype,
+                logits_soft_cap,
+                attn_type,
+                kv_sharing_target_layer_name,
+                sinks,
+                **kwargs,
+            )
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
             """Write this step's keys/values ``[T, Hkv, D]`` into the cache (vLLM calls it before ``forward``)."""
@@ -139,8 +184,9 @@ def _make_impl(base_impl: type) -> type:
             key_cache, value_cache = split_cache(kv_cache, self.head_size)
             write_cache(key_cache, value_cache, key, value, slot_mapping)
 
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                    output_block_scale=None):
+        def forward(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+        ):
             """query ``[T, Hq, D]`` (the step's tokens, padded to T), kv_cache in the base backend's
             layout (this step's keys and values already written) -> ``output`` ``[T, Hq*D]``."""
             if output_scale is not None or output_block_scale is not None:
@@ -149,8 +195,16 @@ def _make_impl(base_impl: type) -> type:
                 return output.fill_(0)
             if kv_cache.is_cuda:
                 out = output if output.dim() == 3 else output.view(output.shape[0], self.num_heads, self.head_size)
-                paged_attention(query, kv_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
-                                attn_metadata.seq_lens, attn_metadata.max_query_len, scale=self.scale, out=out)
+                paged_attention(
+                    query,
+                    kv_cache,
+                    attn_metadata.block_table,
+                    attn_metadata.query_start_loc,
+                    attn_metadata.seq_lens,
+                    attn_metadata.max_query_len,
+                    scale=self.scale,
+                    out=out,
+                )
                 return output
             n = attn_metadata.num_actual_tokens
             key_cache, value_cache = split_cache(kv_cache, self.head_size)

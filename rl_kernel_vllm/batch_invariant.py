@@ -70,8 +70,12 @@ BACKENDS: dict[str, tuple[str, str]] = {
 
 RMS_NORM_TARGET = "vllm.model_executor.layers.layernorm:RMSNorm.forward_native"
 ROTARY_TARGET = "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbeddingBase.__init__"
-ROTARY_CLASSES: tuple[str, ...] = ("RotaryEmbedding", "Llama3RotaryEmbedding", "LinearScalingRotaryEmbedding",
-                                   "YaRNScalingRotaryEmbedding")
+ROTARY_CLASSES: tuple[str, ...] = (
+    "RotaryEmbedding",
+    "Llama3RotaryEmbedding",
+    "LinearScalingRotaryEmbedding",
+    "YaRNScalingRotaryEmbedding",
+)
 """vLLM's rotary classes for the covered rope types, whose table :func:`_trainer_rope_table` replaces."""
 CPU_GEMM_TARGET = "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm"
 
@@ -127,8 +131,11 @@ def check_config(vllm_config: Any, entry: str) -> list[str]:
         compilation.mode = CompilationMode.NONE
         changed.append("compilation mode NONE (no torch.compile)")
     if compilation.cudagraph_mode != CUDAGraphMode.NONE:  # NONE: enforce_eager or the user's choice, kept
-        graphs = CUDAGraphMode.FULL_DECODE_ONLY if entry == BACKENDS["cuda"][0] and not moe.is_moe(archs) \
+        graphs = (
+            CUDAGraphMode.FULL_DECODE_ONLY
+            if entry == BACKENDS["cuda"][0] and not moe.is_moe(archs)
             else CUDAGraphMode.NONE
+        )
         if compilation.cudagraph_mode != graphs:
             compilation.cudagraph_mode = graphs
             if graphs == CUDAGraphMode.NONE:
@@ -151,8 +158,12 @@ def _wrap_check_and_update_config(entry: str) -> Callable[[Any], Any]:
             function(cls, vllm_config)
             changed = check_config(vllm_config, entry)
             if changed:
-                log_once("batch-invariant config", "rl_kernel_vllm (pid %d) batch-invariant mode sets: %s",
-                         os.getpid(), ", ".join(changed))
+                log_once(
+                    "batch-invariant config",
+                    "rl_kernel_vllm (pid %d) batch-invariant mode sets: %s",
+                    os.getpid(),
+                    ", ".join(changed),
+                )
 
         return classmethod(check_and_update_config)
 
@@ -173,8 +184,10 @@ def _routed_cpu_gemm(original: Any) -> Callable[..., None]:
 def _hf_rms_norm(original: Any) -> Callable[..., Any]:
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if getattr(self, "variance_size_override", None) is not None or not getattr(self, "has_weight", True):
-            raise ValueError("RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover an RMSNorm with variance_size_override "
-                             "or without weight")
+            raise ValueError(
+                "RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover an RMSNorm with variance_size_override "
+                "or without weight"
+            )
         if residual is not None:
             x = x + residual  # in the model dtype, as transformers adds the residual
             residual = x
@@ -202,15 +215,21 @@ def _trainer_rope_table(original: Any) -> Callable[..., None]:
         kind = type(self).__name__
         vllm_config = get_current_vllm_config_or_none()
         if kind not in ROTARY_CLASSES or not self.is_neox_style or len(getattr(self, "scaling_factors", [1.0])) != 1:
-            raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover vLLM's {kind} (neox style "
-                             f"{self.is_neox_style}; covered: {', '.join(ROTARY_CLASSES)}, neox style, one scaling factor)")
+            raise ValueError(
+                f"RL_KERNEL_VLLM_BATCH_INVARIANT=1 does not cover vLLM's {kind} (neox style "
+                f"{self.is_neox_style}; covered: {', '.join(ROTARY_CLASSES)}, neox style, one scaling factor)"
+            )
         if vllm_config is None or vllm_config.model_config is None:
-            raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: vLLM built a {kind} outside a model's construction "
-                             f"(no current vLLM config), so its table cannot be matched to the model's transformers rope")
+            raise ValueError(
+                f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: vLLM built a {kind} outside a model's construction "
+                f"(no current vLLM config), so its table cannot be matched to the model's transformers rope"
+            )
         cos, sin = cos_sin_table(_text_config(vllm_config.model_config), cache.shape[0], cache.device)
         if not cos.shape[1] == self.rotary_dim == cache.shape[1]:
-            raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: vLLM's {kind} rotates {self.rotary_dim} dims, "
-                             f"transformers' rope for this config {cos.shape[1]}")
+            raise ValueError(
+                f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: vLLM's {kind} rotates {self.rotary_dim} dims, "
+                f"transformers' rope for this config {cos.shape[1]}"
+            )
         half = self.rotary_dim // 2
         self.cos_sin_cache = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).to(cache.dtype)
 
@@ -238,8 +257,12 @@ def install(patches: adapters.Patches) -> dict[str, Any]:
         member = AttentionBackendEnum[entry]
         owner = _defining_class(type(current_platform), "check_and_update_config")
         config_target = f"{owner.__module__}:{owner.__qualname__}.check_and_update_config"
-        wanted = [(config_target, _wrap_check_and_update_config(entry)), (RMS_NORM_TARGET, _hf_rms_norm),
-                  (ROTARY_TARGET, _trainer_rope_table), (tensor_parallel.TARGET, tensor_parallel.ordered_all_reduce)]
+        wanted = [
+            (config_target, _wrap_check_and_update_config(entry)),
+            (RMS_NORM_TARGET, _hf_rms_norm),
+            (ROTARY_TARGET, _trainer_rope_table),
+            (tensor_parallel.TARGET, tensor_parallel.ordered_all_reduce),
+        ]
         if current_platform.is_cpu():
             wanted.append((CPU_GEMM_TARGET, _routed_cpu_gemm))
         wanted += moe.TARGETS

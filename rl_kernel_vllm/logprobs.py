@@ -77,6 +77,7 @@ V2_TARGETS: tuple[str, ...] = (
     "vllm.v1.worker.gpu.sample.prompt_logprob:compute_topk_scores",
 )
 
+
 def effective_temperatures(temperatures: Sequence[float]) -> list[float]:
     """Per-row temperatures as the trainer's definition uses them: greedy rows (``T < 1e-5``) get 1."""
     return [1.0 if t < GREEDY_EPS else float(t) for t in temperatures]
@@ -118,8 +119,9 @@ def trainer_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures
             rows = to_device_async(torch.tensor([x == t for x in temperatures]), logits.device)
         for j in range(ids.shape[1]):
             targets = ids[:, j] if rows is None else torch.where(rows, ids[:, j], _IGNORE)
-            values = rl_kernel_core.logprob_from_logits(logits, targets, temperature=t, ignore_index=_IGNORE,
-                                                        id_check="device")
+            values = rl_kernel_core.logprob_from_logits(
+                logits, targets, temperature=t, ignore_index=_IGNORE, id_check="device"
+            )
             if rows is None:
                 out[:, j] = values
             else:

@@ -31,8 +31,10 @@ ARCHITECTURES: tuple[str, ...] = ("Qwen3MoeForCausalLM",)
 """MoE architectures whose sparse blocks this module takes over."""
 
 BLOCK_TARGET = "vllm.model_executor.models.qwen3_moe:Qwen3MoeSparseMoeBlock.forward"
-WEIGHTS_TARGET = ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:"
-                  "UnquantizedFusedMoEMethod.process_weights_after_loading")
+WEIGHTS_TARGET = (
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:"
+    "UnquantizedFusedMoEMethod.process_weights_after_loading"
+)
 
 
 def is_moe(archs: Any) -> bool:
@@ -45,8 +47,10 @@ def refusals(vllm_config: Any, text_config: Any) -> list[str]:
     one entry per setting, naming it."""
     out = []
     parallel = vllm_config.parallel_config
-    for setting, value in (("enable_expert_parallel", getattr(parallel, "enable_expert_parallel", False)),
-                           ("enable_eplb", getattr(parallel, "enable_eplb", False))):
+    for setting, value in (
+        ("enable_expert_parallel", getattr(parallel, "enable_expert_parallel", False)),
+        ("enable_eplb", getattr(parallel, "enable_eplb", False)),
+    ):
         if value:
             out.append(f"{setting}=True for an MoE model")
     for setting in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
@@ -54,8 +58,10 @@ def refusals(vllm_config: Any, text_config: Any) -> list[str]:
         if size != 1:
             out.append(f"{setting}={size} for an MoE model (only 1)")
     # vLLM 0.26 keeps this switch on the model config, 0.32 on the aux-output config
-    if any(getattr(getattr(vllm_config, owner, None), "enable_return_routed_experts", False)
-           for owner in ("model_config", "aux_output_config")):
+    if any(
+        getattr(getattr(vllm_config, owner, None), "enable_return_routed_experts", False)
+        for owner in ("model_config", "aux_output_config")
+    ):
         out.append("enable_return_routed_experts=True (the mode's router does not report to vLLM's capture)")
     shared = getattr(text_config, "shared_expert_intermediate_size", 0) or 0
     if shared > 0:
@@ -72,9 +78,11 @@ def _block_forward(original: Any) -> Callable[..., torch.Tensor]:
         hidden, inner = hidden_states.shape[-1], routed.moe_config.intermediate_size
         w13, w2 = routed.w13_weight, routed.w2_weight
         if tuple(w13.shape[1:]) != (2 * inner, hidden) or tuple(w2.shape[1:]) != (hidden, inner):
-            raise ValueError(f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: {routed.layer_name}'s experts are laid out "
-                             f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}; covered: the checkpoint's "
-                             f"[E, 2*{inner}, {hidden}] and [E, {hidden}, {inner}] (a padding MoE backend is not)")
+            raise ValueError(
+                f"RL_KERNEL_VLLM_BATCH_INVARIANT=1: {routed.layer_name}'s experts are laid out "
+                f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}; covered: the checkpoint's "
+                f"[E, 2*{inner}, {hidden}] and [E, {hidden}, {inner}] (a padding MoE backend is not)"
+            )
         x = hidden_states.reshape(-1, hidden)
         out = sparse_moe(x, self.gate.weight, w13, w2, routed.top_k, routed.renormalize)
         return out.view(hidden_states.shape)

@@ -77,7 +77,13 @@ def install_logprobs(patches: adapters.Patches) -> dict[str, Any]:
     results, live, problems = _install_runner_families(patches, logprobs.RUNNERS, logprobs.WRAPPERS)
     if not live:
         problems.append("no model-runner target found: " + "; ".join(results.values()))
-    return {"live": bool(live), "runners": live, "targets": results, "problems": problems, "overrides": list(logprobs.OVERRIDES)}
+    return {
+        "live": bool(live),
+        "runners": live,
+        "targets": results,
+        "problems": problems,
+        "overrides": list(logprobs.OVERRIDES),
+    }
 
 
 def install_sampler(patches: adapters.Patches) -> dict[str, Any]:
@@ -85,14 +91,22 @@ def install_sampler(patches: adapters.Patches) -> dict[str, Any]:
     Model Runner V2's sampler refuses to be built."""
     from rl_kernel_vllm import sampler
 
-    results, live, problems = _install_runner_families(patches, {"v1": sampler.TARGETS}, {sampler.TARGETS[0]: sampler.wrap_v1_sample})
+    results, live, problems = _install_runner_families(
+        patches, {"v1": sampler.TARGETS}, {sampler.TARGETS[0]: sampler.wrap_v1_sample}
+    )
     if not live:
         problems.append("sampler: no model-runner target found: " + "; ".join(results.values()))
     try:  # an engine on Model Runner V2 would sample with vLLM's sampler: refuse it at start
         results[sampler.V2_SAMPLER_INIT] = patches.install(sampler.V2_SAMPLER_INIT, sampler.refuse_model_runner_v2)
     except adapters.TargetMissing as exc:  # this vLLM has no Model Runner V2
         results[sampler.V2_SAMPLER_INIT] = f"missing: {exc}"
-    return {"live": bool(live), "runners": live, "targets": results, "problems": problems, "overrides": list(sampler.OVERRIDES)}
+    return {
+        "live": bool(live),
+        "runners": live,
+        "targets": results,
+        "problems": problems,
+        "overrides": list(sampler.OVERRIDES),
+    }
 
 
 # hook -> "module:function(patches)" returning its status entry; imported only when the hook is
@@ -144,7 +158,10 @@ def register() -> None:
     _status.update(status)
     live = [hook for hook, info in status["hooks"].items() if info["live"]]
     logger.info(
-        "rl_kernel_vllm (pid %d, vllm %s): live hooks: %s", os.getpid(), status["vllm_version"], ", ".join(live) or "none"
+        "rl_kernel_vllm (pid %d, vllm %s): live hooks: %s",
+        os.getpid(),
+        status["vllm_version"],
+        ", ".join(live) or "none",
     )
     for hook in live:
         for override in status["hooks"][hook].get("overrides", ()):
@@ -153,7 +170,10 @@ def register() -> None:
         logger.warning("rl_kernel_vllm: %s", problem)
     if problems and sw.strict:
         raise TargetError(
-            "RL_KERNEL_VLLM_STRICT=1 and hooks could not be installed on vLLM " + status["vllm_version"] + ": " + " | ".join(problems)
+            "RL_KERNEL_VLLM_STRICT=1 and hooks could not be installed on vLLM "
+            + status["vllm_version"]
+            + ": "
+            + " | ".join(problems)
         )
 
 

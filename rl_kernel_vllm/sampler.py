@@ -52,8 +52,10 @@ def row_seeds(num_rows: int, generators: dict[int, torch.Generator], device: tor
     seeds = to_device_async(torch.randint(0, SEED_BOUND, (num_rows,), dtype=torch.int64), device)
     if generators:
         rows = list(generators)
-        drawn = [torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64, generator=generators[i], device=generators[i].device)
-                 for i in rows]
+        drawn = [
+            torch.randint(0, SEED_BOUND, (1,), dtype=torch.int64, generator=generators[i], device=generators[i].device)
+            for i in rows
+        ]
         seeds[to_device_async(torch.tensor(rows, dtype=torch.int64), device)] = torch.cat([d.to(device) for d in drawn])
     return seeds
 
@@ -65,7 +67,8 @@ def refuse_model_runner_v2(original: Callable) -> Callable:
     def init(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             "RL_KERNEL_VLLM_SAMPLER=1: rl-kernel's sampler hook covers vLLM's V1 model runner, and this engine "
-            "builds Model Runner V2's sampler; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner) or RL_KERNEL_VLLM_SAMPLER=0")
+            "builds Model Runner V2's sampler; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner) or RL_KERNEL_VLLM_SAMPLER=0"
+        )
 
     return init
 
@@ -96,7 +99,10 @@ def wrap_v1_sample(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         supported, min_p = _min_p(meta.logitsprocs)
         if not supported:
-            log_once("sampler:logitsprocs", "rl_kernel_vllm: batches with custom argmax-invariant logits processors are sampled by vLLM")
+            log_once(
+                "sampler:logitsprocs",
+                "rl_kernel_vllm: batches with custom argmax-invariant logits processors are sampled by vLLM",
+            )
             return original(self, *args, **kwargs)
         n = logits.shape[0]
         if meta.temperature is None:

@@ -52,6 +52,7 @@ HOOK_SWITCHES: dict[str, tuple[str, bool]] = {
     "batch_invariant": ("RL_KERNEL_VLLM_BATCH_INVARIANT", False),
 }
 
+
 @dataclass(frozen=True)
 class Switches:
     """The switch values of one process: ``enabled`` (master), ``strict`` and one bool per hook."""
@@ -81,8 +82,10 @@ def vllm_own_mode(environ: Optional[Mapping[str, str]] = None) -> bool:
     try:
         return int(raw) != 0
     except ValueError:
-        raise SwitchError(f"{VLLM_OWN_MODE} is vLLM's switch, which vLLM reads as an integer (0 off, any other "
-                          f"integer on) and refuses {show_value(raw)}: set it to 0 or 1, or unset it") from None
+        raise SwitchError(
+            f"{VLLM_OWN_MODE} is vLLM's switch, which vLLM reads as an integer (0 off, any other "
+            f"integer on) and refuses {show_value(raw)}: set it to 0 or 1, or unset it"
+        ) from None
 
 
 def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
@@ -99,7 +102,9 @@ def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
         return Switches(enabled=False, strict=False, hooks={hook: False for hook in HOOK_SWITCHES})
     if values["batch_invariant"] and vllm_own_mode(environ):
         own = show_value((os.environ if environ is None else environ)[VLLM_OWN_MODE].strip(), quote=False)
-        raise ValueError(f"{HOOK_SWITCHES['batch_invariant'][0]}=1 and vLLM's {VLLM_OWN_MODE}={own} are exclusive: "
-                         "each replaces the same kernels with its own; unset one")
+        raise ValueError(
+            f"{HOOK_SWITCHES['batch_invariant'][0]}=1 and vLLM's {VLLM_OWN_MODE}={own} are exclusive: "
+            "each replaces the same kernels with its own; unset one"
+        )
     strict = values.pop("strict")
     return Switches(enabled=True, strict=strict, hooks=values)

@@ -59,8 +59,12 @@ def ordered_all_reduce(original: Callable[..., torch.Tensor]) -> Callable[..., t
     (:data:`ANNOUNCEMENT`); otherwise ``original``."""
 
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
-        if self.world_size < 3 or not input_.is_floating_point() or not _is_tensor_parallel(self) \
-                or self.device_communicator is None:
+        if (
+            self.world_size < 3
+            or not input_.is_floating_point()
+            or not _is_tensor_parallel(self)
+            or self.device_communicator is None
+        ):
             return original(self, input_)
         flat = input_.contiguous().view(-1)
         gathered = self.device_communicator.all_gather(flat, 0).view(self.world_size, flat.numel())
@@ -77,9 +81,11 @@ def refusals(vllm_config: Any, text_config: Any) -> list[str]:
     model's attention heads or MLP width."""
     parallel = vllm_config.parallel_config
     out = []
-    for field, what in (("pipeline_parallel_size", "pipeline parallelism"),
-                        ("decode_context_parallel_size", "decode context parallelism"),
-                        ("prefill_context_parallel_size", "prefill context parallelism")):
+    for field, what in (
+        ("pipeline_parallel_size", "pipeline parallelism"),
+        ("decode_context_parallel_size", "decode context parallelism"),
+        ("prefill_context_parallel_size", "prefill context parallelism"),
+    ):
         size = getattr(parallel, field, 1)
         if size != 1:
             out.append(f"{field}={size} ({what}; covered: tensor_parallel_size)")

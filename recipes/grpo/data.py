@@ -81,13 +81,16 @@ def _read_parquet(path: Path) -> list[Problem]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataUnavailableError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
-                                   "or give the data as train.jsonl/test.jsonl") from None
+        raise DataUnavailableError(
+            f"{path}: reading parquet needs pyarrow (pip install pyarrow), or give the data as train.jsonl/test.jsonl"
+        ) from None
     try:
         rows = pq.read_table(path, columns=["question", "answer"]).to_pylist()
     except Exception as exc:  # pyarrow raises ArrowInvalid, KeyError, OSError, ... for a file it cannot read
-        raise DataError(f"{path}: not a parquet file with the columns 'question' and 'answer' "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise DataError(
+            f"{path}: not a parquet file with the columns 'question' and 'answer' "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     return [_problem(row, f"{path}: row {i}") for i, row in enumerate(rows)]
 
 
@@ -101,7 +104,8 @@ def _read_dir(directory: Path, split: str) -> list[Problem]:
     if not files:
         raise DataUnavailableError(
             f"data directory {directory} holds neither {split}.jsonl nor {split}*.parquet "
-            "(GSM8K rows with 'question' and 'answer')")
+            "(GSM8K rows with 'question' and 'answer')"
+        )
     if not problems:
         raise DataError(f"{', '.join(map(str, files))}: holds no problems")
     return problems
@@ -141,8 +145,9 @@ def synthetic_problems(count: int, seed: int = 0) -> list[Problem]:
     return problems
 
 
-def load_problems(source: Optional[str], split: str = "train", limit: Optional[int] = None,
-                  seed: int = 0) -> tuple[list[Problem], str]:
+def load_problems(
+    source: Optional[str], split: str = "train", limit: Optional[int] = None, seed: int = 0
+) -> tuple[list[Problem], str]:
     """GSM8K problems and a description of where they came from.
 
     ``source``: a directory (``{split}.jsonl``, UTF-8, or ``{split}*.parquet``, read with
@@ -159,7 +164,9 @@ def load_problems(source: Optional[str], split: str = "train", limit: Optional[i
     if source is not None:
         directory = Path(source)
         if not directory.is_dir():
-            raise DataUnavailableError(f"--data {source}: not a directory (expected GSM8K {split}.jsonl or parquet files, or 'synthetic')")
+            raise DataUnavailableError(
+                f"--data {source}: not a directory (expected GSM8K {split}.jsonl or parquet files, or 'synthetic')"
+            )
         problems, where = _read_dir(directory, split), f"{directory} ({split})"
     elif os.environ.get("GSM8K_DIR"):
         directory = Path(os.environ["GSM8K_DIR"])
@@ -175,5 +182,6 @@ def load_problems(source: Optional[str], split: str = "train", limit: Optional[i
             raise DataUnavailableError(
                 "no GSM8K data: pass --data DIR (train.jsonl/test.jsonl or parquet), set GSM8K_DIR, "
                 f"or make the hub reachable for `datasets` ({HUB_DATASET}; it failed: "
-                f"{type(exc).__name__}: {str(exc)[:200]}); or run with --data synthetic") from None
+                f"{type(exc).__name__}: {str(exc)[:200]}); or run with --data synthetic"
+            ) from None
     return (problems[:limit] if limit else problems), where

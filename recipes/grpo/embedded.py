@@ -146,10 +146,20 @@ def rl_kernel_sampler(temperature: float) -> Callable:
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-             eos_id: int, draw: Callable, row_seeds: torch.Tensor,
-             head_logprob: Optional[Callable] = None, position_ids: Optional[torch.Tensor] = None,
-             prompt_inputs: Optional[dict] = None, drop_ids: Optional[torch.Tensor] = None) -> Rollout:
+def generate(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    draw: Callable,
+    row_seeds: torch.Tensor,
+    head_logprob: Optional[Callable] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    prompt_inputs: Optional[dict] = None,
+    drop_ids: Optional[torch.Tensor] = None,
+) -> Rollout:
     """Incremental decoding over a KV cache from left-padded prompts ``[S, P]``.
 
     Each row stops after its first ``eos_id`` (which is kept as its last response token);
@@ -176,8 +186,14 @@ def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_
 
     cache = DynamicCache(config=model.config)
     pos = positions(prompt_mask) if position_ids is None else position_ids
-    logits, hidden = forward(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos,
-                             past_key_values=cache, use_cache=True, **(prompt_inputs or {}))
+    logits, hidden = forward(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        **(prompt_inputs or {}),
+    )
     s = prompt_ids.shape[0]
     alive = torch.ones(s, dtype=torch.bool, device=prompt_ids.device)
     mask, tokens, logprobs, masks = prompt_mask, [], [], []
@@ -196,11 +212,11 @@ def generate(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_
         if t + 1 == max_new_tokens or not bool(alive.any()):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        logits, hidden = forward(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                                 past_key_values=cache, use_cache=True)
+        logits, hidden = forward(
+            input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True
+        )
         next_pos = next_pos + 1
-    return Rollout(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(masks, 1),
-                   torch.stack(logprobs, 1))
+    return Rollout(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logprobs, 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,8 +242,7 @@ def rl_kernel_head_logprob(hidden, head, targets, temperature, with_entropy):
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     weight = head.weight.to(hidden.dtype)
     bias = None if head.bias is None else head.bias.to(hidden.dtype)
-    out = rk.linear_logprob(hidden, weight, targets, bias=bias, temperature=temperature,
-                            return_entropy=with_entropy)
+    out = rk.linear_logprob(hidden, weight, targets, bias=bias, temperature=temperature, return_entropy=with_entropy)
     return out if with_entropy else (out, None)
 
 
@@ -247,15 +262,16 @@ def plain_logprob(model, inputs: dict, targets, temperature, with_entropy):
     positions of ``targets`` ``[S, R]``."""
     r = targets.shape[1]
     logits = model(**inputs).logits
-    return plain_head_logprob(logits[:, -r - 1:-1], targets, temperature, with_entropy)
+    return plain_head_logprob(logits[:, -r - 1 : -1], targets, temperature, with_entropy)
 
 
 def rl_kernel_logprob(model, inputs: dict, targets, temperature, with_entropy):
     """The base model's final hidden states, then :func:`rl_kernel_head_logprob` (no logits)."""
     r = targets.shape[1]
     hidden = model.base_model(**inputs).last_hidden_state
-    return rl_kernel_head_logprob(hidden[:, -r - 1:-1], model.get_output_embeddings(), targets,
-                                  temperature, with_entropy)
+    return rl_kernel_head_logprob(
+        hidden[:, -r - 1 : -1], model.get_output_embeddings(), targets, temperature, with_entropy
+    )
 
 
 def plain_group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -289,8 +305,11 @@ def plain_policy_loss(lp, old_lp, adv, mask, *, ref_lp, entropy, cfg: GRPOConfig
         pg = torch.maximum(pg1, pg2)
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
         loss = mean(pg)
-        metrics = {"pg_loss": loss.detach(), "pg_clipfrac": mean((pg2 > pg1).float()).detach(),
-                   "ppo_kl": mean(-log_ratio).detach()}
+        metrics = {
+            "pg_loss": loss.detach(),
+            "pg_clipfrac": mean((pg2 > pg1).float()).detach(),
+            "ppo_kl": mean(-log_ratio).detach(),
+        }
         if kl is not None:
             kl_loss = mean(kl)
             loss = loss + cfg.kl_coef * kl_loss
@@ -306,10 +325,20 @@ def rl_kernel_policy_loss(lp, old_lp, adv, mask, *, ref_lp, entropy, cfg: GRPOCo
     """The same loss through :func:`rl_kernel_core.loss` (ratio, KL and loss fused)."""
     with profiling.region("loss"):
         loss, metrics = rk.policy_loss(
-            lp, old_lp, adv, mask, ref_logprob=ref_lp, clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-            kl_type="low_var_kl", kl_coef=cfg.kl_coef if ref_lp is not None else 0.0,
-            entropy=entropy, entropy_coef=cfg.entropy_coef, loss_agg_mode="token-mean")
+            lp,
+            old_lp,
+            adv,
+            mask,
+            ref_logprob=ref_lp,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            kl_type="low_var_kl",
+            kl_coef=cfg.kl_coef if ref_lp is not None else 0.0,
+            entropy=entropy,
+            entropy_coef=cfg.entropy_coef,
+            loss_agg_mode="token-mean",
+        )
     return loss * scale, metrics
 
 
@@ -325,9 +354,13 @@ class Path_:
 
 
 OFF = Path_("off", plain_logprob, plain_group_advantages, plain_policy_loss, plain_head)
-ON = Path_("on", rl_kernel_logprob,
-           lambda rewards, g: rk.group_advantages(rewards, group_size=g, estimator="grpo"),
-           rl_kernel_policy_loss, rl_kernel_head)
+ON = Path_(
+    "on",
+    rl_kernel_logprob,
+    lambda rewards, g: rk.group_advantages(rewards, group_size=g, estimator="grpo"),
+    rl_kernel_policy_loss,
+    rl_kernel_head,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,8 +374,9 @@ class Engine:
     :meth:`use_mode`, :meth:`encode`, :meth:`model_inputs`, :meth:`score` and :meth:`check`.
     """
 
-    def __init__(self, model_dir: Path, cfg: GRPOConfig, side: Path_, device: torch.device,
-                 cross_check: Optional[Path_] = None):
+    def __init__(
+        self, model_dir: Path, cfg: GRPOConfig, side: Path_, device: torch.device, cross_check: Optional[Path_] = None
+    ):
         self.cfg, self.side, self.device, self.cross_check = cfg, side, device, cross_check
         self.drop_ids: Optional[torch.Tensor] = None  # generate()'s: tokens a response cannot hold
         torch.manual_seed(cfg.seed)
@@ -360,8 +394,9 @@ class Engine:
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                         else contextlib.nullcontext())
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+        )
         if cfg.sampler == "torch":
             gen = torch.Generator(device=device)
             gen.manual_seed(cfg.seed)
@@ -375,8 +410,10 @@ class Engine:
         """``(tokenizer, fp32 model)`` from ``model_dir``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        return (AutoTokenizer.from_pretrained(model_dir),
-                AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+        return (
+            AutoTokenizer.from_pretrained(model_dir),
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        )
 
     def use_mode(self) -> None:
         """Make the policy's attention follow batch-invariant mode."""
@@ -386,14 +423,21 @@ class Engine:
 
     def prompt_text(self, problem: Problem) -> str:
         if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}],
-                                                      tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": problem.prompt}], tokenize=False, add_generation_prompt=True
+            )
         return problem.prompt + "\n"
 
     def encode(self, problems: list) -> Prompts:
         """The left-padded prompts of ``problems`` (one row each), on the engine's device."""
-        enc = self.tokenizer([self.prompt_text(p) for p in problems], return_tensors="pt", padding=True,
-                             truncation=True, max_length=self.cfg.max_prompt_tokens, add_special_tokens=False)
+        enc = self.tokenizer(
+            [self.prompt_text(p) for p in problems],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.cfg.max_prompt_tokens,
+            add_special_tokens=False,
+        )
         return Prompts(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device))
 
     def model_inputs(self, ro: Rollout, sl: slice) -> dict:
@@ -419,7 +463,9 @@ class Engine:
         lps, ents = [], []
         for sl in self._batches(targets.shape[0]):
             with self.autocast:
-                lp, ent = side.logprob(model, self.model_inputs(ro, sl), targets[sl], self.cfg.temperature, with_entropy)
+                lp, ent = side.logprob(
+                    model, self.model_inputs(ro, sl), targets[sl], self.cfg.temperature, with_entropy
+                )
             lps.append(lp.float())
             ents.append(None if ent is None else ent.float())
         return (torch.cat(lps), torch.cat(ents)) if with_entropy else torch.cat(lps)
@@ -445,20 +491,31 @@ class Engine:
         g = cfg.group_size
         prompts = self.encode([p for p in problems for _ in range(g)])
         s = prompts.ids.shape[0]
-        row_seeds = torch.tensor([((cfg.seed * 1_000_003 + step) * 100_003 + i) % _SEED_MOD for i in range(s)],
-                                 dtype=torch.int64, device=dev)
+        row_seeds = torch.tensor(
+            [((cfg.seed * 1_000_003 + step) * 100_003 + i) % _SEED_MOD for i in range(s)], dtype=torch.int64, device=dev
+        )
 
         self.model.eval()
         with profiling.region("rollout"), self.autocast:
-            ro = generate(self.model, prompts.ids, prompts.mask, max_new_tokens=cfg.max_new_tokens,
-                          eos_id=self.tokenizer.eos_token_id, draw=self.draw, row_seeds=row_seeds,
-                          head_logprob=partial(_head_logprob, side.head, cfg.temperature) if cfg.batch_invariant else None,
-                          position_ids=prompts.position_ids, prompt_inputs=prompts.inputs, drop_ids=self.drop_ids)
+            ro = generate(
+                self.model,
+                prompts.ids,
+                prompts.mask,
+                max_new_tokens=cfg.max_new_tokens,
+                eos_id=self.tokenizer.eos_token_id,
+                draw=self.draw,
+                row_seeds=row_seeds,
+                head_logprob=partial(_head_logprob, side.head, cfg.temperature) if cfg.batch_invariant else None,
+                position_ids=prompts.position_ids,
+                prompt_inputs=prompts.inputs,
+                drop_ids=self.drop_ids,
+            )
         ro.context = prompts.context
         self.check(step, ro)
         responses = self.tokenizer.batch_decode(
             [row[m.bool()].tolist() for row, m in zip(ro.response_ids.cpu(), ro.response_mask.cpu())],
-            skip_special_tokens=True)
+            skip_special_tokens=True,
+        )
         scores = [self.score(text, p) for text, p in zip(responses, (p for p in problems for _ in range(g)))]
         rewards = torch.tensor(scores, dtype=torch.float32, device=dev)
         advantages = side.advantages(rewards, g)
@@ -491,8 +548,16 @@ class Engine:
             adv = advantages[sl, None].expand_as(targets[sl]).float()
             with profiling.region("logprob"), self.autocast:
                 lp, entropy = side.logprob(self.model, self.model_inputs(ro, sl), targets[sl], cfg.temperature, True)
-            loss, metrics = side.loss(lp, old_lp[sl], adv, mask[sl], entropy=entropy, cfg=cfg, scale=scale,
-                                      ref_lp=None if ref_lp is None else ref_lp[sl])
+            loss, metrics = side.loss(
+                lp,
+                old_lp[sl],
+                adv,
+                mask[sl],
+                entropy=entropy,
+                cfg=cfg,
+                scale=scale,
+                ref_lp=None if ref_lp is None else ref_lp[sl],
+            )
             with profiling.region("backward"):
                 loss.backward()
             for k, v in metrics.items():
@@ -519,7 +584,9 @@ class Engine:
             "grad_norm": float(grad_norm),
             # the groups whose advantages differ in meaning off and on (a float residue vs 0)
             "equal_reward_groups": int(equal.sum()),
-            "equal_reward_advantage_max": float(advantages.view(-1, g)[equal].abs().max()) if bool(equal.any()) else 0.0,
+            "equal_reward_advantage_max": float(advantages.view(-1, g)[equal].abs().max())
+            if bool(equal.any())
+            else 0.0,
             **metric_sums,
         }
         if self.ref is None:
@@ -528,9 +595,12 @@ class Engine:
             fields["kl"] = fields["kl_loss"]
         if step == 0:
             fields["_first_step"] = {
-                "response_ids": ro.response_ids.cpu(), "response_mask": ro.response_mask.cpu(),
-                "old_logprob": old_lp.cpu(), "rollout_logprob": ro.rollout_logprob.cpu(),
-                "logprob": torch.cat(first["logprob"]), "entropy": torch.cat(first["entropy"]),
+                "response_ids": ro.response_ids.cpu(),
+                "response_mask": ro.response_mask.cpu(),
+                "old_logprob": old_lp.cpu(),
+                "rollout_logprob": ro.rollout_logprob.cpu(),
+                "logprob": torch.cat(first["logprob"]),
+                "entropy": torch.cat(first["entropy"]),
                 "loss": fields["loss"],
             }
             if cross is not None:
@@ -548,8 +618,10 @@ def problem_schedule(problems: list[Problem], cfg: GRPOConfig) -> list[list[Prob
     random.Random(cfg.seed).shuffle(order)
     need = cfg.steps * cfg.prompts_per_step
     order = (order * (need // max(len(order), 1) + 1))[:need]
-    return [[problems[i] for i in order[k * cfg.prompts_per_step:(k + 1) * cfg.prompts_per_step]]
-            for k in range(cfg.steps)]
+    return [
+        [problems[i] for i in order[k * cfg.prompts_per_step : (k + 1) * cfg.prompts_per_step]]
+        for k in range(cfg.steps)
+    ]
 
 
 class StepProgress:
@@ -569,7 +641,9 @@ class StepProgress:
         isatty = getattr(self.stream, "isatty", None)
         terminal = bool(isatty()) if callable(isatty) else False
         notebook = notebook_tqdm.__module__ == "tqdm.notebook"  # a widget there, no frames written
-        self.bar = tqdm(total=total, desc=desc, unit="step", file=self.stream, disable=not (enabled and (terminal or notebook)))
+        self.bar = tqdm(
+            total=total, desc=desc, unit="step", file=self.stream, disable=not (enabled and (terminal or notebook))
+        )
         self.plain = enabled and not (terminal or notebook)
         self.every = max(1, -(-total // self.PLAIN_LINES))
 
@@ -580,16 +654,27 @@ class StepProgress:
         self.bar.update(1)
         if self.plain and (self.done == 1 or self.done % self.every == 0 or self.done == self.total):
             shown = ", ".join(f"{name} {value}" for name, value in fields.items())
-            print(f"{self.desc} step {self.done}/{self.total}" + (f": {shown}" if shown else ""), file=self.stream,
-                  flush=True)
+            print(
+                f"{self.desc} step {self.done}/{self.total}" + (f": {shown}" if shown else ""),
+                file=self.stream,
+                flush=True,
+            )
 
     def close(self) -> None:
         self.bar.close()
 
 
-def run(model_dir: Path, problems: list, cfg: GRPOConfig, side: Path_, log_path: Path,
-        device: torch.device, progress: bool = True, cross_check: Optional[Path_] = None,
-        engine_class: type = Engine) -> dict:
+def run(
+    model_dir: Path,
+    problems: list,
+    cfg: GRPOConfig,
+    side: Path_,
+    log_path: Path,
+    device: torch.device,
+    progress: bool = True,
+    cross_check: Optional[Path_] = None,
+    engine_class: type = Engine,
+) -> dict:
     """Train ``cfg.steps`` GRPO steps, one profiler record per step appended to ``log_path``.
 
     With ``cross_check`` (the other side), step 0 also evaluates that side's old log-probs,

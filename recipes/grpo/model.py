@@ -18,8 +18,10 @@ from typing import Iterable, Optional
 EOS = "<|endoftext|>"
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
 # Qwen's ChatML (without tools or thinking)
-CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,9 @@ PRESETS: dict[str, Shape] = {
 }
 
 
-def train_tokenizer(texts: Iterable[str], vocab: int, extra_special: tuple[str, ...] = (),
-                    chat_template: str = CHAT_TEMPLATE):
+def train_tokenizer(
+    texts: Iterable[str], vocab: int, extra_special: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE
+):
     """A byte-level BPE tokenizer of at most ``vocab`` ids trained on ``texts``, with the ChatML
     turn tokens and ``extra_special`` as special tokens (ids 0, 1, 2, then ``extra_special``'s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -61,9 +64,12 @@ def train_tokenizer(texts: Iterable[str], vocab: int, extra_special: tuple[str, 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS, TURN_START, TURN_END, *extra_special],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[EOS, TURN_START, TURN_END, *extra_special],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=chat_template)
 
@@ -89,17 +95,25 @@ def build_local_model(preset: str, out_dir: Path, texts: Iterable[str], seed: in
 
     shape = PRESETS[preset]
     texts = list(texts)
-    path, built = build_path(out_dir, preset, [asdict(shape), seed, CHAT_TEMPLATE, texts], ("config.json", "tokenizer.json"))
+    path, built = build_path(
+        out_dir, preset, [asdict(shape), seed, CHAT_TEMPLATE, texts], ("config.json", "tokenizer.json")
+    )
     if built:
         return path
     tokenizer = train_tokenizer(texts, shape.tokenizer_vocab)
     config = Qwen3Config(
-        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-        vocab_size=shape.vocab_size or len(tokenizer), tie_word_embeddings=shape.tie_word_embeddings,
-        max_position_embeddings=4096, rope_theta=1_000_000.0,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size or len(tokenizer),
+        tie_word_embeddings=shape.tie_word_embeddings,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)

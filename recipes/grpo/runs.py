@@ -42,8 +42,11 @@ OVERRIDES = (
     ("micro_batch", integer(1), "sequences per forward/backward, >= 1"),
     ("max_prompt_tokens", integer(1), "prompt tokens kept (longer prompts are truncated), >= 1"),
     ("lr", number(0.0, LR_MAX, low_open=True), "AdamW learning rate, in (0, 1]"),
-    ("temperature", number(*TEMPERATURE_RANGE),
-     "sampling and log-prob temperature, in [2**-126, 2**126] (about 1.2e-38 to 8.5e37, the ops' range)"),
+    (
+        "temperature",
+        number(*TEMPERATURE_RANGE),
+        "sampling and log-prob temperature, in [2**-126, 2**126] (about 1.2e-38 to 8.5e37, the ops' range)",
+    ),
     ("kl_coef", number(0.0), "coefficient of the KL-to-reference loss term, >= 0 (0: no reference model)"),
     ("entropy_coef", number(0.0), "coefficient of the entropy bonus, >= 0"),
 )
@@ -59,7 +62,9 @@ def git_commit() -> str:
         return os.environ["RL_KERNEL_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     if out.returncode != 0:
@@ -80,12 +85,20 @@ def first_step_check(off: dict, on: dict, dtype: torch.dtype) -> dict:
         a, b = off[name][mask].double(), on[name][mask].double()
         diff = (a - b).abs()
         bound = 2 * contract.error_bound(a, op_class, dtype)
-        result[name] = {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-                        "within_contract": bool((diff <= bound).all()), "worst_bound_fraction": float((diff / bound).max())}
+        result[name] = {
+            "max_abs_diff": float(diff.max()),
+            "mean_abs_diff": float(diff.mean()),
+            "within_contract": bool((diff <= bound).all()),
+            "worst_bound_fraction": float((diff / bound).max()),
+        }
     tol = contract.tolerance("reduction", dtype)
     loss_diff = abs(off["loss"] - on["loss"])
-    result["loss"] = {"off": off["loss"], "on": on["loss"], "abs_diff": loss_diff,
-                      "within_contract": loss_diff <= 2 * (tol.atol + tol.rtol * abs(off["loss"]))}
+    result["loss"] = {
+        "off": off["loss"],
+        "on": on["loss"],
+        "abs_diff": loss_diff,
+        "within_contract": loss_diff <= 2 * (tol.atol + tol.rtol * abs(off["loss"])),
+    }
     return result
 
 
@@ -97,8 +110,10 @@ def first_step_section(first: dict, device: torch.device, out: Path) -> tuple[st
     check = {"error": cross["error"]} if "error" in cross else first_step_check(cross, first["on"], dtype)
     off_first = first.get("off")
     check["samples_identical_across_runs"] = bool(
-        off_first is not None and torch.equal(off_first["response_ids"], first["on"]["response_ids"])
-        and torch.equal(off_first["response_mask"], first["on"]["response_mask"]))
+        off_first is not None
+        and torch.equal(off_first["response_ids"], first["on"]["response_ids"])
+        and torch.equal(off_first["response_mask"], first["on"]["response_mask"])
+    )
     (out / "first_step.json").write_text(json.dumps(check, indent=2))
     return "First step, off vs on", report.first_step_markdown(check)
 
@@ -117,7 +132,9 @@ def add_run_options(p: argparse.ArgumentParser, overrides: tuple = OVERRIDES) ->
     p.add_argument("--out", default=None, help="output directory (default: runs/<recipe>-<time>)")
     p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--sides", default="off,on", help="which runs to make (default: off,on)")
-    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="seed of the model, data order and sampling (default 0)")
+    p.add_argument(
+        "--seed", type=integer(0, SEED_MAX), default=0, help="seed of the model, data order and sampling (default 0)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for field, kind, what in overrides:
         p.add_argument("--" + field.replace("_", "-"), type=kind, default=None, help=f"{what} (overrides the preset)")
@@ -167,17 +184,37 @@ def run_config(args: argparse.Namespace, preset_run: dict, **fixed) -> embedded.
     return embedded.GRPOConfig(**{**preset_run, **overrides, **fixed})
 
 
-def embedded_side(recipe: str, side: str, model_dir: Path, problems: list, cfg: embedded.GRPOConfig, out: Path,
-                  device: torch.device, progress: bool, engine_class: Callable = embedded.Engine) -> tuple[dict, dict]:
+def embedded_side(
+    recipe: str,
+    side: str,
+    model_dir: Path,
+    problems: list,
+    cfg: embedded.GRPOConfig,
+    out: Path,
+    device: torch.device,
+    progress: bool,
+    engine_class: Callable = embedded.Engine,
+) -> tuple[dict, dict]:
     """One run of the embedded engine (``side`` "off" or "on", the on run cross-checked against
     the off path on step 0) logging to ``out/<side>.jsonl``; returns :func:`grpo.embedded.run`'s
     result and the side's fields of its meta."""
     log = out / f"{side}.jsonl"
     log.unlink(missing_ok=True)
     path = embedded.OFF if side == "off" else embedded.ON
-    result = embedded.run(model_dir, problems, cfg, path, log, device, progress=progress,
-                          cross_check=embedded.OFF if side == "on" else None, engine_class=engine_class)
+    result = embedded.run(
+        model_dir,
+        problems,
+        cfg,
+        path,
+        log,
+        device,
+        progress=progress,
+        cross_check=embedded.OFF if side == "on" else None,
+        engine_class=engine_class,
+    )
     if result["oom"]:
         print(f"[{recipe}] {side}: out of memory, run stopped: {result['oom']}", flush=True)
-    return result, {"oom": result["oom"],
-                    "backends": {op: d.backend for op, d in dispatch.explain().items()} if side == "on" else "plain PyTorch"}
+    return result, {
+        "oom": result["oom"],
+        "backends": {op: d.backend for op, d in dispatch.explain().items()} if side == "on" else "plain PyTorch",
+    }

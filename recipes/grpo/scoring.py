@@ -29,8 +29,9 @@ def extract_solution(text: str, method: str = "strict") -> Optional[str]:
     return None
 
 
-def compute_score(text: str, ground_truth: str, method: str = "strict",
-                  format_score: float = 0.0, score: float = 1.0) -> float:
+def compute_score(
+    text: str, ground_truth: str, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
     """``score`` for the right answer, ``format_score`` for another extracted one, else 0."""
     answer = extract_solution(text, method)
     if answer is None:
@@ -38,8 +39,16 @@ def compute_score(text: str, ground_truth: str, method: str = "strict",
     return score if answer == ground_truth else format_score
 
 
-def verl_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None, *,
-                       method: str = "strict", format_score: float = 0.0, score: float = 1.0) -> float:
+def verl_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info=None,
+    *,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> float:
     """:func:`compute_score` with the signature of verl's ``custom_reward_function``.
 
     verl loads it by file path (``reward.custom_reward_function.path``/``name``) and passes

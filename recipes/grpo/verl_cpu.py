@@ -22,14 +22,26 @@ import types
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
+
 def _cpu_device_module() -> types.SimpleNamespace:
     zero = lambda *a, **k: 0  # noqa: E731
     nothing = lambda *a, **k: None  # noqa: E731
     return types.SimpleNamespace(
-        is_available=lambda: True, device_count=lambda: 1, current_device=lambda: "cpu", set_device=nothing,
-        synchronize=nothing, empty_cache=nothing, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
-        max_memory_allocated=zero, max_memory_reserved=zero, memory_allocated=zero, memory_reserved=zero,
-        reset_peak_memory_stats=nothing, mem_get_info=lambda *a, **k: (0, 0), get_device_name=lambda *a, **k: "CPU",
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        current_device=lambda: "cpu",
+        set_device=nothing,
+        synchronize=nothing,
+        empty_cache=nothing,
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        max_memory_allocated=zero,
+        max_memory_reserved=zero,
+        memory_allocated=zero,
+        memory_reserved=zero,
+        reset_peak_memory_stats=nothing,
+        mem_get_info=lambda *a, **k: (0, 0),
+        get_device_name=lambda *a, **k: "CPU",
     )
 
 
@@ -133,8 +145,11 @@ def use_unpinned_cpu_offload():
         def __init__(self, pin_memory: bool = True):
             super().__init__(pin_memory=False)
 
-    holders = [fsdp] + [sys.modules[name] for name in ("verl.utils.fsdp_utils", "verl.workers.engine.fsdp.transformer_impl")
-                        if name in sys.modules]
+    holders = [fsdp] + [
+        sys.modules[name]
+        for name in ("verl.utils.fsdp_utils", "verl.workers.engine.fsdp.transformer_impl")
+        if name in sys.modules
+    ]
     for module in holders:
         module.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
 

@@ -85,13 +85,16 @@ FIELDS = {
 
 def gsm8k_rows(problems: Sequence[Problem], split: str) -> list[dict[str, Any]]:
     """verl's GSM8K rows (as ``examples/data_preprocess/gsm8k.py`` writes them) for ``problems``."""
-    return [{
-        "data_source": HUB_DATASET,
-        "prompt": [{"role": "user", "content": p.prompt}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": p.ground_truth},
-        "extra_info": {"split": split, "index": i, "answer": p.answer, "question": p.question},
-    } for i, p in enumerate(problems)]
+    return [
+        {
+            "data_source": HUB_DATASET,
+            "prompt": [{"role": "user", "content": p.prompt}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": p.ground_truth},
+            "extra_info": {"split": split, "index": i, "answer": p.answer, "question": p.question},
+        }
+        for i, p in enumerate(problems)
+    ]
 
 
 def write_parquet(problems: Sequence[Problem], data_dir: Path, val_count: int = 8) -> tuple[Path, Path]:
@@ -105,8 +108,9 @@ def write_parquet(problems: Sequence[Problem], data_dir: Path, val_count: int = 
     return paths
 
 
-def overrides(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: Path, run_dir: Path,
-              device: str) -> list[str]:
+def overrides(
+    cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: Path, run_dir: Path, device: str
+) -> list[str]:
     """The Hydra overrides of ``main_ppo`` for one GRPO run of the recipe's config ``cfg``.
 
     One optimizer step per training step (mini-batch = all prompts of the step), ``G =
@@ -204,14 +208,21 @@ def overrides(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: 
     return args
 
 
-def command(cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: Path, run_dir: Path,
-            device: str) -> list[str]:
+def command(
+    cfg: dict, rl_kernel_on: bool, model_dir: Path, train: Path, val: Path, run_dir: Path, device: str
+) -> list[str]:
     """The exact command line of one run: ``python -m verl.trainer.main_ppo`` + :func:`overrides`."""
-    return [sys.executable, "-m", "verl.trainer.main_ppo",
-            *overrides(cfg, rl_kernel_on, model_dir, train, val, run_dir, device)]
+    return [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        *overrides(cfg, rl_kernel_on, model_dir, train, val, run_dir, device),
+    ]
 
 
-def environment(run_dir: Path, device: str, batch_invariant: bool = False, weight_check: bool = False) -> dict[str, str]:
+def environment(
+    run_dir: Path, device: str, batch_invariant: bool = False, weight_check: bool = False
+) -> dict[str, str]:
     """The run's environment: the file logger's path, ``grpo`` importable in every process, with
     ``batch_invariant`` the vLLM plugin's batch-invariant mode (:data:`VLLM_BATCH_INVARIANT`), with
     ``weight_check`` what the weight check needs in verl's vLLM server (:data:`VLLM_FUNCTION_RPC`) and,
@@ -228,8 +239,14 @@ def environment(run_dir: Path, device: str, batch_invariant: bool = False, weigh
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if device == "cpu":
         modules = ",".join(filter(None, ["grpo.verl_cpu", env.get("VERL_USE_EXTERNAL_MODULES")]))
-        env.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "VERL_USE_EXTERNAL_MODULES": modules,
-                    "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+        env.update(
+            {
+                "VERL_PLATFORM": "cpu",
+                "VERL_ENGINE_DEVICE": "cuda",
+                "VERL_USE_EXTERNAL_MODULES": modules,
+                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            }
+        )
         env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray checks its logical GPU count against it
     return env
 
@@ -304,10 +321,12 @@ def vocabulary_note(model_dir: Path) -> Optional[str]:
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     if ids >= vocab:
         return None
-    return (f"- vocabulary: the tokenizer covers {ids} of the model's {vocab} ids; verl's vLLM server masks the "
-            f"others and its trainer does not, so rollout and training log-probs differ per token by -log(1 - the "
-            f"trainer's probability of those ids): log({vocab}/{ids}) = {math.log(vocab / ids):.3f} for a uniform "
-            f"distribution, which a random-weight model is close to (`rollout_log_ppl_abs_diff`)")
+    return (
+        f"- vocabulary: the tokenizer covers {ids} of the model's {vocab} ids; verl's vLLM server masks the "
+        f"others and its trainer does not, so rollout and training log-probs differ per token by -log(1 - the "
+        f"trainer's probability of those ids): log({vocab}/{ids}) = {math.log(vocab / ids):.3f} for a uniform "
+        f"distribution, which a random-weight model is close to (`rollout_log_ppl_abs_diff`)"
+    )
 
 
 def backends(step_log: Path) -> dict[str, str]:
@@ -317,13 +336,14 @@ def backends(step_log: Path) -> dict[str, str]:
     for line in Path(step_log).read_text(encoding="utf-8").splitlines():
         for key in json.loads(line):
             if key.startswith(BACKEND_PREFIX):
-                op, backend = key[len(BACKEND_PREFIX):].split("/", 1)
+                op, backend = key[len(BACKEND_PREFIX) :].split("/", 1)
                 chosen[op] = backend
     return chosen
 
 
-def run_verl(cfg: dict, out_dir: Path, rl_kernel_on: bool, model_dir: Path, problems: Sequence[Problem],
-             device: str = "cpu") -> dict[str, Any]:
+def run_verl(
+    cfg: dict, out_dir: Path, rl_kernel_on: bool, model_dir: Path, problems: Sequence[Problem], device: str = "cpu"
+) -> dict[str, Any]:
     """Train ``cfg["steps"]`` GRPO steps with verl's trainer, switch off or on (on and
     ``cfg["batch_invariant"]``: both batch-invariant switches, see the module docstring).
 
@@ -338,14 +358,23 @@ def run_verl(cfg: dict, out_dir: Path, rl_kernel_on: bool, model_dir: Path, prob
     run_dir.mkdir(parents=True, exist_ok=True)
     train, val = write_parquet(problems, run_dir / "data")
     cmd = command(cfg, rl_kernel_on, Path(model_dir), train, val, run_dir, device)
-    env = environment(run_dir, device, batch_invariant=rl_kernel_on and cfg["batch_invariant"],
-                      weight_check=rl_kernel_on and bool(cfg.get("weight_check_every")))
+    env = environment(
+        run_dir,
+        device,
+        batch_invariant=rl_kernel_on and cfg["batch_invariant"],
+        weight_check=rl_kernel_on and bool(cfg.get("weight_check_every")),
+    )
     verl_log = Path(env["VERL_FILE_LOGGER_PATH"])
     verl_log.unlink(missing_ok=True)
     with open(run_dir / "verl.log", "w", encoding="utf-8") as console:
         proc = subprocess.run(cmd, env=env, cwd=run_dir, stdout=console, stderr=subprocess.STDOUT)
     step_log = Path(out_dir) / f"{side}.jsonl"
     steps = convert_log(verl_log, step_log, side) if verl_log.is_file() else 0
-    return {"command": cmd, "rl_kernel_environment": {k: v for k, v in env.items() if k.startswith("RL_KERNEL_")},
-            "returncode": proc.returncode, "steps": steps, "log": str(run_dir / "verl.log"),
-            "backends": backends(step_log) if steps else {}}
+    return {
+        "command": cmd,
+        "rl_kernel_environment": {k: v for k, v in env.items() if k.startswith("RL_KERNEL_")},
+        "returncode": proc.returncode,
+        "steps": steps,
+        "log": str(run_dir / "verl.log"),
+        "backends": backends(step_log) if steps else {},
+    }

@@ -49,8 +49,15 @@ def _messages(problem: vision_data.VisualProblem) -> list[dict]:
 class VisionEngine(embedded.Engine):
     """:class:`~grpo.embedded.Engine` for a Qwen2-VL policy (see the module docstring)."""
 
-    def __init__(self, model_dir: Path, cfg: embedded.GRPOConfig, side: embedded.Path_, device: torch.device,
-                 cross_check: Optional[embedded.Path_] = None, training_max_pixels: Optional[int] = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: embedded.GRPOConfig,
+        side: embedded.Path_,
+        device: torch.device,
+        cross_check: Optional[embedded.Path_] = None,
+        training_max_pixels: Optional[int] = None,
+    ):
         self.training_max_pixels = training_max_pixels
         super().__init__(model_dir, cfg, side, device, cross_check)
         self.drop_ids = self._media_ids()  # a response holding a placeholder would be read as an image
@@ -65,8 +72,10 @@ class VisionEngine(embedded.Engine):
 
     def _media_ids(self) -> torch.Tensor:
         config = self.model.config
-        return torch.tensor([config.image_token_id, config.video_token_id, config.vision_start_token_id,
-                             config.vision_end_token_id], device=self.device)
+        return torch.tensor(
+            [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id],
+            device=self.device,
+        )
 
     def use_mode(self) -> None:
         from rl_kernel_core.batch_invariant_mode.api_vlm import use_mode_vlm
@@ -76,18 +85,32 @@ class VisionEngine(embedded.Engine):
     def _encode(self, processor, problems: list) -> tuple[Encoded, dict]:
         from PIL import Image
 
-        texts = [processor.apply_chat_template(_messages(p), tokenize=False, add_generation_prompt=True) for p in problems]
-        enc = processor(text=texts, images=[Image.fromarray(np.asarray(p.image)) for p in problems], return_tensors="pt",
-                        padding=True, padding_side="left")
+        texts = [
+            processor.apply_chat_template(_messages(p), tokenize=False, add_generation_prompt=True) for p in problems
+        ]
+        enc = processor(
+            text=texts,
+            images=[Image.fromarray(np.asarray(p.image)) for p in problems],
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+        )
         mask = enc["attention_mask"].bool()
         patches = enc["image_grid_thw"].prod(-1).tolist()  # one image per prompt
-        return Encoded([row[m] for row, m in zip(enc["input_ids"], mask)],
-                       [row[m] for row, m in zip(enc["mm_token_type_ids"], mask)],
-                       list(enc["pixel_values"].split(patches)), list(enc["image_grid_thw"].split(1))), enc
+        return Encoded(
+            [row[m] for row, m in zip(enc["input_ids"], mask)],
+            [row[m] for row, m in zip(enc["mm_token_type_ids"], mask)],
+            list(enc["pixel_values"].split(patches)),
+            list(enc["image_grid_thw"].split(1)),
+        ), enc
 
-    def _rope_index(self, ids: torch.Tensor, types: torch.Tensor, grid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _rope_index(
+        self, ids: torch.Tensor, types: torch.Tensor, grid: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """The model's 3-D rotary positions ``[3, B, L]`` of a padded batch (transformers' ``get_rope_index``)."""
-        return self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask)[0]
+        return self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask)[
+            0
+        ]
 
     def encode(self, problems: list) -> embedded.Prompts:
         rollout, enc = self._encode(self.processor, problems)
@@ -96,10 +119,13 @@ class VisionEngine(embedded.Engine):
         ids, mask, types = enc["input_ids"].to(dev), enc["attention_mask"].to(dev), enc["mm_token_type_ids"].to(dev)
         grid = enc["image_grid_thw"].to(dev)
         positions = self._rope_index(ids, types, grid, mask)
-        return embedded.Prompts(ids, mask, positions,
-                                {"pixel_values": enc["pixel_values"].to(dev), "image_grid_thw": grid,
-                                 "mm_token_type_ids": types},
-                                context={"rollout": rollout, "training": training, "prefill_positions": positions})
+        return embedded.Prompts(
+            ids,
+            mask,
+            positions,
+            {"pixel_values": enc["pixel_values"].to(dev), "image_grid_thw": grid, "mm_token_type_ids": types},
+            context={"rollout": rollout, "training": training, "prefill_positions": positions},
+        )
 
     def model_inputs(self, ro: embedded.Rollout, sl: slice) -> dict:
         """The training side's layout of rows ``sl``: the trainer's encoding of each prompt,
@@ -113,14 +139,19 @@ class VisionEngine(embedded.Engine):
         mask = torch.zeros_like(ids)
         for i, b in enumerate(rows):
             n = enc.ids[b].shape[0]
-            ids[i, width - n:], types[i, width - n:], mask[i, width - n:] = enc.ids[b], enc.types[b], 1
+            ids[i, width - n :], types[i, width - n :], mask[i, width - n :] = enc.ids[b], enc.types[b], 1
         ids = torch.cat([ids, ro.response_ids[sl]], 1)
         mask = torch.cat([mask, ro.response_mask[sl].to(mask.dtype)], 1)
         types = torch.cat([types, torch.zeros_like(ro.response_ids[sl])], 1)
         grid = torch.cat([enc.grid[b] for b in rows]).to(dev)
-        return {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": types, "image_grid_thw": grid,
-                "pixel_values": torch.cat([enc.pixels[b] for b in rows]).to(dev),
-                "position_ids": self._rope_index(ids, types, grid, mask)}
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "mm_token_type_ids": types,
+            "image_grid_thw": grid,
+            "pixel_values": torch.cat([enc.pixels[b] for b in rows]).to(dev),
+            "position_ids": self._rope_index(ids, types, grid, mask),
+        }
 
     def score(self, text: str, problem) -> float:
         return vision_data.score(text, problem, self.cfg.format_score)
@@ -145,15 +176,28 @@ class VisionEngine(embedded.Engine):
         lengths = ro.response_mask.sum(1).tolist()  # 0 where the first sampled token was dropped
         spans = [[(int(ro.prompt_mask[b].sum()), n)] if n else [] for b, n in enumerate(lengths)]
         rollout = MultimodalBatch.from_processor(
-            self.processor, {"input_ids": ro.input_ids.cpu(), "attention_mask": ro.attention_mask.cpu(),
-                             "pixel_values": torch.cat(rollout_enc.pixels), "image_grid_thw": grid.cpu(),
-                             "position_ids": (rollout_positions * ro.attention_mask).cpu()}, loss_spans=spans)
+            self.processor,
+            {
+                "input_ids": ro.input_ids.cpu(),
+                "attention_mask": ro.attention_mask.cpu(),
+                "pixel_values": torch.cat(rollout_enc.pixels),
+                "image_grid_thw": grid.cpu(),
+                "position_ids": (rollout_positions * ro.attention_mask).cpu(),
+            },
+            loss_spans=spans,
+        )
         train = self.model_inputs(ro, slice(0, s))
         train_enc: Encoded = ro.context["training"]
         train_spans = [[(train_enc.ids[b].shape[0], n)] if n else [] for b, n in enumerate(lengths)]
         training = MultimodalBatch.from_processor(
-            self.training_processor, {"input_ids": train["input_ids"].cpu(), "attention_mask": train["attention_mask"].cpu(),
-                                      "pixel_values": train["pixel_values"].cpu(), "image_grid_thw": train["image_grid_thw"].cpu(),
-                                      "position_ids": (train["position_ids"] * train["attention_mask"]).cpu()},
-            loss_spans=train_spans)
+            self.training_processor,
+            {
+                "input_ids": train["input_ids"].cpu(),
+                "attention_mask": train["attention_mask"].cpu(),
+                "pixel_values": train["pixel_values"].cpu(),
+                "image_grid_thw": train["image_grid_thw"].cpu(),
+                "position_ids": (train["position_ids"] * train["attention_mask"]).cpu(),
+            },
+            loss_spans=train_spans,
+        )
         return rollout, training

@@ -23,16 +23,25 @@ import numpy as np
 
 TASKS = ("count", "digits", "colour")
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 230), "yellow": (230, 210, 40)}
-QUESTIONS = {"count": "How many squares are in the image?", "digits": "What number is written in the image?",
-             "colour": "What colour is the square?"}
+QUESTIONS = {
+    "count": "How many squares are in the image?",
+    "digits": "What number is written in the image?",
+    "colour": "What colour is the square?",
+}
 IMAGE_SIZE = 32
 _BACKGROUND = (24, 24, 24)
 # 3 columns x 5 rows per digit, row-major, "#" lit
 _FONT = {
-    "0": "###" "#.#" "#.#" "#.#" "###", "1": ".#." "##." ".#." ".#." "###", "2": "###" "..#" "###" "#.." "###",
-    "3": "###" "..#" "###" "..#" "###", "4": "#.#" "#.#" "###" "..#" "..#", "5": "###" "#.." "###" "..#" "###",
-    "6": "###" "#.." "###" "#.#" "###", "7": "###" "..#" ".#." ".#." ".#.", "8": "###" "#.#" "###" "#.#" "###",
-    "9": "###" "#.#" "###" "..#" "###",
+    "0": "####.##.##.####",
+    "1": ".#.##..#..#.###",
+    "2": "###..#####..###",
+    "3": "###..####..####",
+    "4": "#.##.####..#..#",
+    "5": "####..###..####",
+    "6": "####..####.####",
+    "7": "###..#.#..#..#.",
+    "8": "####.#####.####",
+    "9": "####.####..####",
 }
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -62,7 +71,7 @@ def _count(rng: random.Random) -> tuple[np.ndarray, str]:
     colour = COLOURS[rng.choice(sorted(COLOURS))]
     for cell in cells:
         y, x = 8 * (cell // 4) + 1, 8 * (cell % 4) + 1
-        img[y:y + 6, x:x + 6] = colour
+        img[y : y + 6, x : x + 6] = colour
     return img, str(n)
 
 
@@ -72,14 +81,14 @@ def _digits(rng: random.Random) -> tuple[np.ndarray, str]:
         glyph = np.array([c == "#" for c in _FONT[ch]]).reshape(5, 3)
         scaled = glyph.repeat(3, 0).repeat(3, 1)  # 15 x 9 pixels
         y, x = 8, 5 + 12 * i
-        img[y:y + 15, x:x + 9][scaled] = (235, 235, 235)
+        img[y : y + 15, x : x + 9][scaled] = (235, 235, 235)
     return img, text
 
 
 def _colour(rng: random.Random) -> tuple[np.ndarray, str]:
     img, name = _canvas(), rng.choice(sorted(COLOURS))
     y, x = rng.randint(2, 10), rng.randint(2, 10)
-    img[y:y + 20, x:x + 20] = COLOURS[name]
+    img[y : y + 20, x : x + 20] = COLOURS[name]
     return img, name
 
 

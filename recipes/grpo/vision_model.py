@@ -32,8 +32,17 @@ VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_e
 CHAT_TEMPLATE = (
     "{% for message in messages %}" + TURN_START + "{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}" + VISION_START + IMAGE_PAD + VISION_END + "{% else %}{{ item['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}" + TURN_END + "\n{% endfor %}{% if add_generation_prompt %}" + TURN_START + "assistant\n{% endif %}")
+    "{% if item['type'] == 'image' %}"
+    + VISION_START
+    + IMAGE_PAD
+    + VISION_END
+    + "{% else %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    + TURN_END
+    + "\n{% endfor %}{% if add_generation_prompt %}"
+    + TURN_START
+    + "assistant\n{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -67,8 +76,13 @@ def image_processor(shape: VisionShape, max_pixels: int | None = None):
     from transformers import Qwen2VLImageProcessorPil
 
     factor = shape.patch_size * shape.merge_size
-    return Qwen2VLImageProcessorPil(patch_size=shape.patch_size, merge_size=shape.merge_size, temporal_patch_size=2,
-                                    min_pixels=factor * factor, max_pixels=max_pixels or shape.max_pixels)
+    return Qwen2VLImageProcessorPil(
+        patch_size=shape.patch_size,
+        merge_size=shape.merge_size,
+        temporal_patch_size=2,
+        min_pixels=factor * factor,
+        max_pixels=max_pixels or shape.max_pixels,
+    )
 
 
 class CacheError(ValueError):
@@ -76,14 +90,21 @@ class CacheError(ValueError):
     file and says to delete the directory, which the next run rebuilds."""
 
 
-CACHE_FILES = ("config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json",
-               "model.safetensors")
+CACHE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors",
+)
 """The files of a finished build (every one checked by :func:`check_cache`)."""
 
 
 def _damaged(path: Path, name: str, why: str) -> CacheError:
-    return CacheError(f"{path / name}: {why}; the model cache is damaged: delete the directory {path} and run again "
-                      "(it is rebuilt)")
+    return CacheError(
+        f"{path / name}: {why}; the model cache is damaged: delete the directory {path} and run again (it is rebuilt)"
+    )
 
 
 def _reason(exc: BaseException) -> str:
@@ -112,9 +133,11 @@ def check_cache(path: Path, shape: VisionShape) -> None:
     if not isinstance(vision, dict):
         raise _damaged(path, "config.json", f"vision_config must be a JSON object, got {type(vision).__name__}")
     for name, settings, key, want in (
-            ("config.json", vision, "spatial_merge_size", shape.merge_size), ("config.json", vision, "patch_size", shape.patch_size),
-            ("preprocessor_config.json", images, "merge_size", shape.merge_size),
-            ("preprocessor_config.json", images, "patch_size", shape.patch_size)):
+        ("config.json", vision, "spatial_merge_size", shape.merge_size),
+        ("config.json", vision, "patch_size", shape.patch_size),
+        ("preprocessor_config.json", images, "merge_size", shape.merge_size),
+        ("preprocessor_config.json", images, "patch_size", shape.patch_size),
+    ):
         if settings.get(key) != want:
             where = f"vision_config.{key}" if name == "config.json" else key
             raise _damaged(path, name, f"{where} must be {want} (the preset's), got {settings.get(key)!r}")
@@ -129,24 +152,36 @@ def check_cache(path: Path, shape: VisionShape) -> None:
     text = configs["config.json"].get("text_config")
     vocab = text.get("vocab_size") if isinstance(text, dict) else None
     if size != vocab:  # the model was built with one embedding row per token
-        raise _damaged(path, "tokenizer.json", f"the tokenizer holds {size} tokens, but config.json's text_config.vocab_size "
-                                               f"is {vocab!r}")
+        raise _damaged(
+            path,
+            "tokenizer.json",
+            f"the tokenizer holds {size} tokens, but config.json's text_config.vocab_size is {vocab!r}",
+        )
     if image_id != configs["config.json"].get("image_token_id"):
-        raise _damaged(path, "tokenizer.json", f"{IMAGE_PAD} is token {image_id}, but config.json's image_token_id is "
-                                               f"{configs['config.json'].get('image_token_id')!r}")
+        raise _damaged(
+            path,
+            "tokenizer.json",
+            f"{IMAGE_PAD} is token {image_id}, but config.json's image_token_id is "
+            f"{configs['config.json'].get('image_token_id')!r}",
+        )
     verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()  # the load report and progress bar: the error below says what is wrong, in one line
     logging.disable_progress_bar()
     try:
-        _, info = Qwen2VLForConditionalGeneration.from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True)
+        _, info = Qwen2VLForConditionalGeneration.from_pretrained(
+            path, output_loading_info=True, ignore_mismatched_sizes=True
+        )
     except Exception as exc:  # safetensors, transformers and torch raise many kinds for weights they cannot read
         raise _damaged(path, "model.safetensors", f"the model does not load ({_reason(exc)})") from None
     finally:
         logging.set_verbosity(verbosity)
         if bars:
             logging.enable_progress_bar()
-    for kind, what in (("missing_keys", "tensors missing"), ("unexpected_keys", "tensors the model does not have"),
-                       ("mismatched_keys", "tensors of another shape than config.json's model")):
+    for kind, what in (
+        ("missing_keys", "tensors missing"),
+        ("unexpected_keys", "tensors the model does not have"),
+        ("mismatched_keys", "tensors of another shape than config.json's model"),
+    ):
         names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(kind) or ())
         if names:
             more = f" and {len(names) - 2} more" if len(names) > 2 else ""
@@ -165,26 +200,55 @@ def build_local_vlm(preset: str, out_dir: Path, texts: Iterable[str], seed: int 
 
     shape = PRESETS[preset]
     texts = list(texts)
-    path, built = build_path(out_dir, f"vision-{preset}", [asdict(shape), seed, CHAT_TEMPLATE, texts],
-                             ("config.json", "preprocessor_config.json"))
+    path, built = build_path(
+        out_dir,
+        f"vision-{preset}",
+        [asdict(shape), seed, CHAT_TEMPLATE, texts],
+        ("config.json", "preprocessor_config.json"),
+    )
     if built or path.exists():  # a build is renamed into place whole: a directory there is one, maybe damaged since
         check_cache(path, shape)
         return path
-    tokenizer = train_tokenizer(texts, shape.tokenizer_vocab, (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD), CHAT_TEMPLATE)
+    tokenizer = train_tokenizer(
+        texts, shape.tokenizer_vocab, (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD), CHAT_TEMPLATE
+    )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)}
     eos = tokenizer.eos_token_id
     config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=shape.hidden_size,
-                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
-                         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
-                         max_position_embeddings=4096, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
-                                          "mrope_section": list(shape.mrope_section)}),
-        vision_config=dict(depth=shape.vision_depth, embed_dim=shape.vision_embed_dim, hidden_size=shape.hidden_size,
-                           mlp_ratio=2, num_heads=shape.vision_heads, patch_size=shape.patch_size,
-                           spatial_merge_size=shape.merge_size, temporal_patch_size=2, in_channels=3),
-        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END], tie_word_embeddings=False)
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_hidden_layers,
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_key_value_heads,
+            max_position_embeddings=4096,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": list(shape.mrope_section),
+            },
+        ),
+        vision_config=dict(
+            depth=shape.vision_depth,
+            embed_dim=shape.vision_embed_dim,
+            hidden_size=shape.hidden_size,
+            mlp_ratio=2,
+            num_heads=shape.vision_heads,
+            patch_size=shape.patch_size,
+            spatial_merge_size=shape.merge_size,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = eos

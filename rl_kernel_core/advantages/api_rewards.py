@@ -84,8 +84,9 @@ def _check_items(name: str, mask: torch.Tensor, positions: dict[str, torch.Tenso
     _checks.same_device("mask", mask, **{f"{name}.values": values}, **{f"{name}.{f}": t for f, t in positions.items()})
 
 
-def _check_ranges(name: str, seq_len: int, starts: torch.Tensor, lengths: torch.Tensor, valid: torch.Tensor,
-                  what: str) -> None:
+def _check_ranges(
+    name: str, seq_len: int, starts: torch.Tensor, lengths: torch.Tensor, valid: torch.Tensor, what: str
+) -> None:
     """Valid entries ``[start, start + length)`` must lie in ``[0, seq_len)``: ``0 <= start`` and
     ``length <= seq_len - start``, compared without forming ``start + length`` (which wraps around
     in int64 or int32 and would let a region far outside the sequence pass). Read on CPU, and on
@@ -96,11 +97,14 @@ def _check_ranges(name: str, seq_len: int, starts: torch.Tensor, lengths: torch.
     if bool(bad.any()):
         b, k = (int(i) for i in bad.nonzero()[0])
         low = int(starts[b, k])
-        raise ValueError(f"{name}[{b}][{k}]: {what} must lie in [0, {seq_len}) (mask's T), got [{low}, {low + int(lengths[b, k])})")
+        raise ValueError(
+            f"{name}[{b}][{k}]: {what} must lie in [0, {seq_len}) (mask's T), got [{low}, {low + int(lengths[b, k])})"
+        )
 
 
-def _group_normalised(values: torch.Tensor, valid: torch.Tensor, group_size: int, estimator: str, norm_by_std: bool,
-                      eps: float) -> torch.Tensor:
+def _group_normalised(
+    values: torch.Tensor, valid: torch.Tensor, group_size: int, estimator: str, norm_by_std: bool, eps: float
+) -> torch.Tensor:
     """``[B, K]`` fp64 advantages of the valid entries, normalised over each group's valid entries
     (``group_advantages``' formulas); 0 at invalid entries."""
     b, k = values.shape
@@ -141,7 +145,9 @@ def _signal_tokens(name: str, signal: Signal, mask: torch.Tensor, group_size: in
         steps = signal.steps
         _check_items(f"{name}.steps", mask, {"ends": steps.ends}, steps.values)
         valid = steps.ends >= 0
-        _check_ranges(f"{name}.steps.ends", seq_len, steps.ends, torch.ones_like(steps.ends), valid, "a step's last token")
+        _check_ranges(
+            f"{name}.steps.ends", seq_len, steps.ends, torch.ones_like(steps.ends), valid, "a step's last token"
+        )
         adv = _group_normalised(steps.values, valid, group_size, **kwargs)
         reaches = steps.ends[:, :, None] >= positions
         out = out + torch.where(reaches, adv[:, :, None], 0.0).sum(dim=1)
@@ -194,7 +200,9 @@ def token_advantages(
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
     if group_size <= 0 or mask.shape[0] % group_size != 0:
-        raise ValueError(f"group_size must be a positive divisor of B = mask.shape[0] = {mask.shape[0]}, got {group_size}")
+        raise ValueError(
+            f"group_size must be a positive divisor of B = mask.shape[0] = {mask.shape[0]}, got {group_size}"
+        )
     _checks.choice("estimator", estimator, ESTIMATORS)
     if not isinstance(norm_by_std, bool):
         raise TypeError(f"norm_by_std must be a bool, got {type(norm_by_std).__name__}")

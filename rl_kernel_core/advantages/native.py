@@ -19,7 +19,12 @@ _ext = extension("advantages")
 
 @torch.library.custom_op("rl_kernel::native_group_advantages", mutates_args=())
 def group_advantages_op(
-    rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], estimator: str, norm_by_std: bool, eps: float
+    rewards: Tensor,
+    group_size: Optional[int],
+    group_index: Optional[Tensor],
+    estimator: str,
+    norm_by_std: bool,
+    eps: float,
 ) -> Tensor:
     """Advantages ``[N]`` (fp32; fp64 for fp64 rewards), group statistics in fp64."""
     return _ext.group_advantages(rewards, group_size, group_index, ESTIMATOR_CODES[estimator], norm_by_std, eps)

@@ -22,7 +22,13 @@ def implementation(forward_op: Callable) -> Callable[..., Tensor]:
     """The backend implementation of ``group_advantages`` over the custom op ``forward_op``."""
 
     def group_advantages(
-        rewards: Tensor, group_size: Optional[int], group_index: Optional[Tensor], *, estimator: str, norm_by_std: bool, eps: float
+        rewards: Tensor,
+        group_size: Optional[int],
+        group_index: Optional[Tensor],
+        *,
+        estimator: str,
+        norm_by_std: bool,
+        eps: float,
     ) -> Tensor:
         """Backend implementation: advantages ``[N]`` in ``forward_op``'s dtype (see :func:`fake`), not differentiable."""
         return forward_op(rewards.detach(), group_size, group_index, estimator, norm_by_std, eps)

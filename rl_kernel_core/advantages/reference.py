@@ -22,7 +22,9 @@ import torch
 from rl_kernel_core import dispatch
 
 
-def _group_stats(values: torch.Tensor, counts: torch.Tensor, group_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_stats(
+    values: torch.Tensor, counts: torch.Tensor, group_of: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-element group mean and unbiased std (two-pass) for ``values`` laid out group by group.
 
     The mean is the group's first value plus the mean of the differences from it: exact for a
@@ -36,12 +38,16 @@ def _group_stats(values: torch.Tensor, counts: torch.Tensor, group_of: torch.Ten
     return mean[group_of], std[group_of]
 
 
-def _estimate(values: torch.Tensor, counts: torch.Tensor, group_of: torch.Tensor, estimator: str, norm_by_std: bool, eps: float) -> torch.Tensor:
+def _estimate(
+    values: torch.Tensor, counts: torch.Tensor, group_of: torch.Tensor, estimator: str, norm_by_std: bool, eps: float
+) -> torch.Tensor:
     mean, std = _group_stats(values, counts, group_of)
     size = counts[group_of].to(values.dtype)
     single = size == 1
     if estimator == "rloo":
-        return torch.where(single, values, (values - mean) * size / torch.where(single, torch.ones_like(size), size - 1))
+        return torch.where(
+            single, values, (values - mean) * size / torch.where(single, torch.ones_like(size), size - 1)
+        )
     centered = values - torch.where(single, torch.zeros_like(mean), mean)
     if estimator == "grpo" and norm_by_std:
         den = torch.where(single, torch.ones_like(std), std) + eps

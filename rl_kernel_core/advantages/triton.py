@@ -34,8 +34,17 @@ from rl_kernel_core.triton.tuning import ADVANTAGES_MAX_BLOCK
 
 @launch_time_jit
 def _group_advantages_kernel(
-    rewards_ptr, order_ptr, starts_ptr, ends_ptr, out_ptr, group_size, eps_ptr,
-    BY_INDEX: tl.constexpr, ESTIMATOR: tl.constexpr, NORM_BY_STD: tl.constexpr, BLOCK: tl.constexpr,
+    rewards_ptr,
+    order_ptr,
+    starts_ptr,
+    ends_ptr,
+    out_ptr,
+    group_size,
+    eps_ptr,
+    BY_INDEX: tl.constexpr,
+    ESTIMATOR: tl.constexpr,
+    NORM_BY_STD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     if BY_INDEX:
@@ -84,8 +93,12 @@ def _group_advantages_kernel(
 
 
 def group_advantages_fwd(
-    rewards: torch.Tensor, group_size: Optional[int], group_index: Optional[torch.Tensor],
-    estimator: str, norm_by_std: bool, eps: float,
+    rewards: torch.Tensor,
+    group_size: Optional[int],
+    group_index: Optional[torch.Tensor],
+    estimator: str,
+    norm_by_std: bool,
+    eps: float,
 ) -> torch.Tensor:
     """Advantages ``[N]`` fp32 (group statistics in fp64) from rewards ``[N]`` (fp32/bf16/fp16);
     one of ``group_size``/``group_index`` is set."""
@@ -109,14 +122,25 @@ def group_advantages_fwd(
         group_size = 0
     eps64 = torch.full((1,), eps, dtype=torch.float64, device=values.device)  # a float argument would be fp32
     _group_advantages_kernel[(grid,)](
-        values, order, starts, ends, out, group_size, eps64,
-        BY_INDEX=group_index is not None, ESTIMATOR=ESTIMATOR_CODES[estimator], NORM_BY_STD=norm_by_std,
-        BLOCK=block, num_warps=4,
+        values,
+        order,
+        starts,
+        ends,
+        out,
+        group_size,
+        eps64,
+        BY_INDEX=group_index is not None,
+        ESTIMATOR=ESTIMATOR_CODES[estimator],
+        NORM_BY_STD=norm_by_std,
+        BLOCK=block,
+        num_warps=4,
     )
     return out
 
 
-group_advantages_op = torch.library.custom_op("rl_kernel::triton_group_advantages", group_advantages_fwd, mutates_args=())
+group_advantages_op = torch.library.custom_op(
+    "rl_kernel::triton_group_advantages", group_advantages_fwd, mutates_args=()
+)
 group_advantages_op.register_fake(opdef.fake)
 
 
@@ -124,4 +148,6 @@ def _supports(rewards, group_size, group_index, **kwargs) -> Optional[str]:
     return fp64_reason("triton", rewards=rewards)
 
 
-group_advantages = dispatch.register("group_advantages", "triton", supports=_supports)(opdef.implementation(group_advantages_op))
+group_advantages = dispatch.register("group_advantages", "triton", supports=_supports)(
+    opdef.implementation(group_advantages_op)
+)

@@ -117,8 +117,9 @@ class _Block:
 # The innermost block of the running context (thread, asyncio task): a block closed out of order (a
 # generator or task suspended inside it, an exit from another thread) is skipped, never restored over
 # a block still open.
-_innermost_block: contextvars.ContextVar[Optional[_Block]] = contextvars.ContextVar("rl_kernel_batch_invariant_block",
-                                                                                    default=None)
+_innermost_block: contextvars.ContextVar[Optional[_Block]] = contextvars.ContextVar(
+    "rl_kernel_batch_invariant_block", default=None
+)
 
 
 def _open_block(node: Optional[_Block]) -> Optional[_Block]:
@@ -157,7 +158,9 @@ def _routed_kernel(route: Callable, original) -> Callable:
 
 def _register_routes() -> torch.library.Library:
     if not hasattr(torch.library, "get_kernel"):
-        raise RuntimeError(f"batch-invariant mode needs torch>=2.9 (torch.library.get_kernel); this is torch {torch.__version__}")
+        raise RuntimeError(
+            f"batch-invariant mode needs torch>=2.9 (torch.library.get_kernel); this is torch {torch.__version__}"
+        )
     library = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():  # replacing the kernel is the point; PyTorch warns about it once
@@ -167,7 +170,9 @@ def _register_routes() -> torch.library.Library:
                     # an op without a kernel for the key (a composite one) decomposes into routed ops above it,
                     # except those in _COMPOSITE_ROUTES, whose decomposition reaches no route
                     if op in _COMPOSITE_ROUTES or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
-                        library.impl(op, _routed_kernel(route, torch.library.get_kernel(op, key)), key, with_keyset=True)
+                        library.impl(
+                            op, _routed_kernel(route, torch.library.get_kernel(op, key)), key, with_keyset=True
+                        )
     except BaseException:
         library._destroy()
         raise
@@ -200,7 +205,9 @@ def _set_holders(blocks: int, switch: bool) -> None:
 
 
 def _set_compile_stance(stance) -> None:
-    torch.compiler.set_stance(stance.stance, skip_guard_eval_unsafe=stance.skip_guard_eval_unsafe, force_backend=stance.backend)
+    torch.compiler.set_stance(
+        stance.stance, skip_guard_eval_unsafe=stance.skip_guard_eval_unsafe, force_backend=stance.backend
+    )
 
 
 @contextlib.contextmanager
@@ -218,8 +225,10 @@ def routing_suspended() -> Iterator[None]:
 
 def _refuse_while_compiling(what: str) -> None:
     if torch.compiler.is_compiling():
-        raise RuntimeError(f"{what} inside a function torch.compile is tracing: the mode changes torch.compile's stance, "
-                           f"which a traced function cannot; enter the mode around the compiled call instead")
+        raise RuntimeError(
+            f"{what} inside a function torch.compile is tracing: the mode changes torch.compile's stance, "
+            f"which a traced function cannot; enter the mode around the compiled call instead"
+        )
 
 
 def _check_enabled(enabled: object) -> None:
@@ -240,8 +249,10 @@ def set_batch_invariant_mode(enabled: bool) -> bool:
     _refuse_while_compiling("set_batch_invariant_mode()")
     block = _block_setting()
     if block is not None and block != enabled:
-        raise RuntimeError(f"set_batch_invariant_mode({enabled}) inside a batch_invariant({block}) block cannot "
-                           f"change this context's mode; use `with batch_invariant({enabled}):` instead")
+        raise RuntimeError(
+            f"set_batch_invariant_mode({enabled}) inside a batch_invariant({block}) block cannot "
+            f"change this context's mode; use `with batch_invariant({enabled}):` instead"
+        )
     with _lock:
         previous = _switch
         _set_holders(_blocks, enabled)
@@ -332,7 +343,9 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, backend: Optional[str] = "auto") -
     return dispatch.select("bi_matmul", backend, a.device, a, b)(a, b)
 
 
-def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, backend: Optional[str] = "auto") -> torch.Tensor:
+def bi_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, backend: Optional[str] = "auto"
+) -> torch.Tensor:
     """Batch-invariant ``torch.nn.functional.linear``: ``x @ weight.T + bias``.
 
     Args:
@@ -379,7 +392,9 @@ def bi_log_softmax(x: torch.Tensor, dim: int = -1, *, backend: Optional[str] = "
     return impl(rows).reshape(moved.shape).movedim(-1, d).contiguous()
 
 
-def bi_logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False, *, backend: Optional[str] = "auto") -> torch.Tensor:
+def bi_logsumexp(
+    x: torch.Tensor, dim: int = -1, keepdim: bool = False, *, backend: Optional[str] = "auto"
+) -> torch.Tensor:
     """Batch-invariant ``torch.logsumexp(x, dim, keepdim)`` over one dim.
 
     Args:
@@ -405,7 +420,9 @@ def bi_logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False, *, backe
     return out.unsqueeze(d) if keepdim else out
 
 
-def bi_mean(x: torch.Tensor, dim: Union[int, Sequence[int]], keepdim: bool = False, *, backend: Optional[str] = "auto") -> torch.Tensor:
+def bi_mean(
+    x: torch.Tensor, dim: Union[int, Sequence[int]], keepdim: bool = False, *, backend: Optional[str] = "auto"
+) -> torch.Tensor:
     """Batch-invariant ``torch.mean(x, dim, keepdim)``.
 
     Args:
@@ -435,7 +452,9 @@ def bi_mean(x: torch.Tensor, dim: Union[int, Sequence[int]], keepdim: bool = Fal
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: Optional[str] = "auto") -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: Optional[str] = "auto"
+) -> torch.Tensor:
     """RMSNorm: ``x * rsqrt(mean(x**2, -1) + eps) * weight``, batch-invariant in or out of the mode.
 
     Args:
@@ -475,18 +494,32 @@ def _product_args(a: torch.Tensor, b: torch.Tensor, ndim: int) -> bool:
     """Whether ``a @ b`` (``mm`` for ndim 2, ``bmm`` for 3) is a product PyTorch computes with a
     reduction: floating ``a`` and ``b`` of one dtype and device, matching batch and inner dims, no
     zero size."""
-    return (a.dim() == ndim and b.dim() == ndim and a.dtype == b.dtype and a.dtype in _checks.FLOAT_DTYPES
-            and a.device == b.device and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
-            and a.numel() > 0 and b.numel() > 0)
+    return (
+        a.dim() == ndim
+        and b.dim() == ndim
+        and a.dtype == b.dtype
+        and a.dtype in _checks.FLOAT_DTYPES
+        and a.device == b.device
+        and a.shape[:-2] == b.shape[:-2]
+        and a.shape[-1] == b.shape[-2]
+        and a.numel() > 0
+        and b.numel() > 0
+    )
 
 
 def _addend_args(bias: torch.Tensor, a: torch.Tensor, shape: Sequence[int], beta, alpha) -> bool:
     """Whether PyTorch's ``addmm``/``baddbmm`` takes ``bias`` for a product ``a @ b`` of ``shape``
     and computes the product: ``a``'s dtype and device, broadcastable to ``shape`` without more
     dims, real scalars, ``alpha != 0``."""
-    return (bias.dtype == a.dtype and bias.device == a.device and bias.dim() <= len(shape)
-            and all(s == 1 or s == t for s, t in zip(reversed(bias.shape), reversed(shape)))
-            and isinstance(beta, (int, float)) and isinstance(alpha, (int, float)) and alpha != 0)
+    return (
+        bias.dtype == a.dtype
+        and bias.device == a.device
+        and bias.dim() <= len(shape)
+        and all(s == 1 or s == t for s, t in zip(reversed(bias.shape), reversed(shape)))
+        and isinstance(beta, (int, float))
+        and isinstance(alpha, (int, float))
+        and alpha != 0
+    )
 
 
 def _scaled_sum(prod: torch.Tensor, bias: torch.Tensor, beta, alpha) -> torch.Tensor:
@@ -536,15 +569,28 @@ def _route_log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.
 
 
 def _route_logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
-    if x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0 or x.dim() == 0 or len(dim) != 1 \
-            or not -x.dim() <= dim[0] < x.dim():
+    if (
+        x.dtype not in _checks.FLOAT_DTYPES
+        or x.numel() == 0
+        or x.dim() == 0
+        or len(dim) != 1
+        or not -x.dim() <= dim[0] < x.dim()
+    ):
         return NotImplemented
     return bi_logsumexp(x, dim[0], keepdim)
 
 
 def _route_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
-    if (dtype is None and dim is not None and len(dim) == 1 and dim[0] in (-1, x.dim() - 1) and x.dim() > 0
-            and x.dtype in _checks.FLOAT_DTYPES and x.numel() > 0 and x.is_contiguous()):
+    if (
+        dtype is None
+        and dim is not None
+        and len(dim) == 1
+        and dim[0] in (-1, x.dim() - 1)
+        and x.dim() > 0
+        and x.dtype in _checks.FLOAT_DTYPES
+        and x.numel() > 0
+        and x.is_contiguous()
+    ):
         # the last dim of a contiguous tensor (an RMSNorm's mean square, every layer of every decode
         # step): its rows are a view, so bi_mean's permute, copy and reshapes are skipped; same rows,
         # same backend, same bits
@@ -557,8 +603,13 @@ def _route_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None)
         # as PyTorch: computed in the wider of the two dtypes, then rounded to dtype
         x = x.to(torch.promote_types(x.dtype, dtype))
     dims = dim or range(x.dim())  # None and [] reduce every dim
-    if x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0 or x.dim() == 0 \
-            or not all(-x.dim() <= d < x.dim() for d in dims) or len({d % x.dim() for d in dims}) != len(dims):
+    if (
+        x.dtype not in _checks.FLOAT_DTYPES
+        or x.numel() == 0
+        or x.dim() == 0
+        or not all(-x.dim() <= d < x.dim() for d in dims)
+        or len({d % x.dim() for d in dims}) != len(dims)
+    ):
         return NotImplemented
     out = bi_mean(x, list(dims), keepdim)
     return out if dtype is None else out.to(dtype)
@@ -567,9 +618,13 @@ def _route_mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=None)
 def _route_fused_rms_norm(x: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor], eps: Optional[float]):
     # Returns (output, rstd) as the aten op does; rstd keeps the reduced dims with size 1.
     n = len(normalized_shape)
-    if x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0 or not 0 < n <= x.dim() \
-            or list(x.shape[x.dim() - n:]) != list(normalized_shape) \
-            or (weight is not None and (weight.shape != x.shape[x.dim() - n:] or weight.device != x.device)):
+    if (
+        x.dtype not in _checks.FLOAT_DTYPES
+        or x.numel() == 0
+        or not 0 < n <= x.dim()
+        or list(x.shape[x.dim() - n :]) != list(normalized_shape)
+        or (weight is not None and (weight.shape != x.shape[x.dim() - n :] or weight.device != x.device))
+    ):
         return NotImplemented
     dims = list(range(x.dim() - n, x.dim()))
     if eps is None:

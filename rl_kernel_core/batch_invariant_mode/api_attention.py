@@ -17,7 +17,6 @@ from typing import Literal, Optional, Union, overload
 import torch
 
 from rl_kernel_core import _checks, dispatch
-from rl_kernel_core.batch_invariant_mode import reference_attention as _reference  # registers the torch backend
 from rl_kernel_core.batch_invariant_mode.api import routing_suspended
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -33,16 +32,43 @@ def _offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:
 
 
 @overload
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_k: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None,
-                     return_lse: Literal[False] = False, backend: Optional[str] = "auto") -> torch.Tensor: ...
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    return_lse: Literal[False] = False,
+    backend: Optional[str] = "auto",
+) -> torch.Tensor: ...
 @overload
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_k: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None,
-                     return_lse: Literal[True], backend: Optional[str] = "auto") -> tuple[torch.Tensor, torch.Tensor]: ...
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     cu_seqlens_k: Optional[torch.Tensor] = None, *, causal: bool = True, scale: Optional[float] = None,
-                     return_lse: bool = False, backend: Optional[str] = "auto") -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    return_lse: Literal[True],
+    backend: Optional[str] = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    backend: Optional[str] = "auto",
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Attention over packed sequences: sequence b's queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``
     attend to its keys/values ``k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]``.
 
@@ -82,7 +108,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    scale = d ** -0.5 if scale is None else _checks.positive("scale", scale)
+    scale = d**-0.5 if scale is None else _checks.positive("scale", scale)
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     cu_k = cu_q if cu_seqlens_k is None else _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     if len(cu_k) != len(cu_q):
@@ -92,13 +118,23 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if causal and lq > lk:
             raise ValueError(f"causal attention needs Lq <= Lk per sequence; sequence {b} has Lq={lq}, Lk={lk}")
         if lq > 0 and lk == 0:  # a softmax over no keys: 0/0
-            raise ValueError(f"cu_seqlens_k must give every sequence with queries at least one key; sequence {b} has Lq={lq}, Lk=0")
+            raise ValueError(
+                f"cu_seqlens_k must give every sequence with queries at least one key; sequence {b} has Lq={lq}, Lk=0"
+            )
     out, lse = checked_varlen_attention(q, k, v, cu_q, cu_k, causal, scale, backend)
     return (out, lse) if return_lse else out
 
 
-def checked_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
-                             causal: bool, scale: float, backend: Optional[str] = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def checked_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: list[int],
+    cu_k: list[int],
+    causal: bool,
+    scale: float,
+    backend: Optional[str] = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`varlen_attention` with ``return_lse=True`` for a caller that has already checked its
     arguments as :func:`varlen_attention` does (the batch-invariant mode's transformers attention,
     once a layer at every decode step, builds the packed layout itself): offsets as Python lists,
@@ -116,8 +152,12 @@ def _paged_kv_heads(kv_cache: torch.Tensor, name: str, like: torch.Tensor) -> in
     d = like.shape[2]
     _checks.tensor("kv_cache", kv_cache, dtypes=(like.dtype,), ndim=4)
     _checks.same_device(name, like, kv_cache=kv_cache)
-    _checks.shape("kv_cache", kv_cache, (kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[2], 2 * d),
-                  f"[num_blocks, Hkv, block_size, 2*D={2 * d}]")
+    _checks.shape(
+        "kv_cache",
+        kv_cache,
+        (kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[2], 2 * d),
+        f"[num_blocks, Hkv, block_size, 2*D={2 * d}]",
+    )
     if kv_cache.stride(3) != 1:
         raise ValueError(f"kv_cache's last dim must be contiguous, got strides {kv_cache.stride()}")
     return kv_cache.shape[1]
@@ -127,15 +167,26 @@ def _paged_kernels(device: torch.device):
     from rl_kernel_core.triton._jit import interpreting
 
     if device.type != "cuda" and not interpreting():
-        raise ValueError(f"paged attention runs Triton kernels: expected CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+        raise ValueError(
+            f"paged attention runs Triton kernels: expected CUDA tensors (or TRITON_INTERPRET=1), got {device}"
+        )
     from rl_kernel_core.batch_invariant_mode import triton_attention as kernels
 
     return kernels
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    seq_lens: torch.Tensor, max_query_len: int, *, causal: bool = True, scale: Optional[float] = None,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """:func:`varlen_attention`'s forward over a paged KV cache, with its bits: a query's output equals
     bit for bit what ``varlen_attention`` (Triton backend) gives it over the same keys and values in
     a packed layout, whatever the other sequences, its tile position or the cache's block size.
@@ -182,7 +233,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    scale = d ** -0.5 if scale is None else _checks.positive("scale", scale)
+    scale = d**-0.5 if scale is None else _checks.positive("scale", scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     else:
@@ -191,8 +242,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     for name, t in (("q", q), ("out", out)):
         if t.stride(2) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous, got strides {t.stride()}")
-    return _paged_kernels(q.device).paged_forward(q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_query_len,
-                                                  causal, scale, out)
+    return _paged_kernels(q.device).paged_forward(
+        q, kv_cache, block_table, cu_seqlens_q, seq_lens, max_query_len, causal, scale, out
+    )
 
 
 def write_paged_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -35,8 +35,16 @@ def _bool_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+def mode_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling=None,
+    dropout: float = 0.0,
+    **kwargs,
+):
     """A transformers attention function: query ``[B, Hq, Lq, D]``, key/value ``[B, Hkv, Lk, D]``
     (the cache included), ``attention_mask`` ``[B, 1, Lq, Lk]`` boolean (True: attend) ->
     ``([B, Lq, Hq, D], None)``.
@@ -59,33 +67,49 @@ def mode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not is_batch_invariant():
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if dropout != 0.0 and module.training:
         raise ValueError(f"batch-invariant attention has no dropout; got dropout={dropout}")
     if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"batch-invariant attention has no sliding window; got sliding_window={kwargs['sliding_window']}")
+        raise ValueError(
+            f"batch-invariant attention has no sliding window; got sliding_window={kwargs['sliding_window']}"
+        )
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     b, hq, lq, d = query.shape
     lk = key.shape[2]
     if not causal and lq != lk:
         raise ValueError(f"batch-invariant full attention needs as many queries as keys; got Lq={lq}, Lk={lk}")
-    cu = _cached(kwargs.get("position_ids"), (b, lq, lk), lambda: _packed_offsets(kwargs.get("position_ids"), b, lq, lk))
+    cu = _cached(
+        kwargs.get("position_ids"), (b, lq, lk), lambda: _packed_offsets(kwargs.get("position_ids"), b, lq, lk)
+    )
     if cu is not None:
-        out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
-                               causal=causal, scale=scaling)
+        out = varlen_attention(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, causal=causal, scale=scaling
+        )
         return out[None], None
-    query_rows, key_rows, cu_q, cu_k = _cached(attention_mask, (b, lq, lk), lambda: _padded_layout(attention_mask, b, lq, lk))
+    query_rows, key_rows, cu_q, cu_k = _cached(
+        attention_mask, (b, lq, lk), lambda: _padded_layout(attention_mask, b, lq, lk)
+    )
     hkv = key.shape[1]
     q = query.transpose(1, 2).reshape(b * lq, hq, d)
     k = key.transpose(1, 2).reshape(b * lk, hkv, d)
     v = value.transpose(1, 2).reshape(b * lk, hkv, d)
-    scale = d ** -0.5 if scaling is None else float(scaling)
+    scale = d**-0.5 if scaling is None else float(scaling)
     if query_rows is None:  # no padding: the batch's own layout is the packed one
         out, _ = checked_varlen_attention(q, k, v, cu_q, cu_k, causal, scale)
         return out.view(b, lq, hq, d), None
-    out, _ = checked_varlen_attention(q.index_select(0, query_rows), k.index_select(0, key_rows),
-                                      v.index_select(0, key_rows), cu_q, cu_k, causal, scale)
+    out, _ = checked_varlen_attention(
+        q.index_select(0, query_rows),
+        k.index_select(0, key_rows),
+        v.index_select(0, key_rows),
+        cu_q,
+        cu_k,
+        causal,
+        scale,
+    )
     return query.new_zeros((b * lq, hq, d)).index_copy(0, query_rows, out).view(b, lq, hq, d), None
 
 
@@ -116,7 +140,7 @@ def _padded_layout(attention_mask, b: int, lq: int, lk: int):
         return None, None, [i * lq for i in range(b + 1)], [i * lk for i in range(b + 1)]
     last = attention_mask[:, 0, -1, :]
     key_ok = last if last.dtype == torch.bool else last == 0
-    query_ok = key_ok[:, lk - lq:]
+    query_ok = key_ok[:, lk - lq :]
     counts = torch.stack([query_ok.sum(1), key_ok.sum(1)]).cpu()
     zero = torch.zeros(1, dtype=torch.int64)
     cu_q, cu_k = (torch.cat([zero, c.cumsum(0)]).tolist() for c in counts)
@@ -186,7 +210,9 @@ def use_row_parallel_split(model, parts: int) -> list[str]:
         if not (isinstance(module, torch.nn.Linear) and name.endswith(ROW_PARALLEL)):
             continue
         if module.bias is not None:
-            raise ValueError(f"{name}: a row-parallel linear with a bias is not covered (an engine adds it on one rank)")
+            raise ValueError(
+                f"{name}: a row-parallel linear with a bias is not covered (an engine adds it on one rank)"
+            )
         if module.in_features % parts:
             raise ValueError(f"{name}: in_features={module.in_features} is not divisible by parts={parts}")
         module.forward = _split_forward(module, parts)
@@ -199,8 +225,8 @@ def _split_forward(module: torch.nn.Linear, parts: int):
 
     def rank(x: torch.Tensor, r: int) -> torch.Tensor:
         # the weight's columns copied contiguous: the engine rank's own [M, K/parts] tensor, same strides
-        weight = module.weight[:, r * width:(r + 1) * width].contiguous()
-        return torch.nn.functional.linear(x[..., r * width:(r + 1) * width], weight)
+        weight = module.weight[:, r * width : (r + 1) * width].contiguous()
+        return torch.nn.functional.linear(x[..., r * width : (r + 1) * width], weight)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return rank_order_sum([rank(x, r) for r in range(parts)])

@@ -92,8 +92,9 @@ def _gated(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
+def experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """The weighted sum of each token's routed experts' gated MLPs.
 
     Args:
@@ -114,7 +115,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     if gate_up.dim() != 3 or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: expected [E, 2I, H={hidden}], got {tuple(gate_up.shape)}")
     if down.shape != (num_experts, hidden, gate_up.shape[1] // 2):
-        raise ValueError(f"down: expected [E={num_experts}, H={hidden}, I={gate_up.shape[1] // 2}], got {tuple(down.shape)}")
+        raise ValueError(
+            f"down: expected [E={num_experts}, H={hidden}, I={gate_up.shape[1] // 2}], got {tuple(down.shape)}"
+        )
     if ids.shape != weights.shape or ids.shape[0] != n:
         raise ValueError(f"ids, weights: expected both [N={n}, k], got {tuple(ids.shape)} and {tuple(weights.shape)}")
     flat = ids.reshape(-1)
@@ -131,8 +134,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     if not segments:  # no tokens
         return x.new_zeros(x.shape)
     # two products per routed expert; the activation once over all of them
-    act = _rows(_gated, torch.cat([F.linear(rows[s:s + c], gate_up[e]) for e, s, c in segments]))
-    grouped = torch.cat([F.linear(act[s:s + c], down[e]) for e, s, c in segments])
+    act = _rows(_gated, torch.cat([F.linear(rows[s : s + c], gate_up[e]) for e, s, c in segments]))
+    grouped = torch.cat([F.linear(act[s : s + c], down[e]) for e, s, c in segments])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     per_slot = grouped.index_select(0, inverse).view(n, k, hidden)
@@ -142,8 +145,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: 
     return out.to(x.dtype)
 
 
-def sparse_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               top_k: int, normalize: bool) -> torch.Tensor:
+def sparse_moe(
+    x: torch.Tensor, gate_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, normalize: bool
+) -> torch.Tensor:
     """A Qwen3-MoE sparse block on ``x [N, H]``: :func:`route` of :func:`router_logits` of
     ``gate_weight [E, H]``, then :func:`experts`; ``[N, H]`` in ``x``'s dtype."""
     weights, ids = route(router_logits(x, gate_weight), top_k, normalize)
@@ -170,8 +174,10 @@ def _experts_forward(module: Any) -> Callable[..., torch.Tensor]:
         if not is_batch_invariant():
             return original(hidden_states, top_k_index, top_k_weights)
         if top_k_weights.dtype != torch.float32:
-            raise ValueError("batch-invariant MoE experts: top_k_weights must come from the mode's router (fp32), "
-                             f"got {top_k_weights.dtype}")
+            raise ValueError(
+                "batch-invariant MoE experts: top_k_weights must come from the mode's router (fp32), "
+                f"got {top_k_weights.dtype}"
+            )
         return experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
 
     return forward
@@ -193,10 +199,16 @@ def use_mode_moe(model: torch.nn.Module) -> list[str]:
             continue
         experts_module, router = block.experts, block.gate
         act = getattr(getattr(experts_module, "config", None), "hidden_act", "silu")
-        if getattr(experts_module, "is_transposed", False) or getattr(experts_module, "has_bias", False) \
-                or not getattr(experts_module, "is_concatenated", True) or act != "silu":
-            raise ValueError(f"{name}: batch-invariant MoE covers concatenated, untransposed, bias-free SiLU experts "
-                             f"(hidden_act {act!r})")
+        if (
+            getattr(experts_module, "is_transposed", False)
+            or getattr(experts_module, "has_bias", False)
+            or not getattr(experts_module, "is_concatenated", True)
+            or act != "silu"
+        ):
+            raise ValueError(
+                f"{name}: batch-invariant MoE covers concatenated, untransposed, bias-free SiLU experts "
+                f"(hidden_act {act!r})"
+            )
         router.forward = _router_forward(router)
         experts_module.forward = _experts_forward(experts_module)
         block._rl_kernel_mode_moe = True

@@ -49,8 +49,10 @@ def check_rope(config: Any, where: str) -> None:
     """Raise ``ValueError`` naming ``where`` and the rope type unless it is covered."""
     kind = rope_type(config)
     if kind not in COVERED_ROPE_TYPES:
-        raise ValueError(f"{where}: rope_type {kind!r} is not covered (covered: {', '.join(COVERED_ROPE_TYPES)}; "
-                         f"its frequencies change with the sequence length, which a precomputed table cannot follow)")
+        raise ValueError(
+            f"{where}: rope_type {kind!r} is not covered (covered: {', '.join(COVERED_ROPE_TYPES)}; "
+            f"its frequencies change with the sequence length, which a precomputed table cannot follow)"
+        )
 
 
 def reference_rotary(config: Any) -> torch.nn.Module:
@@ -63,8 +65,9 @@ def reference_rotary(config: Any) -> torch.nn.Module:
     archs = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", None)
     if not archs or not model_type or not archs[0].endswith("ForCausalLM"):
-        raise ValueError(f"config: expected architectures ['<Prefix>ForCausalLM'] and a model_type, got {archs} "
-                         f"and {model_type!r}")
+        raise ValueError(
+            f"config: expected architectures ['<Prefix>ForCausalLM'] and a model_type, got {archs} and {model_type!r}"
+        )
     name = archs[0][: -len("ForCausalLM")] + "RotaryEmbedding"
     try:
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -94,8 +97,11 @@ def use_cpu_rope_frequencies(model: torch.nn.Module) -> list[str]:
     names = []
     for name, module in model.named_modules():
         inv_freq = getattr(module, "inv_freq", None)
-        if not isinstance(inv_freq, torch.Tensor) or getattr(module, "rope_type", None) not in COVERED_ROPE_TYPES \
-                or getattr(module, "config", None) is None:
+        if (
+            not isinstance(inv_freq, torch.Tensor)
+            or getattr(module, "rope_type", None) not in COVERED_ROPE_TYPES
+            or getattr(module, "config", None) is None
+        ):
             continue
         with torch.device("cpu"):
             fresh = type(module)(module.config)

@@ -39,8 +39,10 @@ def rank_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         raise TypeError(f"parts: expected floating tensors, got dtype {first.dtype}")
     for r, p in enumerate(parts):
         if p.shape != first.shape or p.dtype != first.dtype or p.device != first.device:
-            raise ValueError(f"parts[{r}]: expected shape {tuple(first.shape)}, dtype {first.dtype} on {first.device} "
-                             f"(as parts[0]), got shape {tuple(p.shape)}, dtype {p.dtype} on {p.device}")
+            raise ValueError(
+                f"parts[{r}]: expected shape {tuple(first.shape)}, dtype {first.dtype} on {first.device} "
+                f"(as parts[0]), got shape {tuple(p.shape)}, dtype {p.dtype} on {p.device}"
+            )
     acc = first.to(torch.promote_types(first.dtype, torch.float32), copy=True)
     for p in parts[1:]:
         acc.add_(p)  # widened exactly, then one float32 rounding
@@ -62,8 +64,9 @@ def check_split(config: Any, parts: Any, what: str = "parts") -> None:
     for field in ("num_attention_heads", "intermediate_size"):
         size = getattr(config, field, None)
         if isinstance(size, int) and size % parts:
-            raise ValueError(f"{what}={parts} does not divide the model's {field}={size} "
-                             f"(each rank takes an equal contiguous slice)")
+            raise ValueError(
+                f"{what}={parts} does not divide the model's {field}={size} (each rank takes an equal contiguous slice)"
+            )
 
 
 def text_config(config: Any) -> Any:

@@ -70,9 +70,15 @@ _MODE_CONVS: dict[type, type] = {base: _mode_conv_class(base) for base in _CONV_
 
 
 def _is_patchify(conv: torch.nn.modules.conv._ConvNd) -> bool:
-    return (type(conv) in _MODE_CONVS and tuple(conv.kernel_size) == tuple(conv.stride)
-            and not isinstance(conv.padding, str) and all(p == 0 for p in conv.padding)
-            and all(d == 1 for d in conv.dilation) and conv.groups == 1 and conv.padding_mode == "zeros")
+    return (
+        type(conv) in _MODE_CONVS
+        and tuple(conv.kernel_size) == tuple(conv.stride)
+        and not isinstance(conv.padding, str)
+        and all(p == 0 for p in conv.padding)
+        and all(d == 1 for d in conv.dilation)
+        and conv.groups == 1
+        and conv.padding_mode == "zeros"
+    )
 
 
 def use_mode_patch_convolutions(module: torch.nn.Module) -> list[str]:
@@ -91,8 +97,10 @@ def use_mode_patch_convolutions(module: torch.nn.Module) -> list[str]:
             switched.append(name)
         elif isinstance(sub, torch.nn.modules.conv._ConvNd):
             if not _is_patchify(sub):
-                raise ValueError(f"model: convolution {name!r} ({sub}) is not a patchify convolution (kernel == "
-                                 "stride, no padding, dilation 1, one group); batch-invariant mode does not cover it")
+                raise ValueError(
+                    f"model: convolution {name!r} ({sub}) is not a patchify convolution (kernel == "
+                    "stride, no padding, dilation 1, one group); batch-invariant mode does not cover it"
+                )
             sub.__class__ = _MODE_CONVS[type(sub)]
             switched.append(name)
     return switched

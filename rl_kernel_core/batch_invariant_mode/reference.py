@@ -70,7 +70,7 @@ def row_tiled(fn: Callable[..., Outputs], *tensors: torch.Tensor, tile: int = RO
     n = tensors[0].shape[0]
     outs: list[Outputs] = []
     for start in range(0, max(n, 1), tile):
-        outs.append(fn(*(_pad_rows(t[start:start + tile], tile) for t in tensors)))
+        outs.append(fn(*(_pad_rows(t[start : start + tile], tile) for t in tensors)))
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs)[:n]
     return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
@@ -140,4 +140,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return (tf * inv * w).to(x.dtype)
 
     return row_tiled(tile, x)
-

@@ -53,7 +53,7 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     outs, lses = [], []
     for start in range(0, lq, Q_TILE):
         rows = min(Q_TILE, lq - start)
-        qt = _pad_to(q[:, start:start + rows], Q_TILE, 1)
+        qt = _pad_to(q[:, start : start + rows], Q_TILE, 1)
         qpos = offset + start + torch.arange(Q_TILE, device=q.device)
         last = offset + start + rows - 1
         blocks = min(n_blocks, last // KV_BLOCK + 1) if causal else n_blocks
@@ -65,8 +65,8 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
             valid = (kpos < lk).expand(Q_TILE, KV_BLOCK)
             if causal:
                 valid = valid & (kpos[None, :] <= qpos[:, None])
-            kb = k[:, j * KV_BLOCK:(j + 1) * KV_BLOCK]
-            vb = v[:, j * KV_BLOCK:(j + 1) * KV_BLOCK]
+            kb = k[:, j * KV_BLOCK : (j + 1) * KV_BLOCK]
+            vb = v[:, j * KV_BLOCK : (j + 1) * KV_BLOCK]
             s = torch.where(valid, torch.matmul(qt, kb.transpose(1, 2)) * scale, -math.inf)
             m_new = torch.maximum(m, s.detach().amax(dim=-1))
             m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
@@ -81,8 +81,9 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 @dispatch.register("varlen_attention", "torch")
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
-                     causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, sequence offsets as Python lists -> (out ``[Tq, Hq, D]``
     in q's dtype, lse ``[Tq, Hq]`` fp32)."""
     acc = acc_dtype(q.dtype)
@@ -90,9 +91,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: li
     qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
     outs, lses = [], []
     for b in range(len(cu_q) - 1):
-        qs = qf[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
-        ks = kf[cu_k[b]:cu_k[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
-        vs = vf[cu_k[b]:cu_k[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
+        qs = qf[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
+        ks = kf[cu_k[b] : cu_k[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
+        vs = vf[cu_k[b] : cu_k[b + 1]].repeat_interleave(group, dim=1).transpose(0, 1)
         if qs.shape[1] == 0:
             continue
         o, lse = _one_sequence(qs, ks, vs, causal, scale)

@@ -78,11 +78,27 @@ ROW_KERNELS = "bi_row_stats"
 
 @launch_time_jit(do_not_specialize=["M"])  # N=1 must not compile another kernel
 def _persistent_matmul_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
     n_progs,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``c[M, N] = a[M, K] @ b[K, N] (+ bias[N])``; program i takes tiles i, i + n_progs, ..."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -96,23 +112,47 @@ def _persistent_matmul_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
-            a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                        mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            a = tl.load(
+                a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                mask=(rm[:, None] < M) & (kk[None, :] < K),
+                other=0.0,
+            )
+            b = tl.load(
+                b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                mask=(kk[:, None] < K) & (rn[None, :] < N),
+                other=0.0,
+            )
             acc = dot_acc(a, b, acc, IEEE, UPCAST_DOT)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(
+            c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+            acc.to(c_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
 
 
 @launch_time_jit(do_not_specialize=["M"])
 def _tma_matmul_kernel(
-    a_desc, b_desc, bias_ptr, c_desc, c_ptr, M, N, K, stride_cm,
-    HAS_BIAS: tl.constexpr, UPCAST_DOT: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr,
-    C_DESC: tl.constexpr, NUM_PROGS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_desc,
+    b_desc,
+    bias_ptr,
+    c_desc,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    A_TRANS: tl.constexpr,
+    B_TRANS: tl.constexpr,
+    C_DESC: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``c[M, N] = a[M, K] @ b[K, N] (+ bias[N])`` from tensor descriptors. ``a_desc``: ``a``
     (``[M, K]`` blocks) or, with ``A_TRANS``, ``a.T`` (``[K, M]`` blocks); ``b_desc``: ``b.T``
@@ -151,8 +191,11 @@ def _tma_matmul_kernel(
             c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right.to(c_ptr.dtype.element_ty))
         else:
             rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-            tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-                     mask=(rm[:, None] < M) & (rn[None, :] < N))
+            tl.store(
+                c_ptr + rm[:, None] * stride_cm + rn[None, :],
+                acc.to(c_ptr.dtype.element_ty),
+                mask=(rm[:, None] < M) & (rn[None, :] < N),
+            )
 
 
 @functools.cache
@@ -185,8 +228,15 @@ def _cuda_uses_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def uses_tma(dtype: torch.dtype, device: torch.device, rows: int, interpreted: Optional[bool] = None, *,
-             k: int = 0, a_column_major: bool = False) -> bool:
+def uses_tma(
+    dtype: torch.dtype,
+    device: torch.device,
+    rows: int,
+    interpreted: Optional[bool] = None,
+    *,
+    k: int = 0,
+    a_column_major: bool = False,
+) -> bool:
     """Whether ``matmul_forward`` runs the TMA kernel for a ``rows``-row product over ``k`` in
     ``dtype`` on ``device``: 16-bit inputs on Hopper or later (and under the interpreter) from
     :data:`~rl_kernel_core.triton.tuning.TMA_MIN_ROWS` rows, or with a column-major left operand
@@ -197,8 +247,11 @@ def uses_tma(dtype: torch.dtype, device: torch.device, rows: int, interpreted: O
         return False
     if interpreting() if interpreted is None else interpreted:
         return rows >= TMA_MIN_ROWS_INTERPRETED or (a_column_major and k >= TMA_MIN_ROWS_INTERPRETED)
-    return (device.type == "cuda" and _cuda_uses_tma(device)
-            and (rows >= TMA_MIN_ROWS or (a_column_major and k >= TMA_MIN_WEIGHT_GRAD_K)))
+    return (
+        device.type == "cuda"
+        and _cuda_uses_tma(device)
+        and (rows >= TMA_MIN_ROWS or (a_column_major and k >= TMA_MIN_WEIGHT_GRAD_K))
+    )
 
 
 _TMA_ALIGN_BYTES = 16
@@ -246,19 +299,33 @@ def tma_tile(dtype: torch.dtype, m: int, n: int, a_column_major: bool, slots: in
     return narrow if tiles_n * -(-tiles_w // slots) > tiles_w * -(-tiles_n // slots) else wide
 
 
-def _tile_for(a: torch.Tensor, n: int, tma: bool, tile: Optional[tuple[int, int, int, int, int]], interpreted: bool,
-              a_column_major: bool) -> tuple[tuple[int, int, int], dict]:
+def _tile_for(
+    a: torch.Tensor,
+    n: int,
+    tma: bool,
+    tile: Optional[tuple[int, int, int, int, int]],
+    interpreted: bool,
+    a_column_major: bool,
+) -> tuple[tuple[int, int, int], dict]:
     if interpreted:
         return MATMUL_INTERPRETED_TILES, {}
     if tile is None:
-        tile = (tma_tile(a.dtype, a.shape[0], n, a_column_major, _program_slots(a.device)) if tma
-                else matmul_tile(a.dtype, a.device))
+        tile = (
+            tma_tile(a.dtype, a.shape[0], n, a_column_major, _program_slots(a.device))
+            if tma
+            else matmul_tile(a.dtype, a.device)
+        )
     bm, bn, bk, warps, stages = tile
     return (bm, bn, bk), {"num_warps": warps, "num_stages": stages}
 
 
-def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tensor],
-                   tile: Optional[tuple[int, int, int, int, int]] = None, tma: Optional[bool] = None) -> torch.Tensor:
+def matmul_forward(
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    tile: Optional[tuple[int, int, int, int, int]] = None,
+    tma: Optional[bool] = None,
+) -> torch.Tensor:
     """``a [M, K] @ b_t.T (+ bias)`` for ``b_t [N, K]`` (any strides): ``[M, N]`` in a's dtype, no
     autograd. For sweeps and kernel comparisons only: ``tma``, the kernel in place of
     :func:`uses_tma`'s choice; ``tile``, a ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` in
@@ -280,28 +347,67 @@ def matmul_forward(a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tens
     if tma is None:
         tma = uses_tma(a.dtype, a.device, m, interpreted, k=k, a_column_major=a_column_major)
     (bm, bn, bk), extra = _tile_for(a, n, tma, tile, interpreted, a_column_major)
-    progs = _n_programs(-(-m // bm) * -(-n // bn), a.device)  # ceil divisions (triton.cdiv costs a dispatch on the host)
+    progs = _n_programs(
+        -(-m // bm) * -(-n // bn), a.device
+    )  # ceil divisions (triton.cdiv costs a dispatch on the host)
     if planned:
         _configure_native_launch(a.dtype, a.device)
     if tma:
         a_desc, a_trans = _tma_operand(a, bm, bk)
         b_desc, b_t_trans = _tma_operand(b_t, bn, bk)
-        c_desc = (TensorDescriptor(out, [m, n], [n, 1], [bm, bn // 2])
-                  if n % (_TMA_ALIGN_BYTES // out.element_size()) == 0 else None)
+        c_desc = (
+            TensorDescriptor(out, [m, n], [n, 1], [bm, bn // 2])
+            if n % (_TMA_ALIGN_BYTES // out.element_size()) == 0
+            else None
+        )
         kernel = _tma_matmul_kernel
         compiled = kernel[(progs,)](
-            a_desc, b_desc, bias if bias is not None else a, c_desc, out, m, n, k, out.stride(0),
-            HAS_BIAS=bias is not None, UPCAST_DOT=interpreted, A_TRANS=a_trans, B_TRANS=b_t_trans,
-            C_DESC=c_desc is not None, NUM_PROGS=_program_slots(a.device),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, **extra,
+            a_desc,
+            b_desc,
+            bias if bias is not None else a,
+            c_desc,
+            out,
+            m,
+            n,
+            k,
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            UPCAST_DOT=interpreted,
+            A_TRANS=a_trans,
+            B_TRANS=b_t_trans,
+            C_DESC=c_desc is not None,
+            NUM_PROGS=_program_slots(a.device),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            GROUP_M=MATMUL_GROUP_M,
+            **extra,
         )
     else:
         kernel = _persistent_matmul_kernel
         compiled = kernel[(progs,)](
-            a, b_t, bias if bias is not None else a, out, m, n, k,
-            a.stride(0), a.stride(1), b_t.stride(1), b_t.stride(0), out.stride(0), out.stride(1),
-            progs, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=MATMUL_GROUP_M, **extra,
+            a,
+            b_t,
+            bias if bias is not None else a,
+            out,
+            m,
+            n,
+            k,
+            a.stride(0),
+            a.stride(1),
+            b_t.stride(1),
+            b_t.stride(0),
+            out.stride(0),
+            out.stride(1),
+            progs,
+            HAS_BIAS=bias is not None,
+            IEEE=a.dtype == torch.float32 or interpreted,
+            UPCAST_DOT=interpreted,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            GROUP_M=MATMUL_GROUP_M,
+            **extra,
         )
     if planned:
         native_launch.remember_matmul(kernel, compiled, a, b_t, bias, out, tma, progs, (bm, bn))
@@ -315,8 +421,16 @@ def _configure_native_launch(dtype: torch.dtype, device: torch.device) -> None:
     pointer = matmul_tile(dtype, device)
     tma, narrow = TMA_MATMUL_TILES.get(dtype, (0, 0)), TMA_WEIGHT_GRAD_NARROW_TILES.get(dtype, (0, 0))
     native_launch.configure_matmul(
-        device, dtype, pointer[:2], tma[:2], narrow[:2], tma_capable=uses_tma(dtype, device, TMA_MIN_ROWS, False),
-        tma_min_rows=TMA_MIN_ROWS, tma_min_weight_grad_k=TMA_MIN_WEIGHT_GRAD_K, program_slots=_program_slots(device))
+        device,
+        dtype,
+        pointer[:2],
+        tma[:2],
+        narrow[:2],
+        tma_capable=uses_tma(dtype, device, TMA_MIN_ROWS, False),
+        tma_min_rows=TMA_MIN_ROWS,
+        tma_min_weight_grad_k=TMA_MIN_WEIGHT_GRAD_K,
+        program_slots=_program_slots(device),
+    )
 
 
 class _Linear(torch.autograd.Function):
@@ -410,8 +524,9 @@ def _row_pass(x: torch.Tensor, mode: int, eps: float = 0.0) -> torch.Tensor:
             dispatch.ran(ROW_KERNELS, "triton+cpp_launch" if served else "triton")
             if served:
                 return out
-        compiled = _row_stats_kernel[(rows,)](x, out, width, x.stride(0), float(eps), MODE=mode,
-                                              BLOCK=INTERPRETED_ROW_BLOCK if interpreted else ROW_BLOCK)
+        compiled = _row_stats_kernel[(rows,)](
+            x, out, width, x.stride(0), float(eps), MODE=mode, BLOCK=INTERPRETED_ROW_BLOCK if interpreted else ROW_BLOCK
+        )
         if planned:
             native_launch.remember_row_stats(_row_stats_kernel, compiled, x, out, mode, float(eps))
     elif rows and mode == 0:

@@ -83,8 +83,23 @@ def _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr):
 
 
 @helper_jit
-def _query_tile(q_ptr, stride_qt, stride_qh, start, q0, lq, lk, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _query_tile(
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    start,
+    q0,
+    lq,
+    lk,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The query tile of a sequence (first query row ``q0``, ``lq`` queries, ``lk`` keys) whose first
     row is query ``start``, at query head ``program_id(1)``, from queries with row stride
     ``stride_qt`` and head stride ``stride_qh``: ``(head, KV head, the tile's rows (query indices in
@@ -97,8 +112,11 @@ def _query_tile(q_ptr, stride_qt, stride_qh, start, q0, lq, lk, HQ: tl.constexpr
     row_ok = rows < lq
     dims = tl.arange(0, BLOCK_D)
     d_ok = dims < D
-    q = tl.load(q_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST_DOT:  # the CPU interpreter multiplies 16-bit floats as integers; the upcast is exact
         q = q.to(tl.float32)
     qpos = offset + rows
@@ -122,8 +140,20 @@ def _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HKV: tl.constexpr, D: tl.con
 
 
 @helper_jit
-def _paged_key_block(cache_ptr, block_row_ptr, kpos, lk, kv_head, stride_cb, stride_ch, stride_cr,
-                     D: tl.constexpr, CACHE_BLOCK: tl.constexpr, dims, d_ok):
+def _paged_key_block(
+    cache_ptr,
+    block_row_ptr,
+    kpos,
+    lk,
+    kv_head,
+    stride_cb,
+    stride_ch,
+    stride_cr,
+    D: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    dims,
+    d_ok,
+):
     """As :func:`_key_block`, from a paged cache ``[num_blocks, Hkv, CACHE_BLOCK, 2*D]`` (a token's
     key in the first D columns, its value in the last D): position ``p`` of the sequence lives in
     block ``block_row_ptr[p // CACHE_BLOCK]`` at row ``p % CACHE_BLOCK``."""
@@ -137,10 +167,34 @@ def _paged_key_block(cache_ptr, block_row_ptr, kpos, lk, kv_head, stride_cb, str
 
 
 @helper_jit
-def _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, k_ptr, v_ptr, k0, cache_ptr, block_row_ptr, stride_cb, stride_ch,
-                 stride_cr, dims, d_ok, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-                 CACHE_BLOCK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attend_keys(
+    q,
+    qpos,
+    n_blocks,
+    lk,
+    kv_head,
+    scale,
+    k_ptr,
+    v_ptr,
+    k0,
+    cache_ptr,
+    block_row_ptr,
+    stride_cb,
+    stride_ch,
+    stride_cr,
+    dims,
+    d_ok,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The forward's online softmax of a query tile over its first ``n_blocks`` key blocks in
     ascending order: ``(running max, sum, weighted values)`` in fp32. Keys from packed ``[Tk, HKV,
     D]`` tensors (:func:`_key_block`) or, ``PAGED``, from a paged cache (:func:`_paged_key_block`);
@@ -153,8 +207,9 @@ def _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, k_ptr, v_ptr, k0, cache_
     for j in range(0, n_blocks):
         kpos = j * BLOCK_N + cols
         if PAGED:
-            k_ok, kb, vb = _paged_key_block(cache_ptr, block_row_ptr, kpos, lk, kv_head, stride_cb, stride_ch, stride_cr,
-                                            D, CACHE_BLOCK, dims, d_ok)
+            k_ok, kb, vb = _paged_key_block(
+                cache_ptr, block_row_ptr, kpos, lk, kv_head, stride_cb, stride_ch, stride_cr, D, CACHE_BLOCK, dims, d_ok
+            )
         else:
             k_ok, kb, vb = _key_block(k_ptr, v_ptr, k0, kpos, lk, kv_head, HKV, D, dims, d_ok)
         if UPCAST_DOT:
@@ -183,30 +238,96 @@ def _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, k_ptr, v_ptr, k0, cache_
 
 @launch_time_jit(do_not_specialize=["scale"])
 def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, scale,
-    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    scale,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
     head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-        q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+        q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
+    )
     # packed keys (PAGED=False): the paged-cache arguments are placeholders the compiler drops
-    m, l, acc = _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, k_ptr, v_ptr, k0, k_ptr, k_ptr, 0, 0, 0, dims, d_ok,
-                             HQ // GROUP, D, BLOCK_D, False, 1, CAUSAL, IEEE, UPCAST_DOT, BLOCK_M, BLOCK_N)
+    m, l, acc = _attend_keys(
+        q,
+        qpos,
+        n_blocks,
+        lk,
+        kv_head,
+        scale,
+        k_ptr,
+        v_ptr,
+        k0,
+        k_ptr,
+        k_ptr,
+        0,
+        0,
+        0,
+        dims,
+        d_ok,
+        HQ // GROUP,
+        D,
+        BLOCK_D,
+        False,
+        1,
+        CAUSAL,
+        IEEE,
+        UPCAST_DOT,
+        BLOCK_M,
+        BLOCK_N,
+    )
     out = acc / l[:, None]
-    tl.store(o_ptr + ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        o_ptr + ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
     tl.store(lse_ptr + (q0 + rows).to(tl.int64) * HQ + head, m + tl.log(l), mask=row_ok)
 
 
 @launch_time_jit(do_not_specialize=["scale", "tiles_per_seq"])
 def _paged_attention_fwd_kernel(
-    q_ptr, cache_ptr, o_ptr, cu_q_ptr, seq_lens_ptr, block_table_ptr, tiles_per_seq, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cr, stride_bt,
-    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    o_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    tiles_per_seq,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_cr,
+    stride_bt,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The forward over a paged KV cache: program ``(s * tiles_per_seq + t, head)`` holds query tile
     ``t`` of sequence ``s`` (tiles past its queries do nothing). Sizes and offsets are read from
@@ -218,20 +339,63 @@ def _paged_attention_fwd_kernel(
     lq = tl.load(cu_q_ptr + seq + 1) - q0
     lk = tl.load(seq_lens_ptr + seq)
     head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-        q_ptr, stride_qt, stride_qh, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+        q_ptr, stride_qt, stride_qh, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
+    )
     n_blocks = tl.where(start < lq, n_blocks, 0)
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    m, l, acc = _attend_keys(q, qpos, n_blocks, lk, kv_head, scale, cache_ptr, cache_ptr, 0, cache_ptr, block_row_ptr,
-                             stride_cb, stride_ch, stride_cr, dims, d_ok, HQ // GROUP, D, BLOCK_D, True, CACHE_BLOCK,
-                             CAUSAL, IEEE, UPCAST_DOT, BLOCK_M, BLOCK_N)
+    m, l, acc = _attend_keys(
+        q,
+        qpos,
+        n_blocks,
+        lk,
+        kv_head,
+        scale,
+        cache_ptr,
+        cache_ptr,
+        0,
+        cache_ptr,
+        block_row_ptr,
+        stride_cb,
+        stride_ch,
+        stride_cr,
+        dims,
+        d_ok,
+        HQ // GROUP,
+        D,
+        BLOCK_D,
+        True,
+        CACHE_BLOCK,
+        CAUSAL,
+        IEEE,
+        UPCAST_DOT,
+        BLOCK_M,
+        BLOCK_N,
+    )
     out = acc / l[:, None]
-    tl.store(o_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        o_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 @launch_time_jit()
-def _paged_write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                        stride_cb, stride_ch, stride_cr, D: tl.constexpr, BLOCK_D: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+def _paged_write_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_cr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+):
     """Token ``program_id(0)``'s key and value at KV head ``program_id(1)`` into its cache slot (block
     ``slot // CACHE_BLOCK``, row ``slot % CACHE_BLOCK``); a negative slot (padding) writes nothing."""
     t = tl.program_id(0).to(tl.int64)
@@ -247,11 +411,31 @@ def _paged_write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, stride_kt, stri
 
 @launch_time_jit(do_not_specialize=["scale"])
 def _attention_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-    cu_q_ptr, cu_k_ptr, tile_seq_ptr, tile_start_ptr, scale,
-    HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DKDV: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    scale,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DKDV: tl.constexpr,
 ):
     """One program of the backward's dq pass (``DKDV`` false; grid: query tiles x query heads) or
     of its dk/dv pass (grid: key tiles x KV heads), which reads the dq pass's delta."""
@@ -259,7 +443,8 @@ def _attention_bwd_kernel(
         # dq of one query tile and head, and its delta; the tile's key blocks in ascending order.
         start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
         head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-            q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N)
+            q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
+        )
         io_off = ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :]
         io_mask = row_ok[:, None] & d_ok[None, :]
         do = tl.load(do_ptr + io_off, mask=io_mask, other=0.0)
@@ -330,7 +515,9 @@ TABLE_CACHE_SIZE = 64
 
 
 @functools.lru_cache(maxsize=TABLE_CACHE_SIZE)
-def _tables(device: torch.device, bm: int, cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> Optional[tuple[torch.Tensor, ...]]:
+def _tables(
+    device: torch.device, bm: int, cu_q: tuple[int, ...], cu_k: tuple[int, ...]
+) -> Optional[tuple[torch.Tensor, ...]]:
     """Device int32 copies of the offsets and of the tile table over the first offsets (each
     ``bm``-row tile's sequence and first row), or None when they hold no rows. The forward and the
     backward's dq pass tile the queries; the dk/dv pass passes the key offsets first and tiles the
@@ -345,7 +532,10 @@ def _tables(device: torch.device, bm: int, cu_q: tuple[int, ...], cu_k: tuple[in
             tile_start.append(start)
     if not tile_seq:
         return None
-    return tuple(torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True) for values in (cu_q, cu_k, tile_seq, tile_start))
+    return tuple(
+        torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+        for values in (cu_q, cu_k, tile_seq, tile_start)
+    )
 
 
 def _forward_launch(dtype: torch.dtype, hq: int, hkv: int, d: int, causal: bool) -> dict:
@@ -359,8 +549,18 @@ def _forward_launch(dtype: torch.dtype, hq: int, hkv: int, d: int, causal: bool)
 def _launch_constants(dtype: torch.dtype, hq: int, hkv: int, d: int, causal: bool, interpreted: bool) -> dict:
     bm, bn = ATTENTION_INTERPRETED_TILES if interpreted else TILES[dtype][:2]
     extra = {} if interpreted else {"num_warps": TILES[dtype][2], "num_stages": TILES[dtype][3]}
-    return dict(HQ=hq, GROUP=hq // hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
-                IEEE=dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted, BLOCK_M=bm, BLOCK_N=bn, **extra)
+    return dict(
+        HQ=hq,
+        GROUP=hq // hkv,
+        D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        CAUSAL=causal,
+        IEEE=dtype == torch.float32 or interpreted,
+        UPCAST_DOT=interpreted,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        **extra,
+    )
 
 
 def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: float):
@@ -389,8 +589,19 @@ def _forward(q, k, v, cu_q: list[int], cu_k: list[int], causal: bool, scale: flo
     return out, lse
 
 
-def _backward(q, k, v, out, lse, grad_out, cu_q: list[int], cu_k: list[int], causal: bool, scale: float,
-              tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None):
+def _backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_out,
+    cu_q: list[int],
+    cu_k: list[int],
+    causal: bool,
+    scale: float,
+    tiles: Optional[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = None,
+):
     """(dq, dk, dv) in q's dtype: the dq pass over query tiles (it also writes delta), then the
     dk/dv pass over key tiles, which reads delta. ``tiles`` replaces the dtype's entry of
     :data:`~rl_kernel_core.triton.tuning.BWD_TILES` (compiled launches only; the tile sweep of
@@ -401,7 +612,8 @@ def _backward(q, k, v, out, lse, grad_out, cu_q: list[int], cu_k: list[int], cau
     interpreted = interpreting()
     grad_out = grad_out.contiguous()
     passes: tuple[tuple[int, int, Optional[int], Optional[int]], ...] = (
-        ((*ATTENTION_INTERPRETED_TILES, None, None),) * 2 if interpreted else tiles or BWD_TILES[q.dtype])
+        ((*ATTENTION_INTERPRETED_TILES, None, None),) * 2 if interpreted else tiles or BWD_TILES[q.dtype]
+    )
     for dkdv, (bm, bn, warps, stages) in zip((False, True), passes):
         # A pass's tile table runs over the rows its programs hold: queries, or keys for dk/dv.
         cu_tiled, cu_other = (cu_k, cu_q) if dkdv else (cu_q, cu_k)
@@ -411,15 +623,47 @@ def _backward(q, k, v, out, lse, grad_out, cu_q: list[int], cu_k: list[int], cau
         cu_q_t, cu_k_t = (tables[1], tables[0]) if dkdv else tables[:2]
         extra = {} if interpreted else {"num_warps": warps, "num_stages": stages}
         _attention_bwd_kernel[(tables[2].shape[0], hkv if dkdv else hq)](
-            q, k, v, out, grad_out, lse, delta, dq, dk, dv, cu_q_t, cu_k_t, tables[2], tables[3], float(scale),
-            HQ=hq, GROUP=hq // hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
-            IEEE=q.dtype == torch.float32 or interpreted, UPCAST_DOT=interpreted, BLOCK_M=bm, BLOCK_N=bn, DKDV=dkdv, **extra,
+            q,
+            k,
+            v,
+            out,
+            grad_out,
+            lse,
+            delta,
+            dq,
+            dk,
+            dv,
+            cu_q_t,
+            cu_k_t,
+            tables[2],
+            tables[3],
+            float(scale),
+            HQ=hq,
+            GROUP=hq // hkv,
+            D=d,
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
+            CAUSAL=causal,
+            IEEE=q.dtype == torch.float32 or interpreted,
+            UPCAST_DOT=interpreted,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            DKDV=dkdv,
+            **extra,
         )
     return dq, dk, dv
 
 
-def paged_forward(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,
-                  seq_lens: torch.Tensor, max_query_len: int, causal: bool, scale: float, out: torch.Tensor) -> torch.Tensor:
+def paged_forward(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    causal: bool,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """:func:`rl_kernel_core.batch_invariant_mode.api_attention.paged_attention` (arguments checked there) on the forward's
     tiles and arithmetic: writes ``out`` and returns it. One launch, no host read."""
     hq = q.shape[1]
@@ -429,10 +673,24 @@ def paged_forward(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     if num_seqs == 0 or tiles_per_seq == 0:
         return out
     _paged_attention_fwd_kernel[(num_seqs * tiles_per_seq, hq)](
-        q, kv_cache, out, cu_q, seq_lens, block_table, tiles_per_seq, float(scale),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0),
-        CACHE_BLOCK=kv_cache.shape[2], **launch,
+        q,
+        kv_cache,
+        out,
+        cu_q,
+        seq_lens,
+        block_table,
+        tiles_per_seq,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_table.stride(0),
+        CACHE_BLOCK=kv_cache.shape[2],
+        **launch,
     )
     return out
 
@@ -444,9 +702,20 @@ def paged_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if n == 0:
         return
     _paged_write_kernel[(n, hkv)](
-        key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CACHE_BLOCK=kv_cache.shape[2],
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        CACHE_BLOCK=kv_cache.shape[2],
     )
 
 
@@ -475,8 +744,9 @@ def _supports(q: torch.Tensor, *args, **kwargs) -> Optional[str]:
 
 
 @dispatch.register("varlen_attention", "triton", supports=_supports, kernels=FORWARD_KERNELS)
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
-                     causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` contiguous, offsets as Python lists -> (out ``[Tq, Hq, D]``
     in q's dtype, lse ``[Tq, Hq]`` fp32)."""
     if records_graph(q, k, v):

@@ -61,8 +61,12 @@ def _load() -> Any:
             except Exception as exc:  # a build error: Triton's own launcher serves, and the reason is said once
                 _reason = f"{type(exc).__name__}: {exc}"
             if _reason is not None:
-                warnings.warn(f"rl-kernel: the batch-invariant kernels launch through Triton, slower on the host "
-                              f"({SWITCH}=0 silences this): {_reason}", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"rl-kernel: the batch-invariant kernels launch through Triton, slower on the host "
+                    f"({SWITCH}=0 silences this): {_reason}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         _serving = _ext
         _loaded = True
         return _ext
@@ -92,8 +96,10 @@ def status() -> str:
         return f"unavailable: {reason}; Triton launches every kernel (the same bits, more host time)"
     if native_build.is_built(native_build.LAUNCH_GROUP):
         return "built: a specialization's launches go from C++ from its second launch on"
-    return (f"not built yet: the first batch-invariant or attention launch compiles it, or "
-            f"'python -m rl_kernel_core.native build {native_build.LAUNCH_GROUP}' ahead of time")
+    return (
+        f"not built yet: the first batch-invariant or attention launch compiles it, or "
+        f"'python -m rl_kernel_core.native build {native_build.LAUNCH_GROUP}' ahead of time"
+    )
 
 
 def stats() -> dict[str, int]:
@@ -127,7 +133,9 @@ def row_stats(x: torch.Tensor, out: torch.Tensor, mode: int, eps: float) -> Opti
     return None if ext is None else ext.row_stats(x, out, mode, eps)
 
 
-def attention_forward(tensors: list[torch.Tensor], scale: float, block: tuple[int, int], causal: bool) -> Optional[torch.Tensor]:
+def attention_forward(
+    tensors: list[torch.Tensor], scale: float, block: tuple[int, int], causal: bool
+) -> Optional[torch.Tensor]:
     """``varlen_attention``'s forward launch (``attention._forward``) from a remembered kernel:
     ``tensors`` are q, k, v, out, lse and the four int32 tables, ``block`` its ``(BLOCK_M, BLOCK_N)``;
     returns out, or None where none serves this call."""
@@ -135,20 +143,38 @@ def attention_forward(tensors: list[torch.Tensor], scale: float, block: tuple[in
     return None if ext is None else ext.attention_forward(tensors, scale, block[0], block[1], causal)
 
 
-def configure_matmul(device: torch.device, dtype: torch.dtype, pointer_tile: tuple[int, int], tma_tile: tuple[int, int],
-                     tma_narrow_tile: tuple[int, int], tma_capable: bool, tma_min_rows: int, tma_min_weight_grad_k: int,
-                     program_slots: int) -> None:
+def configure_matmul(
+    device: torch.device,
+    dtype: torch.dtype,
+    pointer_tile: tuple[int, int],
+    tma_tile: tuple[int, int],
+    tma_narrow_tile: tuple[int, int],
+    tma_capable: bool,
+    tma_min_rows: int,
+    tma_min_weight_grad_k: int,
+    program_slots: int,
+) -> None:
     """Give the extension ``matmul_forward``'s tiles (``(BLOCK_M, BLOCK_N)``: the pointer kernel's, the
     TMA kernel's and its narrow weight-gradient tile) and kernel rule for ``(device, dtype)`` (once each)."""
     ext = extension()
     if ext is None or (device.index, dtype) in _configured:
         return
-    ext.configure_matmul(torch.empty(0, dtype=dtype, device=device), list(pointer_tile), list(tma_tile),
-                         list(tma_narrow_tile), tma_capable, tma_min_rows, tma_min_weight_grad_k, program_slots)
+    ext.configure_matmul(
+        torch.empty(0, dtype=dtype, device=device),
+        list(pointer_tile),
+        list(tma_tile),
+        list(tma_narrow_tile),
+        tma_capable,
+        tma_min_rows,
+        tma_min_weight_grad_k,
+        program_slots,
+    )
     _configured.add((device.index, dtype))
 
 
-def _launch_record(kernel_name: str, jit_params: list, compiled) -> Optional[tuple[int, int, int, list[int], list[list[int]]]]:
+def _launch_record(
+    kernel_name: str, jit_params: list, compiled
+) -> Optional[tuple[int, int, int, list[int], list[list[int]]]]:
     """``(function, num_warps, shared, kinds, layouts)`` of a compiled kernel for the extension, or
     None where its launch needs what the extension does not do (clusters, scratch, PDL, descriptors
     not lowered to TMA). Checks once per kernel that the extension passes the kernel's runtime
@@ -159,12 +185,19 @@ def _launch_record(kernel_name: str, jit_params: list, compiled) -> Optional[tup
     if kernel_name not in _checked_kernels:
         runtime = [p.name for p in jit_params if not p.is_constexpr]
         if runtime != names:
-            raise RuntimeError(f"native/csrc/bind_triton_launch.cpp passes {kernel_name}'s arguments as {names}, "
-                               f"the kernel takes {runtime}: update the C++ plan with the kernel")
+            raise RuntimeError(
+                f"native/csrc/bind_triton_launch.cpp passes {kernel_name}'s arguments as {names}, "
+                f"the kernel takes {runtime}: update the C++ plan with the kernel"
+            )
         _checked_kernels.add(kernel_name)
     md = compiled.metadata
-    if (getattr(md, "num_ctas", 1) != 1 or md.launch_pdl or md.launch_cooperative_grid
-            or md.global_scratch_size or md.profile_scratch_size):
+    if (
+        getattr(md, "num_ctas", 1) != 1
+        or md.launch_pdl
+        or md.launch_cooperative_grid
+        or md.global_scratch_size
+        or md.profile_scratch_size
+    ):
         return None
     signature = compiled.src.signature
     kinds = []
@@ -181,12 +214,23 @@ def _launch_record(kernel_name: str, jit_params: list, compiled) -> Optional[tup
     metas = list(getattr(md, "tensordesc_meta", None) or [])
     if kinds.count(_TENSOR_DESC) != len(metas) or any(m is None or m.get("fp4_padded") for m in metas):
         return None
-    layouts = [[m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], *m["block_size"]] for m in metas]
+    layouts = [
+        [m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], *m["block_size"]] for m in metas
+    ]
     return compiled.function, md.num_warps, md.shared, kinds, layouts
 
 
-def remember_matmul(kernel, compiled, a: torch.Tensor, b_t: torch.Tensor, bias: Optional[torch.Tensor],
-                    out: torch.Tensor, tma: bool, grid: int, block: tuple[int, int]) -> None:
+def remember_matmul(
+    kernel,
+    compiled,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    tma: bool,
+    grid: int,
+    block: tuple[int, int],
+) -> None:
     """Keep ``compiled`` (what ``kernel[(grid,)](...)`` returned for this call, with tile
     ``block = (BLOCK_M, BLOCK_N)``) for its specialization."""
     if _serving is None or compiled is None:
@@ -206,16 +250,27 @@ def remember_row_stats(kernel, compiled, x: torch.Tensor, out: torch.Tensor, mod
         _check_kept(kernel.__name__, _ext.remember_row_stats(x, out, mode, eps, function, num_warps, shared, kinds))
 
 
-def remember_attention_forward(kernel, compiled, tensors: list[torch.Tensor], scale: float, block: tuple[int, int],
-                               causal: bool, grid: tuple[int, int]) -> None:
+def remember_attention_forward(
+    kernel,
+    compiled,
+    tensors: list[torch.Tensor],
+    scale: float,
+    block: tuple[int, int],
+    causal: bool,
+    grid: tuple[int, int],
+) -> None:
     """Keep the attention forward kernel Python launched on ``grid`` for this call's specialization."""
     if _serving is None or compiled is None:
         return
     record = _launch_record(kernel.__name__, kernel.flavour(False).params, compiled)
     if record is not None:
         function, num_warps, shared, kinds, _ = record
-        _check_kept(kernel.__name__, _ext.remember_attention_forward(tensors, scale, block[0], block[1], causal, grid[0],
-                                                                     grid[1], function, num_warps, shared, kinds))
+        _check_kept(
+            kernel.__name__,
+            _ext.remember_attention_forward(
+                tensors, scale, block[0], block[1], causal, grid[0], grid[1], function, num_warps, shared, kinds
+            ),
+        )
 
 
 def _check_kept(kernel_name: str, outcome: str) -> None:

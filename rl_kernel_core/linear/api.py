@@ -103,31 +103,70 @@ def linear_logprob(
     temperature = _scalars(temperature, ignore_index, return_entropy)
     world = _tp_world(tp_group)
     if loss_spans is not None:
-        return _on_spans(loss_spans, hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-                         return_entropy=return_entropy, tp_group=tp_group, backend=backend)
+        return _on_spans(
+            loss_spans,
+            hidden,
+            weight,
+            targets,
+            bias=bias,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+            tp_group=tp_group,
+            backend=backend,
+        )
     _checks.target_ids("targets", targets, weight.shape[0] * world, ignore_index)
 
     if targets.numel() == 0:
         out = _out_dtype(hidden.dtype)
-        return _pack(_empty(targets.shape, out, hidden, weight, bias), _empty(targets.shape, out, hidden, weight, bias), targets.shape, return_entropy)
+        return _pack(
+            _empty(targets.shape, out, hidden, weight, bias),
+            _empty(targets.shape, out, hidden, weight, bias),
+            targets.shape,
+            return_entropy,
+        )
     h2d = hidden.reshape(-1, d).contiguous()
     t1d = targets.reshape(-1).contiguous()
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    impl = dispatch.select("linear_logprob", backend, hidden.device, h2d, weight, t1d, bias, temperature, ignore_index, return_entropy, tp_group)
+    impl = dispatch.select(
+        "linear_logprob",
+        backend,
+        hidden.device,
+        h2d,
+        weight,
+        t1d,
+        bias,
+        temperature,
+        ignore_index,
+        return_entropy,
+        tp_group,
+    )
     logprob, entropy = impl(h2d, weight, t1d, bias, temperature, ignore_index, return_entropy, tp_group)
     return _pack(logprob, entropy, targets.shape, return_entropy)
 
 
-def _on_spans(spans: LossSpans, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, return_entropy: bool,
-              **kwargs) -> Result:
+def _on_spans(
+    spans: LossSpans,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    return_entropy: bool,
+    **kwargs,
+) -> Result:
     """:func:`linear_logprob` of the rows ``spans`` selects, scattered back to ``targets``' shape."""
     if not isinstance(spans, LossSpans):
         raise TypeError(f"loss_spans must be a rl_kernel_core.spans.LossSpans or None, got {type(spans).__name__}")
     spans.check_layout("targets", targets, 0)
     rows = (spans.num_seqs, spans.seq_len)
-    out = linear_logprob(spans.gather(hidden.reshape(*rows, hidden.shape[-1])), weight, spans.gather(targets.reshape(rows)),
-                         return_entropy=return_entropy, **kwargs)
+    out = linear_logprob(
+        spans.gather(hidden.reshape(*rows, hidden.shape[-1])),
+        weight,
+        spans.gather(targets.reshape(rows)),
+        return_entropy=return_entropy,
+        **kwargs,
+    )
     if not return_entropy:
         assert isinstance(out, torch.Tensor)
         return spans.scatter(out).reshape(targets.shape)

@@ -109,7 +109,9 @@ class LinearTuning:
         return self.route
 
 
-_TUNING: contextvars.ContextVar[Optional[LinearTuning]] = contextvars.ContextVar("rl_kernel_linear_tuning", default=None)
+_TUNING: contextvars.ContextVar[Optional[LinearTuning]] = contextvars.ContextVar(
+    "rl_kernel_linear_tuning", default=None
+)
 _default: Optional[LinearTuning] = None
 
 
@@ -244,8 +246,18 @@ class StatsPass(Protocol):
     """A backend's statistics pass over one chunk (see :class:`ChunkPasses`)."""
 
     def __call__(
-        self, buf: ChunkBuffers, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-        n: int, inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
+        self,
+        buf: ChunkBuffers,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        targets: torch.Tensor,
+        n: int,
+        inv_temp: float,
+        ignore_index: int,
+        lp: torch.Tensor,
+        ent: Optional[torch.Tensor],
+        lse: torch.Tensor,
     ) -> None: ...
 
 
@@ -253,9 +265,19 @@ class GradPass(Protocol):
     """A backend's gradient pass over one chunk (see :class:`ChunkPasses`)."""
 
     def __call__(
-        self, buf: ChunkBuffers, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-        n: int, inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
-        g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+        self,
+        buf: ChunkBuffers,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        targets: torch.Tensor,
+        n: int,
+        inv_temp: float,
+        ignore_index: int,
+        lse: torch.Tensor,
+        ent: Optional[torch.Tensor],
+        g_lp: torch.Tensor,
+        g_ent: Optional[torch.Tensor],
     ) -> torch.Tensor: ...
 
 
@@ -290,8 +312,15 @@ class ChunkBuffers:
     ``hidden``'s dtype. ``scratch`` holds what ``passes.scratch`` allocated (None without it).
     """
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, route: str, passes: ChunkPasses, need_dl: bool,
-                 keep_logits: bool = False) -> None:
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        route: str,
+        passes: ChunkPasses,
+        need_dl: bool,
+        keep_logits: bool = False,
+    ) -> None:
         vocab, dim = weight.shape
         dev, dt = hidden.device, hidden.dtype
         self.route = route
@@ -342,8 +371,15 @@ class ChunkBuffers:
 
 
 def forward_stats(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_temp: float, ignore_index: int, route: str, want_entropy: bool, passes: ChunkPasses,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    inv_temp: float,
+    ignore_index: int,
+    route: str,
+    want_entropy: bool,
+    passes: ChunkPasses,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """``(logprob, entropy or None, lse)``, fp32 ``[N]``, by ``passes``' statistics pass."""
     n_rows = hidden.shape[0]
@@ -355,8 +391,17 @@ def forward_stats(
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
         passes.stats(
-            buf, buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
-            lp[sl], None if ent is None else ent[sl], lse[sl],
+            buf,
+            buf.source(hidden, weight, r0, n),
+            weight,
+            bias,
+            targets[sl],
+            n,
+            inv_temp,
+            ignore_index,
+            lp[sl],
+            None if ent is None else ent[sl],
+            lse[sl],
         )
     return lp, ent, lse
 
@@ -412,9 +457,19 @@ class GradSink:
 
 
 def backward_chunks(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-    inv_temp: float, ignore_index: int, route: str, sink: Sink, passes: ChunkPasses,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: Optional[torch.Tensor],
+    g_lp: torch.Tensor,
+    g_ent: Optional[torch.Tensor],
+    inv_temp: float,
+    ignore_index: int,
+    route: str,
+    sink: Sink,
+    passes: ChunkPasses,
 ) -> None:
     """Recompute each chunk's logits, form ``dl`` (``passes``' gradient pass) and hand it to ``sink``."""
     n_rows = hidden.shape[0]
@@ -423,30 +478,66 @@ def backward_chunks(
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
         dl = passes.grad(
-            buf, buf.source(hidden, weight, r0, n), weight, bias, targets[sl], n, inv_temp, ignore_index,
-            lse[sl], None if ent is None else ent[sl], g_lp[sl], None if g_ent is None else g_ent[sl],
+            buf,
+            buf.source(hidden, weight, r0, n),
+            weight,
+            bias,
+            targets[sl],
+            n,
+            inv_temp,
+            ignore_index,
+            lse[sl],
+            None if ent is None else ent[sl],
+            g_lp[sl],
+            None if g_ent is None else g_ent[sl],
         )
         sink.add(dl, r0, n)
 
 
 def linear_forward(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    temperature: float, ignore_index: int, return_entropy: bool, route: str, passes: ChunkPasses,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    route: str,
+    passes: ChunkPasses,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``linear_logprob``'s forward custom-op body on one process: ``(logprob [N], entropy [N] or
     [0], lse [N])`` fp32 by ``passes`` on ``route``."""
     lp, ent, lse = forward_stats(
-        canonical_layout(hidden), canonical_layout(weight), bias, targets, 1.0 / temperature, ignore_index, route,
-        return_entropy, passes,
+        canonical_layout(hidden),
+        canonical_layout(weight),
+        bias,
+        targets,
+        1.0 / temperature,
+        ignore_index,
+        route,
+        return_entropy,
+        passes,
     )
     return lp, (lp.new_empty(0) if ent is None else ent), lse
 
 
 def linear_backward(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    lse: torch.Tensor, entropy: torch.Tensor, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
-    temperature: float, ignore_index: int, need_h: bool, need_w: bool, need_b: bool, route: str,
-    passes: ChunkPasses, sink: Optional[Sink] = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprob: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    temperature: float,
+    ignore_index: int,
+    need_h: bool,
+    need_w: bool,
+    need_b: bool,
+    route: str,
+    passes: ChunkPasses,
+    sink: Optional[Sink] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``linear_logprob``'s backward custom-op body: ``(dh, dW, db)`` in the inputs' dtypes, ``[0]``
     where not asked for. ``sink`` replaces the single-process :class:`GradSink` (vocab parallel)."""
@@ -455,8 +546,19 @@ def linear_backward(
     g_ent = None if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
     sink = sink or GradSink(hidden, weight, need_h, need_w, need_b)
     backward_chunks(
-        hidden, weight, bias, targets, lse, None if g_ent is None else entropy, g_lp, g_ent,
-        1.0 / temperature, ignore_index, route, sink, passes,
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        None if g_ent is None else entropy,
+        g_lp,
+        g_ent,
+        1.0 / temperature,
+        ignore_index,
+        route,
+        sink,
+        passes,
     )
     empty = hidden.new_empty(0)
     dh, dw, db = (empty.clone() if g is None else g for g in sink.grads())

@@ -37,7 +37,9 @@ def _stats(buf, x, weight, bias, targets, n, inv_temp, ignore_index, lp, ent, ls
 def _grad(buf, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> torch.Tensor:
     """``dl`` written in place over the logits chunk ``x`` from the saved ``lse``/``ent`` and fp32
     ``g_lp``/``g_ent``: one block per row."""
-    _ext.linear_chunk_grad(x, buf.dl, bias, targets, lse, None if g_ent is None else ent, g_lp, g_ent, inv_temp, ignore_index)
+    _ext.linear_chunk_grad(
+        x, buf.dl, bias, targets, lse, None if g_ent is None else ent, g_lp, g_ent, inv_temp, ignore_index
+    )
     return buf.padded_dl(n)
 
 
@@ -48,23 +50,55 @@ PASSES = LC.ChunkPasses(stats=_stats, grad=_grad)
 def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group, tuning):
     """The forward custom op's body (schema :data:`rl_kernel_core.linear.opdef.LINEAR_SCHEMA`; ``tp_group`` is None)."""
     with LC.tuning_of(tuning):
-        return LC.linear_forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, ROUTE, PASSES)
+        return LC.linear_forward(
+            hidden, weight, bias, targets, temperature, ignore_index, return_entropy, ROUTE, PASSES
+        )
 
 
-def _backward(hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
-              tp_group, tuning, need_h, need_w, need_b):
+def _backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    temperature,
+    ignore_index,
+    tp_group,
+    tuning,
+    need_h,
+    need_w,
+    need_b,
+):
     """The backward custom op's body: ``(dh, dW, db)``, ``[0]`` where not asked for."""
     with LC.tuning_of(tuning):  # autograd may run the backward on another thread: the forward's tuning, named
         return LC.linear_backward(
-            hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
-            need_h, need_w, need_b, ROUTE, PASSES,
+            hidden,
+            weight,
+            bias,
+            targets,
+            lse,
+            entropy,
+            grad_logprob,
+            grad_entropy,
+            temperature,
+            ignore_index,
+            need_h,
+            need_w,
+            need_b,
+            ROUTE,
+            PASSES,
         )
 
 
 def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:
     reason = fp64_reason("native", hidden=hidden)
     if reason is None and tp_group is not None:
-        reason = "the native linear_logprob is single-process; tp_group (vocab parallel) needs backend='triton' or 'torch'"
+        reason = (
+            "the native linear_logprob is single-process; tp_group (vocab parallel) needs backend='triton' or 'torch'"
+        )
     if reason is None and hidden.is_cuda and not LC.fp32_logits_supported(hidden.device, hidden.dtype):
         reason = f"this torch's cuBLAS mm cannot write fp32 logits from {str(hidden.dtype).replace('torch.', '')} operands (mm(out_dtype=)), which the native chunk pass reads"
     return reason

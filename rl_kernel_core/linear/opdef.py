@@ -50,12 +50,25 @@ def linear_implementation(forward_op: Callable) -> Callable[..., tuple[Tensor, O
     """The backend implementation of ``linear_logprob`` over ``forward_op``."""
 
     def linear_logprob(
-        hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
-        ignore_index: int, return_entropy: bool, tp_group: Optional[torch.distributed.ProcessGroup],
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        bias: Optional[Tensor],
+        temperature: float,
+        ignore_index: int,
+        return_entropy: bool,
+        tp_group: Optional[torch.distributed.ProcessGroup],
     ) -> tuple[Tensor, Optional[Tensor]]:
         """Backend implementation: ``(logprob [N], entropy [N] or None)`` fp32, differentiable in ``hidden``, ``weight`` and ``bias``."""
         logprob, entropy, _lse = forward_op(
-            hidden, weight, bias, targets, float(temperature), int(ignore_index), bool(return_entropy), register_group(tp_group),
+            hidden,
+            weight,
+            bias,
+            targets,
+            float(temperature),
+            int(ignore_index),
+            bool(return_entropy),
+            register_group(tp_group),
             tuning_key(),
         )
         return logprob, (entropy if return_entropy else None)
@@ -70,8 +83,23 @@ def linear_fake(hidden, weight, bias, targets, temperature, ignore_index, return
     return hidden.new_empty(n, **f32), hidden.new_empty(n if return_entropy else 0, **f32), hidden.new_empty(n, **f32)
 
 
-def linear_backward_fake(hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature,
-                         ignore_index, tp_group, tuning, need_hidden_grad, need_weight_grad, need_bias_grad):
+def linear_backward_fake(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    temperature,
+    ignore_index,
+    tp_group,
+    tuning,
+    need_hidden_grad,
+    need_weight_grad,
+    need_bias_grad,
+):
     """Fake backward: ``(dh, dW, db)`` in the inputs' shapes and dtypes, ``[0]`` where not asked for."""
     return (
         hidden.new_empty(hidden.shape if need_hidden_grad else (0,)),
@@ -102,11 +130,27 @@ def linear_backward(backward_op: Callable) -> Callable:
         if entropy.numel() == 0:
             grad_entropy = None
         dh, dw, db = backward_op(
-            hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, ctx.temperature, ctx.ignore_index,
-            ctx.tp_group, ctx.tuning, need_h, need_w, need_b,
+            hidden,
+            weight,
+            bias,
+            targets,
+            lse,
+            entropy,
+            grad_logprob,
+            grad_entropy,
+            ctx.temperature,
+            ctx.ignore_index,
+            ctx.tp_group,
+            ctx.tuning,
+            need_h,
+            need_w,
+            need_b,
         )
-        return (none_if_empty(dh) if need_h else None, none_if_empty(dw) if need_w else None,
-                none_if_empty(db) if need_b else None) + (None,) * 6
+        return (
+            none_if_empty(dh) if need_h else None,
+            none_if_empty(dw) if need_w else None,
+            none_if_empty(db) if need_b else None,
+        ) + (None,) * 6
 
     return run
 
@@ -114,7 +158,16 @@ def linear_backward(backward_op: Callable) -> Callable:
 def define_linear_logprob(name: str, forward_fn: Callable, backward_fn: Callable) -> Callable:
     """``linear_logprob``'s backend implementation over the custom ops ``rl_kernel::<name>`` and its
     backward (:data:`LINEAR_SCHEMA`, :data:`LINEAR_BACKWARD_SCHEMA`), whose bodies are ``forward_fn`` / ``backward_fn``."""
-    return linear_implementation(define_differentiable_op(
-        name, forward_fn, linear_fake, backward_fn, linear_backward_fake, linear_setup, linear_backward,
-        schema=LINEAR_SCHEMA, backward_schema=LINEAR_BACKWARD_SCHEMA,
-    ))
+    return linear_implementation(
+        define_differentiable_op(
+            name,
+            forward_fn,
+            linear_fake,
+            backward_fn,
+            linear_backward_fake,
+            linear_setup,
+            linear_backward,
+            schema=LINEAR_SCHEMA,
+            backward_schema=LINEAR_BACKWARD_SCHEMA,
+        )
+    )

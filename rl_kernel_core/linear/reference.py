@@ -28,7 +28,14 @@ import torch
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.logprob.reference import (
-    _acc_dtype, _chunk_grad, _chunk_stats, _finish, _local_targets, _scale, _upstream, rows_per_chunk,
+    _acc_dtype,
+    _chunk_grad,
+    _chunk_stats,
+    _finish,
+    _local_targets,
+    _scale,
+    _upstream,
+    rows_per_chunk,
 )
 from rl_kernel_core.opdef import single_backward
 
@@ -51,7 +58,9 @@ def _merge_ranks(gathered: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack((big_m, s, zt, a))
 
 
-def _scaled_logits(h: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor], temperature: float) -> torch.Tensor:
+def _scaled_logits(
+    h: torch.Tensor, w_t: torch.Tensor, bias: Optional[torch.Tensor], temperature: float
+) -> torch.Tensor:
     z = h @ w_t
     if bias is not None:
         z.add_(bias)
@@ -114,8 +123,14 @@ class _LinearLogprob(torch.autograd.Function):
             h = hidden[sl].to(acc)
             z = _scaled_logits(h, w.t(), b, ctx.temperature)
             dl = _chunk_grad(
-                z, lse[sl], None if entropy is None else entropy[sl], local_t[sl], owned[sl],
-                None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], ctx.temperature,
+                z,
+                lse[sl],
+                None if entropy is None else entropy[sl],
+                local_t[sl],
+                owned[sl],
+                None if g_lp is None else g_lp[sl],
+                None if g_ent is None else g_ent[sl],
+                ctx.temperature,
             )
             if dh is not None:
                 torch.mm(dl, w, out=dh[sl])
@@ -130,7 +145,11 @@ class _LinearLogprob(torch.autograd.Function):
             None if dh is None else dh.to(hidden.dtype),
             None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype),
-            None, None, None, None, None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
@@ -151,5 +170,3 @@ def linear_logprob_torch(
     ``targets [N]`` int64/int32 global ids. Outputs are fp32 (fp64 for fp64 inputs).
     """
     return _LinearLogprob.apply(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, tp_group)
-
-

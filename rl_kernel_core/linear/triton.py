@@ -47,30 +47,80 @@ def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_en
     with LC.tuning_of(tuning):
         if tp_group is None:
             route = LC.tuning().route_for(hidden)
-            return LC.linear_forward(hidden, weight, bias, targets, temperature, ignore_index, return_entropy, route, PASSES)
+            return LC.linear_forward(
+                hidden, weight, bias, targets, temperature, ignore_index, return_entropy, route, PASSES
+            )
         lp, ent, lse = VP.forward_stats(
-            LC.canonical_layout(hidden), LC.canonical_layout(weight), bias, targets, 1.0 / temperature, ignore_index,
-            return_entropy, opdef.group_named(tp_group),
+            LC.canonical_layout(hidden),
+            LC.canonical_layout(weight),
+            bias,
+            targets,
+            1.0 / temperature,
+            ignore_index,
+            return_entropy,
+            opdef.group_named(tp_group),
         )
         return lp, (lp.new_empty(0) if ent is None else ent), lse
 
 
-def _backward(hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
-              tp_group, tuning, need_h, need_w, need_b):
+def _backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    temperature,
+    ignore_index,
+    tp_group,
+    tuning,
+    need_h,
+    need_w,
+    need_b,
+):
     """The backward custom op's body: ``(dh, dW, db)``, ``[0]`` where not asked for."""
     with LC.tuning_of(tuning):  # autograd may run the backward on another thread: the forward's tuning, named
         if tp_group is None:
             return LC.linear_backward(
-                hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index,
-                need_h, need_w, need_b, LC.tuning().route_for(hidden), PASSES,
+                hidden,
+                weight,
+                bias,
+                targets,
+                lse,
+                entropy,
+                grad_logprob,
+                grad_entropy,
+                temperature,
+                ignore_index,
+                need_h,
+                need_w,
+                need_b,
+                LC.tuning().route_for(hidden),
+                PASSES,
             )
         # this rank's shard: shard-local target ids, dh summed over the group, the forward's gemm route
         group = opdef.group_named(tp_group)
         local = VP.local_targets(targets, ignore_index, torch.distributed.get_rank(group), weight.shape[0])
         sink = VP.ShardGradSink(LC.canonical_layout(hidden), LC.canonical_layout(weight), need_h, need_w, need_b, group)
         return LC.linear_backward(
-            hidden, weight, bias, local, lse, entropy, grad_logprob, grad_entropy, temperature, VP.IGNORED,
-            need_h, need_w, need_b, VP.ROUTE, PASSES, sink,
+            hidden,
+            weight,
+            bias,
+            local,
+            lse,
+            entropy,
+            grad_logprob,
+            grad_entropy,
+            temperature,
+            VP.IGNORED,
+            need_h,
+            need_w,
+            need_b,
+            VP.ROUTE,
+            PASSES,
+            sink,
         )
 
 

@@ -56,8 +56,15 @@ from rl_kernel_core.triton.tuning import linear
 
 
 def _token_grads(
-    lp: torch.Tensor, ent: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, w: torch.Tensor,
-    ref: torch.Tensor, rw: Optional[torch.Tensor], token_sum: LossSettings, one: torch.Tensor,
+    lp: torch.Tensor,
+    ent: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    w: torch.Tensor,
+    ref: torch.Tensor,
+    rw: Optional[torch.Tensor],
+    token_sum: LossSettings,
+    one: torch.Tensor,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """fp32 ``(d loss / d logprob, d loss / d entropy or None)`` for one chunk of ``[n]`` tokens.
 
@@ -66,8 +73,18 @@ def _token_grads(
     """
     want_ent = token_sum.entropy_coef != 0.0
     g_lp, g_ent = policy_loss_bwd(
-        one, lp[None], old[None], adv[None], w[None], ref[None], None if rw is None else rw[None], one, one,
-        token_sum, True, torch.float32 if want_ent else None,
+        one,
+        lp[None],
+        old[None],
+        adv[None],
+        w[None],
+        ref[None],
+        None if rw is None else rw[None],
+        one,
+        one,
+        token_sum,
+        True,
+        torch.float32 if want_ent else None,
     )
     assert g_lp is not None, "asked for (need_logprob_grad=True)"
     return g_lp[0], None if g_ent is None else g_ent[0]
@@ -91,7 +108,9 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
     empty = hidden.new_empty(0)
     if not (need_h or need_w or need_b):
         lp, ent, _ = LC.forward_stats(h2d, weight, bias, t1d, inv_temp, ignore_index, route, True, PASSES)
-        loss, metrics = reference.policy_loss(lp.view(shape), old, adv, mask_eff, ref, None if ent is None else ent.view(shape), rw, settings)
+        loss, metrics = reference.policy_loss(
+            lp.view(shape), old, adv, mask_eff, ref, None if ent is None else ent.view(shape), rw, settings
+        )
         return loss, _metrics_tensor(metrics), empty, empty.clone(), empty.clone()
     n_rows = h2d.shape[0]
     w = reference.aggregation_weights(mask_eff, settings.loss_agg_mode).reshape(-1)
@@ -110,15 +129,20 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
         sl = slice(r0, r0 + n)
         x = buf.source(h2d, weight, r0, n)
         PASSES.stats(buf, x, weight, bias, t1d[sl], n, inv_temp, ignore_index, lp[sl], ent[sl], lse[sl])
-        g_lp, g_ent = _token_grads(lp[sl], ent[sl], old1[sl], adv1[sl], w[sl], ref1[sl], None if rw1 is None else rw1[sl], token_sum, one)
+        g_lp, g_ent = _token_grads(
+            lp[sl], ent[sl], old1[sl], adv1[sl], w[sl], ref1[sl], None if rw1 is None else rw1[sl], token_sum, one
+        )
         dl = PASSES.grad(buf, x, weight, bias, t1d[sl], n, inv_temp, ignore_index, lse[sl], ent[sl], g_lp, g_ent)
         sink.add(dl, r0, n)
     del buf
     loss, metrics = reference.policy_loss(lp.view(shape), old, adv, mask_eff, ref, ent.view(shape), rw, settings)
     dh, dw, db = sink.grads()
     return (
-        loss, _metrics_tensor(metrics), empty if dh is None else dh.view(hidden.shape),
-        empty.clone() if dw is None else dw, empty.clone() if db is None else db,
+        loss,
+        _metrics_tensor(metrics),
+        empty if dh is None else dh.view(hidden.shape),
+        empty.clone() if dw is None else dw,
+        empty.clone() if db is None else db,
     )
 
 
@@ -144,20 +168,24 @@ def _scaled(grad_loss: torch.Tensor, grads: tuple[torch.Tensor, ...], in_place: 
     for x in grads:
         y = x if in_place else torch.empty_like(x)
         if x.numel():
-            _scale_kernel[(triton.cdiv(x.numel(), _SCALE_BLOCK),)](x, y, grad_loss, x.numel(), BLOCK=_SCALE_BLOCK, num_warps=8)
+            _scale_kernel[(triton.cdiv(x.numel(), _SCALE_BLOCK),)](
+                x, y, grad_loss, x.numel(), BLOCK=_SCALE_BLOCK, num_warps=8
+            )
         out.append(y)
     return tuple(out)
 
 
-def _scaled_gradients(grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor,
-                      grad_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scaled_gradients(
+    grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward custom op's body: the stored ``(dh, dW, db)`` times ``grad_loss``, new tensors."""
     dh, dw, db = _scaled(grad_loss, (grad_hidden, grad_weight, grad_bias), in_place=False)
     return dh, dw, db
 
 
-def _scaled_gradients_in_place(grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor,
-                               grad_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scaled_gradients_in_place(
+    grad_loss: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The eager backward: :func:`_scaled_gradients` in place (the same bits). The stored gradients
     are the node's own buffers, used once (:func:`rl_kernel_core.loss.opdef.fused_loss_backward`
     refuses a second backward), and a copy of ``dW`` would double its memory."""
@@ -166,9 +194,15 @@ def _scaled_gradients_in_place(grad_loss: torch.Tensor, grad_hidden: torch.Tenso
 
 
 _fused_loss_op = define_differentiable_op(
-    "triton_fused_linear_policy_loss", _forward, opdef.fused_loss_fake, _scaled_gradients,
-    opdef.fused_loss_backward_fake, opdef.fused_loss_setup, opdef.fused_loss_backward,
-    schema=opdef.FUSED_LOSS_SCHEMA, backward_schema=opdef.FUSED_LOSS_BACKWARD_SCHEMA,
+    "triton_fused_linear_policy_loss",
+    _forward,
+    opdef.fused_loss_fake,
+    _scaled_gradients,
+    opdef.fused_loss_backward_fake,
+    opdef.fused_loss_setup,
+    opdef.fused_loss_backward,
+    schema=opdef.FUSED_LOSS_SCHEMA,
+    backward_schema=opdef.FUSED_LOSS_BACKWARD_SCHEMA,
     eager_backward_fn=_scaled_gradients_in_place,
 )
 _fused_loss = opdef.fused_loss_implementation(_fused_loss_op)
@@ -182,7 +216,11 @@ def _supports(inputs: FusedLossInputs, **kwargs) -> Optional[str]:
 
 @dispatch.register("fused_linear_policy_loss", "triton", supports=_supports, kernels=triton_sm90.KERNELS)
 def fused_linear_policy_loss_triton(
-    inputs: FusedLossInputs, *, temperature: float, ignore_index: int, settings: LossSettings,
+    inputs: FusedLossInputs,
+    *,
+    temperature: float,
+    ignore_index: int,
+    settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO/GRPO loss of :func:`rl_kernel_core.loss.api.policy_loss` from ``hidden [S, T, D]`` and ``weight [V, D]``.
 
@@ -193,4 +231,6 @@ def fused_linear_policy_loss_triton(
     formed during the forward); ``metrics`` detached 0-d tensors.
     """
     mask_eff = reference.scored_mask(inputs.mask, inputs.targets, ignore_index)
-    return _fused_loss(*inputs._replace(mask=mask_eff), temperature=temperature, ignore_index=ignore_index, settings=settings)
+    return _fused_loss(
+        *inputs._replace(mask=mask_eff), temperature=temperature, ignore_index=ignore_index, settings=settings
+    )

@@ -27,15 +27,40 @@ from rl_kernel_core.triton._matmul_helpers import grouped_tile
 
 @launch_time_jit
 def _grad_kernel(
-    x_ptr, w_ptr, b_ptr, tgt_ptr,
-    M, V, D,
-    stride_xm, stride_xk, stride_wv, stride_wk,
-    inv_temp, ignore_index,
-    lse_ptr, ent_ptr, glp_ptr, gent_ptr, dl_ptr, stride_dm,
-    TILES_PER_PROG, n_progs,
-    FROM_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GENT: tl.constexpr, IN_PLACE: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    tgt_ptr,
+    M,
+    V,
+    D,
+    stride_xm,
+    stride_xk,
+    stride_wv,
+    stride_wk,
+    inv_temp,
+    ignore_index,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    dl_ptr,
+    stride_dm,
+    TILES_PER_PROG,
+    n_progs,
+    FROM_LOGITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    TMA: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``dl`` of rows ``[0, M)``. A work unit is ``BLOCK_M`` rows and ``TILES_PER_PROG`` consecutive
     vocab tiles, visited in ascending order (``IN_PLACE`` needs whole rows per unit: ``dl``
@@ -58,8 +83,30 @@ def _grad_kernel(
         t_end = tl.minimum(t_start + TILES_PER_PROG, n_tiles)
         for t in range(t_start, t_end):
             z, cols, col_ok, _ = logits_tile(
-                x_ptr, w_ptr, b_ptr, rows_safe, row_ok, pid_m, t, V, D, stride_xm, stride_xk, stride_wv, stride_wk, inv_temp,
-                FROM_LOGITS, HAS_BIAS, IN_PLACE, EVEN_K, IEEE, UPCAST_DOT, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                x_ptr,
+                w_ptr,
+                b_ptr,
+                rows_safe,
+                row_ok,
+                pid_m,
+                t,
+                V,
+                D,
+                stride_xm,
+                stride_xk,
+                stride_wv,
+                stride_wk,
+                inv_temp,
+                FROM_LOGITS,
+                HAS_BIAS,
+                IN_PLACE,
+                EVEN_K,
+                IEEE,
+                UPCAST_DOT,
+                TMA,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
             )
             logp = z - lse[:, None]
             p = tl.exp(logp)
@@ -69,14 +116,25 @@ def _grad_kernel(
                 dz -= tl.where(p > 0.0, gent[:, None] * p * (logp + ent[:, None]), 0.0)
             dz = tl.where(valid[:, None], dz * inv_temp, 0.0)
             out_ok = row_ok[:, None] & col_ok[None, :]
-            tl.store(dl_ptr + rows_safe[:, None] * stride_dm + cols[None, :], dz.to(dl_ptr.dtype.element_ty), mask=out_ok)
+            tl.store(
+                dl_ptr + rows_safe[:, None] * stride_dm + cols[None, :], dz.to(dl_ptr.dtype.element_ty), mask=out_ok
+            )
 
 
 def launch_grad(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    rows: int, inv_temp: float, ignore_index: int,
-    lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-    dl: torch.Tensor, from_logits: bool,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    rows: int,
+    inv_temp: float,
+    ignore_index: int,
+    lse: torch.Tensor,
+    ent: Optional[torch.Tensor],
+    g_lp: torch.Tensor,
+    g_ent: Optional[torch.Tensor],
+    dl: torch.Tensor,
+    from_logits: bool,
 ) -> None:
     """Write ``dl[:rows]`` (``[rows, V]``, ``dl``'s dtype) from recomputed or stored logits.
 
@@ -89,13 +147,30 @@ def launch_grad(
     """
     has_gent = g_ent is not None
     vectors = (lse, g_lp, *((ent, g_ent) if has_gent else ()))
-    if not from_logits and dl.dtype == weight.dtype and all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors):
+    if (
+        not from_logits
+        and dl.dtype == weight.dtype
+        and all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors)
+    ):
         ext = triton_sm90.serves("grad", x[:rows], weight, bias)
         if ext is not None:
             dispatch.ran(triton_sm90.KERNELS, "triton+sm90")
             group_m = tiles(weight.dtype, weight.device, False, grad=True).group_m
-            ext.linear_grad_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, lse, ent if has_gent else None,
-                                 g_lp, g_ent, dl, group_m)
+            ext.linear_grad_sm90(
+                x[:rows],
+                weight,
+                bias,
+                targets,
+                rows,
+                inv_temp,
+                ignore_index,
+                lse,
+                ent if has_gent else None,
+                g_lp,
+                g_ent,
+                dl,
+                group_m,
+            )
             return
     if not from_logits:
         dispatch.ran(triton_sm90.KERNELS, "triton")
@@ -109,24 +184,64 @@ def launch_grad(
     unused = dummy(x.device)
     xs, ws, tma = operands(x[:rows], weight, cfg, from_logits)
     _grad_kernel[g](
-        xs, ws, bias if bias is not None else unused, targets,
-        rows, vocab, dim,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        inv_temp, ignore_index,
-        lse, ent if has_gent else unused, g_lp, g_ent if has_gent else unused, dl, dl.stride(0),
-        per_prog, g[0],
-        FROM_LOGITS=from_logits, HAS_GENT=has_gent, IN_PLACE=in_place, **tile_flags(weight, bias, cfg, tma),
+        xs,
+        ws,
+        bias if bias is not None else unused,
+        targets,
+        rows,
+        vocab,
+        dim,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        inv_temp,
+        ignore_index,
+        lse,
+        ent if has_gent else unused,
+        g_lp,
+        g_ent if has_gent else unused,
+        dl,
+        dl.stride(0),
+        per_prog,
+        g[0],
+        FROM_LOGITS=from_logits,
+        HAS_GENT=has_gent,
+        IN_PLACE=in_place,
+        **tile_flags(weight, bias, cfg, tma),
     )
 
 
 def chunk_grad(
-    buf: ChunkBuffers, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    n: int, inv_temp: float, ignore_index: int, lse: torch.Tensor, ent: Optional[torch.Tensor],
-    g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+    buf: ChunkBuffers,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    n: int,
+    inv_temp: float,
+    ignore_index: int,
+    lse: torch.Tensor,
+    ent: Optional[torch.Tensor],
+    g_lp: torch.Tensor,
+    g_ent: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """The chunk driver's gradient pass: ``buf.dl`` of ``n`` rows of ``x`` (rows past ``n`` zero); with
     ``buf.keeps_logits``, from the logits the statistics pass of the same rows kept."""
     kept = buf.logits if buf.keeps_logits else None
-    launch_grad(x if kept is None else kept, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent, buf.dl,
-                buf.route == "chunked" or kept is not None)
+    launch_grad(
+        x if kept is None else kept,
+        weight,
+        bias,
+        targets,
+        n,
+        inv_temp,
+        ignore_index,
+        lse,
+        ent,
+        g_lp,
+        g_ent,
+        buf.dl,
+        buf.route == "chunked" or kept is not None,
+    )
     return buf.padded_dl(n)

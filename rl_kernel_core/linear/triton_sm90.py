@@ -45,7 +45,11 @@ def extension() -> Optional[ModuleType]:
             ext: Optional[ModuleType] = None
             try:
                 built = build("linear_logprob")
-                reason = None if built.linear_sm90_built() else "the native linear_logprob extension was built without sm_90a (TORCH_CUDA_ARCH_LIST)"
+                reason = (
+                    None
+                    if built.linear_sm90_built()
+                    else "the native linear_logprob extension was built without sm_90a (TORCH_CUDA_ARCH_LIST)"
+                )
                 ext = built if reason is None else None
             except ImportError as exc:
                 reason = str(exc)
@@ -53,7 +57,8 @@ def extension() -> Optional[ModuleType]:
                 warnings.warn(
                     f"rl-kernel: linear_logprob's Hopper kernels are unavailable ({reason}); the Triton passes run instead "
                     "(the same bits, slower). rl_kernel_core.linear.chunks.tuned(sm90='off') chooses them without this warning.",
-                    RuntimeWarning, stacklevel=4,
+                    RuntimeWarning,
+                    stacklevel=4,
                 )
             _state["ext"] = ext
         return _state["ext"]
@@ -72,10 +77,14 @@ def status() -> str:
     if reason is not None:
         return f"unavailable: {reason}; the Triton passes run (the same bits, slower)"
     if native_build.is_built("linear_logprob"):
-        return (f"the linear_logprob extension is built (whether with sm_90a code shows at the first linear_logprob "
-                f"call); used by the gemm route's passes where LinearTuning.sm90={mode!r} allows")
-    return ("not built yet: the first linear_logprob call compiles them (about a minute), or "
-            "'python -m rl_kernel_core.native build linear_logprob' ahead of time")
+        return (
+            f"the linear_logprob extension is built (whether with sm_90a code shows at the first linear_logprob "
+            f"call); used by the gemm route's passes where LinearTuning.sm90={mode!r} allows"
+        )
+    return (
+        "not built yet: the first linear_logprob call compiles them (about a minute), or "
+        "'python -m rl_kernel_core.native build linear_logprob' ahead of time"
+    )
 
 
 def _tma_operand(t: torch.Tensor) -> bool:
@@ -101,7 +110,11 @@ def serves(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     cfg = tiles(weight.dtype, weight.device, False, grad=kind == "grad")
     if (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) != LINEAR_SM90_TILE:
         return None
-    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or not (_tma_operand(x) and _tma_operand(weight)):
+    if (
+        weight.dtype not in (torch.bfloat16, torch.float16)
+        or x.dtype != weight.dtype
+        or not (_tma_operand(x) and _tma_operand(weight))
+    ):
         return None
     if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
         return None

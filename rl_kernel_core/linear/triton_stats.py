@@ -34,16 +34,40 @@ from rl_kernel_core.triton.tuning import MERGE_BLOCK_R, MERGE_BLOCK_T, linear
 
 @launch_time_jit
 def _stats_kernel(
-    x_ptr, w_ptr, b_ptr, tgt_ptr,
-    M, V, D,
-    stride_xm, stride_xk, stride_wv, stride_wk,
-    inv_temp, ignore_index,
-    pmax_ptr, psum_ptr, pent_ptr, ztgt_ptr, stride_pm,
-    keep_ptr, stride_km,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    tgt_ptr,
+    M,
+    V,
+    D,
+    stride_xm,
+    stride_xk,
+    stride_wv,
+    stride_wk,
+    inv_temp,
+    ignore_index,
+    pmax_ptr,
+    psum_ptr,
+    pent_ptr,
+    ztgt_ptr,
+    stride_pm,
+    keep_ptr,
+    stride_km,
     n_progs,
-    FROM_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, WANT_ENT: tl.constexpr, KEEP: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, TMA: tl.constexpr, FLATTEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WANT_ENT: tl.constexpr,
+    KEEP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    TMA: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``(m_j, s_j, a_j)`` of every (row block, vocab tile) unit of rows ``[0, M)``, and ``z_t``
     from the tile holding each row's target. With ``KEEP``, each tile's logits before bias and
@@ -61,11 +85,37 @@ def _stats_kernel(
         # (benchmarks/results/restructure_h100/linear_before_after)
         for t in range(pid_g, tl.minimum(pid_g + 1, n_tiles)):
             z, cols, col_ok, raw = logits_tile(
-                x_ptr, w_ptr, b_ptr, rows_safe, row_ok, pid_m, t, V, D, stride_xm, stride_xk, stride_wv, stride_wk, inv_temp,
-                FROM_LOGITS, HAS_BIAS, False, EVEN_K, IEEE, UPCAST_DOT, TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                x_ptr,
+                w_ptr,
+                b_ptr,
+                rows_safe,
+                row_ok,
+                pid_m,
+                t,
+                V,
+                D,
+                stride_xm,
+                stride_xk,
+                stride_wv,
+                stride_wk,
+                inv_temp,
+                FROM_LOGITS,
+                HAS_BIAS,
+                False,
+                EVEN_K,
+                IEEE,
+                UPCAST_DOT,
+                TMA,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
             )
             if KEEP:
-                tl.store(keep_ptr + rows_safe[:, None] * stride_km + cols[None, :], raw, mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(
+                    keep_ptr + rows_safe[:, None] * stride_km + cols[None, :],
+                    raw,
+                    mask=row_ok[:, None] & col_ok[None, :],
+                )
             zm = tl.where(col_ok[None, :], z, float("-inf"))
             m = tl.max(zm, axis=1)
             # a tile of -inf logits (a -inf bias) has m = -inf: exponentials relative to 0 give
@@ -86,10 +136,21 @@ def _stats_kernel(
 
 @launch_time_jit
 def _merge_kernel(
-    pmax_ptr, psum_ptr, pent_ptr, ztgt_ptr, tgt_ptr,
-    lp_ptr, ent_ptr, lse_ptr,
-    M, n_tiles, stride_pm, ignore_index,
-    WANT_ENT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    pmax_ptr,
+    psum_ptr,
+    pent_ptr,
+    ztgt_ptr,
+    tgt_ptr,
+    lp_ptr,
+    ent_ptr,
+    lse_ptr,
+    M,
+    n_tiles,
+    stride_pm,
+    ignore_index,
+    WANT_ENT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Merge each row's tile statistics in ascending tile order into logprob, lse and (when
     ``WANT_ENT``) entropy."""
@@ -138,9 +199,18 @@ def stats_rows(n_tiles: int) -> int:
 
 
 def launch_stats(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    rows: int, inv_temp: float, ignore_index: int, partials: torch.Tensor, ztgt: torch.Tensor,
-    from_logits: bool, want_entropy: bool, keep: Optional[torch.Tensor] = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    rows: int,
+    inv_temp: float,
+    ignore_index: int,
+    partials: torch.Tensor,
+    ztgt: torch.Tensor,
+    from_logits: bool,
+    want_entropy: bool,
+    keep: Optional[torch.Tensor] = None,
 ) -> None:
     """Tile statistics of ``rows`` rows into ``partials [3, >=rows, n_tiles]`` and ``ztgt [>=rows]``
     (``partials[2]``, the entropy statistic, only with ``want_entropy``).
@@ -152,12 +222,16 @@ def launch_stats(
     :func:`~rl_kernel_core.linear.triton_sm90.serves` says so, with the same bits.
     """
     if keep is not None and from_logits:
-        raise ValueError("launch_stats: keep takes the gemm route's logits; from_logits passes already read stored ones")
+        raise ValueError(
+            "launch_stats: keep takes the gemm route's logits; from_logits passes already read stored ones"
+        )
     ext = None if from_logits else triton_sm90.serves("stats", x[:rows], weight, bias)
     dispatch.ran(triton_sm90.KERNELS, "triton" if ext is None else "triton+sm90")
     if ext is not None:
         group_m = tiles(weight.dtype, weight.device, False).group_m
-        ext.linear_stats_sm90(x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, partials, ztgt, want_entropy, keep, group_m)
+        ext.linear_stats_sm90(
+            x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, partials, ztgt, want_entropy, keep, group_m
+        )
         return
     vocab, dim = weight.shape
     cfg = tiles(weight.dtype, weight.device, from_logits)
@@ -165,26 +239,63 @@ def launch_stats(
     g = grid(triton.cdiv(rows, cfg.block_m) * n_tiles, cfg, x.device, from_logits)
     xs, ws, tma = operands(x[:rows], weight, cfg, from_logits)
     _stats_kernel[g](
-        xs, ws, bias if bias is not None else dummy(x.device), targets,
-        rows, vocab, dim,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        inv_temp, ignore_index,
-        partials[0], partials[1], partials[2], ztgt, partials.stride(1),
-        ztgt if keep is None else keep, 0 if keep is None else keep.stride(0),
+        xs,
+        ws,
+        bias if bias is not None else dummy(x.device),
+        targets,
+        rows,
+        vocab,
+        dim,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        inv_temp,
+        ignore_index,
+        partials[0],
+        partials[1],
+        partials[2],
+        ztgt,
+        partials.stride(1),
+        ztgt if keep is None else keep,
+        0 if keep is None else keep.stride(0),
         g[0],
-        FROM_LOGITS=from_logits, WANT_ENT=want_entropy, KEEP=keep is not None, **tile_flags(weight, bias, cfg, tma),
+        FROM_LOGITS=from_logits,
+        WANT_ENT=want_entropy,
+        KEEP=keep is not None,
+        **tile_flags(weight, bias, cfg, tma),
     )
 
 
 def launch_merge(
-    partials: torch.Tensor, ztgt: torch.Tensor, targets: torch.Tensor, rows: int, n_tiles: int,
-    ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
+    partials: torch.Tensor,
+    ztgt: torch.Tensor,
+    targets: torch.Tensor,
+    rows: int,
+    n_tiles: int,
+    ignore_index: int,
+    lp: torch.Tensor,
+    ent: Optional[torch.Tensor],
+    lse: torch.Tensor,
 ) -> None:
     """Merge ``rows`` rows of tile statistics into ``lp``, ``lse`` and, unless None, ``ent`` (fp32 ``[rows]``)."""
     _merge_kernel[(triton.cdiv(rows, MERGE_BLOCK_R),)](
-        partials[0], partials[1], partials[2], ztgt, targets, lp, lp if ent is None else ent, lse,
-        rows, n_tiles, partials.stride(1), ignore_index,
-        WANT_ENT=ent is not None, BLOCK_R=MERGE_BLOCK_R, BLOCK_T=MERGE_BLOCK_T, num_warps=4,
+        partials[0],
+        partials[1],
+        partials[2],
+        ztgt,
+        targets,
+        lp,
+        lp if ent is None else ent,
+        lse,
+        rows,
+        n_tiles,
+        partials.stride(1),
+        ignore_index,
+        WANT_ENT=ent is not None,
+        BLOCK_R=MERGE_BLOCK_R,
+        BLOCK_T=MERGE_BLOCK_T,
+        num_warps=4,
     )
 
 
@@ -218,15 +329,34 @@ def forward_rows(hidden: torch.Tensor, weight: torch.Tensor, route: str) -> int:
 
 
 def chunk_stats(
-    buf: ChunkBuffers, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    n: int, inv_temp: float, ignore_index: int, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor,
+    buf: ChunkBuffers,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    n: int,
+    inv_temp: float,
+    ignore_index: int,
+    lp: torch.Tensor,
+    ent: Optional[torch.Tensor],
+    lse: torch.Tensor,
 ) -> None:
     """The chunk driver's statistics pass: tile statistics of ``n`` rows of ``x`` into ``buf.scratch``
     (with ``buf.keeps_logits``, the logits into ``buf.logits``), merged into ``lp``/``ent``/``lse``
     (``[n]`` views; ``ent`` may be None)."""
     scratch: StatsScratch = buf.scratch
     launch_stats(
-        x, weight, bias, targets, n, inv_temp, ignore_index, scratch.partials, scratch.ztgt, buf.route == "chunked",
-        ent is not None, buf.logits if buf.keeps_logits else None,
+        x,
+        weight,
+        bias,
+        targets,
+        n,
+        inv_temp,
+        ignore_index,
+        scratch.partials,
+        scratch.ztgt,
+        buf.route == "chunked",
+        ent is not None,
+        buf.logits if buf.keeps_logits else None,
     )
     launch_merge(scratch.partials, scratch.ztgt, targets, n, scratch.n_tiles, ignore_index, lp, ent, lse)

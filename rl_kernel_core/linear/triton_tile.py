@@ -43,11 +43,30 @@ def row_block(pid_m, M, tgt_ptr, ignore_index, BLOCK_M: tl.constexpr):
 
 @helper_jit
 def logits_tile(
-    x_ptr, w_ptr, b_ptr, rows_safe, row_ok, pid_m, t, V, D,
-    stride_xm, stride_xk, stride_wv, stride_wk, inv_temp,
-    FROM_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, IN_PLACE: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    rows_safe,
+    row_ok,
+    pid_m,
+    t,
+    V,
+    D,
+    stride_xm,
+    stride_xk,
+    stride_wv,
+    stride_wk,
+    inv_temp,
+    FROM_LOGITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """``(z, cols, col_ok, raw)``: the fp32 tile ``z`` of rows ``rows_safe`` and vocab tile ``t``
     (columns ``cols``; ``col_ok`` those below V), scaled by ``inv_temp``; ``raw`` is the tile
@@ -61,7 +80,8 @@ def logits_tile(
     if FROM_LOGITS:
         zr = tl.load(
             x_ptr + rows_safe[:, None] * stride_xm + cols[None, :],
-            mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
         ).to(tl.float32)
         if IN_PLACE:
             tl.debug_barrier()
@@ -128,8 +148,11 @@ def operands(x: torch.Tensor, weight: torch.Tensor, cfg: TileConfig, from_logits
         return x, weight, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return (TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
-            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), True)
+    return (
+        TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
+        TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
+        True,
+    )
 
 
 def grid(work: int, cfg: TileConfig, device: torch.device, from_logits: bool) -> tuple[int]:
@@ -144,8 +167,16 @@ def grid(work: int, cfg: TileConfig, device: torch.device, from_logits: bool) ->
 def tile_flags(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TileConfig, tma: bool) -> dict:
     """The compile-time arguments of :func:`logits_tile` and the launch options both passes take."""
     return dict(
-        HAS_BIAS=bias is not None, EVEN_K=weight.shape[1] % cfg.block_k == 0, IEEE=weight.dtype == torch.float32,
-        UPCAST_DOT=interpreting(), TMA=tma, FLATTEN=cfg.persistent,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None,
+        EVEN_K=weight.shape[1] % cfg.block_k == 0,
+        IEEE=weight.dtype == torch.float32,
+        UPCAST_DOT=interpreting(),
+        TMA=tma,
+        FLATTEN=cfg.persistent,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )

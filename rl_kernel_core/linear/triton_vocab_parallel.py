@@ -90,8 +90,14 @@ def local_targets(targets: torch.Tensor, ignore_index: int, rank: int, v_local: 
 
 
 def forward_stats(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-    inv_temp: float, ignore_index: int, want_entropy: bool, group,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    inv_temp: float,
+    ignore_index: int,
+    want_entropy: bool,
+    group,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """``(logprob, entropy or None, lse)``, fp32 ``[N]``, the same bits on every rank and for every TP size.
 
@@ -128,7 +134,9 @@ def forward_stats(
         recv = recv.view(world, -1)
         zt = recv[:, :n].gather(0, owner[:, sl]).squeeze(0)
         glob = merged[: 3 * n * n_tiles].view(3, n, n_tiles)
-        glob[:planes].view(planes, n, world, tiles_local).copy_(recv[:, n:].view(world, planes, n, tiles_local).permute(1, 2, 0, 3))
+        glob[:planes].view(planes, n, world, tiles_local).copy_(
+            recv[:, n:].view(world, planes, n, tiles_local).permute(1, 2, 0, 3)
+        )
         launch_merge(glob, zt, targets[sl], n, n_tiles, ignore_index, lp[sl], None if ent is None else ent[sl], lse[sl])
     return lp, ent, lse
 
@@ -140,7 +148,9 @@ class ShardGradSink:
     shape, all-reduced (sum) over ``group`` and rounded once into ``dh`` (``hidden``'s dtype).
     """
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, need_h: bool, need_w: bool, need_b: bool, group) -> None:
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, need_h: bool, need_w: bool, need_b: bool, group
+    ) -> None:
         self.local = LC.GradSink(hidden, weight, False, need_w, need_b)
         self.group = group
         self.dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None

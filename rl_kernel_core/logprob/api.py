@@ -123,14 +123,18 @@ def logprob_from_logits(
 
     if targets.numel() == 0:
         out = _out_dtype(logits.dtype)
-        return _pack(_empty(targets.shape, out, logits), _empty(targets.shape, out, logits), targets.shape, return_entropy)
+        return _pack(
+            _empty(targets.shape, out, logits), _empty(targets.shape, out, logits), targets.shape, return_entropy
+        )
     l2d = logits.reshape(-1, vocab)
     if l2d.stride(-1) != 1:
         l2d = l2d.contiguous()
     t1d = targets.reshape(-1).contiguous()
     if is_batch_invariant() and not return_entropy:
         return _pack(_mode_logprob(l2d, t1d, temperature, ignore_index), None, targets.shape, False)
-    impl = dispatch.select("logprob_from_logits", backend, logits.device, l2d, t1d, temperature, ignore_index, return_entropy)
+    impl = dispatch.select(
+        "logprob_from_logits", backend, logits.device, l2d, t1d, temperature, ignore_index, return_entropy
+    )
     logprob, entropy = impl(l2d, t1d, temperature, ignore_index, return_entropy)
     if is_batch_invariant():  # the entropy from the fused kernel, the log-prob with the mode's definition
         logprob = _mode_logprob(l2d, t1d, temperature, ignore_index)

@@ -26,8 +26,14 @@ def _forward(
 
 
 def _backward(
-    logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
-    grad_logprob: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, ignore_index: int,
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+    grad_logprob: Optional[Tensor],
+    grad_entropy: Optional[Tensor],
+    temperature: float,
+    ignore_index: int,
 ) -> Tensor:
     """``d/d logits`` ``[N, V]`` in the logits' dtype, the softmax recomputed from ``logits`` and ``lse``."""
     return _ext.logprob_bwd(logits, targets, lse, entropy, grad_logprob, grad_entropy, temperature, ignore_index)

@@ -36,7 +36,9 @@ def implementation(forward_op: Callable) -> Callable[..., tuple[Tensor, Optional
         logits: Tensor, targets: Tensor, temperature: float, ignore_index: int, return_entropy: bool
     ) -> tuple[Tensor, Optional[Tensor]]:
         """Backend implementation: ``(logprob [N] fp32, entropy [N] fp32 or None)``, differentiable in ``logits``."""
-        logprob, entropy, _lse = forward_op(logits, targets, float(temperature), int(ignore_index), bool(return_entropy))
+        logprob, entropy, _lse = forward_op(
+            logits, targets, float(temperature), int(ignore_index), bool(return_entropy)
+        )
         return logprob, (entropy if return_entropy else None)
 
     return logprob_from_logits
@@ -83,4 +85,6 @@ def backward(backward_op: Callable) -> Callable:
 def define_logprob_from_logits(name: str, forward_fn: Callable, backward_fn: Callable) -> Callable:
     """``logprob_from_logits``' backend implementation over the custom ops ``rl_kernel::<name>`` and
     its backward, whose bodies are ``forward_fn`` / ``backward_fn`` (the schemas above)."""
-    return implementation(define_differentiable_op(name, forward_fn, forward_fake, backward_fn, backward_fake, setup, backward))
+    return implementation(
+        define_differentiable_op(name, forward_fn, forward_fake, backward_fn, backward_fake, setup, backward)
+    )

@@ -44,7 +44,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _local_targets(targets: torch.Tensor, ignore_index: int, offset: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _local_targets(
+    targets: torch.Tensor, ignore_index: int, offset: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(valid rows, rows whose target lies in this shard, shard-local ids clamped into range)."""
     t = targets.long()
     valid = t != ignore_index
@@ -78,7 +80,9 @@ def _chunk_stats(z: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, wa
     return torch.stack((m, s, zt, a))
 
 
-def _finish(stats: torch.Tensor, valid: torch.Tensor, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def _finish(
+    stats: torch.Tensor, valid: torch.Tensor, want_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(logprob, lse, entropy or None) from merged statistics [4, N]; ignored rows give 0."""
     m, s, zt, a = stats.unbind(0)
     log_s = torch.log(s)
@@ -165,8 +169,14 @@ class _LogprobFromLogits(torch.autograd.Function):
             sl = slice(i, i + step)
             z = _scale(logits[sl].to(acc, copy=True), ctx.temperature)
             dl = _chunk_grad(
-                z, lse[sl], None if entropy is None else entropy[sl], local_t[sl], owned[sl],
-                None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], ctx.temperature,
+                z,
+                lse[sl],
+                None if entropy is None else entropy[sl],
+                local_t[sl],
+                owned[sl],
+                None if g_lp is None else g_lp[sl],
+                None if g_ent is None else g_ent[sl],
+                ctx.temperature,
             )
             grad[sl].copy_(dl)
             del z, dl

@@ -74,11 +74,19 @@ def online_softmax_stats(base, stride_lv, V, inv_temp, WITH_ENTROPY: tl.constexp
 
 @launch_time_jit
 def _logprob_fwd_kernel(
-    logits_ptr, stride_ln, stride_lv,
-    targets_ptr, stride_t,
-    logprob_ptr, entropy_ptr, lse_ptr,
-    V, inv_temp, ignore_index,
-    WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_ln,
+    stride_lv,
+    targets_ptr,
+    stride_t,
+    logprob_ptr,
+    entropy_ptr,
+    lse_ptr,
+    V,
+    inv_temp,
+    ignore_index,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(targets_ptr + row * stride_t).to(tl.int64)
@@ -101,13 +109,25 @@ def _logprob_fwd_kernel(
 
 @launch_time_jit
 def _logprob_bwd_kernel(
-    logits_ptr, stride_ln, stride_lv,
-    targets_ptr, stride_t,
-    lse_ptr, entropy_ptr,
-    grad_lp_ptr, stride_glp, grad_ent_ptr, stride_gent,
-    grad_logits_ptr, stride_gn,
-    V, inv_temp, ignore_index,
-    WITH_LOGPROB_GRAD: tl.constexpr, WITH_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_ln,
+    stride_lv,
+    targets_ptr,
+    stride_t,
+    lse_ptr,
+    entropy_ptr,
+    grad_lp_ptr,
+    stride_glp,
+    grad_ent_ptr,
+    stride_gent,
+    grad_logits_ptr,
+    stride_gn,
+    V,
+    inv_temp,
+    ignore_index,
+    WITH_LOGPROB_GRAD: tl.constexpr,
+    WITH_ENTROPY_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -132,7 +152,11 @@ def _logprob_bwd_kernel(
 
 
 def logprob_fwd(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, ignore_index: int, with_entropy: bool,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
     tile: tuple[int, int] = FWD_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward pass.
@@ -158,18 +182,33 @@ def logprob_fwd(
     if n == 0:
         return logprob, entropy, lse
     _logprob_fwd_kernel[(n,)](
-        logits, logits.stride(0), logits.stride(1),
-        targets, targets.stride(0),
-        logprob, entropy if with_entropy else logprob, lse,
-        vocab, 1.0 / temperature, ignore_index,
-        WITH_ENTROPY=with_entropy, BLOCK_V=_block_v(vocab, tile[0]), num_warps=tile[1],
+        logits,
+        logits.stride(0),
+        logits.stride(1),
+        targets,
+        targets.stride(0),
+        logprob,
+        entropy if with_entropy else logprob,
+        lse,
+        vocab,
+        1.0 / temperature,
+        ignore_index,
+        WITH_ENTROPY=with_entropy,
+        BLOCK_V=_block_v(vocab, tile[0]),
+        num_warps=tile[1],
     )
     return logprob, entropy, lse
 
 
 def logprob_bwd(
-    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
-    grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], temperature: float, ignore_index: int,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprob: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    temperature: float,
+    ignore_index: int,
 ) -> torch.Tensor:
     """Backward pass: the gradient w.r.t. ``logits``, ``[N, V]`` contiguous in the logits' dtype.
 
@@ -186,13 +225,26 @@ def logprob_bwd(
     grad_lp = lse if grad_logprob is None else grad_logprob.to(torch.float32)
     grad_ent = lse if grad_entropy is None else grad_entropy.to(torch.float32)
     _logprob_bwd_kernel[(n, triton.cdiv(vocab, block))](
-        logits, logits.stride(0), logits.stride(1),
-        targets, targets.stride(0),
-        lse, entropy if with_ent else lse,
-        grad_lp, grad_lp.stride(0), grad_ent, grad_ent.stride(0),
-        grad_logits, grad_logits.stride(0),
-        vocab, 1.0 / temperature, ignore_index,
-        WITH_LOGPROB_GRAD=with_lp, WITH_ENTROPY_GRAD=with_ent, BLOCK_V=block, num_warps=8,
+        logits,
+        logits.stride(0),
+        logits.stride(1),
+        targets,
+        targets.stride(0),
+        lse,
+        entropy if with_ent else lse,
+        grad_lp,
+        grad_lp.stride(0),
+        grad_ent,
+        grad_ent.stride(0),
+        grad_logits,
+        grad_logits.stride(0),
+        vocab,
+        1.0 / temperature,
+        ignore_index,
+        WITH_LOGPROB_GRAD=with_lp,
+        WITH_ENTROPY_GRAD=with_ent,
+        BLOCK_V=block,
+        num_warps=8,
     )
     return grad_logits
 

@@ -42,11 +42,32 @@ from rl_kernel_core.loss.opdef import METRIC_NAMES, FusedLossInputs, LossSetting
 from rl_kernel_core.loss import reference as _reference  # registers the torch backend
 from rl_kernel_core.spans import LossSpans
 
-__all__ = ["KL_TYPES", "LOSS_AGG_MODES", "METRIC_NAMES", "GlobalBatch", "LossSettings", "fused_linear_policy_loss", "policy_loss", "ratio_kl"]
+__all__ = [
+    "KL_TYPES",
+    "LOSS_AGG_MODES",
+    "METRIC_NAMES",
+    "GlobalBatch",
+    "LossSettings",
+    "fused_linear_policy_loss",
+    "policy_loss",
+    "ratio_kl",
+]
 
 KL_TYPES: dict[str, str] = {
-    "k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3",
-    "k1+": "k1+", "kl+": "k1+", "abs+": "abs+", "k2+": "k2", "mse+": "k2", "k3+": "k3+", "low_var_kl+": "k3+",
+    "k1": "k1",
+    "kl": "k1",
+    "abs": "abs",
+    "k2": "k2",
+    "mse": "k2",
+    "k3": "k3",
+    "low_var_kl": "k3",
+    "k1+": "k1+",
+    "kl+": "k1+",
+    "abs+": "abs+",
+    "k2+": "k2",
+    "mse+": "k2",
+    "k3+": "k3+",
+    "low_var_kl+": "k3+",
 }
 """Accepted ``kl_type`` names (verl's spellings) → the canonical name backends receive.
 
@@ -54,7 +75,13 @@ A ``+`` suffix keeps the estimator's value and takes k2's gradient (verl's strai
 variant); ``k2+`` is k2 itself.
 """
 
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 _MASK_DTYPES: tuple[torch.dtype, ...] = (torch.bool,) + _checks.FLOAT_DTYPES
 
 
@@ -70,8 +97,13 @@ def _canonical_kl_type(kl_type: object) -> str:
 
 
 def _check_settings(
-    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float], kl_type: str,
-    kl_coef: float, entropy_coef: float, loss_agg_mode: str,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: Optional[float],
+    kl_type: str,
+    kl_coef: float,
+    entropy_coef: float,
+    loss_agg_mode: str,
 ) -> LossSettings:
     """Validate the loss settings; return them as the :class:`LossSettings` implementations take."""
     c = None
@@ -119,7 +151,9 @@ def _global_normaliser(mode: str, mask: torch.Tensor, batch: GlobalBatch) -> tup
     if mode == "token-mean":
         if batch.batch_num_tokens is None:
             if dp_size > 1:
-                raise ValueError("global_batch.batch_num_tokens (the global token count) is required for token-mean when dp_size > 1")
+                raise ValueError(
+                    "global_batch.batch_num_tokens (the global token count) is required for token-mean when dp_size > 1"
+                )
             return "token-mean", 1.0
         return "token-sum", dp_size / batch.batch_num_tokens
     factor: Any = 1.0
@@ -136,9 +170,13 @@ def _global_normaliser(mode: str, mask: torch.Tensor, batch: GlobalBatch) -> tup
 _AGGREGATE_METRICS = ("pg_loss", "kl_loss", "entropy")
 
 
-def _scaled(loss: torch.Tensor, metrics: dict[str, torch.Tensor], factor: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _scaled(
+    loss: torch.Tensor, metrics: dict[str, torch.Tensor], factor: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and the aggregate metrics times ``factor`` (the other metrics are token means)."""
-    return loss * factor, {name: value * factor if name in _AGGREGATE_METRICS else value for name, value in metrics.items()}
+    return loss * factor, {
+        name: value * factor if name in _AGGREGATE_METRICS else value for name, value in metrics.items()
+    }
 
 
 def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, required: dict, optional: dict) -> None:
@@ -153,12 +191,15 @@ def _check_token_tensors(ref_name: str, ref: torch.Tensor, mask: object, require
     _checks.non_negative_weights("mask", mask)
 
 
-def _mask_or_spans(mask: Optional[torch.Tensor], loss_spans: Optional[LossSpans], ref_name: str, ref: torch.Tensor) -> Any:
+def _mask_or_spans(
+    mask: Optional[torch.Tensor], loss_spans: Optional[LossSpans], ref_name: str, ref: torch.Tensor
+) -> Any:
     """The dense mask: ``mask`` itself, or ``loss_spans``' as a bool tensor of ``ref``'s shape;
     exactly one of them must be given."""
     if (mask is None) == (loss_spans is None):
-        raise ValueError("exactly one of mask and loss_spans must be given, got "
-                         f"{'neither' if mask is None else 'both'}")
+        raise ValueError(
+            f"exactly one of mask and loss_spans must be given, got {'neither' if mask is None else 'both'}"
+        )
     if loss_spans is None:
         return mask
     if not isinstance(loss_spans, LossSpans):
@@ -167,12 +208,29 @@ def _mask_or_spans(mask: Optional[torch.Tensor], loss_spans: Optional[LossSpans]
     return loss_spans.dense_mask().reshape(ref.shape)
 
 
-_Compact = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], float]
+_Compact = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+    float,
+]
 
 
-def _compact(spans: LossSpans, mode: str, ignore_index: int, hidden: torch.Tensor, targets: torch.Tensor,
-             old_logprob: torch.Tensor, advantages: torch.Tensor, ref_logprob: Optional[torch.Tensor],
-             rollout_is_weights: Optional[torch.Tensor]) -> _Compact:
+def _compact(
+    spans: LossSpans,
+    mode: str,
+    ignore_index: int,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logprob: Optional[torch.Tensor],
+    rollout_is_weights: Optional[torch.Tensor],
+) -> _Compact:
     """The scored rows of a fused loss's inputs in a layout that aggregates as the dense one:
     one sequence ``[1, N_scored]`` for the token modes; ``[B, W]`` (W the most scored rows of a
     sequence, padding masked out, its targets at ``ignore_index``) for the ``seq-mean-*`` modes.
@@ -181,14 +239,16 @@ def _compact(spans: LossSpans, mode: str, ignore_index: int, hidden: torch.Tenso
     (``seq-mean-token-sum-norm`` divides by the layout's T)."""
     rows = (spans.num_seqs, spans.seq_len)
     if mode in ("token-mean", "token-sum"):
+
         def pick(t: torch.Tensor) -> torch.Tensor:
-            return spans.gather(t.reshape(*rows, *t.shape[targets.dim():]))[None]
+            return spans.gather(t.reshape(*rows, *t.shape[targets.dim() :]))[None]
 
         mask = torch.ones((1, spans.total), dtype=torch.bool, device=hidden.device)
         compact_targets = pick(targets)
     else:
+
         def pick(t: torch.Tensor) -> torch.Tensor:
-            return spans.gather_padded(t.reshape(*rows, *t.shape[targets.dim():]))[0]
+            return spans.gather_padded(t.reshape(*rows, *t.shape[targets.dim() :]))[0]
 
         mask = spans.gather_padded(targets.reshape(rows))[1]
         compact_targets = torch.where(mask, pick(targets), ignore_index)
@@ -310,17 +370,32 @@ def policy_loss(
     _checks.tensor("logprob", logprob, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
     mask = _mask_or_spans(mask, loss_spans, "logprob", logprob)
     _check_token_tensors(
-        "logprob", logprob, mask, {"old_logprob": old_logprob, "advantages": advantages},
+        "logprob",
+        logprob,
+        mask,
+        {"old_logprob": old_logprob, "advantages": advantages},
         {"ref_logprob": ref_logprob, "entropy": entropy, "rollout_is_weights": rollout_is_weights},
     )
-    settings = _check_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
+    settings = _check_settings(
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode
+    )
     if entropy is None and settings.entropy_coef != 0.0:
-        raise ValueError(f"entropy must be given when entropy_coef != 0, got entropy=None with entropy_coef={entropy_coef}")
+        raise ValueError(
+            f"entropy must be given when entropy_coef != 0, got entropy=None with entropy_coef={entropy_coef}"
+        )
     seq_len = logprob.shape[-1]
     num_seqs = math.prod(logprob.shape[:-1])
     args = [
         _as_sequences(t, num_seqs, seq_len)
-        for t in (logprob, old_logprob, advantages, mask, old_logprob if ref_logprob is None else ref_logprob, entropy, rollout_is_weights)
+        for t in (
+            logprob,
+            old_logprob,
+            advantages,
+            mask,
+            old_logprob if ref_logprob is None else ref_logprob,
+            entropy,
+            rollout_is_weights,
+        )
     ]
     factor = None
     if global_batch is not None:
@@ -395,24 +470,44 @@ def fused_linear_policy_loss(
     dim = hidden.shape[-1]
     vocab = weight.shape[0]
     _check_token_tensors(
-        "targets", targets, _mask_or_spans(mask, loss_spans, "targets", targets), {"old_logprob": old_logprob, "advantages": advantages},
+        "targets",
+        targets,
+        _mask_or_spans(mask, loss_spans, "targets", targets),
+        {"old_logprob": old_logprob, "advantages": advantages},
         {"ref_logprob": ref_logprob, "rollout_is_weights": rollout_is_weights},
     )
     temperature = _checks.temperature("temperature", temperature)
     _checks.int64("ignore_index", ignore_index)
-    settings = _check_settings(clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode)
+    settings = _check_settings(
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, kl_type, kl_coef, entropy_coef, loss_agg_mode
+    )
     factor = 1.0
     if loss_spans is not None:
         hidden, targets, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, factor = _compact(
-            loss_spans, settings.loss_agg_mode, ignore_index, hidden, targets, old_logprob, advantages, ref_logprob, rollout_is_weights)
+            loss_spans,
+            settings.loss_agg_mode,
+            ignore_index,
+            hidden,
+            targets,
+            old_logprob,
+            advantages,
+            ref_logprob,
+            rollout_is_weights,
+        )
     assert mask is not None
     _checks.target_ids("targets", targets, vocab, ignore_index)
     seq_len = targets.shape[-1]
     num_seqs = math.prod(targets.shape[:-1])
     shape = (num_seqs, seq_len)
     inputs = FusedLossInputs(
-        hidden.reshape(*shape, dim), weight, targets.reshape(shape), old_logprob.reshape(shape), advantages.reshape(shape),
-        mask.reshape(shape), bias, (old_logprob if ref_logprob is None else ref_logprob).reshape(shape),
+        hidden.reshape(*shape, dim),
+        weight,
+        targets.reshape(shape),
+        old_logprob.reshape(shape),
+        advantages.reshape(shape),
+        mask.reshape(shape),
+        bias,
+        (old_logprob if ref_logprob is None else ref_logprob).reshape(shape),
         _as_sequences(rollout_is_weights, num_seqs, seq_len),
     )
     kwargs = {"temperature": temperature, "ignore_index": ignore_index, "settings": settings}

@@ -27,8 +27,12 @@ def _ratio_kl_forward(logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
 
 
 def _ratio_kl_backward(
-    logprob: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
-    grad_ratio: Optional[Tensor], grad_kl: Optional[Tensor], kl_type: str,
+    logprob: Tensor,
+    old_logprob: Tensor,
+    ref_logprob: Tensor,
+    grad_ratio: Optional[Tensor],
+    grad_kl: Optional[Tensor],
+    kl_type: str,
 ) -> Tensor:
     """``d/d logprob`` of ``sum(grad_ratio·ratio + grad_kl·kl)`` in ``logprob``'s dtype (None counts as 0)."""
     code, plus = kl_code(kl_type)
@@ -36,10 +40,17 @@ def _ratio_kl_backward(
 
 
 ratio_kl = dispatch.register("ratio_kl", "native", supports=opdef.ratio_kl_supports("native"))(
-    opdef.ratio_kl_implementation(define_differentiable_op(
-        "native_ratio_kl", _ratio_kl_forward, opdef.ratio_kl_fake, _ratio_kl_backward, opdef.ratio_kl_backward_fake,
-        opdef.ratio_kl_setup, opdef.ratio_kl_backward,
-    ))
+    opdef.ratio_kl_implementation(
+        define_differentiable_op(
+            "native_ratio_kl",
+            _ratio_kl_forward,
+            opdef.ratio_kl_fake,
+            _ratio_kl_backward,
+            opdef.ratio_kl_backward_fake,
+            opdef.ratio_kl_setup,
+            opdef.ratio_kl_backward,
+        )
+    )
 )
 
 
@@ -48,33 +59,71 @@ def _policy_loss_forward(logprob, old_logprob, advantages, mask, ref_logprob, en
     :data:`rl_kernel_core.loss.opdef.POLICY_LOSS_SCHEMA`); metrics in ``METRIC_NAMES`` order."""
     s = LossSettings.from_args(settings)
     loss, metrics, seq_weight, totals = _ext.policy_loss_fwd(
-        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
-        s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, kl_code(s.kl_type)[0], s.kl_coef, s.entropy_coef,
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        ref_logprob,
+        entropy,
+        rollout_is_weights,
+        s.clip_ratio_low,
+        s.clip_ratio_high,
+        s.clip_ratio_c,
+        kl_code(s.kl_type)[0],
+        s.kl_coef,
+        s.entropy_coef,
         AGG_CODES[s.loss_agg_mode],
     )
     return loss, metrics, seq_weight, totals
 
 
-def _policy_loss_backward(grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights,
-                          seq_weight, totals, *rest):
+def _policy_loss_backward(
+    grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals, *rest
+):
     """``(d loss / d logprob, d loss / d entropy)`` in logprob's / ``entropy_dtype``; one not asked for is an empty ``[0]`` tensor."""
     *settings, need_logprob_grad, entropy_dtype = rest
     s = LossSettings.from_args(tuple(settings))
     grad_lp = torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device) if need_logprob_grad else None
-    grad_ent = torch.empty(logprob.shape, dtype=entropy_dtype, device=logprob.device) if entropy_dtype is not None else None
+    grad_ent = (
+        torch.empty(logprob.shape, dtype=entropy_dtype, device=logprob.device) if entropy_dtype is not None else None
+    )
     code, plus = kl_code(s.kl_type)
     _ext.policy_loss_bwd(
-        grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals,
-        s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, code, plus, s.kl_coef, s.entropy_coef,
-        AGG_CODES[s.loss_agg_mode], grad_lp, grad_ent,
+        grad_loss,
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        ref_logprob,
+        rollout_is_weights,
+        seq_weight,
+        totals,
+        s.clip_ratio_low,
+        s.clip_ratio_high,
+        s.clip_ratio_c,
+        code,
+        plus,
+        s.kl_coef,
+        s.entropy_coef,
+        AGG_CODES[s.loss_agg_mode],
+        grad_lp,
+        grad_ent,
     )
-    return (logprob.new_empty(0) if grad_lp is None else grad_lp), (logprob.new_empty(0) if grad_ent is None else grad_ent)
+    return (logprob.new_empty(0) if grad_lp is None else grad_lp), (
+        logprob.new_empty(0) if grad_ent is None else grad_ent
+    )
 
 
 _policy_loss_op = define_differentiable_op(
-    "native_policy_loss", _policy_loss_forward, opdef.policy_loss_fake, _policy_loss_backward,
-    opdef.policy_loss_backward_fake, opdef.policy_loss_setup, opdef.policy_loss_backward,
-    schema=opdef.POLICY_LOSS_SCHEMA, backward_schema=opdef.POLICY_LOSS_BACKWARD_SCHEMA,
+    "native_policy_loss",
+    _policy_loss_forward,
+    opdef.policy_loss_fake,
+    _policy_loss_backward,
+    opdef.policy_loss_backward_fake,
+    opdef.policy_loss_setup,
+    opdef.policy_loss_backward,
+    schema=opdef.POLICY_LOSS_SCHEMA,
+    backward_schema=opdef.POLICY_LOSS_BACKWARD_SCHEMA,
 )
 policy_loss = dispatch.register("policy_loss", "native", supports=opdef.policy_loss_supports("native"))(
     opdef.policy_loss_implementation(_policy_loss_op)

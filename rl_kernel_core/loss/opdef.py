@@ -99,7 +99,9 @@ FUSED_LOSS_SCHEMA = (
     f"Tensor mask, Tensor ref_logprob, Tensor? rollout_is_weights, float temperature, int ignore_index, {SETTINGS_SCHEMA}, "
     "bool need_hidden_grad, bool need_weight_grad, bool need_bias_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
-FUSED_LOSS_BACKWARD_SCHEMA = "(Tensor grad_loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias) -> (Tensor, Tensor, Tensor)"
+FUSED_LOSS_BACKWARD_SCHEMA = (
+    "(Tensor grad_loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias) -> (Tensor, Tensor, Tensor)"
+)
 
 
 def metrics_dict(metrics: Tensor) -> dict[str, Tensor]:
@@ -187,16 +189,32 @@ def policy_loss_supports(
     input but ``logprob`` and ``entropy`` that requires grad.
     """
 
-    def supports(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, settings) -> Optional[str]:
-        floats = dict(logprob=logprob, old_logprob=old_logprob, advantages=advantages, ref_logprob=ref_logprob,
-                      entropy=entropy, rollout_is_weights=rollout_is_weights)
+    def supports(
+        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, settings
+    ) -> Optional[str]:
+        floats = dict(
+            logprob=logprob,
+            old_logprob=old_logprob,
+            advantages=advantages,
+            ref_logprob=ref_logprob,
+            entropy=entropy,
+            rollout_is_weights=rollout_is_weights,
+        )
         if mask.dtype != torch.bool:
             floats["mask"] = mask
         if agg_modes is not None and settings.loss_agg_mode not in agg_modes:
             return f"loss_agg_mode={settings.loss_agg_mode!r} has no {backend} kernel"
-        return _kl_type_reason(backend, settings.kl_type, kl_types) or fp64_reason(backend, **floats) or grad_reason(
-            backend, old_logprob=old_logprob, advantages=advantages, mask=mask, ref_logprob=ref_logprob,
-            rollout_is_weights=rollout_is_weights,
+        return (
+            _kl_type_reason(backend, settings.kl_type, kl_types)
+            or fp64_reason(backend, **floats)
+            or grad_reason(
+                backend,
+                old_logprob=old_logprob,
+                advantages=advantages,
+                mask=mask,
+                ref_logprob=ref_logprob,
+                rollout_is_weights=rollout_is_weights,
+            )
         )
 
     return supports
@@ -206,12 +224,25 @@ def policy_loss_implementation(forward_op: Callable) -> Callable[..., tuple[Tens
     """The backend implementation of ``policy_loss`` over ``forward_op`` (see :func:`rl_kernel_core.opdef.define_differentiable_op`)."""
 
     def policy_loss(
-        logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, ref_logprob: Tensor,
-        entropy: Optional[Tensor], rollout_is_weights: Optional[Tensor], settings: LossSettings,
+        logprob: Tensor,
+        old_logprob: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        ref_logprob: Tensor,
+        entropy: Optional[Tensor],
+        rollout_is_weights: Optional[Tensor],
+        settings: LossSettings,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Backend implementation over ``[S, T]`` tensors: ``(loss, metrics)``, differentiable in ``logprob`` and ``entropy``."""
         loss, metrics, _seq_weight, _totals = forward_op(
-            logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *settings.as_args(),
+            logprob,
+            old_logprob,
+            advantages,
+            mask,
+            ref_logprob,
+            entropy,
+            rollout_is_weights,
+            *settings.as_args(),
         )
         return loss, metrics_dict(metrics)
 
@@ -222,8 +253,10 @@ def policy_loss_fake(logprob, old_logprob, advantages, mask, ref_logprob, entrop
     """Fake forward: ``(loss [], metrics [6], seq_weight [S], totals [2])`` fp32."""
     f32 = dict(dtype=torch.float32)
     return (
-        logprob.new_empty((), **f32), logprob.new_empty(len(METRIC_NAMES), **f32),
-        logprob.new_empty(logprob.shape[0], **f32), logprob.new_empty(2, **f32),
+        logprob.new_empty((), **f32),
+        logprob.new_empty(len(METRIC_NAMES), **f32),
+        logprob.new_empty(logprob.shape[0], **f32),
+        logprob.new_empty(2, **f32),
     )
 
 
@@ -231,7 +264,9 @@ def policy_loss_backward_fake(grad_loss, logprob, *args):
     """Fake backward: ``(d logprob or [0], d entropy or [0])``."""
     need_logprob_grad, entropy_dtype = args[-2:]
     grad_lp = logprob.new_empty(logprob.shape if need_logprob_grad else (0,))
-    grad_ent = logprob.new_empty(logprob.shape, dtype=entropy_dtype) if entropy_dtype is not None else logprob.new_empty(0)
+    grad_ent = (
+        logprob.new_empty(logprob.shape, dtype=entropy_dtype) if entropy_dtype is not None else logprob.new_empty(0)
+    )
     return grad_lp, grad_ent
 
 
@@ -257,8 +292,18 @@ def policy_loss_backward(backward_op: Callable) -> Callable:
         if grad_loss is None or not (need_lp or want_ent):
             return (None,) * n_inputs
         grad_lp, grad_ent = backward_op(
-            grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, weights, seq_weight, totals,
-            *ctx.settings.as_args(), need_lp, ctx.entropy_dtype if want_ent else None,
+            grad_loss,
+            logprob,
+            old_logprob,
+            advantages,
+            mask,
+            ref_logprob,
+            weights,
+            seq_weight,
+            totals,
+            *ctx.settings.as_args(),
+            need_lp,
+            ctx.entropy_dtype if want_ent else None,
         )
         grads = [None] * n_inputs
         grads[0] = grad_lp if need_lp else None
@@ -275,16 +320,37 @@ def fused_loss_implementation(forward_op: Callable) -> Callable[..., tuple[Tenso
     """The backend implementation of ``fused_linear_policy_loss`` over ``forward_op``."""
 
     def fused_linear_policy_loss(
-        hidden: Tensor, weight: Tensor, targets: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-        bias: Optional[Tensor], ref_logprob: Tensor, rollout_is_weights: Optional[Tensor], *,
-        temperature: float, ignore_index: int, settings: LossSettings,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        old_logprob: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        bias: Optional[Tensor],
+        ref_logprob: Tensor,
+        rollout_is_weights: Optional[Tensor],
+        *,
+        temperature: float,
+        ignore_index: int,
+        settings: LossSettings,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Backend implementation: ``(loss, metrics)``, ``loss`` differentiable in ``hidden``, ``weight`` and ``bias``."""
         grad_on = torch.is_grad_enabled()
         loss, metrics, _dh, _dw, _db = forward_op(
-            hidden, weight, bias, targets, old_logprob, advantages, mask, ref_logprob, rollout_is_weights,
-            float(temperature), int(ignore_index), *settings.as_args(),
-            grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+            hidden,
+            weight,
+            bias,
+            targets,
+            old_logprob,
+            advantages,
+            mask,
+            ref_logprob,
+            rollout_is_weights,
+            float(temperature),
+            int(ignore_index),
+            *settings.as_args(),
+            grad_on and hidden.requires_grad,
+            grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad,
         )
         return loss, metrics_dict(metrics)
@@ -297,8 +363,10 @@ def fused_loss_fake(hidden, weight, bias, targets, *args):
     need_h, need_w, need_b = args[-3:]
     f32 = dict(dtype=torch.float32)
     return (
-        hidden.new_empty((), **f32), hidden.new_empty(len(METRIC_NAMES), **f32),
-        hidden.new_empty(hidden.shape if need_h else (0,)), weight.new_empty(weight.shape if need_w else (0,)),
+        hidden.new_empty((), **f32),
+        hidden.new_empty(len(METRIC_NAMES), **f32),
+        hidden.new_empty(hidden.shape if need_h else (0,)),
+        weight.new_empty(weight.shape if need_w else (0,)),
         weight.new_empty(weight.shape[0] if need_b else 0),
     )
 

@@ -64,7 +64,9 @@ def clamped_log_ratio(logprob: torch.Tensor, old_logprob: torch.Tensor) -> torch
 
 
 @dispatch.register("ratio_kl", "torch")
-def ratio_kl(logprob: torch.Tensor, old_logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def ratio_kl(
+    logprob: torch.Tensor, old_logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(exp(clamp(logprob - old_logprob, ±20)), kl_estimate(logprob, ref_logprob, kl_type))``."""
     dt = compute_dtype(logprob, old_logprob, ref_logprob)
     lp = logprob.to(dt)
@@ -93,7 +95,9 @@ def aggregate(values: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor, lo
     if loss_agg_mode == "token-sum":
         return (torch.where(keep, values, 0.0) * weight).sum()
     if loss_agg_mode not in _SEQ_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {('token-mean', 'token-sum') + _SEQ_MODES}, got {loss_agg_mode!r}")
+        raise ValueError(
+            f"loss_agg_mode must be one of {('token-mean', 'token-sum') + _SEQ_MODES}, got {loss_agg_mode!r}"
+        )
     seq_sum = (torch.where(keep, values, 0.0) * weight).sum(dim=-1)
     seq_tokens = weight.sum(dim=-1)
     if loss_agg_mode == "seq-mean-token-mean":
@@ -119,7 +123,9 @@ def aggregation_weights(mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
     if loss_agg_mode == "token-sum":
         return weight
     if loss_agg_mode not in _SEQ_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {('token-mean', 'token-sum') + _SEQ_MODES}, got {loss_agg_mode!r}")
+        raise ValueError(
+            f"loss_agg_mode must be one of {('token-mean', 'token-sum') + _SEQ_MODES}, got {loss_agg_mode!r}"
+        )
     seq_tokens = weight.sum(dim=-1, keepdim=True)
     if loss_agg_mode == "seq-mean-token-mean":
         weight = weight / _nonzero_or_one(seq_tokens)
@@ -196,7 +202,11 @@ def scored_mask(mask: torch.Tensor, targets: torch.Tensor, ignore_index: int) ->
 
 @dispatch.register("fused_linear_policy_loss", "torch")
 def fused_linear_policy_loss(
-    inputs: FusedLossInputs, *, temperature: float, ignore_index: int, settings: LossSettings,
+    inputs: FusedLossInputs,
+    *,
+    temperature: float,
+    ignore_index: int,
+    settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``linear_logprob`` (reference, with entropy) composed with :func:`policy_loss`.
 
@@ -205,10 +215,21 @@ def fused_linear_policy_loss(
     hidden, weight, targets, old_logprob, advantages, mask, bias, ref_logprob, rollout_is_weights = inputs
     num_seqs, seq_len, dim = hidden.shape
     logprob, entropy = linear_logprob_torch(
-        hidden.reshape(num_seqs * seq_len, dim).contiguous(), weight.contiguous(), targets.reshape(-1).contiguous(),
-        None if bias is None else bias.contiguous(), temperature, ignore_index, True,
+        hidden.reshape(num_seqs * seq_len, dim).contiguous(),
+        weight.contiguous(),
+        targets.reshape(-1).contiguous(),
+        None if bias is None else bias.contiguous(),
+        temperature,
+        ignore_index,
+        True,
     )
     return policy_loss(
-        logprob.view(num_seqs, seq_len), old_logprob, advantages, scored_mask(mask, targets, ignore_index), ref_logprob,
-        entropy.view(num_seqs, seq_len), rollout_is_weights, settings,
+        logprob.view(num_seqs, seq_len),
+        old_logprob,
+        advantages,
+        scored_mask(mask, targets, ignore_index),
+        ref_logprob,
+        entropy.view(num_seqs, seq_len),
+        rollout_is_weights,
+        settings,
     )

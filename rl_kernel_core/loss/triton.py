@@ -86,9 +86,21 @@ def _kl_grad(d_ref, ex, k3, KL: tl.constexpr, KL_PLUS: tl.constexpr):
 
 @launch_time_jit
 def _ratio_kl_kernel(
-    lp_ptr, old_ptr, ref_ptr, ratio_ptr, kl_ptr, g_ratio_ptr, g_kl_ptr, grad_ptr, n,
-    KL: tl.constexpr, KL_PLUS: tl.constexpr, BACKWARD: tl.constexpr,
-    HAS_G_RATIO: tl.constexpr, HAS_G_KL: tl.constexpr, BLOCK: tl.constexpr,
+    lp_ptr,
+    old_ptr,
+    ref_ptr,
+    ratio_ptr,
+    kl_ptr,
+    g_ratio_ptr,
+    g_kl_ptr,
+    grad_ptr,
+    n,
+    KL: tl.constexpr,
+    KL_PLUS: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    HAS_G_RATIO: tl.constexpr,
+    HAS_G_KL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Forward: ``ratio``, ``kl``. Backward: ``d/d logprob`` of ``sum(g_ratio·ratio + g_kl·kl)``."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -111,17 +123,46 @@ def _ratio_kl_kernel(
             g_ratio = tl.load(g_ratio_ptr + offs, mask=valid, other=0.0).to(tl.float32)
             grad += tl.where((d_old >= -_LRC) & (d_old <= _LRC), g_ratio * ratio, 0.0)
         if HAS_G_KL:
-            grad += tl.load(g_kl_ptr + offs, mask=valid, other=0.0).to(tl.float32) * _kl_grad(d_ref, ex, k3, KL, KL_PLUS)
+            grad += tl.load(g_kl_ptr + offs, mask=valid, other=0.0).to(tl.float32) * _kl_grad(
+                d_ref, ex, k3, KL, KL_PLUS
+            )
         tl.store(grad_ptr + offs, grad, mask=valid)
 
 
 @launch_time_jit
 def _policy_loss_tokens_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, ent_ptr, w_ptr,
-    partials_ptr, seq_weight_ptr, totals_ptr, grad_out_ptr, grad_lp_ptr, grad_ent_ptr,
-    S, T, NB, clip_lo, clip_hi, clip_c, kl_coef, entropy_coef,
-    BACKWARD: tl.constexpr, AGG: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr, KL_PLUS: tl.constexpr,
-    ADD_KL: tl.constexpr, NEED_REF: tl.constexpr, HAS_ENT: tl.constexpr, HAS_W: tl.constexpr, GRAD_LP: tl.constexpr, GRAD_ENT: tl.constexpr,
+    lp_ptr,
+    old_ptr,
+    adv_ptr,
+    mask_ptr,
+    ref_ptr,
+    ent_ptr,
+    w_ptr,
+    partials_ptr,
+    seq_weight_ptr,
+    totals_ptr,
+    grad_out_ptr,
+    grad_lp_ptr,
+    grad_ent_ptr,
+    S,
+    T,
+    NB,
+    clip_lo,
+    clip_hi,
+    clip_c,
+    kl_coef,
+    entropy_coef,
+    BACKWARD: tl.constexpr,
+    AGG: tl.constexpr,
+    DUAL: tl.constexpr,
+    KL: tl.constexpr,
+    KL_PLUS: tl.constexpr,
+    ADD_KL: tl.constexpr,
+    NEED_REF: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    HAS_W: tl.constexpr,
+    GRAD_LP: tl.constexpr,
+    GRAD_ENT: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """One block of one sequence. Forward: 7 partial sums. Backward: per-token gradients."""
@@ -204,10 +245,21 @@ def _policy_loss_tokens_kernel(
 
 @launch_time_jit
 def _policy_loss_finish_kernel(
-    partials_ptr, out_ptr, metrics_ptr, seq_weight_ptr, totals_ptr,
-    S, T, NB, kl_coef, entropy_coef,
-    AGG: tl.constexpr, ADD_KL: tl.constexpr, ADD_ENT: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_NB: tl.constexpr,
+    partials_ptr,
+    out_ptr,
+    metrics_ptr,
+    seq_weight_ptr,
+    totals_ptr,
+    S,
+    T,
+    NB,
+    kl_coef,
+    entropy_coef,
+    AGG: tl.constexpr,
+    ADD_KL: tl.constexpr,
+    ADD_ENT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
 ):
     """Fixed-order reduction of the partials into the loss, metrics and backward totals."""
     rows_in = tl.arange(0, BLOCK_S)
@@ -312,9 +364,17 @@ def _mask_view(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_ratio_kl(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str, *,
-    ratio: torch.Tensor, kl: torch.Tensor, grad_ratio: Optional[torch.Tensor], grad_kl: Optional[torch.Tensor],
-    grad: torch.Tensor, backward: bool,
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    kl_type: str,
+    *,
+    ratio: torch.Tensor,
+    kl: torch.Tensor,
+    grad_ratio: Optional[torch.Tensor],
+    grad_kl: Optional[torch.Tensor],
+    grad: torch.Tensor,
+    backward: bool,
 ) -> None:
     n = logprob.numel()
     if n == 0:
@@ -322,31 +382,71 @@ def _launch_ratio_kl(
     code, plus = kl_code(kl_type)
     lp = _flat(logprob)
     _ratio_kl_kernel[(triton.cdiv(n, LOSS_ELEMENTWISE_BLOCK),)](
-        lp, _flat(old_logprob), _flat(ref_logprob), ratio, kl,
-        lp if grad_ratio is None else _flat(grad_ratio), lp if grad_kl is None else _flat(grad_kl), grad, n,
-        KL=code, KL_PLUS=plus, BACKWARD=backward, HAS_G_RATIO=grad_ratio is not None, HAS_G_KL=grad_kl is not None,
-        BLOCK=LOSS_ELEMENTWISE_BLOCK, num_warps=4,
+        lp,
+        _flat(old_logprob),
+        _flat(ref_logprob),
+        ratio,
+        kl,
+        lp if grad_ratio is None else _flat(grad_ratio),
+        lp if grad_kl is None else _flat(grad_kl),
+        grad,
+        n,
+        KL=code,
+        KL_PLUS=plus,
+        BACKWARD=backward,
+        HAS_G_RATIO=grad_ratio is not None,
+        HAS_G_KL=grad_kl is not None,
+        BLOCK=LOSS_ELEMENTWISE_BLOCK,
+        num_warps=4,
     )
 
 
-def ratio_kl_fwd(logprob: torch.Tensor, old_logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def ratio_kl_fwd(
+    logprob: torch.Tensor, old_logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ratio, kl)`` fp32 of the inputs' shape; inputs of one shape, fp32/bf16/fp16."""
     ratio = torch.empty(logprob.shape, dtype=torch.float32, device=logprob.device)
     kl = torch.empty(logprob.shape, dtype=torch.float32, device=logprob.device)
-    _launch_ratio_kl(logprob, old_logprob, ref_logprob, kl_type, ratio=ratio, kl=kl, grad_ratio=None, grad_kl=None, grad=ratio, backward=False)
+    _launch_ratio_kl(
+        logprob,
+        old_logprob,
+        ref_logprob,
+        kl_type,
+        ratio=ratio,
+        kl=kl,
+        grad_ratio=None,
+        grad_kl=None,
+        grad=ratio,
+        backward=False,
+    )
     return ratio, kl
 
 
 def ratio_kl_bwd(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, ref_logprob: torch.Tensor,
-    grad_ratio: Optional[torch.Tensor], grad_kl: Optional[torch.Tensor], kl_type: str,
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    grad_ratio: Optional[torch.Tensor],
+    grad_kl: Optional[torch.Tensor],
+    kl_type: str,
 ) -> torch.Tensor:
     """``d/d logprob`` of ``sum(grad_ratio * ratio + grad_kl * kl)``, in ``logprob``'s dtype and shape.
 
     A None upstream gradient counts as zero.
     """
     grad = torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device)
-    _launch_ratio_kl(logprob, old_logprob, ref_logprob, kl_type, ratio=grad, kl=grad, grad_ratio=grad_ratio, grad_kl=grad_kl, grad=grad, backward=True)
+    _launch_ratio_kl(
+        logprob,
+        old_logprob,
+        ref_logprob,
+        kl_type,
+        ratio=grad,
+        kl=grad,
+        grad_ratio=grad_ratio,
+        grad_kl=grad_kl,
+        grad=grad,
+        backward=True,
+    )
     return grad
 
 
@@ -355,11 +455,22 @@ def _block_t(seq_len: int) -> int:
 
 
 def _launch_tokens(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    ref_logprob: torch.Tensor, entropy: Optional[torch.Tensor], rollout_is_weights: Optional[torch.Tensor],
-    settings: LossSettings, *, backward: bool, partials: Optional[torch.Tensor] = None, seq_weight: Optional[torch.Tensor] = None,
-    totals: Optional[torch.Tensor] = None, grad_loss: Optional[torch.Tensor] = None,
-    grad_lp: Optional[torch.Tensor] = None, grad_ent: Optional[torch.Tensor] = None,
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    rollout_is_weights: Optional[torch.Tensor],
+    settings: LossSettings,
+    *,
+    backward: bool,
+    partials: Optional[torch.Tensor] = None,
+    seq_weight: Optional[torch.Tensor] = None,
+    totals: Optional[torch.Tensor] = None,
+    grad_loss: Optional[torch.Tensor] = None,
+    grad_lp: Optional[torch.Tensor] = None,
+    grad_ent: Optional[torch.Tensor] = None,
 ) -> None:
     num_seqs, seq_len = logprob.shape
     block_t = _block_t(seq_len)
@@ -375,21 +486,51 @@ def _launch_tokens(
         return lp if t is None else t.contiguous()
 
     _policy_loss_tokens_kernel[(num_seqs, nb)](
-        lp, old_logprob.contiguous(), advantages.contiguous(), _mask_view(mask), ref_logprob.contiguous(),
-        ptr(entropy), ptr(rollout_is_weights),
-        ptr(partials), ptr(seq_weight), ptr(totals), ptr(grad_loss), ptr(grad_lp), ptr(grad_ent),
-        num_seqs, seq_len, nb, 1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high,
-        settings.clip_ratio_c if dual else 0.0, settings.kl_coef, settings.entropy_coef,
-        BACKWARD=backward, AGG=AGG_CODES[settings.loss_agg_mode], DUAL=dual, KL=code, KL_PLUS=plus,
-        ADD_KL=add_kl, NEED_REF=(not backward) or add_kl, HAS_ENT=entropy is not None,
-        HAS_W=rollout_is_weights is not None, GRAD_LP=grad_lp is not None, GRAD_ENT=grad_ent is not None,
-        BLOCK_T=block_t, num_warps=4,
+        lp,
+        old_logprob.contiguous(),
+        advantages.contiguous(),
+        _mask_view(mask),
+        ref_logprob.contiguous(),
+        ptr(entropy),
+        ptr(rollout_is_weights),
+        ptr(partials),
+        ptr(seq_weight),
+        ptr(totals),
+        ptr(grad_loss),
+        ptr(grad_lp),
+        ptr(grad_ent),
+        num_seqs,
+        seq_len,
+        nb,
+        1.0 - settings.clip_ratio_low,
+        1.0 + settings.clip_ratio_high,
+        settings.clip_ratio_c if dual else 0.0,
+        settings.kl_coef,
+        settings.entropy_coef,
+        BACKWARD=backward,
+        AGG=AGG_CODES[settings.loss_agg_mode],
+        DUAL=dual,
+        KL=code,
+        KL_PLUS=plus,
+        ADD_KL=add_kl,
+        NEED_REF=(not backward) or add_kl,
+        HAS_ENT=entropy is not None,
+        HAS_W=rollout_is_weights is not None,
+        GRAD_LP=grad_lp is not None,
+        GRAD_ENT=grad_ent is not None,
+        BLOCK_T=block_t,
+        num_warps=4,
     )
 
 
 def policy_loss_fwd(
-    logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    ref_logprob: torch.Tensor, entropy: Optional[torch.Tensor], rollout_is_weights: Optional[torch.Tensor],
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    rollout_is_weights: Optional[torch.Tensor],
     settings: LossSettings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward pass over ``[S, T]`` per-token tensors (fp32/bf16/fp16; mask bool or float).
@@ -409,26 +550,53 @@ def policy_loss_fwd(
     seq_weight = torch.empty(num_seqs, dtype=torch.float32, device=dev)
     totals = torch.empty(2, dtype=torch.float32, device=dev)
     _launch_tokens(
-        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, settings,
-        backward=False, partials=partials,
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        ref_logprob,
+        entropy,
+        rollout_is_weights,
+        settings,
+        backward=False,
+        partials=partials,
     )
     block_nb = min(triton.next_power_of_2(max(nb, 1)), 128)
     block_s = max(min(triton.next_power_of_2(max(num_seqs, 1)), 1024 // block_nb), 1)
     _policy_loss_finish_kernel[(1,)](
-        partials, loss, metrics, seq_weight, totals,
-        num_seqs, seq_len, nb, settings.kl_coef, settings.entropy_coef,
-        AGG=AGG_CODES[settings.loss_agg_mode], ADD_KL=settings.kl_coef != 0.0,
+        partials,
+        loss,
+        metrics,
+        seq_weight,
+        totals,
+        num_seqs,
+        seq_len,
+        nb,
+        settings.kl_coef,
+        settings.entropy_coef,
+        AGG=AGG_CODES[settings.loss_agg_mode],
+        ADD_KL=settings.kl_coef != 0.0,
         ADD_ENT=entropy is not None and settings.entropy_coef != 0.0,
-        BLOCK_S=block_s, BLOCK_NB=block_nb, num_warps=4,
+        BLOCK_S=block_s,
+        BLOCK_NB=block_nb,
+        num_warps=4,
     )
     return loss, metrics, seq_weight, totals
 
 
 def policy_loss_bwd(
-    grad_loss: torch.Tensor, logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
-    mask: torch.Tensor, ref_logprob: torch.Tensor, rollout_is_weights: Optional[torch.Tensor],
-    seq_weight: torch.Tensor, totals: torch.Tensor, settings: LossSettings,
-    need_logprob_grad: bool, entropy_dtype: Optional[torch.dtype],
+    grad_loss: torch.Tensor,
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    rollout_is_weights: Optional[torch.Tensor],
+    seq_weight: torch.Tensor,
+    totals: torch.Tensor,
+    settings: LossSettings,
+    need_logprob_grad: bool,
+    entropy_dtype: Optional[torch.dtype],
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(d loss / d logprob, d loss / d entropy)`` as ``[S, T]`` tensors in the inputs' dtypes.
 
@@ -436,12 +604,25 @@ def policy_loss_bwd(
     when no entropy gradient is wanted; either result is None when not wanted.
     """
     grad_lp = torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device) if need_logprob_grad else None
-    grad_ent = torch.empty(logprob.shape, dtype=entropy_dtype, device=logprob.device) if entropy_dtype is not None else None
+    grad_ent = (
+        torch.empty(logprob.shape, dtype=entropy_dtype, device=logprob.device) if entropy_dtype is not None else None
+    )
     if grad_lp is not None or grad_ent is not None:
         _launch_tokens(
-            logprob, old_logprob, advantages, mask, ref_logprob, None, rollout_is_weights, settings,
-            backward=True, seq_weight=seq_weight, totals=totals, grad_loss=grad_loss.to(torch.float32),
-            grad_lp=grad_lp, grad_ent=grad_ent,
+            logprob,
+            old_logprob,
+            advantages,
+            mask,
+            ref_logprob,
+            None,
+            rollout_is_weights,
+            settings,
+            backward=True,
+            seq_weight=seq_weight,
+            totals=totals,
+            grad_loss=grad_loss.to(torch.float32),
+            grad_lp=grad_lp,
+            grad_ent=grad_ent,
         )
     return grad_lp, grad_ent
 
@@ -449,8 +630,13 @@ def policy_loss_bwd(
 # ---------------------------------------------------------------- backend registration
 
 _ratio_kl_op = define_differentiable_op(
-    "triton_ratio_kl", ratio_kl_fwd, opdef.ratio_kl_fake, ratio_kl_bwd, opdef.ratio_kl_backward_fake,
-    opdef.ratio_kl_setup, opdef.ratio_kl_backward,
+    "triton_ratio_kl",
+    ratio_kl_fwd,
+    opdef.ratio_kl_fake,
+    ratio_kl_bwd,
+    opdef.ratio_kl_backward_fake,
+    opdef.ratio_kl_setup,
+    opdef.ratio_kl_backward,
 )
 ratio_kl = dispatch.register("ratio_kl", "triton", supports=opdef.ratio_kl_supports("triton", kl_types=KL_CODES))(
     opdef.ratio_kl_implementation(_ratio_kl_op)
@@ -460,25 +646,51 @@ ratio_kl = dispatch.register("ratio_kl", "triton", supports=opdef.ratio_kl_suppo
 def _policy_loss_forward(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *settings):
     """The forward custom op's body (schema :data:`rl_kernel_core.loss.opdef.POLICY_LOSS_SCHEMA`)."""
     return policy_loss_fwd(
-        logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, LossSettings.from_args(settings)
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        ref_logprob,
+        entropy,
+        rollout_is_weights,
+        LossSettings.from_args(settings),
     )
 
 
-def _policy_loss_backward(grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights,
-                          seq_weight, totals, *rest):
+def _policy_loss_backward(
+    grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals, *rest
+):
     """The backward custom op's body: ``(d logprob, d entropy)``, each ``[0]`` when not asked for."""
     *settings, need_logprob_grad, entropy_dtype = rest
     grad_lp, grad_ent = policy_loss_bwd(
-        grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals,
-        LossSettings.from_args(tuple(settings)), need_logprob_grad, entropy_dtype,
+        grad_loss,
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        ref_logprob,
+        rollout_is_weights,
+        seq_weight,
+        totals,
+        LossSettings.from_args(tuple(settings)),
+        need_logprob_grad,
+        entropy_dtype,
     )
-    return (logprob.new_empty(0) if grad_lp is None else grad_lp), (logprob.new_empty(0) if grad_ent is None else grad_ent)
+    return (logprob.new_empty(0) if grad_lp is None else grad_lp), (
+        logprob.new_empty(0) if grad_ent is None else grad_ent
+    )
 
 
 _policy_loss_op = define_differentiable_op(
-    "triton_policy_loss", _policy_loss_forward, opdef.policy_loss_fake, _policy_loss_backward,
-    opdef.policy_loss_backward_fake, opdef.policy_loss_setup, opdef.policy_loss_backward,
-    schema=opdef.POLICY_LOSS_SCHEMA, backward_schema=opdef.POLICY_LOSS_BACKWARD_SCHEMA,
+    "triton_policy_loss",
+    _policy_loss_forward,
+    opdef.policy_loss_fake,
+    _policy_loss_backward,
+    opdef.policy_loss_backward_fake,
+    opdef.policy_loss_setup,
+    opdef.policy_loss_backward,
+    schema=opdef.POLICY_LOSS_SCHEMA,
+    backward_schema=opdef.POLICY_LOSS_BACKWARD_SCHEMA,
 )
 policy_loss = dispatch.register(
     "policy_loss", "triton", supports=opdef.policy_loss_supports("triton", kl_types=KL_CODES, agg_modes=AGG_CODES)

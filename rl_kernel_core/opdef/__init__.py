@@ -49,9 +49,17 @@ def single_backward(op: str) -> Callable[[Callable], Callable]:
 
 
 def define_differentiable_op(
-    name: str, forward_fn: Callable, forward_fake: Callable, backward_fn: Callable, backward_fake: Callable,
-    setup: Callable, make_backward: Callable[[Callable], Callable], *,
-    schema: Optional[str] = None, backward_schema: Optional[str] = None, eager_backward_fn: Optional[Callable] = None,
+    name: str,
+    forward_fn: Callable,
+    forward_fake: Callable,
+    backward_fn: Callable,
+    backward_fake: Callable,
+    setup: Callable,
+    make_backward: Callable[[Callable], Callable],
+    *,
+    schema: Optional[str] = None,
+    backward_schema: Optional[str] = None,
+    eager_backward_fn: Optional[Callable] = None,
 ) -> Callable:
     """Define the custom ops ``rl_kernel::<name>`` over ``forward_fn`` and ``rl_kernel::<name>_backward``
     over ``backward_fn`` (with these fakes, and autograd from ``setup`` and
@@ -68,7 +76,9 @@ def define_differentiable_op(
     return). Either way the backward is not itself differentiable.
     """
     forward_op = torch.library.custom_op(f"rl_kernel::{name}", forward_fn, mutates_args=(), schema=schema)
-    backward_op = torch.library.custom_op(f"rl_kernel::{name}_backward", backward_fn, mutates_args=(), schema=backward_schema)
+    backward_op = torch.library.custom_op(
+        f"rl_kernel::{name}_backward", backward_fn, mutates_args=(), schema=backward_schema
+    )
     forward_op.register_fake(forward_fake)
     backward_op.register_fake(backward_fake)
     forward_op.register_autograd(make_backward(backward_op), setup_context=setup)

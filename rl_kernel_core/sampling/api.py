@@ -44,7 +44,9 @@ Param = Union[int, float, torch.Tensor, None]
 _INT64 = torch.iinfo(torch.int64)
 
 
-def _row_tensor(name: str, value: torch.Tensor, logits: torch.Tensor, dtypes: tuple[torch.dtype, ...], out_dtype: torch.dtype) -> torch.Tensor:
+def _row_tensor(
+    name: str, value: torch.Tensor, logits: torch.Tensor, dtypes: tuple[torch.dtype, ...], out_dtype: torch.dtype
+) -> torch.Tensor:
     """A ``[B]`` tensor parameter checked (dtype, rank, device, shape) and cast to ``out_dtype``."""
     b = logits.shape[0]
     _checks.tensor(name, value, dtypes=dtypes, ndim=1)
@@ -70,11 +72,20 @@ def _number(name: str, value: object, integer: bool) -> Union[int, float]:
     try:
         return float(value)
     except OverflowError:
-        raise ValueError(f"{name} must be representable as a float, got an int of {int(value).bit_length()} bits") from None
+        raise ValueError(
+            f"{name} must be representable as a float, got an int of {int(value).bit_length()} bits"
+        ) from None
 
 
-def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: float, lo_open: bool, hi_open: bool,
-              temperature: bool = False) -> None:
+def _in_range(
+    name: str,
+    value: Union[int, float, torch.Tensor],
+    lo: float,
+    hi: float,
+    lo_open: bool,
+    hi_open: bool,
+    temperature: bool = False,
+) -> None:
     """Every value in the interval (NaN never is) and, for a ``temperature``, 0 or in
     ``[SMALLEST_TEMPERATURE, LARGEST_TEMPERATURE]`` (:mod:`rl_kernel_core._checks`); a tensor costs
     one device->host sync."""
@@ -101,8 +112,19 @@ def _in_range(name: str, value: Union[int, float, torch.Tensor], lo: float, hi: 
         raise ValueError(f"{name} must be 0 or {_checks.temperature_bounds(name)}, got {found}")
 
 
-def _validated(name: str, value: Param, logits: torch.Tensor, *, integer: bool, lo: float, hi: float, lo_open: bool, hi_open: bool,
-               out_dtype: torch.dtype, temperature: bool = False) -> Union[int, float, torch.Tensor, None]:
+def _validated(
+    name: str,
+    value: Param,
+    logits: torch.Tensor,
+    *,
+    integer: bool,
+    lo: float,
+    hi: float,
+    lo_open: bool,
+    hi_open: bool,
+    out_dtype: torch.dtype,
+    temperature: bool = False,
+) -> Union[int, float, torch.Tensor, None]:
     """``value`` checked (type, dtype, shape, device, range): None, a Python number, or a ``[B]``
     tensor of ``out_dtype`` on logits' device. Numbers stay numbers, so a backend can pass them to
     its kernel as scalars instead of launching a fill per parameter."""
@@ -126,12 +148,16 @@ def _positions(positions: Union[int, torch.Tensor, None], logits: torch.Tensor) 
     return _number("positions", positions, integer=True)
 
 
-def _seeds(seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], logits: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+def _seeds(
+    seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], logits: torch.Tensor
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """``(the caller's seeds or None, the [B] int64 seeds the backend draws with)``."""
     b = logits.shape[0]
     if seeds is not None:
         if generator is not None:
-            raise ValueError("generator must be None when seeds are given (the seeds alone decide the draw), got a torch.Generator")
+            raise ValueError(
+                "generator must be None when seeds are given (the seeds alone decide the draw), got a torch.Generator"
+            )
         _checks.tensor("seeds", seeds, dtypes=(torch.int64,), ndim=1)
         _checks.same_device("logits", logits, seeds=seeds)
         _checks.shape("seeds", seeds, (b,), f"[B={b}]")
@@ -141,7 +167,9 @@ def _seeds(seeds: Optional[torch.Tensor], generator: Optional[torch.Generator], 
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if generator.device.type != logits.device.type:
             raise ValueError(f"generator must be on logits' device type {logits.device.type}, got {generator.device}")
-    return None, torch.randint(_INT64.min, _INT64.max, (b,), generator=generator, device=logits.device, dtype=torch.int64)
+    return None, torch.randint(
+        _INT64.min, _INT64.max, (b,), generator=generator, device=logits.device, dtype=torch.int64
+    )
 
 
 def sample(
@@ -214,15 +242,33 @@ def sample(
     b, v = logits.shape
     if v == 0:
         raise ValueError(f"logits must have at least one vocab column, got shape {tuple(logits.shape)}")
-    temp = _validated("temperature", temperature, logits, integer=False, lo=0.0, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.float64,
-                      temperature=True)
-    k = _validated("top_k", top_k, logits, integer=True, lo=1, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.int64)
-    p = _validated("top_p", top_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=True, hi_open=False, out_dtype=torch.float64)
-    mp = _validated("min_p", min_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=False, hi_open=True, out_dtype=torch.float32)
+    temp = _validated(
+        "temperature",
+        temperature,
+        logits,
+        integer=False,
+        lo=0.0,
+        hi=float("inf"),
+        lo_open=False,
+        hi_open=True,
+        out_dtype=torch.float64,
+        temperature=True,
+    )
+    k = _validated(
+        "top_k", top_k, logits, integer=True, lo=1, hi=float("inf"), lo_open=False, hi_open=True, out_dtype=torch.int64
+    )
+    p = _validated(
+        "top_p", top_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=True, hi_open=False, out_dtype=torch.float64
+    )
+    mp = _validated(
+        "min_p", min_p, logits, integer=False, lo=0.0, hi=1.0, lo_open=False, hi_open=True, out_dtype=torch.float32
+    )
     given, s = _seeds(seeds, generator, logits)
     pos = _positions(positions, logits)
     if b == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(0, dtype=torch.float32, device=logits.device)
+        return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(
+            0, dtype=torch.float32, device=logits.device
+        )
     logits = logits.contiguous()
     if k is not None:
         k = k.clamp(max=v) if isinstance(k, torch.Tensor) else min(k, v)

@@ -14,7 +14,9 @@ from rl_kernel_core.logprob.triton import logprob_fwd
 from rl_kernel_core.sampling.flashinfer_supports import Param, active_filters, supports
 
 
-def draw(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> torch.Tensor:
+def draw(
+    logits: torch.Tensor, temperature: float, seeds: torch.Tensor, top_k: Param, top_p: Param, min_p: Param
+) -> torch.Tensor:
     """Tokens drawn by FlashInfer from ``softmax(fp32(logits) * fp32(1 / temperature))`` restricted by the filters.
 
     Args:
@@ -54,8 +56,15 @@ def draw(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, top_k: P
 
 
 @dispatch.register("sample", "flashinfer", supports=supports)
-def sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: Param,
-           top_k: Param, top_p: Param, min_p: Param) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    seeds: torch.Tensor,
+    positions: Param,
+    top_k: Param,
+    top_p: Param,
+    min_p: Param,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample``'s backend contract (:mod:`rl_kernel_core.sampling.api`) for the calls
     :func:`~rl_kernel_core.sampling.flashinfer_supports.supports` accepts (no caller seeds, so ``positions`` do not
     enter the draw). Returns ``(tokens [B] int64, logprobs [B] fp32)``, the log-probs with the bits

@@ -52,8 +52,15 @@ def active_filters(vocab: int, top_k: Param, top_p: Param, min_p: Param) -> tupl
     return top_k, top_p, min_p
 
 
-def supports(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds: Optional[torch.Tensor], positions: Param,
-             top_k: Param, top_p: Param, min_p: Param) -> Optional[str]:
+def supports(
+    logits: torch.Tensor,
+    temperature: Union[float, torch.Tensor],
+    seeds: Optional[torch.Tensor],
+    positions: Param,
+    top_k: Param,
+    top_p: Param,
+    min_p: Param,
+) -> Optional[str]:
     """None when the ``flashinfer`` backend serves the call exactly under ``sample``'s contract,
     else the reason it does not, naming the argument (``dispatch.explain`` shows it).
 
@@ -62,14 +69,18 @@ def supports(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seed
     this one (FlashInfer runs on CUDA tensors only).
     """
     if seeds is not None:
-        return ("seeds given: FlashInfer keys row b's Philox stream on (seed, b, offset), so a row's draw would "
-                "depend on its position in the batch, where seeded draws must depend on the row's logits, "
-                "parameters, seed and position alone; use backend='triton' or 'torch' for seeded calls")
+        return (
+            "seeds given: FlashInfer keys row b's Philox stream on (seed, b, offset), so a row's draw would "
+            "depend on its position in the batch, where seeded draws must depend on the row's logits, "
+            "parameters, seed and position alone; use backend='triton' or 'torch' for seeded calls"
+        )
     if logits.dtype == torch.float64:
         return "fp64 logits (the log-probs come from logprob_from_logits' Triton kernel, which reads fp32/bf16/fp16)"
     if isinstance(temperature, torch.Tensor):
-        return ("temperature as a [B] tensor (the log-probs come from logprob_from_logits' Triton kernel, which takes "
-                "one temperature per call; a number is served)")
+        return (
+            "temperature as a [B] tensor (the log-probs come from logprob_from_logits' Triton kernel, which takes "
+            "one temperature per call; a number is served)"
+        )
     if temperature == 0.0:
         return "temperature 0 (greedy): FlashInfer's samplers only draw; the torch and triton backends take the argmax"
     top_k, top_p, min_p = active_filters(logits.shape[1], top_k, top_p, min_p)

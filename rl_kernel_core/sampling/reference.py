@@ -97,7 +97,9 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.
     return (_shift_right(z, 41).to(torch.float32) + 0.5) * 2.0**-23
 
 
-def _keep_mask(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _keep_mask(
+    x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor]
+) -> Optional[torch.Tensor]:
     """The kept-token mask ``[B, V]`` for tempered fp32 logits ``x`` (None: every token is kept)."""
     keep = None
     if min_p is not None:
@@ -122,7 +124,15 @@ def _keep_mask(x: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[t
     return above if keep is None else keep & above
 
 
-def _sample_tile(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, top_k: Optional[torch.Tensor] = None, top_p: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_tile(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    top_k: Optional[torch.Tensor] = None,
+    top_p: Optional[torch.Tensor] = None,
+    min_p: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     greedy = temperature == 0
     inv_temp = torch.where(greedy, 1.0, 1.0 / temperature.to(torch.float64)).to(torch.float32)
     x = logits.to(torch.float32) * inv_temp[:, None]
@@ -141,17 +151,24 @@ def _as_rows(value, b: int, dtype: torch.dtype, device: torch.device) -> Optiona
 
 
 @dispatch.register("sample", "torch")
-def sample(logits: torch.Tensor, temperature, seeds: torch.Tensor, positions, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, temperature, seeds: torch.Tensor, positions, top_k, top_p, min_p
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded sampling of ``logits [B, V]``; see the module docstring for the exact semantics and
     :mod:`rl_kernel_core.sampling.api` for the argument contract (numbers or ``[B]`` tensors)."""
     b, dev = logits.shape[0], logits.device
     temperature = _as_rows(temperature, b, torch.float64, dev)
     positions = _as_rows(0 if positions is None else positions, b, torch.int64, dev)
-    filters = {"top_k": _as_rows(top_k, b, torch.int64, dev), "top_p": _as_rows(top_p, b, torch.float64, dev),
-               "min_p": _as_rows(min_p, b, torch.float32, dev)}
+    filters = {
+        "top_k": _as_rows(top_k, b, torch.int64, dev),
+        "top_p": _as_rows(top_p, b, torch.float64, dev),
+        "min_p": _as_rows(min_p, b, torch.float32, dev),
+    }
     present = {name: value for name, value in filters.items() if value is not None}
 
-    def tile(lg: torch.Tensor, t: torch.Tensor, s: torch.Tensor, pos: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tile(
+        lg: torch.Tensor, t: torch.Tensor, s: torch.Tensor, pos: torch.Tensor, *values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return _sample_tile(lg, t, s, pos, **dict(zip(present, values)))
 
     tokens, logprobs = row_tiled(tile, logits, temperature, seeds, positions, *present.values())

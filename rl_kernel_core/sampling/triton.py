@@ -171,8 +171,9 @@ def _fixed_mass(key, m):
 
 
 @helper_jit
-def _rank_and_draw(scratch, count, m, k, top_p, has_k, has_p, live_mass, state, V, SIZE: tl.constexpr,
-                   PAIR_TILE: tl.constexpr):
+def _rank_and_draw(
+    scratch, count, m, k, top_p, has_k, has_p, live_mass, state, V, SIZE: tl.constexpr, PAIR_TILE: tl.constexpr
+):
     """Stage 4 on the ``count <= SIZE`` candidates at ``scratch`` (in any order): ``(token, exact)``;
     ``exact`` is false when top-p alone needs more mass than the candidates hold (then ``token`` is
     meaningless). A step compares the ``SIZE`` candidates with ``PAIR_TILE // SIZE`` others."""
@@ -213,8 +214,20 @@ def _rank_and_draw(scratch, count, m, k, top_p, has_k, has_p, live_mass, state, 
 
 
 @helper_jit
-def _threshold_search(base, stride_lv, V, inv_temp, m, lo, goal, band, BY_COUNT: tl.constexpr, PIVOTS: tl.constexpr,
-                      BLOCK: tl.constexpr, CAP: tl.constexpr):
+def _threshold_search(
+    base,
+    stride_lv,
+    V,
+    inv_temp,
+    m,
+    lo,
+    goal,
+    band,
+    BY_COUNT: tl.constexpr,
+    PIVOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+):
     """The largest key ``K >= lo`` with ``W(key >= K) >= target`` (``lo`` when ``W(key >= lo) <
     target``) over the finite tokens with key ``>= lo``: ``W`` their number and ``target = goal``
     (``BY_COUNT``), or ``W`` their fp64 mass ``exp(z - m)`` and ``target = goal * W(key >= lo)``,
@@ -321,8 +334,21 @@ def _draw_row(base, stride_lv, V, inv_temp, floor, state, BLOCK: tl.constexpr):
 
 
 @launch_time_jit(do_not_specialize=["temp_mode"])
-def _block_scan_kernel(logits_ptr, stride_ln, stride_lv, temp_ptr, temp_val, inv_temp_val, block_max_ptr, group_key_ptr,
-                       V, n_blocks, temp_mode, BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+def _block_scan_kernel(
+    logits_ptr,
+    stride_ln,
+    stride_lv,
+    temp_ptr,
+    temp_val,
+    inv_temp_val,
+    block_max_ptr,
+    group_key_ptr,
+    V,
+    n_blocks,
+    temp_mode,
+    BLOCK: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
     """Stage 1 for one block of one row: its max and the keys of its strided group maxima
     (``KEY_MIN`` for a group of ``-inf``)."""
     row = tl.program_id(0).to(tl.int64)
@@ -335,14 +361,46 @@ def _block_scan_kernel(logits_ptr, stride_ln, stride_lv, temp_ptr, temp_val, inv
     tl.store(group_key_ptr + at * GROUPS + tl.arange(0, GROUPS), tl.where(g > -float("inf"), _key(g), _KEY_MIN))
 
 
-@launch_time_jit(do_not_specialize=["pos_val", "top_k_val", "top_p_bits", "temp_mode", "pos_mode", "top_k_mode",
-                                    "top_p_mode", "min_p_mode"])
+@launch_time_jit(
+    do_not_specialize=[
+        "pos_val",
+        "top_k_val",
+        "top_p_bits",
+        "temp_mode",
+        "pos_mode",
+        "top_k_mode",
+        "top_p_mode",
+        "min_p_mode",
+    ]
+)
 def _row_plan_kernel(
-    temp_ptr, temp_val, inv_temp_val, seeds_ptr, pos_ptr, pos_val,
-    top_k_ptr, top_k_val, top_p_ptr, top_p_bits, log_min_p_ptr, log_min_p_val,
-    block_max_ptr, group_key_ptr, plan_ptr, count_ptr,
-    V, n_blocks, n_groups, temp_mode, pos_mode, top_k_mode, top_p_mode, min_p_mode,
-    CAP: tl.constexpr, BLOCKS: tl.constexpr, GROUP_KEYS: tl.constexpr,
+    temp_ptr,
+    temp_val,
+    inv_temp_val,
+    seeds_ptr,
+    pos_ptr,
+    pos_val,
+    top_k_ptr,
+    top_k_val,
+    top_p_ptr,
+    top_p_bits,
+    log_min_p_ptr,
+    log_min_p_val,
+    block_max_ptr,
+    group_key_ptr,
+    plan_ptr,
+    count_ptr,
+    V,
+    n_blocks,
+    n_groups,
+    temp_mode,
+    pos_mode,
+    top_k_mode,
+    top_p_mode,
+    min_p_mode,
+    CAP: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    GROUP_KEYS: tl.constexpr,
 ):
     """Stage 2 for one row: its plan (mode, flags, floor, cut, parameters, ``m``); zeroes its
     candidate count."""
@@ -397,9 +455,25 @@ def _row_plan_kernel(
 
 
 @launch_time_jit
-def _block_gather_kernel(logits_ptr, stride_ln, stride_lv, block_max_ptr, plan_ptr, block_sum_ptr, block_mass_ptr,
-                         block_best_ptr, block_arg_ptr, count_ptr, scratch_ptr, V, n_blocks,
-                         BLOCK: tl.constexpr, SUB: tl.constexpr, BLOCKS: tl.constexpr, CAP: tl.constexpr):
+def _block_gather_kernel(
+    logits_ptr,
+    stride_ln,
+    stride_lv,
+    block_max_ptr,
+    plan_ptr,
+    block_sum_ptr,
+    block_mass_ptr,
+    block_best_ptr,
+    block_arg_ptr,
+    count_ptr,
+    scratch_ptr,
+    V,
+    n_blocks,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    CAP: tl.constexpr,
+):
     """Stage 3 for one block of one row: its log-sum-exp term over the whole block
     (``logprob_from_logits``' tile and warps), then, reading the block again in ``SUB``-wide parts
     (cached), its candidates (and, for top-p alone, its live mass) or its best Gumbel score by the
@@ -436,8 +510,11 @@ def _block_gather_kernel(logits_ptr, stride_ln, stride_lv, block_max_ptr, plan_p
                 n = tl.sum(sel, axis=0)
                 if n > 0:
                     slot = tl.atomic_add(count_ptr + row, n, sem="relaxed") + tl.cumsum(sel, axis=0) - 1
-                    tl.store(scratch_ptr + row * 2 * CAP + slot, (key.to(tl.int64) << 32) | cols,
-                             mask=(sel > 0) & (slot < CAP))
+                    tl.store(
+                        scratch_ptr + row * 2 * CAP + slot,
+                        (key.to(tl.int64) << 32) | cols,
+                        mask=(sel > 0) & (slot < CAP),
+                    )
                 if mass_only_p:
                     mass += tl.sum(tl.where(live, tl.exp(zp - m), 0.0), axis=0)
         tl.store(block_mass_ptr + at, mass)
@@ -464,9 +541,29 @@ def _block_gather_kernel(logits_ptr, stride_ln, stride_lv, block_max_ptr, plan_p
 
 
 @launch_time_jit
-def _finish_kernel(logits_ptr, stride_ln, stride_lv, block_max_ptr, block_sum_ptr, block_mass_ptr, block_best_ptr,
-                   block_arg_ptr, plan_ptr, count_ptr, scratch_ptr, status_ptr, lse_ptr, tokens_ptr, logprob_ptr,
-                   V, n_blocks, CAP: tl.constexpr, SMALL: tl.constexpr, PAIR_TILE: tl.constexpr, BLOCKS: tl.constexpr):
+def _finish_kernel(
+    logits_ptr,
+    stride_ln,
+    stride_lv,
+    block_max_ptr,
+    block_sum_ptr,
+    block_mass_ptr,
+    block_best_ptr,
+    block_arg_ptr,
+    plan_ptr,
+    count_ptr,
+    scratch_ptr,
+    status_ptr,
+    lse_ptr,
+    tokens_ptr,
+    logprob_ptr,
+    V,
+    n_blocks,
+    CAP: tl.constexpr,
+    SMALL: tl.constexpr,
+    PAIR_TILE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
     """Stage 4 for one row: ``lse``; the token and its log-prob, or ``status = 1`` for the exact path."""
     row = tl.program_id(0).to(tl.int64)
     at = row * n_blocks
@@ -509,11 +606,13 @@ def _finish_kernel(logits_ptr, stride_ln, stride_lv, block_max_ptr, block_sum_pt
                 live_mass = tl.sum(block_mass.to(tl.float64), axis=0)
             scratch = scratch_ptr + row * 2 * CAP
             if count <= SMALL:
-                first, exact = _rank_and_draw(scratch, count, m_row, k, top_p, has_k, has_p, live_mass, state, V, SMALL,
-                                              PAIR_TILE)
+                first, exact = _rank_and_draw(
+                    scratch, count, m_row, k, top_p, has_k, has_p, live_mass, state, V, SMALL, PAIR_TILE
+                )
             else:
-                first, exact = _rank_and_draw(scratch, count, m_row, k, top_p, has_k, has_p, live_mass, state, V, CAP,
-                                              PAIR_TILE)
+                first, exact = _rank_and_draw(
+                    scratch, count, m_row, k, top_p, has_k, has_p, live_mass, state, V, CAP, PAIR_TILE
+                )
             token = first.to(tl.int64)
             done = exact.to(tl.int32)
     tl.store(status_ptr + row, 1 - done)
@@ -524,9 +623,22 @@ def _finish_kernel(logits_ptr, stride_ln, stride_lv, block_max_ptr, block_sum_pt
 
 
 @launch_time_jit
-def _exact_kernel(logits_ptr, stride_ln, stride_lv, plan_ptr, status_ptr, scratch_ptr, lse_ptr, tokens_ptr,
-                  logprob_ptr, V, CAP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, PIVOTS: tl.constexpr,
-                  DRAW_BLOCK: tl.constexpr):
+def _exact_kernel(
+    logits_ptr,
+    stride_ln,
+    stride_lv,
+    plan_ptr,
+    status_ptr,
+    scratch_ptr,
+    lse_ptr,
+    tokens_ptr,
+    logprob_ptr,
+    V,
+    CAP: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    PIVOTS: tl.constexpr,
+    DRAW_BLOCK: tl.constexpr,
+):
     """Stage 5 for one row with ``status = 1``: exact thresholds on the whole row, then the draw."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(status_ptr + row) != 0:
@@ -539,14 +651,38 @@ def _exact_kernel(logits_ptr, stride_ln, stride_lv, plan_ptr, status_ptr, scratc
         band = scratch_ptr + row * 2 * CAP
         if (flags & _HAS_K) != 0:
             # the cut is at or below the k-th largest live key (or is the floor)
-            floor = _threshold_search(base, stride_lv, V, inv_temp, m, tl.load(plan + _P_CUT).to(tl.int32),
-                                      tl.load(plan + _P_K).to(tl.int32), band, True, PIVOTS, SEARCH_BLOCK, CAP)
+            floor = _threshold_search(
+                base,
+                stride_lv,
+                V,
+                inv_temp,
+                m,
+                tl.load(plan + _P_CUT).to(tl.int32),
+                tl.load(plan + _P_K).to(tl.int32),
+                band,
+                True,
+                PIVOTS,
+                SEARCH_BLOCK,
+                CAP,
+            )
         if (flags & _HAS_P) != 0:
-            floor = _threshold_search(base, stride_lv, V, inv_temp, m, floor,
-                                      tl.load(plan + _P_TOP_P).to(tl.float64, bitcast=True), band, False, PIVOTS,
-                                      SEARCH_BLOCK, CAP)
-        token = _draw_row(base, stride_lv, V, inv_temp, floor, tl.load(plan + _P_STATE).to(tl.uint64, bitcast=True),
-                          DRAW_BLOCK)
+            floor = _threshold_search(
+                base,
+                stride_lv,
+                V,
+                inv_temp,
+                m,
+                floor,
+                tl.load(plan + _P_TOP_P).to(tl.float64, bitcast=True),
+                band,
+                False,
+                PIVOTS,
+                SEARCH_BLOCK,
+                CAP,
+            )
+        token = _draw_row(
+            base, stride_lv, V, inv_temp, floor, tl.load(plan + _P_STATE).to(tl.uint64, bitcast=True), DRAW_BLOCK
+        )
         z_t = tl.load(base + token * stride_lv).to(tl.float32) * inv_temp
         tl.store(tokens_ptr + row, token)
         tl.store(logprob_ptr + row, z_t - tl.load(lse_ptr + row))
@@ -581,8 +717,15 @@ def _float_bits(value: float) -> int:
 
 
 @dispatch.register("sample", "triton", supports=_supports)
-def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds: torch.Tensor, positions: Param,
-           top_k: Param, top_p: Param, min_p: Param) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor,
+    temperature: Union[float, torch.Tensor],
+    seeds: torch.Tensor,
+    positions: Param,
+    top_k: Param,
+    top_p: Param,
+    min_p: Param,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded sampling of ``logits [B, V]`` (fp32/bf16/fp16); see the module docstring and
     :mod:`rl_kernel_core.sampling.api` for the argument contract (numbers or ``[B]`` tensors).
     Returns ``(tokens [B] int64, logprobs [B] fp32)``."""
@@ -598,7 +741,8 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
     # One allocation per buffer, not views of one: a view's pointer alignment would vary with b, and
     # Triton compiles a kernel per argument alignment, so an unseen batch size would compile again.
     block_max, block_sum, block_mass, block_best = (
-        torch.empty((b, n_blocks), dtype=torch.float32, device=dev) for _ in range(4))  # max, lse term, live mass, best
+        torch.empty((b, n_blocks), dtype=torch.float32, device=dev) for _ in range(4)
+    )  # max, lse term, live mass, best
     block_arg = torch.empty((b, n_blocks), dtype=torch.int32, device=dev)
     group_keys = torch.empty((b, n_blocks * groups), dtype=torch.int32, device=dev)
     plan = torch.empty((b, _PLAN.value), dtype=torch.int64, device=dev)
@@ -618,30 +762,102 @@ def sample(logits: torch.Tensor, temperature: Union[float, torch.Tensor], seeds:
     top_p_bits = _float_bits(1.0 if top_p is None or isinstance(top_p, torch.Tensor) else max(top_p, _TINY_TOP_P))
     blocks = triton.next_power_of_2(n_blocks)
     lv = (logits, logits.stride(0), logits.stride(1))
-    _block_scan_kernel[(b, n_blocks)](*lv, *temp_args, block_max, group_keys, v, n_blocks, _mode(temperature),
-                                      BLOCK=block, GROUPS=groups, num_warps=SAMPLING_SCAN_WARPS)
+    _block_scan_kernel[(b, n_blocks)](
+        *lv,
+        *temp_args,
+        block_max,
+        group_keys,
+        v,
+        n_blocks,
+        _mode(temperature),
+        BLOCK=block,
+        GROUPS=groups,
+        num_warps=SAMPLING_SCAN_WARPS,
+    )
     _row_plan_kernel[(b,)](
         *temp_args,
-        seeds, positions if isinstance(positions, torch.Tensor) else tokens, positions if isinstance(positions, int) else 0,
-        top_k if isinstance(top_k, torch.Tensor) else tokens, top_k if isinstance(top_k, int) else 0,
-        top_p if isinstance(top_p, torch.Tensor) else unused_fp64, top_p_bits,
-        log_min_p, log_min_p_val,
-        block_max, group_keys, plan, count,
-        v, n_blocks, n_blocks * groups,
-        _mode(temperature), _mode(positions), _mode(top_k), _mode(top_p), _mode(min_p),
-        CAP=cap, BLOCKS=blocks, GROUP_KEYS=triton.next_power_of_2(n_blocks * groups), num_warps=SAMPLING_PLAN_WARPS,
+        seeds,
+        positions if isinstance(positions, torch.Tensor) else tokens,
+        positions if isinstance(positions, int) else 0,
+        top_k if isinstance(top_k, torch.Tensor) else tokens,
+        top_k if isinstance(top_k, int) else 0,
+        top_p if isinstance(top_p, torch.Tensor) else unused_fp64,
+        top_p_bits,
+        log_min_p,
+        log_min_p_val,
+        block_max,
+        group_keys,
+        plan,
+        count,
+        v,
+        n_blocks,
+        n_blocks * groups,
+        _mode(temperature),
+        _mode(positions),
+        _mode(top_k),
+        _mode(top_p),
+        _mode(min_p),
+        CAP=cap,
+        BLOCKS=blocks,
+        GROUP_KEYS=triton.next_power_of_2(n_blocks * groups),
+        num_warps=SAMPLING_PLAN_WARPS,
     )
-    _block_gather_kernel[(b, n_blocks)](*lv, block_max, plan, block_sum, block_mass, block_best, block_arg,
-                                        count, scratch, v, n_blocks,
-                                        BLOCK=block, SUB=min(GATHER_PART, block), BLOCKS=blocks, CAP=cap,
-                                        num_warps=FWD_TILE[1])
+    _block_gather_kernel[(b, n_blocks)](
+        *lv,
+        block_max,
+        plan,
+        block_sum,
+        block_mass,
+        block_best,
+        block_arg,
+        count,
+        scratch,
+        v,
+        n_blocks,
+        BLOCK=block,
+        SUB=min(GATHER_PART, block),
+        BLOCKS=blocks,
+        CAP=cap,
+        num_warps=FWD_TILE[1],
+    )
     small, pair_tile, rank_warps = RANK_TILE
-    _finish_kernel[(b,)](*lv, block_max, block_sum, block_mass, block_best, block_arg, plan, count,
-                         scratch, status, lse, tokens, logprobs, v, n_blocks,
-                         CAP=cap, SMALL=min(small, cap), PAIR_TILE=pair_tile, BLOCKS=blocks, num_warps=rank_warps)
+    _finish_kernel[(b,)](
+        *lv,
+        block_max,
+        block_sum,
+        block_mass,
+        block_best,
+        block_arg,
+        plan,
+        count,
+        scratch,
+        status,
+        lse,
+        tokens,
+        logprobs,
+        v,
+        n_blocks,
+        CAP=cap,
+        SMALL=min(small, cap),
+        PAIR_TILE=pair_tile,
+        BLOCKS=blocks,
+        num_warps=rank_warps,
+    )
     if filtered:
         search_block, pivots, draw_block, warps = EXACT_TILE
-        _exact_kernel[(b,)](*lv, plan, status, scratch, lse, tokens, logprobs, v,
-                            CAP=cap, SEARCH_BLOCK=min(search_block, block), PIVOTS=pivots,
-                            DRAW_BLOCK=min(draw_block, block), num_warps=warps)
+        _exact_kernel[(b,)](
+            *lv,
+            plan,
+            status,
+            scratch,
+            lse,
+            tokens,
+            logprobs,
+            v,
+            CAP=cap,
+            SEARCH_BLOCK=min(search_block, block),
+            PIVOTS=pivots,
+            DRAW_BLOCK=min(draw_block, block),
+            num_warps=warps,
+        )
     return tokens, logprobs

@@ -110,8 +110,9 @@ def time_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, rep
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
 
 
-def graph_time_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, reps: int = 10,
-                  calls: int = 1) -> dict[str, Any]:
+def graph_time_ms(
+    fn: Callable[[], Any], device: torch.device, *, warmup: int = 3, reps: int = 10, calls: int = 1
+) -> dict[str, Any]:
     """:func:`time_ms` of ``calls`` back-to-back ``fn()`` captured as one CUDA graph, per call (the
     device's time: a short kernel timed from the host also counts its launch), or
     ``{"skipped": why}`` where capture fails (recorded, never hidden)."""
@@ -131,7 +132,9 @@ def graph_time_ms(fn: Callable[[], Any], device: torch.device, *, warmup: int = 
     except Exception as exc:
         return {"skipped": f"capture failed: {type(exc).__name__}: {exc}"}
     timed = time_ms(graph.replay, device, warmup=warmup, reps=reps)
-    return {key: value / calls if key.endswith("_ms") else value for key, value in timed.items()} | {"calls_per_graph": calls}
+    return {key: value / calls if key.endswith("_ms") else value for key, value in timed.items()} | {
+        "calls_per_graph": calls
+    }
 
 
 def peak_extra_gib(fn: Callable[[], Any], device: torch.device) -> float | None:
@@ -148,8 +151,10 @@ def peak_extra_gib(fn: Callable[[], Any], device: torch.device) -> float | None:
     reset = torch.cuda.reset_peak_memory_stats
 
     def refuse(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("peak_extra_gib: the measured call reset CUDA's peak-memory counter "
-                           "(torch.cuda.reset_peak_memory_stats), so its peak cannot be measured")
+        raise RuntimeError(
+            "peak_extra_gib: the measured call reset CUDA's peak-memory counter "
+            "(torch.cuda.reset_peak_memory_stats), so its peak cannot be measured"
+        )
 
     torch.cuda.reset_peak_memory_stats = refuse
     try:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -37,7 +36,9 @@ def _info(args: argparse.Namespace) -> int:
     env["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     backends = dispatch.backend_report()
     if backends["triton"] == "available" and device.type != "cuda":
-        backends["triton"] = "imports, but runs only on CUDA tensors (or under TRITON_INTERPRET=1 when named explicitly)"
+        backends["triton"] = (
+            "imports, but runs only on CUDA tensors (or under TRITON_INTERPRET=1 when named explicitly)"
+        )
     env["backends"] = backends
     env["routes"] = dict(ops.ROUTES)
     try:
@@ -151,8 +152,10 @@ def _bench(args: argparse.Namespace) -> int:
         "results": rows,
         "ratio_to_eager": rows[0]["median_ms"] / rows[1]["median_ms"],
     }
-    print(f"linear_logprob fwd+bwd N={n} D={d} V={v} {args.dtype} on {device} "
-          f"(backend {result['backend']}, route {result['route']})")
+    print(
+        f"linear_logprob fwd+bwd N={n} D={d} V={v} {args.dtype} on {device} "
+        f"(backend {result['backend']}, route {result['route']})"
+    )
     print(f"{'impl':<12}{'median ms':>12}{'peak extra GiB':>16}")
     for row in rows:
         mem = "n/a" if row["peak_extra_gib"] is None else f"{row['peak_extra_gib']:.3f}"
@@ -182,7 +185,9 @@ def _compare(args: argparse.Namespace) -> int:
         if log.oom:
             notes.append(f"{side}: out of memory at step {log.oom[0]}: {log.oom[1]}")
         if log.skipped_partial:
-            notes.append(f"{side}: skipped {log.skipped_partial} unterminated last line of {log.path} (interrupted run)")
+            notes.append(
+                f"{side}: skipped {log.skipped_partial} unterminated last line of {log.path} (interrupted run)"
+            )
     notes += [f"timing noise: {warning}" for warning in report.timing_noise(rows)]
     if args.json:
         for note in notes:
@@ -221,7 +226,9 @@ def _parity_only(args: argparse.Namespace) -> int:
     rollout, training = batches
     if type(rollout) is not type(training):
         kinds = ["a multimodal" if isinstance(b, MultimodalBatch) else "a text" for b in batches]
-        return _fail("consistency", f"--parity {args.parity[0]} holds {kinds[0]} batch but {args.parity[1]} holds {kinds[1]} one")
+        return _fail(
+            "consistency", f"--parity {args.parity[0]} holds {kinds[0]} batch but {args.parity[1]} holds {kinds[1]} one"
+        )
     try:  # both loaders validate; a side malformed in a way they let through is still bad input, not a mismatch
         if isinstance(rollout, MultimodalBatch):
             lines = layout.compare(rollout, training)
@@ -230,7 +237,10 @@ def _parity_only(args: argparse.Namespace) -> int:
             mismatch = parity.check(rollout, training)
             result = "ok" if mismatch is None else str(mismatch)
     except (ValueError, TypeError) as exc:
-        return _fail("consistency", f"--parity {' '.join(args.parity)}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+        return _fail(
+            "consistency",
+            f"--parity {' '.join(args.parity)}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}",
+        )
     print(json.dumps({"parity": result}) if args.json else f"input parity: {result}")
     return 0 if result == "ok" else 1
 
@@ -245,11 +255,24 @@ def _engine_consistency(args: argparse.Namespace) -> int:
         print("rl-kernel consistency: error: --engine vllm needs vLLM and transformers installed", file=sys.stderr)
         return 2
     if args.model == "tiny":
-        print("rl-kernel consistency: error: --engine vllm needs --model PATH (a checkpoint directory)", file=sys.stderr)
+        print(
+            "rl-kernel consistency: error: --engine vllm needs --model PATH (a checkpoint directory)", file=sys.stderr
+        )
         return 2
-    extra = ["--prompts", str(args.sequences), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_len),
-             "--seed", str(args.seed), "--dtype", {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype],
-             "--engine", json.dumps(args.engine_args)] + (["--device", args.device] if args.device else [])
+    extra = [
+        "--prompts",
+        str(args.sequences),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--max-tokens",
+        str(args.max_len),
+        "--seed",
+        str(args.seed),
+        "--dtype",
+        {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype],
+        "--engine",
+        json.dumps(args.engine_args),
+    ] + (["--device", args.device] if args.device else [])
     try:
         with tempfile.TemporaryDirectory() as workdir:
             pair = engine.off_and_on(args.model, extra, workdir)
@@ -271,9 +294,15 @@ def _consistency(args: argparse.Namespace) -> int:
         return _engine_consistency(args)
 
     settings = run.Settings(
-        model=args.model, sequences=args.sequences, min_len=args.min_len, max_len=args.max_len,
-        prompt_len=args.prompt_len, rollout_batch=args.rollout_batch, seed=args.seed,
-        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"), dtype=args.dtype,
+        model=args.model,
+        sequences=args.sequences,
+        min_len=args.min_len,
+        max_len=args.max_len,
+        prompt_len=args.prompt_len,
+        rollout_batch=args.rollout_batch,
+        seed=args.seed,
+        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        dtype=args.dtype,
         probe=args.probe or bool(args.plot),
     )
     try:
@@ -293,7 +322,9 @@ def _consistency(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rl-kernel``."""
-    parser = argparse.ArgumentParser(prog="rl-kernel", description="rl-kernel operators: environment, benchmarks, step-log comparison")
+    parser = argparse.ArgumentParser(
+        prog="rl-kernel", description="rl-kernel operators: environment, benchmarks, step-log comparison"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="versions, devices and which backends are available (and why not)")
@@ -303,11 +334,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time linear_logprob forward+backward against eager PyTorch")
     p.add_argument("--tokens", "-N", type=_positive_int, default=2048, help="tokens N, rows of hidden (default 2048)")
     p.add_argument("--hidden", "-D", type=_positive_int, default=256, help="hidden size D (default 256)")
-    p.add_argument("--vocab", "-V", type=_positive_int, default=32000, help="vocabulary size V, rows of the LM head (default 32000)")
+    p.add_argument(
+        "--vocab",
+        "-V",
+        type=_positive_int,
+        default=32000,
+        help="vocabulary size V, rows of the LM head (default 32000)",
+    )
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="fp32", help="dtype of hidden and weight (default fp32)")
     p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
-    p.add_argument("--backend", default="auto", choices=("auto", *(b for b in dispatch.BACKENDS if dispatch.serves(b, "linear_logprob"))),
-                   help="auto, native, triton or torch")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", *(b for b in dispatch.BACKENDS if dispatch.serves(b, "linear_logprob"))),
+        help="auto, native, triton or torch",
+    )
     p.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed runs first (default 2)")
     p.add_argument("--reps", type=_positive_int, default=5, help="timed runs (the median is reported)")
     p.add_argument("--out", default=None, help="write the result JSON here")
@@ -318,39 +359,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("on", help="step log (JSONL) of the run with the flag on")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default=None, help="write report.md, comparison.json and PNG plots into this directory")
-    p.add_argument("--warmup-steps", type=_non_negative_int, default=1,
-                   help="leave each log's first N steps out of the timing statistics (default 1)")
+    p.add_argument(
+        "--warmup-steps",
+        type=_non_negative_int,
+        default=1,
+        help="leave each log's first N steps out of the timing statistics (default 1)",
+    )
     p.set_defaults(func=_compare)
 
-    p = sub.add_parser("consistency", help="rollout-like vs training-like log-probs, batch-invariant mode off vs on",
-                       description="Log-probs of a fixed sequence set from a rollout-like run (KV-cache decode) and a "
-                                   "training-like run (one forward), with batch-invariant mode off and on, against the "
-                                   "numerical contract. Exit 0: both pass; 1: a mode fails (the drift probe names the "
-                                   "first divergent module); 2: an error.")
+    p = sub.add_parser(
+        "consistency",
+        help="rollout-like vs training-like log-probs, batch-invariant mode off vs on",
+        description="Log-probs of a fixed sequence set from a rollout-like run (KV-cache decode) and a "
+        "training-like run (one forward), with batch-invariant mode off and on, against the "
+        "numerical contract. Exit 0: both pass; 1: a mode fails (the drift probe names the "
+        "first divergent module); 2: an error.",
+    )
     p.add_argument("--model", default="tiny", help="'tiny' (built-in Qwen3-style decoder) or a Hugging Face model path")
     p.add_argument("--sequences", type=_positive_int, default=8, help="number of sequences (default 8)")
     p.add_argument("--min-len", type=_positive_int, default=8, help="shortest sequence in tokens (default 8)")
     p.add_argument("--max-len", type=_positive_int, default=24, help="longest sequence in tokens (default 24)")
-    p.add_argument("--prompt-len", type=_positive_int, default=4, help="tokens prefilled before decoding, < --min-len (default 4)")
+    p.add_argument(
+        "--prompt-len", type=_positive_int, default=4, help="tokens prefilled before decoding, < --min-len (default 4)"
+    )
     p.add_argument("--rollout-batch", type=_positive_int, default=3, help="sequences per rollout batch (default 3)")
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the tiny model's weights and of the sequences (default 0)")
+    p.add_argument(
+        "--seed",
+        type=_non_negative_int,
+        default=0,
+        help="seed of the tiny model's weights and of the sequences (default 0)",
+    )
     p.add_argument("--device", type=device_name, default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="model dtype (default fp32)")
     p.add_argument("--probe", action="store_true", help="run the layer-wise drift probe even when both modes pass")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a PNG of drift per module, mode off vs on (needs matplotlib)")
+    p.add_argument(
+        "--plot", default=None, metavar="PNG", help="write a PNG of drift per module, mode off vs on (needs matplotlib)"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
-                   help="builtin: transformers/our chain for both sides; vllm: a real vLLM engine's rollout (mode off: "
-                        "as shipped; on: RL_KERNEL_VLLM_BATCH_INVARIANT=1) vs the trainer's forward of --model "
-                        "(--sequences prompts of --prompt-len ids, --max-len new tokens each)")
-    p.add_argument("--engine-args", type=json_object, default={}, metavar="JSON",
-                   help="extra vllm.LLM keyword arguments, a JSON object (--engine vllm)")
-    p.add_argument("--parity", nargs=2, metavar=("ROLLOUT", "TRAINING"), default=None,
-                   help="only the input parity precheck, of two batches saved by rl_kernel_core.tools.consistency.parity.save "
-                        "(or torch.save of a Batch or of a dict of its fields), or two multimodal batches saved by "
-                        "rl_kernel_core.tools.multimodal.storage.save (token ids, image-token insertion, 3-D positions, loss "
-                        "spans, media, processor fingerprint); exit 1 at the first mismatch, 2 when a file is not such a batch "
-                        "(not a regular file, a wrong or missing field, a sparse or expanded tensor)")
+    p.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="builtin: transformers/our chain for both sides; vllm: a real vLLM engine's rollout (mode off: "
+        "as shipped; on: RL_KERNEL_VLLM_BATCH_INVARIANT=1) vs the trainer's forward of --model "
+        "(--sequences prompts of --prompt-len ids, --max-len new tokens each)",
+    )
+    p.add_argument(
+        "--engine-args",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help="extra vllm.LLM keyword arguments, a JSON object (--engine vllm)",
+    )
+    p.add_argument(
+        "--parity",
+        nargs=2,
+        metavar=("ROLLOUT", "TRAINING"),
+        default=None,
+        help="only the input parity precheck, of two batches saved by rl_kernel_core.tools.consistency.parity.save "
+        "(or torch.save of a Batch or of a dict of its fields), or two multimodal batches saved by "
+        "rl_kernel_core.tools.multimodal.storage.save (token ids, image-token insertion, 3-D positions, loss "
+        "spans, media, processor fingerprint); exit 1 at the first mismatch, 2 when a file is not such a batch "
+        "(not a regular file, a wrong or missing field, a sparse or expanded tensor)",
+    )
     p.set_defaults(func=_consistency)
     return parser
 

@@ -39,7 +39,19 @@ ACTOR_REGIONS = ("logprob", "ratio_kl", "loss", "backward", "update")
 ACTOR_UPDATE = "region/actor_update"
 
 # metrics shown first in the headline table, in this order
-HEADLINE = ("region/step", ACTOR_UPDATE, "region/old_logprob", "tokens_per_s", "peak_vram_gib", "reward", "accuracy", "logprob_diff", "kl", "loss", "entropy")
+HEADLINE = (
+    "region/step",
+    ACTOR_UPDATE,
+    "region/old_logprob",
+    "tokens_per_s",
+    "peak_vram_gib",
+    "reward",
+    "accuracy",
+    "logprob_diff",
+    "kl",
+    "loss",
+    "entropy",
+)
 
 _PLOTS = (  # file, metric keys, y label
     ("step_time.png", ("region/step",), "step time (ms)"),
@@ -118,7 +130,9 @@ def read_step_log(path: str | Path) -> StepLog:
         while raw := f.readline(MAX_LINE_BYTES + 1):
             lineno += 1
             if len(raw) > MAX_LINE_BYTES:
-                raise StepLogError(f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES >> 20} MiB is not a step record")
+                raise StepLogError(
+                    f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES >> 20} MiB is not a step record"
+                )
             if pending is not None:
                 _parse_line(log, *pending)
             pending = (lineno, raw)
@@ -138,8 +152,10 @@ def read_step_log(path: str | Path) -> StepLog:
         except (OSError, ValueError) as exc:
             raise StepLogError(f"{meta_path}: not a JSON object ({exc})") from None
         if not isinstance(meta, dict):
-            raise StepLogError(f"{meta_path}: must hold a JSON object (hardware, versions, config...), "
-                               f"got a JSON {_JSON_KINDS.get(type(meta), type(meta).__name__)}")
+            raise StepLogError(
+                f"{meta_path}: must hold a JSON object (hardware, versions, config...), "
+                f"got a JSON {_JSON_KINDS.get(type(meta), type(meta).__name__)}"
+            )
         log.meta = meta
     return log
 
@@ -155,15 +171,20 @@ def check_comparable(off: StepLog, on: StepLog) -> None:
         StepLogError: naming both files and a few metrics of each.
     """
     if off.series and on.series and set(off.series).isdisjoint(on.series):
+
         def some(log: StepLog) -> str:
             keys = sorted(log.series)
             return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
-        raise StepLogError(f"{off.path} and {on.path} share no metric ({off.path.name}: {some(off)}; {on.path.name}: "
-                           f"{some(on)}): they are not two runs of one kind to compare")
+        raise StepLogError(
+            f"{off.path} and {on.path} share no metric ({off.path.name}: {some(off)}; {on.path.name}: "
+            f"{some(on)}): they are not two runs of one kind to compare"
+        )
 
 
-def json_object_line(raw: bytes, where: str, what: str, error: type[Exception] = StepLogError) -> Optional[dict[str, Any]]:
+def json_object_line(
+    raw: bytes, where: str, what: str, error: type[Exception] = StepLogError
+) -> Optional[dict[str, Any]]:
     """The JSON object on one line of a JSONL file, None for a blank line; otherwise ``error``
     naming ``where`` (``file:line``): not UTF-8, not JSON, or not an object (``what`` says which
     object was expected). The recipe reads its GSM8K rows with it too."""
@@ -220,8 +241,10 @@ def step_warnings(off: StepLog, on: StepLog) -> list[str]:
     for log, side in ((off, "OFF"), (on, "ON")):
         if log.not_finite:
             counts = ", ".join(f"{key} {n}" for key, n in sorted(log.not_finite.items()))
-            warnings.append(f"{side} log {log.path} has values that are NaN, infinite or beyond the float range, "
-                            f"counted as missing: {counts}")
+            warnings.append(
+                f"{side} log {log.path} has values that are NaN, infinite or beyond the float range, "
+                f"counted as missing: {counts}"
+            )
         numbers = log.step_numbers
         if not numbers:
             warnings.append(f"{side} log {log.path} has no step records")
@@ -233,11 +256,15 @@ def step_warnings(off: StepLog, on: StepLog) -> list[str]:
                 repeats.append(n)
             seen.add(n)
         if repeats:
-            warnings.append(f"{side} log {log.path} repeats step numbers ({len(repeats)} of {len(numbers)} records, "
-                            f"first step {repeats[0]}): were runs appended to one file?")
+            warnings.append(
+                f"{side} log {log.path} repeats step numbers ({len(repeats)} of {len(numbers)} records, "
+                f"first step {repeats[0]}): were runs appended to one file?"
+            )
     if off.step_numbers and on.step_numbers and set(off.step_numbers).isdisjoint(on.step_numbers):
-        warnings.append(f"the logs share no step number (OFF steps {min(off.step_numbers)}..{max(off.step_numbers)}, "
-                        f"ON steps {min(on.step_numbers)}..{max(on.step_numbers)}): are they runs of the same schedule?")
+        warnings.append(
+            f"the logs share no step number (OFF steps {min(off.step_numbers)}..{max(off.step_numbers)}, "
+            f"ON steps {min(on.step_numbers)}..{max(on.step_numbers)}): are they runs of the same schedule?"
+        )
     return warnings
 
 
@@ -269,8 +296,16 @@ def compare_table(off: StepLog, on: StepLog, warmup_steps: int = 0) -> list[dict
         skip = warmup_steps if is_timing(key) else 0
         a, b = summarize_values(off.values(key)[skip:]), summarize_values(on.values(key)[skip:])
         overlap = a["min"] <= b["max"] and b["min"] <= a["max"] if is_timing(key) and a["n"] and b["n"] else None
-        rows.append({"metric": key, "off": a, "on": b, "on_over_off": _ratio(a, b, "mean"),
-                     "on_over_off_median": _ratio(a, b, "p50"), "spreads_overlap": overlap})
+        rows.append(
+            {
+                "metric": key,
+                "off": a,
+                "on": b,
+                "on_over_off": _ratio(a, b, "mean"),
+                "on_over_off_median": _ratio(a, b, "p50"),
+                "spreads_overlap": overlap,
+            }
+        )
     return rows
 
 
@@ -285,9 +320,11 @@ def timing_noise(rows: list[dict[str, Any]]) -> list[str]:
     warnings = []
     overlapping = [r["metric"] for r in compared if r["spreads_overlap"]]
     if overlapping:
-        warnings.append(f"{len(overlapping)} of {len(compared)} timing series have overlapping off and on spreads "
-                        f"(min..max over steps): {', '.join(overlapping)}; their on/off ratios are within the "
-                        "step-to-step noise of these runs, not a measured difference")
+        warnings.append(
+            f"{len(overlapping)} of {len(compared)} timing series have overlapping off and on spreads "
+            f"(min..max over steps): {', '.join(overlapping)}; their on/off ratios are within the "
+            "step-to-step noise of these runs, not a measured difference"
+        )
     timing = [r for r in rows if is_timing(r["metric"])]
     fewest = min(max(r[side]["n"] for r in timing) for side in ("off", "on")) if timing else None
     if fewest is not None and fewest < MIN_TIMED_STEPS:
@@ -320,13 +357,18 @@ def text_table(rows: list[dict[str, Any]]) -> str:
     """The comparison rows as a fixed-width text table: each side's mean, median, min and max, the
     on/off ratios of the means and of the medians, and ``~`` after a timing series whose off and on
     spreads overlap."""
-    head = (f"{'metric':<26}" + "".join(f"{f'{s} {q}':>11}" for s in ("off", "on") for q in _TEXT_STATS)
-            + f"{'on/off':>9}{'p50 on/off':>11}")
+    head = (
+        f"{'metric':<26}"
+        + "".join(f"{f'{s} {q}':>11}" for s in ("off", "on") for q in _TEXT_STATS)
+        + f"{'on/off':>9}{'p50 on/off':>11}"
+    )
     lines = [head]
     for row in rows:
         cells = "".join(_fmt(row[s].get(q)).rjust(11) for s in ("off", "on") for q in _TEXT_STATS)
         mark = " ~" if row["spreads_overlap"] else ""
-        lines.append(f"{row['metric']:<26}{cells}{_fmt(row['on_over_off']).rjust(9)}{_fmt(row['on_over_off_median']).rjust(11)}{mark}")
+        lines.append(
+            f"{row['metric']:<26}{cells}{_fmt(row['on_over_off']).rjust(9)}{_fmt(row['on_over_off_median']).rjust(11)}{mark}"
+        )
     return "\n".join(lines)
 
 
@@ -401,21 +443,36 @@ def first_step_markdown(check: dict[str, Any]) -> str:
     """Markdown for the recipe's first-step check (both paths on the on run's step-0 samples)."""
     if "error" in check:
         return f"The off path could not be evaluated on the on run's step-0 samples: {check['error']}"
-    rows = [[name, _fmt(v["max_abs_diff"]), _fmt(v["mean_abs_diff"]), _fmt(v["worst_bound_fraction"]),
-             "yes" if v["within_contract"] else "**no**"]
-            for name, v in check.items() if isinstance(v, dict) and "max_abs_diff" in v]
+    rows = [
+        [
+            name,
+            _fmt(v["max_abs_diff"]),
+            _fmt(v["mean_abs_diff"]),
+            _fmt(v["worst_bound_fraction"]),
+            "yes" if v["within_contract"] else "**no**",
+        ]
+        for name, v in check.items()
+        if isinstance(v, dict) and "max_abs_diff" in v
+    ]
     loss = check.get("loss")
     same = check.get("samples_identical_across_runs")
-    text = ("Both paths evaluated on the on run's step-0 samples and weights "
-            f"(inputs {check['dtype']}; bound: twice the numerical contract's bound, each side being within it of the exact value). "
-            + ("The off run drew bitwise the same step-0 samples." if same else
-               "The off run's step-0 samples were not bitwise the same as the on run's (the rollout forward is not "
-               "bitwise reproducible from run to run here), so the comparison uses the on run's samples for both paths.")
-            + "\n\n")
+    text = (
+        "Both paths evaluated on the on run's step-0 samples and weights "
+        f"(inputs {check['dtype']}; bound: twice the numerical contract's bound, each side being within it of the exact value). "
+        + (
+            "The off run drew bitwise the same step-0 samples."
+            if same
+            else "The off run's step-0 samples were not bitwise the same as the on run's (the rollout forward is not "
+            "bitwise reproducible from run to run here), so the comparison uses the on run's samples for both paths."
+        )
+        + "\n\n"
+    )
     text += _md_table(["value", "max abs diff", "mean abs diff", "worst diff / bound", "within contract"], rows)
     if loss:
-        text += (f"\n\nLoss: off {loss['off']:.8g}, on {loss['on']:.8g}, |diff| {loss['abs_diff']:.3g} "
-                 f"({'within' if loss['within_contract'] else '**outside**'} the contract).")
+        text += (
+            f"\n\nLoss: off {loss['off']:.8g}, on {loss['on']:.8g}, |diff| {loss['abs_diff']:.3g} "
+            f"({'within' if loss['within_contract'] else '**outside**'} the contract)."
+        )
     return text
 
 
@@ -446,9 +503,15 @@ def _relative(path: Path, base: Path) -> str:
         return str(path)
 
 
-def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path, *,
-                 title: str = "rl-kernel off vs on", sections: Sequence[tuple[str, str]] = (),
-                 warmup_steps: int = 1) -> Path:
+def write_report(
+    off_path: str | Path,
+    on_path: str | Path,
+    out_dir: str | Path,
+    *,
+    title: str = "rl-kernel off vs on",
+    sections: Sequence[tuple[str, str]] = (),
+    warmup_steps: int = 1,
+) -> Path:
     """Write ``report.md``, ``comparison.json`` and the PNG plots for two step logs into ``out_dir``.
 
     ``sections``: extra ``(heading, markdown)`` pairs placed after the summary;
@@ -463,7 +526,12 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
     plots = write_plots(off, on, out_dir, warmup_steps)
 
     names = {side: _relative(log.path, out_dir) for log, side in ((off, "off"), (on, "on"))}
-    lines = [f"# {title}", "", f"- off: `{names['off']}` ({off.steps} steps)", f"- on: `{names['on']}` ({on.steps} steps)"]
+    lines = [
+        f"# {title}",
+        "",
+        f"- off: `{names['off']}` ({off.steps} steps)",
+        f"- on: `{names['on']}` ({on.steps} steps)",
+    ]
     for log, side in ((off, "off"), (on, "on")):
         if log.oom:
             lines.append(f"- **{side} ran out of memory at step {log.oom[0]}** (caught and recorded): `{log.oom[1]}`")
@@ -471,42 +539,112 @@ def write_report(off_path: str | Path, on_path: str | Path, out_dir: str | Path,
             lines.append(f"- {side}: an unterminated last line was skipped (interrupted run)")
     for warning in step_warnings(off, on):
         lines.append(f"- **warning:** {warning}")
-    warm = (f" Timings (step and module times, tokens/s) leave out the first {warmup_steps} step(s) of each run "
-            "(compilation, autotuning, allocator growth); the plots show every step." if warmup_steps else "")
-    lines += ["", "## Summary", "",
-              "Statistics over steps; on/off is given as the ratio of the means and of the medians (a few slow steps "
-              f"move the mean, not the median).{warm}", ""]
-    lines.append(_md_table(["metric", "off mean", "off median", "on mean", "on median", "on/off (means)", "on/off (medians)"],
-                           [[r["metric"]] + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("mean", "p50")]
-                            + [_fmt(r["on_over_off"]), _fmt(r["on_over_off_median"])] for r in rows if r["metric"] in HEADLINE]))
+    warm = (
+        f" Timings (step and module times, tokens/s) leave out the first {warmup_steps} step(s) of each run "
+        "(compilation, autotuning, allocator growth); the plots show every step."
+        if warmup_steps
+        else ""
+    )
+    lines += [
+        "",
+        "## Summary",
+        "",
+        "Statistics over steps; on/off is given as the ratio of the means and of the medians (a few slow steps "
+        f"move the mean, not the median).{warm}",
+        "",
+    ]
+    lines.append(
+        _md_table(
+            ["metric", "off mean", "off median", "on mean", "on median", "on/off (means)", "on/off (medians)"],
+            [
+                [r["metric"]]
+                + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("mean", "p50")]
+                + [_fmt(r["on_over_off"]), _fmt(r["on_over_off_median"])]
+                for r in rows
+                if r["metric"] in HEADLINE
+            ],
+        )
+    )
     noise = timing_noise(rows)
-    lines += ["", "**Timing noise.** " + ("; ".join(noise) + "." if noise else
-                                         "No timing series has overlapping off and on spreads (min..max over steps). "
-                                         "Each side is one run: the noise between repeated runs is not measured.")]
+    lines += [
+        "",
+        "**Timing noise.** "
+        + (
+            "; ".join(noise) + "."
+            if noise
+            else "No timing series has overlapping off and on spreads (min..max over steps). "
+            "Each side is one run: the noise between repeated runs is not measured."
+        ),
+    ]
     modules = [r for r in rows if r["metric"].removeprefix("region/") in MODULES and r["metric"].startswith("region/")]
     if modules:
         modules.sort(key=lambda r: MODULES.index(r["metric"].removeprefix("region/")))
-        lines += ["", "## Per-module time (ms per step)", "",
-                  "Each run's min, median and max over steps; \"overlap\": the two runs' ranges overlap, so the "
-                  "ratio is within the step-to-step noise.", ""]
-        lines.append(_md_table(["module", "off min", "off median", "off max", "on min", "on median", "on max",
-                                "on/off (medians)", "on/off (means)", "spread"],
-                               [[r["metric"].removeprefix("region/")] + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("min", "p50", "max")]
-                                + [_fmt(r["on_over_off_median"]), _fmt(r["on_over_off"]),
-                                   "-" if r["spreads_overlap"] is None else ("overlap" if r["spreads_overlap"] else "apart")]
-                                for r in modules]))
+        lines += [
+            "",
+            "## Per-module time (ms per step)",
+            "",
+            "Each run's min, median and max over steps; \"overlap\": the two runs' ranges overlap, so the "
+            "ratio is within the step-to-step noise.",
+            "",
+        ]
+        lines.append(
+            _md_table(
+                [
+                    "module",
+                    "off min",
+                    "off median",
+                    "off max",
+                    "on min",
+                    "on median",
+                    "on max",
+                    "on/off (medians)",
+                    "on/off (means)",
+                    "spread",
+                ],
+                [
+                    [r["metric"].removeprefix("region/")]
+                    + [_fmt(r[s].get(q)) for s in ("off", "on") for q in ("min", "p50", "max")]
+                    + [
+                        _fmt(r["on_over_off_median"]),
+                        _fmt(r["on_over_off"]),
+                        "-" if r["spreads_overlap"] is None else ("overlap" if r["spreads_overlap"] else "apart"),
+                    ]
+                    for r in modules
+                ],
+            )
+        )
     for heading, body in sections:
         lines += ["", f"## {heading}", "", body]
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{caption}]({name})" for name, caption in plots]
-    lines += ["", "## All metrics", "", "```", text_table(rows), "```", "", "## Environment and configuration", "",
-              _meta_markdown(off, on), ""]
+    lines += [
+        "",
+        "## All metrics",
+        "",
+        "```",
+        text_table(rows),
+        "```",
+        "",
+        "## Environment and configuration",
+        "",
+        _meta_markdown(off, on),
+        "",
+    ]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
-    summary = {"off": names["off"], "on": names["on"], "steps": {"off": off.steps, "on": on.steps},
-               "timing_warmup_steps": warmup_steps, "timing_noise": noise, "warnings": step_warnings(off, on),
-               "oom": {"off": off.oom, "on": on.oom},
-               "skipped_partial_lines": {"off": off.skipped_partial, "on": on.skipped_partial}, "rows": rows}
-    (out_dir / "comparison.json").write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False), encoding="utf-8")
+    summary = {
+        "off": names["off"],
+        "on": names["on"],
+        "steps": {"off": off.steps, "on": on.steps},
+        "timing_warmup_steps": warmup_steps,
+        "timing_noise": noise,
+        "warnings": step_warnings(off, on),
+        "oom": {"off": off.oom, "on": on.oom},
+        "skipped_partial_lines": {"off": off.skipped_partial, "on": on.skipped_partial},
+        "rows": rows,
+    }
+    (out_dir / "comparison.json").write_text(
+        json.dumps(json_safe(summary), indent=2, allow_nan=False), encoding="utf-8"
+    )
     return path

@@ -49,10 +49,14 @@ def make_logits(n, v, dtype, device, scale=4.0, ignore_frac=0.2):
     return logits, targets.to(device)
 
 
-def check_logprob(logits, targets, temperature=1.0, with_entropy=True, ignore_index=-100, oracle=logprob_oracle, backend="triton"):
+def check_logprob(
+    logits, targets, temperature=1.0, with_entropy=True, ignore_index=-100, oracle=logprob_oracle, backend="triton"
+):
     """Values and logits-gradient of ``backend`` against the fp64 ``oracle`` (non-uniform upstream)."""
     x = logits.detach().clone().requires_grad_()
-    out = rk.logprob_from_logits(x, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=with_entropy, backend=backend)
+    out = rk.logprob_from_logits(
+        x, targets, temperature=temperature, ignore_index=ignore_index, return_entropy=with_entropy, backend=backend
+    )
     lp, ent = out if with_entropy else (out, None)
     x64 = logits.detach().double().requires_grad_()
     lp64, ent64 = oracle(x64, targets, temperature, ignore_index)
@@ -125,18 +129,29 @@ def policy_loss_oracle(lp, old, adv, weight, ref, ent, is_w, *, lo, hi, c, kl_ty
     pg_loss, kl_loss = agg(pg), agg(kl_oracle(lp, ref, kl_type))
     ent_loss = agg(ent) if ent is not None else torch.zeros((), dtype=torch.float64, device=lp.device)
     loss = pg_loss + kl_coef * kl_loss - ent_coef * ent_loss
-    metrics = {"pg_loss": pg_loss, "pg_clipfrac": token_mean(clipfrac), "pg_clipfrac_lower": token_mean(lower),
-               "ppo_kl": token_mean(-log_ratio), "kl_loss": kl_loss, "entropy": ent_loss}
+    metrics = {
+        "pg_loss": pg_loss,
+        "pg_clipfrac": token_mean(clipfrac),
+        "pg_clipfrac_lower": token_mean(lower),
+        "ppo_kl": token_mean(-log_ratio),
+        "kl_loss": kl_loss,
+        "entropy": ent_loss,
+    }
     return loss, metrics
 
 
 def make_tokens(shape, device, dtype=torch.float32, spread=0.4, mask_kind="bool"):
-    lp = (torch.rand(shape) * -3 - 0.05)
+    lp = torch.rand(shape) * -3 - 0.05
     old = lp + torch.randn(shape) * spread
     ref = lp + torch.randn(shape) * spread * 2
     flat_old, flat_ref = old.view(-1), ref.view(-1)
     if flat_old.numel() >= 4:  # across the ±20 log-ratio clamps and k3's +10 clamp
-        flat_old[0], flat_old[1], flat_ref[2], flat_ref[3] = lp.view(-1)[0] + 25, lp.view(-1)[1] - 25, lp.view(-1)[2] + 30, lp.view(-1)[3] + 3
+        flat_old[0], flat_old[1], flat_ref[2], flat_ref[3] = (
+            lp.view(-1)[0] + 25,
+            lp.view(-1)[1] - 25,
+            lp.view(-1)[2] + 30,
+            lp.view(-1)[3] + 3,
+        )
     adv = torch.randn(shape)
     if mask_kind == "bool":
         mask = torch.rand(shape) < 0.8
@@ -145,10 +160,20 @@ def make_tokens(shape, device, dtype=torch.float32, spread=0.4, mask_kind="bool"
     ent = torch.rand(shape) * 3
     is_w = torch.rand(shape) * 1.5 + 0.25
     to = lambda t, dt=dtype: t.to(dt).to(device)  # noqa: E731
-    return dict(lp=to(lp), old=to(old), ref=to(ref), adv=to(adv, torch.float32), mask=mask.to(device), ent=to(ent), is_w=to(is_w, torch.float32))
+    return dict(
+        lp=to(lp),
+        old=to(old),
+        ref=to(ref),
+        adv=to(adv, torch.float32),
+        mask=mask.to(device),
+        ent=to(ent),
+        is_w=to(is_w, torch.float32),
+    )
 
 
-LOSS_DEFAULTS = dict(ref=True, ent=True, is_w=True, lo=0.2, hi=0.28, c=3.0, kl_type="k3", kl_coef=0.1, ent_coef=0.01, mode="token-mean")
+LOSS_DEFAULTS = dict(
+    ref=True, ent=True, is_w=True, lo=0.2, hi=0.28, c=3.0, kl_type="k3", kl_coef=0.1, ent_coef=0.01, mode="token-mean"
+)
 
 
 def run_policy_loss(t, backend, g, **kw):
@@ -157,10 +182,21 @@ def run_policy_loss(t, backend, g, **kw):
     lp = t["lp"].detach().clone().requires_grad_()
     entropy = t["ent"].detach().clone().requires_grad_() if o["ent"] else None
     loss, metrics = rk.policy_loss(
-        lp, t["old"], t["adv"], t["mask"], ref_logprob=t["ref"] if o["ref"] else None, clip_ratio_low=o["lo"],
-        clip_ratio_high=o["hi"], clip_ratio_c=o["c"], kl_type=o["kl_type"], kl_coef=o["kl_coef"], entropy=entropy,
-        entropy_coef=o["ent_coef"] if o["ent"] else 0.0, loss_agg_mode=o["mode"],
-        rollout_is_weights=t["is_w"] if o["is_w"] else None, backend=backend,
+        lp,
+        t["old"],
+        t["adv"],
+        t["mask"],
+        ref_logprob=t["ref"] if o["ref"] else None,
+        clip_ratio_low=o["lo"],
+        clip_ratio_high=o["hi"],
+        clip_ratio_c=o["c"],
+        kl_type=o["kl_type"],
+        kl_coef=o["kl_coef"],
+        entropy=entropy,
+        entropy_coef=o["ent_coef"] if o["ent"] else 0.0,
+        loss_agg_mode=o["mode"],
+        rollout_is_weights=t["is_w"] if o["is_w"] else None,
+        backend=backend,
     )
     (loss * g.float()).backward()
     return loss.detach(), metrics, lp.grad, (None if entropy is None else entropy.grad)
@@ -174,9 +210,20 @@ def check_policy_loss(t, backend="triton", **kw):
     dt = t["lp"].dtype
     d = {k: v.detach().double().requires_grad_(k in ("lp", "ent")) for k, v in t.items()}
     loss64, metrics64 = policy_loss_oracle(
-        d["lp"], d["old"], d["adv"], d["mask"].double(), d["ref"] if o["ref"] else d["old"],
-        d["ent"] if o["ent"] else None, d["is_w"] if o["is_w"] else None, lo=o["lo"], hi=o["hi"], c=o["c"],
-        kl_type=o["kl_type"], kl_coef=o["kl_coef"], ent_coef=o["ent_coef"] if o["ent"] else 0.0, mode=o["mode"],
+        d["lp"],
+        d["old"],
+        d["adv"],
+        d["mask"].double(),
+        d["ref"] if o["ref"] else d["old"],
+        d["ent"] if o["ent"] else None,
+        d["is_w"] if o["is_w"] else None,
+        lo=o["lo"],
+        hi=o["hi"],
+        c=o["c"],
+        kl_type=o["kl_type"],
+        kl_coef=o["kl_coef"],
+        ent_coef=o["ent_coef"] if o["ent"] else 0.0,
+        mode=o["mode"],
     )
     assert loss.shape == () and loss.dtype == torch.float32
     assert_close(loss, loss64, "reduction", dt, "loss")
@@ -302,7 +349,9 @@ def run_linear(hidden, weight, bias, targets, temperature, g_lp=None, g_ent=None
     lp, ent = rk.linear_logprob(h, w, targets, bias=b, temperature=temperature, return_entropy=True, backend=backend)
     if g_lp is None:
         return lp, ent, ()
-    grads = torch.autograd.grad((lp * g_lp.float()).sum() + (ent * g_ent.float()).sum(), [x for x in (h, w, b) if x is not None])
+    grads = torch.autograd.grad(
+        (lp * g_lp.float()).sum() + (ent * g_ent.float()).sum(), [x for x in (h, w, b) if x is not None]
+    )
     return lp, ent, grads
 
 
@@ -373,12 +422,19 @@ def chi_square_tail(chi2: float, dof: int) -> float:
     if dof % 2 == 0:
         return math.exp(-half) * sum(half**i / math.factorial(i) for i in range(dof // 2))
     return math.erfc(math.sqrt(half)) + math.exp(-half) * sum(
-        half ** (i - 0.5) / math.gamma(i + 0.5) for i in range(1, (dof + 1) // 2))
+        half ** (i - 0.5) / math.gamma(i + 0.5) for i in range(1, (dof + 1) // 2)
+    )
 
 
 def chi_square_check(row: torch.Tensor, tokens: torch.Tensor, params: dict) -> None:
     v = row.numel()
-    allowed, q = allowed_tokens(row.double().cpu().numpy(), params.get("temperature", 1.0), params.get("top_k"), params.get("top_p"), params.get("min_p"))
+    allowed, q = allowed_tokens(
+        row.double().cpu().numpy(),
+        params.get("temperature", 1.0),
+        params.get("top_k"),
+        params.get("top_p"),
+        params.get("min_p"),
+    )
     counts = torch.bincount(tokens.cpu(), minlength=v).double().numpy()
     outside = np.setdiff1d(np.nonzero(counts)[0], allowed)
     assert outside.size == 0, f"drew tokens {outside.tolist()} outside the allowed set {allowed.tolist()}"
@@ -386,7 +442,9 @@ def chi_square_check(row: torch.Tensor, tokens: torch.Tensor, params: dict) -> N
     assert dof > 0, "the filters left one token: the test would not test the distribution"
     expected = q * tokens.numel()
     chi2 = float(((counts[allowed] - expected) ** 2 / expected).sum())
-    assert chi_square_tail(chi2, dof) >= TAIL_FLOOR, f"chi-square {chi2:.1f} with {dof} dof: {counts[allowed]} vs {expected.round(1)}"
+    assert chi_square_tail(chi2, dof) >= TAIL_FLOOR, (
+        f"chi-square {chi2:.1f} with {dof} dof: {counts[allowed]} vs {expected.round(1)}"
+    )
 
 
 CHI_SQUARE_CASES = [
@@ -405,13 +463,15 @@ def dense_attention(q, k, v, cu_q, cu_k, causal):
     group = q.shape[1] // k.shape[1]
     outs = []
     for b in range(len(cu_q) - 1):
-        qs = q[cu_q[b]:cu_q[b + 1]].double().transpose(0, 1)
-        ks = k[cu_k[b]:cu_k[b + 1]].double().repeat_interleave(group, 1).transpose(0, 1)
-        vs = v[cu_k[b]:cu_k[b + 1]].double().repeat_interleave(group, 1).transpose(0, 1)
+        qs = q[cu_q[b] : cu_q[b + 1]].double().transpose(0, 1)
+        ks = k[cu_k[b] : cu_k[b + 1]].double().repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[cu_k[b] : cu_k[b + 1]].double().repeat_interleave(group, 1).transpose(0, 1)
         s = qs @ ks.transpose(1, 2) / math.sqrt(q.shape[2])
         lq, lk = qs.shape[1], ks.shape[1]
         if causal:
-            allowed = torch.arange(lk, device=q.device)[None, :] <= (lk - lq + torch.arange(lq, device=q.device))[:, None]
+            allowed = (
+                torch.arange(lk, device=q.device)[None, :] <= (lk - lq + torch.arange(lq, device=q.device))[:, None]
+            )
             s = s.masked_fill(~allowed, -math.inf)
         outs.append((torch.softmax(s, -1) @ vs).transpose(0, 1))
     return torch.cat(outs)
@@ -437,11 +497,22 @@ def make_batch(device, dtype, seqs=8, seq_len=16, vocab=128):
 def loss_step(backend):
     def step(logits, targets, old, ref, rewards, mask):
         advantages = rk.group_advantages(rewards, group_size=COMPILE_GROUP, backend=backend)
-        logprob, entropy = rk.logprob_from_logits(logits, targets, temperature=0.9, return_entropy=True, backend=backend)
+        logprob, entropy = rk.logprob_from_logits(
+            logits, targets, temperature=0.9, return_entropy=True, backend=backend
+        )
         ratio, kl = rk.ratio_kl(logprob, old, ref, kl_type="low_var_kl", backend=backend)
         loss, metrics = rk.policy_loss(
-            logprob, old, advantages[:, None].expand_as(logprob), mask, ref_logprob=ref, clip_ratio_c=3.0,
-            kl_coef=0.05, entropy=entropy, entropy_coef=0.01, loss_agg_mode="seq-mean-token-mean", backend=backend,
+            logprob,
+            old,
+            advantages[:, None].expand_as(logprob),
+            mask,
+            ref_logprob=ref,
+            clip_ratio_c=3.0,
+            kl_coef=0.05,
+            entropy=entropy,
+            entropy_coef=0.01,
+            loss_agg_mode="seq-mean-token-mean",
+            backend=backend,
         )
         return loss + 0.1 * (ratio * kl * mask).mean(), metrics
 
@@ -528,7 +599,23 @@ def agg_formula(values: torch.Tensor, w: torch.Tensor, mode: str) -> torch.Tenso
     return out / seq_len if mode == "seq-mean-token-sum-norm" else out
 
 
-def loss_formula(lp, old, adv, w, *, ref=None, lo=0.2, hi=0.2, c=None, kl="k3", kl_coef=0.0, ent=None, ent_coef=0.0, mode="token-mean", is_w=None):
+def loss_formula(
+    lp,
+    old,
+    adv,
+    w,
+    *,
+    ref=None,
+    lo=0.2,
+    hi=0.2,
+    c=None,
+    kl="k3",
+    kl_coef=0.0,
+    ent=None,
+    ent_coef=0.0,
+    mode="token-mean",
+    is_w=None,
+):
     """fp64 loss and metrics; inputs [S, T] fp64 (w: mask as numbers)."""
     ref = old if ref is None else ref
     pg_tok, clipped, lower = surrogate_formula(lp, old, adv, lo, hi, c)
@@ -540,8 +627,12 @@ def loss_formula(lp, old, adv, w, *, ref=None, lo=0.2, hi=0.2, c=None, kl="k3", 
     loss = pg + kl_coef * kl_loss - ent_coef * ent_loss
     tmean = lambda v: agg_formula(v.double(), w, "token-mean")  # noqa: E731
     metrics = {
-        "pg_loss": pg, "pg_clipfrac": tmean(clipped), "pg_clipfrac_lower": tmean(lower),
-        "ppo_kl": tmean(-(torch.log(ratio_formula(lp, old)))), "kl_loss": kl_loss, "entropy": ent_loss,
+        "pg_loss": pg,
+        "pg_clipfrac": tmean(clipped),
+        "pg_clipfrac_lower": tmean(lower),
+        "ppo_kl": tmean(-(torch.log(ratio_formula(lp, old)))),
+        "kl_loss": kl_loss,
+        "entropy": ent_loss,
     }
     return loss, metrics
 
@@ -560,7 +651,15 @@ def make_loss_inputs(shape, dtype=torch.float32, *, spread=0.3, empty_row=False)
     entropy = torch.rand(shape) * 3 + 0.1
     is_w = torch.rand(shape) * 1.5 + 0.25
     cast = lambda t: t.to(dtype)  # noqa: E731
-    return dict(logprob=cast(logprob), old=cast(old), ref=cast(ref), adv=cast(adv), mask=mask, entropy=cast(entropy), is_w=cast(is_w))
+    return dict(
+        logprob=cast(logprob),
+        old=cast(old),
+        ref=cast(ref),
+        adv=cast(adv),
+        mask=mask,
+        entropy=cast(entropy),
+        is_w=cast(is_w),
+    )
 
 
 def as_fp64(t):
@@ -589,7 +688,9 @@ def close_in_dtype(actual, expected, op_class, dtype, name):
     bound = tol.atol + (tol.rtol + torch.finfo(dtype).eps) * e.abs()
     err = (a - e).abs()
     assert bool(torch.isfinite(a).all()), f"{name}: non-finite values"
-    assert bool((err <= bound).all()), f"{name}: worst error {float((err - bound).max()):.3g} above the {op_class}/{dtype} bound"
+    assert bool((err <= bound).all()), (
+        f"{name}: worst error {float((err - bound).max()):.3g} above the {op_class}/{dtype} bound"
+    )
 
 
 def rows_invariant(fn, x, sizes, move_rows=True):

@@ -76,7 +76,10 @@ def measure_peak(case: str, n: int, v: int, d: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="2")
     out = subprocess.run(
         [sys.executable, "-c", _SCRIPT, case, str(n), str(v), str(d)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -12,7 +12,7 @@ import pytest
 from rl_kernel_core import adapters
 from rl_kernel_core.switches import SwitchError
 
-FRAMEWORK = '''
+FRAMEWORK = """
 class Base:
     def inherited(self):
         return "base"
@@ -33,7 +33,7 @@ class Engine(Base):
 
 def compute(x):
     return x - 1
-'''
+"""
 CONSUMER = "from fw.core import compute\n"
 
 
@@ -62,12 +62,15 @@ def test_resolve_and_locate(fw):
     assert adapters.locate("fw.core:compute") == (fw, "compute", fw.compute)
 
 
-@pytest.mark.parametrize("target, says", [
-    ("fw.nope:X", "fw.nope:X: cannot import fw.nope (ModuleNotFoundError"),
-    ("fw.core:Nope.run", "fw.core:Nope.run: fw.core has no attribute 'Nope'"),
-    ("fw.core:Engine.inherited", "fw.core:Engine.inherited: Engine defines no attribute 'inherited'"),
-    ("fw.core:nope", "fw.core:nope: fw.core defines no attribute 'nope'"),
-])
+@pytest.mark.parametrize(
+    "target, says",
+    [
+        ("fw.nope:X", "fw.nope:X: cannot import fw.nope (ModuleNotFoundError"),
+        ("fw.core:Nope.run", "fw.core:Nope.run: fw.core has no attribute 'Nope'"),
+        ("fw.core:Engine.inherited", "fw.core:Engine.inherited: Engine defines no attribute 'inherited'"),
+        ("fw.core:nope", "fw.core:nope: fw.core defines no attribute 'nope'"),
+    ],
+)
 def test_locate_names_what_is_missing(fw, target, says):
     with pytest.raises(adapters.TargetMissing) as info:
         adapters.locate(target)
@@ -87,11 +90,14 @@ def test_install_is_idempotent_and_restore_is_exact(fw):
     def wrap_method(original):
         def run(self, x):
             return original(self, x) * 10
+
         return run
 
     assert patches.install("fw.core:Engine.run", wrap_method) == "patched"
     assert patches.install("fw.core:Engine.run", wrap_method) == "already patched"
-    assert patches.install("fw.core:Engine.helper", lambda raw: staticmethod(lambda x: raw.__func__(x) + 100)) == "patched"
+    assert (
+        patches.install("fw.core:Engine.helper", lambda raw: staticmethod(lambda x: raw.__func__(x) + 100)) == "patched"
+    )
     assert patches.install("fw.core:Engine.new", lambda raw: classmethod(lambda cls: "new")) == "patched"
     assert patches.install("fw.core:compute", lambda original: lambda x: original(x) * 3) == "patched"
     assert fw.Engine().run(1) == 20 and fw.Engine.helper(1) == 102 and fw.Engine.new() == "new" and fw.compute(5) == 12
@@ -132,7 +138,9 @@ def test_rebind_and_restore_by_name_imports(fw):
 def test_import_hook_runs_after_the_module_and_restore_removes_it(fw):
     seen = []
     patches = adapters.Patches()
-    hook = patches.add_import_hook(adapters.ImportHook(["fw.user"], lambda module: seen.append((module.__name__, module.compute))))
+    hook = patches.add_import_hook(
+        adapters.ImportHook(["fw.user"], lambda module: seen.append((module.__name__, module.compute)))
+    )
     assert sys.meta_path[0] is hook
     user = importlib.import_module("fw.user")
     assert seen == [("fw.user", fw.compute)] and user.__spec__ is not None
@@ -174,7 +182,9 @@ def test_refuse_or_warn(caplog):
         adapters.refuse_or_warn("gone", strict=True, error=adapters.TargetMissing, logger=logger)
     with caplog.at_level(logging.WARNING, logger=logger.name):
         for _ in range(3):
-            adapters.refuse_or_warn("moved away", strict=False, error=adapters.TargetMissing, logger=logger, hint="set X=1")
+            adapters.refuse_or_warn(
+                "moved away", strict=False, error=adapters.TargetMissing, logger=logger, hint="set X=1"
+            )
     assert [r.getMessage() for r in caplog.records] == ["moved away (set X=1)"]
 
 

@@ -66,8 +66,13 @@ _ENV = re.compile(r"(?<![\w$])(?:VIME_)?RL_KERNEL\w*\*?")
 @cache
 def tracked() -> tuple[str, ...]:
     """The tracked files (and the untracked ones git does not ignore), relative to the root."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return tuple(sorted(p for p in out.splitlines() if (ROOT / p).exists()))
 
 
@@ -124,8 +129,11 @@ def unresolved_path(cited: str, citing: str, link: bool) -> bool:
 @cache
 def package_folders() -> frozenset[str]:
     """The names of the folders inside the packages and ``native/``."""
-    return frozenset(PurePosixPath(e).name for e in tracked_entries()
-                     if e.startswith((*PACKAGES, "native")) and "/" in e and (ROOT / e).is_dir())
+    return frozenset(
+        PurePosixPath(e).name
+        for e in tracked_entries()
+        if e.startswith((*PACKAGES, "native")) and "/" in e and (ROOT / e).is_dir()
+    )
 
 
 def test_cited_paths_exist():
@@ -135,8 +143,11 @@ def test_cited_paths_exist():
         for target in sorted(t for t in links if "://" not in t and not t.startswith("mailto:")):
             if unresolved_path(target, citing, link=True):
                 missing.append(f"{citing}: link {target}")
-        bare = ([m.group(0) for m in _SOURCE_IN_COMMENT.finditer(text)] if not citing.endswith(".md")
-                else [m.group(1) for m in _CODE_SPAN.finditer(text) if _FILE.fullmatch(m.group(1))])
+        bare = (
+            [m.group(0) for m in _SOURCE_IN_COMMENT.finditer(text)]
+            if not citing.endswith(".md")
+            else [m.group(1) for m in _CODE_SPAN.finditer(text) if _FILE.fullmatch(m.group(1))]
+        )
         paths = [m.group(0) for m in _PATH.finditer(text) if "://" not in text[max(0, m.start() - 12) : m.start()]]
         for cited in [*paths, *bare]:
             if cited not in links and unresolved_path(cited, citing, link=False):
@@ -197,8 +208,12 @@ def resolves(dotted: str) -> bool:
 
 def test_cited_modules_and_functions_exist():
     files = {PurePosixPath(p).name for p in tracked()}
-    missing = [f"{citing}: {m.group(0)}" for citing, text in cited_texts() for m in _DOTTED.finditer(text)
-               if m.group(0) not in files and not resolves(m.group(0))]
+    missing = [
+        f"{citing}: {m.group(0)}"
+        for citing, text in cited_texts()
+        for m in _DOTTED.finditer(text)
+        if m.group(0) not in files and not resolves(m.group(0))
+    ]
     assert not missing, "cited names that this tree does not define:\n" + "\n".join(sorted(set(missing)))
 
 
@@ -254,7 +269,9 @@ def defines(path: Path, name: str) -> bool:
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
             return True
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name).split(".")[0] == name for a in node.names):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+            (a.asname or a.name).split(".")[0] == name for a in node.names
+        ):
             return True
         if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
             if (node.id if isinstance(node, ast.Name) else node.attr) == name:
@@ -307,21 +324,33 @@ def import_claim_holds(cited: str, verb: str, target: str) -> bool | None:
 
 
 def test_import_claims_hold():
-    wrong = [f"{citing}: {m.group(0)}" for citing, text in cited_texts() for m in _IMPORT_CLAIM.finditer(text)
-             if import_claim_holds(*m.groups()) is False]
+    wrong = [
+        f"{citing}: {m.group(0)}"
+        for citing, text in cited_texts()
+        for m in _IMPORT_CLAIM.finditer(text)
+        if import_claim_holds(*m.groups()) is False
+    ]
     assert not wrong, "claims about imports that the code contradicts:\n" + "\n".join(sorted(set(wrong)))
 
 
 def test_home_and_import_rules():
-    assert home_claims("`rl_kernel_core/loss.py` (`ratio_kl`, `policy_loss`) and `chunk_rows` in `linear_chunks.py`") == [
-        ("rl_kernel_core/loss.py", "ratio_kl"), ("rl_kernel_core/loss.py", "policy_loss"), ("linear_chunks.py", "chunk_rows")]
+    assert home_claims(
+        "`rl_kernel_core/loss.py` (`ratio_kl`, `policy_loss`) and `chunk_rows` in `linear_chunks.py`"
+    ) == [
+        ("rl_kernel_core/loss.py", "ratio_kl"),
+        ("rl_kernel_core/loss.py", "policy_loss"),
+        ("linear_chunks.py", "chunk_rows"),
+    ]
     linear_sm90 = cited_file("rl_kernel_core/linear/triton_sm90.py")
     assert linear_sm90 is not None and defines(linear_sm90, "serves") and not defines(linear_sm90, "_TILE")
     assert defines(ROOT / "native/csrc/tuning.h", "kSm90BlockN")
     assert import_claim_holds("linear/triton_sm90.py", "imports", "rl_kernel_core.native") is True
     assert import_claim_holds("rl_kernel_core/linear/chunks.py", "never imports", "rl_kernel_core/triton/") is True
     assert import_claim_holds("rl_kernel_core/linear/chunks.py", "imports", "triton") is False
-    assert import_claim_holds("rl_kernel_core/linear/opdef.py", "imports nothing of", "rl_kernel_core.linear.chunks") is False
+    assert (
+        import_claim_holds("rl_kernel_core/linear/opdef.py", "imports nothing of", "rl_kernel_core.linear.chunks")
+        is False
+    )
     assert import_claim_holds("<family>.py", "imports", "torch") is None
 
 
@@ -344,7 +373,9 @@ def _environ_keys(tree: ast.AST) -> list[ast.expr]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
             owner = ast.unparse(node.func.value)
-            if (node.func.attr == "get" and owner.endswith("environ")) or (node.func.attr == "getenv" and owner == "os"):
+            if (node.func.attr == "get" and owner.endswith("environ")) or (
+                node.func.attr == "getenv" and owner == "os"
+            ):
                 keys.append(node.args[0])
         elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("environ"):
             keys.append(node.slice)
@@ -390,19 +421,22 @@ def test_cited_environment_variables_are_read():
     assert not missing, "cited environment variables that no code reads:\n" + "\n".join(sorted(set(missing)))
 
 
-@pytest.mark.parametrize("cited,citing,link,expected", [
-    ("rl_kernel_core/linear/chunks.py", "README.md", False, False),
-    ("rl_kernel_core/<family>.py", "README.md", False, False),
-    ("bind_<family>.cpp", "CONTRIBUTING.md", False, False),
-    ("opdef/<family>.py", "CONTRIBUTING.md", False, False),
-    ("../README.md", "docs/native.md", True, False),
-    ("rl_kernel_core/triton/policy_loss.py", "README.md", False, True),
-    ("triton/policy_loss.py", "README.md", False, True),
-    ("bindings.cpp", "native/csrc/ops.h", False, True),
-    ("backends.md", "docs/vllm.md", True, False),
-    ("slime/utils/ppo_utils.py", "docs/vime.md", False, False),
-    ("verl/trainer/ppo/core_algos.py", "docs/semantics.md", False, False),
-])
+@pytest.mark.parametrize(
+    "cited,citing,link,expected",
+    [
+        ("rl_kernel_core/linear/chunks.py", "README.md", False, False),
+        ("rl_kernel_core/<family>.py", "README.md", False, False),
+        ("bind_<family>.cpp", "CONTRIBUTING.md", False, False),
+        ("opdef/<family>.py", "CONTRIBUTING.md", False, False),
+        ("../README.md", "docs/native.md", True, False),
+        ("rl_kernel_core/triton/policy_loss.py", "README.md", False, True),
+        ("triton/policy_loss.py", "README.md", False, True),
+        ("bindings.cpp", "native/csrc/ops.h", False, True),
+        ("backends.md", "docs/vllm.md", True, False),
+        ("slime/utils/ppo_utils.py", "docs/vime.md", False, False),
+        ("verl/trainer/ppo/core_algos.py", "docs/semantics.md", False, False),
+    ],
+)
 def test_path_rules(cited, citing, link, expected):
     assert unresolved_path(cited, citing, link) is expected
 

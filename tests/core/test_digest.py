@@ -58,9 +58,12 @@ def test_mismatches_name_each_problem():
     changed[2, 0] = 2.0
     b = named_digests([("w", changed), ("b", torch.ones(4)), ("new", torch.ones(1))])
     assert mismatches(a, a) == []
-    assert mismatches(a, b) == ["b: 3 rows in the reference, 4 checked", "gone: missing on the checked side",
-                                "new: not in the reference", "w: bits differ (first at row 2)"]
-
+    assert mismatches(a, b) == [
+        "b: 3 rows in the reference, 4 checked",
+        "gone: missing on the checked side",
+        "new: not in the reference",
+        "w: bits differ (first at row 2)",
+    ]
 
 
 def _flip_one_bit(t: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, int]:
@@ -72,8 +75,9 @@ def _flip_one_bit(t: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, in
     return flipped, row
 
 
-@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64, torch.complex32, torch.int8,
-                                   torch.uint64, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "dtype", [torch.complex128, torch.complex64, torch.complex32, torch.int8, torch.uint64, torch.float8_e4m3fn]
+)
 def test_every_dtype_is_digested_by_its_bits(seed, dtype):
     """complex128 (16-byte elements) was a KeyError; its real and imaginary words each count."""
     gen = torch.Generator().manual_seed(seed)
@@ -97,29 +101,61 @@ def test_digest_property_over_dtypes_and_shapes(seed, monkeypatch):
     from rl_kernel_core import digest
 
     rng = random.Random(seed)
-    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex128, torch.complex64,
-              torch.int32, torch.uint8]
+    dtypes = [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.complex128,
+        torch.complex64,
+        torch.int32,
+        torch.uint8,
+    ]
     for _ in range(30):
         dtype = rng.choice(dtypes)
         shape = [rng.randint(1, 6) for _ in range(rng.randint(1, 3))]
-        t = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(rng.randrange(2**31))).view(dtype)
+        t = torch.randint(
+            0,
+            256,
+            (*shape[:-1], shape[-1] * dtype.itemsize),
+            dtype=torch.uint8,
+            generator=torch.Generator().manual_seed(rng.randrange(2**31)),
+        ).view(dtype)
         monkeypatch.setattr(digest, "CHUNK_ELEMENTS", rng.choice([1, 3, 16, 1 << 22]))
         whole = row_digests(t)
         monkeypatch.setattr(digest, "CHUNK_ELEMENTS", 1 << 22)
         assert torch.equal(whole, row_digests(t)), (dtype, shape, f"seed={seed}")
         flipped, row = _flip_one_bit(t, rng)
-        assert (row_digests(flipped) != whole).tolist() == [i == row for i in range(shape[0])], (dtype, shape, f"seed={seed}")
+        assert (row_digests(flipped) != whole).tolist() == [i == row for i in range(shape[0])], (
+            dtype,
+            shape,
+            f"seed={seed}",
+        )
 
 
-@pytest.mark.parametrize("bad, error, message", [
-    ([[1.0, 2.0]], TypeError, "row_digests: t must be a torch.Tensor, got list"),
-    (3.0, TypeError, "row_digests: t must be a torch.Tensor, got float"),
-    (torch.eye(3).to_sparse(), TypeError, "row_digests: t must be a dense (strided) tensor, got layout sparse_coo"),
-    (torch.eye(3).to_sparse_csr(), TypeError, "row_digests: t must be a dense (strided) tensor, got layout sparse_csr"),
-    (torch.quantize_per_tensor(torch.eye(3), 0.1, 0, torch.qint8), TypeError, "row_digests: t must not be quantized"),
-    (torch.empty(3, 2, device="meta"), ValueError, "row_digests: t must hold data (its bits are digested), got a meta tensor of shape (3, 2)"),
-])
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ([[1.0, 2.0]], TypeError, "row_digests: t must be a torch.Tensor, got list"),
+        (3.0, TypeError, "row_digests: t must be a torch.Tensor, got float"),
+        (torch.eye(3).to_sparse(), TypeError, "row_digests: t must be a dense (strided) tensor, got layout sparse_coo"),
+        (
+            torch.eye(3).to_sparse_csr(),
+            TypeError,
+            "row_digests: t must be a dense (strided) tensor, got layout sparse_csr",
+        ),
+        (
+            torch.quantize_per_tensor(torch.eye(3), 0.1, 0, torch.qint8),
+            TypeError,
+            "row_digests: t must not be quantized",
+        ),
+        (
+            torch.empty(3, 2, device="meta"),
+            ValueError,
+            "row_digests: t must hold data (its bits are digested), got a meta tensor of shape (3, 2)",
+        ),
+    ],
+)
 def test_what_cannot_be_digested_is_named(bad, error, message):
     with pytest.raises(error) as info:
         row_digests(bad)

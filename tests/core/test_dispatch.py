@@ -13,8 +13,12 @@ from rl_kernel_core.dispatch import BackendUnavailableError
 def toy_op():
     """An op served by torch and by triton (where x > 0), gone from dispatch after the test."""
     name = "test_toy_op"
-    with dispatch.override(name, "torch", lambda x: ("torch", x)), \
-            dispatch.override(name, "triton", lambda x: ("triton", x), supports=lambda x: None if x > 0 else "x must be positive"):
+    with (
+        dispatch.override(name, "torch", lambda x: ("torch", x)),
+        dispatch.override(
+            name, "triton", lambda x: ("triton", x), supports=lambda x: None if x > 0 else "x must be positive"
+        ),
+    ):
         yield name
 
 
@@ -103,11 +107,15 @@ def test_backend_status_names_native_reason():
 def test_backends_that_do_not_declare_an_op_are_never_loaded_for_it(torch_only_op, monkeypatch):
     name = torch_only_op
     loaded = []
-    monkeypatch.setattr(dispatch, "_ensure_loaded", lambda backend, op: None if backend == "torch" else loaded.append(backend))
+    monkeypatch.setattr(
+        dispatch, "_ensure_loaded", lambda backend, op: None if backend == "torch" else loaded.append(backend)
+    )
     assert dispatch.select(name, "auto", torch.device("cuda"), 1)(1) == ("torch", 1)
     assert loaded == []
-    assert dispatch.explain(name).skipped == {"native": f"{name} has no native implementation",
-                                              "triton": f"{name} has no triton implementation"}
+    assert dispatch.explain(name).skipped == {
+        "native": f"{name} has no native implementation",
+        "triton": f"{name} has no triton implementation",
+    }
     with pytest.raises(BackendUnavailableError, match="has no native implementation"):
         dispatch.select(name, "native", torch.device("cuda"), 1)
     assert loaded == []
@@ -131,14 +139,24 @@ def test_env_backend_is_a_preference_for_ops_it_does_not_serve(torch_only_op, mo
 
 def test_override_and_scope_leave_the_registry_as_they_found_it(monkeypatch):
     """A stand-in, a preference and the decisions taken inside the block are gone after it."""
-    before = (dict(dispatch.REGISTRY.impls), dict(dispatch.REGISTRY.preference), dispatch.explain(), set(dispatch.REGISTRY.logged))
+    before = (
+        dict(dispatch.REGISTRY.impls),
+        dict(dispatch.REGISTRY.preference),
+        dispatch.explain(),
+        set(dispatch.REGISTRY.logged),
+    )
     with dispatch.override("sample", "flashinfer", lambda *args: "stand-in", any_device=True):
         dispatch.set_preference("sample", ("flashinfer", "torch"))
         assert dispatch.select("sample", "auto", torch.device("cpu"))() == "stand-in"
         assert dispatch.explain("sample").backend == "flashinfer"
     with dispatch.REGISTRY.scoped():
         dispatch.set_preference("logprob_from_logits", ("torch",))
-    after = (dict(dispatch.REGISTRY.impls), dict(dispatch.REGISTRY.preference), dispatch.explain(), set(dispatch.REGISTRY.logged))
+    after = (
+        dict(dispatch.REGISTRY.impls),
+        dict(dispatch.REGISTRY.preference),
+        dispatch.explain(),
+        set(dispatch.REGISTRY.logged),
+    )
     assert after == before and not dispatch.REGISTRY.stand_ins
     with pytest.raises(ValueError, match="backend must be one of"):
         with dispatch.override("sample", "cuda", lambda: None):
@@ -163,9 +181,16 @@ def test_every_route_a_launch_records_is_in_the_manifest():
     recorded = set()
     for path in Path(dispatch.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "ran" \
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dispatch":
-                recorded |= {c.value for c in ast.walk(node.args[1]) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "ran"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "dispatch"
+            ):
+                recorded |= {
+                    c.value for c in ast.walk(node.args[1]) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                }
     assert {"triton", "triton+sm90", "triton+cpp_launch"} <= recorded <= set(ops.ROUTES)
     assert set(ops.BACKENDS) <= set(ops.ROUTES)
 
@@ -224,8 +249,13 @@ def test_decisions_kept_between_calls_follow_the_inputs_the_environment_and_the_
     with dispatch.override(toy_op, "triton", lambda x: ("stand-in", x), any_device=True):
         assert dispatch.select(toy_op, "auto", cpu, 3)(3) == ("stand-in", 3)
         assert dispatch.explain(toy_op).backend == "triton" and dispatch.explain(toy_op).skipped == {}
-        with dispatch.override(toy_op, "triton", lambda x: ("positive", x), any_device=True,
-                               supports=lambda x: None if x > 0 else "x must be positive"):
+        with dispatch.override(
+            toy_op,
+            "triton",
+            lambda x: ("positive", x),
+            any_device=True,
+            supports=lambda x: None if x > 0 else "x must be positive",
+        ):
             assert dispatch.select(toy_op, "auto", cpu, -3)(-3) == ("torch", -3)
             assert dispatch.explain(toy_op).skipped == {"triton": "x must be positive"}
             assert dispatch.select(toy_op, "auto", cpu, 3)(3) == ("positive", 3)
@@ -247,11 +277,19 @@ def _meta(*shape, dtype=torch.float32):
 
 _META_CALLS = {  # op -> (call with meta inputs on a backend, the argument the error names)
     "ratio_kl": (lambda rk, b: rk.ratio_kl(_meta(4, 8), _meta(4, 8), backend=b), "logprob", (4, 8)),
-    "policy_loss": (lambda rk, b: rk.policy_loss(_meta(4, 8), _meta(4, 8), _meta(4, 8), _meta(4, 8), backend=b),
-                    "logprob", (4, 8)),
+    "policy_loss": (
+        lambda rk, b: rk.policy_loss(_meta(4, 8), _meta(4, 8), _meta(4, 8), _meta(4, 8), backend=b),
+        "logprob",
+        (4, 8),
+    ),
     "rms_norm": (lambda rk, b: rk.rms_norm(_meta(3, 8), _meta(8), backend=b), "x", (3, 8)),
-    "varlen_attention": (lambda rk, b: rk.varlen_attention(_meta(8, 2, 4), _meta(8, 2, 4), _meta(8, 2, 4),
-                                                           torch.tensor([0, 3, 8]), backend=b), "q", (8, 2, 4)),
+    "varlen_attention": (
+        lambda rk, b: rk.varlen_attention(
+            _meta(8, 2, 4), _meta(8, 2, 4), _meta(8, 2, 4), torch.tensor([0, 3, 8]), backend=b
+        ),
+        "q",
+        (8, 2, 4),
+    ),
 }
 
 
@@ -267,8 +305,10 @@ def test_meta_tensors_on_a_kernel_backend_are_refused_naming_the_argument(op, in
     call, name, shape = _META_CALLS[op]
     with pytest.raises(BackendUnavailableError) as info:
         call(rk, "triton")
-    assert str(info.value) == (f"{op}: backend='triton' cannot run: {name} is a meta tensor (shape {shape}, no data) "
-                               "and triton's kernels read data; backend='torch' runs on meta tensors")
+    assert str(info.value) == (
+        f"{op}: backend='triton' cannot run: {name} is a meta tensor (shape {shape}, no data) "
+        "and triton's kernels read data; backend='torch' runs on meta tensors"
+    )
     for backend in ("torch", "auto"):
         out = call(rk, backend)
         assert all(t.is_meta for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
@@ -283,8 +323,11 @@ def test_meta_cu_seqlens_are_refused_naming_the_argument(backend, which, monkeyp
     q = torch.randn(8, 2, 4)
     cu = {"cu_seqlens_q": torch.tensor([0, 3, 8]), "cu_seqlens_k": torch.tensor([0, 3, 8])}
     cu[which] = cu[which].to("meta")
-    with pytest.raises(ValueError, match=rf"^{which} must hold data \(its offsets are read on the host\), got a meta "
-                                         r"tensor of shape \(3,\)$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{which} must hold data \(its offsets are read on the host\), got a meta "
+        r"tensor of shape \(3,\)$",
+    ):
         rk.varlen_attention(q, q, q, cu["cu_seqlens_q"], cu["cu_seqlens_k"], backend=backend)
 
 
@@ -298,5 +341,7 @@ def test_meta_inputs_in_a_tuple_are_named_by_field(toy_op, monkeypatch):
         weight: torch.Tensor
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(BackendUnavailableError, match=r"cannot run: hidden is a meta tensor \(shape \(2, 3\), no data\)"):
+    with pytest.raises(
+        BackendUnavailableError, match=r"cannot run: hidden is a meta tensor \(shape \(2, 3\), no data\)"
+    ):
         dispatch.select(toy_op, "triton", torch.device("meta"), Inputs(_meta(2, 3), _meta(3, 3)))

@@ -25,8 +25,13 @@ def _clone(where: Path, requirements: str = "torch\n") -> Path:
 
 
 def _path(clone: Path, cache: Path, tier: str = "t") -> str:
-    proc = subprocess.run(["bash", str(clone / "scripts" / "env.sh"), "--path", tier], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "RL_KERNEL_ENV_CACHE": str(cache)})
+    proc = subprocess.run(
+        ["bash", str(clone / "scripts" / "env.sh"), "--path", tier],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RL_KERNEL_ENV_CACHE": str(cache)},
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
@@ -53,8 +58,12 @@ def test_checkout_key_property(tmp_path, seed):
     requirements = "".join(rng.choice(["torch\n", "numpy==2.0\n", "# comment\n", "triton\n"]) for _ in range(4))
     names: set[str] = set()
     while len(names) < 6:
-        names.add("/".join("".join(rng.choice("ab c_é-1") for _ in range(rng.randint(1, 6))).strip() or "x"
-                           for _ in range(rng.randint(1, 2))))
+        names.add(
+            "/".join(
+                "".join(rng.choice("ab c_é-1") for _ in range(rng.randint(1, 6))).strip() or "x"
+                for _ in range(rng.randint(1, 2))
+            )
+        )
     paths = [_path(_clone(tmp_path / "clones" / name, requirements), cache) for name in sorted(names)]
     assert len(set(paths)) == len(paths), (paths, f"seed={seed}")
 
@@ -62,6 +71,7 @@ def test_checkout_key_property(tmp_path, seed):
 def test_this_checkouts_environment_path(tmp_path):
     path = _path(ROOT, tmp_path / "cache", "core")
     assert re.fullmatch(re.escape(str(tmp_path / "cache")) + r"/core-[0-9a-f]{12}", path), path
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "env.sh"), "--path", "no-such-tier"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "env.sh"), "--path", "no-such-tier"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and proc.stderr.strip().startswith("no requirement list ")

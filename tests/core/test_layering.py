@@ -45,8 +45,13 @@ TOOLS: tuple[str, ...] = LAYERS[-1]
 FAMILIES: tuple[str, ...] = ("linear", "batch_invariant_mode", "logprob", "loss", "advantages", "sampling")
 """The op families' packages (``rl_kernel_core/<family>/``), one per family (CONTRIBUTING.md, "Map")."""
 FAMILY_ROLES: dict[str, tuple[int, str]] = {
-    "opdef": (1, "opdef"), "chunks": (1, "opdef"), "reference": (3, "reference"),
-    "triton": (4, "triton"), "native": (4, "native"), "flashinfer": (4, "flashinfer"), "api": (5, "api"),
+    "opdef": (1, "opdef"),
+    "chunks": (1, "opdef"),
+    "reference": (3, "reference"),
+    "triton": (4, "triton"),
+    "native": (4, "native"),
+    "flashinfer": (4, "flashinfer"),
+    "api": (5, "api"),
 }
 """``{file name in a family's package: (its layer, its backend or role)}``."""
 PART_ROLES: tuple[str, ...] = ("api", "reference", "triton", "flashinfer")
@@ -115,8 +120,12 @@ def test_no_module_imports_a_layer_above_its_own():
         level, family = _layer(module)
         for imported in _imports(module):
             their_level, their_family = _layer(imported)
-            sideways = their_level == level == 4 and their_family != family and (family, their_family) != ("flashinfer", "triton") \
+            sideways = (
+                their_level == level == 4
+                and their_family != family
+                and (family, their_family) != ("flashinfer", "triton")
                 and (module, their_family) != ("rl_kernel_core.linear.triton_sm90", "native")
+            )
             if their_level > level or sideways:
                 violations.append(f"{module} (layer {level}) imports {imported} (layer {their_level})")
     assert not violations, "\n".join(violations)
@@ -124,8 +133,13 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_no_operator_module_imports_a_tool():
     """The tools sit above the operators: what the adapters and trainers run never needs them."""
-    violations = [f"{module} imports {imported}" for module in _modules() if _top(module) not in TOOLS
-                  for imported in _imports(module) if _top(imported) in TOOLS]
+    violations = [
+        f"{module} imports {imported}"
+        for module in _modules()
+        if _top(module) not in TOOLS
+        for imported in _imports(module)
+        if _top(imported) in TOOLS
+    ]
     assert not violations, "\n".join(violations)
 
 
@@ -136,7 +150,7 @@ def test_no_import_cycle():
 
     def visit(module: str, path: list[str]) -> list[str]:
         if module in path:
-            return path[path.index(module):] + [module]
+            return path[path.index(module) :] + [module]
         if module in done:
             return []
         for imported in sorted(graph.get(module, ())):
@@ -157,21 +171,30 @@ def _top(module: str) -> str:
 
 def test_the_core_imports_no_adapter():
     adapters = ("rl_kernel_vllm", "rl_kernel_verl", "rl_kernel_vime")
-    violations = [f"{module} imports {name}" for module in _modules()
-                  for name in _imported_names(ast.parse(_path(module).read_text())) if name.split(".")[0] in adapters]
+    violations = [
+        f"{module} imports {name}"
+        for module in _modules()
+        for name in _imported_names(ast.parse(_path(module).read_text()))
+        if name.split(".")[0] in adapters
+    ]
     assert not violations, "\n".join(violations)
 
 
 def _import_alone(module: str) -> str | None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=env, timeout=300
+    )
     if proc.returncode == 0:
         return None
     last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
     # a native family module (a family's native.py) cannot build without CUDA, the FlashInfer module needs FlashInfer:
     # their ImportError is the reason dispatch reports, by design
-    optional = module.startswith("rl_kernel_core.native.") or module.split(".")[1:] in ([f, "native"] for f in FAMILIES) \
+    optional = (
+        module.startswith("rl_kernel_core.native.")
+        or module.split(".")[1:] in ([f, "native"] for f in FAMILIES)
         or module == "rl_kernel_core.sampling.flashinfer"
+    )
     if optional and last.startswith(("ImportError:", "ModuleNotFoundError: No module named 'flashinfer'")):
         return None
     return f"{module}: {last}"
@@ -193,8 +216,13 @@ def _imported_names(tree: ast.AST) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             names += [node.module or ""] + [a.name for a in node.names]
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module" \
-                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names.append(node.args[0].value)
     return names
 

@@ -19,7 +19,12 @@ def test_bench_spans_tiny_on_cpu(tmp_path, capsys):
     length = tiny["image"] + tiny["prompt"] + tiny["response"]
     assert result["shape"]["scored_rows"] == tiny["seqs"] * tiny["response"] and result["shape"]["L"] == length
     rows = result["results"]
-    assert set(rows) == {"transformers_default", "ours_fused_spans", "ours_logprob_then_loss_spans", "ours_fused_dense_mask"}
+    assert set(rows) == {
+        "transformers_default",
+        "ours_fused_spans",
+        "ours_logprob_then_loss_spans",
+        "ours_fused_dense_mask",
+    }
     for name, row in rows.items():
         assert row["median_ms"] > 0 and row["reps"] == 2
         if name != "transformers_default":

@@ -42,16 +42,28 @@ def oracle(mask, signal, estimator, norm_by_std, eps):
                 for t in range(T):
                     out[b][t] += a
         if signal.steps is not None:
-            items = [(b, int(e), float(v)) for b in rows for e, v in zip(signal.steps.ends[b], signal.steps.values[b]) if e >= 0]
+            items = [
+                (b, int(e), float(v))
+                for b in rows
+                for e, v in zip(signal.steps.ends[b], signal.steps.values[b])
+                if e >= 0
+            ]
             if items:
                 for (b, end, _), a in zip(items, normalise([v for *_, v in items], estimator, norm_by_std, eps)):
                     for t in range(end + 1):
                         out[b][t] += a
         if signal.regions is not None:
             r = signal.regions
-            regions = [(b, int(s), int(n), float(v)) for b in rows for s, n, v in zip(r.starts[b], r.lengths[b], r.values[b]) if n > 0]
+            regions = [
+                (b, int(s), int(n), float(v))
+                for b in rows
+                for s, n, v in zip(r.starts[b], r.lengths[b], r.values[b])
+                if n > 0
+            ]
             if regions:
-                for (b, start, length, _), a in zip(regions, normalise([v for *_, v in regions], estimator, norm_by_std, eps)):
+                for (b, start, length, _), a in zip(
+                    regions, normalise([v for *_, v in regions], estimator, norm_by_std, eps)
+                ):
                     for t in range(start, start + length):
                         out[b][t] += a
     return torch.tensor(out, dtype=torch.float64) * mask.double()
@@ -62,8 +74,11 @@ def random_signal(scale=1.0, k=4, r=3) -> Any:  # a Signal with every level set
     ends[torch.rand(B, k) < 0.3] = -1
     starts = torch.randint(0, T - 2, (B, r))
     lengths = torch.minimum(torch.randint(0, 5, (B, r)), T - starts)
-    return Signal(sequence=torch.randn(B) * scale, steps=Steps(ends, torch.randn(B, k) * scale),
-                  regions=Regions(starts, lengths, torch.rand(B, r) * scale))
+    return Signal(
+        sequence=torch.randn(B) * scale,
+        steps=Steps(ends, torch.randn(B, k) * scale),
+        regions=Regions(starts, lengths, torch.rand(B, r) * scale),
+    )
 
 
 @pytest.mark.parametrize("estimator, norm_by_std", [("grpo", True), ("grpo", False), ("dr_grpo", True), ("rloo", True)])
@@ -72,7 +87,9 @@ def test_reward_and_cost_match_the_fp64_formula(seed, estimator, norm_by_std):
     reward, cost = random_signal(), random_signal(scale=3.0)
     out = token_advantages(mask, reward, cost, group_size=G, estimator=estimator, norm_by_std=norm_by_std, eps=1e-6)
     assert out.rewards.dtype == torch.float32 and out.costs is not None and out.costs.dtype == torch.float32
-    assert_close(out.rewards, oracle(mask, reward, estimator, norm_by_std, 1e-6), "elementwise", torch.float32, "rewards")
+    assert_close(
+        out.rewards, oracle(mask, reward, estimator, norm_by_std, 1e-6), "elementwise", torch.float32, "rewards"
+    )
     assert_close(out.costs, oracle(mask, cost, estimator, norm_by_std, 1e-6), "elementwise", torch.float32, "costs")
     assert not out.rewards[~mask].any() and not out.costs[~mask].any()
 
@@ -103,20 +120,27 @@ def test_step_statistics_are_group_advantages_over_the_valid_steps(seed):
     got = token_advantages(torch.ones(B, T, dtype=torch.bool), Signal(steps=signal.steps), group_size=G).rewards
     want = torch.zeros(B, T, dtype=torch.float64)
     for g in range(B // G):
-        items = [(b, int(e), float(v)) for b in range(g * G, (g + 1) * G)
-                 for e, v in zip(signal.steps.ends[b], signal.steps.values[b]) if e >= 0]
+        items = [
+            (b, int(e), float(v))
+            for b in range(g * G, (g + 1) * G)
+            for e, v in zip(signal.steps.ends[b], signal.steps.values[b])
+            if e >= 0
+        ]
         if not items:
             continue
         adv = rk.group_advantages(torch.tensor([v for *_, v in items], dtype=torch.float64), group_size=len(items))
         for (b, end, _), a in zip(items, adv.tolist()):
-            want[b, :end + 1] += a
+            want[b, : end + 1] += a
     assert_close(got, want, "elementwise", torch.float32, "step advantages")
 
 
 def test_equal_rewards_give_exact_zeros_and_runs_are_bitwise_equal(seed):
     mask = torch.ones(B, T, dtype=torch.bool)
-    same = Signal(sequence=torch.full((B,), 0.1), steps=Steps(torch.full((B, 2), 5), torch.full((B, 2), 0.3)),
-                  regions=Regions(torch.zeros(B, 1, dtype=torch.long), torch.full((B, 1), 3), torch.full((B, 1), 0.7)))
+    same = Signal(
+        sequence=torch.full((B,), 0.1),
+        steps=Steps(torch.full((B, 2), 5), torch.full((B, 2), 0.3)),
+        regions=Regions(torch.zeros(B, 1, dtype=torch.long), torch.full((B, 1), 3), torch.full((B, 1), 0.7)),
+    )
     assert not token_advantages(mask, same, group_size=G, eps=0.0).rewards.any()
     signal = random_signal()
     runs = [token_advantages(mask, signal, signal, group_size=G) for _ in range(2)]
@@ -131,25 +155,53 @@ def test_group_of_one_entry_and_no_entries(seed):
     values = torch.randn(B, 2)
     out = token_advantages(mask, Signal(steps=Steps(ends, values)), group_size=G, estimator="rloo").rewards
     assert torch.equal(out[0, :5], values[0, 0].expand(5)) and not out[0, 5:].any() and not out[1:].any()
-    empty = token_advantages(mask, Signal(steps=Steps(torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0))), group_size=G)
+    empty = token_advantages(
+        mask, Signal(steps=Steps(torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, 0))), group_size=G
+    )
     assert not empty.rewards.any()
 
 
-@pytest.mark.parametrize("bad, error, message", [
-    (dict(group_size=4), ValueError, r"group_size must be a positive divisor of B = mask.shape\[0\] = 6, got 4"),
-    (dict(reward=Signal(sequence=torch.randn(B + 1))), ValueError, r"reward.sequence must have shape \[B\] = \(6,\)"),
-    (dict(cost=Signal(steps=Steps(torch.full((B, 2), T), torch.randn(B, 2)))), ValueError,
-     r"cost.steps.ends\[0\]\[0\]: a step's last token must lie in \[0, 14\)"),
-    (dict(reward=Signal(regions=Regions(torch.full((B, 1), 12), torch.full((B, 1), 3), torch.randn(B, 1)))), ValueError,
-     r"reward.regions\[0\]\[0\]: a region must lie in \[0, 14\) \(mask's T\), got \[12, 15\)"),
-    (dict(reward=Signal(steps=Steps(torch.zeros(B, 2), torch.randn(B, 2)))), TypeError, r"reward.steps.ends must have dtype in \(int64, int32\)"),
-    (dict(reward=Signal(steps=Steps(torch.zeros(B, 2, dtype=torch.long), torch.randn(B, 3)))), ValueError,
-     r"reward.steps.ends must have the shape of reward.steps.values \(6, 3\), got \(6, 2\)"),
-    (dict(reward=torch.randn(B)), TypeError, r"reward must be a rl_kernel_core.advantages.api_rewards.Signal, got Tensor"),
-    (dict(estimator="ppo"), ValueError, r"estimator must be one of"),
-])
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        (dict(group_size=4), ValueError, r"group_size must be a positive divisor of B = mask.shape\[0\] = 6, got 4"),
+        (
+            dict(reward=Signal(sequence=torch.randn(B + 1))),
+            ValueError,
+            r"reward.sequence must have shape \[B\] = \(6,\)",
+        ),
+        (
+            dict(cost=Signal(steps=Steps(torch.full((B, 2), T), torch.randn(B, 2)))),
+            ValueError,
+            r"cost.steps.ends\[0\]\[0\]: a step's last token must lie in \[0, 14\)",
+        ),
+        (
+            dict(reward=Signal(regions=Regions(torch.full((B, 1), 12), torch.full((B, 1), 3), torch.randn(B, 1)))),
+            ValueError,
+            r"reward.regions\[0\]\[0\]: a region must lie in \[0, 14\) \(mask's T\), got \[12, 15\)",
+        ),
+        (
+            dict(reward=Signal(steps=Steps(torch.zeros(B, 2), torch.randn(B, 2)))),
+            TypeError,
+            r"reward.steps.ends must have dtype in \(int64, int32\)",
+        ),
+        (
+            dict(reward=Signal(steps=Steps(torch.zeros(B, 2, dtype=torch.long), torch.randn(B, 3)))),
+            ValueError,
+            r"reward.steps.ends must have the shape of reward.steps.values \(6, 3\), got \(6, 2\)",
+        ),
+        (
+            dict(reward=torch.randn(B)),
+            TypeError,
+            r"reward must be a rl_kernel_core.advantages.api_rewards.Signal, got Tensor",
+        ),
+        (dict(estimator="ppo"), ValueError, r"estimator must be one of"),
+    ],
+)
 def test_bad_input_names_the_argument(seed, bad, error, message):
-    args: dict[str, Any] = dict(mask=torch.ones(B, T, dtype=torch.bool), reward=Signal(sequence=torch.randn(B)), cost=None, group_size=G)
+    args: dict[str, Any] = dict(
+        mask=torch.ones(B, T, dtype=torch.bool), reward=Signal(sequence=torch.randn(B)), cost=None, group_size=G
+    )
     args.update(bad)
     with pytest.raises(error, match=message):
         token_advantages(args.pop("mask"), args.pop("reward"), args.pop("cost"), **args)
@@ -158,8 +210,11 @@ def test_bad_input_names_the_argument(seed, bad, error, message):
 @pytest.mark.gpu
 def test_no_host_sync_on_the_gpu(seed):
     signal = random_signal()
-    moved = Signal(sequence=signal.sequence.cuda(), steps=Steps(signal.steps.ends.cuda(), signal.steps.values.cuda()),
-                   regions=Regions(signal.regions.starts.cuda(), signal.regions.lengths.cuda(), signal.regions.values.cuda()))
+    moved = Signal(
+        sequence=signal.sequence.cuda(),
+        steps=Steps(signal.steps.ends.cuda(), signal.steps.values.cuda()),
+        regions=Regions(signal.regions.starts.cuda(), signal.regions.lengths.cuda(), signal.regions.values.cuda()),
+    )
     mask = (torch.rand(B, T) < 0.8).cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -167,7 +222,9 @@ def test_no_host_sync_on_the_gpu(seed):
         out = token_advantages(mask, moved, moved, group_size=G, estimator="rloo")
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert_close(out.rewards.cpu(), oracle(mask.cpu(), signal, "rloo", True, 1e-6), "elementwise", torch.float32, "rewards")
+    assert_close(
+        out.rewards.cpu(), oracle(mask.cpu(), signal, "rloo", True, 1e-6), "elementwise", torch.float32, "rewards"
+    )
 
 
 INT64_MAX = 2**63 - 1
@@ -182,9 +239,13 @@ def test_a_region_whose_end_wraps_around_is_refused(seed, dtype):
     starts = torch.tensor([[2], [top - 1], [5]] * 2, dtype=dtype)
     lengths = torch.tensor([[3], [4], [2]] * 2, dtype=dtype)
     values = torch.tensor([[1.0], [0.0], [3.0]] * 2)
-    with pytest.raises(ValueError, match=re.escape(f"reward.regions[1][0]: a region must lie in [0, {T}) (mask's T), "
-                                                   f"got [{top - 1}, {top + 3})")):
-        token_advantages(torch.ones(B, T, dtype=torch.bool), Signal(regions=Regions(starts, lengths, values)), group_size=G)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"reward.regions[1][0]: a region must lie in [0, {T}) (mask's T), got [{top - 1}, {top + 3})"),
+    ):
+        token_advantages(
+            torch.ones(B, T, dtype=torch.bool), Signal(regions=Regions(starts, lengths, values)), group_size=G
+        )
     ends = torch.tensor([[INT64_MAX]] * B if dtype == torch.int64 else [[2**31 - 1]] * B, dtype=dtype)
     with pytest.raises(ValueError, match=re.escape("reward.steps.ends[0][0]: a step's last token must lie in [0, 14)")):
         token_advantages(torch.ones(B, T, dtype=torch.bool), Signal(steps=Steps(ends, torch.randn(B, 1))), group_size=G)
@@ -198,14 +259,21 @@ def test_region_positions_property(seed):
     for trial in range(60):
         dtype = rng.choice([torch.int64, torch.int32])
         top = torch.iinfo(dtype).max
-        pick = [lambda: rng.randint(0, T - 1), lambda: rng.randint(-3, T + 3), lambda: top - rng.randint(0, 5),
-                lambda: -top - 1 + rng.randint(0, 5)]
+        pick = [
+            lambda: rng.randint(0, T - 1),
+            lambda: rng.randint(-3, T + 3),
+            lambda: top - rng.randint(0, 5),
+            lambda: -top - 1 + rng.randint(0, 5),
+        ]
         r = rng.randint(1, 3)
         starts = [[rng.choice(pick[:1] * 6 + pick)() for _ in range(r)] for _ in range(B)]
-        lengths = [[rng.choice([0, rng.randint(1, 4), rng.randint(-2, 0), top - rng.randint(0, 5)]) for _ in range(r)]
-                   for _ in range(B)]
-        outside = any(n > 0 and not (0 <= s and s + n <= T) for row_s, row_n in zip(starts, lengths)
-                      for s, n in zip(row_s, row_n))
+        lengths = [
+            [rng.choice([0, rng.randint(1, 4), rng.randint(-2, 0), top - rng.randint(0, 5)]) for _ in range(r)]
+            for _ in range(B)
+        ]
+        outside = any(
+            n > 0 and not (0 <= s and s + n <= T) for row_s, row_n in zip(starts, lengths) for s, n in zip(row_s, row_n)
+        )
         regions = Regions(torch.tensor(starts, dtype=dtype), torch.tensor(lengths, dtype=dtype), torch.randn(B, r))
         mask = torch.rand(B, T) < 0.8
         if outside:
@@ -213,8 +281,13 @@ def test_region_positions_property(seed):
                 token_advantages(mask, Signal(regions=regions), group_size=G)
             continue
         got = token_advantages(mask, Signal(regions=regions), group_size=G).rewards
-        assert_close(got, oracle(mask, Signal(regions=regions), "grpo", True, 1e-6), "elementwise", torch.float32,
-                     f"trial {trial}, seed={seed}")
+        assert_close(
+            got,
+            oracle(mask, Signal(regions=regions), "grpo", True, 1e-6),
+            "elementwise",
+            torch.float32,
+            f"trial {trial}, seed={seed}",
+        )
 
 
 @pytest.mark.parametrize("poison", [float("nan"), -1.0, -1e-30, float("-inf")])
@@ -231,8 +304,16 @@ def test_float_mask_property(seed):
     tokens that receive advantages."""
     rng = random.Random(seed)
     for _ in range(40):
-        mask = torch.tensor([[rng.choice([0.0, 0.0, 1.0, rng.random(), 1e30, float("inf"), -rng.random(), float("nan"),
-                                          -0.0]) for _ in range(T)] for _ in range(B)], dtype=rng.choice(_FLOATS))
+        mask = torch.tensor(
+            [
+                [
+                    rng.choice([0.0, 0.0, 1.0, rng.random(), 1e30, float("inf"), -rng.random(), float("nan"), -0.0])
+                    for _ in range(T)
+                ]
+                for _ in range(B)
+            ],
+            dtype=rng.choice(_FLOATS),
+        )
         bad = bool(((mask < 0) | mask.isnan()).any())
         reward = Signal(sequence=torch.randn(B))
         if bad:

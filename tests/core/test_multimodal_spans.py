@@ -53,7 +53,9 @@ def random_spans(b: int, t: int, device) -> LossSpans:
         start = random.randrange(1, t // 2)
         first = (start, random.randrange(1, t // 4))
         second_start = first[0] + first[1] + random.randrange(1, 3)
-        pairs.append([first, (second_start, random.randrange(1, t - second_start + 1))] if second_start < t else [first])
+        pairs.append(
+            [first, (second_start, random.randrange(1, t - second_start + 1))] if second_start < t else [first]
+        )
     return LossSpans.from_pairs(pairs, t, device=device)
 
 
@@ -82,6 +84,7 @@ def spy(monkeypatch, op):
             hidden = first.hidden if isinstance(first, FusedLossInputs) else first
             rows.append(hidden.shape[:-1].numel())
             return impl(first, *rest, **kw)
+
         return run
 
     monkeypatch.setattr(dispatch, "select", recording)
@@ -106,7 +109,11 @@ def test_gather_scatter_move_values_and_gradients_to_the_scored_rows_only(seed):
     dense = spans.scatter(compact * 2)
     assert torch.equal(dense[mask], 2 * x.detach()[mask]) and not dense[~mask].any()
     padded, valid = spans.gather_padded(x)
-    assert padded.shape == (4, spans.max_seqlen, 5) and torch.equal(padded[valid], x.detach()[mask]) and not padded[~valid].any()
+    assert (
+        padded.shape == (4, spans.max_seqlen, 5)
+        and torch.equal(padded[valid], x.detach()[mask])
+        and not padded[~valid].any()
+    )
     g = upstream(dense.shape, "cpu")
     (grad,) = torch.autograd.grad((dense * g).sum() + (padded * padded).sum(), x)
     expected = torch.where(mask[..., None], 2 * g + 2 * x.detach(), 0.0)
@@ -115,22 +122,39 @@ def test_gather_scatter_move_values_and_gradients_to_the_scored_rows_only(seed):
     torch.autograd.gradcheck(lambda y: spans.gather_padded(y)[0], (x,))
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda: LossSpans.from_pairs([[(2, 3), (4, 1)]], 8), r"pairs\[0\]\[1\]: span \(start 4, length 1\) must have length >= 1 and lie in \[5, 8\)"),
-    (lambda: LossSpans.from_pairs([[(6, 3)]], 8), r"pairs\[0\]\[0\]: span \(start 6, length 3\)"),
-    (lambda: LossSpans.from_pairs([[(1, 0)]], 8), r"pairs\[0\]\[0\]: span \(start 1, length 0\)"),
-    (lambda: LossSpans.from_pairs([[ONE_NUMBER]], 8), r"pairs\[0\]\[0\] must be a \(start, length\) pair, got \(1,\)"),
-    (lambda: LossSpans.from_pairs([[(1, 2)]], -1), r"seq_len must be an int >= 0, got -1"),
-    (lambda: LossSpans.from_cu_offsets([1, 2], [0, 3], 8), r"cu_offsets must hold len\(starts\) \+ 1 = 3 entries starting at 0"),
-    (lambda: LossSpans.from_cu_offsets([1, 2], [0, 3, 2], 8), r"cu_offsets must be non-decreasing, got 3 then 2 at 1"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            lambda: LossSpans.from_pairs([[(2, 3), (4, 1)]], 8),
+            r"pairs\[0\]\[1\]: span \(start 4, length 1\) must have length >= 1 and lie in \[5, 8\)",
+        ),
+        (lambda: LossSpans.from_pairs([[(6, 3)]], 8), r"pairs\[0\]\[0\]: span \(start 6, length 3\)"),
+        (lambda: LossSpans.from_pairs([[(1, 0)]], 8), r"pairs\[0\]\[0\]: span \(start 1, length 0\)"),
+        (
+            lambda: LossSpans.from_pairs([[ONE_NUMBER]], 8),
+            r"pairs\[0\]\[0\] must be a \(start, length\) pair, got \(1,\)",
+        ),
+        (lambda: LossSpans.from_pairs([[(1, 2)]], -1), r"seq_len must be an int >= 0, got -1"),
+        (
+            lambda: LossSpans.from_cu_offsets([1, 2], [0, 3], 8),
+            r"cu_offsets must hold len\(starts\) \+ 1 = 3 entries starting at 0",
+        ),
+        (
+            lambda: LossSpans.from_cu_offsets([1, 2], [0, 3, 2], 8),
+            r"cu_offsets must be non-decreasing, got 3 then 2 at 1",
+        ),
+    ],
+)
 def test_bad_spans_are_refused_naming_the_entry(bad, message):
     with pytest.raises(ValueError, match=message):
         bad()
 
 
 def test_float_offsets_are_refused():
-    with pytest.raises(TypeError, match=r"starts must be a 1-D integer tensor or a list of ints, got a torch.float32 tensor"):
+    with pytest.raises(
+        TypeError, match=r"starts must be a 1-D integer tensor or a list of ints, got a torch.float32 tensor"
+    ):
         LossSpans.from_cu_offsets(torch.ones(2), [0, 1, 2], 8)
 
 
@@ -170,8 +194,13 @@ def test_linear_logprob_spans_keep_leading_dims_and_empty_spans(seed):
     spans = LossSpans.from_pairs([[(1, 2)], [], [(0, 6)], [(5, 1)]], 6)
     lp = rk.linear_logprob(hidden.view(2, 2, 6, -1), weight, targets.view(2, 2, 6), loss_spans=spans)
     assert lp.shape == (2, 2, 6)
-    assert_close(lp.view(4, 6), rk.linear_logprob(hidden, weight, targets.masked_fill(~spans.dense_mask(), -100)),
-                 "logprob", torch.float32, "spans vs dense mask")  # torch backend: rows not independent (MKL)
+    assert_close(
+        lp.view(4, 6),
+        rk.linear_logprob(hidden, weight, targets.masked_fill(~spans.dense_mask(), -100)),
+        "logprob",
+        torch.float32,
+        "spans vs dense mask",
+    )  # torch backend: rows not independent (MKL)
     none = LossSpans.from_pairs([[] for _ in range(4)], 6)
     h = hidden.clone().requires_grad_(True)
     out = rk.linear_logprob(h, weight, targets, loss_spans=none)
@@ -200,8 +229,16 @@ def test_fused_loss_on_spans_equals_the_dense_mask(seed, backend, device, mode, 
     old = torch.randn(3, 11, device=device) - 3
     adv, ref = torch.randn(3, 11, device=device), torch.randn(3, 11, device=device) - 3
     rw = torch.rand(3, 11, device=device) + 0.5
-    knobs = dict(ref_logprob=ref, rollout_is_weights=rw, kl_coef=0.05, entropy_coef=0.01, clip_ratio_c=3.0,
-                 temperature=0.8, loss_agg_mode=mode, backend=backend)
+    knobs = dict(
+        ref_logprob=ref,
+        rollout_is_weights=rw,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        clip_ratio_c=3.0,
+        temperature=0.8,
+        loss_agg_mode=mode,
+        backend=backend,
+    )
     rows = spy(monkeypatch, "fused_linear_policy_loss")
     h1, w1 = leaves(hidden, weight)
     loss, metrics = rk.fused_linear_policy_loss(h1, w1, targets, old, adv, loss_spans=spans, **knobs)
@@ -228,7 +265,10 @@ def test_mask_and_spans_are_exclusive_and_checked(seed):
         rk.policy_loss(lp, old, adv, mask, loss_spans=spans)
     with pytest.raises(ValueError, match="exactly one of mask and loss_spans must be given, got neither"):
         rk.fused_linear_policy_loss(hidden, weight, targets, old, adv)
-    with pytest.raises(ValueError, match=r"logprob must have leading shape \[\.\.\., T\] with B = 2 sequences of T = 5 \(loss_spans' layout\), got \(2, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"logprob must have leading shape \[\.\.\., T\] with B = 2 sequences of T = 5 \(loss_spans' layout\), got \(2, 4\)",
+    ):
         rk.policy_loss(lp[:, :4], old[:, :4], adv[:, :4], loss_spans=spans)
     with pytest.raises(ValueError, match=r"targets must have leading shape \[\.\.\., T\] with B = 2"):
         rk.linear_logprob(hidden[:1], weight, targets[:1], loss_spans=spans)
@@ -272,13 +312,19 @@ def test_spans_built_on_the_device_equal_the_per_row_layout(seed, device):
         built = [LossSpans.from_pairs(pairs, t, device=device), LossSpans(rows, t, device=device)]
         if all(len(p) <= 1 for p in pairs):
             starts = [p[0][0] if p else 0 for p in pairs]
-            built.append(LossSpans.from_cu_offsets(torch.tensor(starts, dtype=torch.long), torch.tensor([0, *counts]).cumsum(0), t,
-                                                   device=device))
+            built.append(
+                LossSpans.from_cu_offsets(
+                    torch.tensor(starts, dtype=torch.long), torch.tensor([0, *counts]).cumsum(0), t, device=device
+                )
+            )
         for made in built:
             where = f"seed {seed}: pairs {pairs}, T {t}"
             assert made.index.device.type == device and made.index.dtype == torch.int64, where
             assert torch.equal(made.index.cpu(), index) and torch.equal(made._padded_slot.cpu(), slots), where
-            assert made.cu_seqlens.device.type == "cpu" and made.cu_seqlens.tolist() == [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()], where
+            assert made.cu_seqlens.device.type == "cpu" and made.cu_seqlens.tolist() == [
+                0,
+                *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist(),
+            ], where
             assert (made.num_seqs, made.seq_len, made.max_seqlen, made.total) == (b, t, width, sum(counts)), where
             assert torch.equal(made.dense_mask().cpu(), mask), where
 
@@ -314,12 +360,18 @@ def test_huge_spans_are_refused_naming_the_argument(seed):
             pairs: list[list[tuple[int, int]]] = [[] for _ in range(b)]
             at = rng.randrange(b)
             pairs[at] = [(start, length)]
-            call, expected = (lambda: LossSpans.from_pairs(pairs, start + length + rng.randrange(0, 9))), rf"pairs\[{at}\]\[0\]: span"
+            call, expected = (
+                (lambda: LossSpans.from_pairs(pairs, start + length + rng.randrange(0, 9))),
+                rf"pairs\[{at}\]\[0\]: span",
+            )
         elif kind == "several":
             n = rng.randrange(2, 6)
             length = MAX_ROWS // n + 1 + rng.randrange(0, 2**20)
             pairs = [[(0, length)] for _ in range(n)]
-            call, expected = (lambda: LossSpans.from_pairs(pairs, length)), r"pairs\[\d+\]\[0\]: span .* brings the scored rows to"
+            call, expected = (
+                (lambda: LossSpans.from_pairs(pairs, length)),
+                r"pairs\[\d+\]\[0\]: span .* brings the scored rows to",
+            )
         else:
             b = rng.randrange(2, 9)
             seq_len = 2**63 // b + 1 + rng.randrange(0, 2**40)
@@ -328,6 +380,9 @@ def test_huge_spans_are_refused_naming_the_argument(seed):
         with pytest.raises(ValueError, match=expected) as info:
             call()
         assert "\n" not in str(info.value), (seed, str(info.value))
-    with pytest.raises(ValueError, match=r"pairs\[0\]\[0\]: span \(start 0, length 2147483648\) brings the scored rows to 2147483648, "
-                                         r"more than the 2147483647 a LossSpans holds"):
+    with pytest.raises(
+        ValueError,
+        match=r"pairs\[0\]\[0\]: span \(start 0, length 2147483648\) brings the scored rows to 2147483648, "
+        r"more than the 2147483647 a LossSpans holds",
+    ):
         LossSpans.from_cu_offsets([0], [0, 2**31], 2**31)

@@ -28,8 +28,12 @@ gpu = pytest.mark.gpu
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc on PATH")
 def test_native_sources_compile_for_sm90():
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "check", "--arch", "90"],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.native", "check", "--arch", "90"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "sources compiled for sm_90" in proc.stdout
 
@@ -45,16 +49,23 @@ def test_native_codes_match_python():
     text = (SOURCES / "codes.h").read_text()
     kl = {"kK1": "k1", "kAbs": "abs", "kK2": "k2", "kK3": "k3"}
     assert {kl[k]: v for k, v in _enum(text, "KlCode").items()} == loss_codes.KL_CODES
-    agg = {"kTokenMean": "token-mean", "kSeqMeanTokenSum": "seq-mean-token-sum", "kSeqMeanTokenMean": "seq-mean-token-mean",
-           "kSeqMeanTokenSumNorm": "seq-mean-token-sum-norm", "kTokenSum": "token-sum"}
+    agg = {
+        "kTokenMean": "token-mean",
+        "kSeqMeanTokenSum": "seq-mean-token-sum",
+        "kSeqMeanTokenMean": "seq-mean-token-mean",
+        "kSeqMeanTokenSumNorm": "seq-mean-token-sum-norm",
+        "kTokenSum": "token-sum",
+    }
     assert {agg[k]: v for k, v in _enum(text, "Agg").items()} == loss_codes.AGG_CODES
     est = {"kGrpo": "grpo", "kDrGrpo": "dr_grpo", "kRloo": "rloo"}
     assert {est[k]: v for k, v in _enum(text, "EstimatorCode").items()} == loss_codes.ESTIMATOR_CODES
 
 
 def test_info_builds_and_loads_nothing():
-    code = ("import sys; from rl_kernel_core.tools import cli; cli.main(['info']); "
-            "assert 'rl_kernel_core.native' not in sys.modules, 'info imported the native backend'")
+    code = (
+        "import sys; from rl_kernel_core.tools import cli; cli.main(['info']); "
+        "assert 'rl_kernel_core.native' not in sys.modules, 'info imported the native backend'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "native" in proc.stdout
@@ -71,7 +82,9 @@ def test_status_says_not_built_yet_then_built(monkeypatch, tmp_path):
         native_build.group_dir(group).mkdir(parents=True)
     (native_build.group_dir("loss") / f"{native_build.EXTENSION_PREFIX}loss.so").write_bytes(b"")
     status = native_build.status()
-    assert status.startswith(f"built in {native_build.build_dir()}: loss; not built yet: logprob_from_logits, advantages, linear_logprob, triton_launch")
+    assert status.startswith(
+        f"built in {native_build.build_dir()}: loss; not built yet: logprob_from_logits, advantages, linear_logprob, triton_launch"
+    )
     for group in native_build.GROUPS:
         (native_build.group_dir(group) / f"{native_build.EXTENSION_PREFIX}{group}.so").write_bytes(b"")
     assert "not built yet" not in native_build.status()
@@ -86,11 +99,16 @@ def test_each_group_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
 
     monkeypatch.setenv("RL_KERNEL_CACHE", str(tmp_path))
     folders: dict[str, str] = {}
-    monkeypatch.setattr(cpp_extension, "load", lambda name, build_directory, **kw: folders.setdefault(name, build_directory))
+    monkeypatch.setattr(
+        cpp_extension, "load", lambda name, build_directory, **kw: folders.setdefault(name, build_directory)
+    )
     for group in native_build.GROUPS:
         native_build.build(group)
     assert len(set(folders.values())) == len(native_build.GROUPS)
-    assert all(folder == str(native_build.group_dir(name.removeprefix(native_build.EXTENSION_PREFIX))) for name, folder in folders.items())
+    assert all(
+        folder == str(native_build.group_dir(name.removeprefix(native_build.EXTENSION_PREFIX)))
+        for name, folder in folders.items()
+    )
 
 
 def test_every_source_belongs_to_one_group():
@@ -103,23 +121,38 @@ def test_every_source_belongs_to_one_group():
 
 
 def test_build_names_an_unknown_group():
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "build", "sampling"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.native", "build", "sampling"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
-    assert "GROUP must be among ['logprob_from_logits', 'loss', 'advantages', 'linear_logprob', 'triton_launch'], got ['sampling']" in proc.stderr
+    assert (
+        "GROUP must be among ['logprob_from_logits', 'loss', 'advantages', 'linear_logprob', 'triton_launch'], got ['sampling']"
+        in proc.stderr
+    )
 
 
 def test_where_prints_the_build_folder(monkeypatch, tmp_path):
     from rl_kernel_core import native_build
 
     monkeypatch.setenv("RL_KERNEL_CACHE", str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "where"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.native", "where"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == str(native_build.build_dir())
 
 
 @pytest.mark.parametrize("command", ["build", "check"])
 def test_jobs_below_one_is_a_one_line_error(command):
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.native", command, "--jobs", "0"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.native", command, "--jobs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "--jobs: must be a positive integer, got 0" in proc.stderr, proc.stderr
 
 
@@ -127,18 +160,29 @@ def _build_in(cache: Path) -> subprocess.CompletedProcess:
     import os
 
     env = {**os.environ, "RL_KERNEL_CACHE": str(cache)}
-    return subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "build"], capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.native", "build"], capture_output=True, text=True, timeout=600, env=env
+    )
 
 
-@pytest.mark.parametrize("mode, says", [(0o770, "writable by group (mode 0o770)"), (0o707, "writable by others (mode 0o707)"),
-                                        (0o777, "writable by group and others (mode 0o777)")])
+@pytest.mark.parametrize(
+    "mode, says",
+    [
+        (0o770, "writable by group (mode 0o770)"),
+        (0o707, "writable by others (mode 0o707)"),
+        (0o777, "writable by group and others (mode 0o777)"),
+    ],
+)
 def test_a_shared_build_cache_is_refused(tmp_path, mode, says):
     cache = tmp_path / "cache"
     cache.mkdir()
     cache.chmod(mode)
     proc = _build_in(cache)
     assert proc.returncode == 1
-    assert f"rl-kernel native: cannot build: the rl-kernel build cache {str(cache)!r} (RL_KERNEL_CACHE) is {says}" in proc.stderr
+    assert (
+        f"rl-kernel native: cannot build: the rl-kernel build cache {str(cache)!r} (RL_KERNEL_CACHE) is {says}"
+        in proc.stderr
+    )
     assert f"chmod go-w {str(cache)!r}" in proc.stderr
 
 
@@ -158,7 +202,9 @@ def test_a_build_cache_of_another_user_is_refused(tmp_path):
 @pytest.mark.parametrize("private", ["absent", "0700", "0755"])
 def test_a_private_or_absent_build_cache_passes_the_check(tmp_path, private):
     if shutil.which("nvcc") is not None:
-        pytest.skip("with a toolchain this would run a full build; test_ahead_of_time_build_succeeds_and_reuses_the_cache covers building")
+        pytest.skip(
+            "with a toolchain this would run a full build; test_ahead_of_time_build_succeeds_and_reuses_the_cache covers building"
+        )
     cache = tmp_path / "cache"
     if private != "absent":
         cache.mkdir()
@@ -184,7 +230,9 @@ def test_explicit_native_raises_the_reason():
     cases = [
         lambda: rk.logprob_from_logits(logits, targets, backend=NATIVE),
         lambda: rk.ratio_kl(torch.randn(4), torch.randn(4), backend=NATIVE),
-        lambda: rk.policy_loss(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool), backend=NATIVE),
+        lambda: rk.policy_loss(
+            torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool), backend=NATIVE
+        ),
         lambda: rk.group_advantages(torch.randn(4), group_size=2, backend=NATIVE),
         lambda: rk.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), targets, backend=NATIVE),
     ]
@@ -196,7 +244,9 @@ def test_explicit_native_raises_the_reason():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the extension can be built here")
 def test_info_shows_why_native_is_unavailable():
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "info", "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.cli", "info", "--json"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     native = json.loads(proc.stdout)["backends"]["native"]
     assert native == f"unavailable: {native_build.unavailable_reason()}"
@@ -205,7 +255,9 @@ def test_info_shows_why_native_is_unavailable():
 
 
 def _aot_build() -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rl_kernel_core.native", "build"], capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.native", "build"], capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this PyTorch can build CUDA extensions")
@@ -222,9 +274,22 @@ def test_sources_are_warp_size_agnostic_and_hipify_friendly():
     from rl_kernel_core.native_build import SM90A_SOURCES
 
     hopper = {name for names in SM90A_SOURCES.values() for name in names}
-    sources = sorted(SOURCES.glob("*.cu")) + sorted(SOURCES.glob("*.cuh")) + sorted(SOURCES.glob("*.cpp")) + sorted(SOURCES.glob("*.h"))
+    sources = (
+        sorted(SOURCES.glob("*.cu"))
+        + sorted(SOURCES.glob("*.cuh"))
+        + sorted(SOURCES.glob("*.cpp"))
+        + sorted(SOURCES.glob("*.h"))
+    )
     assert any(p.suffix == ".cu" for p in sources)
-    forbidden = [r"__shfl", r"0xffffffff", r"warpSize", r"cuda_bf16\.h", r"cuda_fp16\.h", r"cudaStreamCreate", r"atomicAdd"]
+    forbidden = [
+        r"__shfl",
+        r"0xffffffff",
+        r"warpSize",
+        r"cuda_bf16\.h",
+        r"cuda_fp16\.h",
+        r"cudaStreamCreate",
+        r"atomicAdd",
+    ]
     for path in sources:
         text = path.read_text()
         if path.name in hopper:
@@ -292,7 +357,9 @@ def test_native_entry_points_raise_one_line_errors_with_the_numbers():
 
     lp = torch.randn(2, 5, device=cuda)
     loss = extension("loss")
-    with pytest.raises(RuntimeError, match=r"ratio_kl tensors must share one shape, got \[2, 5\], \[2, 4\] and \[2, 5\]$"):
+    with pytest.raises(
+        RuntimeError, match=r"ratio_kl tensors must share one shape, got \[2, 5\], \[2, 4\] and \[2, 5\]$"
+    ):
         loss.ratio_kl_fwd(lp, lp[:, :4], lp, 0)
     with pytest.raises(RuntimeError, match=r"kl_code must be in \[0, 3\], got 9$"):
         loss.ratio_kl_fwd(lp, lp, lp, 9)

@@ -177,7 +177,9 @@ def test_fused_linear_policy_loss_masked_bias(seed, where):
 
     def loss_and_grads(be):
         h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-        loss, _ = rk.fused_linear_policy_loss(h[None], w, targets[None], old, adv, mask, bias=b, entropy_coef=0.01, backend=be)
+        loss, _ = rk.fused_linear_policy_loss(
+            h[None], w, targets[None], old, adv, mask, bias=b, entropy_coef=0.01, backend=be
+        )
         return loss, torch.autograd.grad(loss, [h, w, b])
 
     loss, grads = loss_and_grads(backend)

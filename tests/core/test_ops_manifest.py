@@ -53,8 +53,11 @@ def test_every_op_has_its_test_module():
     """Each op of the manifest has ``test_<op>.py`` in its family's test folder ``tests/core/<family>/``,
     the family whose package ``rl_kernel_core/<family>/`` holds its modules (its Triton module's family
     first, then its public function's; CONTRIBUTING.md, "Adding an op")."""
-    missing = [f"tests/core/{folder.name}/test_{spec.name}.py" for spec in ops.OPS.values()
-               if not ((folder := _test_folder(spec)) / f"test_{spec.name}.py").is_file()]
+    missing = [
+        f"tests/core/{folder.name}/test_{spec.name}.py"
+        for spec in ops.OPS.values()
+        if not ((folder := _test_folder(spec)) / f"test_{spec.name}.py").is_file()
+    ]
     assert not missing, f"ops without their test module: {missing}"
 
 
@@ -70,13 +73,19 @@ def _test_folder(spec: OpSpec) -> Path:
     raise AssertionError(f"{spec.name}: no module in a family's package (rl_kernel_core/<family>/)")
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(backends={"triton": "m"}, glue="function"), "must include torch"),
-    (dict(backends={"torch": "m", "cuda": "m"}, glue="function"), r"must name backends from .* got \['cuda'\]"),
-    (dict(backends={"torch": "m", "native": "m"}, glue="function"), "native_group of test_op must be set exactly when native"),
-    (dict(backends={"torch": "m"}, glue="function", native_group="loss"), "native_group of test_op"),
-    (dict(backends={"torch": "m"}, glue="kernel"), "glue of test_op must be one of"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(backends={"triton": "m"}, glue="function"), "must include torch"),
+        (dict(backends={"torch": "m", "cuda": "m"}, glue="function"), r"must name backends from .* got \['cuda'\]"),
+        (
+            dict(backends={"torch": "m", "native": "m"}, glue="function"),
+            "native_group of test_op must be set exactly when native",
+        ),
+        (dict(backends={"torch": "m"}, glue="function", native_group="loss"), "native_group of test_op"),
+        (dict(backends={"torch": "m"}, glue="kernel"), "glue of test_op must be one of"),
+    ],
+)
 def test_a_bad_declaration_is_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         OpSpec("test_op", None, **fields)

@@ -19,8 +19,12 @@ import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
 
 EXAMPLES = int(os.environ.get("RL_KERNEL_HYPOTHESIS_EXAMPLES", "15"))
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize="RL_KERNEL_HYPOTHESIS_EXAMPLES" not in os.environ,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize="RL_KERNEL_HYPOTHESIS_EXAMPLES" not in os.environ,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 BACKENDS = ["torch", "triton"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -88,8 +92,13 @@ def test_logprob_from_logits_backends_agree(interpret, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @SETTINGS
-@given(n=st.integers(1, 5), d=st.integers(1, 40), v=st.integers(1, 200), seed=st.integers(0, 2**31 - 1),
-       scale=st.sampled_from([0.1, 1.0, 10.0]))
+@given(
+    n=st.integers(1, 5),
+    d=st.integers(1, 40),
+    v=st.integers(1, 200),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([0.1, 1.0, 10.0]),
+)
 def test_linear_logprob_matches_fp64(interpret, backend, n, d, v, seed, scale):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, d, generator=g) * scale
@@ -103,8 +112,14 @@ def test_linear_logprob_matches_fp64(interpret, backend, n, d, v, seed, scale):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @SETTINGS
-@given(groups=st.integers(1, 4), size=st.integers(1, 6), offset=st.sampled_from([0.0, 1e4]),
-       spread=st.sampled_from([0.0, 2e-3, 1.0]), eps=st.sampled_from([0.0, 1e-6]), seed=st.integers(0, 2**31 - 1))
+@given(
+    groups=st.integers(1, 4),
+    size=st.integers(1, 6),
+    offset=st.sampled_from([0.0, 1e4]),
+    spread=st.sampled_from([0.0, 2e-3, 1.0]),
+    eps=st.sampled_from([0.0, 1e-6]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_group_advantages_match_fp64(interpret, backend, groups, size, offset, spread, eps, seed):
     rewards = (offset + torch.randn(groups * size, generator=torch.Generator().manual_seed(seed)) * spread).float()
     adv = rk.group_advantages(rewards, group_size=size, eps=eps, backend=backend)
@@ -120,15 +135,22 @@ def test_group_advantages_match_fp64(interpret, backend, groups, size, offset, s
 
 
 @SETTINGS
-@given(shape=st.tuples(st.integers(1, 3), st.integers(1, 40)), seed=st.integers(0, 2**31 - 1),
-       kl_type=st.sampled_from(["k1", "abs", "k2", "low_var_kl"]), agg=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
-       masked_share=st.sampled_from([0.0, 0.5, 1.0]), dual_clip=st.booleans())
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 40)),
+    seed=st.integers(0, 2**31 - 1),
+    kl_type=st.sampled_from(["k1", "abs", "k2", "low_var_kl"]),
+    agg=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
+    masked_share=st.sampled_from([0.0, 0.5, 1.0]),
+    dual_clip=st.booleans(),
+)
 def test_policy_loss_backends_agree(interpret, shape, seed, kl_type, agg, masked_share, dual_clip):
     g = torch.Generator().manual_seed(seed)
     logprob, old, ref = (torch.randn(shape, generator=g) - 2 for _ in range(3))
     advantages = torch.randn(shape, generator=g)
     mask = torch.rand(shape, generator=g) >= masked_share
-    kwargs = dict(ref_logprob=ref, kl_type=kl_type, kl_coef=0.1, loss_agg_mode=agg, clip_ratio_c=3.0 if dual_clip else None)
+    kwargs = dict(
+        ref_logprob=ref, kl_type=kl_type, kl_coef=0.1, loss_agg_mode=agg, clip_ratio_c=3.0 if dual_clip else None
+    )
     loss, metrics = rk.policy_loss(logprob, old, advantages, mask, backend="triton", **kwargs)
     loss_ref, metrics_ref = rk.policy_loss(logprob, old, advantages, mask, backend="torch", **kwargs)
     assert torch.isfinite(loss)
@@ -138,8 +160,11 @@ def test_policy_loss_backends_agree(interpret, shape, seed, kl_type, agg, masked
 
 
 @SETTINGS
-@given(v=st.integers(2, 50), bad=st.sampled_from(["targets_high", "targets_negative", "top_k", "top_p", "min_p", "temperature"]),
-       value=st.integers(1, 2**70))
+@given(
+    v=st.integers(2, 50),
+    bad=st.sampled_from(["targets_high", "targets_negative", "top_k", "top_p", "min_p", "temperature"]),
+    value=st.integers(1, 2**70),
+)
 def test_invalid_input_names_the_argument(v, bad, value):
     logits = torch.randn(3, v)
     targets = torch.zeros(3, dtype=torch.long)
@@ -182,17 +207,24 @@ def _temperature_calls(v: int, seed: int):
     return {
         "logprob_from_logits": lambda t, b: rk.logprob_from_logits(logits, targets, temperature=t, backend=b),
         "linear_logprob": lambda t, b: rk.linear_logprob(hidden, weight, targets, temperature=t, backend=b),
-        "fused_linear_policy_loss": lambda t, b: rk.fused_linear_policy_loss(hidden, weight, targets, old, adv, torch.ones(3, dtype=torch.bool),
-                                                                           temperature=t, backend=b),
+        "fused_linear_policy_loss": lambda t, b: rk.fused_linear_policy_loss(
+            hidden, weight, targets, old, adv, torch.ones(3, dtype=torch.bool), temperature=t, backend=b
+        ),
         "sample": lambda t, b: rk.sample(logits, temperature=t, seeds=seeds, backend=b),
-        "sample per row": lambda t, b: rk.sample(logits, temperature=torch.tensor([1.0, t, 0.0], dtype=torch.float64), seeds=seeds, backend=b),
+        "sample per row": lambda t, b: rk.sample(
+            logits, temperature=torch.tensor([1.0, t, 0.0], dtype=torch.float64), seeds=seeds, backend=b
+        ),
     }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @SETTINGS
-@given(temperature=OUT_OF_RANGE_TEMPERATURES, op=st.sampled_from(sorted(_temperature_calls(2, 0))), v=st.integers(2, 50),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    temperature=OUT_OF_RANGE_TEMPERATURES,
+    op=st.sampled_from(sorted(_temperature_calls(2, 0))),
+    v=st.integers(2, 50),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_temperatures_without_a_normal_fp32_reciprocal_are_refused(interpret, backend, temperature, op, v, seed):
     """A temperature outside [2**-126, 2**126] (1/T subnormal, 0 or overflowing in fp32) is refused by
     every op on every backend, naming the argument, the accepted range and the value, before any
@@ -202,8 +234,15 @@ def test_temperatures_without_a_normal_fp32_reciprocal_are_refused(interpret, ba
 
 
 @SETTINGS
-@given(temperature=st.one_of(st.sampled_from([LARGEST_TEMPERATURE, 1e37, 1e30]), st.floats(min_value=1.0, max_value=LARGEST_TEMPERATURE)),
-       n=st.integers(1, 4), v=st.integers(2, 300), seed=st.integers(0, 2**31 - 1), masked_share=st.sampled_from([0.0, 0.5]))
+@given(
+    temperature=st.one_of(
+        st.sampled_from([LARGEST_TEMPERATURE, 1e37, 1e30]), st.floats(min_value=1.0, max_value=LARGEST_TEMPERATURE)
+    ),
+    n=st.integers(1, 4),
+    v=st.integers(2, 300),
+    seed=st.integers(0, 2**31 - 1),
+    masked_share=st.sampled_from([0.0, 0.5]),
+)
 def test_large_accepted_temperatures_give_the_torch_result(interpret, temperature, n, v, seed, masked_share):
     """Up to the largest accepted temperature the Triton kernels give the torch backend's finite
     (near-uniform) log-probs and tokens, with ``-inf`` logits and the kernels' padded lanes."""

@@ -36,7 +36,9 @@ def test_backends_doc_coverage_table_matches_dispatch():
         for op in re.findall(r"`(\w+)`", cells[0]):
             listed.add(op)
             for backend, cell in zip(backends, cells[1:]):
-                assert (backend in ops.OPS[op].backends) == (cell != "no"), f"docs/backends.md says {backend} {cell!r} for {op}"
+                assert (backend in ops.OPS[op].backends) == (cell != "no"), (
+                    f"docs/backends.md says {backend} {cell!r} for {op}"
+                )
     assert listed == set(ops.OPS), sorted(listed ^ set(ops.OPS))
 
 
@@ -47,6 +49,6 @@ def test_example_uses_one_temperature():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    example = text[text.index("```python"):]
-    example = example[:example.index("```\n", 9)]
+    example = text[text.index("```python") :]
+    example = example[: example.index("```\n", 9)]
     assert len(set(re.findall(r"temperature=([0-9.]+)", example))) == 1

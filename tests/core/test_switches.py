@@ -4,8 +4,15 @@ from collections.abc import Mapping
 
 import pytest
 
-from rl_kernel_core.switches import (SHOWN_CHARS, SwitchError, env_flag, env_flag_or_path, env_switch_family, parse_flag,
-                                     show_value)
+from rl_kernel_core.switches import (
+    SHOWN_CHARS,
+    SwitchError,
+    env_flag,
+    env_flag_or_path,
+    env_switch_family,
+    parse_flag,
+    show_value,
+)
 
 
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", "True", "yes", "Yes", "on", "ON", " on ", "\t1\n"])
@@ -77,11 +84,22 @@ def test_family_with_the_master_on_reads_every_member():
         env_switch_family("FAM", MEMBERS, {"FAM": "ture", "FAM_B": "1"})
 
 
-@pytest.mark.parametrize("raw, expected", [
-    (None, False), ("", False), ("0", False), ("false", False), ("OFF", False), ("no", False),
-    ("1", True), ("true", True), ("on", True),
-    ("steps.jsonl", "steps.jsonl"), (" /tmp/x/steps.jsonl ", "/tmp/x/steps.jsonl"),
-])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        (None, False),
+        ("", False),
+        ("0", False),
+        ("false", False),
+        ("OFF", False),
+        ("no", False),
+        ("1", True),
+        ("true", True),
+        ("on", True),
+        ("steps.jsonl", "steps.jsonl"),
+        (" /tmp/x/steps.jsonl ", "/tmp/x/steps.jsonl"),
+    ],
+)
 def test_flag_or_path(raw, expected):
     env = {} if raw is None else {"RL_KERNEL_PROFILE": raw}
     assert env_flag_or_path("RL_KERNEL_PROFILE", env) == expected

@@ -59,9 +59,11 @@ def _check_draws(device: str, draws: int, seed: int) -> None:
             want = rk.logprob_from_logits(logits, t, temperature=temperature)
             got = _formulations(logits, t, temperature)
         for name, value in got.items():
-            assert torch.equal(value, want), (f"seed={seed} draw {i}: {name} differs from logprob_from_logits "
-                                              f"({logits.dtype}, {tuple(logits.shape)}, T={temperature}) by "
-                                              f"{(value - want).abs().max().item():.3g}")
+            assert torch.equal(value, want), (
+                f"seed={seed} draw {i}: {name} differs from logprob_from_logits "
+                f"({logits.dtype}, {tuple(logits.shape)}, T={temperature}) by "
+                f"{(value - want).abs().max().item():.3g}"
+            )
 
 
 @pytest.mark.parametrize("draw_seed", range(3))
@@ -129,7 +131,7 @@ def test_sample_under_the_mode_returns_the_mode_logprobs(seed):
         tokens, lp = rk.sample(logits, temperature=temps, seeds=torch.arange(12))
         for i in range(12):
             t = float(temps[i]) or 1.0
-            want = torch.log_softmax(logits[i:i + 1].float() / t, -1)[0, tokens[i]]
+            want = torch.log_softmax(logits[i : i + 1].float() / t, -1)[0, tokens[i]]
             assert torch.equal(lp[i], want), f"seed={seed} row {i}"
         tokens, lp = rk.sample(logits, temperature=0.8, seeds=torch.arange(12))
         assert torch.equal(lp, rk.logprob_from_logits(logits, tokens, temperature=0.8))

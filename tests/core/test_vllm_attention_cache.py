@@ -29,8 +29,13 @@ def test_written_tokens_are_gathered_back_in_position_order():
                 vs.append(values[b][p])
         slots.append(-1)  # a padded token
         pad = torch.full((1, heads, d), float("nan"))
-        write_cache(key_cache, value_cache, torch.cat([torch.stack(ks), pad]), torch.cat([torch.stack(vs), pad]),
-                    torch.tensor(slots, dtype=torch.int32))
+        write_cache(
+            key_cache,
+            value_cache,
+            torch.cat([torch.stack(ks), pad]),
+            torch.cat([torch.stack(vs), pad]),
+            torch.tensor(slots, dtype=torch.int32),
+        )
     blocks, rows = gather_index(tables.to(torch.int32), seq_lens, block_size, key_cache.device)
     k, v = key_cache[blocks, :, rows], value_cache[blocks, :, rows]
     assert torch.equal(k, torch.cat(keys)) and torch.equal(v, torch.cat(values))
@@ -42,18 +47,30 @@ def test_trainer_digests_in_vllm_layout():
 
     gen = torch.Generator().manual_seed(2)
     q, k, v, g, u, n = (torch.randn(r, 4, generator=gen) for r in (4, 2, 2, 6, 6, 1))
-    hf = [("m.0.attn.q_proj.weight", q), ("m.0.attn.k_proj.weight", k), ("m.0.attn.v_proj.weight", v),
-          ("m.0.mlp.up_proj.weight", u), ("m.0.mlp.gate_proj.weight", g), ("m.0.norm.weight", n[0])]
+    hf = [
+        ("m.0.attn.q_proj.weight", q),
+        ("m.0.attn.k_proj.weight", k),
+        ("m.0.attn.v_proj.weight", v),
+        ("m.0.mlp.up_proj.weight", u),
+        ("m.0.mlp.gate_proj.weight", g),
+        ("m.0.norm.weight", n[0]),
+    ]
     out = in_engine_layout(named_digests(hf))
     assert sorted(out) == ["m.0.attn.qkv_proj.weight", "m.0.mlp.gate_up_proj.weight", "m.0.norm.weight"]
     assert torch.equal(out["m.0.attn.qkv_proj.weight"], row_digests(torch.cat([q, k, v])))
     assert torch.equal(out["m.0.mlp.gate_up_proj.weight"], row_digests(torch.cat([g, u])))
 
 
-@pytest.mark.parametrize("bad, message", [
-    ([1.0, 2.0], "m.0.attn.q_proj.weight: row_digests: t must be a torch.Tensor, got list"),
-    (torch.eye(2).to_sparse(), "m.0.attn.q_proj.weight: row_digests: t must be a dense (strided) tensor, got layout sparse_coo"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([1.0, 2.0], "m.0.attn.q_proj.weight: row_digests: t must be a torch.Tensor, got list"),
+        (
+            torch.eye(2).to_sparse(),
+            "m.0.attn.q_proj.weight: row_digests: t must be a dense (strided) tensor, got layout sparse_coo",
+        ),
+    ],
+)
 def test_a_pushed_tensor_that_cannot_be_digested_is_named(bad, message):
     from rl_kernel_vllm.weights import trainer_digest
 

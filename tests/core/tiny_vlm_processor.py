@@ -28,8 +28,9 @@ def tiny_processor(*, max_pixels: int = 28 * 28 * 64, merge_size: int = 2, words
     vocab = ["<unk>", "<pad>", *SPECIAL, *(f"w{i}" for i in range(words))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                        additional_special_tokens=SPECIAL)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", additional_special_tokens=SPECIAL
+    )
     images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels, merge_size=merge_size)
     return ImageOnlyQwen2VLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=TEMPLATE)
 

@@ -22,10 +22,28 @@ STEPS = 3
 
 
 def _run_recipe(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(ROOT / "recipes" / "grpo_gsm8k.sh"), "--preset", "tiny", "--steps", str(STEPS),
-           "--prompts-per-step", "4", "--group-size", "4", "--out", str(out), "--no-progress", *extra]
+    cmd = [
+        "bash",
+        str(ROOT / "recipes" / "grpo_gsm8k.sh"),
+        "--preset",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
     # the interpreter running the tests is the recipe's python3, so the recipe never builds another
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
 
 
@@ -45,8 +63,20 @@ def gsm8k_run(tmp_path_factory):
 
 def test_recipe_writes_logs_report_and_plots(gsm8k_run):
     out, proc = gsm8k_run
-    for name in ("off.jsonl", "on.jsonl", "off.meta.json", "on.meta.json", "first_step.json", "report.md",
-                 "comparison.json", "step_time.png", "reward.png", "modules.png", "logprob_diff.png", "loss.png"):
+    for name in (
+        "off.jsonl",
+        "on.jsonl",
+        "off.meta.json",
+        "on.meta.json",
+        "first_step.json",
+        "report.md",
+        "comparison.json",
+        "step_time.png",
+        "reward.png",
+        "modules.png",
+        "logprob_diff.png",
+        "loss.png",
+    ):
         assert (out / name).is_file(), name
         assert (out / name).stat().st_size > 0, name
     assert "engine: embedded" in proc.stdout
@@ -81,12 +111,16 @@ def test_report_numbers_match_the_logs(gsm8k_run):
     for side in ("off", "on"):
         recs = _records(out / f"{side}.jsonl")
         # timings leave out the first (warm-up) step, other series keep every step
-        for key, values in (("reward", [r["reward"] for r in recs]),
-                            ("region/step", [r["regions"]["step"] for r in recs[1:]]),
-                            ("tokens_per_s", [r["tokens_per_s"] for r in recs[1:]])):
+        for key, values in (
+            ("reward", [r["reward"] for r in recs]),
+            ("region/step", [r["regions"]["step"] for r in recs[1:]]),
+            ("tokens_per_s", [r["tokens_per_s"] for r in recs[1:]]),
+        ):
             assert rows[key][side]["n"] == len(values)
             assert rows[key][side]["mean"] == pytest.approx(statistics.fmean(values), rel=1e-12)
-    assert rows["region/step"]["on_over_off"] == pytest.approx(rows["region/step"]["on"]["mean"] / rows["region/step"]["off"]["mean"])
+    assert rows["region/step"]["on_over_off"] == pytest.approx(
+        rows["region/step"]["on"]["mean"] / rows["region/step"]["off"]["mean"]
+    )
     text = (out / "report.md").read_text()
     assert "## Per-module time" in text and "## First step, off vs on" in text and "![mean reward](reward.png)" in text
     assert "**Timing noise.**" in text and "| module | off min | off median | off max |" in text
@@ -126,17 +160,20 @@ def test_gsm8k_dir_and_synthetic_problems(monkeypatch):
         assert 0 <= int(p.ground_truth) <= 20
 
 
-@pytest.mark.parametrize("text,truth,method,expected", [
-    ("so the answer is #### 72", "72", "strict", 1.0),
-    ("#### 1,234", "1234", "strict", 1.0),
-    ("#### 5 then #### 7", "7", "strict", 1.0),
-    ("the answer is 72", "72", "strict", 0.0),
-    ("the answer is 72", "72", "flexible", 1.0),
-    ("we get 3 and then 5.", "72", "flexible", 0.1),
-    ("no digits here .", "72", "flexible", 0.0),
-    ("x" * 400 + "#### 9", "9", "strict", 1.0),
-    ("#### 9" + "x" * 400, "9", "strict", 0.0),  # outside the last 300 characters
-])
+@pytest.mark.parametrize(
+    "text,truth,method,expected",
+    [
+        ("so the answer is #### 72", "72", "strict", 1.0),
+        ("#### 1,234", "1234", "strict", 1.0),
+        ("#### 5 then #### 7", "7", "strict", 1.0),
+        ("the answer is 72", "72", "strict", 0.0),
+        ("the answer is 72", "72", "flexible", 1.0),
+        ("we get 3 and then 5.", "72", "flexible", 0.1),
+        ("no digits here .", "72", "flexible", 0.0),
+        ("x" * 400 + "#### 9", "9", "strict", 1.0),
+        ("#### 9" + "x" * 400, "9", "strict", 0.0),  # outside the last 300 characters
+    ],
+)
 def test_scorer_follows_verl(text, truth, method, expected):
     assert scoring.compute_score(text, truth, method, format_score=0.1) == expected
 
@@ -150,8 +187,20 @@ def test_batch_invariant_rollout_and_training_logprobs_are_bitwise_equal(tmp_pat
     batch) equals its recomputation (one forward per micro-batch of 2) bit for bit, on both sides.
     Without it the on side's rollout (the sampler's log-softmax) and recomputation (linear_logprob)
     are different computations, and the difference shows."""
-    small = ("--data", "synthetic", "--steps", "1", "--prompts-per-step", "2", "--group-size", "4",
-             "--micro-batch", "2", "--max-new-tokens", "6")
+    small = (
+        "--data",
+        "synthetic",
+        "--steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--micro-batch",
+        "2",
+        "--max-new-tokens",
+        "6",
+    )
     proc = _run_recipe(tmp_path / "bi", *small, "--batch-invariant")
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((tmp_path / "bi" / "on.meta.json").read_text())
@@ -175,33 +224,45 @@ def _main(*args: str, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, says", [
-    (("--group-size", "0"), "argument --group-size: must be an integer >= 2, got 0"),
-    (("--group-size", "1"), "argument --group-size: must be an integer >= 2, got 1"),
-    (("--micro-batch", "0"), "argument --micro-batch: must be a positive integer, got 0"),
-    (("--max-new-tokens", "0"), "argument --max-new-tokens: must be a positive integer, got 0"),
-    (("--steps", "0"), "argument --steps: must be a positive integer, got 0"),
-    (("--prompts-per-step", "-2"), "argument --prompts-per-step: must be a positive integer, got -2"),
-    (("--max-prompt-tokens", "x"), "argument --max-prompt-tokens: must be a positive integer, got 'x'"),
-    (("--temperature", "0"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '0'"),
-    (("--temperature", "nan"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got 'nan'"),
-    (("--temperature", "-1"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '-1'"),
-    (("--temperature", "1e400"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e400'"),
-    (("--temperature", "1e-40"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e-40'"),
-    (("--temperature", "1e38"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e38'"),
-    (("--kl-coef", "-1"), "argument --kl-coef: must be a finite number >= 0, got '-1'"),
-    (("--entropy-coef", "inf"), "argument --entropy-coef: must be a finite number >= 0, got 'inf'"),
-    (("--lr", "0"), "argument --lr: must be a number in (0, 1], got '0'"),
-    (("--lr", "1e300"), "argument --lr: must be a number in (0, 1], got '1e300'"),
-    (("--lr", "1.5"), "argument --lr: must be a number in (0, 1], got '1.5'"),
-    (("--format-score", "2"), "argument --format-score: must be a number in [0, 1], got '2'"),
-    (("--limit", "0"), "argument --limit: must be a positive integer, got 0"),
-    (("--seed", "-1"), "argument --seed: must be an integer in [0, 4294967295], got -1"),
-    (("--device", "tpu"), "argument --device: must be cpu or cuda[:N], got 'tpu'"),
-    (("--sides", "both"), "--sides must list off and/or on, got 'both'"),
-    (("--sides", "on,on"), "--sides must list off and/or on, each once, got 'on,on'"),
-    (("--sides", "off, on,off"), "--sides must list off and/or on, each once, got 'off,on,off'"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("--group-size", "0"), "argument --group-size: must be an integer >= 2, got 0"),
+        (("--group-size", "1"), "argument --group-size: must be an integer >= 2, got 1"),
+        (("--micro-batch", "0"), "argument --micro-batch: must be a positive integer, got 0"),
+        (("--max-new-tokens", "0"), "argument --max-new-tokens: must be a positive integer, got 0"),
+        (("--steps", "0"), "argument --steps: must be a positive integer, got 0"),
+        (("--prompts-per-step", "-2"), "argument --prompts-per-step: must be a positive integer, got -2"),
+        (("--max-prompt-tokens", "x"), "argument --max-prompt-tokens: must be a positive integer, got 'x'"),
+        (("--temperature", "0"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '0'"),
+        (("--temperature", "nan"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got 'nan'"),
+        (("--temperature", "-1"), "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '-1'"),
+        (
+            ("--temperature", "1e400"),
+            "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e400'",
+        ),
+        (
+            ("--temperature", "1e-40"),
+            "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e-40'",
+        ),
+        (
+            ("--temperature", "1e38"),
+            "argument --temperature: must be a number in [1.17549e-38, 8.50706e+37], got '1e38'",
+        ),
+        (("--kl-coef", "-1"), "argument --kl-coef: must be a finite number >= 0, got '-1'"),
+        (("--entropy-coef", "inf"), "argument --entropy-coef: must be a finite number >= 0, got 'inf'"),
+        (("--lr", "0"), "argument --lr: must be a number in (0, 1], got '0'"),
+        (("--lr", "1e300"), "argument --lr: must be a number in (0, 1], got '1e300'"),
+        (("--lr", "1.5"), "argument --lr: must be a number in (0, 1], got '1.5'"),
+        (("--format-score", "2"), "argument --format-score: must be a number in [0, 1], got '2'"),
+        (("--limit", "0"), "argument --limit: must be a positive integer, got 0"),
+        (("--seed", "-1"), "argument --seed: must be an integer in [0, 4294967295], got -1"),
+        (("--device", "tpu"), "argument --device: must be cpu or cuda[:N], got 'tpu'"),
+        (("--sides", "both"), "--sides must list off and/or on, got 'both'"),
+        (("--sides", "on,on"), "--sides must list off and/or on, each once, got 'on,on'"),
+        (("--sides", "off, on,off"), "--sides must list off and/or on, each once, got 'off,on,off'"),
+    ],
+)
 def test_bad_options_are_one_line_errors(capsys, args, says):
     code, err = _main("--data", "synthetic", *args, capsys=capsys)
     assert code == 2 and says in err, err
@@ -214,25 +275,35 @@ def test_bad_out_and_model_are_one_line_errors(tmp_path, capsys):
     code, err = _main("--data", "synthetic", "--out", str(blocker), capsys=capsys)
     assert code == 2 and f"--out must be a directory, got {str(blocker)!r}, which is a file" in err
     code, err = _main("--data", "synthetic", "--out", str(blocker / "run"), capsys=capsys)
-    assert code == 2 and err.strip() == f"[grpo_gsm8k] error: --out {str(blocker / 'run')!r} cannot be created: Not a directory"
-    for model, says in ((tmp_path / "missing", "no such directory"), (blocker, "not a directory"),
-                        (tmp_path, "")):
+    assert (
+        code == 2
+        and err.strip() == f"[grpo_gsm8k] error: --out {str(blocker / 'run')!r} cannot be created: Not a directory"
+    )
+    for model, says in ((tmp_path / "missing", "no such directory"), (blocker, "not a directory"), (tmp_path, "")):
         code, err = _main("--data", "synthetic", "--out", str(tmp_path / "run"), "--model", str(model), capsys=capsys)
-        assert code == 2 and err.startswith(f"[grpo_gsm8k] error: --model {model}: {says}") and err.count("\n") == 1, err
+        assert code == 2 and err.startswith(f"[grpo_gsm8k] error: --model {model}: {says}") and err.count("\n") == 1, (
+            err
+        )
 
 
 def _gsm8k_line(question="Q?", answer="A. #### 7", **extra) -> str:
     return json.dumps({"question": question, "answer": answer, **extra})
 
 
-@pytest.mark.parametrize("content, says", [
-    (_gsm8k_line() + "\n{not json\n", "train.jsonl:2: not valid JSON"),
-    (_gsm8k_line() + "\n" + json.dumps({"question": "Q?"}) + "\n", "train.jsonl:2: 'answer' must be a string, got missing"),
-    (json.dumps({"question": 3, "answer": "#### 1"}) + "\n", "train.jsonl:1: 'question' must be a string, got int"),
-    ("\n" + _gsm8k_line(answer="no final line") + "\n", "train.jsonl:2: GSM8K answer has no '#### <number>' line"),
-    ("[1, 2]\n", "train.jsonl:1: expected a JSON object (a GSM8K row with 'question' and 'answer'), got list"),
-    ("\n\n", "train.jsonl: holds no problems"),
-])
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (_gsm8k_line() + "\n{not json\n", "train.jsonl:2: not valid JSON"),
+        (
+            _gsm8k_line() + "\n" + json.dumps({"question": "Q?"}) + "\n",
+            "train.jsonl:2: 'answer' must be a string, got missing",
+        ),
+        (json.dumps({"question": 3, "answer": "#### 1"}) + "\n", "train.jsonl:1: 'question' must be a string, got int"),
+        ("\n" + _gsm8k_line(answer="no final line") + "\n", "train.jsonl:2: GSM8K answer has no '#### <number>' line"),
+        ("[1, 2]\n", "train.jsonl:1: expected a JSON object (a GSM8K row with 'question' and 'answer'), got list"),
+        ("\n\n", "train.jsonl: holds no problems"),
+    ],
+)
 def test_bad_data_rows_name_file_and_line(tmp_path, capsys, content, says):
     (tmp_path / "train.jsonl").write_text(content, encoding="utf-8")
     with pytest.raises(data.DataError, match="^" + re.escape(f"{tmp_path}/{says}")):
@@ -242,7 +313,9 @@ def test_bad_data_rows_name_file_and_line(tmp_path, capsys, content, says):
 
 
 def test_latin1_data_names_file_and_line(tmp_path):
-    (tmp_path / "train.jsonl").write_bytes((_gsm8k_line() + '\n{"question": "Caf\u00e9?", "answer": "#### 7"}\n').encode("latin-1"))
+    (tmp_path / "train.jsonl").write_bytes(
+        (_gsm8k_line() + '\n{"question": "Caf\u00e9?", "answer": "#### 7"}\n').encode("latin-1")
+    )
     with pytest.raises(data.DataError, match=r"train.jsonl:2: not UTF-8 \(invalid continuation byte at byte 17\)"):
         data.load_problems(str(tmp_path))
 
@@ -259,10 +332,14 @@ def test_parquet_data_is_read_with_pyarrow(tmp_path, monkeypatch):
     with pytest.raises(data.DataError, match=r"train-00001.parquet: row 0: GSM8K answer has no"):
         data.load_problems(str(tmp_path))
     pq.write_table(pa.Table.from_pylist([{"question": "Q?"}]), tmp_path / "train-00001.parquet")
-    with pytest.raises(data.DataError, match=r"train-00001.parquet: not a parquet file with the columns 'question' and 'answer'"):
+    with pytest.raises(
+        data.DataError, match=r"train-00001.parquet: not a parquet file with the columns 'question' and 'answer'"
+    ):
         data.load_problems(str(tmp_path))
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(data.DataUnavailableError, match=r"train-00000.parquet: reading parquet needs pyarrow \(pip install pyarrow\)"):
+    with pytest.raises(
+        data.DataUnavailableError, match=r"train-00000.parquet: reading parquet needs pyarrow \(pip install pyarrow\)"
+    ):
         data.load_problems(str(tmp_path))
 
 
@@ -270,19 +347,35 @@ def test_known_differences_name_the_equal_reward_residue_with_its_size(tmp_path)
     import grpo_gsm8k
     from grpo import embedded
 
-    assert grpo_gsm8k.equal_reward_residues(8, [0.0, 0.1, 1.0]) == [(0.0, 0.0, 0.0), (0.1, pytest.approx(0.0074, abs=1e-4), 0.0),
-                                                                     (1.0, 0.0, 0.0)]
+    assert grpo_gsm8k.equal_reward_residues(8, [0.0, 0.1, 1.0]) == [
+        (0.0, 0.0, 0.0),
+        (0.1, pytest.approx(0.0074, abs=1e-4), 0.0),
+        (1.0, 0.0, 0.0),
+    ]
     logs = {}
     for side, residue in (("off", 0.0073917), ("on", 0.0)):
         logs[side] = tmp_path / f"{side}.jsonl"
-        logs[side].write_text("".join(json.dumps({"step": i, "regions": {"step": 1.0}, "equal_reward_groups": i,
-                                                  "equal_reward_advantage_max": residue if i >= 2 else 0.0}) + "\n"
-                                      for i in range(4)))
+        logs[side].write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "step": i,
+                        "regions": {"step": 1.0},
+                        "equal_reward_groups": i,
+                        "equal_reward_advantage_max": residue if i >= 2 else 0.0,
+                    }
+                )
+                + "\n"
+                for i in range(4)
+            )
+        )
     cfg = embedded.GRPOConfig(group_size=8, format_score=0.1)
     text = grpo_gsm8k.known_differences("embedded", cfg, logs["off"], logs["on"])
     assert "| 0.1 | 0.00739 | 0 |" in text
-    assert ("off: 6 such groups over 4 steps, largest |advantage| 0.00739, first nonzero at step 2; "
-            "on: 6 such groups over 4 steps, largest |advantage| 0.") in text
+    assert (
+        "off: 6 such groups over 4 steps, largest |advantage| 0.00739, first nonzero at step 2; "
+        "on: 6 such groups over 4 steps, largest |advantage| 0."
+    ) in text
     verl = grpo_gsm8k.known_differences("verl", cfg, logs["off"], logs["on"])
     assert "same float residue in both runs" in verl and "| 0.1 | 0.00739 | 0 |" in verl
 
@@ -299,11 +392,23 @@ def test_numeric_options_property(seed):
 
     rng = random.Random(seed)
     parse = {name: kind for name, kind, _ in runs.OVERRIDES}
-    ranges = {"temperature": (2.0 ** -126, 2.0 ** 126, False), "lr": (0.0, 1.0, True)}
+    ranges = {"temperature": (2.0**-126, 2.0**126, False), "lr": (0.0, 1.0, True)}
     for _ in range(400):
         name = rng.choice(sorted(ranges))
-        text = rng.choice([f"{rng.choice('+-')}{rng.random():.3f}e{rng.randint(-400, 400)}", f"{rng.uniform(-2, 2):.6g}",
-                           "nan", "inf", "-inf", f"1e{rng.randint(-330, 330)}", "0", "1", "2.0", "x"])
+        text = rng.choice(
+            [
+                f"{rng.choice('+-')}{rng.random():.3f}e{rng.randint(-400, 400)}",
+                f"{rng.uniform(-2, 2):.6g}",
+                "nan",
+                "inf",
+                "-inf",
+                f"1e{rng.randint(-330, 330)}",
+                "0",
+                "1",
+                "2.0",
+                "x",
+            ]
+        )
         low, high, low_open = ranges[name]
         try:
             value = float(text)
@@ -370,11 +475,35 @@ def test_progress_is_plain_lines_when_not_a_terminal():
 
 
 def test_recipe_progress_in_a_log_file_is_plain_lines(tmp_path):
-    cmd = ["bash", str(ROOT / "recipes" / "grpo_gsm8k.sh"), "--preset", "tiny", "--steps", "2", "--prompts-per-step", "2",
-           "--group-size", "2", "--max-new-tokens", "4", "--out", str(tmp_path), "--data", "synthetic", "--sides", "off"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    cmd = [
+        "bash",
+        str(ROOT / "recipes" / "grpo_gsm8k.sh"),
+        "--preset",
+        "tiny",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--data",
+        "synthetic",
+        "--sides",
+        "off",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stderr
     assert [line.split(":")[0] for line in proc.stderr.splitlines() if line.startswith("GRPO [")] == [
-        "GRPO [off] step 1/2", "GRPO [off] step 2/2"], proc.stderr[-2000:]
+        "GRPO [off] step 1/2",
+        "GRPO [off] step 2/2",
+    ], proc.stderr[-2000:]

@@ -24,15 +24,29 @@ from grpo.embedded import GRPOConfig  # noqa: E402
 from rl_kernel_core.tools import report  # noqa: E402
 
 HAVE_VERL = all(importlib.util.find_spec(m) is not None for m in ("verl", "vllm", "ray", "pandas"))
-needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl, vllm, ray or pandas not importable: runs in the "
-                                                      "recipe-verl tier ($(scripts/env.sh recipe-verl))")
+needs_verl = pytest.mark.skipif(
+    not HAVE_VERL,
+    reason="verl, vllm, ray or pandas not importable: runs in the recipe-verl tier ($(scripts/env.sh recipe-verl))",
+)
 
 
 def _cfg(**kw) -> dict:
     import dataclasses
 
-    return dataclasses.asdict(GRPOConfig(**{"steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 8,
-                                            "micro_batch": 8, "max_prompt_tokens": 160, "kl_coef": 1e-3, **kw}))
+    return dataclasses.asdict(
+        GRPOConfig(
+            **{
+                "steps": 2,
+                "prompts_per_step": 4,
+                "group_size": 4,
+                "max_new_tokens": 8,
+                "micro_batch": 8,
+                "max_prompt_tokens": 160,
+                "kl_coef": 1e-3,
+                **kw,
+            }
+        )
+    )
 
 
 def _problems(n: int = 6) -> list[data.Problem]:
@@ -67,8 +81,9 @@ def test_verl_reward_function_scores_like_the_recipe():
     p = _problems(1)[0]
     for text in (p.answer, "#### 99999999", "no answer", f"so it is {p.ground_truth}"):
         for method, fmt in (("strict", 0.0), ("flexible", 0.1)):
-            assert scoring.verl_compute_score("openai/gsm8k", text, p.ground_truth, {}, method=method, format_score=fmt) \
-                == scoring.compute_score(text, p.ground_truth, method, fmt)
+            assert scoring.verl_compute_score(
+                "openai/gsm8k", text, p.ground_truth, {}, method=method, format_score=fmt
+            ) == scoring.compute_score(text, p.ground_truth, method, fmt)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pandas") is None, reason="pandas not installed (recipe-verl tier)")
@@ -80,8 +95,10 @@ def test_parquet_files_hold_the_rows(tmp_path):
     got_train, got_val = pd.read_parquet(train), pd.read_parquet(val)
     assert list(got_train.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
     assert len(got_train) == 12 and len(got_val) == 5
-    for frame, rows in ((got_train, verl_engine.gsm8k_rows(problems, "train")),
-                        (got_val, verl_engine.gsm8k_rows(problems[:5], "test"))):
+    for frame, rows in (
+        (got_train, verl_engine.gsm8k_rows(problems, "train")),
+        (got_val, verl_engine.gsm8k_rows(problems[:5], "test")),
+    ):
         for got, want in zip(frame.to_dict("records"), rows):
             assert [dict(m) for m in got["prompt"]] == want["prompt"]
             assert got["reward_model"] == want["reward_model"] and got["extra_info"] == want["extra_info"]
@@ -136,20 +153,31 @@ def test_off_and_on_differ_only_in_the_switches(batch_invariant):
     cfg = _cfg(batch_invariant=batch_invariant)
     off, on = _overrides(cfg, False), _overrides(cfg, True)
     diff = sorted(set(off) ^ set(on))
-    assert diff == sorted([
-        "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=False",
-        "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True",
-        "trainer.experiment_name=off", "trainer.experiment_name=on",
-        *(["+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True"] if batch_invariant else []),
-    ])
+    assert diff == sorted(
+        [
+            "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=False",
+            "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True",
+            "trainer.experiment_name=off",
+            "trainer.experiment_name=on",
+            *(
+                ["+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True"]
+                if batch_invariant
+                else []
+            ),
+        ]
+    )
 
 
 def test_weight_check_is_the_on_runs_option_and_environment(tmp_path, monkeypatch):
     cfg = _cfg(weight_check_every=2)
     off, on = _overrides(cfg, False), _overrides(cfg, True)
-    assert sorted(set(on) - set(off)) == sorted([
-        "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True", "trainer.experiment_name=on",
-        "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_weight_check_every=2"])
+    assert sorted(set(on) - set(off)) == sorted(
+        [
+            "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True",
+            "trainer.experiment_name=on",
+            "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_weight_check_every=2",
+        ]
+    )
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in verl_engine.environment(tmp_path, "cpu")
     assert verl_engine.environment(tmp_path, "cpu", weight_check=True)["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
@@ -166,7 +194,11 @@ def test_no_reference_policy_without_kl_and_no_cpu_settings_on_cuda():
 def test_cpu_environment_registers_verls_cpu_platform(tmp_path):
     env = verl_engine.environment(tmp_path, "cpu")
     assert env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "verl_metrics.jsonl")
-    assert (env["VERL_PLATFORM"], env["VERL_ENGINE_DEVICE"], env["VERL_USE_EXTERNAL_MODULES"]) == ("cpu", "cuda", "grpo.verl_cpu")
+    assert (env["VERL_PLATFORM"], env["VERL_ENGINE_DEVICE"], env["VERL_USE_EXTERNAL_MODULES"]) == (
+        "cpu",
+        "cuda",
+        "grpo.verl_cpu",
+    )
     assert str(ROOT / "recipes") in env["PYTHONPATH"].split(":")
     assert "VERL_PLATFORM" not in verl_engine.environment(tmp_path, "cuda")
     invariant = verl_engine.environment(tmp_path, "cpu", batch_invariant=True)
@@ -197,7 +229,10 @@ def test_overrides_compose_against_verls_config(on, batch_invariant):
     assert arr.model.fused_kernel_options.get("rl_kernel_weight_check_every", 0) == (3 if on else 0)
     assert arr.rollout.calculate_log_probs  # verl's train/rollout metrics need the rollout's log-probs
     assert composed.reward.custom_reward_function.reward_kwargs.method == cfg["reward_method"]
-    assert composed.trainer.total_training_steps == cfg["steps"] and list(composed.trainer.logger) == ["console", "file"]
+    assert composed.trainer.total_training_steps == cfg["steps"] and list(composed.trainer.logger) == [
+        "console",
+        "file",
+    ]
     assert composed.trainer.device == "cpu" and arr.actor.fsdp_config.mixed_precision.param_dtype == "fp32"
 
 
@@ -230,18 +265,39 @@ def test_vocabulary_note_names_the_uncovered_ids(tmp_path, monkeypatch):
 
 
 VERL_METRICS = {  # the keys verl 0.9.1's trainer logs for one GRPO step (values arbitrary)
-    "training/global_step": 1, "training/epoch": 0,
-    "timing_s/gen": 1.5, "timing_s/reward": 0.01, "timing_s/old_log_prob": 0.25, "timing_s/ref": 0.2,
-    "timing_s/adv": 0.003, "timing_s/update_actor": 0.75, "timing_s/update_weights": 0.05, "timing_s/step": 3.0,
+    "training/global_step": 1,
+    "training/epoch": 0,
+    "timing_s/gen": 1.5,
+    "timing_s/reward": 0.01,
+    "timing_s/old_log_prob": 0.25,
+    "timing_s/ref": 0.2,
+    "timing_s/adv": 0.003,
+    "timing_s/update_actor": 0.75,
+    "timing_s/update_weights": 0.05,
+    "timing_s/step": 3.0,
     "timing_per_token_ms/gen": 0.1,
-    "critic/score/mean": 0.125, "critic/rewards/mean": 0.125, "response_length/mean": 6.5,
-    "actor/loss": -0.0195, "actor/pg_loss": -0.02, "actor/entropy": 4.4, "actor/kl_loss": 0.0005, "actor/ppo_kl": 0.0,
-    "actor/pg_clipfrac": 0.0, "actor/grad_norm": 1.7, "actor/lr": 0.01,
-    "training/rollout_probs_diff_mean": 1e-4, "training/rollout_probs_diff_max": 3e-3,
-    "rollout_corr/log_ppl_abs_diff": 0.002, "rollout_corr/kl": 0.001,
-    "perf/total_num_tokens": 900, "actor/perf/max_memory_allocated_gb": 0.0, "perf/throughput": 300.0,
-    "actor/rl_kernel/logprob_ms": 12.0, "actor/rl_kernel/loss_ms": 1.0,
-    "actor/rl_kernel/backend/linear_logprob/torch": 1.0, "actor/rl_kernel/backend/policy_loss/triton": 1.0,
+    "critic/score/mean": 0.125,
+    "critic/rewards/mean": 0.125,
+    "response_length/mean": 6.5,
+    "actor/loss": -0.0195,
+    "actor/pg_loss": -0.02,
+    "actor/entropy": 4.4,
+    "actor/kl_loss": 0.0005,
+    "actor/ppo_kl": 0.0,
+    "actor/pg_clipfrac": 0.0,
+    "actor/grad_norm": 1.7,
+    "actor/lr": 0.01,
+    "training/rollout_probs_diff_mean": 1e-4,
+    "training/rollout_probs_diff_max": 3e-3,
+    "rollout_corr/log_ppl_abs_diff": 0.002,
+    "rollout_corr/kl": 0.001,
+    "perf/total_num_tokens": 900,
+    "actor/perf/max_memory_allocated_gb": 0.0,
+    "perf/throughput": 300.0,
+    "actor/rl_kernel/logprob_ms": 12.0,
+    "actor/rl_kernel/loss_ms": 1.0,
+    "actor/rl_kernel/backend/linear_logprob/torch": 1.0,
+    "actor/rl_kernel/backend/policy_loss/triton": 1.0,
     "actor/rl_kernel/fallback_micro_batches": 0.0,
 }
 
@@ -249,12 +305,27 @@ VERL_METRICS = {  # the keys verl 0.9.1's trainer logs for one GRPO step (values
 def test_metrics_to_record():
     rec = verl_engine.metrics_to_record(0, VERL_METRICS, "on")
     assert rec["step"] == 0 and rec["backend"] == "on"
-    assert rec["regions"] == {"rollout": 1500.0, "reward": 10.0, "old_logprob": 250.0, "ref_logprob": 200.0,
-                              "advantages": 3.0, "update": 750.0, "weight_sync": 50.0, "step": 3000.0}
+    assert rec["regions"] == {
+        "rollout": 1500.0,
+        "reward": 10.0,
+        "old_logprob": 250.0,
+        "ref_logprob": 200.0,
+        "advantages": 3.0,
+        "update": 750.0,
+        "weight_sync": 50.0,
+        "step": 3000.0,
+    }
     assert rec["tokens"] == 900 and rec["tokens_per_s"] == pytest.approx(300.0)
     assert "peak_vram_gib" not in rec  # verl reports 0 without an accelerator
-    assert (rec["reward"], rec["response_length"], rec["loss"], rec["pg_loss"], rec["entropy"], rec["kl"], rec["grad_norm"]) == \
-        (0.125, 6.5, -0.0195, -0.02, 4.4, 0.0005, 1.7)
+    assert (
+        rec["reward"],
+        rec["response_length"],
+        rec["loss"],
+        rec["pg_loss"],
+        rec["entropy"],
+        rec["kl"],
+        rec["grad_norm"],
+    ) == (0.125, 6.5, -0.0195, -0.02, 4.4, 0.0005, 1.7)
     assert rec["rollout_probs_diff"] == 1e-4 and rec["rollout_probs_diff_max"] == 3e-3
     assert rec["rollout_log_ppl_abs_diff"] == 0.002
     assert rec["rl_kernel/logprob_ms"] == 12.0 and rec["rl_kernel/backend/linear_logprob/torch"] == 1.0
@@ -262,16 +333,27 @@ def test_metrics_to_record():
 
 
 def test_metrics_to_record_skips_missing_and_non_finite():
-    rec = verl_engine.metrics_to_record(3, {"timing_s/step": 2.0, "critic/score/mean": float("nan"),
-                                            "actor/loss": "x", "actor/perf/max_memory_allocated_gb": 1.5}, "off")
+    rec = verl_engine.metrics_to_record(
+        3,
+        {
+            "timing_s/step": 2.0,
+            "critic/score/mean": float("nan"),
+            "actor/loss": "x",
+            "actor/perf/max_memory_allocated_gb": 1.5,
+        },
+        "off",
+    )
     assert rec == {"step": 3, "regions": {"step": 2000.0}, "peak_vram_gib": 1.5, "backend": "off"}
 
 
 def test_convert_log_is_read_by_the_report(tmp_path):
     verl_log = tmp_path / "verl_metrics.jsonl"
     off_metrics = {k: v for k, v in VERL_METRICS.items() if "rl_kernel" not in k}
-    lines = [{"step": 1, "data": off_metrics}, {"step": 2, "data": {**off_metrics, "timing_s/step": 2.0}},
-             {"step": 2, "data": {"val-core/openai/gsm8k/reward/mean@1": 0.5}}]  # a validation-only entry
+    lines = [
+        {"step": 1, "data": off_metrics},
+        {"step": 2, "data": {**off_metrics, "timing_s/step": 2.0}},
+        {"step": 2, "data": {"val-core/openai/gsm8k/reward/mean@1": 0.5}},
+    ]  # a validation-only entry
     verl_log.write_text("".join(json.dumps(line) + "\n" for line in lines))
     off = tmp_path / "off.jsonl"
     assert verl_engine.convert_log(verl_log, off, "off") == 2
@@ -302,10 +384,34 @@ def verl_run(tmp_path_factory):
     control group), the on run has the adapter's batch-invariant option, the vLLM plugin's
     batch-invariant mode and the weight check on every sync."""
     out = tmp_path_factory.mktemp("grpo_verl")
-    cmd = [sys.executable, str(ROOT / "recipes" / "grpo_gsm8k.py"), "--engine", "verl", "--data", "synthetic",
-           "--limit", "16", "--preset", "tiny", "--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "4",
-           "--max-new-tokens", "8", "--kl-coef", "0.001", "--batch-invariant", "--weight-check-every", "1",
-           "--out", str(out), "--no-progress"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "grpo_gsm8k.py"),
+        "--engine",
+        "verl",
+        "--data",
+        "synthetic",
+        "--limit",
+        "16",
+        "--preset",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--kl-coef",
+        "0.001",
+        "--batch-invariant",
+        "--weight-check-every",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(out.glob("verl-*/verl.log")))
@@ -324,8 +430,16 @@ def test_verl_engine_end_to_end_off_and_batch_invariant_on(verl_run):
     in the control group; the training pass gives the old-log-prob pass's bits (``ppo_kl`` 0)."""
     out, proc = verl_run
     assert "engine: verl" in proc.stdout
-    for name in ("off.jsonl", "on.jsonl", "off.meta.json", "on.meta.json", "report.md", "comparison.json",
-                 "step_time.png", "reward.png"):
+    for name in (
+        "off.jsonl",
+        "on.jsonl",
+        "off.meta.json",
+        "on.meta.json",
+        "report.md",
+        "comparison.json",
+        "step_time.png",
+        "reward.png",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert not (out / "first_step.json").exists()  # the embedded engine's check only
     off, on = _records(out / "off.jsonl"), _records(out / "on.jsonl")
@@ -340,15 +454,21 @@ def test_verl_engine_end_to_end_off_and_batch_invariant_on(verl_run):
     assert not [k for r in off for k in r if k.startswith("rl_kernel/")]
     assert all(r["rl_kernel/fallback_micro_batches"] == 0.0 and r["rl_kernel/logprob_ms"] > 0 for r in on)
     assert all(r["rl_kernel/batch_invariant"] == 1.0 for r in on)
-    print("rollout_probs_diff_max off:", [r["rollout_probs_diff_max"] for r in off],
-          "on:", [r["rollout_probs_diff_max"] for r in on])
+    print(
+        "rollout_probs_diff_max off:",
+        [r["rollout_probs_diff_max"] for r in off],
+        "on:",
+        [r["rollout_probs_diff_max"] for r in on],
+    )
     assert all(r["rollout_probs_diff_max"] > 0 for r in off)
     assert all(r["rollout_probs_diff_max"] == 0.0 and r["rollout_probs_diff"] == 0.0 for r in on)
     assert all(r["rollout_log_ppl_abs_diff"] == 0.0 and r["ppo_kl"] == 0.0 for r in on)
     # the weight check ran on every sync (the one before step 1 included): each step's rollout ran on
     # the trainer's bits
-    print("weight check on:", [(r["rl_kernel/weight_checks"], r["rl_kernel/weight_bits_differ"],
-                                r["rl_kernel/weight_check_ms"]) for r in on])
+    print(
+        "weight check on:",
+        [(r["rl_kernel/weight_checks"], r["rl_kernel/weight_bits_differ"], r["rl_kernel/weight_check_ms"]) for r in on],
+    )
     assert [r["rl_kernel/weight_checks"] for r in on] == [float(s + 1) for s in range(STEPS)]
     assert all(r["rl_kernel/weight_bits_differ"] == 0.0 for r in on)
     meta = {side: json.loads((out / f"{side}.meta.json").read_text()) for side in ("off", "on")}
@@ -382,11 +502,38 @@ def test_weight_check_names_a_flipped_bit(tmp_path):
     import verl_flip_bit
 
     out = tmp_path / "run"
-    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="verl_flip_bit",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, str(ROOT / "recipes" / "grpo_gsm8k.py"), "--engine", "verl", "--data", "synthetic",
-           "--limit", "8", "--preset", "tiny", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
-           "--max-new-tokens", "4", "--sides", "on", "--weight-check-every", "1", "--out", str(out), "--no-progress"]
+    env = dict(
+        os.environ,
+        VERL_USE_EXTERNAL_MODULES="verl_flip_bit",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+    )
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "grpo_gsm8k.py"),
+        "--engine",
+        "verl",
+        "--data",
+        "synthetic",
+        "--limit",
+        "8",
+        "--preset",
+        "tiny",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--sides",
+        "on",
+        "--weight-check-every",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env)
     log = (out / "verl-on" / "verl.log").read_text() if (out / "verl-on" / "verl.log").is_file() else ""
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}\n{log[-4000:]}"

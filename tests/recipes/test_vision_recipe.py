@@ -20,10 +20,30 @@ STEPS = 2
 
 
 def _run_recipe(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(ROOT / "recipes" / "grpo_vision.sh"), "--data", "synthetic", "--steps", str(STEPS),
-           "--prompts-per-step", "2", "--group-size", "4", "--problems", "64", "--out", str(out), "--no-progress", *extra]
+    cmd = [
+        "bash",
+        str(ROOT / "recipes" / "grpo_vision.sh"),
+        "--data",
+        "synthetic",
+        "--steps",
+        str(STEPS),
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--problems",
+        "64",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
     # the interpreter running the tests is the recipe's python3, so the recipe never builds another
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=ROOT)
 
 
@@ -34,8 +54,18 @@ def _records(path: Path) -> list[dict]:
 def test_recipe_runs_off_and_on_with_report_and_bitwise_rollout_logprobs(tmp_path):
     proc = _run_recipe(tmp_path, "--batch-invariant")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("off.jsonl", "on.jsonl", "off.meta.json", "on.meta.json", "first_step.json", "report.md",
-                 "comparison.json", "step_time.png", "reward.png", "logprob_diff.png"):
+    for name in (
+        "off.jsonl",
+        "on.jsonl",
+        "off.meta.json",
+        "on.meta.json",
+        "first_step.json",
+        "report.md",
+        "comparison.json",
+        "step_time.png",
+        "reward.png",
+        "logprob_diff.png",
+    ):
         assert (tmp_path / name).is_file() and (tmp_path / name).stat().st_size > 0, name
     assert proc.stdout.count("processor-layout parity of the first batch: no mismatch") == 2, proc.stdout
     off, on = _records(tmp_path / "off.jsonl"), _records(tmp_path / "on.jsonl")
@@ -64,22 +94,29 @@ def test_a_processor_mismatch_stops_the_recipe_before_training(tmp_path):
     assert error == [
         "[grpo_vision] error: off run stopped before training: processor-layout parity failed on the first batch, "
         "rollout vs training: modality_spans[0] image 0: rollout image at 7, 16 tokens vs training image at 7, "
-        "4 tokens (16 vs 4 image tokens)"], proc.stderr[-2000:]
+        "4 tokens (16 vs 4 image tokens)"
+    ], proc.stderr[-2000:]
     assert not (tmp_path / "off.jsonl").exists() or _records(tmp_path / "off.jsonl") == []
     assert not (tmp_path / "on.jsonl").exists() and not (tmp_path / "report.md").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tasks", "count,shapes"], "--tasks: expected a comma-separated subset of count,digits,colour, got 'count,shapes'"),
-    (["--problems", "0"], "--problems"),
-    (["--problems", "1000000000"], "argument --problems: must be an integer in [1, 100000], got 1000000000"),
-    (["--problems", "100001"], "argument --problems: must be an integer in [1, 100000], got 100001"),
-    (["--sides", "off,off"], "--sides must list off and/or on, each once, got 'off,off'"),
-    (["--training-max-pixels", "-5"], "--training-max-pixels"),
-    (["--data", "gsm8k"], "--data: invalid choice: 'gsm8k'"),
-    (["--sides", "both"], "--sides must list off and/or on, got 'both'"),
-    (["--max-prompt-tokens", "8"], "unrecognized arguments: --max-prompt-tokens 8"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--tasks", "count,shapes"],
+            "--tasks: expected a comma-separated subset of count,digits,colour, got 'count,shapes'",
+        ),
+        (["--problems", "0"], "--problems"),
+        (["--problems", "1000000000"], "argument --problems: must be an integer in [1, 100000], got 1000000000"),
+        (["--problems", "100001"], "argument --problems: must be an integer in [1, 100000], got 100001"),
+        (["--sides", "off,off"], "--sides must list off and/or on, each once, got 'off,off'"),
+        (["--training-max-pixels", "-5"], "--training-max-pixels"),
+        (["--data", "gsm8k"], "--data: invalid choice: 'gsm8k'"),
+        (["--sides", "both"], "--sides must list off and/or on, got 'both'"),
+        (["--max-prompt-tokens", "8"], "unrecognized arguments: --max-prompt-tokens 8"),
+    ],
+)
 def test_bad_options_fail_up_front_with_one_line(capsys, args, message):
     import grpo_vision
 
@@ -109,8 +146,10 @@ def test_synthetic_problems_are_deterministic_and_answerable():
 
 
 def test_score_reads_the_first_word():
-    colour, digits = (vision_data.VisualProblem(task, np.full((1, 1, 3), 7, np.uint8), "?", answer)
-                      for task, answer in (("colour", "blue"), ("digits", "47")))
+    colour, digits = (
+        vision_data.VisualProblem(task, np.full((1, 1, 3), 7, np.uint8), "?", answer)
+        for task, answer in (("colour", "blue"), ("digits", "47"))
+    )
     assert vision_data.score(" Blue, I think", colour) == 1.0
     assert vision_data.score("red", colour, format_score=0.25) == 0.25
     assert vision_data.score("47 blue", colour) == 0.0
@@ -123,7 +162,9 @@ def test_score_reads_the_first_word():
 def test_synthetic_problems_reject_bad_arguments():
     with pytest.raises(ValueError, match="count must be an int >= 1, got 0"):
         vision_data.synthetic_problems(0)
-    with pytest.raises(ValueError, match="count must be at most 100000 \\(every problem is drawn up front\\), got 1000000000"):
+    with pytest.raises(
+        ValueError, match="count must be at most 100000 \\(every problem is drawn up front\\), got 1000000000"
+    ):
         vision_data.synthetic_problems(10**9)  # refused at once, before drawing (a billion took hours)
     with pytest.raises(ValueError, match="tasks must be a non-empty subset of count, digits, colour, got shapes"):
         vision_data.synthetic_problems(3, ("shapes",))

@@ -53,8 +53,13 @@ def main(model_dir: str) -> None:
     metrics_on, grads_on = verl_cpu.update_actor(on, rollout, per_token, temperature, world_size=world)
     metrics_off, grads_off = verl_cpu.update_actor(off, rollout, per_token, temperature, world_size=world)
     for key in ("actor/pg_loss", "actor/entropy_loss", "kl_loss", "loss", "grad_norm"):
-        assert_close(torch.tensor(metrics_on[key], dtype=torch.float64), torch.tensor(metrics_off[key], dtype=torch.float64),
-                     "reduction", FP32, name=f"rank {rank} {key}")
+        assert_close(
+            torch.tensor(metrics_on[key], dtype=torch.float64),
+            torch.tensor(metrics_off[key], dtype=torch.float64),
+            "reduction",
+            FP32,
+            name=f"rank {rank} {key}",
+        )
     assert grads_on.keys() == grads_off.keys() and "lm_head.weight" in grads_on
     for name in grads_off:
         assert_close(grads_on[name], grads_off[name], "gradient", FP32, name=f"rank {rank} grad {name}")

@@ -12,7 +12,15 @@ import types
 
 import pytest
 import torch
-from verl_cpu import VOCAB, build_worker as build_uncached, engine_of, infer, random_rollout, to_engine_batch, update_actor
+from verl_cpu import (
+    VOCAB,
+    build_worker as build_uncached,
+    engine_of,
+    infer,
+    random_rollout,
+    to_engine_batch,
+    update_actor,
+)
 
 import rl_kernel_core as rk
 from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention, use_row_parallel_split
@@ -22,8 +30,9 @@ PACKED = "actor_rollout_ref.model.use_remove_padding=True"
 SPLIT = "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_row_parallel_split=2"
 
 
-def _reference(model_dir: str, rollout: dict, temperature: float, vocab_size: int = VOCAB,
-               row_split: int = 1) -> list[torch.Tensor]:
+def _reference(
+    model_dir: str, rollout: dict, temperature: float, vocab_size: int = VOCAB, row_split: int = 1
+) -> list[torch.Tensor]:
     """Per sequence, each token's log-prob of the next one (fp32), from the model alone in the
     mode: the definition vLLM's rollout returns under ``RL_KERNEL_VLLM_BATCH_INVARIANT=1`` (at tensor
     parallel size ``row_split``)."""
@@ -68,7 +77,9 @@ def test_old_log_prob_pass_is_the_rollout_definition_bitwise(build_worker, model
     lp_packed, entropy_packed, _ = infer(packed, rollout, temperature)
     lp_alone = _log_probs(padded, rollout, temperature, entropy=False)
 
-    for b, (got, want) in enumerate(zip(_per_sequence(lp, rollout), _reference(model_dirs[model], rollout, temperature))):
+    for b, (got, want) in enumerate(
+        zip(_per_sequence(lp, rollout), _reference(model_dirs[model], rollout, temperature))
+    ):
         assert torch.equal(got, want), f"sequence {b}: verl's log-probs differ from the rollout definition"
     assert torch.equal(lp_packed, lp) and torch.equal(entropy_packed, entropy)
     assert torch.equal(lp_alone, lp)  # entropy asked or not: the same bits
@@ -84,12 +95,18 @@ def test_training_pass_gives_the_old_log_prob_pass_bits(build_worker, seed):
     from verl.workers.utils.padding import no_padding_2_padding
     from verl.utils import tensordict_utils as tu
 
-    worker = build_worker("untied", "actor", BATCH_INVARIANT, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4")
+    worker = build_worker(
+        "untied", "actor", BATCH_INVARIANT, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"
+    )
     g = torch.Generator().manual_seed(seed)
     rollout = random_rollout(g, batch=4)
     batch = to_engine_batch(rollout, calculate_entropy=False, compute_loss=False, temperature=0.7)
     current = no_padding_2_padding(tu.get(worker.compute_log_prob(batch), "log_probs"), to_engine_batch(rollout))
-    per_token = {"old_log_probs": current, "ref_log_prob": current, "advantages": torch.randn(current.shape, generator=g)}
+    per_token = {
+        "old_log_probs": current,
+        "ref_log_prob": current,
+        "advantages": torch.randn(current.shape, generator=g),
+    }
     metrics, _ = update_actor(worker, rollout, per_token, 0.7)
     for key in ("actor/ppo_kl", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "kl_loss"):
         assert metrics[key] == [0.0], (key, metrics[key])
@@ -111,11 +128,14 @@ def test_a_padded_forward_runs_packed_with_the_models_own_positions(model_dirs, 
     mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
     labels = torch.roll(ids, -1, dims=1)
     with torch.no_grad(), rk.batch_invariant():
-        lp, entropy = _logits_logprob(model, {"input_ids": ids, "attention_mask": mask.long()}, labels, 0.8,
-                                      Request(return_entropy=False))
+        lp, entropy = _logits_logprob(
+            model, {"input_ids": ids, "attention_mask": mask.long()}, labels, 0.8, Request(return_entropy=False)
+        )
         for b, n in enumerate(lengths):
-            alone = model(input_ids=ids[b:b + 1, :n], use_cache=False).logits[0]
-            assert torch.equal(lp[b, :n], rk.logprob_from_logits(alone, labels[b, :n], temperature=0.8)), f"sequence {b}"
+            alone = model(input_ids=ids[b : b + 1, :n], use_cache=False).logits[0]
+            assert torch.equal(lp[b, :n], rk.logprob_from_logits(alone, labels[b, :n], temperature=0.8)), (
+                f"sequence {b}"
+            )
     assert entropy is None and not lp[~mask].any()
 
 
@@ -128,8 +148,9 @@ def test_log_probs_normalise_over_the_tokenizers_ids(tmp_path, seed):
 
     model_dir = verl_cpu.save_tiny_qwen2(str(tmp_path), tied=False, seed=seed % 1000)
     words = {f"w{i}": i for i in range(64)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")), eos_token="w1",
-                            pad_token="w1").save_pretrained(model_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")), eos_token="w1", pad_token="w1"
+    ).save_pretrained(model_dir)
     worker = build_uncached(model_dir, "actor", BATCH_INVARIANT, "+actor_rollout_ref.model.load_tokenizer=True")
     engine = engine_of(worker)
     ids = len(engine.model_config.tokenizer)  # what verl's vLLM server masks past (a Qwen2 tokenizer adds one)
@@ -167,12 +188,21 @@ def test_row_parallel_split_needs_the_mode_and_a_positive_size():
     from rl_kernel_verl import switch
 
     for n in (2, 4):
-        with pytest.raises(ValueError, match=f"rl_kernel_row_parallel_split={n} reproduces a TP={n} rollout bit for bit only"):
+        with pytest.raises(
+            ValueError, match=f"rl_kernel_row_parallel_split={n} reproduces a TP={n} rollout bit for bit only"
+        ):
             switch.read({"fused_kernel_options": {"use_rl_kernel_backend": True, "rl_kernel_row_parallel_split": n}})
-        assert switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": n}}).row_split == n
+        assert (
+            switch.read(
+                {"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": n}}
+            ).row_split
+            == n
+        )
     for bad in (0, -4):
         with pytest.raises(ValueError, match=f"rl_kernel_row_parallel_split must be an integer >= 1 .*got {bad}"):
-            switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": bad}})
+            switch.read(
+                {"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": bad}}
+            )
 
 
 @pytest.mark.parametrize("value", [2.0, 1.0, True, "2", [2], None])
@@ -182,7 +212,9 @@ def test_row_parallel_split_must_be_an_int(value):
     from rl_kernel_verl import switch
 
     with pytest.raises(ValueError) as info:
-        switch.read({"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": value}})
+        switch.read(
+            {"fused_kernel_options": {"rl_kernel_batch_invariant": True, "rl_kernel_row_parallel_split": value}}
+        )
     message = str(info.value)
     assert message.startswith("fused_kernel_options.rl_kernel_row_parallel_split must be an integer >= 1")
     assert message.endswith(f"got {value!r} ({type(value).__name__})") and "\n" not in message, message

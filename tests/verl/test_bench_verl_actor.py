@@ -23,7 +23,9 @@ CHECKED = {"log_probs", "entropy", "actor/pg_loss", "actor/ppo_kl", "kl_loss", "
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_verl_actor", os.path.join(REPO, "benchmarks", "bench_verl_actor.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_verl_actor", os.path.join(REPO, "benchmarks", "bench_verl_actor.py")
+    )
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -36,9 +38,36 @@ def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
     bench = _load_bench()
     forward = Qwen3ForCausalLM.forward
     try:
-        rc = bench.main(["--model-shape", "tiny", "--device", "cpu", "--prompts", "4", "--samples", "2", "--prompt-len", "8",
-                         "--response-len", "8", "--max-token-len", "48", "--check-prompts", "1", "--reps", "1", "--profile", "5",
-                         "--seed", str(seed), "--model-dir", str(tmp_path / "model"), "--out", str(tmp_path / "out")])
+        rc = bench.main(
+            [
+                "--model-shape",
+                "tiny",
+                "--device",
+                "cpu",
+                "--prompts",
+                "4",
+                "--samples",
+                "2",
+                "--prompt-len",
+                "8",
+                "--response-len",
+                "8",
+                "--max-token-len",
+                "48",
+                "--check-prompts",
+                "1",
+                "--reps",
+                "1",
+                "--profile",
+                "5",
+                "--seed",
+                str(seed),
+                "--model-dir",
+                str(tmp_path / "model"),
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     finally:  # verl's use_fused_kernels replaced the class's forward for the whole process
         Qwen3ForCausalLM.forward = forward  # type: ignore[method-assign]
     with open(tmp_path / "out" / "bench_verl_actor_tiny_packed-padded.json", encoding="utf-8") as f:
@@ -81,9 +110,15 @@ def test_bench_verl_actor_tiny_cpu(tmp_path):
         assert not off["timing"]["hooks"]["engine_hooked"] and not off["timing"]["hooks"]["rl_kernel_metrics"]
         fused = rows[(layout, "verl_fused_triton")]
         if fused["timing"]["status"] == "ok":
-            assert fused["check"]["status"] == "ok" and all(c["within_contract"] for c in fused["check"]["checks"].values())
+            assert fused["check"]["status"] == "ok" and all(
+                c["within_contract"] for c in fused["check"]["checks"].values()
+            )
         else:  # verl's Triton kernels on a machine without CUDA: recorded with verl's error, nothing in its place
-            assert fused["timing"]["status"] == "unavailable" and fused["timing"]["error"] and "log_prob" not in fused["timing"]
+            assert (
+                fused["timing"]["status"] == "unavailable"
+                and fused["timing"]["error"]
+                and "log_prob" not in fused["timing"]
+            )
     assert {(s["layout"], s["variant"]) for s in doc["summary"]} >= {(layout, v) for layout in LAYOUTS for v in HOOKED}
     for s in doc["summary"]:
         if s["variant"] == "rl_kernel_batch_invariant":
@@ -96,9 +131,32 @@ def test_microbatch_search_steps_run_the_micro_batches_they_ask_for(tmp_path):
     on the leading sequences that fill two of them (8 sequences: 4 of them at 2 per micro-batch, all
     8 at 4, then all 8 in one)."""
     bench = _load_bench()
-    args = bench.parse_args(["--model-shape", "tiny", "--device", "cpu", "--prompts", "4", "--samples", "2",
-                             "--prompt-len", "8", "--response-len", "8", "--max-token-len", "48", "--check-prompts", "0",
-                             "--variants", "rl_kernel", "--layouts", "none", "--out", str(tmp_path / "out")])
+    args = bench.parse_args(
+        [
+            "--model-shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--prompts",
+            "4",
+            "--samples",
+            "2",
+            "--prompt-len",
+            "8",
+            "--response-len",
+            "8",
+            "--max-token-len",
+            "48",
+            "--check-prompts",
+            "0",
+            "--variants",
+            "rl_kernel",
+            "--layouts",
+            "none",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     device = torch.device("cpu")
     bench.import_verl("cpu")
     bench.init_process_group("cpu")
@@ -109,5 +167,8 @@ def test_microbatch_search_steps_run_the_micro_batches_they_ask_for(tmp_path):
     row = bench.search_microbatch(args, device, model_dir, "rl_kernel", batch, rec)
     assert "error" not in row, row
     assert [(t["micro_batch_size_per_gpu"], t["micro_batches"], t["sequences"]) for t in row["tried"]] == [
-        (2, 2, 4), (4, 2, 8), (8, 1, 8)], row
+        (2, 2, 4),
+        (4, 2, 8),
+        (8, 1, 8),
+    ], row
     assert row["largest_fitting_tokens"] == 128 and "whole batch" in row["note"]

@@ -29,7 +29,11 @@ VARIANTS = {
     # verl's default layout: sequences packed into one row, labels rolled by verl (shift_labels).
     # sdpa on CPU attends across the packed sequences; both sides run the same backbone, so the
     # comparison still isolates the head and the loss
-    "fsdp2-untied-packed": ("untied", "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.model.use_remove_padding=True"),
+    "fsdp2-untied-packed": (
+        "untied",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.model.use_remove_padding=True",
+    ),
 }
 
 
@@ -77,12 +81,26 @@ def test_actor_update_matches_verl(build_worker, seed, variant):
     metrics_on, grads_on = update_actor(on, rollout, per_token, temperature)
     metrics_off, grads_off = update_actor(off, rollout, per_token, temperature)
 
-    compared = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy_loss",
-                "kl_loss", "kl_coef", "loss", "grad_norm"]
+    compared = [
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+        "actor/entropy_loss",
+        "kl_loss",
+        "kl_coef",
+        "loss",
+        "grad_norm",
+    ]
     assert set(compared) <= metrics_off.keys() and set(compared) <= metrics_on.keys()
     for key in compared:
-        assert_close(torch.tensor(metrics_on[key], dtype=torch.float64), torch.tensor(metrics_off[key], dtype=torch.float64),
-                     "reduction", FP32, name=key)
+        assert_close(
+            torch.tensor(metrics_on[key], dtype=torch.float64),
+            torch.tensor(metrics_off[key], dtype=torch.float64),
+            "reduction",
+            FP32,
+            name=key,
+        )
     assert metrics_off["actor/pg_clipfrac"][0] > 0 and metrics_off["actor/pg_clipfrac_lower"][0] > 0
     assert grads_on.keys() == grads_off.keys()
     for name in grads_off:
@@ -172,8 +190,9 @@ def test_per_sample_temperature_runs_verls_path(build_worker, seed):
 
 def test_strict_mode_refuses_the_fallback(build_worker, seed):
     model, *overrides = VARIANTS["fsdp2-tied"]
-    strict = build_worker(model, "actor", *overrides, SWITCH_ON,
-                          "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_strict=True")
+    strict = build_worker(
+        model, "actor", *overrides, SWITCH_ON, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_strict=True"
+    )
     rollout = random_rollout(torch.Generator().manual_seed(seed))
     rollout["temperature"] = torch.empty(rollout["input_ids"].shape[0]).uniform_(0.5, 1.5)
     with pytest.raises(RuntimeError, match="strict.*per-sample temperature"):
@@ -204,5 +223,7 @@ def test_bf16_autocast_head_within_contract(build_worker, seed):
     for hidden, labels, temperature, weight, (log_probs, entropy) in seen:
         assert hidden.dtype == weight.dtype == torch.bfloat16 and log_probs.dtype == torch.float32
         logp = torch.log_softmax(hidden.double() @ weight.double().T / temperature, dim=-1)
-        assert_close(log_probs, logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), "logprob", torch.bfloat16, name="log_probs")
+        assert_close(
+            log_probs, logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), "logprob", torch.bfloat16, name="log_probs"
+        )
         assert_close(entropy, -(logp.exp() * logp).sum(-1), "logprob", torch.bfloat16, name="entropy")

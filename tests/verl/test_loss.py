@@ -82,8 +82,13 @@ def _compare(config, seed: int, **case):
             assert actual == expected
             continue
         assert actual.aggregation == expected.aggregation, key
-        assert_close(torch.as_tensor(actual.values[0], dtype=torch.float64),
-                     torch.as_tensor(expected.values[0], dtype=torch.float64).detach(), "reduction", FP32, name=key)
+        assert_close(
+            torch.as_tensor(actual.values[0], dtype=torch.float64),
+            torch.as_tensor(expected.values[0], dtype=torch.float64).detach(),
+            "reduction",
+            FP32,
+            name=key,
+        )
     loss_verl.backward()
     loss_ours.backward()
     for name in leaves_verl:
@@ -95,15 +100,21 @@ def _compare(config, seed: int, **case):
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_ppo_loss_matches_verl(actor_config, seed, mode, kl_type, global_norm):
     config = dataclasses.replace(
-        actor_config, loss_agg_mode=mode, kl_loss_type=kl_type, use_kl_loss=True,
-        loss_scale_factor=16 if global_norm else None, global_batch_info={},
+        actor_config,
+        loss_agg_mode=mode,
+        kl_loss_type=kl_type,
+        use_kl_loss=True,
+        loss_scale_factor=16 if global_norm else None,
+        global_batch_info={},
     )
     _compare(config, seed, global_norm=global_norm, entropy=True, weights=True)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_ppo_loss_without_entropy_or_kl_matches_verl(actor_config, seed, mode):
-    config = dataclasses.replace(actor_config, loss_agg_mode=mode, use_kl_loss=False, entropy_coeff=0.0, global_batch_info={})
+    config = dataclasses.replace(
+        actor_config, loss_agg_mode=mode, use_kl_loss=False, entropy_coeff=0.0, global_batch_info={}
+    )
     _compare(config, seed, global_norm=True, entropy=False, weights=False)
 
 

@@ -58,7 +58,9 @@ def test_restore_removes_a_pending_import_hook(monkeypatch):
     monkeypatch.setattr(probe, "_MODULE", "verl.no_such_engine_module")
     try:
         probe.arm()
-        assert [f for f in sys.meta_path if isinstance(f, adapters.ImportHook) and "verl.no_such_engine_module" in f.modules]
+        assert [
+            f for f in sys.meta_path if isinstance(f, adapters.ImportHook) and "verl.no_such_engine_module" in f.modules
+        ]
         probe.disarm()
         assert not [f for f in sys.meta_path if isinstance(f, adapters.ImportHook)]
     finally:
@@ -81,7 +83,9 @@ def test_switch_read_from_verls_model_config(model_dirs, caplog):
         off = switch.read(_model_config(model_dirs))
     assert not off.on and not off.strict
     assert not caplog.records
-    strict = switch.read(_model_config(model_dirs, SWITCH_ON, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_strict=True"))
+    strict = switch.read(
+        _model_config(model_dirs, SWITCH_ON, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_strict=True")
+    )
     assert strict.on and strict.strict
 
 
@@ -90,22 +94,36 @@ def test_batch_invariant_option_turns_the_backend_on(model_dirs, caplog):
 
     option = switch.BATCH_INVARIANT_OVERRIDE
     with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
-        assert switch.read(_model_config(model_dirs, option)) == switch.Switch(on=True, strict=False, batch_invariant=True)
+        assert switch.read(_model_config(model_dirs, option)) == switch.Switch(
+            on=True, strict=False, batch_invariant=True
+        )
         assert switch.read(_model_config(model_dirs, option, SWITCH_ON)).batch_invariant
         assert not switch.read(_model_config(model_dirs, SWITCH_ON)).batch_invariant
     assert not caplog.records
-    with pytest.raises(ValueError, match="rl_kernel_batch_invariant=True runs the rl-kernel backend, but "
-                                         "use_rl_kernel_backend=False turns it off"):
-        switch.read(_model_config(model_dirs, option, "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=False"))
+    with pytest.raises(
+        ValueError,
+        match="rl_kernel_batch_invariant=True runs the rl-kernel backend, but use_rl_kernel_backend=False turns it off",
+    ):
+        switch.read(
+            _model_config(
+                model_dirs, option, "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=False"
+            )
+        )
     with pytest.raises(ValueError, match="rl_kernel_batch_invariant must be true or false, got 'on'"):
-        switch.read(_model_config(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=on"))
+        switch.read(
+            _model_config(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=on")
+        )
 
 
 def test_batch_invariant_lookalike_names_the_option(model_dirs, caplog):
     from rl_kernel_verl import switch
 
     with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
-        sw = switch.read(_model_config(model_dirs, SWITCH_ON, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariance=True"))
+        sw = switch.read(
+            _model_config(
+                model_dirs, SWITCH_ON, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariance=True"
+            )
+        )
     assert sw.on and not sw.batch_invariant
     (message,) = [r.getMessage() for r in caplog.records]
     assert "did you mean rl_kernel_batch_invariant?" in message and switch.BATCH_INVARIANT_OVERRIDE in message
@@ -114,8 +132,14 @@ def test_batch_invariant_lookalike_names_the_option(model_dirs, caplog):
 @pytest.mark.parametrize(
     "override, says",
     [
-        ("+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel=True", "fused_kernel_options.use_rl_kernel is not a key"),
-        ("+actor_rollout_ref.model.fused_kernel_options.use_rl_kernels_backend=True", "did you mean use_rl_kernel_backend"),
+        (
+            "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel=True",
+            "fused_kernel_options.use_rl_kernel is not a key",
+        ),
+        (
+            "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernels_backend=True",
+            "did you mean use_rl_kernel_backend",
+        ),
         ("+actor_rollout_ref.model.fused_kernel_options.rl_kernel=True", "the rl-kernel backend is OFF"),
         ("+actor_rollout_ref.model.override_config.use_rl_kernel_backend=True", "was put in override_config"),
     ],
@@ -144,7 +168,9 @@ def test_non_boolean_switch_is_an_error(model_dirs):
     from rl_kernel_verl import switch
 
     with pytest.raises(ValueError, match="use_rl_kernel_backend must be true or false, got 'yes'"):
-        switch.read(_model_config(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=yes"))
+        switch.read(
+            _model_config(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=yes")
+        )
 
 
 @pytest.mark.parametrize("options", ["use_rl_kernel_backend=True", ["use_rl_kernel_backend"], 1, True])
@@ -157,7 +183,9 @@ def test_fused_kernel_options_that_are_not_a_mapping_are_an_error(options):
         with pytest.raises(ValueError) as info:
             switch.read(config)
         message = str(info.value)
-        assert message.startswith("actor_rollout_ref.model.fused_kernel_options must be a mapping of option names to values")
+        assert message.startswith(
+            "actor_rollout_ref.model.fused_kernel_options must be a mapping of option names to values"
+        )
         assert message.endswith(f"got {options!r} ({type(options).__name__})") and "\n" not in message, message
     assert switch.read({"fused_kernel_options": None}) == switch.Switch(on=False, strict=False)
 
@@ -167,11 +195,15 @@ def test_bad_option_shapes_through_verls_config(model_dirs):
     failed the first forward slicing with it) and ``fused_kernel_options=abc`` (a string)."""
     from rl_kernel_verl import switch
 
-    split = ("+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True",
-             "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_row_parallel_split=2.0")
+    split = (
+        "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_batch_invariant=True",
+        "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_row_parallel_split=2.0",
+    )
     with pytest.raises(ValueError, match=r"rl_kernel_row_parallel_split must be an integer >= 1 .* got 2.0 \(float\)$"):
         switch.read(_model_config(model_dirs, *split))
-    with pytest.raises(ValueError, match=r"^actor_rollout_ref.model.fused_kernel_options must be a mapping .* got 'abc' \(str\)$"):
+    with pytest.raises(
+        ValueError, match=r"^actor_rollout_ref.model.fused_kernel_options must be a mapping .* got 'abc' \(str\)$"
+    ):
         switch.read(_model_config(model_dirs, "actor_rollout_ref.model.fused_kernel_options=abc"))
 
 
@@ -202,7 +234,10 @@ def test_missing_target_is_a_logged_no_op_or_a_strict_error(monkeypatch, caplog)
     stand_in = types.SimpleNamespace(model_config=None, engine_config=None)
     with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
         assert engine.install(stand_in, strict=False) is False
-    assert any("has no attribute 'NoSuchEngine'" in r.getMessage() and "verl's own path" in r.getMessage() for r in caplog.records)
+    assert any(
+        "has no attribute 'NoSuchEngine'" in r.getMessage() and "verl's own path" in r.getMessage()
+        for r in caplog.records
+    )
     assert not vars(stand_in).keys() - {"model_config", "engine_config"}
     with pytest.raises(adapters.TargetMissing, match="NoSuchEngine"):
         engine.install(stand_in, strict=True)

@@ -19,8 +19,14 @@ EVERY = "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_weight_check_ev
 def _configs(model_dirs, *overrides):
     from verl.utils.config import omega_conf_to_dataclass
 
-    tp = [] if any("tensor_model_parallel_size" in o for o in overrides) else ["actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
-    config = compose_config(model_dirs["tied"], "actor_rollout_ref.rollout.name=vllm", *tp, *overrides).actor_rollout_ref
+    tp = (
+        []
+        if any("tensor_model_parallel_size" in o for o in overrides)
+        else ["actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+    )
+    config = compose_config(
+        model_dirs["tied"], "actor_rollout_ref.rollout.name=vllm", *tp, *overrides
+    ).actor_rollout_ref
     return omega_conf_to_dataclass(config.model), omega_conf_to_dataclass(config.rollout)
 
 
@@ -28,17 +34,23 @@ def test_option_is_read_whatever_the_backend_switch(model_dirs, caplog):
     from rl_kernel_verl import switch
 
     with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
-        assert switch.read(_configs(model_dirs, f"{EVERY}=3")[0]) == switch.Switch(on=False, strict=False, weight_check_every=3)
+        assert switch.read(_configs(model_dirs, f"{EVERY}=3")[0]) == switch.Switch(
+            on=False, strict=False, weight_check_every=3
+        )
         on = switch.read(_configs(model_dirs, f"{EVERY}=2", SWITCH_ON)[0])
         assert on.on and on.weight_check_every == 2
         assert switch.read(_configs(model_dirs, f"{EVERY}=0")[0]).weight_check_every == 0
         assert switch.read(_configs(model_dirs)[0]).weight_check_every == 0
     assert not caplog.records
     for value, shown in (("-1", r"-1 \(int\)"), ("True", r"True \(bool\)"), ("two", r"'two' \(str\)")):
-        with pytest.raises(ValueError, match=rf"rl_kernel_weight_check_every must be an integer >= 0 \(0: off\), got {shown}"):
+        with pytest.raises(
+            ValueError, match=rf"rl_kernel_weight_check_every must be an integer >= 0 \(0: off\), got {shown}"
+        ):
             switch.read(_configs(model_dirs, f"{EVERY}={value}")[0])
     with caplog.at_level(logging.WARNING, logger="rl_kernel.verl"):
-        assert not switch.read(_configs(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_weight_check=1")[0]).weight_check_every
+        assert not switch.read(
+            _configs(model_dirs, "+actor_rollout_ref.model.fused_kernel_options.rl_kernel_weight_check=1")[0]
+        ).weight_check_every
     (message,) = [r.getMessage() for r in caplog.records]
     assert "did you mean rl_kernel_weight_check_every?" in message and switch.WEIGHT_CHECK_OVERRIDE in message
 
@@ -50,8 +62,12 @@ def _engine(model_config, forward_only=False):
         calls.append(data)
         return {"metrics": {}}
 
-    return types.SimpleNamespace(model_config=model_config, engine_config=types.SimpleNamespace(forward_only=forward_only),
-                                 train_batch=train_batch, calls=calls)
+    return types.SimpleNamespace(
+        model_config=model_config,
+        engine_config=types.SimpleNamespace(forward_only=forward_only),
+        train_batch=train_batch,
+        calls=calls,
+    )
 
 
 def test_off_or_a_reference_engine_arms_nothing(model_dirs):
@@ -102,23 +118,34 @@ def test_armed_process_refuses_what_it_cannot_check(model_dirs, monkeypatch):
             engine.train_batch({"x": 1}, None)
         assert engine.calls == []  # refused before verl's update ran
         other = _other_rollout()
-        with pytest.raises(ValueError, match=r"rl_kernel_weight_check_every=2: the rollout is .*OtherRollout "
-                                             r"\(rollout.name='vllm'\); the check covers verl.workers.rollout"):
+        with pytest.raises(
+            ValueError,
+            match=r"rl_kernel_weight_check_every=2: the rollout is .*OtherRollout "
+            r"\(rollout.name='vllm'\); the check covers verl.workers.rollout",
+        ):
             other(config=rollout_config, model_config=on_config, device_mesh=None)
         plain = other(config=rollout_config, model_config=_configs(model_dirs)[0], device_mesh=None)
         assert "update_weights" not in vars(plain)  # a rollout whose config does not ask is left alone
-        with pytest.raises(ValueError, match="rl_kernel_weight_check_every=3, but an engine of this process asked for 2"):
+        with pytest.raises(
+            ValueError, match="rl_kernel_weight_check_every=3, but an engine of this process asked for 2"
+        ):
             weight_check.arm(_engine(on_config), 3)
     finally:
         weight_check.disarm()
     assert not adapters.is_patched(vars(BaseRollout)["__init__"]) and weight_check.status() is None
 
 
-@pytest.mark.parametrize("setting, says", [
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "one vLLM worker, got rollout.tensor_model_parallel_size=2"),
-    ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "rollout.checkpoint_engine.backend='nccl'"),
-    (None, "VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the rollout's environment, got '0'"),
-])
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "one vLLM worker, got rollout.tensor_model_parallel_size=2",
+        ),
+        ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "rollout.checkpoint_engine.backend='nccl'"),
+        (None, "VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the rollout's environment, got '0'"),
+    ],
+)
 def test_refusals_name_the_setting(model_dirs, monkeypatch, setting, says):
     from rl_kernel_verl import targets, weight_check
 
@@ -167,12 +194,21 @@ def test_checked_sync_compares_trainer_bits_rounded_to_the_engine_dtype(seed, ca
     from rl_kernel_verl import weight_check
 
     gen = torch.Generator().manual_seed(seed)
-    trainer = {name: torch.randn(rows, 8, generator=gen) for name, rows in (
-        ("model.layers.0.self_attn.q_proj.weight", 8), ("model.layers.0.self_attn.k_proj.weight", 4),
-        ("model.layers.0.self_attn.v_proj.weight", 4), ("model.layers.0.mlp.down_proj.weight", 8))}
+    trainer = {
+        name: torch.randn(rows, 8, generator=gen)
+        for name, rows in (
+            ("model.layers.0.self_attn.q_proj.weight", 8),
+            ("model.layers.0.self_attn.k_proj.weight", 4),
+            ("model.layers.0.self_attn.v_proj.weight", 4),
+            ("model.layers.0.mlp.down_proj.weight", 8),
+        )
+    }
     trainer["model.norm.weight"] = torch.randn(8, generator=gen)
-    engine_shapes = {"model.layers.0.self_attn.qkv_proj.weight": (16, 8), "model.layers.0.mlp.down_proj.weight": (8, 8),
-                     "model.norm.weight": (8,)}
+    engine_shapes = {
+        "model.layers.0.self_attn.qkv_proj.weight": (16, 8),
+        "model.layers.0.mlp.down_proj.weight": (8, 8),
+        "model.norm.weight": (8,),
+    }
     worker = _Worker({name: torch.randn(*shape, generator=gen).bfloat16() for name, shape in engine_shapes.items()})
     rollout = _Rollout(worker)
     flip = {"sync": None}

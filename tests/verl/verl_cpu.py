@@ -35,7 +35,9 @@ LOADED_BY_VERL = "rl_kernel_verl" in sys.modules
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
+)
 from grpo import verl_cpu as cpu_platform  # noqa: E402,F401  (registers verl's CPU platform, unpinned offload)
 
 VOCAB = 96
@@ -69,8 +71,15 @@ def save_tiny_qwen2(path: str, *, tied: bool, seed: int = 0) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tied, architectures=["Qwen2ForCausalLM"],
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        architectures=["Qwen2ForCausalLM"],
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
@@ -91,7 +100,9 @@ def compose_config(model_dir: str, *overrides: str):
     replaced = {key(o) for o in overrides}
     base = [o for o in BASE_OVERRIDES if key(o) not in replaced]
     with initialize_config_dir(config_dir=os.path.dirname(trainer_config.__file__), version_base=None):
-        return compose(config_name="ppo_trainer", overrides=[f"actor_rollout_ref.model.path={model_dir}", *base, *overrides])
+        return compose(
+            config_name="ppo_trainer", overrides=[f"actor_rollout_ref.model.path={model_dir}", *base, *overrides]
+        )
 
 
 def build_worker(model_dir: str, role: str, *overrides: str):
@@ -188,8 +199,15 @@ def update_actor(worker, rollout: dict, per_token: dict, temperature: float, wor
 
     global_batch = rollout["input_ids"].shape[0] * world_size
     batch = to_engine_batch(
-        {**rollout, **per_token}, calculate_entropy=True, compute_loss=True, temperature=temperature,
-        global_batch_size=global_batch, mini_batch_size=global_batch, epochs=1, seed=1, dataloader_kwargs={"shuffle": False},
+        {**rollout, **per_token},
+        calculate_entropy=True,
+        compute_loss=True,
+        temperature=temperature,
+        global_batch_size=global_batch,
+        mini_batch_size=global_batch,
+        epochs=1,
+        seed=1,
+        dataloader_kwargs={"shuffle": False},
     )
     engine = engine_of(worker)
     grads = {}

@@ -26,7 +26,13 @@ def gen(seed) -> torch.Generator:
 @pytest.fixture(autouse=True)
 def _clean_state(monkeypatch):
     """No switch from the outer environment; no patch, fallback record or timing leaks between tests."""
-    for name in ("VIME_RL_KERNEL", "VIME_RL_KERNEL_OPS", "VIME_RL_KERNEL_STRICT", "VIME_RL_KERNEL_PROFILE", "RL_KERNEL_PROFILE"):
+    for name in (
+        "VIME_RL_KERNEL",
+        "VIME_RL_KERNEL_OPS",
+        "VIME_RL_KERNEL_STRICT",
+        "VIME_RL_KERNEL_PROFILE",
+        "RL_KERNEL_PROFILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     fallback.reset()
     yield

@@ -71,7 +71,9 @@ def _env(env_extra):
 
 def _start(site_dir, env_extra, body):
     code = f"import site; site.addsitedir({str(site_dir)!r})\n" + body
-    return subprocess.Popen([sys.executable, "-c", code], env=_env(env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=_env(env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 HEAVY = {  # each imports torch: started together, read by the tests below
@@ -94,12 +96,17 @@ def _result(outcome):
     returncode, stdout, stderr = outcome
     assert returncode == 0, stderr
     (line,) = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 REPLACED = [
-    "ppo.calculate_log_probs_and_entropy", "ppo.compute_approx_kl", "loss.calculate_log_probs_and_entropy",
-    "loss.compute_approx_kl", "loss.get_log_probs_and_entropy", "loss.policy_loss_function", "model.train_one_step",
+    "ppo.calculate_log_probs_and_entropy",
+    "ppo.compute_approx_kl",
+    "loss.calculate_log_probs_and_entropy",
+    "loss.compute_approx_kl",
+    "loss.get_log_probs_and_entropy",
+    "loss.policy_loss_function",
+    "model.train_one_step",
     "boundary.linear_logp_provider_path",
 ]
 
@@ -113,7 +120,13 @@ def test_off_changes_nothing_and_imports_nothing(probes):
 
 
 START_UP = ["rl_kernel_core", "rl_kernel_core.adapters", "rl_kernel_core.switches"]  # standard library only
-ON_AT_START_UP = START_UP + ["rl_kernel_vime", "rl_kernel_vime._bootstrap", "rl_kernel_vime.config", "rl_kernel_vime.registry", "rl_kernel_vime.targets"]
+ON_AT_START_UP = START_UP + [
+    "rl_kernel_vime",
+    "rl_kernel_vime._bootstrap",
+    "rl_kernel_vime.config",
+    "rl_kernel_vime.registry",
+    "rl_kernel_vime.targets",
+]
 
 
 @pytest.mark.parametrize("value, expected", [("0", []), ("off", ON_AT_START_UP), ("1", ON_AT_START_UP)])
@@ -167,7 +180,9 @@ def test_ops_selects_and_late_activation_patches_loaded_modules(probes):
 
 
 def test_invalid_switch_fails_the_vime_import_loudly(site_dir):
-    proc = _start(site_dir, {"VIME_RL_KERNEL": "1", "VIME_RL_KERNEL_OPS": "logprob,lossy"}, "import vime.utils.ppo_utils")
+    proc = _start(
+        site_dir, {"VIME_RL_KERNEL": "1", "VIME_RL_KERNEL_OPS": "logprob,lossy"}, "import vime.utils.ppo_utils"
+    )
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "ImportError" in stderr and "VIME_RL_KERNEL_OPS" in stderr and "lossy" in stderr
@@ -213,12 +228,17 @@ def test_status_command_imports_vime_and_reports(capsys):
     assert main(["status"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["import_errors"] == {} and not out["enabled"]
-    assert set(out["targets"]) == {f"{m}:{a}" for m, a in [
-        ("vime.utils.ppo_utils", "calculate_log_probs_and_entropy"), ("vime.utils.ppo_utils", "compute_approx_kl"),
-        ("vime.backends.megatron_utils.loss", "get_log_probs_and_entropy"),
-        ("vime.backends.megatron_utils.loss", "policy_loss_function"), ("vime.backends.megatron_utils.model", "train_one_step"),
-        ("vime.backends.megatron_utils.linear_logp_provider", "linear_logp_provider_path"),
-    ]}
+    assert set(out["targets"]) == {
+        f"{m}:{a}"
+        for m, a in [
+            ("vime.utils.ppo_utils", "calculate_log_probs_and_entropy"),
+            ("vime.utils.ppo_utils", "compute_approx_kl"),
+            ("vime.backends.megatron_utils.loss", "get_log_probs_and_entropy"),
+            ("vime.backends.megatron_utils.loss", "policy_loss_function"),
+            ("vime.backends.megatron_utils.model", "train_one_step"),
+            ("vime.backends.megatron_utils.linear_logp_provider", "linear_logp_provider_path"),
+        ]
+    }
     assert "vime.utils.ppo_utils:compute_policy_loss" in out["not_replaced"]
 
 
@@ -257,13 +277,13 @@ def test_a_hook_imported_by_name_elsewhere_calls_vime_after_restore(monkeypatch)
     assert calls == [1, 1]
 
 
-USER_MODULE = '''
+USER_MODULE = """
 from vime.utils.ppo_utils import compute_approx_kl
 
 
 def kl(log_probs, log_probs_base):
     return compute_approx_kl(log_probs, log_probs_base, "low_var_kl")
-'''
+"""
 
 
 def _user_module(tmp_path, monkeypatch, name):

@@ -57,8 +57,13 @@ def _check(monkeypatch, caplog, spy, call, op, reason_part):
 def _logprob_call(gen, args, **extra):
     logits, batch = make_batch(gen)
     return lambda: hooks.get_log_probs_and_entropy(
-        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"], with_entropy=True, **extra,
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+        with_entropy=True,
+        **extra,
     )
 
 

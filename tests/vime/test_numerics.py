@@ -32,8 +32,12 @@ def _grad(outputs, inputs, gen):
 def test_calculate_log_probs_and_entropy(gen, with_entropy, chunk_size):
     logits = (3 * torch.randn(13, 29, generator=gen)).requires_grad_()
     tokens = torch.randint(0, 29, (13,), generator=gen)
-    want_lp, want_ent = ppo_utils.calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=with_entropy, chunk_size=chunk_size)
-    got_lp, got_ent = hooks.calculate_log_probs_and_entropy(logits, tokens, None, with_entropy=with_entropy, chunk_size=chunk_size)
+    want_lp, want_ent = ppo_utils.calculate_log_probs_and_entropy(
+        logits, tokens, None, with_entropy=with_entropy, chunk_size=chunk_size
+    )
+    got_lp, got_ent = hooks.calculate_log_probs_and_entropy(
+        logits, tokens, None, with_entropy=with_entropy, chunk_size=chunk_size
+    )
     assert got_lp.shape == want_lp.shape == (13, 1) and got_lp.dtype == F32
     assert_close(got_lp, want_lp, "logprob", F32, "log_prob")
     if with_entropy:
@@ -64,8 +68,11 @@ def test_get_log_probs_and_entropy_packed(gen, temperature, with_entropy):
     logits, batch = make_batch(gen)
     args = make_args(rollout_temperature=temperature)
     kwargs = dict(
-        args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"], with_entropy=with_entropy,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+        with_entropy=with_entropy,
     )
     empty_want, want = vime_loss.get_log_probs_and_entropy(logits, **kwargs)
     empty_got, got = hooks.get_log_probs_and_entropy(logits, **kwargs)
@@ -153,6 +160,7 @@ def test_policy_loss_function_cuda(gen, name):
 def test_ppo_kl_is_vimes_unclamped_past_the_log_ratio_clamp(gen):
     """Old log-probs 30 below the new ones: the loss takes the ±20 clamp (the clip and dual clip
     bound it), the ``ppo_kl`` metric is vime's unclamped mean."""
+
     def push(batch):
         batch["log_probs"] = [old - 30.0 for old in batch["log_probs"]]
 
@@ -172,8 +180,12 @@ def test_custom_loss_flag_reaches_the_hook(gen):
     """``--loss-type custom_loss --custom-loss-function-path rl_kernel_vime.hooks.policy_loss_function``."""
     logits, batch = make_batch(gen)
     plain = make_args(eps_clip_c=2.5, entropy_coef=0.01)
-    flagged = make_args(eps_clip_c=2.5, entropy_coef=0.01, loss_type="custom_loss",
-                        custom_loss_function_path="rl_kernel_vime.hooks.policy_loss_function")
+    flagged = make_args(
+        eps_clip_c=2.5,
+        entropy_coef=0.01,
+        loss_type="custom_loss",
+        custom_loss_function_path="rl_kernel_vime.hooks.policy_loss_function",
+    )
     loss_want, _, log_want = vime_loss.loss_function(plain, batch, 2, 8, logits)
     loss_got, _, log_got = vime_loss.loss_function(flagged, batch, 2, 8, logits)
     assert log_got["keys"] == log_want["keys"]
@@ -197,20 +209,25 @@ def test_policy_loss_function_under_loss_recompute(gen):
     assert_close(g_got, g_want, "gradient", F32, "d logits")
 
 
-@pytest.mark.parametrize("setting, names", [
-    ({"eps_clip": 10**400}, "clip_ratio_low"),
-    ({"eps_clip_high": 10**400}, "clip_ratio_high"),
-    ({"eps_clip_c": 10**400}, "clip_ratio_c"),
-    ({"entropy_coef": 10**400}, "entropy_coef"),
-    ({"use_kl_loss": True, "kl_loss_coef": 10**400}, "kl_coef"),
-    ({"eps_clip": float("inf")}, "clip_ratio_low"),
-])
+@pytest.mark.parametrize(
+    "setting, names",
+    [
+        ({"eps_clip": 10**400}, "clip_ratio_low"),
+        ({"eps_clip_high": 10**400}, "clip_ratio_high"),
+        ({"eps_clip_c": 10**400}, "clip_ratio_c"),
+        ({"entropy_coef": 10**400}, "entropy_coef"),
+        ({"use_kl_loss": True, "kl_loss_coef": 10**400}, "kl_coef"),
+        ({"eps_clip": float("inf")}, "clip_ratio_low"),
+    ],
+)
 def test_policy_loss_function_refuses_settings_beyond_float_naming_them(gen, setting, names):
     """A float setting of 1e400 (an int beyond the float range, or infinity) is a ValueError naming
     rl_kernel_core's argument it feeds, not a bare OverflowError."""
     logits, batch = make_batch(gen)
     args = make_args(**setting)
-    reducer = cp_utils.get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], False)
+    reducer = cp_utils.get_sum_of_sample_mean(
+        batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], False
+    )
     with pytest.raises(ValueError, match=f"^{names} must be .*finite number"):
         hooks.policy_loss_function(args, batch, logits, reducer)
 
@@ -218,5 +235,10 @@ def test_policy_loss_function_refuses_settings_beyond_float_naming_them(gen, set
 def test_get_log_probs_and_entropy_refuses_a_temperature_beyond_float(gen):
     logits, batch = make_batch(gen)
     with pytest.raises(ValueError, match="^temperature must be a finite number > 0, got an int of"):
-        hooks.get_log_probs_and_entropy(logits, args=make_args(rollout_temperature=10**400), unconcat_tokens=batch["unconcat_tokens"],
-                                        total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])
+        hooks.get_log_probs_and_entropy(
+            logits,
+            args=make_args(rollout_temperature=10**400),
+            unconcat_tokens=batch["unconcat_tokens"],
+            total_lengths=batch["total_lengths"],
+            response_lengths=batch["response_lengths"],
+        )

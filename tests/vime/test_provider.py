@@ -41,19 +41,40 @@ F32 = torch.float32
 PATH = targets.PROVIDER_PATH
 
 
-def _request(logits, targets_, *, context=None, with_entropy=False, with_entropy_grad=None, keep=None, temperature=None, layout=None):
+def _request(
+    logits,
+    targets_,
+    *,
+    context=None,
+    with_entropy=False,
+    with_entropy_grad=None,
+    keep=None,
+    temperature=None,
+    layout=None,
+):
     return boundary.LinearLogpRequest(
-        logits=logits, target_ids=targets_, tensor_parallel_group=None,
+        logits=logits,
+        target_ids=targets_,
+        tensor_parallel_group=None,
         token_layout=layout or boundary.TokenLayout(world_size=1, rank=0, layout="single"),
-        with_entropy=with_entropy, with_entropy_grad=with_entropy if with_entropy_grad is None else with_entropy_grad,
-        chunk_size=-1, log_prob_keep_mask=keep, context=context, temperature=temperature,
+        with_entropy=with_entropy,
+        with_entropy_grad=with_entropy if with_entropy_grad is None else with_entropy_grad,
+        chunk_size=-1,
+        log_prob_keep_mask=keep,
+        context=context,
+        temperature=temperature,
     )
 
 
 def _native(request) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return ppo_utils.calculate_log_probs_and_entropy(
-        request.logits, request.target_ids, None, with_entropy=request.with_entropy,
-        with_entropy_grad=request.with_entropy_grad, chunk_size=-1, log_prob_keep_mask=request.log_prob_keep_mask,
+        request.logits,
+        request.target_ids,
+        None,
+        with_entropy=request.with_entropy,
+        with_entropy_grad=request.with_entropy_grad,
+        chunk_size=-1,
+        log_prob_keep_mask=request.log_prob_keep_mask,
     )
 
 
@@ -115,7 +136,8 @@ def test_hidden_path_matches_vime_native_without_reading_logits(gen, bias, with_
     t = {None: None, 0.7: 0.7, "tensor1": torch.tensor([1.3]), "tensorT": torch.full((9,), 0.8)}[temperature]
     scale = 1.0 if t is None else float(t) if not isinstance(t, torch.Tensor) else float(t.reshape(-1)[0])
     context = boundary.LinearLogpContext(
-        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
+        hidden=h,
+        projection=boundary.LinearProjection(weight=w, bias=b),
         vocab_partition=boundary.VocabPartition(local_start=0, local_size=29, real_size=27, padded_size=29),
     )
     poisoned = torch.full((9, 29), float("nan"), requires_grad=True)
@@ -128,7 +150,12 @@ def test_hidden_path_matches_vime_native_without_reading_logits(gen, bias, with_
         assert_close(result.entropy, want_ent, "logprob", F32, "entropy")
     assert result.backend_id == "rl_kernel:" + dispatch.explain("linear_logprob").backend
     assert result.provenance["op"] == "linear_logprob" and result.provenance["temperature"] == pytest.approx(scale)
-    assert result.provenance["vocab_partition"] == {"local_start": 0, "local_size": 29, "real_size": 27, "padded_size": 29}
+    assert result.provenance["vocab_partition"] == {
+        "local_start": 0,
+        "local_size": 29,
+        "real_size": 27,
+        "padded_size": 29,
+    }
     leaves = [x for x in (h, w, b) if x is not None]
     upstream = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     g_want = torch.autograd.grad(_weighted([want_lp, want_ent], upstream.clone_state()), leaves)
@@ -166,7 +193,8 @@ def _keep_mask_request(gen):
 def _per_row_temperature_request(gen):
     h, w, b, tgt = _hidden_case(gen)
     context = boundary.LinearLogpContext(
-        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
+        hidden=h,
+        projection=boundary.LinearProjection(weight=w, bias=b),
         vocab_partition=boundary.VocabPartition(local_start=0, local_size=29, real_size=29, padded_size=29),
     )
     temperature = torch.rand(9, generator=gen) + 0.5
@@ -176,7 +204,8 @@ def _per_row_temperature_request(gen):
 def _offset_shard_request(gen):
     h, w, b, tgt = _hidden_case(gen)
     context = boundary.LinearLogpContext(
-        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
+        hidden=h,
+        projection=boundary.LinearProjection(weight=w, bias=b),
         vocab_partition=boundary.VocabPartition(local_start=3, local_size=29, real_size=32, padded_size=32),
     )
     return _request(F.linear(h, w, b), tgt, context=context)
@@ -232,12 +261,17 @@ def test_switch_makes_it_vime_default_provider(gen):
     key = f"{targets.PROVIDER_BOUNDARY}:linear_logp_provider_path"
     assert rl_kernel_vime.status()["targets"][key] == "live"
     assert boundary.linear_logp_provider_path(Namespace()) == PATH
-    assert boundary.linear_logp_provider_path(_args("user.module.provider")) == "user.module.provider"  # the user's flag wins
+    assert (
+        boundary.linear_logp_provider_path(_args("user.module.provider")) == "user.module.provider"
+    )  # the user's flag wins
     logits, batch = make_batch(gen)
     args = make_args(rollout_temperature=0.8)  # no linear_logp_provider attribute: the flag is absent
     kwargs = dict(
-        args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"], with_entropy=True,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+        with_entropy=True,
     )
     _, got = vime_get(logits, **kwargs)
     calls = rl_kernel_vime.status()["provider"]["calls"]
@@ -334,16 +368,32 @@ def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
     rows, hidden, vocab = 10, 12, 34
     h, w, b, tgt = _hidden_case(gen, rows=rows, hidden=hidden, vocab=vocab)
     case = dict(
-        hidden=h.detach(), weight=w.detach(), bias=b.detach(), targets=tgt, temperature=0.9,
-        g_lp=torch.randn(rows, generator=gen), g_ent=torch.randn(rows, generator=gen),
+        hidden=h.detach(),
+        weight=w.detach(),
+        bias=b.detach(),
+        targets=tgt,
+        temperature=0.9,
+        g_lp=torch.randn(rows, generator=gen),
+        g_ent=torch.randn(rows, generator=gen),
     )
     torch.save(case, tmp_path / "inputs.pt")
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here / "standin"), str(here.parents[1])])}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _TP_WORKER, str(r), str(tmp_path / "store"), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{r}.pt")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-c",
+                _TP_WORKER,
+                str(r),
+                str(tmp_path / "store"),
+                str(tmp_path / "inputs.pt"),
+                str(tmp_path / f"out{r}.pt"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for r in range(2)
     ]
@@ -364,14 +414,26 @@ def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
         assert_close(got["db"], g_want[2][shard], "gradient", F32, f"rank {r} d bias shard")
         assert got["backend_id"].startswith("rl_kernel:")
         assert got["provenance"]["tp_world_size"] == 2 and got["provenance"]["tp_rank"] == r
-        assert got["refused"].startswith("ProviderUnavailable: rl_kernel_vime: vocab-parallel logits (TP=2) without hidden states")
+        assert got["refused"].startswith(
+            "ProviderUnavailable: rl_kernel_vime: vocab-parallel logits (TP=2) without hidden states"
+        )
         assert_close(got["flat_lp"], want_lp, "logprob", F32, f"rank {r} selected_logprobs")
         assert_close(got["flat_ent"], want_ent, "logprob", F32, f"rank {r} selected entropy")
-        for name, grad, want in (("dh", got["flat_dh"], g_want[0]), ("dw", got["flat_dw"], g_want[1][shard]), ("db", got["flat_db"], g_want[2][shard])):
+        for name, grad, want in (
+            ("dh", got["flat_dh"], g_want[0]),
+            ("dw", got["flat_dw"], g_want[1][shard]),
+            ("db", got["flat_db"], g_want[2][shard]),
+        ):
             assert_close(grad, want, "gradient", F32, f"rank {r} selected {name}")
         assert got["flat_provenance"]["boundary"] == "selected_logprob" and got["flat_provenance"]["tp_rank"] == r
-        assert got["flat_provenance"]["vocab"] == {"vocab_start_index": r * vocab // 2, "global_vocab_size": vocab, "real_vocab_size": vocab - 3}
-        assert got["flat_refused"].startswith("ProviderUnavailable: rl_kernel_vime: vocab-parallel logits (TP=2) without hidden states")
+        assert got["flat_provenance"]["vocab"] == {
+            "vocab_start_index": r * vocab // 2,
+            "global_vocab_size": vocab,
+            "real_vocab_size": vocab - 3,
+        }
+        assert got["flat_refused"].startswith(
+            "ProviderUnavailable: rl_kernel_vime: vocab-parallel logits (TP=2) without hidden states"
+        )
 
 
 # --- malformed requests: a one-line TypeError/ValueError naming the field, on either boundary ---
@@ -382,22 +444,33 @@ def _well_formed(gen, rows: int = 6, hidden: int = 5, vocab: int = 11) -> dict[s
     h, w, b, tgt = _hidden_case(gen, rows=rows, hidden=hidden, vocab=vocab)
     logits = F.linear(h, w, b).detach()
     context = boundary.LinearLogpContext(
-        hidden=h, projection=boundary.LinearProjection(weight=w, bias=b),
-        vocab_partition=boundary.VocabPartition(local_start=0, local_size=vocab, real_size=vocab - 2, padded_size=vocab),
+        hidden=h,
+        projection=boundary.LinearProjection(weight=w, bias=b),
+        vocab_partition=boundary.VocabPartition(
+            local_start=0, local_size=vocab, real_size=vocab - 2, padded_size=vocab
+        ),
     )
     cp = selected_boundary.ContextParallelLayout(world_size=1, rank=0, layout="single")
 
     def flat(**fields: Any) -> selected_boundary.SelectedLogprobRequest:
         return selected_boundary.SelectedLogprobRequest(
-            logits=logits, target_ids=tgt, tensor_parallel_group=None, context_parallel=cp, with_entropy=True,
-            with_entropy_grad=True, chunk_size=-1, **fields,
+            logits=logits,
+            target_ids=tgt,
+            tensor_parallel_group=None,
+            context_parallel=cp,
+            with_entropy=True,
+            with_entropy_grad=True,
+            chunk_size=-1,
+            **fields,
         )
 
     return {
         "linear/logits": _request(logits, tgt, with_entropy=True),
         "linear/hidden": _request(logits, tgt, with_entropy=True, context=context),
         "selected/logits": flat(),
-        "selected/hidden": flat(hidden=h, lm_head_weight=w, lm_head_bias=b, global_vocab_size=vocab, real_vocab_size=vocab - 2),
+        "selected/hidden": flat(
+            hidden=h, lm_head_weight=w, lm_head_bias=b, global_vocab_size=vocab, real_vocab_size=vocab - 2
+        ),
     }
 
 
@@ -405,7 +478,11 @@ KINDS = ["linear/logits", "linear/hidden", "selected/logits", "selected/hidden"]
 
 
 def _fields(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else dict(vars(obj))
+    return (
+        {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        if dataclasses.is_dataclass(obj)
+        else dict(vars(obj))
+    )
 
 
 def _structural(request: Any, **changes: Any) -> SimpleNamespace:
@@ -435,12 +512,29 @@ def _refusal(request: Any, kinds: tuple[type, ...] = (TypeError, ValueError)) ->
 _REQUIRED = ["logits", "target_ids", "tensor_parallel_group", "with_entropy", "with_entropy_grad"]
 MISSING = (
     [(kind, name) for kind in KINDS for name in _REQUIRED]
-    + [(kind, f"token_layout{sub}") for kind in ("linear/logits", "linear/hidden") for sub in ("", ".world_size", ".rank", ".layout")]
-    + [(kind, f"context_parallel{sub}") for kind in ("selected/logits", "selected/hidden") for sub in ("", ".world_size", ".rank", ".layout")]
-    + [("linear/hidden", f"context.{sub}") for sub in (
-        "hidden", "projection", "projection.weight", "vocab_partition", "vocab_partition.local_start",
-        "vocab_partition.local_size", "vocab_partition.real_size", "vocab_partition.padded_size",
-    )]
+    + [
+        (kind, f"token_layout{sub}")
+        for kind in ("linear/logits", "linear/hidden")
+        for sub in ("", ".world_size", ".rank", ".layout")
+    ]
+    + [
+        (kind, f"context_parallel{sub}")
+        for kind in ("selected/logits", "selected/hidden")
+        for sub in ("", ".world_size", ".rank", ".layout")
+    ]
+    + [
+        ("linear/hidden", f"context.{sub}")
+        for sub in (
+            "hidden",
+            "projection",
+            "projection.weight",
+            "vocab_partition",
+            "vocab_partition.local_start",
+            "vocab_partition.local_size",
+            "vocab_partition.real_size",
+            "vocab_partition.padded_size",
+        )
+    ]
 )
 
 
@@ -455,32 +549,106 @@ def test_a_missing_field_is_named(gen, kind, path):
 
 def test_a_request_of_neither_boundary_is_named(gen):
     message = _refusal(SimpleNamespace(logits=torch.randn(2, 3, generator=gen)), (TypeError,))
-    assert "LinearLogpRequest (with token_layout)" in message and "SelectedLogprobRequest (with context_parallel)" in message
+    assert (
+        "LinearLogpRequest (with token_layout)" in message
+        and "SelectedLogprobRequest (with context_parallel)" in message
+    )
     assert "SimpleNamespace" in message
 
 
 MALFORMED: dict[str, tuple[str, Any, type, str]] = {
     # name: (request kind, changes(request, rows) -> dict, exception, message start)
-    "logits 3-D": ("linear/logits", lambda r, n: {"logits": r.logits[None]}, ValueError, "request.logits must be a [T, V_local] float tensor, got shape"),
-    "logits a list": ("selected/logits", lambda r, n: {"logits": r.logits.tolist()}, TypeError, "request.logits must be a [T, V_local] float tensor, got list"),
-    "targets float": ("selected/hidden", lambda r, n: {"target_ids": r.target_ids.float()}, TypeError, "request.target_ids must be an integer tensor"),
-    "targets short": ("linear/hidden", lambda r, n: {"target_ids": r.target_ids[:-1]}, ValueError, f"request.target_ids must have T="),
-    "with_entropy a string": ("linear/logits", lambda r, n: {"with_entropy": "yes"}, TypeError, "request.with_entropy must be a bool, got str"),
-    "cp rank past world": ("selected/logits", lambda r, n: {"context_parallel": SimpleNamespace(world_size=1, rank=1, layout="single")},
-                           ValueError, "request.context_parallel.rank must be in [0, world_size=1)"),
-    "cp layout unknown": ("linear/logits", lambda r, n: {"token_layout": SimpleNamespace(world_size=2, rank=0, layout="ring")},
-                          ValueError, "request.token_layout.layout must be 'zigzag' or 'allgather' for world_size=2, got 'ring'"),
-    "weight without hidden": ("selected/hidden", lambda r, n: {"hidden": None}, ValueError,
-                              "request.hidden must be a tensor when request.lm_head_weight is given"),
-    "bias alone": ("selected/logits", lambda r, n: {"lm_head_bias": torch.zeros(3)}, ValueError, "request.lm_head_bias must be None without"),
-    "hidden 1-D": ("selected/hidden", lambda r, n: {"hidden": r.hidden[0]}, ValueError, "request.hidden must be a [T, H] float tensor, got shape"),
-    "vocab start negative": ("selected/hidden", lambda r, n: {"vocab_start_index": -1}, ValueError, "request.vocab_start_index must be an int >= 0, got -1"),
-    "vocab start a float": ("selected/hidden", lambda r, n: {"vocab_start_index": 0.0}, TypeError, "request.vocab_start_index must be an int >= 0, got float"),
-    "real past padded": ("selected/hidden", lambda r, n: {"real_vocab_size": r.global_vocab_size + 1}, ValueError,
-                         "real_vocab_size must be at most global_vocab_size="),
-    "partition width": ("linear/hidden", lambda r, n: {"context": SimpleNamespace(**{**_fields(r.context), "vocab_partition": SimpleNamespace(
-        local_start=0, local_size=n + 1, real_size=n, padded_size=n + 1)})}, ValueError,
-        "request.context.vocab_partition.local_size must equal the LM-head shard's rows"),
+    "logits 3-D": (
+        "linear/logits",
+        lambda r, n: {"logits": r.logits[None]},
+        ValueError,
+        "request.logits must be a [T, V_local] float tensor, got shape",
+    ),
+    "logits a list": (
+        "selected/logits",
+        lambda r, n: {"logits": r.logits.tolist()},
+        TypeError,
+        "request.logits must be a [T, V_local] float tensor, got list",
+    ),
+    "targets float": (
+        "selected/hidden",
+        lambda r, n: {"target_ids": r.target_ids.float()},
+        TypeError,
+        "request.target_ids must be an integer tensor",
+    ),
+    "targets short": (
+        "linear/hidden",
+        lambda r, n: {"target_ids": r.target_ids[:-1]},
+        ValueError,
+        "request.target_ids must have T=",
+    ),
+    "with_entropy a string": (
+        "linear/logits",
+        lambda r, n: {"with_entropy": "yes"},
+        TypeError,
+        "request.with_entropy must be a bool, got str",
+    ),
+    "cp rank past world": (
+        "selected/logits",
+        lambda r, n: {"context_parallel": SimpleNamespace(world_size=1, rank=1, layout="single")},
+        ValueError,
+        "request.context_parallel.rank must be in [0, world_size=1)",
+    ),
+    "cp layout unknown": (
+        "linear/logits",
+        lambda r, n: {"token_layout": SimpleNamespace(world_size=2, rank=0, layout="ring")},
+        ValueError,
+        "request.token_layout.layout must be 'zigzag' or 'allgather' for world_size=2, got 'ring'",
+    ),
+    "weight without hidden": (
+        "selected/hidden",
+        lambda r, n: {"hidden": None},
+        ValueError,
+        "request.hidden must be a tensor when request.lm_head_weight is given",
+    ),
+    "bias alone": (
+        "selected/logits",
+        lambda r, n: {"lm_head_bias": torch.zeros(3)},
+        ValueError,
+        "request.lm_head_bias must be None without",
+    ),
+    "hidden 1-D": (
+        "selected/hidden",
+        lambda r, n: {"hidden": r.hidden[0]},
+        ValueError,
+        "request.hidden must be a [T, H] float tensor, got shape",
+    ),
+    "vocab start negative": (
+        "selected/hidden",
+        lambda r, n: {"vocab_start_index": -1},
+        ValueError,
+        "request.vocab_start_index must be an int >= 0, got -1",
+    ),
+    "vocab start a float": (
+        "selected/hidden",
+        lambda r, n: {"vocab_start_index": 0.0},
+        TypeError,
+        "request.vocab_start_index must be an int >= 0, got float",
+    ),
+    "real past padded": (
+        "selected/hidden",
+        lambda r, n: {"real_vocab_size": r.global_vocab_size + 1},
+        ValueError,
+        "real_vocab_size must be at most global_vocab_size=",
+    ),
+    "partition width": (
+        "linear/hidden",
+        lambda r, n: {
+            "context": SimpleNamespace(
+                **{
+                    **_fields(r.context),
+                    "vocab_partition": SimpleNamespace(local_start=0, local_size=n + 1, real_size=n, padded_size=n + 1),
+                }
+            )
+        },
+        ValueError,
+        "request.context.vocab_partition.local_size must equal the LM-head shard's rows",
+    ),
 }
 
 
@@ -524,7 +692,9 @@ def _bad_temperature(kind: str, gen: torch.Generator, rows: int) -> Any:
     if kind == "meta tensor":
         return torch.full((rows,) if u < 0.5 else (1,), good, device="meta")
     if kind == "wrong count":
-        return torch.full((rows + 1 + index,) if u < 0.5 or rows <= 2 else (2 + index % (rows - 2),), good)  # neither 1 nor T
+        return torch.full(
+            (rows + 1 + index,) if u < 0.5 or rows <= 2 else (2 + index % (rows - 2),), good
+        )  # neither 1 nor T
     if kind == "complex tensor":
         return torch.full((1,), good, dtype=torch.complex64)
     if kind == "bool tensor":
@@ -533,10 +703,21 @@ def _bad_temperature(kind: str, gen: torch.Generator, rows: int) -> Any:
 
 
 BAD_TEMPERATURES = {
-    "nan": ValueError, "inf": ValueError, "negative": ValueError, "zero": ValueError, "below the range": ValueError,
-    "overflowing int": ValueError, "bool": TypeError, "string": TypeError,
-    "all-NaN tensor": ValueError, "one bad entry": ValueError, "empty tensor": ValueError, "meta tensor": ValueError,
-    "wrong count": ValueError, "complex tensor": TypeError, "bool tensor": TypeError,
+    "nan": ValueError,
+    "inf": ValueError,
+    "negative": ValueError,
+    "zero": ValueError,
+    "below the range": ValueError,
+    "overflowing int": ValueError,
+    "bool": TypeError,
+    "string": TypeError,
+    "all-NaN tensor": ValueError,
+    "one bad entry": ValueError,
+    "empty tensor": ValueError,
+    "meta tensor": ValueError,
+    "wrong count": ValueError,
+    "complex tensor": TypeError,
+    "bool tensor": TypeError,
 }
 
 

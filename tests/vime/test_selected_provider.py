@@ -38,16 +38,30 @@ SINGLE = boundary.ContextParallelLayout(world_size=1, rank=0, layout="single")
 
 def _request(logits, targets_, *, with_entropy=False, with_entropy_grad=None, keep=None, layout=SINGLE, **fields: Any):
     return boundary.SelectedLogprobRequest(
-        logits=logits, target_ids=targets_, tensor_parallel_group=None, context_parallel=layout,
-        with_entropy=with_entropy, with_entropy_grad=with_entropy if with_entropy_grad is None else with_entropy_grad,
-        chunk_size=-1, log_prob_keep_mask=keep, **fields,
+        logits=logits,
+        target_ids=targets_,
+        tensor_parallel_group=None,
+        context_parallel=layout,
+        with_entropy=with_entropy,
+        with_entropy_grad=with_entropy if with_entropy_grad is None else with_entropy_grad,
+        chunk_size=-1,
+        log_prob_keep_mask=keep,
+        **fields,
     )
 
 
-def _native(logits, targets_, *, with_entropy=False, with_entropy_grad=None, keep=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _native(
+    logits, targets_, *, with_entropy=False, with_entropy_grad=None, keep=None
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     grad = with_entropy if with_entropy_grad is None else with_entropy_grad
     return ppo_utils.calculate_log_probs_and_entropy(
-        logits, targets_, None, with_entropy=with_entropy, with_entropy_grad=grad, chunk_size=-1, log_prob_keep_mask=keep,
+        logits,
+        targets_,
+        None,
+        with_entropy=with_entropy,
+        with_entropy_grad=grad,
+        chunk_size=-1,
+        log_prob_keep_mask=keep,
     )
 
 
@@ -80,8 +94,16 @@ def test_logits_request_matches_vime_native(gen, with_entropy, with_entropy_grad
     the rollout temperature on every request; it is not applied a second time."""
     logits = (3 * torch.randn(11, 23, generator=gen)).requires_grad_()
     tgt = torch.randint(0, 23, (11,), generator=gen)
-    request = _request(logits, tgt, with_entropy=with_entropy, with_entropy_grad=with_entropy_grad, temperature=0.8,
-                       global_vocab_size=23, real_vocab_size=20, metadata={"logits_are_temperature_scaled": True})
+    request = _request(
+        logits,
+        tgt,
+        with_entropy=with_entropy,
+        with_entropy_grad=with_entropy_grad,
+        temperature=0.8,
+        global_vocab_size=23,
+        real_vocab_size=20,
+        metadata={"logits_are_temperature_scaled": True},
+    )
     lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=_must_not_run)
     want_lp, want_ent = _native(logits, tgt, with_entropy=with_entropy, with_entropy_grad=with_entropy_grad)
     assert lp.shape == (11, 1) and lp.dtype == F32
@@ -113,12 +135,27 @@ def test_hidden_request_matches_vime_native_without_reading_logits(gen, bias, wi
     one ``linear_logprob`` call at the request's temperature, over the padded vocabulary as vime's
     native function scores it (``real_vocab_size`` is recorded, not used to mask)."""
     h, w, b, tgt = _head(gen, bias=bias)
-    forms: dict[Any, Union[float, torch.Tensor]] = {1.0: 1.0, 0.7: 0.7, "tensor1": torch.tensor([1.3]), "tensorT": torch.full((9,), 0.8)}
+    forms: dict[Any, Union[float, torch.Tensor]] = {
+        1.0: 1.0,
+        0.7: 0.7,
+        "tensor1": torch.tensor([1.3]),
+        "tensorT": torch.full((9,), 0.8),
+    }
     t = forms[temperature]
     scale = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
     poisoned = torch.full((9, 29), float("nan"), requires_grad=True)
-    request = _request(poisoned, tgt, with_entropy=with_entropy, hidden=h, lm_head_weight=w, lm_head_bias=b,
-                       vocab_start_index=0, global_vocab_size=29, real_vocab_size=27, temperature=t)
+    request = _request(
+        poisoned,
+        tgt,
+        with_entropy=with_entropy,
+        hidden=h,
+        lm_head_weight=w,
+        lm_head_bias=b,
+        vocab_start_index=0,
+        global_vocab_size=29,
+        real_vocab_size=27,
+        temperature=t,
+    )
     lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=_must_not_run)
     want_lp, want_ent = _native(F.linear(h, w, b) / scale, tgt, with_entropy=with_entropy)
     assert_close(lp, want_lp, "logprob", F32, "selected_logprobs")
@@ -143,8 +180,15 @@ def test_an_earlier_request_without_structural_fields_is_served(gen):
     logits = 3 * torch.randn(7, 13, generator=gen)
     tgt = torch.randint(0, 13, (7,), generator=gen)
     request = SimpleNamespace(
-        logits=logits, target_ids=tgt, tensor_parallel_group=None, context_parallel=SINGLE, with_entropy=True,
-        with_entropy_grad=False, chunk_size=-1, log_prob_keep_mask=None, metadata={"logits_are_temperature_scaled": True},
+        logits=logits,
+        target_ids=tgt,
+        tensor_parallel_group=None,
+        context_parallel=SINGLE,
+        with_entropy=True,
+        with_entropy_grad=False,
+        chunk_size=-1,
+        log_prob_keep_mask=None,
+        metadata={"logits_are_temperature_scaled": True},
     )
     result = provider(request)
     want_lp, want_ent = _native(logits, tgt, with_entropy=True)
@@ -164,10 +208,19 @@ def test_vime_loss_asks_the_provider_through_the_selected_boundary(gen, with_con
     context = None
     if with_context:  # the logits the model would produce from these hidden states
         h, w, b, _ = _head(gen, rows=num_rows, hidden=rows_hidden, vocab=vocab)
-        context = {"hidden": h, "lm_head_weight": w, "lm_head_bias": b, "vocab_start_index": 0, "global_vocab_size": vocab, "real_vocab_size": vocab}
+        context = {
+            "hidden": h,
+            "lm_head_weight": w,
+            "lm_head_bias": b,
+            "vocab_start_index": 0,
+            "global_vocab_size": vocab,
+            "real_vocab_size": vocab,
+        }
         logits = F.linear(h, w, b).detach()[None].requires_grad_()
     kwargs = dict(
-        unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
         with_entropy=True,
     )
     args = make_args(rollout_temperature=0.8, selected_logprob_provider=PATH, selected_logprob_provider_mode="strict")
@@ -188,7 +241,9 @@ def test_the_hook_takes_vime_calls_without_a_linear_logp_context(gen):
     rl_kernel_vime.activate()
     logits, batch = make_batch(gen, vocab=17)
     kwargs = dict(
-        unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
         with_entropy=True,
     )
     args = make_args(rollout_temperature=0.8, selected_logprob_provider=PATH)
@@ -196,9 +251,13 @@ def test_the_hook_takes_vime_calls_without_a_linear_logp_context(gen):
     assert fallback.counts() == {} and registry.provider_calls() == {}  # the hook's own op call
     h, w, b, _ = _head(gen, rows=logits.size(1), hidden=6, vocab=17)
     context = {"hidden": h, "lm_head_weight": w, "lm_head_bias": b, "vocab_start_index": 0}
-    _, via_boundary = vime_loss.get_log_probs_and_entropy(F.linear(h, w, b).detach()[None], args=args, linear_logp_context=context, **kwargs)
+    _, via_boundary = vime_loss.get_log_probs_and_entropy(
+        F.linear(h, w, b).detach()[None], args=args, linear_logp_context=context, **kwargs
+    )
     assert fallback.counts() == {"logprob": {"argument linear_logp_context is set and not supported": 1}}
-    assert registry.provider_calls() == {f"rl_kernel:{dispatch.explain('linear_logprob').backend} via linear_logprob": 1}
+    assert registry.provider_calls() == {
+        f"rl_kernel:{dispatch.explain('linear_logprob').backend} via linear_logprob": 1
+    }
     rl_kernel_vime.restore()
     _, want = vime_loss.get_log_probs_and_entropy(logits, args=make_args(rollout_temperature=0.8), **kwargs)
     for key in ("log_probs", "entropy"):
@@ -226,8 +285,14 @@ UNSERVED = {
         lambda gen: _hidden_fields(gen, temperature=torch.rand(9, generator=gen) + 0.5, global_vocab_size=29),
         "per-row temperatures differ",
     ),
-    "offset vocab shard": (lambda gen: _hidden_fields(gen, vocab_start_index=3, global_vocab_size=32), "is not TP rank 0's contiguous share"),
-    "padded beyond the shards": (lambda gen: _hidden_fields(gen, global_vocab_size=32), "vocab shard [0, 29) of 32 is not TP rank 0's"),
+    "offset vocab shard": (
+        lambda gen: _hidden_fields(gen, vocab_start_index=3, global_vocab_size=32),
+        "is not TP rank 0's contiguous share",
+    ),
+    "padded beyond the shards": (
+        lambda gen: _hidden_fields(gen, global_vocab_size=32),
+        "vocab shard [0, 29) of 32 is not TP rank 0's",
+    ),
 }
 
 
@@ -248,7 +313,9 @@ def test_auto_falls_back_to_vime_native(gen, caplog, case):
         return ppo_utils.calculate_log_probs_and_entropy(*args, **kwargs)
 
     lp, ent = boundary.compute_selected_logprobs(args=_args(), request=request, native=native)
-    want_lp, want_ent = _native(request.logits, request.target_ids, with_entropy=request.with_entropy, keep=request.log_prob_keep_mask)
+    want_lp, want_ent = _native(
+        request.logits, request.target_ids, with_entropy=request.with_entropy, keep=request.log_prob_keep_mask
+    )
     assert calls == [1]
     assert torch.equal(lp, want_lp) and (ent is None) == (want_ent is None)
     assert any(reason in r.getMessage() for r in caplog.records), caplog.text
@@ -260,7 +327,9 @@ def test_strict_refuses_in_one_line(gen, case):
     with pytest.raises(RuntimeError) as info:
         boundary.compute_selected_logprobs(args=_args(mode="strict"), request=build(gen), native=_must_not_run)
     message = str(info.value)
-    assert message.startswith(f"selected-logprob provider {PATH!r} is unavailable: rl_kernel_vime: ") and reason in message
+    assert (
+        message.startswith(f"selected-logprob provider {PATH!r} is unavailable: rl_kernel_vime: ") and reason in message
+    )
     assert "\n" not in message
 
 
@@ -280,23 +349,50 @@ def test_the_provider_needs_no_vime_to_answer(gen, monkeypatch):
     logits = F.linear(h, w, b).detach()
     cp = SimpleNamespace(world_size=2, rank=1, layout="allgather")
     flat = SimpleNamespace(
-        logits=logits, target_ids=tgt, tensor_parallel_group=None, context_parallel=cp, with_entropy=False,
-        with_entropy_grad=False, chunk_size=-1, log_prob_keep_mask=None, metadata={}, hidden=h, lm_head_weight=w,
-        lm_head_bias=b, vocab_start_index=0, global_vocab_size=29, real_vocab_size=29, temperature=0.9,
+        logits=logits,
+        target_ids=tgt,
+        tensor_parallel_group=None,
+        context_parallel=cp,
+        with_entropy=False,
+        with_entropy_grad=False,
+        chunk_size=-1,
+        log_prob_keep_mask=None,
+        metadata={},
+        hidden=h,
+        lm_head_weight=w,
+        lm_head_bias=b,
+        vocab_start_index=0,
+        global_vocab_size=29,
+        real_vocab_size=29,
+        temperature=0.9,
     )
     structural = SimpleNamespace(
-        logits=logits, target_ids=tgt, tensor_parallel_group=None, token_layout=cp, with_entropy=False, with_entropy_grad=False,
-        chunk_size=-1, log_prob_keep_mask=None, context=SimpleNamespace(
-            hidden=h, projection=SimpleNamespace(weight=w, bias=b),
+        logits=logits,
+        target_ids=tgt,
+        tensor_parallel_group=None,
+        token_layout=cp,
+        with_entropy=False,
+        with_entropy_grad=False,
+        chunk_size=-1,
+        log_prob_keep_mask=None,
+        context=SimpleNamespace(
+            hidden=h,
+            projection=SimpleNamespace(weight=w, bias=b),
             vocab_partition=SimpleNamespace(local_start=0, local_size=29, real_size=29, padded_size=29),
-        ), temperature=0.9, metadata={},
+        ),
+        temperature=0.9,
+        metadata={},
     )
     want_lp, _ = _native(F.linear(h, w, b) / 0.9, tgt)
     selected = provider(flat)
     assert_close(selected.selected_logprobs, want_lp, "logprob", F32, "selected_logprobs")
     linear = provider(structural)
     assert_close(linear.logp, want_lp, "logprob", F32, "logp")
-    assert selected.provenance["context_parallel"] == linear.provenance["token_layout"] == {"world_size": 2, "rank": 1, "layout": "allgather"}
+    assert (
+        selected.provenance["context_parallel"]
+        == linear.provenance["token_layout"]
+        == {"world_size": 2, "rank": 1, "layout": "allgather"}
+    )
     with pytest.raises(ProviderUnavailable) as info:
         provider(SimpleNamespace(**{**vars(flat), "vocab_start_index": 3, "global_vocab_size": 32}))
     assert info.value.linear_logp_provider_unavailable and info.value.selected_logprob_provider_unavailable

@@ -50,8 +50,11 @@ def _run_steps(model_state, batches, args, with_between_step_work, device="cpu")
             b = batches[2 * step]
             with torch.no_grad():
                 _, res = vime_loss.get_log_probs_and_entropy(
-                    model(b["tokens"]), args=args, unconcat_tokens=b["unconcat_tokens"],
-                    total_lengths=b["total_lengths"], response_lengths=b["response_lengths"],
+                    model(b["tokens"]),
+                    args=args,
+                    unconcat_tokens=b["unconcat_tokens"],
+                    total_lengths=b["total_lengths"],
+                    response_lengths=b["response_lengths"],
                 )
             ppo_utils.compute_approx_kl(torch.cat(res["log_probs"]), torch.cat(b["ref_log_probs"]), "low_var_kl")
         results.append(vime_model.train_one_step(args, 7, step, it, model, optimizer, None, 2, 8))
@@ -102,10 +105,15 @@ def test_no_step_metrics_without_the_step_hook(gen):
 @pytest.mark.parametrize("ops", [["ratio_kl"], []])
 def test_op_selection(ops):
     cfg = config.Config(enabled=True, ops=frozenset(ops), strict=False, profile_path=None)
-    originals = {name: getattr(module, attr) for name, module, attr in [
-        ("kl", ppo_utils, "compute_approx_kl"), ("lp", ppo_utils, "calculate_log_probs_and_entropy"),
-        ("loss", vime_loss, "policy_loss_function"), ("step", vime_model, "train_one_step"),
-    ]}
+    originals = {
+        name: getattr(module, attr)
+        for name, module, attr in [
+            ("kl", ppo_utils, "compute_approx_kl"),
+            ("lp", ppo_utils, "calculate_log_probs_and_entropy"),
+            ("loss", vime_loss, "policy_loss_function"),
+            ("step", vime_model, "train_one_step"),
+        ]
+    }
     for name, module in ((targets.PPO_UTILS, ppo_utils), (targets.LOSS, vime_loss), (targets.MODEL, vime_model)):
         patch.apply_module(name, module, cfg)
     assert (ppo_utils.compute_approx_kl is hooks.compute_approx_kl) == ("ratio_kl" in ops)

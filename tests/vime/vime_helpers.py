@@ -9,10 +9,22 @@ import torch
 def make_args(**overrides) -> Namespace:
     """vime's (slime's) arguments that the hooked functions read, with typical GRPO values."""
     values = dict(
-        rollout_temperature=1.0, log_probs_chunk_size=-1, eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
-        entropy_coef=0.0, use_kl_loss=False, kl_loss_type="low_var_kl", kl_loss_coef=0.0, use_rollout_logprobs=False,
-        advantage_estimator="grpo", calculate_per_token_loss=False, loss_type="policy_loss",
-        custom_loss_function_path=None, tensor_model_parallel_size=1, context_parallel_size=1,
+        rollout_temperature=1.0,
+        log_probs_chunk_size=-1,
+        eps_clip=0.2,
+        eps_clip_high=0.28,
+        eps_clip_c=None,
+        entropy_coef=0.0,
+        use_kl_loss=False,
+        kl_loss_type="low_var_kl",
+        kl_loss_coef=0.0,
+        use_rollout_logprobs=False,
+        advantage_estimator="grpo",
+        calculate_per_token_loss=False,
+        loss_type="policy_loss",
+        custom_loss_function_path=None,
+        tensor_model_parallel_size=1,
+        context_parallel_size=1,
     )
     values.update(overrides)
     return Namespace(**values)
@@ -46,5 +58,7 @@ def make_batch(
         "ref_log_probs": per_sample(0.5, -3.0),
         "rollout_log_probs": per_sample(0.5, -3.0),
     }
-    batch = {k: [t.to(device) for t in v] if k not in ("total_lengths", "response_lengths") else v for k, v in batch.items()}
+    batch = {
+        k: [t.to(device) for t in v] if k not in ("total_lengths", "response_lengths") else v for k, v in batch.items()
+    }
     return logits, batch

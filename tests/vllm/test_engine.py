@@ -20,7 +20,15 @@ import torch
 
 import vllm_tiny_model
 from rl_kernel_core import contract
-from vllm_engine_requests import MAX_TOKENS, REQUESTS, effective_temperature, engine_env, make_requests, recompute_logprobs, returned
+from vllm_engine_requests import (
+    MAX_TOKENS,
+    REQUESTS,
+    effective_temperature,
+    engine_env,
+    make_requests,
+    recompute_logprobs,
+    returned,
+)
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TIMEOUT_S = 420
@@ -92,7 +100,9 @@ def test_plugin_live_in_engine_core_and_worker(runs):
         assert "v1" in status["hooks"]["logprobs"]["runners"]
         assert worker["sampler_forward_patched"]
         assert worker["runner_sampler_type"] == "vllm.v1.sample.sampler.Sampler"
-        assert worker["logits_processor_types"] == ["rl_kernel_vllm.lm_head._make_class.<locals>.RLKernelLogitsProcessor"]
+        assert worker["logits_processor_types"] == [
+            "rl_kernel_vllm.lm_head._make_class.<locals>.RLKernelLogitsProcessor"
+        ]
     # The engine core is not reachable by collective_rpc; its own log line names its pid.
     core = re.findall(
         r"\(EngineCore[^)]*pid=(\d+)\).*rl_kernel_vllm \(pid (\d+), vllm [^)]*\): live hooks: logprobs, lm_head",
@@ -123,7 +133,9 @@ def test_on_logprobs_equal_trainer_definition(runs):
         ids, got = returned(result, sampled_only=params["logprobs"] == 0)
         if params["logprobs"]:
             assert ids.shape[1] >= params["logprobs"]  # sampled + top-k (fewer columns when it is in the top-k)
-        want = recompute_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, effective_temperature(params))
+        want = recompute_logprobs(
+            model, request["prompt_token_ids"], result["token_ids"], ids, effective_temperature(params)
+        )
         contract.assert_close(got, want, "logprob", torch.float32, name=f"on, request {params}")
 
 
@@ -139,7 +151,9 @@ def test_off_returns_vllms_raw_pre_temperature_logprobs(runs):
         if temperature != 1.0:
             trained = recompute_logprobs(model, request["prompt_token_ids"], result["token_ids"], ids, temperature)
             gaps[temperature] = (got - trained.double()).abs().max().item()
-            assert _outside(got, trained).any(), f"T={temperature}: vLLM's raw values fall within the contract of the trainer's"
+            assert _outside(got, trained).any(), (
+                f"T={temperature}: vLLM's raw values fall within the contract of the trainer's"
+            )
     print(f"max |vLLM raw - trainer| by temperature: {gaps}")
     assert len(gaps) == 4
 

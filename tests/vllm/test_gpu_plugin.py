@@ -17,8 +17,14 @@ import torch
 
 import vllm_tiny_model
 from rl_kernel_core import contract
-from vllm_engine_requests import (JIT_EVENT, effective_temperature, our_kernel_names, recompute_logprobs, returned,
-                                  run_gpu_engine)
+from vllm_engine_requests import (
+    JIT_EVENT,
+    effective_temperature,
+    our_kernel_names,
+    recompute_logprobs,
+    returned,
+    run_gpu_engine,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +62,9 @@ def test_gpu_logprobs_follow_the_trainer_definition(run):
         params = request["params"]
         ids, got = returned(result, sampled_only=params["logprobs"] == 0)
         temperature = effective_temperature(params)
-        want = recompute_logprobs(run["model"], request["prompt_token_ids"], result["token_ids"], ids, temperature).double()
+        want = recompute_logprobs(
+            run["model"], request["prompt_token_ids"], result["token_ids"], ids, temperature
+        ).double()
         at_one = recompute_logprobs(run["model"], request["prompt_token_ids"], result["token_ids"], ids, 1.0).double()
         rows.append((params, temperature, (got - want).abs().max().item(), (got - at_one).abs().max().item()))
         print(f"{params}: max |vLLM - trainer| {rows[-1][2]:.3g}, vs T=1 {rows[-1][3]:.3g}")
@@ -64,9 +72,13 @@ def test_gpu_logprobs_follow_the_trainer_definition(run):
     engine_gap = max(err for _, t, err, _ in rows if t == 1.0)
     for params, temperature, err, err_at_one in rows:
         bound = 4 * engine_gap / temperature + tol.atol
-        assert err <= bound, f"{params}: {err:.3g} from the trainer's value, over {bound:.3g} (engine gap {engine_gap:.3g})"
+        assert err <= bound, (
+            f"{params}: {err:.3g} from the trainer's value, over {bound:.3g} (engine gap {engine_gap:.3g})"
+        )
         if abs(temperature - 1.0) >= 0.25:
-            assert err_at_one > bound, f"{params}: the T=1 value is as close ({err_at_one:.3g}): the test cannot tell them apart"
+            assert err_at_one > bound, (
+                f"{params}: the T=1 value is as close ({err_at_one:.3g}): the test cannot tell them apart"
+            )
 
 
 def test_no_log_prob_kernel_compiles_after_warm_up(run):

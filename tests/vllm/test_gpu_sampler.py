@@ -21,8 +21,13 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, module_seed):
-    return run_gpu_engine(tmp_path_factory.mktemp("vllm_gpu_sampler"), module_seed, logprobs=False, engine={},
-                          env={"RL_KERNEL_VLLM_SAMPLER": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"})
+    return run_gpu_engine(
+        tmp_path_factory.mktemp("vllm_gpu_sampler"),
+        module_seed,
+        logprobs=False,
+        engine={},
+        env={"RL_KERNEL_VLLM_SAMPLER": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"},
+    )
 
 
 def test_the_sampler_hook_samples_every_step(run):

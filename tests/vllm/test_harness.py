@@ -16,7 +16,6 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -47,12 +46,21 @@ def test_draws_are_valid_and_cover_every_setting(seed):
             if m["architecture"] == harness.MOE:
                 assert tp == 1 and 1 <= m["num_experts_per_tok"] <= m["num_experts"], m
                 if where == "gpu":  # Qwen3-30B-A3B's widths, fewer layers
-                    assert (m["hidden_size"], m["num_experts"], m["num_experts_per_tok"], m["moe_intermediate_size"],
-                            m["dtype"]) == (2048, 128, 8, 768, "bfloat16") and m["num_hidden_layers"] >= 8, m
+                    assert (
+                        m["hidden_size"],
+                        m["num_experts"],
+                        m["num_experts_per_tok"],
+                        m["moe_intermediate_size"],
+                        m["dtype"],
+                    ) == (2048, 128, 8, 768, "bfloat16") and m["num_hidden_layers"] >= 8, m
             else:
                 assert m["hidden_size"] == m["num_attention_heads"] * m["head_dim"]
             kv = m["num_key_value_heads"]
-            assert (kv % tp == 0 or tp % kv == 0) and m["num_attention_heads"] % tp == 0 and m["intermediate_size"] % tp == 0
+            assert (
+                (kv % tp == 0 or tp % kv == 0)
+                and m["num_attention_heads"] % tp == 0
+                and m["intermediate_size"] % tp == 0
+            )
             rope = m["rope_parameters"]
             if rope["rope_type"] == "yarn":
                 assert rope["original_max_position_embeddings"] * rope["factor"] == e["max_model_len"]
@@ -64,14 +72,24 @@ def test_draws_are_valid_and_cover_every_setting(seed):
             seen["tp"].add(tp)
             seen["chunked"].add("max_num_batched_tokens" in e)
     assert seen["arch"] == set(harness.ARCHITECTURES) and seen["rope"] == set(harness.ROPES)
-    assert seen["dtype"] == {"bfloat16", "float16", "float32"} and seen["tp"] == {1, 2, 4} and seen["chunked"] == {True, False}
+    assert (
+        seen["dtype"] == {"bfloat16", "float16", "float32"}
+        and seen["tp"] == {1, 2, 4}
+        and seen["chunked"] == {True, False}
+    )
 
 
 @pytest.mark.parametrize("on", [True, False])
 def test_drift_probe_names_the_first_divergent_module(tmp_path, seed, on):
     spec = harness.draw(random.Random(seed), "cpu")
-    spec["model"].update(dtype="float32", architecture="Qwen3ForCausalLM", head_dim=32, num_attention_heads=2,
-                         num_key_value_heads=1, hidden_size=64)
+    spec["model"].update(
+        dtype="float32",
+        architecture="Qwen3ForCausalLM",
+        head_dim=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=64,
+    )
     harness.write_model(spec, tmp_path / "model", "cpu")
     ids = harness.prompts(spec)[0][:40]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
@@ -79,14 +97,37 @@ def test_drift_probe_names_the_first_divergent_module(tmp_path, seed, on):
     if on:
         env.update(harness.SWITCHES)
     out = tmp_path / "drift.json"
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_vllm.drift", "--model", str(tmp_path / "model"),
-                           "--ids", ",".join(map(str, ids)), "--out", str(out), "--dtype", "float32", "--device", "cpu",
-                           "--engine", json.dumps({"max_model_len": 64, "skip_tokenizer_init": True})],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl_kernel_vllm.drift",
+            "--model",
+            str(tmp_path / "model"),
+            "--ids",
+            ",".join(map(str, ids)),
+            "--out",
+            str(out),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--engine",
+            json.dumps({"max_model_len": 64, "skip_tokenizer_init": True}),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     result = json.loads(out.read_text())
-    assert len(result["drifts"]) == 2 * 6 + 2 and all(v is not None for v in result["drifts"].values()), result["drifts"]
+    assert len(result["drifts"]) == 2 * 6 + 2 and all(v is not None for v in result["drifts"].values()), result[
+        "drifts"
+    ]
     if on:
         assert result["first_divergent"] is None, result
     else:  # vLLM as shipped against the trainer in the mode: its oneDNN GEMMs round otherwise
-        assert result["first_divergent"] is not None and result["first_divergent"]["point"].startswith("layers.0."), result
+        assert result["first_divergent"] is not None and result["first_divergent"]["point"].startswith("layers.0."), (
+            result
+        )

@@ -22,8 +22,10 @@ def test_tiny_moe_rollout_is_bitwise_the_trainers(tmp_path, seed):
     rows = harness.sweep(1, seed, "cpu", tmp_path, control=True, architecture=harness.MOE)
     assert rows and "skipped" not in rows[0], rows
     print(harness.line(rows[0]))
-    assert harness.passed(rows[0]), f"seed={seed} (rerun: python -m rl_kernel_vllm.harness --seed {seed} " \
-                                    f"--draws 1 --architecture {harness.MOE}):\n{harness.line(rows[0])}"
+    assert harness.passed(rows[0]), (
+        f"seed={seed} (rerun: python -m rl_kernel_vllm.harness --seed {seed} "
+        f"--draws 1 --architecture {harness.MOE}):\n{harness.line(rows[0])}"
+    )
     assert "error" not in rows[0]["off"], rows[0]["off"]
 
 
@@ -41,11 +43,14 @@ def _config(model_dir: Path, **engine):
     return EngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=64, **engine).create_engine_config()
 
 
-@pytest.mark.parametrize("engine, refused", [
-    ({"enable_expert_parallel": True}, "enable_expert_parallel=True for an MoE model"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 for an MoE model (only 1)"),
-    ({"data_parallel_size": 2}, "data_parallel_size=2 for an MoE model (only 1)"),
-])
+@pytest.mark.parametrize(
+    "engine, refused",
+    [
+        ({"enable_expert_parallel": True}, "enable_expert_parallel=True for an MoE model"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 for an MoE model (only 1)"),
+        ({"data_parallel_size": 2}, "data_parallel_size=2 for an MoE model (only 1)"),
+    ],
+)
 def test_uncovered_parallelism_is_refused_by_name(moe_dir, engine, refused, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     config = _config(moe_dir, **engine)
@@ -53,11 +58,14 @@ def test_uncovered_parallelism_is_refused_by_name(moe_dir, engine, refused, monk
         batch_invariant.check_config(config, "CPU_ATTN")
 
 
-@pytest.mark.parametrize("change, refused", [
-    ({"shared_expert_intermediate_size": 32}, "shared experts (shared_expert_intermediate_size=32)"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu' for an MoE model (only 'silu')"),
-    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}, "quantization='fp8'"),
-])
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ({"shared_expert_intermediate_size": 32}, "shared experts (shared_expert_intermediate_size=32)"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' for an MoE model (only 'silu')"),
+        ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}, "quantization='fp8'"),
+    ],
+)
 def test_uncovered_experts_are_refused_by_name(moe_dir, tmp_path, change, refused, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     model = tmp_path / "model"

@@ -28,8 +28,13 @@ def probe(tmp_path_factory):
     out = tmp_path_factory.mktemp("mrv2") / "out.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
     env.update(TRITON_INTERPRET="1", RL_KERNEL_VLLM="1", VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_mrv2_probe.py"), str(out), str(seed)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_mrv2_probe.py"), str(out), str(seed)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return torch.load(out)
 
@@ -49,13 +54,17 @@ def test_plugin_patches_the_by_name_import_only(probe):
 
 def test_vllm_kernel_gives_pre_temperature_logprobs(probe):
     ids, values, _ = probe["theirs"]
-    contract.assert_close(values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="vLLM MRV2")
+    contract.assert_close(
+        values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="vLLM MRV2"
+    )
 
 
 def test_raw_mode_keeps_vllms_pre_temperature_definition(probe):
     ids, values, ranks = probe["ours_raw"]
     assert torch.equal(ids, probe["theirs"][0]) and torch.equal(ranks, probe["theirs"][2])
-    contract.assert_close(values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="hooked MRV2 raw")
+    contract.assert_close(
+        values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="hooked MRV2 raw"
+    )
 
 
 def test_hook_returns_trainer_definition_with_vllms_ids_and_ranks(probe):
@@ -91,7 +100,9 @@ def test_prompt_logprobs_at_temperature_one_with_vllms_ids_and_ranks(probe):
     ids, values, ranks = probe["prompt_ours"]
     assert torch.equal(ids, probe["prompt_theirs"][0]) and torch.equal(ranks, probe["prompt_theirs"][2])
     assert torch.equal(values, probe["prompt_op"]), "the values are not logprob_from_logits' (T = 1)"
-    contract.assert_close(values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="MRV2 prompt")
+    contract.assert_close(
+        values, _reference(probe["logits"], ids, [1.0] * len(ids)), "logprob", torch.float32, name="MRV2 prompt"
+    )
 
 
 def test_whole_vocabulary_prompt_logprobs_are_vllms(probe):

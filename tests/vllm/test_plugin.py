@@ -31,7 +31,10 @@ SCENARIOS = {
     "moved": ("moved", {"RL_KERNEL_VLLM": "1"}),
     "moved_strict": ("moved", {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_STRICT": "1"}),
     # every hook on (spelt " On "), then restore()
-    "all": ("restore", {f"RL_KERNEL_VLLM{suffix}": " On " for suffix in ("", "_LM_HEAD", "_SAMPLER", "_BATCH_INVARIANT")}),
+    "all": (
+        "restore",
+        {f"RL_KERNEL_VLLM{suffix}": " On " for suffix in ("", "_LM_HEAD", "_SAMPLER", "_BATCH_INVARIANT")},
+    ),
 }
 
 
@@ -49,7 +52,7 @@ def probes() -> dict[str, dict]:
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"probe {name}: " + out[-2000:] + err[-4000:]
         line = next(l for l in out.splitlines() if l.startswith("PROBE "))
-        reports[name] = json.loads(line[len("PROBE "):])
+        reports[name] = json.loads(line[len("PROBE ") :])
         reports[name]["log"] = err + out
     return reports
 
@@ -120,8 +123,10 @@ def test_every_hook_on(probes):
     if report["bi_platform"]:
         assert hooks["batch_invariant"]["live"], hooks["batch_invariant"]
         assert report["log"].count("live hooks: logprobs, lm_head, sampler, batch_invariant") == 1
-        assert report["during"] == {"attention_override": {"CPU_ATTN": "rl_kernel_vllm.attention.CPUAttentionBackend"},
-                                    "mode_on": True}
+        assert report["during"] == {
+            "attention_override": {"CPU_ATTN": "rl_kernel_vllm.attention.CPUAttentionBackend"},
+            "mode_on": True,
+        }
         overrides += batch_invariant.OVERRIDES
     else:  # the GPU release imported on a CPU-only machine: no CPU or CUDA platform, the hook says so
         assert not hooks["batch_invariant"]["live"]
@@ -173,7 +178,9 @@ def test_switch_values():
         switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_SAMPLER": "ture"})
     assert switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "on"}).wanted("batch_invariant")
     assert not switches.read({"RL_KERNEL_VLLM": "1"}).wanted("batch_invariant")
-    with pytest.raises(ValueError, match="RL_KERNEL_VLLM_BATCH_INVARIANT=1 and vLLM's VLLM_BATCH_INVARIANT=1 are exclusive"):
+    with pytest.raises(
+        ValueError, match="RL_KERNEL_VLLM_BATCH_INVARIANT=1 and vLLM's VLLM_BATCH_INVARIANT=1 are exclusive"
+    ):
         switches.read({"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1", "VLLM_BATCH_INVARIANT": "1"})
     # vLLM's own mode alone, or beside the plugin without ours, is vLLM's business
     assert not switches.read({"RL_KERNEL_VLLM": "1", "VLLM_BATCH_INVARIANT": "1"}).wanted("batch_invariant")
@@ -214,12 +221,27 @@ def _exclusive_or_refused(value: str) -> str:
     return "ok"
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("1", "exclusive"), ("2", "exclusive"), ("-1", "exclusive"), (" 7 ", "exclusive"), ("1_0", "exclusive"),
-    ("0", "ok"), ("00", "ok"), ("+0", "ok"), ("-0", "ok"),
-    ("true", "refused"), ("on", "refused"), ("yes", "refused"), ("false", "refused"), ("", "refused"), ("1.0", "refused"),
-    ("9" * 5000, "refused"),  # beyond int()'s digit limit: vLLM refuses it too
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("1", "exclusive"),
+        ("2", "exclusive"),
+        ("-1", "exclusive"),
+        (" 7 ", "exclusive"),
+        ("1_0", "exclusive"),
+        ("0", "ok"),
+        ("00", "ok"),
+        ("+0", "ok"),
+        ("-0", "ok"),
+        ("true", "refused"),
+        ("on", "refused"),
+        ("yes", "refused"),
+        ("false", "refused"),
+        ("", "refused"),
+        ("1.0", "refused"),
+        ("9" * 5000, "refused"),  # beyond int()'s digit limit: vLLM refuses it too
+    ],
+)
 def test_vllms_own_mode_is_read_as_vllm_reads_it(value, expected):
     """``VLLM_BATCH_INVARIANT`` is vLLM's variable: ``2`` is on for vLLM (so exclusive with ours),
     ``true`` a value vLLM refuses (so refused, not called "exclusive"), whatever rl-kernel's own
@@ -273,4 +295,3 @@ def test_locate_names_what_is_missing():
         adapters.locate("vllm.v1.sample.sampler:Sampler.no_such_method")
     with pytest.raises(ValueError, match="package.module:Attr.path"):
         adapters.locate("vllm.v1.sample.sampler.Sampler.forward")
-

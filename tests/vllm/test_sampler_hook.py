@@ -28,7 +28,9 @@ VOCAB = 97
 TEMPERATURES = [0.6, 1.0, 1.4, 0.0, 0.6, 2.0]  # row 3 is greedy
 
 
-def _metadata(temps: list[float], num_logprobs, *, penalties: bool, seed: int, top_k=None, top_p=None) -> SamplingMetadata:
+def _metadata(
+    temps: list[float], num_logprobs, *, penalties: bool, seed: int, top_k=None, top_p=None
+) -> SamplingMetadata:
     n = len(temps)
     gen = torch.Generator().manual_seed(seed)
     presence = torch.zeros(n)
@@ -152,9 +154,14 @@ def _sampler_with_hook(mode: str = "raw_logprobs"):
 
 def _sample_rows(sampler, logits, rows: list[int], seed: int, num_logprobs=None) -> torch.Tensor:
     """Tokens for ``rows`` of ``logits`` sampled as one batch; row ``r`` keeps request seed ``seed + r``."""
-    meta = _metadata([TEMPERATURES[r] for r in rows], num_logprobs, penalties=False, seed=seed,
-                     top_k=torch.tensor([TOP_K[r] for r in rows], dtype=torch.int32),
-                     top_p=torch.tensor([TOP_P[r] for r in rows], dtype=torch.float32))
+    meta = _metadata(
+        [TEMPERATURES[r] for r in rows],
+        num_logprobs,
+        penalties=False,
+        seed=seed,
+        top_k=torch.tensor([TOP_K[r] for r in rows], dtype=torch.int32),
+        top_p=torch.tensor([TOP_P[r] for r in rows], dtype=torch.float32),
+    )
     meta.generators = {i: torch.Generator().manual_seed(seed + r) for i, r in enumerate(rows)}
     return sampler.forward(logits[rows].clone(), meta).sampled_token_ids[:, 0]
 
@@ -175,8 +182,16 @@ def test_tokens_reproduce_offline_with_rl_kernel_sample(seed):
     logits = torch.randn(len(TEMPERATURES), VOCAB) * 2
     rows = list(range(len(TEMPERATURES)))
     tokens = _sample_rows(sampler, logits, rows, seed)
-    seeds = torch.tensor([int(torch.randint(0, SEED_BOUND, (1,), generator=torch.Generator().manual_seed(seed + r))) for r in rows])
-    want, _ = rl_kernel_core.sample(logits, temperature=torch.tensor(TEMPERATURES), top_k=torch.tensor(TOP_K), top_p=torch.tensor(TOP_P, dtype=torch.float64), seeds=seeds)
+    seeds = torch.tensor(
+        [int(torch.randint(0, SEED_BOUND, (1,), generator=torch.Generator().manual_seed(seed + r))) for r in rows]
+    )
+    want, _ = rl_kernel_core.sample(
+        logits,
+        temperature=torch.tensor(TEMPERATURES),
+        top_k=torch.tensor(TOP_K),
+        top_p=torch.tensor(TOP_P, dtype=torch.float64),
+        seeds=seeds,
+    )
     assert torch.equal(tokens, want)
     assert int(tokens[3]) == int(logits[3].argmax())  # greedy row
     for r in (1, 4):  # top-k rows

@@ -63,7 +63,9 @@ def effective_temperature(params: dict) -> float:
     return 1.0 if params["temperature"] < 1e-5 else params["temperature"]
 
 
-def recompute_logprobs(model, prompt: list[int], completion: list[int], token_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+def recompute_logprobs(
+    model, prompt: list[int], completion: list[int], token_ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """``[L, K]`` log-probs of ``token_ids`` at each completion position, as a trainer computes them."""
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
@@ -130,15 +132,30 @@ def run_gpu_engine(root: Path, seed: int, *, engine: dict, env: dict, logprobs: 
     if not logprobs:
         for request in requests:
             request["params"].pop("logprobs")
-    spec_engine = {"max_model_len": 64, "max_num_seqs": 8, "enforce_eager": False, "gpu_memory_utilization": 0.2,
-                   "kv_cache_memory_bytes": KV_CACHE_BYTES, "jit_monitor_verbose": True, **engine}
-    (root / "spec.json").write_text(json.dumps({"model": str(root / "model"), "requests": requests, "engine": spec_engine}))
+    spec_engine = {
+        "max_model_len": 64,
+        "max_num_seqs": 8,
+        "enforce_eager": False,
+        "gpu_memory_utilization": 0.2,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+        "jit_monitor_verbose": True,
+        **engine,
+    }
+    (root / "spec.json").write_text(
+        json.dumps({"model": str(root / "model"), "requests": requests, "engine": spec_engine})
+    )
     run_env = engine_env(True, root / "steps.jsonl")
     run_env.pop("RL_KERNEL_VLLM_LM_HEAD")
     run_env.pop("VLLM_CPU_KVCACHE_SPACE")
     run_env.update({"VLLM_USE_FLASHINFER_SAMPLER": "0", "RL_KERNEL_BACKEND": "triton", **env})
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_engine_run.py"), str(root / "spec.json"), str(root / "out.json")],
-                          env=run_env, cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_engine_run.py"), str(root / "spec.json"), str(root / "out.json")],
+        env=run_env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     report = json.loads((root / "out.json").read_text())

@@ -28,7 +28,10 @@ def worker_report(worker) -> dict:
     """Runs inside each vLLM worker process: the plugin's status and the live vLLM objects."""
     # before this function imports anything of ours; the switch reader (rl_kernel_core.switches and
     # .adapters, standard library only) is the one part of rl_kernel_core the plugin loads while off
-    core_imported = any(m.startswith("rl_kernel_core.") and m not in ("rl_kernel_core.switches", "rl_kernel_core.adapters") for m in sys.modules)
+    core_imported = any(
+        m.startswith("rl_kernel_core.") and m not in ("rl_kernel_core.switches", "rl_kernel_core.adapters")
+        for m in sys.modules
+    )
     import rl_kernel_vllm
     from rl_kernel_core import adapters
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -66,7 +69,13 @@ def main(spec_path: str, out_path: str) -> None:
         positions = [
             {str(tok): [lp.logprob, lp.rank] for tok, lp in pos.items()} for pos in (completion.logprobs or [])
         ]
-        results.append({"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(completion.token_ids), "logprobs": positions})
+        results.append(
+            {
+                "prompt_token_ids": list(out.prompt_token_ids),
+                "token_ids": list(completion.token_ids),
+                "logprobs": positions,
+            }
+        )
     report = {
         "driver_pid": os.getpid(),
         "driver_status": rl_kernel_vllm.status(),

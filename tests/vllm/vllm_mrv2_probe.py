@@ -58,7 +58,9 @@ def main(out_path: str, seed: int) -> None:
     temps = [0.7, 1.0, 0.0, 1.6, 0.7]  # by request slot; slot 2 is greedy
     original_topk = mrv2_sampler.compute_topk_scores
     original_prompt_topk = mrv2_prompt.compute_topk_scores
-    logprob_module_before = {name: getattr(mrv2_logprob, name) for name in ("compute_topk_scores", "compute_token_logprobs")}
+    logprob_module_before = {
+        name: getattr(mrv2_logprob, name) for name in ("compute_topk_scores", "compute_token_logprobs")
+    }
     vllm.plugins.load_general_plugins()
     assert rl_kernel_vllm.status()["hooks"]["logprobs"]["runners"] == ["v1", "v2"], rl_kernel_vllm.status()
     patched_topk = mrv2_sampler.compute_topk_scores
@@ -77,8 +79,9 @@ def main(out_path: str, seed: int) -> None:
 
     def call_body(self, logits, input_batch):  # stand-in for MRV2 Sampler.__call__'s log-prob call
         processed = logits.clone() if self.logprobs_mode.startswith("raw_") else logits
-        states.apply_temperature(processed, torch.as_tensor(input_batch.idx_mapping_np, dtype=torch.int32),
-                                 input_batch.idx_mapping_np)
+        states.apply_temperature(
+            processed, torch.as_tensor(input_batch.idx_mapping_np, dtype=torch.int32), input_batch.idx_mapping_np
+        )
         return mrv2_sampler.compute_topk_scores(processed, num_logprobs, sampled)
 
     sampler = types.SimpleNamespace(sampling_states=states, logprobs_mode="processed_logprobs")
@@ -96,7 +99,9 @@ def main(out_path: str, seed: int) -> None:
     prompt_op = torch.stack([rl_kernel_core.logprob_from_logits(logits, ids[:, j]) for j in range(ids.shape[1])], 1)
     sampler.logprobs_mode = "raw_logits"
     logits_mode = logprobs.wrap_v2_call(
-        lambda self, logits, input_batch: mrv2_sampler.compute_topk_scores(logits, num_logprobs, sampled, logits_mode=True)
+        lambda self, logits, input_batch: mrv2_sampler.compute_topk_scores(
+            logits, num_logprobs, sampled, logits_mode=True
+        )
     )(sampler, logits, batch)
     torch.save(
         {
@@ -111,7 +116,8 @@ def main(out_path: str, seed: int) -> None:
             "ours_raw": tuple(ours_raw[:3]),
             "outside": tuple(outside[:3]),
             "theirs": tuple(theirs[:3]),
-            "prompt_patched": getattr(mrv2_prompt.compute_topk_scores, adapters.ORIGINAL_ATTR, None) is original_prompt_topk,
+            "prompt_patched": getattr(mrv2_prompt.compute_topk_scores, adapters.ORIGINAL_ATTR, None)
+            is original_prompt_topk,
             "prompt_ours": tuple(prompt_ours[:3]),
             "prompt_theirs": tuple(prompt_theirs[:3]),
             "prompt_whole": tuple(prompt_whole[:3]),

@@ -60,7 +60,8 @@ def main(scenario: str) -> None:
         "unchanged": {t: first[t] is before[t] for t in targets},
         "wraps_original": {t: getattr(first[t], adapters.ORIGINAL_ATTR, None) is before[t] for t in targets},
         "idempotent": {t: second[t] is first[t] for t in targets},
-        "oot_unchanged": {k: op_registry_oot.get(k) is v for k, v in oot_before.items()} == {k: True for k in oot_before}
+        "oot_unchanged": {k: op_registry_oot.get(k) is v for k, v in oot_before.items()}
+        == {k: True for k in oot_before}
         and set(op_registry_oot) == set(oot_before),
         "oot_added": sorted(set(op_registry_oot) - set(oot_before)),
         "bi_platform": bi_platform,

@@ -56,16 +56,19 @@ def packed_inputs(seqs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     return ids, positions, targets, cu
 
 
-def packed_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], probe: Optional[DriftProbe] = None) -> list[torch.Tensor]:
+def packed_logprobs(
+    model: TinyDecoder, seqs: Sequence[torch.Tensor], probe: Optional[DriftProbe] = None
+) -> list[torch.Tensor]:
     """One forward over the sequences packed back to back (``cu_seqlens`` layout)."""
     ids, positions, targets, cu = packed_inputs(seqs)
     keys = [(b, t) for b in range(len(seqs)) for t in range(cu[b + 1] - cu[b])]
     lp = _selected(model, _forward(model, probe, keys, ids, positions, cu), targets)
-    return [lp[cu[b]:cu[b + 1] - 1] for b in range(len(seqs))]
+    return [lp[cu[b] : cu[b + 1] - 1] for b in range(len(seqs))]
 
 
-def padded_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], side: str = "right",
-                    probe: Optional[DriftProbe] = None) -> list[torch.Tensor]:
+def padded_logprobs(
+    model: TinyDecoder, seqs: Sequence[torch.Tensor], side: str = "right", probe: Optional[DriftProbe] = None
+) -> list[torch.Tensor]:
     """One forward over a ``[B, L]`` padded batch: dense layers see the pad rows, attention the real tokens."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
@@ -76,14 +79,21 @@ def padded_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], side: str 
     cu = _offsets([len(s) for s in seqs])
     targets = torch.full_like(batch.input_ids, IGNORE)
     targets[:, :-1] = batch.input_ids[:, 1:].masked_fill(batch.loss_mask[:, :-1] == 0, IGNORE)
-    keys = [(i // width, int(p)) if m else None for i, (m, p) in enumerate(zip(mask.tolist(), batch.position_ids.flatten()))]
+    keys = [
+        (i // width, int(p)) if m else None for i, (m, p) in enumerate(zip(mask.tolist(), batch.position_ids.flatten()))
+    ]
     hidden = _forward(model, probe, keys, batch.input_ids.flatten(), batch.position_ids.flatten(), cu, rows=rows)
     lp = _selected(model, hidden, targets.flatten()).view(len(seqs), width)
     return [lp[b][batch.loss_mask[b].bool()] for b in range(len(seqs))]
 
 
-def decode_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], prompt_len: int,
-                    probe: Optional[DriftProbe] = None, first_index: int = 0) -> list[torch.Tensor]:
+def decode_logprobs(
+    model: TinyDecoder,
+    seqs: Sequence[torch.Tensor],
+    prompt_len: int,
+    probe: Optional[DriftProbe] = None,
+    first_index: int = 0,
+) -> list[torch.Tensor]:
     """Rollout-style: prefill each sequence's first ``prompt_len`` tokens into a KV cache, then feed the
     rest one token per step (all sequences in one batch per step), reading each step's log-prob.
     ``first_index`` numbers the sequences for ``probe`` (when they are a slice of a larger set)."""
@@ -92,12 +102,12 @@ def decode_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], prompt_len
         raise ValueError(f"prompt_len must be in [1, shortest length {min(lengths)}), got {prompt_len}")
     cache = KVCache(len(model.layers))
     prompt = [s[:prompt_len] for s in seqs]
-    targets = torch.cat([s[1:prompt_len + 1] for s in seqs])
+    targets = torch.cat([s[1 : prompt_len + 1] for s in seqs])
     keys = [(first_index + b, t) for b in range(len(seqs)) for t in range(prompt_len)]
     positions = torch.arange(prompt_len, device=targets.device).repeat(len(seqs))
     hidden = _forward(model, probe, keys, torch.cat(prompt), positions, _offsets([prompt_len] * len(seqs)), cache=cache)
     lp = _selected(model, hidden, targets)
-    out: list[list[torch.Tensor]] = [[lp[b * prompt_len:(b + 1) * prompt_len]] for b in range(len(seqs))]
+    out: list[list[torch.Tensor]] = [[lp[b * prompt_len : (b + 1) * prompt_len]] for b in range(len(seqs))]
     for t in range(prompt_len, max(lengths) - 1):
         active = [b for b, n in enumerate(lengths) if n - 1 > t]
         ids = torch.stack([seqs[b][t] for b in active])
@@ -106,7 +116,7 @@ def decode_logprobs(model: TinyDecoder, seqs: Sequence[torch.Tensor], prompt_len
         hidden = _forward(model, probe, keys, ids, torch.full((len(active),), t, device=ids.device), cu, cache=cache)
         step = _selected(model, hidden, torch.stack([seqs[b][t + 1] for b in active]))
         for i, b in enumerate(active):
-            out[b].append(step[i:i + 1])
+            out[b].append(step[i : i + 1])
     return [torch.cat(parts) for parts in out]
 
 

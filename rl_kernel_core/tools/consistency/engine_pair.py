@@ -32,10 +32,14 @@ def off_and_on(model: str, args: Sequence[str], workdir: str, timeout_s: float =
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
         env.update(MODE_ENV if on else {})
         out = os.path.join(workdir, f"engine_{name}.json")
-        cmd = [sys.executable, "-m", ENGINE_MODULE, "--model", model, "--out", out, *args] + (["--batch-invariant"] if on else [])
+        cmd = [sys.executable, "-m", ENGINE_MODULE, "--model", model, "--out", out, *args] + (
+            ["--batch-invariant"] if on else []
+        )
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
-            raise RuntimeError(f"the mode-{name} engine run exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}")
+            raise RuntimeError(
+                f"the mode-{name} engine run exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"
+            )
         with open(out, encoding="utf-8") as f:
             reports[name] = json.load(f)
     reports["passed"] = reports["on"]["gap"]["max"] == 0.0
@@ -47,8 +51,10 @@ def text(pair: dict[str, Any]) -> str:
     lines = []
     for name in ("off", "on"):
         gap, rollout = pair[name]["gap"], pair[name]["rollout"]
-        lines.append(f"mode {name:3s}: |rollout - training| max {gap['max']:.3g} mean {gap['mean']:.3g}, "
-                     f"{100 * gap['equal_fraction']:.2f}% of {gap['tokens']} tokens equal; vLLM {rollout['tokens_per_s']:.0f} tokens/s")
+        lines.append(
+            f"mode {name:3s}: |rollout - training| max {gap['max']:.3g} mean {gap['mean']:.3g}, "
+            f"{100 * gap['equal_fraction']:.2f}% of {gap['tokens']} tokens equal; vLLM {rollout['tokens_per_s']:.0f} tokens/s"
+        )
     lines.append("bitwise equal with the mode on" if pair["passed"] else "NOT bitwise equal with the mode on")
     return "\n".join(lines)
 
@@ -60,8 +66,10 @@ def plot(pair: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({k for name in ("off", "on") for k in pair[name]["gap"]["histogram_log10"]},
-                  key=lambda k: -math.inf if k == "0" else float(k[2:]))
+    keys = sorted(
+        {k for name in ("off", "on") for k in pair[name]["gap"]["histogram_log10"]},
+        key=lambda k: -math.inf if k == "0" else float(k[2:]),
+    )
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.4
     for i, name in enumerate(("off", "on")):

@@ -67,8 +67,9 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                   cu_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Causal attention with :func:`varlen_attention`'s layout and bottom-right alignment through
     ``F.scaled_dot_product_attention``: one call over all sequences when they share their query and
     key lengths, else one call per sequence. q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, offsets
@@ -85,12 +86,14 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torc
         allowed = torch.arange(lk, device=q.device)[None, :] <= (lk - lq + torch.arange(lq, device=q.device))[:, None]
         ks = ks.repeat_interleave(group, dim=-2)
         vs = vs.repeat_interleave(group, dim=-2)
-        out = F.scaled_dot_product_attention(qs.transpose(-3, -2), ks.transpose(-3, -2), vs.transpose(-3, -2), attn_mask=allowed)
+        out = F.scaled_dot_product_attention(
+            qs.transpose(-3, -2), ks.transpose(-3, -2), vs.transpose(-3, -2), attn_mask=allowed
+        )
         return out.transpose(-3, -2)
 
     lengths = {(qe - qs, ke - ks) for qs, qe, ks, ke in spans}
     if len(lengths) == 1 and len(spans) == len(cq) - 1:
-        (lq, lk), = lengths
+        ((lq, lk),) = lengths
         n = len(spans)
         out = attend(q.view(n, lq, *q.shape[1:]), k.view(n, lk, *k.shape[1:]), v.view(n, lk, *v.shape[1:]))
         return out.reshape(q.shape)
@@ -105,12 +108,14 @@ class KVCache:
         self.keys: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
         self.values: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, cu: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Append sequence b's new rows ``k/v[cu[b]:cu[b+1]]``; return the packed cache and its offsets."""
         lengths = []
         for b in range(len(cu) - 1):
             for store, new in ((self.keys[layer], k), (self.values[layer], v)):
-                chunk = new[cu[b]:cu[b + 1]]
+                chunk = new[cu[b] : cu[b + 1]]
                 store[b] = torch.cat([store[b], chunk]) if b in store else chunk
             lengths.append(self.keys[layer][b].shape[0])
         offsets = torch.tensor([0] + lengths).cumsum(0)
@@ -122,8 +127,16 @@ class Attention(nn.Module):
     batch-invariant mode is on, :func:`sdpa_attention` while it is off. A module of its own, so
     the drift probe can name it."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Optional[torch.Tensor], cu: list[int],
-                layer: int, cache: Optional[KVCache]) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: Optional[torch.Tensor],
+        cu: list[int],
+        layer: int,
+        cache: Optional[KVCache],
+    ) -> torch.Tensor:
         """q ``[N, Hq, hd]``, k/v ``[N, Hkv, hd]`` over all N rows (``rows``: the real ones, None:
         all) -> ``[N, Hq * hd]``, zero on padding rows."""
         n = q.shape[0]
@@ -182,8 +195,14 @@ class TinyDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cu: list[int],
-               rows: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cu: list[int],
+        rows: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
         """Final hidden states ``[N, hidden_size]`` of ``input_ids [N]`` at ``positions [N]``.
 
         ``cu``: offsets of the sequences among the real tokens; ``rows``: indices of the real tokens

@@ -94,8 +94,11 @@ def check(a: Batch, b: Batch, names: tuple[str, str] = ("rollout", "training")) 
         real_a, real_b = a.attention_mask[s].bool(), b.attention_mask[s].bool()
         if int(real_a.sum()) != int(real_b.sum()):
             return Mismatch("attention mask", f"sequence {s} (real token count)", int(real_a.sum()), int(real_b.sum()))
-        for check_name, fa, fb in (("token ids", a.input_ids, b.input_ids), ("position ids", a.position_ids, b.position_ids),
-                                   ("loss mask", a.loss_mask, b.loss_mask)):
+        for check_name, fa, fb in (
+            ("token ids", a.input_ids, b.input_ids),
+            ("position ids", a.position_ids, b.position_ids),
+            ("loss mask", a.loss_mask, b.loss_mask),
+        ):
             va, vb = fa[s][real_a], fb[s][real_b]
             diff = (va != vb).nonzero()
             if diff.numel():
@@ -104,8 +107,9 @@ def check(a: Batch, b: Batch, names: tuple[str, str] = ("rollout", "training")) 
     return None
 
 
-def from_sequences(seqs: list[torch.Tensor], side: str, loss_from: list[int], pad_id: int,
-                   special_tokens: Optional[dict] = None) -> Batch:
+def from_sequences(
+    seqs: list[torch.Tensor], side: str, loss_from: list[int], pad_id: int, special_tokens: Optional[dict] = None
+) -> Batch:
     """A padded :class:`Batch` of ``seqs`` with positions 0.. on the real tokens and the loss mask
     set from token ``loss_from[b]`` of sequence b to its second-to-last token."""
     width = max(len(s) for s in seqs)
@@ -115,9 +119,9 @@ def from_sequences(seqs: list[torch.Tensor], side: str, loss_from: list[int], pa
     loss = torch.zeros_like(ids)
     for b, s in enumerate(seqs):
         start = width - len(s) if side == "left" else 0
-        ids[b, start:start + len(s)] = s
-        mask[b, start:start + len(s)] = 1
-        loss[b, start + loss_from[b]:start + len(s) - 1] = 1
+        ids[b, start : start + len(s)] = s
+        mask[b, start : start + len(s)] = 1
+        loss[b, start + loss_from[b] : start + len(s) - 1] = 1
     positions = (mask.cumsum(1) - 1).clamp(min=0) * mask
     return Batch(ids, mask, positions, loss, side, dict(special_tokens or {"pad": pad_id}))
 
@@ -129,8 +133,10 @@ def _unreadable(path: str, exc: BaseException) -> ValueError:
     """The error for a file ``torch.load`` cannot read as a batch, naming the file and the reason
     (:func:`load` raises it)."""
     reason = type(exc).__name__ + (f": {str(exc).strip().splitlines()[0]}" if str(exc).strip() else "")
-    return ValueError(f"{path}: not a batch written by rl_kernel_core.tools.consistency.parity.save or "
-                      f"rl_kernel_core.tools.multimodal.storage.save (torch.load with weights_only=True failed: {reason[:200]})")
+    return ValueError(
+        f"{path}: not a batch written by rl_kernel_core.tools.consistency.parity.save or "
+        f"rl_kernel_core.tools.multimodal.storage.save (torch.load with weights_only=True failed: {reason[:200]})"
+    )
 
 
 def open_regular(path: str) -> BinaryIO:
@@ -142,9 +148,19 @@ def open_regular(path: str) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
-                    "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
-                    "a socket" if stat.S_ISSOCK(mode) else "not a file")
+            kind = (
+                "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a directory"
+                if stat.S_ISDIR(mode)
+                else "a character device"
+                if stat.S_ISCHR(mode)
+                else "a block device"
+                if stat.S_ISBLK(mode)
+                else "a socket"
+                if stat.S_ISSOCK(mode)
+                else "not a file"
+            )
             raise ValueError(f"{path}: must be a regular file holding a saved batch, got {kind}")
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -166,8 +182,9 @@ def stored_tensor_problem(value: torch.Tensor) -> Optional[str]:
     shape, strides = tuple(value.shape), tuple(value.stride())
     extent = value.storage_offset() + sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if value.numel() else 0
     if any(s == 0 and n > 1 for n, s in zip(shape, strides)) or value.numel() > stored or extent > stored:
-        return (f"got shape {shape} over {stored} stored elements (strides {strides}: an expanded view; "
-                "save .contiguous())")
+        return (
+            f"got shape {shape} over {stored} stored elements (strides {strides}: an expanded view; save .contiguous())"
+        )
     return None
 
 
@@ -200,7 +217,11 @@ def load(path: str) -> Batch:
     for name in _TENSOR_FIELDS:
         value = data.get(name)
         if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex():
-            found = "missing" if value is None else (f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__)
+            found = (
+                "missing"
+                if value is None
+                else (f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__)
+            )
             raise ValueError(f"{path}: {name} must be an integer tensor [B, L], got {found}")
         problem = stored_tensor_problem(value)
         if problem:  # checking it would materialise every element
@@ -213,4 +234,6 @@ def load(path: str) -> Batch:
     for key, token in special.items():
         if not isinstance(token, int) or isinstance(token, bool):
             raise ValueError(f"{path}: special_tokens[{key!r}] must be an int token id, got {type(token).__name__}")
-    return Batch(**{name: data[name] for name in _TENSOR_FIELDS}, padding_side=data["padding_side"], special_tokens=dict(special))
+    return Batch(
+        **{name: data[name] for name in _TENSOR_FIELDS}, padding_side=data["padding_side"], special_tokens=dict(special)
+    )

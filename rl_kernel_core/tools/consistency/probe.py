@@ -114,6 +114,7 @@ class DriftProbe:
                 if rows is None:
                     continue
                 self._record(name, part, rows)
+
         return hook
 
     def _record(self, name: str, part: str, rows: torch.Tensor) -> None:
@@ -141,8 +142,12 @@ class DriftProbe:
 
     def drifts(self) -> list[ModuleDrift]:
         """Each recorded module in the reference run's execution order."""
-        return [ModuleDrift(n, self.kinds[n], self._drift.get((n, "input"), math.nan), self._drift.get((n, "output"), math.nan))
-                for n in self.order]
+        return [
+            ModuleDrift(
+                n, self.kinds[n], self._drift.get((n, "input"), math.nan), self._drift.get((n, "output"), math.nan)
+            )
+            for n in self.order
+        ]
 
     def first_divergent(self, threshold: float = 0.0) -> Optional[dict]:
         """The first module (execution order) whose output drift exceeds ``threshold``, and whether
@@ -153,9 +158,17 @@ class DriftProbe:
                 previous = d.name if not math.isnan(d.output_drift) else previous
                 continue
             if d.input_drift > threshold:
-                cause = (f"its input already differs: the divergence starts in code between {previous or 'the model input'} "
-                         f"and {d.name} that is not a module (e.g. attention or an elementwise op)")
+                cause = (
+                    f"its input already differs: the divergence starts in code between {previous or 'the model input'} "
+                    f"and {d.name} that is not a module (e.g. attention or an elementwise op)"
+                )
             else:
                 cause = f"its input matches: the {d.kind} operator {d.name} produces the divergence"
-            return {"module": d.name, "kind": d.kind, "output_drift": d.output_drift, "input_drift": d.input_drift, "cause": cause}
+            return {
+                "module": d.name,
+                "kind": d.kind,
+                "output_drift": d.output_drift,
+                "input_drift": d.input_drift,
+                "cause": cause,
+            }
         return None

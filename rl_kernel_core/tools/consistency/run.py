@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -80,11 +80,14 @@ class Subject:
         if self.hf:
             from rl_kernel_core.tools.consistency import hf
 
-            return hf.rollout_logprobs(self.model, seqs, settings.prompt_len, settings.rollout_batch, self.pad_id, probe)
+            return hf.rollout_logprobs(
+                self.model, seqs, settings.prompt_len, settings.rollout_batch, self.pad_id, probe
+            )
         out = []
         for first in range(0, len(seqs), settings.rollout_batch):
-            out += chain.decode_logprobs(self.model, seqs[first:first + settings.rollout_batch], settings.prompt_len,
-                                         probe, first_index=first)
+            out += chain.decode_logprobs(
+                self.model, seqs[first : first + settings.rollout_batch], settings.prompt_len, probe, first_index=first
+            )
         return out
 
 
@@ -113,7 +116,9 @@ def load(settings: Settings) -> Subject:
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     except (OSError, ValueError):
         pass  # a model directory without a tokenizer: token ids are drawn directly, pad 0
-    return Subject(model, f"transformers {type(model).__name__} from {settings.model}", model.config.vocab_size, pad_id, hf=True)
+    return Subject(
+        model, f"transformers {type(model).__name__} from {settings.model}", model.config.vocab_size, pad_id, hf=True
+    )
 
 
 def _compare(rollout: list[torch.Tensor], training: list[torch.Tensor], dtype: torch.dtype) -> dict:
@@ -145,15 +150,25 @@ def run(settings: Settings) -> dict:
     subject = load(settings)
     device = torch.device(settings.device)
     vocab_hi = min(subject.vocab, 32000)
-    seqs = [s.to(device) for s in chain.fixed_sequences(vocab_hi, settings.sequences, settings.min_len, settings.max_len, settings.seed)]
+    seqs = [
+        s.to(device)
+        for s in chain.fixed_sequences(vocab_hi, settings.sequences, settings.min_len, settings.max_len, settings.seed)
+    ]
     rollout_batch, training_batch = subject.batches(seqs)
     mismatch = parity.check(rollout_batch, training_batch)
     tol = contract.tolerance("logprob", DTYPES[settings.dtype])
     report: dict[str, Any] = {
-        "settings": asdict(settings), "model": subject.describe,
+        "settings": asdict(settings),
+        "model": subject.describe,
         "lengths": [len(s) for s in seqs],
-        "contract": {"op_class": "logprob", "dtype": settings.dtype, "atol": tol.atol, "rtol": tol.rtol,
-                     "mode_on_requires": "bitwise equality", "mode_off_requires": "within atol + rtol * |lp| per token"},
+        "contract": {
+            "op_class": "logprob",
+            "dtype": settings.dtype,
+            "atol": tol.atol,
+            "rtol": tol.rtol,
+            "mode_on_requires": "bitwise equality",
+            "mode_off_requires": "within atol + rtol * |lp| per token",
+        },
         "parity": "ok" if mismatch is None else str(mismatch),
         "modes": {},
     }
@@ -198,7 +213,10 @@ def plot(report: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
     names: list[str] = []
-    styles: dict[str, dict[str, Any]] = {"off": dict(color="tab:red", marker="o"), "on": dict(color="tab:green", marker="s")}
+    styles: dict[str, dict[str, Any]] = {
+        "off": dict(color="tab:red", marker="o"),
+        "on": dict(color="tab:green", marker="s"),
+    }
     for mode, style in styles.items():
         layers = report["modes"].get(mode, {}).get("layers")
         if not layers:
@@ -206,7 +224,14 @@ def plot(report: dict, path: str) -> None:
         names = names or [d["name"] for d in layers]
         ys = [0.0 if math.isnan(d["output_drift"]) else d["output_drift"] for d in layers]
         result = report["modes"][mode]
-        ax.plot(range(len(ys)), ys, label=f"mode {mode}: log-prob max |diff| {result['max_abs_diff']:.3g}", markersize=3, linewidth=1, **style)
+        ax.plot(
+            range(len(ys)),
+            ys,
+            label=f"mode {mode}: log-prob max |diff| {result['max_abs_diff']:.3g}",
+            markersize=3,
+            linewidth=1,
+            **style,
+        )
     ax.set_yscale("symlog", linthresh=1e-9)
     ax.set_ylim(bottom=0)
     step = max(1, len(names) // 40)
@@ -222,18 +247,27 @@ def plot(report: dict, path: str) -> None:
 
 def text(report: dict) -> str:
     """The human-readable report."""
-    lines = [f"model: {report['model']}", f"sequences: {len(report['lengths'])} (lengths {min(report['lengths'])}..{max(report['lengths'])}), "
-             f"rollout batch {report['settings']['rollout_batch']}, prompt {report['settings']['prompt_len']} tokens, seed {report['settings']['seed']}",
-             f"input parity: {report['parity']}"]
+    lines = [
+        f"model: {report['model']}",
+        f"sequences: {len(report['lengths'])} (lengths {min(report['lengths'])}..{max(report['lengths'])}), "
+        f"rollout batch {report['settings']['rollout_batch']}, prompt {report['settings']['prompt_len']} tokens, seed {report['settings']['seed']}",
+        f"input parity: {report['parity']}",
+    ]
     c = report["contract"]
     lines.append(f"contract: logprob/{c['dtype']} atol={c['atol']} rtol={c['rtol']}; mode on must be bitwise equal")
-    lines.append(f"{'mode':<6}{'tokens':>8}{'max |diff|':>14}{'mean |diff|':>14}{'KL (k3)':>12}{'KL bound':>12}{'bitwise':>9}  result")
+    lines.append(
+        f"{'mode':<6}{'tokens':>8}{'max |diff|':>14}{'mean |diff|':>14}{'KL (k3)':>12}{'KL bound':>12}{'bitwise':>9}  result"
+    )
     for mode, m in report["modes"].items():
-        lines.append(f"{mode:<6}{m['tokens']:>8}{m['max_abs_diff']:>14.3g}{m['mean_abs_diff']:>14.3g}{m['kl_k3']:>12.3g}"
-                     f"{m['kl_k3_bound']:>12.3g}{str(m['bitwise_equal']):>9}  {'PASS' if m['passed'] else 'FAIL'}")
+        lines.append(
+            f"{mode:<6}{m['tokens']:>8}{m['max_abs_diff']:>14.3g}{m['mean_abs_diff']:>14.3g}{m['kl_k3']:>12.3g}"
+            f"{m['kl_k3_bound']:>12.3g}{str(m['bitwise_equal']):>9}  {'PASS' if m['passed'] else 'FAIL'}"
+        )
         first = m.get("first_divergent")
         if first:
-            lines.append(f"  first divergent module ({mode}): {first['module']} ({first['kind']}), output drift "
-                         f"{first['output_drift']:.3g}; {first['cause']}")
+            lines.append(
+                f"  first divergent module ({mode}): {first['module']} ({first['kind']}), output drift "
+                f"{first['output_drift']:.3g}; {first['cause']}"
+            )
     lines.append("PASSED" if report["passed"] else "FAILED")
     return "\n".join(lines)

@@ -33,11 +33,15 @@ class Sample:
 
     def response(self, response_ids: torch.Tensor) -> "Sample":
         """This prompt followed by ``response_ids`` ``[R]`` (text tokens)."""
-        prompt = self.input_ids[:self.prompt_len]
-        types = self.mm_token_type_ids[:self.prompt_len]
-        return Sample(torch.cat([prompt, response_ids.to(prompt)]),
-                      torch.cat([types, torch.zeros_like(response_ids, dtype=types.dtype)]),
-                      self.pixel_values, self.image_grid_thw, self.prompt_len)
+        prompt = self.input_ids[: self.prompt_len]
+        types = self.mm_token_type_ids[: self.prompt_len]
+        return Sample(
+            torch.cat([prompt, response_ids.to(prompt)]),
+            torch.cat([types, torch.zeros_like(response_ids, dtype=types.dtype)]),
+            self.pixel_values,
+            self.image_grid_thw,
+            self.prompt_len,
+        )
 
 
 def pad(samples: Sequence[Sample], side: str, pad_id: int) -> dict[str, torch.Tensor]:
@@ -55,9 +59,13 @@ def pad(samples: Sequence[Sample], side: str, pad_id: int) -> dict[str, torch.Te
     for b, s in enumerate(samples):
         cols = slice(width - len(s.input_ids), width) if side == "left" else slice(0, len(s.input_ids))
         ids[b, cols], mask[b, cols], types[b, cols] = s.input_ids, 1, s.mm_token_type_ids
-    return {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": types,
-            "pixel_values": torch.cat([s.pixel_values for s in samples]),
-            "image_grid_thw": torch.cat([s.image_grid_thw for s in samples])}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "mm_token_type_ids": types,
+        "pixel_values": torch.cat([s.pixel_values for s in samples]),
+        "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]),
+    }
 
 
 def _to(kwargs: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -74,13 +82,14 @@ def training_logprobs(model, samples: Sequence[Sample], side: str, pad_id: int) 
     out = []
     for b, s in enumerate(samples):
         start = width - len(s.input_ids) if side == "left" else 0
-        rows = logits[b, start + s.prompt_len - 1:start + len(s.input_ids) - 1]
-        out.append(selected_logprobs(rows, s.input_ids[s.prompt_len:].to(rows.device)))
+        rows = logits[b, start + s.prompt_len - 1 : start + len(s.input_ids) - 1]
+        out.append(selected_logprobs(rows, s.input_ids[s.prompt_len :].to(rows.device)))
     return out
 
 
-def generate_logprobs(model, prompts: Sequence[Sample], max_new_tokens: int, pad_id: int,
-                      suppress_ids: Sequence[int] = ()) -> tuple[list[Sample], list[torch.Tensor]]:
+def generate_logprobs(
+    model, prompts: Sequence[Sample], max_new_tokens: int, pad_id: int, suppress_ids: Sequence[int] = ()
+) -> tuple[list[Sample], list[torch.Tensor]]:
     """Rollout: ``model.generate`` (greedy, KV cache, left-padded prompts, exactly
     ``max_new_tokens`` tokens each; ``suppress_ids`` are never generated: image placeholders)
     over ``prompts`` in one batch. Returns each prompt followed by its response, and per sample
@@ -88,17 +97,29 @@ def generate_logprobs(model, prompts: Sequence[Sample], max_new_tokens: int, pad
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     kwargs = _to(pad(prompts, "left", pad_id), model)
-    out = model.generate(**kwargs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=pad_id, suppress_tokens=list(suppress_ids) or None,
-                         output_logits=True, return_dict_in_generate=True)
+    out = model.generate(
+        **kwargs,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=pad_id,
+        suppress_tokens=list(suppress_ids) or None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     width = kwargs["input_ids"].shape[1]
     tokens = out.sequences[:, width:]
     logprobs = selected_logprobs(torch.stack(out.logits, 1), tokens)
     return [p.response(tokens[b].cpu()) for b, p in enumerate(prompts)], list(logprobs.unbind(0))
 
 
-def image_prompt(text_ids: Sequence[Sequence[int]], grids: Sequence[tuple[int, int, int]], config,
-                 generator: Optional[torch.Generator] = None) -> Sample:
+def image_prompt(
+    text_ids: Sequence[Sequence[int]],
+    grids: Sequence[tuple[int, int, int]],
+    config,
+    generator: Optional[torch.Generator] = None,
+) -> Sample:
     """A prompt of text pieces around images, as Qwen2-VL's processor lays one out:
     ``text_ids[0]``, then per image ``<vision_start>``, its ``t*h*w // merge**2`` image tokens,
     ``<vision_end>`` and the next text piece (``len(text_ids) == len(grids) + 1``). ``grids`` are the
@@ -111,13 +132,15 @@ def image_prompt(text_ids: Sequence[Sequence[int]], grids: Sequence[tuple[int, i
         raise ValueError(f"text_ids must hold one more piece than grids ({len(grids) + 1}), got {len(text_ids)}")
     vision = config.vision_config
     merge = vision.spatial_merge_size
-    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     ids, types, pixels = list(text_ids[0]), [0] * len(text_ids[0]), []
     for (t, h, w), text in zip(grids, text_ids[1:]):
         if t != 1 or h % merge or w % merge:
             raise ValueError(f"grids: an image grid needs t == 1 and h, w multiples of {merge}, got {(t, h, w)}")
-        n = h * w // merge ** 2
+        n = h * w // merge**2
         ids += [config.vision_start_token_id] + [config.image_token_id] * n + [config.vision_end_token_id] + list(text)
         types += [0] + [1] * n + [0] + [0] * len(text)
         pixels.append(torch.randn(h * w, patch, generator=generator))
-    return Sample(torch.tensor(ids), torch.tensor(types), torch.cat(pixels), torch.tensor([list(g) for g in grids]), len(ids))
+    return Sample(
+        torch.tensor(ids), torch.tensor(types), torch.cat(pixels), torch.tensor([list(g) for g in grids]), len(ids)
+    )

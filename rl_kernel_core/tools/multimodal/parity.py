@@ -65,19 +65,27 @@ def _sequence(b: int, rollout: MultimodalBatch, training: MultimodalBatch) -> li
     n = min(n_r, n_t)
     at = _first_difference(rollout.input_ids[b][:n], training.input_ids[b][:n].to(rollout.input_ids[b].device))
     if at >= 0:
-        lines.append(f"input_ids[{b}][{at}]: rollout {int(rollout.input_ids[b][at])} vs training {int(training.input_ids[b][at])}")
+        lines.append(
+            f"input_ids[{b}][{at}]: rollout {int(rollout.input_ids[b][at])} vs training {int(training.input_ids[b][at])}"
+        )
     elif n_r != n_t:
         lines.append(f"input_ids[{b}][{n}]: one side ends there (rollout {n_r} tokens vs training {n_t})")
     pos_r, pos_t = rollout.real_positions(b), training.real_positions(b).to(rollout.position_ids.device)
     if pos_r.dim() != pos_t.dim():
-        lines.append(f"position_ids[{b}]: rollout {'3-D' if pos_r.dim() == 2 else '1-D'} vs training "
-                     f"{'3-D' if pos_t.dim() == 2 else '1-D'} positions")
+        lines.append(
+            f"position_ids[{b}]: rollout {'3-D' if pos_r.dim() == 2 else '1-D'} vs training "
+            f"{'3-D' if pos_t.dim() == 2 else '1-D'} positions"
+        )
     else:
-        at = _first_difference(pos_r.reshape(-1, pos_r.shape[-1])[:, :n].T.reshape(-1),
-                               pos_t.reshape(-1, pos_t.shape[-1])[:, :n].T.reshape(-1))
+        at = _first_difference(
+            pos_r.reshape(-1, pos_r.shape[-1])[:, :n].T.reshape(-1),
+            pos_t.reshape(-1, pos_t.shape[-1])[:, :n].T.reshape(-1),
+        )
         if at >= 0:
             token = at // (3 if pos_r.dim() == 2 else 1)
-            lines.append(f"position_ids[{b}][{token}]: rollout {pos_r[..., token].tolist()} vs training {pos_t[..., token].tolist()}")
+            lines.append(
+                f"position_ids[{b}][{token}]: rollout {pos_r[..., token].tolist()} vs training {pos_t[..., token].tolist()}"
+            )
     for i in range(max(len(rollout.loss_spans[b]), len(training.loss_spans[b]))):
         spans = [side.loss_spans[b][i] if i < len(side.loss_spans[b]) else None for side in (rollout, training)]
         if spans[0] != spans[1]:

@@ -85,14 +85,17 @@ class ProcessorFingerprint:
         if token_id is None and token is not None and tokenizer is not None:
             token_id = tokenizer.convert_tokens_to_ids(token)
         if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise ValueError(f"processor: {type(processor).__name__} has no image token id (image_token_id or image_token "
-                             f"known to its tokenizer), got {token_id!r}")
+            raise ValueError(
+                f"processor: {type(processor).__name__} has no image token id (image_token_id or image_token "
+                f"known to its tokenizer), got {token_id!r}"
+            )
         template = getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):
             template = json.dumps(template, sort_keys=True, default=repr)
         if template is not None and not isinstance(template, str):
-            raise ValueError(f"processor: chat_template must be a str or a dict of named templates, got "
-                             f"{type(template).__name__}")
+            raise ValueError(
+                f"processor: chat_template must be a str or a dict of named templates, got {type(template).__name__}"
+            )
         return cls(
             processor_class=type(processor).__name__,
             transformers_version=transformers.__version__,
@@ -116,7 +119,9 @@ class ProcessorFingerprint:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31):
                 raise ValueError(f"fingerprint.{name}: must be None or an int in [1, 2**31), got {_found(value)}")
         if self.chat_template_sha256 is not None and not isinstance(self.chat_template_sha256, str):
-            raise ValueError(f"fingerprint.chat_template_sha256: must be None or a str, got {_found(self.chat_template_sha256)}")
+            raise ValueError(
+                f"fingerprint.chat_template_sha256: must be None or a str, got {_found(self.chat_template_sha256)}"
+            )
 
 
 def _found(value: object) -> str:
@@ -198,8 +203,14 @@ class MultimodalBatch:
         return LossSpans.from_pairs(pairs, self.attention_mask.shape[1], device=self.attention_mask.device)
 
     @classmethod
-    def from_processor(cls, processor: Any, encoded: Mapping[str, Any], *, loss_spans: Sequence[Sequence[SpanLike]],
-                       media_ids: Optional[Sequence[Sequence[str]]] = None) -> "MultimodalBatch":
+    def from_processor(
+        cls,
+        processor: Any,
+        encoded: Mapping[str, Any],
+        *,
+        loss_spans: Sequence[Sequence[SpanLike]],
+        media_ids: Optional[Sequence[Sequence[str]]] = None,
+    ) -> "MultimodalBatch":
         """The batch a transformers processor's output describes.
 
         Args:
@@ -225,16 +236,22 @@ class MultimodalBatch:
         except ValueError as exc:
             raise ValueError(f"processor: {type(processor).__name__}'s {exc}") from None
         if not isinstance(encoded, Mapping):
-            raise ValueError(f"encoded: must be the processor's output (a BatchFeature or dict), got {type(encoded).__name__}")
+            raise ValueError(
+                f"encoded: must be the processor's output (a BatchFeature or dict), got {type(encoded).__name__}"
+            )
         for key in ("video_grid_thw", "pixel_values_videos"):
             if key in encoded:
-                raise ValueError(f"encoded[{key!r}]: video inputs are not covered by MultimodalBatch yet (images only; "
-                                 "see docs/multimodal.md)")
+                raise ValueError(
+                    f"encoded[{key!r}]: video inputs are not covered by MultimodalBatch yet (images only; "
+                    "see docs/multimodal.md)"
+                )
         ids = _int_tensor("encoded['input_ids']", encoded.get("input_ids"), 2)
         mask = encoded.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else _int_tensor("encoded['attention_mask']", mask, 2)
         if mask.shape != ids.shape:
-            raise ValueError(f"encoded['attention_mask'] must have input_ids' shape {tuple(ids.shape)}, got {tuple(mask.shape)}")
+            raise ValueError(
+                f"encoded['attention_mask'] must have input_ids' shape {tuple(ids.shape)}, got {tuple(mask.shape)}"
+            )
         _zeros_and_ones("encoded['attention_mask']", mask)
         grid = encoded.get("image_grid_thw")
         grid = None if grid is None else _grid(grid, fingerprint.merge_size or 1)
@@ -263,7 +280,10 @@ class MultimodalBatch:
         batch = cls(
             input_ids=rows,
             modality_spans=modality,
-            loss_spans=[[_as_span(f"loss_spans[{b}][{i}]", s) for i, s in enumerate(spans)] for b, spans in enumerate(loss_spans)],
+            loss_spans=[
+                [_as_span(f"loss_spans[{b}][{i}]", s) for i, s in enumerate(spans)]
+                for b, spans in enumerate(loss_spans)
+            ],
             media_ids=[list(m) for m in media_ids] if media_ids is not None else [list(k) for k in keys],
             vision_token_offsets=offsets,
             media_cache_keys=keys,
@@ -279,13 +299,17 @@ class MultimodalBatch:
         field and position (e.g. ``loss_spans[2][0]: start 40 + length 9 exceeds the sequence
         length 45``)."""
         if not isinstance(self.input_ids, (list, tuple)):
-            raise ValueError(f"input_ids: must be a list of 1-D int64 tensors, one per sequence, got {_found(self.input_ids)}")
+            raise ValueError(
+                f"input_ids: must be a list of 1-D int64 tensors, one per sequence, got {_found(self.input_ids)}"
+            )
         num = len(self.input_ids)
         for name in ("modality_spans", "loss_spans", "media_ids", "vision_token_offsets", "media_cache_keys"):
             value = getattr(self, name)
             if not isinstance(value, list) or len(value) != num:
                 found = f"{len(value)} entries" if isinstance(value, list) else type(value).__name__
-                raise ValueError(f"{name}: must be a list with one entry per sequence ({num}, as input_ids), got {found}")
+                raise ValueError(
+                    f"{name}: must be a list with one entry per sequence ({num}, as input_ids), got {found}"
+                )
         if not isinstance(self.fingerprint, ProcessorFingerprint):
             raise ValueError(f"fingerprint: must be a ProcessorFingerprint, got {type(self.fingerprint).__name__}")
         self.fingerprint.check()
@@ -296,42 +320,58 @@ class MultimodalBatch:
         positions = _int_tensor("position_ids", self.position_ids, None)
         expected = [tuple(mask.shape), (3, *mask.shape)]
         if tuple(positions.shape) not in expected:
-            raise ValueError(f"position_ids: must have shape {expected[0]} or {expected[1]} (attention_mask's layout), "
-                             f"got {tuple(positions.shape)}")
+            raise ValueError(
+                f"position_ids: must have shape {expected[0]} or {expected[1]} (attention_mask's layout), "
+                f"got {tuple(positions.shape)}"
+            )
         media_running = 0
         for b in range(num):
             media_running = self._validate_sequence(b, mask[b], media_running)
 
     def _validate_sequence(self, b: int, mask_row: torch.Tensor, media_running: int) -> int:
         ids = self.input_ids[b]
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1 or ids.layout != torch.strided:
-            found = (f"{ids.dtype} tensor of shape {tuple(ids.shape)}{_layout(ids)}" if isinstance(ids, torch.Tensor)
-                     else type(ids).__name__)
+        if (
+            not isinstance(ids, torch.Tensor)
+            or ids.dtype != torch.int64
+            or ids.dim() != 1
+            or ids.layout != torch.strided
+        ):
+            found = (
+                f"{ids.dtype} tensor of shape {tuple(ids.shape)}{_layout(ids)}"
+                if isinstance(ids, torch.Tensor)
+                else type(ids).__name__
+            )
             raise ValueError(f"input_ids[{b}]: must be a 1-D int64 tensor, got {found}")
         n = ids.shape[0]
         real = mask_row.nonzero().flatten().tolist()
         if len(real) != n:
             raise ValueError(f"attention_mask[{b}]: {len(real)} real tokens, but input_ids[{b}] holds {n}")
         if real and real != list(range(real[0], real[0] + n)):
-            raise ValueError(f"attention_mask[{b}]: padding between real tokens (real positions {real[0]}..{real[-1]} hold {n})")
+            raise ValueError(
+                f"attention_mask[{b}]: padding between real tokens (real positions {real[0]}..{real[-1]} hold {n})"
+            )
         media = [s for s in _spans(f"modality_spans[{b}]", self.modality_spans[b]) if s.kind in MEDIA_KINDS]
         cursor, seen = 0, 0
         for i, span in enumerate(self.modality_spans[b]):
             where = f"modality_spans[{b}][{i}]"
             _check_span(where, span, n)
             if span.start != cursor:
-                raise ValueError(f"{where}: starts at {span.start}, expected {cursor} (spans cover the sequence in order, no gaps)")
+                raise ValueError(
+                    f"{where}: starts at {span.start}, expected {cursor} (spans cover the sequence in order, no gaps)"
+                )
             cursor = span.end
             if span.kind in MEDIA_KINDS:
                 if span.media_index != seen:
                     raise ValueError(f"{where}: media_index must be {seen} (media in order), got {span.media_index}")
                 seen += 1
                 if span.kind == "image":
-                    wrong = (ids[span.start:span.end] != self.fingerprint.image_token_id).nonzero()
+                    wrong = (ids[span.start : span.end] != self.fingerprint.image_token_id).nonzero()
                     if wrong.numel():
                         t = span.start + int(wrong[0])
-                        raise ValueError(f"{where}: token {t} is {int(ids[t])}, not the image token "
-                                         f"{self.fingerprint.image_token_id}")
+                        raise ValueError(
+                            f"{where}: token {t} is {int(ids[t])}, not the image token "
+                            f"{self.fingerprint.image_token_id}"
+                        )
             elif span.media_index is not None:
                 raise ValueError(f"{where}: a {span.kind} span has no media, got media_index {span.media_index}")
         if cursor != n:
@@ -343,11 +383,15 @@ class MultimodalBatch:
                 raise ValueError(f"{name}[{b}]: must hold one entry per media item ({len(media)}), got {found}")
             for i, entry in enumerate(value):
                 if isinstance(entry, bool) or not isinstance(entry, kind):
-                    raise ValueError(f"{name}[{b}][{i}]: must be {'a str' if kind is str else 'an int'}, got {_found(entry)}")
+                    raise ValueError(
+                        f"{name}[{b}][{i}]: must be {'a str' if kind is str else 'an int'}, got {_found(entry)}"
+                    )
         for i, span in enumerate(media):
             if self.vision_token_offsets[b][i] != media_running:
-                raise ValueError(f"vision_token_offsets[{b}][{i}]: must be {media_running} (media tokens before it in the "
-                                 f"batch), got {self.vision_token_offsets[b][i]}")
+                raise ValueError(
+                    f"vision_token_offsets[{b}][{i}]: must be {media_running} (media tokens before it in the "
+                    f"batch), got {self.vision_token_offsets[b][i]}"
+                )
             media_running += span.length
         end = 0
         for i, span in enumerate(_spans(f"loss_spans[{b}]", self.loss_spans[b])):
@@ -358,13 +402,17 @@ class MultimodalBatch:
             if span.media_index is not None:
                 raise ValueError(f"{where}: a loss span has no media, got media_index {span.media_index}")
             if span.start < max(1, end):
-                raise ValueError(f"{where}: start {span.start} must be >= {max(1, end)} (token 0 is never scored; spans in "
-                                 "order, not overlapping)")
+                raise ValueError(
+                    f"{where}: start {span.start} must be >= {max(1, end)} (token 0 is never scored; spans in "
+                    "order, not overlapping)"
+                )
             end = span.end
             for m in self.modality_spans[b]:  # media and tool observations are not the policy's tokens
                 if m.kind != "text" and span.start < m.end and m.start < span.end:
                     what = m.kind if m.media_index is None else f"{m.kind} {m.media_index}"
-                    raise ValueError(f"{where}: tokens [{span.start}, {span.end}) overlap {what} at [{m.start}, {m.end})")
+                    raise ValueError(
+                        f"{where}: tokens [{span.start}, {span.end}) overlap {what} at [{m.start}, {m.end})"
+                    )
         return media_running
 
 
@@ -410,7 +458,9 @@ def _int_tensor(name: str, value: object, ndim: Optional[int]) -> torch.Tensor:
         found = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"{name}: must be an integer tensor, got {found}")
     if value.layout != torch.strided:
-        raise ValueError(f"{name}: must be a dense (strided) tensor, got layout {str(value.layout).replace('torch.', '')}")
+        raise ValueError(
+            f"{name}: must be a dense (strided) tensor, got layout {str(value.layout).replace('torch.', '')}"
+        )
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{name}: must be {ndim}-D, got shape {tuple(value.shape)}")
     return value
@@ -446,12 +496,16 @@ def _grid(value: object, merge: int) -> torch.Tensor:
         if min(t, h, w) < 1 or max(t, h, w) >= 2**31:
             raise ValueError(f"{name}[{k}]: (t, h, w) must each be in [1, 2**31), got {[t, h, w]}")
         if h % merge or w % merge:
-            raise ValueError(f"{name}[{k}]: the sides h and w must be multiples of the processor's merge_size {merge}, "
-                             f"got (t, h, w) = {[t, h, w]}")
+            raise ValueError(
+                f"{name}[{k}]: the sides h and w must be multiples of the processor's merge_size {merge}, "
+                f"got (t, h, w) = {[t, h, w]}"
+            )
     return grid
 
 
-def _media_spans(rows: list[torch.Tensor], fingerprint: ProcessorFingerprint, grid: Optional[torch.Tensor]) -> list[list[Span]]:
+def _media_spans(
+    rows: list[torch.Tensor], fingerprint: ProcessorFingerprint, grid: Optional[torch.Tensor]
+) -> list[list[Span]]:
     """Each row's text runs and image spans: runs of the image token, split by ``grid``'s token
     counts (``t·h·w / merge²`` per image, images in batch order) when given, else one image per run."""
     merge = fingerprint.merge_size or 1
@@ -472,20 +526,26 @@ def _media_spans(rows: list[torch.Tensor], fingerprint: ProcessorFingerprint, gr
                 if counts is None:
                     need = end - at
                 elif image >= len(counts):
-                    raise ValueError(f"input_ids[{b}][{at}]: image tokens beyond the {len(counts)} images of image_grid_thw")
+                    raise ValueError(
+                        f"input_ids[{b}][{at}]: image tokens beyond the {len(counts)} images of image_grid_thw"
+                    )
                 else:
                     need = counts[image]
                 if at + need > end:
-                    raise ValueError(f"input_ids[{b}][{at}]: image {image} needs {need} image tokens (image_grid_thw "
-                                     f"{grid[image].tolist() if grid is not None else None} / merge {merge}²), the run holds "
-                                     f"{end - at}")
+                    raise ValueError(
+                        f"input_ids[{b}][{at}]: image {image} needs {need} image tokens (image_grid_thw "
+                        f"{grid[image].tolist() if grid is not None else None} / merge {merge}²), the run holds "
+                        f"{end - at}"
+                    )
                 index = sum(s.kind == "image" for s in spans)
                 spans.append(Span("image", at, need, index))
                 at += need
                 image += 1
         out.append(spans)
     if counts is not None and image != len(counts):
-        raise ValueError(f"encoded['image_grid_thw']: {len(counts)} images, but the input ids hold the tokens of {image}")
+        raise ValueError(
+            f"encoded['image_grid_thw']: {len(counts)} images, but the input ids hold the tokens of {image}"
+        )
     return out
 
 
@@ -498,21 +558,32 @@ def _digest(*tensors: torch.Tensor) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _cache_keys(modality: list[list[Span]], pixels: Optional[torch.Tensor], grid: Optional[torch.Tensor]) -> list[list[str]]:
+def _cache_keys(
+    modality: list[list[Span]], pixels: Optional[torch.Tensor], grid: Optional[torch.Tensor]
+) -> list[list[str]]:
     """Per image, the digest of its pixel rows (and grid): Qwen2-VL's patches ``[sum t·h·w, ...]``
     split by ``grid``, else ``pixels[k]`` for image k."""
     total = sum(s.kind == "image" for spans in modality for s in spans)
     if total == 0:
         return [[] for _ in modality]
     if not isinstance(pixels, torch.Tensor) or pixels.dim() < 1 or pixels.layout != torch.strided:
-        found = f"shape {tuple(pixels.shape)}{_layout(pixels)}" if isinstance(pixels, torch.Tensor) else type(pixels).__name__
-        raise ValueError(f"encoded['pixel_values']: must be a dense tensor of at least 1 dim for the {total} images, "
-                         f"got {found}")
+        found = (
+            f"shape {tuple(pixels.shape)}{_layout(pixels)}"
+            if isinstance(pixels, torch.Tensor)
+            else type(pixels).__name__
+        )
+        raise ValueError(
+            f"encoded['pixel_values']: must be a dense tensor of at least 1 dim for the {total} images, got {found}"
+        )
     if grid is not None:
         sizes = [int(t * h * w) for t, h, w in grid.tolist()]
         if sum(sizes) != pixels.shape[0]:
-            raise ValueError(f"encoded['pixel_values']: {pixels.shape[0]} patch rows, but image_grid_thw needs {sum(sizes)}")
-        items = [(pixels[o - n:o], grid[k]) for k, (n, o) in enumerate(zip(sizes, torch.tensor(sizes).cumsum(0).tolist()))]
+            raise ValueError(
+                f"encoded['pixel_values']: {pixels.shape[0]} patch rows, but image_grid_thw needs {sum(sizes)}"
+            )
+        items = [
+            (pixels[o - n : o], grid[k]) for k, (n, o) in enumerate(zip(sizes, torch.tensor(sizes).cumsum(0).tolist()))
+        ]
     else:
         if pixels.shape[0] != total:
             raise ValueError(f"encoded['pixel_values']: {pixels.shape[0]} images, but the input ids hold {total}")
@@ -541,4 +612,3 @@ def _mrope_positions(modality: list[list[Span]], mask: torch.Tensor, grid: torch
         if parts:
             positions[:, b, mask[b].bool().cpu()] = torch.cat(parts, dim=1)
     return positions.to(mask.device)
-

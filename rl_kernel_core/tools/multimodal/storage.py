@@ -36,18 +36,21 @@ def _span_rows(rows: list[list[Span]]) -> list[list[list[Any]]]:
 def save(batch: MultimodalBatch, path: str) -> None:
     """Validate ``batch`` and write it to ``path`` in the format :func:`load` reads."""
     batch.validate()
-    torch.save({
-        "format": FORMAT,
-        "input_ids": [t.cpu() for t in batch.input_ids],
-        "modality_spans": _span_rows(batch.modality_spans),
-        "loss_spans": _span_rows(batch.loss_spans),
-        "media_ids": batch.media_ids,
-        "vision_token_offsets": batch.vision_token_offsets,
-        "media_cache_keys": batch.media_cache_keys,
-        "attention_mask": batch.attention_mask.cpu(),
-        "position_ids": batch.position_ids.cpu(),
-        "fingerprint": dataclasses.asdict(batch.fingerprint),
-    }, path)
+    torch.save(
+        {
+            "format": FORMAT,
+            "input_ids": [t.cpu() for t in batch.input_ids],
+            "modality_spans": _span_rows(batch.modality_spans),
+            "loss_spans": _span_rows(batch.loss_spans),
+            "media_ids": batch.media_ids,
+            "vision_token_offsets": batch.vision_token_offsets,
+            "media_cache_keys": batch.media_cache_keys,
+            "attention_mask": batch.attention_mask.cpu(),
+            "position_ids": batch.position_ids.cpu(),
+            "fingerprint": dataclasses.asdict(batch.fingerprint),
+        },
+        path,
+    )
 
 
 def _spans(path: str, name: str, rows: Any) -> list[list[Span]]:
@@ -56,11 +59,15 @@ def _spans(path: str, name: str, rows: Any) -> list[list[Span]]:
     out: list[list[Span]] = []
     for b, row in enumerate(rows):
         if not isinstance(row, list):
-            raise ValueError(f"{path}: {name}[{b}] must be a list of [kind, start, length, media_index], got {type(row).__name__}")
+            raise ValueError(
+                f"{path}: {name}[{b}] must be a list of [kind, start, length, media_index], got {type(row).__name__}"
+            )
         out.append([])
         for i, entry in enumerate(row):
             if not isinstance(entry, list) or len(entry) != 4:
-                raise ValueError(f"{path}: {name}[{b}][{i}] must be [kind, start, length, media_index], got {brief(entry)}")
+                raise ValueError(
+                    f"{path}: {name}[{b}][{i}] must be [kind, start, length, media_index], got {brief(entry)}"
+                )
             out[-1].append(Span(*entry))
     return out
 
@@ -82,7 +89,9 @@ def load(path: str) -> MultimodalBatch:
             raise
         except Exception as exc:  # torch.load raises KeyError, EOFError, UnpicklingError, ... for a file it cannot read
             reason = type(exc).__name__ + (f": {str(exc).strip().splitlines()[0]}" if str(exc).strip() else "")
-            raise NotMultimodal(f"{path}: not a saved batch (torch.load with weights_only=True failed: {reason[:200]})") from None
+            raise NotMultimodal(
+                f"{path}: not a saved batch (torch.load with weights_only=True failed: {reason[:200]})"
+            ) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = brief(data.get("format")) if isinstance(data, dict) else type(data).__name__
         raise NotMultimodal(f"{path}: not a multimodal batch (format tag {FORMAT!r} expected, got {found})")
@@ -91,12 +100,24 @@ def load(path: str) -> MultimodalBatch:
     if not isinstance(fingerprint, dict) or set(fingerprint) != fields:
         keys = sorted(map(str, fingerprint)) if isinstance(fingerprint, dict) else type(fingerprint).__name__
         raise ValueError(f"{path}: fingerprint must be a dict of {sorted(fields)}, got {keys}")
-    missing = [name for name in ("input_ids", "media_ids", "vision_token_offsets", "media_cache_keys", "attention_mask",
-                                 "position_ids") if name not in data]
+    missing = [
+        name
+        for name in (
+            "input_ids",
+            "media_ids",
+            "vision_token_offsets",
+            "media_cache_keys",
+            "attention_mask",
+            "position_ids",
+        )
+        if name not in data
+    ]
     if missing:
         raise ValueError(f"{path}: missing field {missing[0]}")
     if not isinstance(data["input_ids"], list):
-        raise ValueError(f"{path}: input_ids must be a list of 1-D int64 tensors, got {type(data['input_ids']).__name__}")
+        raise ValueError(
+            f"{path}: input_ids must be a list of 1-D int64 tensors, got {type(data['input_ids']).__name__}"
+        )
     tensors = [(f"input_ids[{b}]", t) for b, t in enumerate(data["input_ids"])]
     for name, value in [*tensors, ("attention_mask", data["attention_mask"]), ("position_ids", data["position_ids"])]:
         problem = stored_tensor_problem(value) if isinstance(value, torch.Tensor) else None

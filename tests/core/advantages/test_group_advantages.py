@@ -24,7 +24,9 @@ ESTIMATORS = ["grpo", "dr_grpo", "rloo"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def advantages_formula(rewards: torch.Tensor, ids: list, estimator: str, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def advantages_formula(
+    rewards: torch.Tensor, ids: list, estimator: str, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Python floats (fp64): group by id, then verl's per-estimator rule."""
     r = rewards.double().tolist()
     groups = defaultdict(list)
@@ -80,7 +82,9 @@ def test_index_groups_any_order_match_formula(seed, dtype, estimator):
     ids = random_groups(57)
     for index_dtype in (torch.int64, torch.int32):
         adv = rk.group_advantages(rewards, group_index=ids.to(index_dtype), estimator=estimator)
-        assert_close(adv, advantages_formula(rewards, ids.tolist(), estimator), "reduction", dtype, f"{estimator} advantages")
+        assert_close(
+            adv, advantages_formula(rewards, ids.tolist(), estimator), "reduction", dtype, f"{estimator} advantages"
+        )
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -100,7 +104,13 @@ def test_norm_by_std_false_is_dr_grpo_and_rloo_scaling(seed):
     ids = random_groups(40)
     grpo_plain = rk.group_advantages(rewards, group_index=ids, estimator="grpo", norm_by_std=False)
     assert torch.equal(grpo_plain, rk.group_advantages(rewards, group_index=ids, estimator="dr_grpo"))
-    assert_close(grpo_plain, advantages_formula(rewards, ids.tolist(), "grpo", norm_by_std=False), "reduction", torch.float32, "grpo without std")
+    assert_close(
+        grpo_plain,
+        advantages_formula(rewards, ids.tolist(), "grpo", norm_by_std=False),
+        "reduction",
+        torch.float32,
+        "grpo without std",
+    )
     rloo = rk.group_advantages(rewards, group_size=5, estimator="rloo")
     dr = rk.group_advantages(rewards, group_size=5, estimator="dr_grpo")
     assert_close(rloo, dr.double() * 5 / 4, "reduction", torch.float32, "rloo = n/(n-1) (r - mean)")
@@ -113,7 +123,13 @@ def test_eps_and_constant_groups(seed):
     assert bool((adv[:4] == 0).all())
     for eps in (1e-6, 0.5):
         adv = rk.group_advantages(rewards, group_size=4, eps=eps)
-        assert_close(adv, advantages_formula(rewards, [0] * 4 + [1] * 4, "grpo", eps=eps), "reduction", torch.float32, f"eps={eps}")
+        assert_close(
+            adv,
+            advantages_formula(rewards, [0] * 4 + [1] * 4, "grpo", eps=eps),
+            "reduction",
+            torch.float32,
+            f"eps={eps}",
+        )
 
 
 def test_singleton_groups_follow_verl(seed):
@@ -140,7 +156,13 @@ def test_fp64_rewards_stay_fp64(seed):
     rewards = random_rewards(24, torch.float64)
     adv = rk.group_advantages(rewards, group_size=4, estimator="grpo")
     assert adv.dtype == torch.float64
-    assert_close(adv, advantages_formula(rewards, [i // 4 for i in range(24)], "grpo"), "reduction", torch.float64, "fp64 advantages")
+    assert_close(
+        adv,
+        advantages_formula(rewards, [i // 4 for i in range(24)], "grpo"),
+        "reduction",
+        torch.float64,
+        "fp64 advantages",
+    )
 
 
 def test_non_contiguous_rewards(seed):
@@ -148,7 +170,9 @@ def test_non_contiguous_rewards(seed):
     strided = base.t()[1]  # 16 rewards with stride 4
     assert not strided.is_contiguous()
     ids = random_groups(16)
-    assert torch.equal(rk.group_advantages(strided, group_index=ids), rk.group_advantages(strided.contiguous(), group_index=ids))
+    assert torch.equal(
+        rk.group_advantages(strided, group_index=ids), rk.group_advantages(strided.contiguous(), group_index=ids)
+    )
 
 
 def test_empty_rewards():
@@ -169,7 +193,9 @@ def test_matches_verl_core_algos_when_installed(seed, estimator):
     if estimator == "rloo":
         expected, _ = core_algos.compute_rloo_outcome_advantage(scores, mask, index)
     else:
-        expected, _ = core_algos.compute_grpo_outcome_advantage(scores, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=estimator == "grpo")
+        expected, _ = core_algos.compute_grpo_outcome_advantage(
+            scores, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=estimator == "grpo"
+        )
     adv = rk.group_advantages(rewards, group_index=ids, estimator=estimator)
     assert_close(adv, expected[:, 0].double(), "reduction", torch.float32, f"{estimator} vs verl")
 
@@ -184,7 +210,12 @@ META = torch.device("meta")
         (torch.ones(4, dtype=torch.int64), dict(group_size=2), TypeError, "rewards"),
         (torch.ones(2, 4), dict(group_size=2), ValueError, "rewards"),
         (torch.ones(6), {}, ValueError, "group_size and group_index"),
-        (torch.ones(6), dict(group_size=2, group_index=torch.zeros(6, dtype=torch.int64)), ValueError, "group_size and group_index"),
+        (
+            torch.ones(6),
+            dict(group_size=2, group_index=torch.zeros(6, dtype=torch.int64)),
+            ValueError,
+            "group_size and group_index",
+        ),
         (torch.ones(6), dict(group_size=4), ValueError, "group_size"),
         (torch.ones(6), dict(group_size=0), ValueError, "group_size"),
         (torch.ones(6), dict(group_size=2.0), TypeError, "group_size"),
@@ -193,12 +224,22 @@ META = torch.device("meta")
         (torch.ones(6), dict(group_index=torch.zeros(5, dtype=torch.int64)), ValueError, "group_index"),
         (torch.ones(6), dict(group_index=torch.zeros(2, 3, dtype=torch.int64)), ValueError, "group_index"),
         (torch.ones(6), dict(group_index=torch.zeros(6, dtype=torch.int64, device=META)), ValueError, "group_index"),
-        (torch.ones(6, device=META), dict(group_index=torch.zeros(6, dtype=torch.int64, device=META)), ValueError, "group_index must hold data"),
+        (
+            torch.ones(6, device=META),
+            dict(group_index=torch.zeros(6, dtype=torch.int64, device=META)),
+            ValueError,
+            "group_index must hold data",
+        ),
         (torch.ones(6).to_sparse(), dict(group_size=2), TypeError, "rewards must be a dense"),
         (torch.ones(6), dict(group_size=2, estimator="ppo"), ValueError, "estimator"),
         (torch.ones(6), dict(group_size=2, norm_by_std=1), TypeError, "norm_by_std"),
         (torch.ones(6), dict(group_size=2, eps=-1e-6), ValueError, "eps"),
-        (torch.ones(6), dict(group_size=2, eps=10**400), ValueError, "eps must be a finite number >= 0, got an int of 1329 bits"),
+        (
+            torch.ones(6),
+            dict(group_size=2, eps=10**400),
+            ValueError,
+            "eps must be a finite number >= 0, got an int of 1329 bits",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(rewards, kw, err, name):
@@ -259,7 +300,9 @@ def test_group_statistics_in_fp64_on_every_backend(seed, backend_on, estimator):
     for kw, ids in cases:
         got = rk.group_advantages(rewards, estimator=estimator, backend=backend, **kw)
         assert got.dtype == torch.float32
-        assert_close(got, advantages_formula(rewards.cpu(), ids, estimator), "reduction", torch.float32, f"advantages {list(kw)}")
+        assert_close(
+            got, advantages_formula(rewards.cpu(), ids, estimator), "reduction", torch.float32, f"advantages {list(kw)}"
+        )
 
 
 def test_equal_rewards_and_zero_eps_give_zero_on_every_backend(seed, backend_on):
@@ -273,7 +316,13 @@ def test_equal_rewards_and_zero_eps_give_zero_on_every_backend(seed, backend_on)
         for kw in (dict(group_size=4), dict(group_index=torch.tensor(ids, device=device))):
             got = rk.group_advantages(rewards, eps=eps, backend=backend, **kw)
             assert torch.equal(got[:12], torch.zeros(12, device=device)), f"eps={eps} {list(kw)}: {got[:12].tolist()}"
-            assert_close(got[12:], advantages_formula(rewards[12:].cpu(), ids[:4], "grpo", eps=eps), "reduction", torch.float32, f"eps={eps}")
+            assert_close(
+                got[12:],
+                advantages_formula(rewards[12:].cpu(), ids[:4], "grpo", eps=eps),
+                "reduction",
+                torch.float32,
+                f"eps={eps}",
+            )
 
 
 # ============================================================== shared cases, every backend
@@ -287,14 +336,22 @@ def test_group_advantages_by_size_and_by_index(seed, backend: Backend, estimator
     kw = dict(estimator=estimator, norm_by_std=norm_by_std, eps=1e-6, backend=backend.name)
     by_size = rk.group_advantages(rewards, group_size=8, **kw)
     assert by_size.dtype == torch.float32 and by_size.shape == (48,)
-    expected = advantages_oracle(rewards, [list(range(g, g + 8)) for g in range(0, 48, 8)], estimator, norm_by_std, 1e-6)
+    expected = advantages_oracle(
+        rewards, [list(range(g, g + 8)) for g in range(0, 48, 8)], estimator, norm_by_std, 1e-6
+    )
     assert_close(by_size, expected, "reduction", torch.float32, "by size")
     index = torch.randint(0, 9, (48,))
     index[:2] = 100  # a group of two, and (likely) some of one
     index[2] = 101
     groups = [torch.nonzero(index == g).flatten().tolist() for g in index.unique()]
     by_index = rk.group_advantages(rewards, group_index=index.to(device), **kw)
-    assert_close(by_index, advantages_oracle(rewards, groups, estimator, norm_by_std, 1e-6), "reduction", torch.float32, "by index")
+    assert_close(
+        by_index,
+        advantages_oracle(rewards, groups, estimator, norm_by_std, 1e-6),
+        "reduction",
+        torch.float32,
+        "by index",
+    )
     ref = rk.group_advantages(rewards, group_index=index.to(device), **{**kw, "backend": "torch"})
     assert_close(by_index, ref.double(), "reduction", torch.float32, "by index vs reference")
     assert torch.equal(by_index, rk.group_advantages(rewards, group_index=index.to(device).to(torch.int32), **kw))
@@ -305,7 +362,9 @@ def test_group_advantages_large_groups_bf16_rewards(seed, backend: Backend):
     rewards = (torch.randn(2 * 1500) * 2 + 1).to(torch.bfloat16).to(backend.device)  # groups span several blocks
     out = rk.group_advantages(rewards, group_size=1500, backend=backend.name)
     groups = [list(range(0, 1500)), list(range(1500, 3000))]
-    assert_close(out, advantages_oracle(rewards, groups, "grpo", True, 1e-6), "reduction", torch.bfloat16, "bf16 rewards")
+    assert_close(
+        out, advantages_oracle(rewards, groups, "grpo", True, 1e-6), "reduction", torch.bfloat16, "bf16 rewards"
+    )
     assert torch.equal(out, rk.group_advantages(rewards, group_size=1500, backend=backend.name))
 
 

@@ -153,7 +153,12 @@ _BAD = [
     ("rms_norm empty H", lambda: rk.rms_norm(torch.randn(2, 0), torch.randn(0)), ValueError, "x"),
     ("rms_norm weight shape", lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(5)), ValueError, "weight"),
     ("rms_norm weight 2-D", lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(1, 4)), ValueError, "weight"),
-    ("rms_norm weight device", lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(4, device="meta")), ValueError, "weight"),
+    (
+        "rms_norm weight device",
+        lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(4, device="meta")),
+        ValueError,
+        "weight",
+    ),
     ("rms_norm eps", lambda: rk.rms_norm(torch.randn(2, 4), torch.randn(4), eps=-1e-6), ValueError, "eps"),
     ("bi_matmul K", lambda: bi_matmul(torch.randn(2, 4), torch.randn(5, 3)), ValueError, "b"),
     ("bi_matmul dtype", lambda: bi_matmul(torch.randn(2, 4), torch.randn(4, 3, dtype=torch.float64)), TypeError, "b"),
@@ -187,8 +192,8 @@ def test_cuda_rows_are_bitwise_invariant(seed, dtype):
     rows_invariant(lambda t: bi_mean(t, -1), a, SIZES)
 
 
-
 # ---- routing of a model's aten ops while the mode is on ----
+
 
 def _first_rows_match(fn, x, sizes=(1, 3, 8, 37)):
     """fn(x[:n]) equals fn(x)[:n] bit for bit for every n."""
@@ -212,7 +217,9 @@ def _routed_calls():
         "mm out=": lambda x: torch.mm(x, w.T, out=torch.empty(0)),
         "addmm out=": lambda x: torch.addmm(b, x, w.T, beta=0.5, alpha=2, out=torch.empty(0)),
         "addmm_": lambda x: b.repeat(x.shape[0], 1).addmm_(x, w.T),
-        "baddbmm": lambda x: torch.baddbmm(b[:8], x.view(x.shape[0], 4, 50), torch.ones(x.shape[0], 50, 8) * w3[:50, :8]),
+        "baddbmm": lambda x: torch.baddbmm(
+            b[:8], x.view(x.shape[0], 4, 50), torch.ones(x.shape[0], 50, 8) * w3[:50, :8]
+        ),
         "log_softmax out=": lambda x: torch.log_softmax(x * 3, -1, out=torch.empty(0)),
         "mean out=": lambda x: torch.mean(x.pow(2), -1, keepdim=True, out=torch.empty(0)),
     }
@@ -251,11 +258,17 @@ def test_rl_kernel_ops_give_a_row_the_same_bits_at_any_batch_size_in_the_mode(se
     weight = torch.randn(v, d) * d**-0.5
     logits = (torch.randn(n, v) * 3).to(torch.bfloat16)
     targets = torch.randint(0, v, (n,))
-    seeds = torch.randint(-2**62, 2**62, (n,))
+    seeds = torch.randint(-(2**62), 2**62, (n,))
     calls = {
-        "linear_logprob": lambda rows: rk.linear_logprob(hidden[rows], weight, targets[rows], return_entropy=True, backend="torch"),
-        "logprob_from_logits": lambda rows: rk.logprob_from_logits(logits[rows], targets[rows], temperature=0.7, return_entropy=True, backend="torch"),
-        "sample": lambda rows: rk.sample(logits[rows], temperature=0.9, top_k=40, top_p=0.9, seeds=seeds[rows], backend="torch"),
+        "linear_logprob": lambda rows: rk.linear_logprob(
+            hidden[rows], weight, targets[rows], return_entropy=True, backend="torch"
+        ),
+        "logprob_from_logits": lambda rows: rk.logprob_from_logits(
+            logits[rows], targets[rows], temperature=0.7, return_entropy=True, backend="torch"
+        ),
+        "sample": lambda rows: rk.sample(
+            logits[rows], temperature=0.9, top_k=40, top_p=0.9, seeds=seeds[rows], backend="torch"
+        ),
     }
     with rk.batch_invariant():
         full = calls[op](slice(None))
@@ -268,9 +281,23 @@ def test_routing_table_names_each_op():
     from rl_kernel_core.batch_invariant_mode import api as invariance
 
     names = {str(op) for op in invariance.ROUTED_OPS}
-    for op in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten._log_softmax.default", "aten.mean.dim",
-               "aten._fused_rms_norm.default", "aten.mm.out", "aten.addmm.out", "aten.addmm_.default", "aten.bmm.out",
-               "aten.baddbmm.default", "aten.baddbmm.out", "aten.baddbmm_.default", "aten._log_softmax.out", "aten.mean.out"):
+    for op in (
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten._log_softmax.default",
+        "aten.mean.dim",
+        "aten._fused_rms_norm.default",
+        "aten.mm.out",
+        "aten.addmm.out",
+        "aten.addmm_.default",
+        "aten.bmm.out",
+        "aten.baddbmm.default",
+        "aten.baddbmm.out",
+        "aten.baddbmm_.default",
+        "aten._log_softmax.out",
+        "aten.mean.out",
+    ):
         assert op in names
 
 
@@ -373,6 +400,7 @@ def test_mode_leaves_integer_ops_alone():
 
 # ---- the mode under threads ----
 
+
 def _on_thread(fn):
     """Run ``fn`` on a new thread and return its result (re-raising its exception here)."""
     import threading
@@ -447,7 +475,9 @@ def test_registrations_stay_while_another_thread_lives_and_pass_calls_through(se
         with rk.batch_invariant():
             pass
         assert not rk.is_batch_invariant() and _routed_cpu_kernel("aten::mm")
-        assert torch.equal(a @ b, torch.ops.aten.mm.default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), a, b))
+        assert torch.equal(
+            a @ b, torch.ops.aten.mm.default.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), a, b)
+        )
     finally:
         release.set()
         idle.join()
@@ -492,8 +522,11 @@ def test_mode_entered_and_left_on_one_thread_while_others_compute(seed):
     try:
         for worker in workers:
             worker.start()
-        while (time.monotonic() < start + 3 or toggles < 300 or min(rounds) < 100) and not failures \
-                and time.monotonic() < start + 60:
+        while (
+            (time.monotonic() < start + 3 or toggles < 300 or min(rounds) < 100)
+            and not failures
+            and time.monotonic() < start + 60
+        ):
             with rk.batch_invariant():
                 torch.mm(a, b)
             toggles += 1

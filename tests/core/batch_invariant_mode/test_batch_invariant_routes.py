@@ -33,8 +33,12 @@ import rl_kernel_core as rk
 from rl_kernel_core import contract
 
 EXAMPLES = int(os.environ.get("RL_KERNEL_HYPOTHESIS_EXAMPLES", "150"))
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize="RL_KERNEL_HYPOTHESIS_EXAMPLES" not in os.environ,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize="RL_KERNEL_HYPOTHESIS_EXAMPLES" not in os.environ,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 SIZES = st.sampled_from([0, 1, 3, 33])  # 33: more rows than one tile of the torch backend
@@ -121,7 +125,9 @@ def product_calls(draw) -> Call:
 
     def make():
         g = torch.Generator().manual_seed(seed)
-        b_dtype = {"dtype": torch.float64 if dtype != torch.float64 else torch.float32, "integer": torch.int64}.get(fault, dtype)
+        b_dtype = {"dtype": torch.float64 if dtype != torch.float64 else torch.float32, "integer": torch.int64}.get(
+            fault, dtype
+        )
         a = _tensor([*batch, n, k], dtype if fault != "integer" else torch.int64, a_layout, g)
         b_shape = [*batch, k + (fault == "inner dim"), m]
         b = _tensor(b_shape[1:] if fault == "rank" else b_shape, b_dtype, b_layout, g)
@@ -153,8 +159,10 @@ def product_calls(draw) -> Call:
             bound_scale = bound_scale + abs(beta) * addend[0].abs()
         return value, (2 * _eps(dtype) + (k + 2) * _eps(_acc(dtype))) * bound_scale
 
-    text = (f"{op} {form} batch={batch} n={n} k={k} m={m} {dtype} fault={fault} layouts={a_layout},{b_layout},"
-            f"{bias_layout} bias={bias_shape} beta={beta} alpha={alpha} nonfinite={nonfinite} out={out_kind} seed={seed}")
+    text = (
+        f"{op} {form} batch={batch} n={n} k={k} m={m} {dtype} fault={fault} layouts={a_layout},{b_layout},"
+        f"{bias_layout} bias={bias_shape} beta={beta} alpha={alpha} nonfinite={nonfinite} out={out_kind} seed={seed}"
+    )
     exact = 0 in (*batch, n, k, m) or alpha == 0
     return Call(text, make, {"out": "out", "in-place": "self"}.get(form), exact, reference)
 
@@ -268,8 +276,9 @@ def _check(call: Call, device: str) -> None:
     outside, inside = _run(call, False, device), _run(call, True, device)
     if outside.error is not None:
         assert inside.error is not None, f"{call}: returned where PyTorch raises {outside.error!r}"
-        assert type(inside.error) is type(outside.error) and str(inside.error) == str(outside.error), \
+        assert type(inside.error) is type(outside.error) and str(inside.error) == str(outside.error), (
             f"{call}: raised {inside.error!r}, PyTorch {outside.error!r}"
+        )
         return
     assert inside.error is None, f"{call}: raised {inside.error!r} where PyTorch returns"
     assert inside.warnings == outside.warnings, f"{call}: warned {inside.warnings}, PyTorch {outside.warnings}"
@@ -286,7 +295,9 @@ def _check(call: Call, device: str) -> None:
         for name, t in (("mode", got), ("PyTorch", want)):
             err = (t.cpu().double() - value).abs()
             assert bool(torch.isfinite(t).all()), f"{call}: {name}'s result is not finite"
-            assert bool((err <= bound).all()), f"{call}: {name}'s error {float((err - bound).max()):.3g} above the bound"
+            assert bool((err <= bound).all()), (
+                f"{call}: {name}'s error {float((err - bound).max()):.3g} above the bound"
+            )
 
 
 @DEVICES
@@ -310,14 +321,23 @@ def test_mean_matches_pytorch(device, call):
     _check(call, device)
 
 
-@pytest.mark.parametrize("call", [
-    pytest.param(lambda: torch.addmm(torch.full((3,), float("nan")), torch.randn(2, 4), torch.randn(4, 3), beta=0), id="addmm NaN input, beta=0"),
-    pytest.param(lambda: torch.addmm(torch.ones(3), torch.full((2, 4), float("inf")), torch.randn(4, 3), alpha=0), id="addmm inf mat1, alpha=0"),
-    pytest.param(lambda: torch.mm(torch.randn(2, 0), torch.randn(0, 3)), id="mm K=0"),
-    pytest.param(lambda: torch.log_softmax(torch.randn(3, 0), -1), id="log_softmax empty row"),
-    pytest.param(lambda: torch.log_softmax(torch.tensor(2.0), 0), id="log_softmax 0-d"),
-    pytest.param(lambda: torch.log_softmax(torch.randn(3, 4), 0).view(-1), id="log_softmax dim 0 is contiguous"),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(
+            lambda: torch.addmm(torch.full((3,), float("nan")), torch.randn(2, 4), torch.randn(4, 3), beta=0),
+            id="addmm NaN input, beta=0",
+        ),
+        pytest.param(
+            lambda: torch.addmm(torch.ones(3), torch.full((2, 4), float("inf")), torch.randn(4, 3), alpha=0),
+            id="addmm inf mat1, alpha=0",
+        ),
+        pytest.param(lambda: torch.mm(torch.randn(2, 0), torch.randn(0, 3)), id="mm K=0"),
+        pytest.param(lambda: torch.log_softmax(torch.randn(3, 0), -1), id="log_softmax empty row"),
+        pytest.param(lambda: torch.log_softmax(torch.tensor(2.0), 0), id="log_softmax 0-d"),
+        pytest.param(lambda: torch.log_softmax(torch.randn(3, 4), 0).view(-1), id="log_softmax dim 0 is contiguous"),
+    ],
+)
 def test_issue_cases_give_pytorchs_result(call):
     torch.manual_seed(0)
     expected = call()
@@ -328,14 +348,25 @@ def test_issue_cases_give_pytorchs_result(call):
     torch.testing.assert_close(got, expected, equal_nan=True)
 
 
-@pytest.mark.parametrize("call, error", [
-    pytest.param(lambda: torch.mm(torch.randn(4), torch.randn(4, 3)), RuntimeError, id="mm 1-D"),
-    pytest.param(lambda: torch.mm(torch.randn(2, 4), torch.randn(5, 3)), RuntimeError, id="mm shapes"),
-    pytest.param(lambda: torch.addmm(torch.randn(3).double(), torch.randn(2, 4), torch.randn(4, 3)), RuntimeError, id="addmm fp64 bias"),
-    pytest.param(lambda: torch.ops.aten._log_softmax(torch.randn(3, 4).half(), -1, True), RuntimeError, id="half_to_float on CPU"),
-    pytest.param(lambda: torch.log_softmax(torch.randn(3, 4), 2), IndexError, id="log_softmax dim"),
-    pytest.param(lambda: torch.mean(torch.randn(2, 3), (1, 1)), RuntimeError, id="mean repeated dim"),
-])
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        pytest.param(lambda: torch.mm(torch.randn(4), torch.randn(4, 3)), RuntimeError, id="mm 1-D"),
+        pytest.param(lambda: torch.mm(torch.randn(2, 4), torch.randn(5, 3)), RuntimeError, id="mm shapes"),
+        pytest.param(
+            lambda: torch.addmm(torch.randn(3).double(), torch.randn(2, 4), torch.randn(4, 3)),
+            RuntimeError,
+            id="addmm fp64 bias",
+        ),
+        pytest.param(
+            lambda: torch.ops.aten._log_softmax(torch.randn(3, 4).half(), -1, True),
+            RuntimeError,
+            id="half_to_float on CPU",
+        ),
+        pytest.param(lambda: torch.log_softmax(torch.randn(3, 4), 2), IndexError, id="log_softmax dim"),
+        pytest.param(lambda: torch.mean(torch.randn(2, 3), (1, 1)), RuntimeError, id="mean repeated dim"),
+    ],
+)
 def test_issue_cases_raise_pytorchs_error(call, error):
     with pytest.raises(error) as outside:
         call()
@@ -362,6 +393,7 @@ def test_out_in_place_and_baddbmm_forms_are_routed(monkeypatch):
     routed = []
     for op in forms:
         route = invariance.ROUTED_OPS[op]
+
         def recording(*args, _op=op, _route=route, **kwargs):
             routed.append(_op)
             return _route(*args, **kwargs)
@@ -376,6 +408,7 @@ def test_out_in_place_and_baddbmm_forms_are_routed(monkeypatch):
 
 
 # ---- torch.compile: compiled code runs eagerly inside the mode ----
+
 
 def _marking_backend(compiled: list):
     """A torch.compile backend whose graphs add 1000 to every output, so a result shows whether
@@ -394,7 +427,9 @@ def _marking_backend(compiled: list):
 
 def _small_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.RMSNorm(64), torch.nn.Linear(64, 30), torch.nn.LogSoftmax(-1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(40, 64), torch.nn.RMSNorm(64), torch.nn.Linear(64, 30), torch.nn.LogSoftmax(-1)
+    )
 
 
 def test_compiled_code_runs_eagerly_in_the_mode_and_compiled_after(seed):

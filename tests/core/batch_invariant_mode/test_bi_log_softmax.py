@@ -29,7 +29,9 @@ def test_row_reductions_match_fp64_and_are_row_invariant(seed, device, dtype):
     mean = lambda t: bi_mean(t, -1, backend="triton")
     rms = lambda t: rk.rms_norm(t, weight, 1e-5, backend="triton")
     x64 = x.double()
-    close_in_dtype(lsm(x)[:, 7:], (x64 - torch.logsumexp(x64, -1, keepdim=True))[:, 7:], "logprob", dtype, "bi_log_softmax")
+    close_in_dtype(
+        lsm(x)[:, 7:], (x64 - torch.logsumexp(x64, -1, keepdim=True))[:, 7:], "logprob", dtype, "bi_log_softmax"
+    )
     assert bool((lsm(x)[0, :7] == float("-inf")).all())
     close_in_dtype(mean(y), y64.mean(-1), "reduction", dtype, "bi_mean")
     expected = y64 / (y64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * weight.double()

@@ -134,7 +134,7 @@ def test_the_tma_and_pointer_kernels_give_the_same_bits(seed, triton_device, lay
     rows, k, n = (tuning.TMA_MIN_ROWS + 37, 2048, 6144) if cuda else (tuning.TMA_MIN_ROWS_INTERPRETED + 5, 40, 48)
     x = torch.randn(rows, k, device=triton_device).to(torch.bfloat16)
     g = torch.randn(rows, n, device=triton_device).to(torch.bfloat16)
-    w = (torch.randn(n, k, device=triton_device) * k ** -0.5).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=triton_device) * k**-0.5).to(torch.bfloat16)
     a, b_t = {"fwd": (x, w), "dx": (g, w.t()), "dw": (g.t(), x.t())}[layout]
     tma, pointer = matmul_forward(a, b_t, None, tma=True), matmul_forward(a, b_t, None, tma=False)
     assert torch.equal(tma, pointer), f"{layout}: max |tma - pointer| {(tma.float() - pointer.float()).abs().max()}"
@@ -171,12 +171,14 @@ def test_the_cpu_reference_computes_every_row_alike(seed):
         weight = torch.randn(m, k, generator=gen).to(dtype)
         b = weight.t() if rng.random() < 0.5 else weight.t().contiguous()
         perm = torch.randperm(n, generator=gen)
-        for name, op in (("bi_matmul", lambda x: bi_matmul(x, b, backend="torch")),
-                         ("bi_linear", lambda x: bi_linear(x, weight, backend="torch"))):
+        for name, op in (
+            ("bi_matmul", lambda x: bi_matmul(x, b, backend="torch")),
+            ("bi_linear", lambda x: bi_linear(x, weight, backend="torch")),
+        ):
             whole = op(a)
             shuffled = op(a[perm])
             i = rng.randrange(n)
-            single = op(a[i:i + 1])
+            single = op(a[i : i + 1])
             context = f"seed {seed}, draw {draw}: {name} {dtype} N={n} K={k} M={m}, b contiguous={b.is_contiguous()}"
             assert torch.equal(shuffled, whole[perm]), context
             assert torch.equal(single[0], whole[i]), context

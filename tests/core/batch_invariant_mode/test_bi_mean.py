@@ -25,7 +25,9 @@ def test_mode_routes_model_ops_to_the_triton_kernels(seed, device, monkeypatch):
     monkeypatch.setenv("RL_KERNEL_BACKEND", "triton")
     s = bi_shape(device)
     w = torch.randn(s["m"], s["k"], device=device)
-    fn = lambda t: torch.log_softmax(torch.nn.functional.linear(t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True)), w), -1)
+    fn = lambda t: torch.log_softmax(
+        torch.nn.functional.linear(t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True)), w), -1
+    )
     x = torch.randn(s["n"], s["k"], device=device)
     with rk.batch_invariant():
         rows_invariant(fn, x, s["sizes"], move_rows=device.type == "cuda")

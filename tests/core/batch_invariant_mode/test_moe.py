@@ -15,7 +15,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core import contract
 from rl_kernel_core.batch_invariant_mode import api_hf
-from rl_kernel_core.batch_invariant_mode.api_moe import experts, route, router_logits, sparse_moe, use_mode_moe
+from rl_kernel_core.batch_invariant_mode.api_moe import route, router_logits, sparse_moe, use_mode_moe
 from rl_kernel_core.tools.consistency import chain, hf, parity
 
 transformers = pytest.importorskip("transformers")
@@ -54,9 +54,10 @@ def test_router_logits_rows_do_not_depend_on_their_place_in_the_batch(seed, dtyp
         with rk.batch_invariant():
             full = router_logits(x, w)
             for start in rng.sample(range(1, 60), 4):
-                assert torch.equal(router_logits(x[start:start + 40], w), full[start:start + 40]), \
+                assert torch.equal(router_logits(x[start : start + 40], w), full[start : start + 40]), (
                     f"seed={seed}: {e} experts, rows from {start}"
-        torch.testing.assert_close(full.double(), x.double() @ w.double().T, rtol=1e-2, atol=1e-2 * e ** 0.5)
+                )
+        torch.testing.assert_close(full.double(), x.double() @ w.double().T, rtol=1e-2, atol=1e-2 * e**0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,8 +80,9 @@ def test_experts_match_an_fp64_formula(seed, dtype):
     if dtype == torch.float32:
         contract.assert_close(out.double(), want, "reduction", torch.float32, name=f"seed={seed} experts")
     else:  # bf16 products round each expert's intermediate and output to bf16
-        torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()),
-                                   msg=lambda m: f"seed={seed}: {m}")
+        torch.testing.assert_close(
+            out.double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()), msg=lambda m: f"seed={seed}: {m}"
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -119,10 +121,20 @@ def test_rows_are_bitwise_independent_of_the_batch_at_qwen3_30b_a3b_widths(seed)
 
 
 def _tiny_moe(seed: int, dtype: torch.dtype, top_k: int, normalize: bool):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      num_experts=8, num_experts_per_tok=top_k, norm_topk_prob=normalize,
-                                      max_position_embeddings=128)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=normalize,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():

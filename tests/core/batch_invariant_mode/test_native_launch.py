@@ -39,7 +39,7 @@ def _served_twice(fn):
 
 def _operands(layout: str, m: int, k: int, n: int, dtype: torch.dtype):
     x = torch.randn(m, k, device="cuda").to(dtype)
-    w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype)
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype)
     g = torch.randn(m, n, device="cuda").to(dtype)
     if layout == "fwd":  # x @ W.T
         return x, w
@@ -74,7 +74,9 @@ _MATMUL_CASES = [
 def test_served_matmul_gives_tritons_bits(seed, launcher, layout, m, k, n, dtype, with_bias):
     a, b_t = _operands(layout, m, k, n, dtype)
     bias = torch.randn(b_t.shape[0], device="cuda").to(dtype) if with_bias else None
-    tma = tbi.uses_tma(dtype, a.device, a.shape[0], False, k=a.shape[1], a_column_major=a.stride(0) == 1 and a.stride(1) != 1)
+    tma = tbi.uses_tma(
+        dtype, a.device, a.shape[0], False, k=a.shape[1], a_column_major=a.stride(0) == 1 and a.stride(1) != 1
+    )
     expected = tbi.matmul_forward(a, b_t, bias, tma=tma)  # an explicit kernel: Triton's launcher
     got = _served_twice(lambda: tbi.matmul_forward(a, b_t, bias))
     assert got.dtype == expected.dtype and got.shape == expected.shape and got.stride() == expected.stride()
@@ -87,8 +89,10 @@ def test_explain_names_the_cpp_launch_where_it_served(seed, launcher):
 
     a, b_t = _operands("fwd", 64, 128, 96, torch.bfloat16)
     x = torch.randn(5, 300, device="cuda")
-    for call, op in ((lambda: bi_matmul(a, b_t.t(), backend="triton"), "bi_matmul"),
-                     (lambda: bi_mean(x, -1, backend="triton"), "bi_mean")):
+    for call, op in (
+        (lambda: bi_matmul(a, b_t.t(), backend="triton"), "bi_matmul"),
+        (lambda: bi_mean(x, -1, backend="triton"), "bi_mean"),
+    ):
         _served_twice(call)
         assert dispatch.explain(op).route == "triton+cpp_launch", op
         native_launch.set_enabled(False)
@@ -98,8 +102,10 @@ def test_explain_names_the_cpp_launch_where_it_served(seed, launcher):
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("rows,width,dtype", [(1, 1, torch.bfloat16), (5, 7, torch.float32), (3, 4099, torch.bfloat16),
-                                              (17, 1024, torch.float16)])
+@pytest.mark.parametrize(
+    "rows,width,dtype",
+    [(1, 1, torch.bfloat16), (5, 7, torch.float32), (3, 4099, torch.bfloat16), (17, 1024, torch.float16)],
+)
 def test_served_row_pass_gives_tritons_bits(seed, launcher, mode, rows, width, dtype):
     x = (torch.randn(rows, width, device="cuda") * 3).to(dtype)
     native_launch.set_enabled(False)
@@ -109,8 +115,10 @@ def test_served_row_pass_gives_tritons_bits(seed, launcher, mode, rows, width, d
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("dtype,hq,hkv,d,causal", [(torch.bfloat16, 16, 8, 128, True), (torch.float16, 4, 4, 64, False),
-                                                    (torch.float32, 8, 2, 80, True)])
+@pytest.mark.parametrize(
+    "dtype,hq,hkv,d,causal",
+    [(torch.bfloat16, 16, 8, 128, True), (torch.float16, 4, 4, 64, False), (torch.float32, 8, 2, 80, True)],
+)
 def test_served_attention_forward_gives_tritons_bits(seed, launcher, dtype, hq, hkv, d, causal):
     """varlen_attention's forward (a decode step over a KV cache: one query a sequence; or a full
     prefill), GQA, a head dim that is not a power of two: out and lse bitwise Triton's launch's."""
@@ -131,7 +139,8 @@ def test_served_attention_forward_gives_tritons_bits(seed, launcher, dtype, hq, 
     assert tables is not None
     tensors = [q, k, v, got[0], got[1], *tables]
     refused = launcher.extension().remember_attention_forward(
-        tensors, 0.3, launch["BLOCK_M"], launch["BLOCK_N"], causal, tables[2].shape[0], hq + 1, 0, 4, 0, [1] * 10)
+        tensors, 0.3, launch["BLOCK_M"], launch["BLOCK_N"], causal, tables[2].shape[0], hq + 1, 0, 4, 0, [1] * 10
+    )
     assert "differs from the launch Python made" in refused, refused
 
 
@@ -193,17 +202,24 @@ def test_a_plan_that_differs_from_pythons_launch_raises(seed, launcher):
     out = tbi.matmul_forward(a, b_t, None)
     ext = native_launch.extension()
     tile = list(tbi.matmul_tile(torch.bfloat16, a.device)[:2])
-    assert "differs from the launch Python made" in ext.remember_matmul(a, b_t, None, out, True, 1, tile, 0, 8, 0, [1] * 14, [])
+    assert "differs from the launch Python made" in ext.remember_matmul(
+        a, b_t, None, out, True, 1, tile, 0, 8, 0, [1] * 14, []
+    )
     grid = min(-(-512 // tile[1]), torch.cuda.get_device_properties(0).multi_processor_count)
     refused = ext.remember_matmul(a, b_t, None, out, False, grid, [64, 64], 0, 8, 0, [1] * 14, [])
     assert "differs from the launch Python made" in refused and "tile 64x64)" in refused, refused
-    assert ext.remember_matmul(a, b_t, None, out, False, grid, tile, 0, 8, 0, [1, 1, 1], []) == \
-        "the compiled kernel takes 3 arguments, the plan passes 14"
-    assert "argument 4 of the plan does not match" in ext.remember_matmul(a, b_t, None, out, False, grid, tile, 0, 8, 0, [1] * 14, [])
+    assert (
+        ext.remember_matmul(a, b_t, None, out, False, grid, tile, 0, 8, 0, [1, 1, 1], [])
+        == "the compiled kernel takes 3 arguments, the plan passes 14"
+    )
+    assert "argument 4 of the plan does not match" in ext.remember_matmul(
+        a, b_t, None, out, False, grid, tile, 0, 8, 0, [1] * 14, []
+    )
     assert ext.remember_matmul(a.cpu(), b_t, None, out, False, grid, tile, 0, 8, 0, [1] * 14, []) == "unplanned"
     with pytest.raises(RuntimeError, match="C\\+\\+ launcher refused _persistent_matmul_kernel: the C\\+\\+ plan"):
-        native_launch._check_kept("_persistent_matmul_kernel",
-                                  ext.remember_matmul(a, b_t, None, out, True, 1, tile, 0, 8, 0, [1] * 14, []))
+        native_launch._check_kept(
+            "_persistent_matmul_kernel", ext.remember_matmul(a, b_t, None, out, True, 1, tile, 0, 8, 0, [1] * 14, [])
+        )
 
 
 def test_switched_off_every_launch_goes_through_triton(seed, monkeypatch):
@@ -211,10 +227,12 @@ def test_switched_off_every_launch_goes_through_triton(seed, monkeypatch):
     import subprocess
     import sys
 
-    code = ("import torch; from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch as n, batch_invariant as b;"
-            "a = torch.randn(3, 64, device='cuda', dtype=torch.bfloat16);"
-            "b.matmul_forward(a, a, None); b.matmul_forward(a, a, None);"
-            "print(n.extension() is None, n.unavailable_reason(), n.stats())")
+    code = (
+        "import torch; from rl_kernel_core.batch_invariant_mode import triton_launch as n, triton as b;"
+        "a = torch.randn(3, 64, device='cuda', dtype=torch.bfloat16);"
+        "b.matmul_forward(a, a, None); b.matmul_forward(a, a, None);"
+        "print(n.extension() is None, n.unavailable_reason(), n.stats())"
+    )
     env = {**__import__("os").environ, native_launch.SWITCH: "0"}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -13,8 +13,22 @@ from rl_kernel_core.batch_invariant_mode import triton as tbi
 from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
 from rl_kernel_core.switches import SwitchError
 
-_POINTER_NAMES = ["a_ptr", "b_ptr", "bias_ptr", "c_ptr", "M", "N", "K", "stride_am", "stride_ak", "stride_bk",
-                  "stride_bn", "stride_cm", "stride_cn", "n_progs"]
+_POINTER_NAMES = [
+    "a_ptr",
+    "b_ptr",
+    "bias_ptr",
+    "c_ptr",
+    "M",
+    "N",
+    "K",
+    "stride_am",
+    "stride_ak",
+    "stride_bk",
+    "stride_bn",
+    "stride_cm",
+    "stride_cn",
+    "n_progs",
+]
 _TMA_NAMES = ["a_desc", "b_desc", "bias_ptr", "c_desc", "c_ptr", "M", "N", "K", "stride_cm"]
 
 
@@ -22,8 +36,11 @@ class _FakeExtension:
     """The extension's argument_names (what the C++ plans pass), without a GPU."""
 
     def argument_names(self):
-        return {"_persistent_matmul_kernel": _POINTER_NAMES, "_tma_matmul_kernel": _TMA_NAMES,
-                "_row_stats_kernel": ["x_ptr", "out_ptr", "L", "stride_row", "eps"]}
+        return {
+            "_persistent_matmul_kernel": _POINTER_NAMES,
+            "_tma_matmul_kernel": _TMA_NAMES,
+            "_row_stats_kernel": ["x_ptr", "out_ptr", "L", "stride_row", "eps"],
+        }
 
 
 @pytest.fixture
@@ -37,18 +54,44 @@ def fake_extension(monkeypatch):
 
 
 def _compiled(signature: dict, **metadata):
-    md = dict(num_ctas=1, launch_pdl=False, launch_cooperative_grid=False, global_scratch_size=0,
-              profile_scratch_size=0, num_warps=8, shared=196608, tensordesc_meta=None)
+    md = dict(
+        num_ctas=1,
+        launch_pdl=False,
+        launch_cooperative_grid=False,
+        global_scratch_size=0,
+        profile_scratch_size=0,
+        num_warps=8,
+        shared=196608,
+        tensordesc_meta=None,
+    )
     md.update(metadata)
     return SimpleNamespace(function=0x1234, metadata=SimpleNamespace(**md), src=SimpleNamespace(signature=signature))
 
 
 def _pointer_signature(**overrides):
-    sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32",
-           "K": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "constexpr", "stride_bn": "i32",
-           "stride_cm": "i32", "stride_cn": "constexpr", "n_progs": "i64",
-           "HAS_BIAS": "constexpr", "IEEE": "constexpr", "UPCAST_DOT": "constexpr", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr"}
+    sig = {
+        "a_ptr": "*bf16",
+        "b_ptr": "*bf16",
+        "bias_ptr": "*bf16",
+        "c_ptr": "*bf16",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_am": "i32",
+        "stride_ak": "constexpr",
+        "stride_bk": "constexpr",
+        "stride_bn": "i32",
+        "stride_cm": "i32",
+        "stride_cn": "constexpr",
+        "n_progs": "i64",
+        "HAS_BIAS": "constexpr",
+        "IEEE": "constexpr",
+        "UPCAST_DOT": "constexpr",
+        "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr",
+        "BLOCK_K": "constexpr",
+        "GROUP_M": "constexpr",
+    }
     sig.update(overrides)
     return sig
 
@@ -58,8 +101,9 @@ def _params(kernel):
 
 
 def test_a_pointer_kernels_signature_becomes_the_argument_kinds(fake_extension):
-    record = native_launch._launch_record("_persistent_matmul_kernel", _params(tbi._persistent_matmul_kernel),
-                                          _compiled(_pointer_signature()))
+    record = native_launch._launch_record(
+        "_persistent_matmul_kernel", _params(tbi._persistent_matmul_kernel), _compiled(_pointer_signature())
+    )
     assert record is not None
     function, num_warps, shared, kinds, layouts = record
     assert (function, num_warps, shared, layouts) == (0x1234, 8, 196608, [])
@@ -70,30 +114,69 @@ def test_a_pointer_kernels_signature_becomes_the_argument_kinds(fake_extension):
 def test_a_tma_kernels_descriptors_take_their_layouts(fake_extension):
     from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
-    sig = {"a_desc": "tensordesc<bf16[128, 64]>", "b_desc": "tensordesc<bf16[256, 64]>", "bias_ptr": "*bf16",
-           "c_desc": "constexpr", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32"}
-    metas = [{"swizzle": 3, "elem_size": 2, "elem_type": 8, "block_size": [128, 64], "fp4_padded": False},
-             {"swizzle": 3, "elem_size": 2, "elem_type": 8, "block_size": [256, 64], "fp4_padded": False}]
-    record = native_launch._launch_record("_tma_matmul_kernel", _params(tbi._tma_matmul_kernel),
-                                          _compiled(sig, tensordesc_meta=metas))
+    sig = {
+        "a_desc": "tensordesc<bf16[128, 64]>",
+        "b_desc": "tensordesc<bf16[256, 64]>",
+        "bias_ptr": "*bf16",
+        "c_desc": "constexpr",
+        "c_ptr": "*bf16",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_cm": "i32",
+    }
+    metas = [
+        {"swizzle": 3, "elem_size": 2, "elem_type": 8, "block_size": [128, 64], "fp4_padded": False},
+        {"swizzle": 3, "elem_size": 2, "elem_type": 8, "block_size": [256, 64], "fp4_padded": False},
+    ]
+    record = native_launch._launch_record(
+        "_tma_matmul_kernel", _params(tbi._tma_matmul_kernel), _compiled(sig, tensordesc_meta=metas)
+    )
     assert record is not None
     _, _, _, kinds, layouts = record
     assert kinds == [5, 5, 1, 0, 1, 2, 2, 2, 2]
     assert layouts == [[3, 2, TMA_DTYPE_DEVICE_TO_HOST[8], 128, 64], [3, 2, TMA_DTYPE_DEVICE_TO_HOST[8], 256, 64]]
 
 
-@pytest.mark.parametrize("metadata", [dict(num_ctas=2), dict(launch_pdl=True), dict(launch_cooperative_grid=True),
-                                      dict(global_scratch_size=128), dict(profile_scratch_size=64)])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        dict(num_ctas=2),
+        dict(launch_pdl=True),
+        dict(launch_cooperative_grid=True),
+        dict(global_scratch_size=128),
+        dict(profile_scratch_size=64),
+    ],
+)
 def test_launches_the_extension_does_not_make_stay_with_triton(fake_extension, metadata):
-    assert native_launch._launch_record("_persistent_matmul_kernel", _params(tbi._persistent_matmul_kernel),
-                                        _compiled(_pointer_signature(), **metadata)) is None
+    assert (
+        native_launch._launch_record(
+            "_persistent_matmul_kernel",
+            _params(tbi._persistent_matmul_kernel),
+            _compiled(_pointer_signature(), **metadata),
+        )
+        is None
+    )
 
 
 def test_an_argument_type_or_descriptor_it_cannot_pack_stays_with_triton(fake_extension):
-    assert native_launch._launch_record("_persistent_matmul_kernel", _params(tbi._persistent_matmul_kernel),
-                                        _compiled(_pointer_signature(M="fp16"))) is None
-    sig = {"a_desc": "tensordesc<bf16[128, 64]>", "b_desc": "tensordesc<bf16[256, 64]>", "bias_ptr": "*bf16",
-           "c_desc": "constexpr", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32"}
+    assert (
+        native_launch._launch_record(
+            "_persistent_matmul_kernel", _params(tbi._persistent_matmul_kernel), _compiled(_pointer_signature(M="fp16"))
+        )
+        is None
+    )
+    sig = {
+        "a_desc": "tensordesc<bf16[128, 64]>",
+        "b_desc": "tensordesc<bf16[256, 64]>",
+        "bias_ptr": "*bf16",
+        "c_desc": "constexpr",
+        "c_ptr": "*bf16",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_cm": "i32",
+    }
     # descriptors not lowered to TMA (no tensordesc_meta) are passed differently: not taken over
     assert native_launch._launch_record("_tma_matmul_kernel", _params(tbi._tma_matmul_kernel), _compiled(sig)) is None
 
@@ -101,14 +184,18 @@ def test_an_argument_type_or_descriptor_it_cannot_pack_stays_with_triton(fake_ex
 def test_a_kernel_whose_arguments_drifted_from_the_cpp_plan_raises(fake_extension, monkeypatch):
     monkeypatch.setattr(fake_extension, "argument_names", lambda: {"_persistent_matmul_kernel": _POINTER_NAMES[:-1]})
     with pytest.raises(RuntimeError, match="bind_triton_launch.cpp passes _persistent_matmul_kernel's arguments as"):
-        native_launch._launch_record("_persistent_matmul_kernel", _params(tbi._persistent_matmul_kernel),
-                                     _compiled(_pointer_signature()))
+        native_launch._launch_record(
+            "_persistent_matmul_kernel", _params(tbi._persistent_matmul_kernel), _compiled(_pointer_signature())
+        )
 
 
 def test_the_plans_in_cpp_name_the_kernels_runtime_arguments():
     """The names the C++ plans pass, as the extension states them, are the kernels' own."""
-    for kernel, names in ((tbi._persistent_matmul_kernel, _POINTER_NAMES), (tbi._tma_matmul_kernel, _TMA_NAMES),
-                          (tbi._row_stats_kernel, ["x_ptr", "out_ptr", "L", "stride_row", "eps"])):
+    for kernel, names in (
+        (tbi._persistent_matmul_kernel, _POINTER_NAMES),
+        (tbi._tma_matmul_kernel, _TMA_NAMES),
+        (tbi._row_stats_kernel, ["x_ptr", "out_ptr", "L", "stride_row", "eps"]),
+    ):
         assert [p.name for p in _params(kernel) if not p.is_constexpr] == names
     from rl_kernel_core import native_build
 

@@ -12,8 +12,14 @@ import torch
 import transformers
 
 from rl_kernel_core.batch_invariant_mode.api_hf import use_mode_attention
-from rl_kernel_core.batch_invariant_mode.api_rope import (COVERED_ROPE_TYPES, check_rope, cos_sin_table, reference_rotary,
-                                             rope_type, use_cpu_rope_frequencies)
+from rl_kernel_core.batch_invariant_mode.api_rope import (
+    COVERED_ROPE_TYPES,
+    check_rope,
+    cos_sin_table,
+    reference_rotary,
+    rope_type,
+    use_cpu_rope_frequencies,
+)
 
 
 def _config(rng: random.Random):
@@ -27,8 +33,16 @@ def _config(rng: random.Random):
         params.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
     elif kind == "yarn":
         params.update(factor=4.0, original_max_position_embeddings=64)
-    kwargs = dict(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=1, num_hidden_layers=1,
-                  intermediate_size=32, vocab_size=64, max_position_embeddings=256, rope_parameters=params)
+    kwargs = dict(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        vocab_size=64,
+        max_position_embeddings=256,
+        rope_parameters=params,
+    )
     if arch != "Qwen2ForCausalLM":
         kwargs["head_dim"] = head_dim
     config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**kwargs)
@@ -44,8 +58,9 @@ def test_table_is_transformers_rotary_output(seed):
         model = getattr(transformers, arch)(config)
         positions = torch.tensor([rng.sample(range(256), 40)])
         want_cos, want_sin = model.model.rotary_emb(torch.empty(0), positions)
-        assert torch.equal(cos[positions[0]], want_cos[0]) and torch.equal(sin[positions[0]], want_sin[0]), \
+        assert torch.equal(cos[positions[0]], want_cos[0]) and torch.equal(sin[positions[0]], want_sin[0]), (
             f"seed={seed} draw {i}: {arch} {config.rope_parameters}"
+        )
 
 
 def test_trainer_frequencies_are_the_cpu_build(seed):
@@ -54,7 +69,7 @@ def test_trainer_frequencies_are_the_cpu_build(seed):
     rotary = model.get_submodule("model.rotary_emb")
     inv_freq, original = rotary.get_buffer("inv_freq"), rotary.get_buffer("original_inv_freq")
     want = reference_rotary(config).get_buffer("inv_freq")
-    inv_freq.mul_(1 + 2 ** -20)  # as a GPU build's pow may round a frequency differently
+    inv_freq.mul_(1 + 2**-20)  # as a GPU build's pow may round a frequency differently
     assert not torch.equal(inv_freq, want)
     use_mode_attention(model)
     assert torch.equal(inv_freq, want) and torch.equal(original, want)
@@ -63,14 +78,29 @@ def test_trainer_frequencies_are_the_cpu_build(seed):
 @pytest.mark.parametrize("kind", ["dynamic", "longrope"])
 def test_dynamic_rope_types_are_refused_by_name(kind):
     extra = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8} if kind == "longrope" else {}
-    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2,
-                                      rope_parameters={"rope_type": kind, "rope_theta": 1e4, "factor": 2.0, **extra})
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        rope_parameters={"rope_type": kind, "rope_theta": 1e4, "factor": 2.0, **extra},
+    )
     assert rope_type(config) == kind
     with pytest.raises(ValueError, match=f"rope_type '{kind}' is not covered"):
         check_rope(config, "config")
-    assert use_cpu_rope_frequencies(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=16, vocab_size=32,
-        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))) == []
+    assert (
+        use_cpu_rope_frequencies(
+            transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(
+                    hidden_size=32,
+                    num_attention_heads=2,
+                    num_hidden_layers=1,
+                    intermediate_size=16,
+                    vocab_size=32,
+                    rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+                )
+            )
+        )
+        == []
+    )
 
 
 @pytest.mark.gpu

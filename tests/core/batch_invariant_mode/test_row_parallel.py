@@ -31,9 +31,16 @@ def _fold(parts: list[torch.Tensor]) -> torch.Tensor:
 def _model(rng: random.Random, parts: int, dtype: torch.dtype):
     heads = parts * rng.choice([1, 2])
     kv = rng.choice([d for d in range(1, heads + 1) if heads % d == 0])
-    cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=rng.choice([32, 48]), num_hidden_layers=2,
-                                   intermediate_size=parts * rng.choice([4, 8, 12]), num_attention_heads=heads,
-                                   num_key_value_heads=kv, head_dim=rng.choice([8, 16]), max_position_embeddings=64)
+    cfg = transformers.Qwen3Config(
+        vocab_size=97,
+        hidden_size=rng.choice([32, 48]),
+        num_hidden_layers=2,
+        intermediate_size=parts * rng.choice([4, 8, 12]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=rng.choice([8, 16]),
+        max_position_embeddings=64,
+    )
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -47,7 +54,9 @@ def test_rank_order_sum_is_the_float32_fold_in_rank_order(seed, dtype):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(20):
         n = int(torch.randint(1, 9, (1,), generator=gen))
-        shape = tuple(int(s) for s in torch.randint(1, 40, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen))
+        shape = tuple(
+            int(s) for s in torch.randint(1, 40, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)
+        )
         scale = torch.exp2(torch.randint(-6, 7, (n, 1), generator=gen).float())
         parts = [(torch.randn(shape, generator=gen) * scale[r]).to(dtype) for r in range(n)]
         before = [p.clone() for p in parts]
@@ -62,8 +71,11 @@ def test_rank_order_sum_is_the_float32_fold_in_rank_order(seed, dtype):
 def test_rank_order_sum_rounds_once_to_the_model_dtype():
     """bf16 partials 1, 2**-8, 2**-8: float32 accumulation gives 1 + 2**-7 (exact in bf16), where
     adding in bf16 rank by rank rounds 1 + 2**-8 to 1 (ties to even) twice."""
-    parts = [torch.tensor([1.0, -1.0]).bfloat16(), torch.tensor([2**-8, -2**-8]).bfloat16(),
-             torch.tensor([2**-8, -2**-8]).bfloat16()]
+    parts = [
+        torch.tensor([1.0, -1.0]).bfloat16(),
+        torch.tensor([2**-8, -(2**-8)]).bfloat16(),
+        torch.tensor([2**-8, -(2**-8)]).bfloat16(),
+    ]
     assert rank_order_sum(parts).tolist() == [1 + 2**-7, -1 - 2**-7]
     assert ((parts[0] + parts[1]) + parts[2]).tolist() == [1.0, -1.0]
 
@@ -101,8 +113,12 @@ def test_row_parallel_split_equals_the_rank_ordered_sum_of_partial_products(seed
             assert names == ([] if parts == 1 else [n for n, _ in layers]), names
             for name, m in layers:
                 w = m.in_features // parts
-                ranks = [torch.nn.functional.linear(xs[name][..., r * w:(r + 1) * w].contiguous(),
-                                                    m.weight[:, r * w:(r + 1) * w].clone()) for r in range(parts)]
+                ranks = [
+                    torch.nn.functional.linear(
+                        xs[name][..., r * w : (r + 1) * w].contiguous(), m.weight[:, r * w : (r + 1) * w].clone()
+                    )
+                    for r in range(parts)
+                ]
                 split = m(xs[name])
                 assert torch.equal(split, _fold(ranks)), f"seed={seed} parts={parts} {name}"
                 if parts == 1:
@@ -111,7 +127,9 @@ def test_row_parallel_split_equals_the_rank_ordered_sum_of_partial_products(seed
                     eps = 2**-8 if dtype == torch.bfloat16 else 2**-23
                     size = xs[name].float().abs() @ m.weight.float().abs().T
                     bound = ((parts + 2) * eps + m.in_features * 2**-23) * size
-                    assert ((split.float() - whole[name].float()).abs() <= bound).all(), f"seed={seed} parts={parts} {name}"
+                    assert ((split.float() - whole[name].float()).abs() <= bound).all(), (
+                        f"seed={seed} parts={parts} {name}"
+                    )
             logits = model(input_ids=ids).logits
             again = model(input_ids=ids).logits
         assert torch.equal(logits, again)

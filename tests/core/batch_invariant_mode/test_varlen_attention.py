@@ -72,8 +72,14 @@ def test_decode_and_packing_equal_prefill(seed, device, dtype):
     b = 1  # the longest sequence: decode steps cross several KV blocks and tile positions
     for t in range(0, lengths[b], max(1, lengths[b] // 13)):
         i = c[b] + t
-        step = rk.varlen_attention(q[i:i + 1], k[c[b]:i + 1], v[c[b]:i + 1], one,
-                                   torch.tensor([0, t + 1], dtype=torch.int32, device=device), backend="triton")
+        step = rk.varlen_attention(
+            q[i : i + 1],
+            k[c[b] : i + 1],
+            v[c[b] : i + 1],
+            one,
+            torch.tensor([0, t + 1], dtype=torch.int32, device=device),
+            backend="triton",
+        )
         _equal_or_close(device, step[0], full[i], dtype, f"decode step {t}")
     for b in range(len(lengths)):
         sl = slice(c[b], c[b + 1])
@@ -114,7 +120,9 @@ def test_gradients_match_dense_formula(seed, device, kind, causal, dtype):
     got = _grads(q, k, v, cu_q, cu_k, causal, w)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     q64, k64, v64 = leaves
-    expected = torch.autograd.grad((dense_attention(q64, k64, v64, cu_q.tolist(), cu_k.tolist(), causal) * w.double()).sum(), leaves)
+    expected = torch.autograd.grad(
+        (dense_attention(q64, k64, v64, cu_q.tolist(), cu_k.tolist(), causal) * w.double()).sum(), leaves
+    )
     for name, g, e in zip("qkv", got, expected):
         assert g.dtype == dtype
         contract.assert_close(g, e, "gradient", dtype, name=f"d{name}")
@@ -123,7 +131,9 @@ def test_gradients_match_dense_formula(seed, device, kind, causal, dtype):
 def test_gradients_at_other_head_dims_and_groups(seed, device):
     """Head dims that are not a power of two or not 128 (masked and larger ``BLOCK_D``), and a GQA
     group of 4 query heads per KV head, in bf16 against the dense fp64 formula."""
-    hq, hkv, lengths, dims = (4, 1, [5, 37, 1, 16], (12,)) if device.type == "cpu" else (8, 2, [300, 1, 129, 64], (64, 96, 256))
+    hq, hkv, lengths, dims = (
+        (4, 1, [5, 37, 1, 16], (12,)) if device.type == "cpu" else (8, 2, [300, 1, 129, 64], (64, 96, 256))
+    )
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
     for d in dims:
         q, k, v = (torch.randn(sum(lengths), h, d, device=device).to(torch.bfloat16) for h in (hq, hkv, hkv))
@@ -131,7 +141,9 @@ def test_gradients_at_other_head_dims_and_groups(seed, device):
         got = _grads(q, k, v, cu, cu, True, w)
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         q64, k64, v64 = leaves
-        expected = torch.autograd.grad((dense_attention(q64, k64, v64, cu.tolist(), cu.tolist(), True) * w.double()).sum(), leaves)
+        expected = torch.autograd.grad(
+            (dense_attention(q64, k64, v64, cu.tolist(), cu.tolist(), True) * w.double()).sum(), leaves
+        )
         for name, g, e in zip("qkv", got, expected):
             contract.assert_close(g, e, "gradient", torch.bfloat16, name=f"D={d} d{name}")
 
@@ -154,7 +166,9 @@ def test_backward_is_deterministic_and_per_sequence(seed, device, dtype):
             sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
             alone = _grads(q[sq], k[sk], v[sk], one(cq[b + 1] - cq[b]), one(ck[b + 1] - ck[b]), True, w[sq])
             for name, g, packed, rows in zip("qkv", alone, first, (sq, sk, sk)):
-                assert torch.equal(g, packed[rows]), f"{kind}: sequence {b}'s d{name} alone differs from inside the pack"
+                assert torch.equal(g, packed[rows]), (
+                    f"{kind}: sequence {b}'s d{name} alone differs from inside the pack"
+                )
 
 
 def test_fp64_is_left_to_the_torch_backend(device):
@@ -197,8 +211,8 @@ def _paged_cache(device, k, v, cu_k, block_size, spare_rows=2):
     table = torch.zeros(len(lengths), max(1, max(counts)), dtype=torch.int32)
     slots = []
     for b, n in enumerate(lengths):
-        blocks, order = order[:counts[b]], order[counts[b]:]
-        table[b, :counts[b]] = torch.tensor(blocks, dtype=torch.int32)
+        blocks, order = order[: counts[b]], order[counts[b] :]
+        table[b, : counts[b]] = torch.tensor(blocks, dtype=torch.int32)
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
     pad = lambda t: torch.cat([t, torch.randn(spare_rows, *t.shape[1:], device=device).to(t.dtype)])  # noqa: E731
     slot_mapping = torch.tensor(slots + [-1] * spare_rows, dtype=torch.int64, device=device)
@@ -226,13 +240,27 @@ def test_paged_attention_has_varlen_bits(seed, device, dtype):
             live = [b for b, n in enumerate(lengths) if n > t]  # each such sequence decodes its query t
             rows = torch.tensor([c[b] + t for b in live], device=device)
             cu_one = torch.arange(len(live) + 1, dtype=torch.int32, device=device)
-            step = paged_attention(q[rows], cache, table[live], cu_one,
-                                                torch.full((len(live),), t + 1, dtype=torch.int32, device=device), 1)
+            step = paged_attention(
+                q[rows],
+                cache,
+                table[live],
+                cu_one,
+                torch.full((len(live),), t + 1, dtype=torch.int32, device=device),
+                1,
+            )
             _equal_or_close(device, step, full[rows], dtype, f"block size {block_size}: decode of query {t}")
         b, tail = 1, lengths[1] // 3  # the last `tail` queries of sequence 1, a prefill chunk
-        chunk = paged_attention(q[c[b + 1] - tail:c[b + 1]], cache, table[b:b + 1],
-                                             torch.tensor([0, tail], dtype=torch.int32, device=device), seq_lens[b:b + 1], tail)
-        _equal_or_close(device, chunk, full[c[b + 1] - tail:c[b + 1]], dtype, f"block size {block_size}: prefill chunk")
+        chunk = paged_attention(
+            q[c[b + 1] - tail : c[b + 1]],
+            cache,
+            table[b : b + 1],
+            torch.tensor([0, tail], dtype=torch.int32, device=device),
+            seq_lens[b : b + 1],
+            tail,
+        )
+        _equal_or_close(
+            device, chunk, full[c[b + 1] - tail : c[b + 1]], dtype, f"block size {block_size}: prefill chunk"
+        )
 
 
 def test_paged_attention_strided_rows_padding_and_untouched_rows(seed, device):
@@ -246,16 +274,17 @@ def test_paged_attention_strided_rows_padding_and_untouched_rows(seed, device):
     plain = paged_attention(q, cache, table, cu, seq_lens, max(lengths))
     hq, d = q.shape[1], q.shape[2]
     fused = torch.randn(q.shape[0] + 2, hq + 3, d, device=device)
-    fused[:q.shape[0], :hq] = q
+    fused[: q.shape[0], :hq] = q
     out_store = torch.full((q.shape[0] + 2, hq + 1, d), 7.0, device=device)
     padded_table = torch.cat([table, torch.zeros(2, table.shape[1], dtype=table.dtype, device=device)])
     padded_lens = torch.cat([seq_lens, torch.zeros(2, dtype=seq_lens.dtype, device=device)])
     padded_cu = torch.cat([cu, cu[-1:].repeat(2)])
-    got = paged_attention(fused[:, :hq], cache, padded_table, padded_cu, padded_lens, max(lengths) + 5,
-                                       out=out_store[:, :hq])
+    got = paged_attention(
+        fused[:, :hq], cache, padded_table, padded_cu, padded_lens, max(lengths) + 5, out=out_store[:, :hq]
+    )
     assert got.data_ptr() == out_store.data_ptr()
-    assert torch.equal(out_store[:q.shape[0], :hq], plain)
-    assert torch.all(out_store[q.shape[0]:] == 7.0) and torch.all(out_store[:, hq:] == 7.0)
+    assert torch.equal(out_store[: q.shape[0], :hq], plain)
+    assert torch.all(out_store[q.shape[0] :] == 7.0) and torch.all(out_store[:, hq:] == 7.0)
 
 
 def test_write_paged_kv_copies_exactly_and_skips_padding(seed, device):
@@ -265,7 +294,9 @@ def test_write_paged_kv_copies_exactly_and_skips_padding(seed, device):
     write_paged_kv(cache, k, v, slots)
     for i, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            assert torch.equal(cache[slot // 4, :, slot % 4, :8], k[i]) and torch.equal(cache[slot // 4, :, slot % 4, 8:], v[i])
+            assert torch.equal(cache[slot // 4, :, slot % 4, :8], k[i]) and torch.equal(
+                cache[slot // 4, :, slot % 4, 8:], v[i]
+            )
     assert int((cache != 0).any(-1).sum()) == 3 * 2  # three tokens x two heads, nothing else written
 
 
@@ -292,14 +323,14 @@ def test_paged_attention_replays_in_a_cuda_graph_with_new_offsets(seed):
         cu_buf.copy_(torch.cat([torch.zeros(1, dtype=torch.int32, device=device), live.int().cumsum(0).int()]))
         picks = torch.tensor([c + t for c, n_ in zip(cu.tolist(), lengths) if n_ > t], device=device)
         q_buf.zero_()
-        q_buf[:len(picks)] = q[picks]
+        q_buf[: len(picks)] = q[picks]
         table_buf.copy_(torch.cat([table[live], table[~live]]))
         lens_buf.copy_(torch.cat([lens_buf[live], torch.zeros(int((~live).sum()), dtype=torch.int32, device=device)]))
         graph.replay()
         eager = paged_attention(q_buf, cache, table_buf, cu_buf, lens_buf, 1)
-        assert torch.equal(out_buf[:len(picks)], eager[:len(picks)]), f"replay differs from eager at t={t}"
+        assert torch.equal(out_buf[: len(picks)], eager[: len(picks)]), f"replay differs from eager at t={t}"
         full = rk.varlen_attention(q, k, v, cu, backend="triton")
-        assert torch.equal(out_buf[:len(picks)], full[picks]), f"replay differs from the prefill at t={t}"
+        assert torch.equal(out_buf[: len(picks)], full[picks]), f"replay differs from the prefill at t={t}"
 
 
 def test_paged_attention_bad_input_names_the_argument(device, monkeypatch):
@@ -329,7 +360,12 @@ def test_paged_attention_bad_input_names_the_argument(device, monkeypatch):
 def _packed_cpu(lengths, hq=4, hkv=2, d=8, dtype=torch.float32):
     t = sum(lengths)
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
-    return torch.randn(t, hq, d, dtype=dtype), torch.randn(t, hkv, d, dtype=dtype), torch.randn(t, hkv, d, dtype=dtype), cu
+    return (
+        torch.randn(t, hq, d, dtype=dtype),
+        torch.randn(t, hkv, d, dtype=dtype),
+        torch.randn(t, hkv, d, dtype=dtype),
+        cu,
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -349,7 +385,7 @@ def test_decode_over_kv_cache_equals_prefill_bitwise(seed):
     one = torch.tensor([0, 1], dtype=torch.int32)
     for t in range(45):
         cache = torch.tensor([0, t + 1], dtype=torch.int32)
-        step = rk.varlen_attention(q[t:t + 1], k[:t + 1], v[:t + 1], one, cache)
+        step = rk.varlen_attention(q[t : t + 1], k[: t + 1], v[: t + 1], one, cache)
         assert torch.equal(step[0], full[t]), f"decode step {t} differs from the prefill"
 
 

@@ -20,7 +20,18 @@ import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss.api import KL_TYPES, LossSettings
 from rl_kernel_core.loss import reference as reference_loss
-from oracles import AGG_MODES, METRICS, as_fp64, leaves, linear_oracle, linear_shapes, loss_formula, make_inputs, make_loss_inputs, small_chunks
+from oracles import (
+    AGG_MODES,
+    METRICS,
+    as_fp64,
+    leaves,
+    linear_oracle,
+    linear_shapes,
+    loss_formula,
+    make_inputs,
+    make_loss_inputs,
+    small_chunks,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
@@ -40,7 +51,14 @@ def loss_oracle(hidden, weight, bias, targets, old, adv, mask, ref, rw, temperat
     mask = mask & scored if mask.dtype == torch.bool else mask.double() * scored
     settings = LossSettings(**{**knobs, "kl_type": KL_TYPES[knobs["kl_type"]]})
     loss, metrics = reference_loss.policy_loss(
-        lp.view(s, t), old.double(), adv.double(), mask, ref.double(), ent.view(s, t), None if rw is None else rw.double(), settings
+        lp.view(s, t),
+        old.double(),
+        adv.double(),
+        mask,
+        ref.double(),
+        ent.view(s, t),
+        None if rw is None else rw.double(),
+        settings,
     )
     grads = torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None])
     return loss, metrics, grads
@@ -48,7 +66,11 @@ def loss_oracle(hidden, weight, bias, targets, old, adv, mask, ref, rw, temperat
 
 @pytest.mark.parametrize(
     "mode,float_mask,with_rw,kl_type",
-    [("token-mean", False, False, "low_var_kl"), ("seq-mean-token-mean", True, True, "k1"), ("seq-mean-token-sum-norm", False, True, "k3+")],
+    [
+        ("token-mean", False, False, "low_var_kl"),
+        ("seq-mean-token-mean", True, True, "k1"),
+        ("seq-mean-token-sum-norm", False, True, "k3+"),
+    ],
 )
 def test_fused_linear_policy_loss_matches_fp64(seed, device, route, tune, mode, float_mask, with_rw, kl_type):
     shape = linear_shapes(device)[0]
@@ -62,14 +84,35 @@ def test_fused_linear_policy_loss_matches_fp64(seed, device, route, tune, mode, 
     ref = torch.randn(s, t, device=device) * 0.5 - 4.0
     mask = torch.rand(s, t, device=device) if float_mask else torch.rand(s, t, device=device) < 0.8
     rw = torch.rand(s, t, device=device) + 0.5 if with_rw else None
-    knobs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, kl_type=kl_type, kl_coef=0.05, entropy_coef=0.01, loss_agg_mode=mode)
+    knobs = dict(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        kl_type=kl_type,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        loss_agg_mode=mode,
+    )
     h, w, b = leaves(hidden, weight, bias)
     loss, metrics = rk.fused_linear_policy_loss(
-        h, w, targets, old, adv, mask, bias=b, temperature=0.7, ref_logprob=ref, rollout_is_weights=rw, backend="triton", **knobs
+        h,
+        w,
+        targets,
+        old,
+        adv,
+        mask,
+        bias=b,
+        temperature=0.7,
+        ref_logprob=ref,
+        rollout_is_weights=rw,
+        backend="triton",
+        **knobs,
     )
     upstream_scale = 1.5
     grads = torch.autograd.grad(loss * upstream_scale, (h, w, b))
-    want_loss, want_metrics, want_grads = loss_oracle(hidden, weight, bias, targets, old, adv, mask, ref, rw, 0.7, knobs)
+    want_loss, want_metrics, want_grads = loss_oracle(
+        hidden, weight, bias, targets, old, adv, mask, ref, rw, 0.7, knobs
+    )
     assert_close(loss, want_loss, "reduction", torch.bfloat16, "loss")
     for name in want_metrics:
         assert_close(metrics[name], want_metrics[name], "reduction", torch.bfloat16, name)
@@ -93,7 +136,9 @@ def test_fused_loss_no_grad_and_determinism(seed, device, route):
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     with torch.no_grad():
-        loss_ng, _ = rk.fused_linear_policy_loss(hidden, weight, targets, old, adv, mask, entropy_coef=0.01, backend="triton")
+        loss_ng, _ = rk.fused_linear_policy_loss(
+            hidden, weight, targets, old, adv, mask, entropy_coef=0.01, backend="triton"
+        )
     assert loss_ng.grad_fn is None
     assert_close(loss_ng, runs[0][0], "reduction", torch.float32, "no-grad loss")
 
@@ -145,11 +190,19 @@ def test_fused_loss_is_linear_logprob_then_policy_loss_bit_for_bit(seed, device,
     ref = torch.randn(s, t, device=device) - 4.0
     mask = torch.rand(s, t, device=device) < 0.9
     knobs = dict(ref_logprob=ref, kl_coef=0.05, entropy_coef=0.01, clip_ratio_c=3.0)
-    h, w, b = leaves(hidden.view(s, t, -1), weight, bias)  # leaves: the fused op's gradient path, where the logits are kept
-    loss, metrics = rk.fused_linear_policy_loss(h, w, targets.view(s, t), old, adv, mask, bias=b, temperature=0.7, backend="triton", **knobs)
-    lp, ent = rk.linear_logprob(hidden, weight, targets, bias=bias, temperature=0.7, return_entropy=True, backend="triton")
+    h, w, b = leaves(
+        hidden.view(s, t, -1), weight, bias
+    )  # leaves: the fused op's gradient path, where the logits are kept
+    loss, metrics = rk.fused_linear_policy_loss(
+        h, w, targets.view(s, t), old, adv, mask, bias=b, temperature=0.7, backend="triton", **knobs
+    )
+    lp, ent = rk.linear_logprob(
+        hidden, weight, targets, bias=bias, temperature=0.7, return_entropy=True, backend="triton"
+    )
     scored = mask & (targets.view(s, t) != -100)
-    want_loss, want_metrics = rk.policy_loss(lp.view(s, t), old, adv, scored, entropy=ent.view(s, t), backend="torch", **knobs)
+    want_loss, want_metrics = rk.policy_loss(
+        lp.view(s, t), old, adv, scored, entropy=ent.view(s, t), backend="torch", **knobs
+    )
     assert torch.equal(loss.detach(), want_loss), "loss"
     for name in METRICS:
         assert torch.equal(metrics[name], want_metrics[name]), name
@@ -169,7 +222,11 @@ def test_fused_loss_second_backward_is_refused(seed, device):
     shape = linear_shapes(device)[0]
     hidden, weight, _, targets = make_inputs(device, 8, shape["d"], shape["v"], torch.float32, bias=False)
     h, w = leaves(hidden.view(2, 4, -1), weight)
-    old, adv, mask = torch.randn(2, 4, device=device) - 4.0, torch.randn(2, 4, device=device), torch.ones(2, 4, dtype=torch.bool, device=device)
+    old, adv, mask = (
+        torch.randn(2, 4, device=device) - 4.0,
+        torch.randn(2, 4, device=device),
+        torch.ones(2, 4, dtype=torch.bool, device=device),
+    )
     loss, _ = rk.fused_linear_policy_loss(h, w, targets.view(2, 4), old, adv, mask, backend="triton")
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward"):
@@ -187,13 +244,35 @@ def test_custom_op_passes_opcheck(seed, device):
     mask = torch.rand(s, t, device=device) < 0.8
     torch.library.opcheck(
         torch.ops.rl_kernel.triton_fused_linear_policy_loss,
-        (hidden.view(s, t, -1).requires_grad_(), weight.requires_grad_(), None, targets.view(s, t), old, adv,
-         mask, old, None, 0.9, -100, 0.2, 0.28, 3.0, "k3", 0.05, 0.01, "token-mean", True, True, False),
+        (
+            hidden.view(s, t, -1).requires_grad_(),
+            weight.requires_grad_(),
+            None,
+            targets.view(s, t),
+            old,
+            adv,
+            mask,
+            old,
+            None,
+            0.9,
+            -100,
+            0.2,
+            0.28,
+            3.0,
+            "k3",
+            0.05,
+            0.01,
+            "token-mean",
+            True,
+            True,
+            False,
+        ),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
 
 
 # ------------------------------------------------------------------------- the reference (torch) on CPU
+
 
 def _fused_inputs(dtype, seqs=3, seq_len=7, dim=16, vocab=50):
     hidden = (torch.randn(seqs, seq_len, dim) * 0.5).to(dtype)
@@ -220,15 +299,35 @@ def test_fused_matches_fp64_formula_values_and_gradients(seed, dtype):
     kw = dict(clip_ratio_c=3.0, kl_coef=0.1, entropy_coef=0.02, loss_agg_mode="seq-mean-token-mean")
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     loss, metrics = rk.fused_linear_policy_loss(
-        h, w, targets, x["old"], x["adv"], x["mask"], bias=b, temperature=temp, ref_logprob=x["ref"], rollout_is_weights=x["is_w"], **kw,
+        h,
+        w,
+        targets,
+        x["old"],
+        x["adv"],
+        x["mask"],
+        bias=b,
+        temperature=temp,
+        ref_logprob=x["ref"],
+        rollout_is_weights=x["is_w"],
+        **kw,
     )
     loss.backward()
 
     h64, w64, b64 = (as_fp64(t).requires_grad_() for t in (hidden, weight, bias))
     lp, ent = _logprob_entropy_fp64(h64, w64, b64, targets, temp)
     exp_loss, exp_metrics = loss_formula(
-        lp, as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), ref=as_fp64(x["ref"]), c=3.0, kl="k3", kl_coef=0.1, ent=ent,
-        ent_coef=0.02, mode="seq-mean-token-mean", is_w=as_fp64(x["is_w"]),
+        lp,
+        as_fp64(x["old"]),
+        as_fp64(x["adv"]),
+        x["mask"].double(),
+        ref=as_fp64(x["ref"]),
+        c=3.0,
+        kl="k3",
+        kl_coef=0.1,
+        ent=ent,
+        ent_coef=0.02,
+        mode="seq-mean-token-mean",
+        is_w=as_fp64(x["is_w"]),
     )
     grads = torch.autograd.grad(exp_loss, (h64, w64, b64))
     assert_close(loss, exp_loss, "logprob", dtype, "loss")
@@ -244,9 +343,18 @@ def test_fused_equals_linear_logprob_then_policy_loss(seed, mode):
     hidden, weight, bias, targets, x = _fused_inputs(torch.float32)
     targets[0, 2] = -100
     targets[2, 5] = -100
-    kw = dict(clip_ratio_c=3.0, kl_type="k2", kl_coef=0.1, loss_agg_mode=mode, rollout_is_weights=x["is_w"], ref_logprob=x["ref"])
+    kw = dict(
+        clip_ratio_c=3.0,
+        kl_type="k2",
+        kl_coef=0.1,
+        loss_agg_mode=mode,
+        rollout_is_weights=x["is_w"],
+        ref_logprob=x["ref"],
+    )
     h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
-    loss, metrics = rk.fused_linear_policy_loss(h1, weight, targets, x["old"], x["adv"], x["mask"], bias=bias, temperature=1.3, entropy_coef=0.05, **kw)
+    loss, metrics = rk.fused_linear_policy_loss(
+        h1, weight, targets, x["old"], x["adv"], x["mask"], bias=bias, temperature=1.3, entropy_coef=0.05, **kw
+    )
     lp, ent = rk.linear_logprob(h2, weight, targets, bias=bias, temperature=1.3, return_entropy=True)
     scored = x["mask"] & (targets != -100)
     exp_loss, exp_metrics = rk.policy_loss(lp, x["old"], x["adv"], scored, entropy=ent, entropy_coef=0.05, **kw)
@@ -266,7 +374,9 @@ def test_fused_one_sequence_and_empty(seed):
     assert torch.equal(a[0], b[0])
     h = torch.randn(0, 5, 16, requires_grad=True)
     empty = torch.randn(0, 5)
-    loss, metrics = rk.fused_linear_policy_loss(h, weight, torch.zeros(0, 5, dtype=torch.int64), empty, empty, empty > 0)
+    loss, metrics = rk.fused_linear_policy_loss(
+        h, weight, torch.zeros(0, 5, dtype=torch.int64), empty, empty, empty > 0
+    )
     assert float(loss.detach()) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
     loss.backward()
     assert h.grad is not None and h.grad.shape == h.shape
@@ -291,9 +401,19 @@ def test_fused_one_sequence_and_empty(seed):
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
         (dict(ignore_index=2**70), ValueError, "ignore_index"),
         (dict(mask=-torch.ones(3, 7)), ValueError, "mask weights"),
-        (dict(hidden=torch.randn(3, 7, 16, device=META), weight=torch.randn(50, 16, device=META), bias=None,
-              targets=torch.zeros(3, 7, dtype=torch.long, device=META), old_logprob=torch.randn(3, 7, device=META),
-              advantages=torch.randn(3, 7, device=META), mask=torch.ones(3, 7, dtype=torch.bool, device=META)), ValueError, "targets must hold data"),
+        (
+            dict(
+                hidden=torch.randn(3, 7, 16, device=META),
+                weight=torch.randn(50, 16, device=META),
+                bias=None,
+                targets=torch.zeros(3, 7, dtype=torch.long, device=META),
+                old_logprob=torch.randn(3, 7, device=META),
+                advantages=torch.randn(3, 7, device=META),
+                mask=torch.ones(3, 7, dtype=torch.bool, device=META),
+            ),
+            ValueError,
+            "targets must hold data",
+        ),
         (dict(hidden=torch.randn(3, 7, 16).to_sparse()), TypeError, "hidden must be a dense"),
         (dict(kl_type="full"), ValueError, "kl_type"),
         (dict(clip_ratio_c=1.0), ValueError, "clip_ratio_c"),
@@ -302,7 +422,15 @@ def test_fused_one_sequence_and_empty(seed):
 )
 def test_fused_bad_input_names_the_argument(over, err, name):
     hidden, weight, bias, targets, x = _fused_inputs(torch.float32)
-    kw = dict(hidden=hidden, weight=weight, targets=targets, old_logprob=x["old"], advantages=x["adv"], mask=x["mask"], bias=bias)
+    kw = dict(
+        hidden=hidden,
+        weight=weight,
+        targets=targets,
+        old_logprob=x["old"],
+        advantages=x["adv"],
+        mask=x["mask"],
+        bias=bias,
+    )
     kw.update(over)
     pos = [kw.pop(k) for k in ("hidden", "weight", "targets", "old_logprob", "advantages", "mask")]
     with pytest.raises(err, match=name):

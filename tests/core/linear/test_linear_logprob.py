@@ -31,7 +31,15 @@ from rl_kernel_core.triton import tuning as triton_tuning
 from rl_kernel_core.linear.triton import linear_logprob as linear_logprob_triton
 from op_backends import Backend, on_backends
 from oracles import (
-    LINEAR_GPU_SHAPES, leaves, linear_oracle, linear_oracle_grads, linear_shapes, make_inputs, run_linear, small_chunks, upstream,
+    LINEAR_GPU_SHAPES,
+    leaves,
+    linear_oracle,
+    linear_oracle_grads,
+    linear_shapes,
+    make_inputs,
+    run_linear,
+    small_chunks,
+    upstream,
 )
 from peak_memory import measure_peak, skip_without_proc
 
@@ -104,7 +112,9 @@ def test_extreme_logits(seed, device, route, case):
         assert torch.allclose(ref_lp[kept], torch.full_like(ref_lp[kept], -torch.log(torch.tensor(float(v))).item()))
     assert_close(lp, ref_lp, "logprob", torch.bfloat16, "logprob")
     assert_close(ent, ref_ent, "logprob", torch.bfloat16, "entropy")
-    for name, got, ref in zip(("hidden", "weight"), grads, linear_oracle_grads(hidden, weight, None, targets, 1.0, g_lp, g_ent)):
+    for name, got, ref in zip(
+        ("hidden", "weight"), grads, linear_oracle_grads(hidden, weight, None, targets, 1.0, g_lp, g_ent)
+    ):
         assert_close(got, ref, "gradient", torch.bfloat16, f"d{name}")
 
 
@@ -206,9 +216,33 @@ def test_explain_names_the_route_that_ran(seed, device):
 def test_triton_backend_refuses_what_it_cannot_run():
     hidden = torch.randn(3, 8, dtype=torch.float64)
     weight = torch.randn(10, 8, dtype=torch.float64)
-    reason = dispatch.unavailable_reason("linear_logprob", "triton", torch.device("cuda"), hidden, weight, torch.zeros(3, dtype=torch.long), None, 1.0, -100, False, None)
+    reason = dispatch.unavailable_reason(
+        "linear_logprob",
+        "triton",
+        torch.device("cuda"),
+        hidden,
+        weight,
+        torch.zeros(3, dtype=torch.long),
+        None,
+        1.0,
+        -100,
+        False,
+        None,
+    )
     assert reason is not None and "fp64" in reason
-    reason = dispatch.unavailable_reason("linear_logprob", "triton", torch.device("cuda"), hidden.float(), weight.float(), torch.zeros(3, dtype=torch.long), None, 1.0, -100, False, object())
+    reason = dispatch.unavailable_reason(
+        "linear_logprob",
+        "triton",
+        torch.device("cuda"),
+        hidden.float(),
+        weight.float(),
+        torch.zeros(3, dtype=torch.long),
+        None,
+        1.0,
+        -100,
+        False,
+        object(),
+    )
     assert reason is not None and "tp_group" in reason
 
 
@@ -218,7 +252,10 @@ def test_custom_op_passes_opcheck(seed, device):
     hidden, weight, bias, targets = make_inputs(device, 12, shape["d"], 96, torch.float32)
     ops = torch.ops.rl_kernel
     key = linear_chunks.tuning_key()
-    torch.library.opcheck(ops.triton_linear_logprob, (hidden.requires_grad_(), weight.requires_grad_(), bias, targets, 0.9, -100, True, None, key))
+    torch.library.opcheck(
+        ops.triton_linear_logprob,
+        (hidden.requires_grad_(), weight.requires_grad_(), bias, targets, 0.9, -100, True, None, key),
+    )
 
 
 def test_compiled_linear_ops_match_eager(seed, device, route):
@@ -233,8 +270,9 @@ def test_compiled_linear_ops_match_eager(seed, device, route):
 
     def step(h, w, b):
         lp, ent = rk.linear_logprob(h, w, targets, bias=b, temperature=0.8, return_entropy=True, backend="triton")
-        loss, metrics = rk.fused_linear_policy_loss(h, w, targets, old, adv, mask, bias=b, temperature=0.8,
-                                                    kl_coef=0.05, entropy_coef=0.01, backend="triton")
+        loss, metrics = rk.fused_linear_policy_loss(
+            h, w, targets, old, adv, mask, bias=b, temperature=0.8, kl_coef=0.05, entropy_coef=0.01, backend="triton"
+        )
         return loss, lp, ent, metrics["pg_loss"]
 
     torch._dynamo.reset()
@@ -463,7 +501,9 @@ def test_heads_deterministic_and_batch_invariant(seed, backend: Backend, tune, s
             assert torch.equal(part[1][:m], full[1][:m]), f"entropy rows, N={take}"
             assert torch.equal(part[2][0][:m], full[2][0][:m]), f"dhidden rows, N={take}"
     with torch.no_grad():  # the forward-only path gives the same bits
-        lp, ent = rk.linear_logprob(hidden, weight, targets, bias=bias, temperature=0.8, return_entropy=True, backend=backend.name)
+        lp, ent = rk.linear_logprob(
+            hidden, weight, targets, bias=bias, temperature=0.8, return_entropy=True, backend=backend.name
+        )
     assert torch.equal(lp, full[0]) and torch.equal(ent, full[1])
 
 
@@ -555,7 +595,9 @@ def test_chunk_boundaries(seed, monkeypatch, dtype):
         assert_close(lp, ref_lp, "logprob", dtype, f"logprob chunk={chunk}")
         assert_close(ent, ref_ent, "logprob", dtype, f"entropy chunk={chunk}")
         grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w, b))
-        for name, got, want in zip(("hidden", "weight", "bias"), grads, linear_oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, g_ent)):
+        for name, got, want in zip(
+            ("hidden", "weight", "bias"), grads, linear_oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, g_ent)
+        ):
             assert_close(got, want, "gradient", dtype, f"d{name} chunk={chunk}")
 
 
@@ -610,14 +652,16 @@ def test_linear_logprob_gradients_match_fp64_autograd(seed, dtype, with_entropy)
     lp, ent = rk.linear_logprob(h, w, targets, bias=b, temperature=0.7, return_entropy=True)
     loss = (lp * g_lp.float()).sum() + ((ent * g_ent.float()).sum() if with_entropy else 0.0)
     loss.backward()
-    for name, leaf, want in zip(("hidden", "weight", "bias"), (h, w, b), linear_oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, g_ent)):
+    for name, leaf, want in zip(
+        ("hidden", "weight", "bias"), (h, w, b), linear_oracle_grads(hidden, weight, bias, targets, 0.7, g_lp, g_ent)
+    ):
         assert leaf.grad.dtype == dtype, name
         assert_close(leaf.grad, want, "gradient", dtype, f"d{name}")
 
 
 def test_ignored_rows_get_no_gradient(seed):
     hidden, weight, bias, targets = reference_inputs()
-    h, = leaves(hidden)
+    (h,) = leaves(hidden)
     lp, ent = rk.linear_logprob(h, weight, targets, bias=bias, return_entropy=True)
     (lp.sum() + ent.sum()).backward()
     ignored = targets == -100
@@ -692,15 +736,27 @@ def _call(**overrides):
         (dict(temperature=1e-40), ValueError, r"temperature must be >= 1.1754944e-38 .*got 1e-40"),
         (dict(temperature=1e-45), ValueError, "temperature"),
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
-        (dict(ignore_index=-(2**70)), ValueError, r"ignore_index must be in the int64 range .*got -1180591620717411303424"),
+        (
+            dict(ignore_index=-(2**70)),
+            ValueError,
+            r"ignore_index must be in the int64 range .*got -1180591620717411303424",
+        ),
         (dict(ignore_index=2**63), ValueError, "ignore_index"),
         (dict(return_entropy=1), TypeError, "return_entropy"),
         (dict(weight=torch.randn(10, 8, device="meta")), ValueError, "weight"),
         (dict(targets=torch.randint(0, 10, (2, 3), device="meta")), ValueError, "targets"),
         (dict(weight=torch.randn(10, 8).to_sparse()), TypeError, "weight must be a dense"),
         (dict(weight=torch.randn(10, 8).to_sparse_csr()), TypeError, "weight must be a dense .*sparse_csr"),
-        (dict(hidden=torch.randn(2, 3, 8, device="meta"), weight=torch.randn(10, 8, device="meta"),
-              targets=torch.zeros(2, 3, dtype=torch.long, device="meta"), bias=None), ValueError, "targets must hold data"),
+        (
+            dict(
+                hidden=torch.randn(2, 3, 8, device="meta"),
+                weight=torch.randn(10, 8, device="meta"),
+                targets=torch.zeros(2, 3, dtype=torch.long, device="meta"),
+                bias=None,
+            ),
+            ValueError,
+            "targets must hold data",
+        ),
         (dict(tp_group="group"), TypeError, "tp_group"),
         (dict(backend="cuda"), ValueError, "backend"),
     ],

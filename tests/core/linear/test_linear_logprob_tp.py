@@ -120,10 +120,17 @@ def _case(dtype, *, bias, entropy, temperature, ignore_index):
         targets[N - 5], targets[N - 6] = V // 4 + ignore_index, V // 2 + ignore_index
     sign = torch.where(torch.rand(N) < 0.5, -1.0, 1.0)
     return dict(
-        hidden=hidden, weight=weight, bias=torch.randn(V).to(dtype) if bias else None, targets=targets,
-        g_lp=(torch.rand(N) + 0.5) * sign, g_ent=-(torch.rand(N) + 0.5), temperature=temperature,
-        entropy=entropy, ignore_index=ignore_index,
-        stats_bytes=STATS_BYTES, chunk_bytes=CHUNK_BYTES,
+        hidden=hidden,
+        weight=weight,
+        bias=torch.randn(V).to(dtype) if bias else None,
+        targets=targets,
+        g_lp=(torch.rand(N) + 0.5) * sign,
+        g_ent=-(torch.rand(N) + 0.5),
+        temperature=temperature,
+        entropy=entropy,
+        ignore_index=ignore_index,
+        stats_bytes=STATS_BYTES,
+        chunk_bytes=CHUNK_BYTES,
     )
 
 
@@ -131,8 +138,14 @@ def _single_process(case):
     """tp_group=None on the default route (interpreted), forward values only."""
     with torch.no_grad(), tuned(stats_bytes=case["stats_bytes"]):
         res = rk.linear_logprob(
-            case["hidden"], case["weight"], case["targets"], bias=case["bias"], temperature=case["temperature"],
-            ignore_index=case["ignore_index"], return_entropy=case["entropy"], backend="triton",
+            case["hidden"],
+            case["weight"],
+            case["targets"],
+            bias=case["bias"],
+            temperature=case["temperature"],
+            ignore_index=case["ignore_index"],
+            return_entropy=case["entropy"],
+            backend="triton",
         )
     return res if case["entropy"] else (res, None)
 
@@ -142,8 +155,14 @@ def _fp64(case):
     h, w = (case[k].double().requires_grad_() for k in ("hidden", "weight"))
     b = None if case["bias"] is None else case["bias"].double().requires_grad_()
     lp, ent = rk.linear_logprob(
-        h, w, case["targets"], bias=b, temperature=case["temperature"], ignore_index=case["ignore_index"],
-        return_entropy=True, backend="torch",
+        h,
+        w,
+        case["targets"],
+        bias=b,
+        temperature=case["temperature"],
+        ignore_index=case["ignore_index"],
+        return_entropy=True,
+        backend="torch",
     )
     loss = (lp * case["g_lp"].double()).sum() + ((ent * case["g_ent"].double()).sum() if case["entropy"] else 0.0)
     loss.backward()
@@ -159,8 +178,21 @@ def _run_world(worker, world, cases, tmp_path, *args, interpret=False, timeout=1
         env["TRITON_INTERPRET"] = "1"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", worker, str(r), str(world), str(tmp_path / "store"), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{r}.pt"), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                "-c",
+                worker,
+                str(r),
+                str(world),
+                str(tmp_path / "store"),
+                str(tmp_path / "inputs.pt"),
+                str(tmp_path / f"out{r}.pt"),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for r in range(world)
     ]
@@ -213,7 +245,9 @@ def test_vocab_parallel_bitwise_across_tp_sizes(seed, tmp_path, monkeypatch, wor
             # the ranks of one group hold the same dh bits (replicated)
             for start in range(0, world, size):
                 group_runs = runs[start : start + size]
-                assert all(torch.equal(group_runs[0]["dh"], r["dh"]) for r in group_runs[1:]), f"dh differs in a TP={size} group"
+                assert all(torch.equal(group_runs[0]["dh"], r["dh"]) for r in group_runs[1:]), (
+                    f"dh differs in a TP={size} group"
+                )
 
 
 def test_shard_not_multiple_of_tile_is_refused(monkeypatch):
@@ -225,9 +259,19 @@ def test_shard_not_multiple_of_tile_is_refused(monkeypatch):
     targets = torch.randint(0, v_local, (3,))
     args = (hidden, weight, targets, None, 1.0, -100, False, object())  # supports never calls the group
     reason = dispatch.unavailable_reason("linear_logprob", "triton", hidden.device, *args)
-    assert reason is not None and "tp_group" in reason and f"V_local={v_local}" in reason and f"BLOCK_N={block_n}" in reason
+    assert (
+        reason is not None
+        and "tp_group" in reason
+        and f"V_local={v_local}" in reason
+        and f"BLOCK_N={block_n}" in reason
+    )
     whole = torch.randn(2 * block_n, 8)
-    assert dispatch.unavailable_reason("linear_logprob", "triton", hidden.device, hidden, whole, targets, None, 1.0, -100, False, object()) is None
+    assert (
+        dispatch.unavailable_reason(
+            "linear_logprob", "triton", hidden.device, hidden, whole, targets, None, 1.0, -100, False, object()
+        )
+        is None
+    )
 
 
 # ============================================================== the reference (torch)
@@ -279,19 +323,33 @@ def _reference_case(dtype, n=13, d=16, v=40, chunk_rows=3, masked_shard=False):
     targets[5] = -100
     g_lp = torch.rand(n) + 0.5
     g_ent = -(torch.rand(n) + 0.5)
-    return dict(hidden=hidden, weight=weight, bias=bias, targets=targets, g_lp=g_lp, g_ent=g_ent,
-                temperature=0.7, chunk_elements=(v // REFERENCE_WORLD) * chunk_rows)
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        targets=targets,
+        g_lp=g_lp,
+        g_ent=g_ent,
+        temperature=0.7,
+        chunk_elements=(v // REFERENCE_WORLD) * chunk_rows,
+    )
 
 
 def _reference_single_process(case):
     h, w, b = (case[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
-    lp, ent = rk.linear_logprob(h, w, case["targets"], bias=b, temperature=case["temperature"], return_entropy=True, backend="torch")
+    lp, ent = rk.linear_logprob(
+        h, w, case["targets"], bias=b, temperature=case["temperature"], return_entropy=True, backend="torch"
+    )
     ((lp * case["g_lp"]).sum() + (ent * case["g_ent"]).sum()).backward()
     return dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=b.grad)
 
 
 def test_reference_vocab_parallel_matches_single_process(seed, tmp_path):
-    cases = [_reference_case(torch.float32), _reference_case(torch.bfloat16), _reference_case(torch.float32, masked_shard=True)]
+    cases = [
+        _reference_case(torch.float32),
+        _reference_case(torch.bfloat16),
+        _reference_case(torch.float32, masked_shard=True),
+    ]
     ranks = _run_world(_REFERENCE_WORKER, REFERENCE_WORLD, cases, tmp_path, timeout=120)
     for case, *per_rank in zip(cases, *ranks):
         dtype = case["hidden"].dtype

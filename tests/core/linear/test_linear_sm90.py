@@ -107,8 +107,15 @@ def _dl(h, w, b, t, lse, ent, g_lp, g_ent, mode, temperature):
 def test_sm90_gradient_has_the_triton_pass_bits(monkeypatch, dtype, bias, temperature, n, d, v):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     h, w, b, t = _inputs(n, d, v, dtype, bias)
-    lp, ent = rk.linear_logprob(h.float(), w.float(), t, bias=None if b is None else b.float(), temperature=temperature,
-                                return_entropy=True, backend="torch")
+    lp, ent = rk.linear_logprob(
+        h.float(),
+        w.float(),
+        t,
+        bias=None if b is None else b.float(),
+        temperature=temperature,
+        return_entropy=True,
+        backend="torch",
+    )
     lse = torch.randn(n, device="cuda") + 3.0  # any saved lse: the pass is elementwise in it
     g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     assert triton_sm90.serves("grad", h, w, b) is not None
@@ -130,7 +137,9 @@ def test_linear_logprob_has_the_same_bits_with_and_without_the_sm90_passes(monke
     for mode in ("all", "off"):
         hh, ww, bb = (x.detach().clone().requires_grad_() for x in (h, w, b))
         with linear_chunks.tuned(sm90=mode):
-            lp, ent = rk.linear_logprob(hh, ww, t, bias=bb, temperature=temperature, return_entropy=True, backend="triton")
+            lp, ent = rk.linear_logprob(
+                hh, ww, t, bias=bb, temperature=temperature, return_entropy=True, backend="triton"
+            )
             (lp.sum() + 0.1 * ent.sum()).backward()
         outs[mode] = (lp, ent, hh.grad, ww.grad, bb.grad)
     for ours, ref in zip(outs["all"], outs["off"]):
@@ -162,8 +171,9 @@ def test_fused_loss_has_the_same_bits_with_and_without_the_sm90_passes(monkeypat
     for mode in ("all", "off"):
         hh, ww = (x.detach().clone().requires_grad_() for x in (h, w))
         with linear_chunks.tuned(sm90=mode):
-            loss = rk.fused_linear_policy_loss(hh.view(4, 75, d), ww, t.clamp_min(0).view(4, 75), old, adv, mask,
-                                               entropy_coef=0.01, backend="triton")[0]
+            loss = rk.fused_linear_policy_loss(
+                hh.view(4, 75, d), ww, t.clamp_min(0).view(4, 75), old, adv, mask, entropy_coef=0.01, backend="triton"
+            )[0]
             loss.backward()
         outs[mode] = (loss, hh.grad, ww.grad)
     for ours, ref in zip(outs["all"], outs["off"]):
@@ -185,15 +195,21 @@ def test_sm90_kernel_refuses_what_it_cannot_read(monkeypatch):
         ext.linear_stats_sm90(h.float(), w.float(), None, t, 64, 1.0, -100, partials, ztgt, True, None, 16)
     with pytest.raises(RuntimeError, match=r"hidden must be a 2-d CUDA tensor with unit inner stride.*got \[256, 64\]"):
         ext.linear_stats_sm90(h.t(), w, None, t, 64, 1.0, -100, partials, ztgt, True, None, 16)
-    with pytest.raises(RuntimeError, match=r"partials must be fp32 \[3, >=64, 2\] with unit inner stride, got \[3, 64, 1\]"):
+    with pytest.raises(
+        RuntimeError, match=r"partials must be fp32 \[3, >=64, 2\] with unit inner stride, got \[3, 64, 1\]"
+    ):
         ext.linear_stats_sm90(h, w, None, t, 64, 1.0, -100, partials[:, :, :1], ztgt, True, None, 16)
     with pytest.raises(RuntimeError, match=r"keep must be fp32 \[>=64, 512\] with unit inner stride, got \[64, 511\]"):
-        ext.linear_stats_sm90(h, w, None, t, 64, 1.0, -100, partials, ztgt, True, torch.empty(64, 511, device="cuda"), 16)
+        ext.linear_stats_sm90(
+            h, w, None, t, 64, 1.0, -100, partials, ztgt, True, torch.empty(64, 511, device="cuda"), 16
+        )
     with pytest.raises(RuntimeError, match=r"dl must be a \[>=64, 512\] tensor of weight's dtype"):
         ext.linear_grad_sm90(h, w, None, t, 64, 1.0, -100, lse, None, g, None, dl.float(), 16)
     with pytest.raises(RuntimeError, match="entropy and grad_entropy must be given together"):
         ext.linear_grad_sm90(h, w, None, t, 64, 1.0, -100, lse, lse, g, None, dl, 16)
-    with pytest.raises(RuntimeError, match="grad_logprob must be a contiguous fp32 CUDA tensor of at least 64 elements, got \\[32\\]"):
+    with pytest.raises(
+        RuntimeError, match="grad_logprob must be a contiguous fp32 CUDA tensor of at least 64 elements, got \\[32\\]"
+    ):
         ext.linear_grad_sm90(h, w, None, t, 64, 1.0, -100, lse, None, g[:32], None, dl, 16)
     # the Python rule sends a misaligned operand or another tile to the Triton pass instead
     assert triton_sm90.serves("stats", h[:, 1:], w[:, 1:], None) is None
@@ -206,4 +222,3 @@ def test_sm90_kernel_refuses_what_it_cannot_read(monkeypatch):
     assert triton_sm90.serves("stats", hw, wide, None) is not None
     with linear_chunks.tuned(sm90="off"):
         assert triton_sm90.serves("stats", hw, wide, None) is None
-

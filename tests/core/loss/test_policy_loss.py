@@ -25,7 +25,16 @@ from rl_kernel_core.loss.api import LOSS_AGG_MODES, METRIC_NAMES
 from rl_kernel_core.switches import SwitchError
 from op_backends import Backend, on_backends
 from oracles import (
-    AGG_MODES, KL_TYPE_CASES, METRICS, as_fp64, check_policy_loss, loss_formula, make_loss_inputs, make_tokens, run_policy_loss, upstream,
+    AGG_MODES,
+    KL_TYPE_CASES,
+    METRICS,
+    as_fp64,
+    check_policy_loss,
+    loss_formula,
+    make_loss_inputs,
+    make_tokens,
+    run_policy_loss,
+    upstream,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -50,17 +59,24 @@ def test_policy_loss_aggregation_modes_and_dual_clip(seed, backend: Backend, mod
 @on_every_backend
 @pytest.mark.parametrize("kl_type", KL_TYPE_CASES)
 def test_policy_loss_every_kl_type(seed, backend: Backend, kl_type):
-    check_policy_loss(make_tokens((3, 41), backend.device), backend.name, kl_type=kl_type, kl_coef=0.3, mode="seq-mean-token-mean")
+    check_policy_loss(
+        make_tokens((3, 41), backend.device), backend.name, kl_type=kl_type, kl_coef=0.3, mode="seq-mean-token-mean"
+    )
 
 
 @on_every_backend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # fp32: the direct-load path
 def test_policy_loss_float_mask(seed, backend: Backend, dtype):
-    check_policy_loss(make_tokens((4, 33), backend.device, dtype, mask_kind="float"), backend.name, mode="seq-mean-token-sum")
+    check_policy_loss(
+        make_tokens((4, 33), backend.device, dtype, mask_kind="float"), backend.name, mode="seq-mean-token-sum"
+    )
 
 
 @on_every_backend
-@pytest.mark.parametrize("opts", [dict(ref=False, ent=False, is_w=False, kl_coef=0.0), dict(ent=False, c=None), dict(is_w=False, kl_coef=0.0)])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(ref=False, ent=False, is_w=False, kl_coef=0.0), dict(ent=False, c=None), dict(is_w=False, kl_coef=0.0)],
+)
 def test_policy_loss_optional_terms(seed, backend: Backend, opts):
     check_policy_loss(make_tokens((2, 3, 21), backend.device), backend.name, **opts)
 
@@ -128,7 +144,22 @@ def test_policy_loss_custom_op_passes_opcheck(seed, backend: Backend):
     t = make_tokens((3, 11), backend.device)
     torch.library.opcheck(
         getattr(torch.ops.rl_kernel, f"{backend.name}_policy_loss"),
-        (t["lp"], t["old"], t["adv"], t["mask"], t["ref"], t["ent"].requires_grad_(), t["is_w"], 0.2, 0.28, 3.0, "k3+", 0.1, 0.01, "seq-mean-token-mean"),
+        (
+            t["lp"],
+            t["old"],
+            t["adv"],
+            t["mask"],
+            t["ref"],
+            t["ent"].requires_grad_(),
+            t["is_w"],
+            0.2,
+            0.28,
+            3.0,
+            "k3+",
+            0.1,
+            0.01,
+            "seq-mean-token-mean",
+        ),
     )
 
 
@@ -140,7 +171,21 @@ def test_triton_eager_path_matches_custom_op_bitwise(seed, backend: Backend):
     from rl_kernel_core.loss import triton as triton_loss
 
     t = make_tokens((3, 11), backend.device)
-    args = (t["old"], t["adv"], t["mask"], t["ref"], None, t["is_w"], 0.2, 0.28, 3.0, "k3+", 0.1, 0.0, "seq-mean-token-mean")
+    args = (
+        t["old"],
+        t["adv"],
+        t["mask"],
+        t["ref"],
+        None,
+        t["is_w"],
+        0.2,
+        0.28,
+        3.0,
+        "k3+",
+        0.1,
+        0.0,
+        "seq-mean-token-mean",
+    )
     outs = []
     for op in (torch.ops.rl_kernel.triton_policy_loss, triton_loss._policy_loss_op):
         lp = t["lp"].detach().clone().requires_grad_()
@@ -160,7 +205,10 @@ def test_triton_eager_path_matches_custom_op_bitwise(seed, backend: Backend):
 
 
 @on_gpu_backends
-@pytest.mark.parametrize("shape,mode", [((2048, 512), "token-mean"), ((256, 4096), "seq-mean-token-mean"), ((997, 1031), "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize(
+    "shape,mode",
+    [((2048, 512), "token-mean"), ((256, 4096), "seq-mean-token-mean"), ((997, 1031), "seq-mean-token-sum-norm")],
+)
 def test_policy_loss_realistic(seed, backend: Backend, shape, mode):
     check_policy_loss(make_tokens(shape, "cuda"), backend.name, mode=mode, kl_type="k3+")
 
@@ -193,7 +241,9 @@ def test_losses_never_sync_with_the_host(seed, backend: Backend):
 def test_policy_loss_each_agg_mode_matches_formula(seed, dtype, mode):
     x = make_loss_inputs((6, 19), dtype, spread=0.4, empty_row=True)
     loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], loss_agg_mode=mode)
-    exp_loss, exp_metrics = loss_formula(as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), mode=mode)
+    exp_loss, exp_metrics = loss_formula(
+        as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), mode=mode
+    )
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert_close(loss, exp_loss, "reduction", dtype, f"loss[{mode}]")
     for name in METRICS:
@@ -205,8 +255,12 @@ def test_policy_loss_each_agg_mode_matches_formula(seed, dtype, mode):
 def test_policy_loss_clipping_and_dual_clip(seed, dtype, clip_ratio_c):
     x = make_loss_inputs((5, 40), dtype, spread=1.5)  # ratios from ~0.01 to ~100: every branch is taken
     lo, hi = 0.2, 0.28
-    loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], clip_ratio_low=lo, clip_ratio_high=hi, clip_ratio_c=clip_ratio_c)
-    exp_loss, exp_metrics = loss_formula(as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), lo=lo, hi=hi, c=clip_ratio_c)
+    loss, metrics = rk.policy_loss(
+        x["logprob"], x["old"], x["adv"], x["mask"], clip_ratio_low=lo, clip_ratio_high=hi, clip_ratio_c=clip_ratio_c
+    )
+    exp_loss, exp_metrics = loss_formula(
+        as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), lo=lo, hi=hi, c=clip_ratio_c
+    )
     assert_close(loss, exp_loss, "reduction", dtype, "loss")
     for name in METRICS:
         assert_close(metrics[name], exp_metrics[name], "reduction", dtype, name)
@@ -223,11 +277,30 @@ def test_policy_loss_clipping_and_dual_clip(seed, dtype, clip_ratio_c):
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_policy_loss_kl_entropy_and_is_weights(seed, dtype, mode):
     x = make_loss_inputs((4, 23), dtype, spread=0.5, empty_row=True)
-    kw = dict(ref_logprob=x["ref"], clip_ratio_c=3.0, kl_type="low_var_kl", kl_coef=0.1, entropy=x["entropy"], entropy_coef=0.01, loss_agg_mode=mode, rollout_is_weights=x["is_w"])
+    kw = dict(
+        ref_logprob=x["ref"],
+        clip_ratio_c=3.0,
+        kl_type="low_var_kl",
+        kl_coef=0.1,
+        entropy=x["entropy"],
+        entropy_coef=0.01,
+        loss_agg_mode=mode,
+        rollout_is_weights=x["is_w"],
+    )
     loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], **kw)
     exp_loss, exp_metrics = loss_formula(
-        as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), ref=as_fp64(x["ref"]), c=3.0, kl="k3", kl_coef=0.1,
-        ent=as_fp64(x["entropy"]), ent_coef=0.01, mode=mode, is_w=as_fp64(x["is_w"]),
+        as_fp64(x["logprob"]),
+        as_fp64(x["old"]),
+        as_fp64(x["adv"]),
+        x["mask"].double(),
+        ref=as_fp64(x["ref"]),
+        c=3.0,
+        kl="k3",
+        kl_coef=0.1,
+        ent=as_fp64(x["entropy"]),
+        ent_coef=0.01,
+        mode=mode,
+        is_w=as_fp64(x["is_w"]),
     )
     assert_close(loss, exp_loss, "reduction", dtype, "loss")
     for name in METRICS:
@@ -242,14 +315,34 @@ def test_policy_loss_gradients_match_fp64_autograd(seed, dtype, mode):
     lp = x["logprob"].clone().requires_grad_()
     ent = x["entropy"].clone().requires_grad_()
     loss, _ = rk.policy_loss(
-        lp, x["old"], x["adv"], x["mask"], ref_logprob=x["ref"], clip_ratio_c=3.0, kl_type="k3", kl_coef=0.2,
-        entropy=ent, entropy_coef=0.05, loss_agg_mode=mode, rollout_is_weights=x["is_w"],
+        lp,
+        x["old"],
+        x["adv"],
+        x["mask"],
+        ref_logprob=x["ref"],
+        clip_ratio_c=3.0,
+        kl_type="k3",
+        kl_coef=0.2,
+        entropy=ent,
+        entropy_coef=0.05,
+        loss_agg_mode=mode,
+        rollout_is_weights=x["is_w"],
     )
     loss.backward()
     lp64, ent64 = as_fp64(lp).requires_grad_(), as_fp64(ent).requires_grad_()
     exp_loss, _ = loss_formula(
-        lp64, as_fp64(x["old"]), as_fp64(x["adv"]), x["mask"].double(), ref=as_fp64(x["ref"]), c=3.0, kl="k3", kl_coef=0.2,
-        ent=ent64, ent_coef=0.05, mode=mode, is_w=as_fp64(x["is_w"]),
+        lp64,
+        as_fp64(x["old"]),
+        as_fp64(x["adv"]),
+        x["mask"].double(),
+        ref=as_fp64(x["ref"]),
+        c=3.0,
+        kl="k3",
+        kl_coef=0.2,
+        ent=ent64,
+        ent_coef=0.05,
+        mode=mode,
+        is_w=as_fp64(x["is_w"]),
     )
     g_lp, g_ent = torch.autograd.grad(exp_loss, (lp64, ent64))
     assert lp.grad.dtype == dtype and ent.grad.dtype == dtype
@@ -264,11 +357,22 @@ def test_policy_loss_gradcheck_fp64(seed):
     lp = args["logprob"].requires_grad_()
     ent = args["entropy"].requires_grad_()
     for mode in AGG_MODES:
+
         def fn(lp_, ent_):
             return rk.policy_loss(
-                lp_, args["old"], args["adv"], x["mask"], ref_logprob=args["ref"], clip_ratio_c=3.0, kl_coef=0.1,
-                entropy=ent_, entropy_coef=0.01, loss_agg_mode=mode, rollout_is_weights=args["is_w"],
+                lp_,
+                args["old"],
+                args["adv"],
+                x["mask"],
+                ref_logprob=args["ref"],
+                clip_ratio_c=3.0,
+                kl_coef=0.1,
+                entropy=ent_,
+                entropy_coef=0.01,
+                loss_agg_mode=mode,
+                rollout_is_weights=args["is_w"],
             )[0]
+
         torch.autograd.gradcheck(fn, (lp, ent))
 
 
@@ -292,8 +396,17 @@ def test_policy_loss_runs_on_meta_tensors_so_never_syncs(seed):
     mask = torch.empty(shape, device="meta", dtype=torch.bool)
     for mode in AGG_MODES:
         loss, metrics = rk.policy_loss(
-            t(), t(), t(), mask, ref_logprob=t(), clip_ratio_c=3.0, kl_coef=0.1, entropy=t(), entropy_coef=0.1,
-            loss_agg_mode=mode, rollout_is_weights=t(),
+            t(),
+            t(),
+            t(),
+            mask,
+            ref_logprob=t(),
+            clip_ratio_c=3.0,
+            kl_coef=0.1,
+            entropy=t(),
+            entropy_coef=0.1,
+            loss_agg_mode=mode,
+            rollout_is_weights=t(),
         )
         assert loss.device.type == "meta" and loss.dim() == 0
         assert all(v.device.type == "meta" and v.dim() == 0 for v in metrics.values())
@@ -309,7 +422,9 @@ def test_policy_loss_float_mask_weighs_tokens(seed):
     weights = x["mask"] * (torch.rand(5, 12) + 0.1)
     for mode in AGG_MODES:
         loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], weights, loss_agg_mode=mode)
-        exp_loss, exp_metrics = loss_formula(as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), weights.double(), mode=mode)
+        exp_loss, exp_metrics = loss_formula(
+            as_fp64(x["logprob"]), as_fp64(x["old"]), as_fp64(x["adv"]), weights.double(), mode=mode
+        )
         assert_close(loss, exp_loss, "reduction", torch.float32, f"weighted loss[{mode}]")
         assert_close(metrics["ppo_kl"], exp_metrics["ppo_kl"], "reduction", torch.float32, "weighted ppo_kl")
 
@@ -320,8 +435,18 @@ def test_policy_loss_ignores_non_finite_values_outside_the_mask(seed):
     for k, v in poisoned.items():
         v[~x["mask"]] = float("nan") if k != "adv" else float("inf")
     for mode in AGG_MODES:
-        a = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], kl_coef=0.1, entropy=x["entropy"], loss_agg_mode=mode)
-        b = rk.policy_loss(poisoned["logprob"], poisoned["old"], poisoned["adv"], x["mask"], kl_coef=0.1, entropy=poisoned["entropy"], loss_agg_mode=mode)
+        a = rk.policy_loss(
+            x["logprob"], x["old"], x["adv"], x["mask"], kl_coef=0.1, entropy=x["entropy"], loss_agg_mode=mode
+        )
+        b = rk.policy_loss(
+            poisoned["logprob"],
+            poisoned["old"],
+            poisoned["adv"],
+            x["mask"],
+            kl_coef=0.1,
+            entropy=poisoned["entropy"],
+            loss_agg_mode=mode,
+        )
         assert torch.equal(a[0], b[0]) and all(torch.equal(a[1][k], b[1][k]) for k in METRICS)
 
 
@@ -343,7 +468,15 @@ def test_policy_loss_non_contiguous_equals_contiguous(seed):
     views = {k: v.t() for k, v in x.items()}
     assert not views["logprob"].is_contiguous()
     for mode in AGG_MODES:
-        kw = dict(ref_logprob=views["ref"], kl_coef=0.1, entropy=views["entropy"], entropy_coef=0.1, rollout_is_weights=views["is_w"], loss_agg_mode=mode, clip_ratio_c=3.0)
+        kw = dict(
+            ref_logprob=views["ref"],
+            kl_coef=0.1,
+            entropy=views["entropy"],
+            entropy_coef=0.1,
+            rollout_is_weights=views["is_w"],
+            loss_agg_mode=mode,
+            clip_ratio_c=3.0,
+        )
         a, ma = rk.policy_loss(views["logprob"], views["old"], views["adv"], views["mask"], **kw)
         kw = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         b, mb = rk.policy_loss(*(views[k].contiguous() for k in ("logprob", "old", "adv", "mask")), **kw)
@@ -356,7 +489,16 @@ def test_policy_loss_non_contiguous_equals_contiguous(seed):
 def test_policy_loss_empty_inputs_give_zero_loss_and_metrics(shape):
     for mode in AGG_MODES:
         lp = torch.randn(shape).requires_grad_()
-        loss, metrics = rk.policy_loss(lp, torch.randn(shape), torch.randn(shape), torch.ones(shape, dtype=torch.bool), kl_coef=0.1, entropy=torch.rand(shape), entropy_coef=0.1, loss_agg_mode=mode)
+        loss, metrics = rk.policy_loss(
+            lp,
+            torch.randn(shape),
+            torch.randn(shape),
+            torch.ones(shape, dtype=torch.bool),
+            kl_coef=0.1,
+            entropy=torch.rand(shape),
+            entropy_coef=0.1,
+            loss_agg_mode=mode,
+        )
         assert loss.dim() == 0 and float(loss.detach()) == 0.0
         assert all(float(v) == 0.0 for v in metrics.values())
         loss.backward()
@@ -406,17 +548,33 @@ def test_matches_verl_core_algos_when_installed(seed, mode):
     for kl_type in ("k1", "abs", "k2", "low_var_kl", "k3+"):
         lp_verl, lp_ours = x["logprob"].clone().requires_grad_(), x["logprob"].clone().requires_grad_()
         pg, pg_metrics = core_algos.compute_policy_loss_vanilla(
-            old_log_prob=x["old"], log_prob=lp_verl, advantages=x["adv"], response_mask=x["mask"], loss_agg_mode=mode,
-            config=cfg, rollout_is_weights=x["is_w"],
+            old_log_prob=x["old"],
+            log_prob=lp_verl,
+            advantages=x["adv"],
+            response_mask=x["mask"],
+            loss_agg_mode=mode,
+            config=cfg,
+            rollout_is_weights=x["is_w"],
         )
         kl_loss = core_algos.agg_loss(core_algos.kl_penalty(lp_verl, x["ref"], kl_type), x["mask"], mode)
         entropy_loss = core_algos.agg_loss(x["entropy"], x["mask"], mode)
         expected = pg - 0.01 * entropy_loss + 0.1 * kl_loss  # how verl's ppo_loss combines them
         expected.backward()
         loss, metrics = rk.policy_loss(
-            lp_ours, x["old"], x["adv"], x["mask"], ref_logprob=x["ref"], clip_ratio_low=0.2, clip_ratio_high=0.28,
-            clip_ratio_c=3.0, kl_type=kl_type, kl_coef=0.1, entropy=x["entropy"], entropy_coef=0.01,
-            loss_agg_mode=mode, rollout_is_weights=x["is_w"],
+            lp_ours,
+            x["old"],
+            x["adv"],
+            x["mask"],
+            ref_logprob=x["ref"],
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.28,
+            clip_ratio_c=3.0,
+            kl_type=kl_type,
+            kl_coef=0.1,
+            entropy=x["entropy"],
+            entropy_coef=0.01,
+            loss_agg_mode=mode,
+            rollout_is_weights=x["is_w"],
         )
         loss.backward()
         assert_close(loss, expected.double(), "reduction", torch.float32, f"loss[{mode}, {kl_type}]")
@@ -424,10 +582,17 @@ def test_matches_verl_core_algos_when_installed(seed, mode):
         for ours, theirs in (("pg_loss", pg), ("kl_loss", kl_loss), ("entropy", entropy_loss)):
             assert_close(metrics[ours], theirs.detach().double(), "reduction", torch.float32, ours)
         for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
-            assert_close(metrics[name], torch.tensor(pg_metrics[f"actor/{name}"], dtype=torch.float64), "reduction", torch.float32, name)
+            assert_close(
+                metrics[name],
+                torch.tensor(pg_metrics[f"actor/{name}"], dtype=torch.float64),
+                "reduction",
+                torch.float32,
+                name,
+            )
 
 
 # ----------------------------------------------------------------------------- bad input
+
 
 def _good():
     x = make_loss_inputs((3, 4))
@@ -466,8 +631,16 @@ META = torch.device("meta")
         (dict(clip_ratio_c=1.0), ValueError, "clip_ratio_c"),
         (dict(clip_ratio_c=0.5), ValueError, "clip_ratio_c"),
         (dict(clip_ratio_c="3"), TypeError, "clip_ratio_c"),
-        (dict(clip_ratio_c=10**400), ValueError, "clip_ratio_c must be None or a finite number > 1 .*, got an int of 1329 bits"),
-        (dict(clip_ratio_low=10**400), ValueError, "clip_ratio_low must be a finite number >= 0, got an int of 1329 bits"),
+        (
+            dict(clip_ratio_c=10**400),
+            ValueError,
+            "clip_ratio_c must be None or a finite number > 1 .*, got an int of 1329 bits",
+        ),
+        (
+            dict(clip_ratio_low=10**400),
+            ValueError,
+            "clip_ratio_low must be a finite number >= 0, got an int of 1329 bits",
+        ),
         (dict(kl_coef=10**400), ValueError, "kl_coef must be a finite number >= 0, got an int of"),
         (dict(clip_ratio_high=float("nan")), ValueError, "clip_ratio_high must be a finite number >= 0, got nan"),
         (dict(kl_type="k4"), ValueError, "kl_type"),
@@ -476,16 +649,25 @@ META = torch.device("meta")
         (dict(kl_coef=-1.0), ValueError, "kl_coef"),
         (dict(entropy_coef=0.1), ValueError, "entropy"),
         (dict(loss_agg_mode="seq-sum"), ValueError, "loss_agg_mode"),
-        (dict(mask=torch.tensor([[1.0, -0.5, 1.0, 0.0]] * 3)), ValueError, r"mask weights must be >= 0 .*3 entries outside it \(0 NaN, the smallest -0.5\)"),
+        (
+            dict(mask=torch.tensor([[1.0, -0.5, 1.0, 0.0]] * 3)),
+            ValueError,
+            r"mask weights must be >= 0 .*3 entries outside it \(0 NaN, the smallest -0.5\)",
+        ),
         (dict(mask=torch.tensor([[1.0, float("nan"), 1.0, 0.0]] * 3)), ValueError, r"mask weights .*\(3 NaN\)"),
     ],
 )
 def test_policy_loss_bad_input_names_the_argument(over, err, name):
     with pytest.raises(err, match=name):
         _call_policy(**over)
+
+
 # ----------------------------------------------------------------------------- value checks, GPU, aggregation weights
 
-@pytest.mark.parametrize("raw,on", [(None, False), ("", False), ("0", False), ("off", False), ("1", True), ("true", True), (" Yes ", True)])
+
+@pytest.mark.parametrize(
+    "raw,on", [(None, False), ("", False), ("0", False), ("off", False), ("1", True), ("true", True), (" Yes ", True)]
+)
 def test_check_values_is_a_boolean_switch(monkeypatch, raw, on):
     """Off the CPU (a meta tensor here), values are checked only with the switch on, in any accepted spelling."""
     if raw is None:
@@ -518,9 +700,23 @@ def test_mask_weights_checked_on_gpu_only_when_asked(seed, monkeypatch):
 def test_policy_loss_cuda_matches_cpu_and_is_deterministic(seed):
     x = make_loss_inputs((8, 64), spread=0.6, empty_row=True)
     kw = dict(clip_ratio_c=3.0, kl_coef=0.1, loss_agg_mode="seq-mean-token-mean")
-    cpu, cpu_m = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], ref_logprob=x["ref"], entropy=x["entropy"], entropy_coef=0.01, **kw)
+    cpu, cpu_m = rk.policy_loss(
+        x["logprob"], x["old"], x["adv"], x["mask"], ref_logprob=x["ref"], entropy=x["entropy"], entropy_coef=0.01, **kw
+    )
     gpu = {k: v.cuda() for k, v in x.items()}
-    runs = [rk.policy_loss(gpu["logprob"], gpu["old"], gpu["adv"], gpu["mask"], ref_logprob=gpu["ref"], entropy=gpu["entropy"], entropy_coef=0.01, **kw) for _ in range(2)]
+    runs = [
+        rk.policy_loss(
+            gpu["logprob"],
+            gpu["old"],
+            gpu["adv"],
+            gpu["mask"],
+            ref_logprob=gpu["ref"],
+            entropy=gpu["entropy"],
+            entropy_coef=0.01,
+            **kw,
+        )
+        for _ in range(2)
+    ]
     assert torch.equal(runs[0][0], runs[1][0])
     assert_close(runs[0][0], cpu.double(), "reduction", torch.float32, "loss")
     for name in METRICS:
@@ -565,7 +761,12 @@ def test_global_batch_makes_the_aggregate_a_share_of_the_global_one(seed):
         ("token-mean", GlobalBatch(dp_size=4, batch_num_tokens=1000), "token-sum", 4 / 1000),
         ("token-mean", GlobalBatch(), "token-mean", 1.0),
         ("token-sum", GlobalBatch(dp_size=2), "token-sum", 2.0),
-        ("seq-mean-token-mean", GlobalBatch(dp_size=2, global_batch_size=64), "seq-mean-token-mean", local_seqs * 2 / 64),
+        (
+            "seq-mean-token-mean",
+            GlobalBatch(dp_size=2, global_batch_size=64),
+            "seq-mean-token-mean",
+            local_seqs * 2 / 64,
+        ),
         ("seq-mean-token-sum-norm", GlobalBatch(loss_scale_factor=16.0), "seq-mean-token-sum-norm", 32 / 16),
     ]
     for mode, batch, local_mode, factor in cases:

@@ -16,7 +16,17 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core.contract import assert_close
 from op_backends import Backend, on_backends
-from oracles import KL_ALIASES, KL_TYPE_CASES, as_fp64, check_ratio_kl, kl_formula, kl_oracle, make_loss_inputs, make_tokens, ratio_formula
+from oracles import (
+    KL_ALIASES,
+    KL_TYPE_CASES,
+    as_fp64,
+    check_ratio_kl,
+    kl_formula,
+    kl_oracle,
+    make_loss_inputs,
+    make_tokens,
+    ratio_formula,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 META = torch.device("meta")
@@ -99,7 +109,13 @@ def test_ratio_kl_infinite_log_ratios_stay_finite_through_the_clamps(seed, dtype
 def test_ratio_kl_without_ref_measures_against_old(seed, kl_type):
     x = make_loss_inputs((4, 9))
     _, kl = rk.ratio_kl(x["logprob"], x["old"], kl_type=kl_type)
-    assert_close(kl, kl_formula(as_fp64(x["logprob"]), as_fp64(x["old"]), KL_ALIASES[kl_type]), "elementwise", torch.float32, "kl")
+    assert_close(
+        kl,
+        kl_formula(as_fp64(x["logprob"]), as_fp64(x["old"]), KL_ALIASES[kl_type]),
+        "elementwise",
+        torch.float32,
+        "kl",
+    )
 
 
 def test_ratio_kl_any_shape_empty_and_non_contiguous(seed):
@@ -130,7 +146,9 @@ def test_ratio_kl_gradients_match_fp64_autograd(seed, dtype, kl_type):
     ((ratio * upstream_r).sum() + (kl * upstream_k).sum()).backward()
 
     lp64 = as_fp64(lp).requires_grad_()
-    expected = (ratio_formula(lp64, as_fp64(old)) * upstream_r.double()).sum() + (kl_formula(lp64, as_fp64(ref), KL_ALIASES[kl_type]) * upstream_k.double()).sum()
+    expected = (ratio_formula(lp64, as_fp64(old)) * upstream_r.double()).sum() + (
+        kl_formula(lp64, as_fp64(ref), KL_ALIASES[kl_type]) * upstream_k.double()
+    ).sum()
     (grad,) = torch.autograd.grad(expected, lp64)
     assert lp.grad is not None and lp.grad.dtype == dtype
     assert_close(lp.grad, grad, "gradient", dtype, "d/dlogprob")

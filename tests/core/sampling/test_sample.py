@@ -22,8 +22,17 @@ from rl_kernel_core.dispatch import BackendUnavailableError, explain
 from rl_kernel_core.sampling import reference as ref
 from rl_kernel_core.sampling import triton as triton_sampling
 from op_backends import Backend, on_backends
-from oracles import (CHI_SQUARE_CASES, SAMPLING_GPU_SHAPE, SIGMAS, TAIL_FLOOR, allowed_tokens, chi_square_check,
-                     chi_square_tail, random_seeds, row_params)
+from oracles import (
+    CHI_SQUARE_CASES,
+    SAMPLING_GPU_SHAPE,
+    SIGMAS,
+    TAIL_FLOOR,
+    allowed_tokens,
+    chi_square_check,
+    chi_square_tail,
+    random_seeds,
+    row_params,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
 
@@ -85,7 +94,9 @@ def test_hash_is_not_symmetric_in_seed_and_position(seed):
     seeds, positions = _seed_position_pairs(512)
     state, swapped = ref.row_state(seeds, positions), ref.row_state(positions, seeds)
     same = (state == swapped).nonzero().flatten().tolist()
-    assert not same, f"(seed, position) and (position, seed) share a state: {[(seeds[i].item(), positions[i].item()) for i in same[:5]]}"
+    assert not same, (
+        f"(seed, position) and (position, seed) share a state: {[(seeds[i].item(), positions[i].item()) for i in same[:5]]}"
+    )
     u, u_swapped = ref.uniforms(seeds, positions, 16), ref.uniforms(positions, seeds, 16)
     assert not bool((u == u_swapped).all(dim=1).any())
 
@@ -98,7 +109,9 @@ def test_distinct_small_seeds_and_positions_give_distinct_states(seed):
     drawn = torch.stack(_seed_position_pairs(1024), dim=1)
     pairs = torch.unique(torch.cat([pairs, drawn]), dim=0)
     states = ref.row_state(pairs[:, 0], pairs[:, 1])
-    assert torch.unique(states).numel() == len(pairs), f"{len(pairs) - torch.unique(states).numel()} pairs share a state"
+    assert torch.unique(states).numel() == len(pairs), (
+        f"{len(pairs) - torch.unique(states).numel()} pairs share a state"
+    )
     first = ref.uniforms(pairs[:, 0], pairs[:, 1], 4)
     assert torch.unique(first, dim=0).shape[0] == len(pairs)
 
@@ -115,10 +128,14 @@ def test_swapped_seed_and_position_draw_independent_tokens(seed, backend: Backen
     drawn, _ = rk.sample(logits.to(dev), seeds=seeds.to(dev), positions=positions.to(dev), **run)
     swapped, _ = rk.sample(logits.to(dev), seeds=positions.to(dev), positions=seeds.to(dev), **run)
     # two independent draws of a row agree with probability sum_i q_i^2 over its top-40 distribution q
-    collide = torch.tensor([float((allowed_tokens(row.numpy(), 1.0, 40, None, None)[1] ** 2).sum()) for row in logits], dtype=torch.float64)
+    collide = torch.tensor(
+        [float((allowed_tokens(row.numpy(), 1.0, 40, None, None)[1] ** 2).sum()) for row in logits], dtype=torch.float64
+    )
     bound = collide.sum() + SIGMAS * (collide * (1 - collide)).sum().sqrt()
     agree = (drawn.cpu() == swapped.cpu()).sum().item()
-    assert agree <= bound.item(), f"{agree} of {n} rows draw the same token with seed and position swapped (bound {bound.item():.1f})"
+    assert agree <= bound.item(), (
+        f"{agree} of {n} rows draw the same token with seed and position swapped (bound {bound.item():.1f})"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -127,7 +144,9 @@ def test_logprobs_are_full_tempered_log_softmax_at_the_token(seed, dtype):
     logits = (torch.randn(b, v) * 3).to(dtype)
     temperature = torch.rand(b) * 1.5 + 0.3
     temperature[::7] = 0.0  # greedy rows: log-prob at temperature 1
-    tokens, logprobs = rk.sample(logits, temperature=temperature, top_k=50, top_p=0.9, min_p=0.01, seeds=random_seeds(b))
+    tokens, logprobs = rk.sample(
+        logits, temperature=temperature, top_k=50, top_p=0.9, min_p=0.01, seeds=random_seeds(b)
+    )
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     t64 = torch.where(temperature == 0, 1.0, temperature).double()
     full = torch.log_softmax(logits.double() / t64[:, None], dim=-1)
@@ -147,17 +166,21 @@ def test_logprobs_are_bitwise_logprob_from_logits(seed, backend: Backend, dtype)
     logits[4 % b, ::5] = float("-inf")
     seeds = random_seeds(b).to(backend.device)
     for temperature in (1.0, 0.7, 1.3):
-        tokens, logprobs = rk.sample(logits, temperature=temperature, top_k=50, top_p=0.9, seeds=seeds, backend=backend.name)
+        tokens, logprobs = rk.sample(
+            logits, temperature=temperature, top_k=50, top_p=0.9, seeds=seeds, backend=backend.name
+        )
         expected = rk.logprob_from_logits(logits, tokens, temperature=temperature, backend=backend.name)
         assert torch.equal(logprobs, expected), f"temperature {temperature}"
     # per-row temperatures (greedy rows at temperature 1): each row as logprob_from_logits at its own T
     temps = torch.rand(b, dtype=torch.float64) + 0.4
     temps[::3] = 0.0
-    tokens, logprobs = rk.sample(logits, temperature=temps.to(backend.device), min_p=0.05, seeds=seeds, backend=backend.name)
+    tokens, logprobs = rk.sample(
+        logits, temperature=temps.to(backend.device), min_p=0.05, seeds=seeds, backend=backend.name
+    )
     for r in range(0, b, 1 if b <= 64 else b // 8):
         t = float(temps[r]) or 1.0
-        expected = rk.logprob_from_logits(logits[r:r + 1], tokens[r:r + 1], temperature=t, backend=backend.name)
-        assert torch.equal(logprobs[r:r + 1], expected), f"row {r} at temperature {t}"
+        expected = rk.logprob_from_logits(logits[r : r + 1], tokens[r : r + 1], temperature=t, backend=backend.name)
+        assert torch.equal(logprobs[r : r + 1], expected), f"row {r} at temperature {t}"
 
 
 @pytest.mark.parametrize("kind", ["top_k", "top_p", "min_p", "all", "scalars"])
@@ -171,10 +194,18 @@ def test_filters_never_sample_outside_the_allowed_set(seed, kind):
     filtered_rows = 0
     for r in range(rows):
         t = _row_value(params["temperature"], r)
-        allowed, _ = allowed_tokens(logits[r].numpy(), t, _row_value(params.get("top_k"), r), _row_value(params.get("top_p"), r), _row_value(params.get("min_p"), r))
+        allowed, _ = allowed_tokens(
+            logits[r].numpy(),
+            t,
+            _row_value(params.get("top_k"), r),
+            _row_value(params.get("top_p"), r),
+            _row_value(params.get("min_p"), r),
+        )
         filtered_rows += allowed.size < v
         drawn = set(tokens[r].tolist())
-        assert drawn <= set(allowed.tolist()), f"row {r}: drew {sorted(drawn - set(allowed.tolist()))} outside the allowed set"
+        assert drawn <= set(allowed.tolist()), (
+            f"row {r}: drew {sorted(drawn - set(allowed.tolist()))} outside the allowed set"
+        )
     assert filtered_rows > rows // 2, "the filters removed tokens in too few rows for the test to mean anything"
 
 
@@ -199,7 +230,7 @@ def test_seeded_row_does_not_depend_on_batch_size_or_position(seed, dtype):
     seeds = random_seeds(small)
     tokens, logprobs = rk.sample(logits, seeds=seeds, **params)
     for r in range(small):  # each row alone (N = 1)
-        t1, lp1 = rk.sample(logits[r:r + 1], seeds=seeds[r:r + 1], **{k: x[r:r + 1] for k, x in params.items()})
+        t1, lp1 = rk.sample(logits[r : r + 1], seeds=seeds[r : r + 1], **{k: x[r : r + 1] for k, x in params.items()})
         assert t1.item() == tokens[r].item() and torch.equal(lp1[0], logprobs[r]), f"row {r} changed at N=1"
     for n in (64, 300):  # the rows at random positions among other rows with other parameters
         pos = torch.randperm(n)[:small]
@@ -248,7 +279,9 @@ def test_draw_frequencies_follow_the_filtered_distribution(seed, params, source)
         tokens, _ = rk.sample(logits, seeds=torch.arange(draws, dtype=torch.int64), **params)
     else:
         tokens, _ = rk.sample(logits, generator=torch.Generator().manual_seed(1234), **params)
-    allowed, q = allowed_tokens(row.numpy(), params.get("temperature", 1.0), params.get("top_k"), params.get("top_p"), params.get("min_p"))
+    allowed, q = allowed_tokens(
+        row.numpy(), params.get("temperature", 1.0), params.get("top_k"), params.get("top_p"), params.get("min_p")
+    )
     counts = torch.bincount(tokens, minlength=v).double().numpy()
     outside = np.setdiff1d(np.nonzero(counts)[0], allowed)
     assert outside.size == 0, f"drew tokens {outside.tolist()} outside the allowed set {allowed.tolist()}"
@@ -257,7 +290,9 @@ def test_draw_frequencies_follow_the_filtered_distribution(seed, params, source)
         return
     expected = q * draws
     chi2 = float(((counts[allowed] - expected) ** 2 / expected).sum())
-    assert chi_square_tail(chi2, dof) >= TAIL_FLOOR, f"chi-square {chi2:.1f} with {dof} dof: counts {counts[allowed]} vs expected {expected.round(1)}"
+    assert chi_square_tail(chi2, dof) >= TAIL_FLOOR, (
+        f"chi-square {chi2:.1f} with {dof} dof: counts {counts[allowed]} vs expected {expected.round(1)}"
+    )
 
 
 def test_scalars_and_per_row_tensors_agree(seed):
@@ -354,11 +389,26 @@ def _bad_cases():
         ("int logits", lambda lg: rk.sample(lg.long()), TypeError, "logits"),
         ("1-D logits", lambda lg: rk.sample(lg[0]), ValueError, "logits"),
         ("empty vocab", lambda lg: rk.sample(lg[:, :0]), ValueError, "logits"),
-        ("meta logits", lambda lg: rk.sample(lg.to("meta")), ValueError, r"logits must hold data \(the draw reads its values\), got a meta tensor"),
-        ("meta logits and temperature", lambda lg: rk.sample(lg.to("meta"), temperature=meta), ValueError, "logits must hold data"),
+        (
+            "meta logits",
+            lambda lg: rk.sample(lg.to("meta")),
+            ValueError,
+            r"logits must hold data \(the draw reads its values\), got a meta tensor",
+        ),
+        (
+            "meta logits and temperature",
+            lambda lg: rk.sample(lg.to("meta"), temperature=meta),
+            ValueError,
+            "logits must hold data",
+        ),
         ("negative temperature", lambda lg: rk.sample(lg, temperature=-0.5), ValueError, "temperature"),
         ("string temperature", lambda lg: rk.sample(lg, temperature="hot"), TypeError, "temperature"),
-        ("nan temperature row", lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, float("nan"), 1.0, 1.0])), ValueError, "temperature"),
+        (
+            "nan temperature row",
+            lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, float("nan"), 1.0, 1.0])),
+            ValueError,
+            "temperature",
+        ),
         ("temperature shape", lambda lg: rk.sample(lg, temperature=torch.ones(b + 1)), ValueError, "temperature"),
         ("temperature device", lambda lg: rk.sample(lg, temperature=meta), ValueError, "temperature"),
         ("top_k zero", lambda lg: rk.sample(lg, top_k=0), ValueError, "top_k"),
@@ -372,22 +422,59 @@ def _bad_cases():
         ("min_p negative", lambda lg: rk.sample(lg, min_p=-0.1), ValueError, "min_p"),
         ("seeds int32", lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int32)), TypeError, "seeds"),
         ("seeds shape", lambda lg: rk.sample(lg, seeds=torch.zeros(b + 1, dtype=torch.int64)), ValueError, "seeds"),
-        ("seeds device", lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int64, device="meta")), ValueError, "seeds"),
-        ("seeds and generator", lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int64), generator=torch.Generator()), ValueError, "generator"),
+        (
+            "seeds device",
+            lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int64, device="meta")),
+            ValueError,
+            "seeds",
+        ),
+        (
+            "seeds and generator",
+            lambda lg: rk.sample(lg, seeds=torch.zeros(b, dtype=torch.int64), generator=torch.Generator()),
+            ValueError,
+            "generator",
+        ),
         ("generator type", lambda lg: rk.sample(lg, generator=3), TypeError, "generator"),
         ("backend name", lambda lg: rk.sample(lg, backend="cuda"), ValueError, "backend"),
         ("infinite temperature", lambda lg: rk.sample(lg, temperature=float("inf")), ValueError, "temperature"),
         ("nan temperature", lambda lg: rk.sample(lg, temperature=float("nan")), ValueError, "temperature"),
-        ("subnormal temperature", lambda lg: rk.sample(lg, temperature=1e-40), ValueError, "temperature must be 0 or >="),
-        ("subnormal temperature row", lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, 1e-40, 0.0, 1.0], dtype=torch.float64)),
-         ValueError, "temperature must be 0 or >="),
+        (
+            "subnormal temperature",
+            lambda lg: rk.sample(lg, temperature=1e-40),
+            ValueError,
+            "temperature must be 0 or >=",
+        ),
+        (
+            "subnormal temperature row",
+            lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, 1e-40, 0.0, 1.0], dtype=torch.float64)),
+            ValueError,
+            "temperature must be 0 or >=",
+        ),
         ("huge int temperature", lambda lg: rk.sample(lg, temperature=10**400), ValueError, "temperature"),
-        ("huge temperature", lambda lg: rk.sample(lg, temperature=1e46), ValueError,
-         r"temperature must be 0 or >= 1\.1754944e-38 and <= 8\.5070592e\+37 .*got 1e\+46"),
-        ("huge temperature row", lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, 1e300, 0.0, 1.0], dtype=torch.float64)),
-         ValueError, r"temperature must be 0 or >= .* and <= .*got a value of 1e\+300"),
-        ("inf temperature row", lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, float("inf"), 1.0, 1.0])), ValueError, "temperature"),
-        ("int temperature tensor", lambda lg: rk.sample(lg, temperature=torch.ones(b, dtype=torch.int64)), TypeError, "temperature"),
+        (
+            "huge temperature",
+            lambda lg: rk.sample(lg, temperature=1e46),
+            ValueError,
+            r"temperature must be 0 or >= 1\.1754944e-38 and <= 8\.5070592e\+37 .*got 1e\+46",
+        ),
+        (
+            "huge temperature row",
+            lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, 1e300, 0.0, 1.0], dtype=torch.float64)),
+            ValueError,
+            r"temperature must be 0 or >= .* and <= .*got a value of 1e\+300",
+        ),
+        (
+            "inf temperature row",
+            lambda lg: rk.sample(lg, temperature=torch.tensor([1.0, float("inf"), 1.0, 1.0])),
+            ValueError,
+            "temperature",
+        ),
+        (
+            "int temperature tensor",
+            lambda lg: rk.sample(lg, temperature=torch.ones(b, dtype=torch.int64)),
+            TypeError,
+            "temperature",
+        ),
         ("top_k 2**64", lambda lg: rk.sample(lg, top_k=2**64), ValueError, "top_k"),
         ("top_k negative", lambda lg: rk.sample(lg, top_k=-1), ValueError, "top_k"),
         ("top_k bool", lambda lg: rk.sample(lg, top_k=True), TypeError, "top_k"),
@@ -395,11 +482,21 @@ def _bad_cases():
         ("top_p nan", lambda lg: rk.sample(lg, top_p=float("nan")), ValueError, "top_p"),
         ("top_p int tensor", lambda lg: rk.sample(lg, top_p=torch.ones(b, dtype=torch.int64)), TypeError, "top_p"),
         ("top_p tensor shape", lambda lg: rk.sample(lg, top_p=torch.full((b - 1,), 0.5)), ValueError, "top_p"),
-        ("min_p nan row", lambda lg: rk.sample(lg, min_p=torch.tensor([0.1, float("nan"), 0.0, 0.2])), ValueError, "min_p"),
+        (
+            "min_p nan row",
+            lambda lg: rk.sample(lg, min_p=torch.tensor([0.1, float("nan"), 0.0, 0.2])),
+            ValueError,
+            "min_p",
+        ),
         ("positions float", lambda lg: rk.sample(lg, positions=1.5), TypeError, "positions"),
         ("positions 2**64", lambda lg: rk.sample(lg, positions=2**64), ValueError, "positions"),
         ("positions float tensor", lambda lg: rk.sample(lg, positions=torch.zeros(b)), TypeError, "positions"),
-        ("positions shape", lambda lg: rk.sample(lg, positions=torch.zeros(b + 2, dtype=torch.int64)), ValueError, "positions"),
+        (
+            "positions shape",
+            lambda lg: rk.sample(lg, positions=torch.zeros(b + 2, dtype=torch.int64)),
+            ValueError,
+            "positions",
+        ),
     ], (b, v)
 
 
@@ -502,17 +599,25 @@ def test_tokens_match_the_reference(seed, device, kind, dtype):
     assert bool(torch.isfinite(logprobs).all())
 
 
-@pytest.mark.parametrize("params", [{"top_k": 40}, {"top_p": 0.5}, {"top_k": 60, "top_p": 0.8, "min_p": 0.01}], ids=["top_k", "top_p", "all"])
+@pytest.mark.parametrize(
+    "params", [{"top_k": 40}, {"top_p": 0.5}, {"top_k": 60, "top_p": 0.8, "min_p": 0.01}], ids=["top_k", "top_p", "all"]
+)
 def test_exact_fallbacks_match_the_reference(seed, interpret, monkeypatch, params):
     # a capacity of 16 candidates: top-k 40 and top-p over 400 tokens take the exact path (searches
     # over keys by count and by mass, ending on a gathered band); the kernel must still draw the
     # reference's tokens
     monkeypatch.setattr(triton_sampling, "CANDIDATES", 16)
     b, v = 10, 400
-    _same_tokens_as_reference(_logits(b, v, torch.float32, torch.device("cpu")), random_seeds(b), temperature=1.3, **params)
+    _same_tokens_as_reference(
+        _logits(b, v, torch.float32, torch.device("cpu")), random_seeds(b), temperature=1.3, **params
+    )
 
 
-@pytest.mark.parametrize("params", [{"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"top_k": 2000}], ids=["top_k_top_p", "top_p", "top_k_exact"])
+@pytest.mark.parametrize(
+    "params",
+    [{"top_k": 50, "top_p": 0.9}, {"top_p": 0.9}, {"top_k": 2000}],
+    ids=["top_k_top_p", "top_p", "top_k_exact"],
+)
 def test_repeated_calls_are_bitwise_equal(seed, device, params):
     # the gather pass appends candidates in whatever order its programs run; the result must not
     # depend on it
@@ -540,8 +645,16 @@ def test_triton_draw_frequencies_follow_the_filtered_distribution(seed, interpre
     v, draws = 8, 200
     row = torch.randn(v)
     # a row the filters cut to one token tests no distribution (a peaked draw of 8 can be one)
-    while allowed_tokens(row.double().numpy(), params.get("temperature", 1.0), params.get("top_k"), params.get("top_p"),
-                         params.get("min_p"))[0].size < 2:
+    while (
+        allowed_tokens(
+            row.double().numpy(),
+            params.get("temperature", 1.0),
+            params.get("top_k"),
+            params.get("top_p"),
+            params.get("min_p"),
+        )[0].size
+        < 2
+    ):
         row = torch.randn(v)
     tokens, _ = rk.sample(row.expand(draws, v), seeds=random_seeds(draws), backend="triton", **params)
     chi_square_check(row, tokens, params)
@@ -559,7 +672,12 @@ def test_draw_frequencies_at_full_vocab_on_gpu(seed, params, dtype):
     row = row.to(dtype)
     seeds = random_seeds(draws).cuda()
     block = row.expand(chunk, v).contiguous()
-    tokens = torch.cat([rk.sample(block[: min(chunk, draws - s)], seeds=seeds[s:s + chunk], **params)[0] for s in range(0, draws, chunk)])
+    tokens = torch.cat(
+        [
+            rk.sample(block[: min(chunk, draws - s)], seeds=seeds[s : s + chunk], **params)[0]
+            for s in range(0, draws, chunk)
+        ]
+    )
     assert explain("sample").backend == "triton"
     chi_square_check(row.float(), tokens, params)
 
@@ -573,8 +691,15 @@ def test_row_does_not_depend_on_batch_size_or_position(seed, device):
         seeds = random_seeds(small).to(device)
         tokens, logprobs = rk.sample(logits, seeds=seeds, backend="triton", **params)
         for r in range(small):
-            t1, lp1 = rk.sample(logits[r:r + 1], seeds=seeds[r:r + 1], backend="triton", **{k: x[r:r + 1] for k, x in params.items()})
-            assert torch.equal(t1, tokens[r:r + 1]) and torch.equal(lp1, logprobs[r:r + 1]), f"row {r} changed alone"
+            t1, lp1 = rk.sample(
+                logits[r : r + 1],
+                seeds=seeds[r : r + 1],
+                backend="triton",
+                **{k: x[r : r + 1] for k, x in params.items()},
+            )
+            assert torch.equal(t1, tokens[r : r + 1]) and torch.equal(lp1, logprobs[r : r + 1]), (
+                f"row {r} changed alone"
+            )
         pos = torch.randperm(b)[:small].to(device)
         big_logits = _logits(b, v, dtype, device)
         big_logits[pos] = logits
@@ -598,7 +723,13 @@ def test_neg_inf_logits(seed, device):
     logits[1] = float("-inf")
     logits[1, lone[1]] = -3.0
     seeds = random_seeds(b).to(device)
-    for params in ({}, {"top_k": 3, "top_p": 0.5, "min_p": 0.1}, {"temperature": 0.0}, {"top_k": v // 2}, {"top_p": 0.95}):
+    for params in (
+        {},
+        {"top_k": 3, "top_p": 0.5, "min_p": 0.1},
+        {"temperature": 0.0},
+        {"top_k": v // 2},
+        {"top_p": 0.95},
+    ):
         tokens, logprobs = _same_tokens_as_reference(logits, seeds, **params)
         assert tokens[:2].tolist() == lone, params
         assert torch.equal(logprobs[:2], torch.zeros(2, device=device)), params

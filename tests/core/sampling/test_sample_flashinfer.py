@@ -29,10 +29,24 @@ HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 def _refusal(b: int = 4, v: int = 64, dtype: torch.dtype = torch.float32, **kwargs):
     """``supports`` on a call as ``sample`` passes it to dispatch (seeds None when not given)."""
-    args: dict[str, Any] = {"temperature": 1.0, "seeds": None, "positions": None, "top_k": None, "top_p": None, "min_p": None}
+    args: dict[str, Any] = {
+        "temperature": 1.0,
+        "seeds": None,
+        "positions": None,
+        "top_k": None,
+        "top_p": None,
+        "min_p": None,
+    }
     args.update(kwargs)
-    return supports(torch.randn(b, v).to(dtype), args["temperature"], args["seeds"], args["positions"],
-                    args["top_k"], args["top_p"], args["min_p"])
+    return supports(
+        torch.randn(b, v).to(dtype),
+        args["temperature"],
+        args["seeds"],
+        args["positions"],
+        args["top_k"],
+        args["top_p"],
+        args["min_p"],
+    )
 
 
 REFUSED = [
@@ -42,7 +56,11 @@ REFUSED = [
     ("per-row temperature", {"temperature": torch.full((4,), 0.7, dtype=torch.float64)}, "temperature as a"),
     ("greedy", {"temperature": 0.0}, "greedy"),
     ("min-p and top-k", {"min_p": 0.1, "top_k": 5}, "min_p together"),
-    ("min-p and top-p rows", {"min_p": torch.full((4,), 0.1), "top_p": torch.full((4,), 0.9, dtype=torch.float64)}, "min_p together"),
+    (
+        "min-p and top-p rows",
+        {"min_p": torch.full((4,), 0.1), "top_p": torch.full((4,), 0.9, dtype=torch.float64)},
+        "min_p together",
+    ),
 ]
 
 SERVED = [
@@ -51,7 +69,10 @@ SERVED = [
     ("top-p", {"top_p": 0.9}),
     ("top-k and top-p", {"top_k": 50, "top_p": 0.9, "temperature": 0.7}),
     ("min-p", {"min_p": 0.05}),
-    ("per-row filters", {"top_k": torch.randint(1, 64, (4,)), "top_p": torch.rand(4, dtype=torch.float64) * 0.9 + 0.05}),
+    (
+        "per-row filters",
+        {"top_k": torch.randint(1, 64, (4,)), "top_p": torch.rand(4, dtype=torch.float64) * 0.9 + 0.05},
+    ),
     ("per-row min-p", {"min_p": torch.rand(4) * 0.5}),
     ("min-p 0 keeps everything", {"min_p": 0.0, "top_k": 5}),
     ("top-k = V keeps everything", {"min_p": 0.1, "top_k": 64, "top_p": 1.0}),
@@ -125,7 +146,10 @@ def test_env_preference_applies_to_sample_only(seed, monkeypatch):
 
 @pytest.mark.skipif(HAVE_FLASHINFER, reason="FlashInfer is installed")
 def test_named_backend_without_flashinfer_raises_the_import_error(seed):
-    with pytest.raises(BackendUnavailableError, match=r"backend='flashinfer' cannot run: flashinfer backend failed to import: .*flashinfer"):
+    with pytest.raises(
+        BackendUnavailableError,
+        match=r"backend='flashinfer' cannot run: flashinfer backend failed to import: .*flashinfer",
+    ):
         rk.sample(torch.randn(2, 10), backend="flashinfer")
     assert dispatch.backend_report()["flashinfer"].startswith("unavailable: flashinfer backend failed to import")
 
@@ -149,7 +173,11 @@ def _generator(seed: int) -> torch.Generator:
 
 
 def _rows(value, b: int, dtype: torch.dtype):
-    return None if value is None else (value if isinstance(value, torch.Tensor) else torch.full((b,), value, dtype=dtype, device="cuda"))
+    return (
+        None
+        if value is None
+        else (value if isinstance(value, torch.Tensor) else torch.full((b,), value, dtype=dtype, device="cuda"))
+    )
 
 
 FILTERS = [
@@ -166,14 +194,19 @@ FILTERS = [
 
 def _filters(case, b: int) -> dict:
     if case == "per-row top-k/top-p":
-        return {"top_k": torch.randint(1, 400, (b,), device="cuda"), "top_p": torch.rand(b, dtype=torch.float64, device="cuda") * 0.9 + 0.05}
+        return {
+            "top_k": torch.randint(1, 400, (b,), device="cuda"),
+            "top_p": torch.rand(b, dtype=torch.float64, device="cuda") * 0.9 + 0.05,
+        }
     if case == "per-row min-p":
         return {"min_p": torch.rand(b, device="cuda") * 0.3}
     return dict(case)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", FILTERS, ids=lambda c: c if isinstance(c, str) else ",".join(f"{k}={v}" for k, v in c.items()) or "none")
+@pytest.mark.parametrize(
+    "case", FILTERS, ids=lambda c: c if isinstance(c, str) else ",".join(f"{k}={v}" for k, v in c.items()) or "none"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tokens_lie_in_the_reference_filtered_set(seed, on_gpu, case, dtype):
     b, v = SAMPLING_GPU_SHAPE
@@ -182,15 +215,23 @@ def test_tokens_lie_in_the_reference_filtered_set(seed, on_gpu, case, dtype):
     temperature = params.pop("temperature", 1.0)
     filtered = 0
     for draw in range(4):
-        tokens, _ = rk.sample(logits, temperature=temperature, generator=_generator(seed + draw), backend="flashinfer", **params)
+        tokens, _ = rk.sample(
+            logits, temperature=temperature, generator=_generator(seed + draw), backend="flashinfer", **params
+        )
         assert explain("sample").backend == "flashinfer"
         x = logits.float() * (1.0 / temperature)
-        keep = ref._keep_mask(x, _rows(params.get("top_k"), b, torch.int64), _rows(params.get("top_p"), b, torch.float64),
-                              _rows(params.get("min_p"), b, torch.float32))
+        keep = ref._keep_mask(
+            x,
+            _rows(params.get("top_k"), b, torch.int64),
+            _rows(params.get("top_p"), b, torch.float64),
+            _rows(params.get("min_p"), b, torch.float32),
+        )
         if keep is None:
             keep = torch.isfinite(x)
         inside = keep.gather(1, tokens[:, None])[:, 0]
-        assert bool(inside.all()), f"rows {torch.nonzero(~inside)[:, 0].tolist()} drew tokens outside the reference's set"
+        assert bool(inside.all()), (
+            f"rows {torch.nonzero(~inside)[:, 0].tolist()} drew tokens outside the reference's set"
+        )
         filtered += int((keep.sum(dim=1) < v).sum())
     assert not params or filtered > 0, "the filters removed nothing: the test would not test them"
 
@@ -201,7 +242,9 @@ def test_logprobs_are_bitwise_logprob_from_logits(seed, on_gpu, dtype):
     b, v = SAMPLING_GPU_SHAPE
     logits = (torch.randn(b, v, device="cuda") * 2).to(dtype)
     for temperature, params in ((1.0, {"top_k": 50, "top_p": 0.9}), (0.7, {"min_p": 0.05}), (1.3, {})):
-        tokens, logprobs = rk.sample(logits, temperature=temperature, generator=_generator(seed), backend="flashinfer", **params)
+        tokens, logprobs = rk.sample(
+            logits, temperature=temperature, generator=_generator(seed), backend="flashinfer", **params
+        )
         expected = rk.logprob_from_logits(logits, tokens, temperature=temperature, backend="triton")
         assert torch.equal(logprobs, expected), f"temperature {temperature}, {params}"
 
@@ -211,7 +254,9 @@ FLASHINFER_CHI_SQUARE_CASES.append({"temperature": 0.9, "top_k": 5, "top_p": 0.8
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params", FLASHINFER_CHI_SQUARE_CASES, ids=lambda p: ",".join(k for k in p if k != "temperature"))
+@pytest.mark.parametrize(
+    "params", FLASHINFER_CHI_SQUARE_CASES, ids=lambda p: ",".join(k for k in p if k != "temperature")
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_draw_frequencies_at_full_vocab(seed, on_gpu, params, dtype):
     v, draws, chunk = SAMPLING_GPU_SHAPE[1], 100_000, 2048
@@ -222,8 +267,12 @@ def test_draw_frequencies_at_full_vocab(seed, on_gpu, params, dtype):
     row = row.to(dtype)
     block = row.expand(chunk, v).contiguous()
     generator = _generator(seed)
-    tokens = torch.cat([rk.sample(block[: min(chunk, draws - s)], generator=generator, backend="flashinfer", **params)[0]
-                        for s in range(0, draws, chunk)])
+    tokens = torch.cat(
+        [
+            rk.sample(block[: min(chunk, draws - s)], generator=generator, backend="flashinfer", **params)[0]
+            for s in range(0, draws, chunk)
+        ]
+    )
     chi_square_check(row.float(), tokens, params)
 
 

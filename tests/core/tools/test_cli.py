@@ -10,7 +10,9 @@ import torch
 
 
 def _run(*args):
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.cli", *args], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -32,7 +34,23 @@ def test_info_names_every_backend_and_why_unavailable():
 
 def test_bench_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    text = _run("bench", "-N", "64", "-D", "16", "-V", "100", "--reps", "2", "--warmup", "1", "--device", "cpu", "--out", str(out))
+    text = _run(
+        "bench",
+        "-N",
+        "64",
+        "-D",
+        "16",
+        "-V",
+        "100",
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    )
     result = json.loads(out.read_text())
     assert result["shape"] == {"N": 64, "D": 16, "V": 100}
     assert [r["impl"] for r in result["results"]] == ["rl_kernel", "eager"]
@@ -58,8 +76,12 @@ def test_compare_prints_table_json_and_report(tmp_path):
 def test_compare_bad_file_is_one_line_error(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps({"step": 0, "regions": {"step": 1.0}}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "compare", str(tmp_path / "missing.jsonl"), str(good)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl_kernel_core.cli", "compare", str(tmp_path / "missing.jsonl"), str(good)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"rl-kernel compare: error: {tmp_path / 'missing.jsonl'}: no such file"]
 
@@ -82,7 +104,10 @@ def test_info_reports_a_bad_backend_variable_and_goes_on(monkeypatch, capsys):
     code, out, err = _main("info", "--json", capsys=capsys)
     assert code == 0
     data = json.loads(out)
-    assert data["default_backend"].startswith("invalid: RL_KERNEL_BACKEND must be") and "'garbage'" in data["default_backend"]
+    assert (
+        data["default_backend"].startswith("invalid: RL_KERNEL_BACKEND must be")
+        and "'garbage'" in data["default_backend"]
+    )
     assert data["backends"]["torch"] == "available"
     assert "RL_KERNEL_BACKEND" in err and "'garbage'" in err
 
@@ -94,18 +119,25 @@ def test_bench_refuses_a_bad_backend_variable(monkeypatch, capsys, tmp_path):
     assert err.startswith("rl-kernel bench: error: RL_KERNEL_BACKEND must be") and "'garbage'" in err
 
 
-@pytest.mark.parametrize("command, args, says", [
-    ("bench", ("--reps", "0"), "argument --reps: must be a positive integer, got 0"),
-    ("bench", ("--reps", "x"), "argument --reps: must be a positive integer, got 'x'"),
-    ("bench", ("--warmup", "-1"), "argument --warmup: must be a non-negative integer, got -1"),
-    ("bench", ("-N", "0"), "argument --tokens/-N: must be a positive integer, got 0"),
-    ("bench", ("-D", "-3"), "argument --hidden/-D: must be a positive integer, got -3"),
-    ("bench", ("-V", "0"), "argument --vocab/-V: must be a positive integer, got 0"),
-    ("consistency", ("--sequences", "0"), "argument --sequences: must be a positive integer, got 0"),
-    ("consistency", ("--prompt-len", "8"), "rl-kernel consistency: error: prompt_len must be in [1, min_len=8), got 8"),
-    ("consistency", ("--min-len", "30"), "rl-kernel consistency: error: max_len must be >= min_len=30, got 24"),
-    ("consistency", ("--seed", "-1"), "argument --seed: must be a non-negative integer, got -1"),
-])
+@pytest.mark.parametrize(
+    "command, args, says",
+    [
+        ("bench", ("--reps", "0"), "argument --reps: must be a positive integer, got 0"),
+        ("bench", ("--reps", "x"), "argument --reps: must be a positive integer, got 'x'"),
+        ("bench", ("--warmup", "-1"), "argument --warmup: must be a non-negative integer, got -1"),
+        ("bench", ("-N", "0"), "argument --tokens/-N: must be a positive integer, got 0"),
+        ("bench", ("-D", "-3"), "argument --hidden/-D: must be a positive integer, got -3"),
+        ("bench", ("-V", "0"), "argument --vocab/-V: must be a positive integer, got 0"),
+        ("consistency", ("--sequences", "0"), "argument --sequences: must be a positive integer, got 0"),
+        (
+            "consistency",
+            ("--prompt-len", "8"),
+            "rl-kernel consistency: error: prompt_len must be in [1, min_len=8), got 8",
+        ),
+        ("consistency", ("--min-len", "30"), "rl-kernel consistency: error: max_len must be >= min_len=30, got 24"),
+        ("consistency", ("--seed", "-1"), "argument --seed: must be a non-negative integer, got -1"),
+    ],
+)
 def test_bench_and_consistency_refuse_bad_sizes(capsys, command, args, says):
     code, out, err = _main(command, "--device", "cpu", *args, capsys=capsys)
     assert code == 2 and out == ""
@@ -113,10 +145,14 @@ def test_bench_and_consistency_refuse_bad_sizes(capsys, command, args, says):
 
 
 def test_bench_checks_out_before_running(capsys, tmp_path):
-    code, out, err = _main("bench", "-N", "8", "-D", "4", "-V", "16", "--device", "cpu", "--out", str(tmp_path), capsys=capsys)
+    code, out, err = _main(
+        "bench", "-N", "8", "-D", "4", "-V", "16", "--device", "cpu", "--out", str(tmp_path), capsys=capsys
+    )
     assert code == 2 and out == "" and "which is a directory" in err
     missing = tmp_path / "no" / "such" / "bench.json"
-    code, out, err = _main("bench", "-N", "8", "-D", "4", "-V", "16", "--device", "cpu", "--out", str(missing), capsys=capsys)
+    code, out, err = _main(
+        "bench", "-N", "8", "-D", "4", "-V", "16", "--device", "cpu", "--out", str(missing), capsys=capsys
+    )
     assert code == 2 and out == ""  # refused before any timing was printed
     assert err.startswith(f"rl-kernel bench: error: --out must be a writable file path, got {str(missing)!r}")
     assert list(tmp_path.iterdir()) == []
@@ -177,18 +213,24 @@ def test_every_option_has_help():
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    missing = [f"{name} {'/'.join(action.option_strings) or action.dest}"
-               for name, command in sub.choices.items() for action in command._actions
-               if not isinstance(action, argparse._HelpAction) and not action.help]
+    missing = [
+        f"{name} {'/'.join(action.option_strings) or action.dest}"
+        for name, command in sub.choices.items()
+        for action in command._actions
+        if not isinstance(action, argparse._HelpAction) and not action.help
+    ]
     assert missing == []
 
 
 @pytest.mark.parametrize("command", ["bench", "consistency"])
-@pytest.mark.parametrize("device, says", [
-    ("foo", "argument --device: must be cpu or cuda[:N], got 'foo'"),
-    ("meta", "argument --device: must be cpu or cuda[:N], got 'meta'"),
-    ("cuda:99", "argument --device: cuda:99 "),
-])
+@pytest.mark.parametrize(
+    "device, says",
+    [
+        ("foo", "argument --device: must be cpu or cuda[:N], got 'foo'"),
+        ("meta", "argument --device: must be cpu or cuda[:N], got 'meta'"),
+        ("cuda:99", "argument --device: cuda:99 "),
+    ],
+)
 def test_bad_device_is_one_line_error(capsys, command, device, says):
     code, out, err = _main(command, "--device", device, capsys=capsys)
     assert code == 2 and out == "" and says in err
@@ -211,9 +253,14 @@ def test_compare_warns_on_empty_disjoint_and_repeated_steps(tmp_path, capsys):
     good = _steps(tmp_path / "good.jsonl", range(3))
     cases = [
         (_steps(tmp_path / "empty.jsonl", []), f"warning: ON log {tmp_path / 'empty.jsonl'} has no step records"),
-        (_steps(tmp_path / "late.jsonl", range(10, 13)), "warning: the logs share no step number (OFF steps 0..2, ON steps 10..12)"),
-        (_steps(tmp_path / "twice.jsonl", [0, 1, 2, 0, 1, 2]),
-         f"warning: ON log {tmp_path / 'twice.jsonl'} repeats step numbers (3 of 6 records, first step 0)"),
+        (
+            _steps(tmp_path / "late.jsonl", range(10, 13)),
+            "warning: the logs share no step number (OFF steps 0..2, ON steps 10..12)",
+        ),
+        (
+            _steps(tmp_path / "twice.jsonl", [0, 1, 2, 0, 1, 2]),
+            f"warning: ON log {tmp_path / 'twice.jsonl'} repeats step numbers (3 of 6 records, first step 0)",
+        ),
     ]
     for other, says in cases:
         for extra in ((), ("--json",)):
@@ -230,13 +277,18 @@ def test_compare_reads_huge_numbers_as_missing_and_refuses_a_huge_step(tmp_path,
     assert code == 0 and "loss" not in {r["metric"] for r in json.loads(out)}
     big.write_text('{"step": ' + "9" * 401 + ', "regions": {"step": 1.0}}\n')
     code, out, err = _main("compare", str(big), str(big), capsys=capsys)
-    assert code == 2 and err.strip() == f"rl-kernel compare: error: {big}:1: 'step' must fit in int64, got an integer of 401 digits"
+    assert (
+        code == 2
+        and err.strip() == f"rl-kernel compare: error: {big}:1: 'step' must fit in int64, got an integer of 401 digits"
+    )
 
 
 def test_compare_shows_medians_spreads_and_timing_noise(tmp_path, capsys):
     off = _steps(tmp_path / "off.jsonl", range(5), ms=10.0)
     noisy = tmp_path / "noisy.jsonl"
-    noisy.write_text("".join(json.dumps({"step": i, "regions": {"step": ms}}) + "\n" for i, ms in enumerate([99, 5, 6, 7, 60])))
+    noisy.write_text(
+        "".join(json.dumps({"step": i, "regions": {"step": ms}}) + "\n" for i, ms in enumerate([99, 5, 6, 7, 60]))
+    )
     code, out, err = _main("compare", off, str(noisy), capsys=capsys)
     row = next(line for line in out.splitlines() if line.startswith("region/step"))
     assert code == 0 and row.endswith(" ~") and "0.65" in row and "1.95" in row  # medians 6.5/10, means 19.5/10
@@ -253,10 +305,14 @@ def test_compare_refuses_a_meta_file_that_is_not_an_object(tmp_path, capsys, met
     for path in (off, on):
         path.write_text(json.dumps({"step": 0, "regions": {"step": 1.0}}) + "\n")
     (tmp_path / "on.meta.json").write_text(meta)
-    code, out, err = _main("compare", str(off), str(on), *(["--out", str(tmp_path / "rep")] if with_out else []), capsys=capsys)
+    code, out, err = _main(
+        "compare", str(off), str(on), *(["--out", str(tmp_path / "rep")] if with_out else []), capsys=capsys
+    )
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines() == [f"rl-kernel compare: error: {tmp_path / 'on.meta.json'}: must hold a JSON object "
-                                        f"(hardware, versions, config...), got a JSON {kind}"]
+    assert err.strip().splitlines() == [
+        f"rl-kernel compare: error: {tmp_path / 'on.meta.json'}: must hold a JSON object "
+        f"(hardware, versions, config...), got a JSON {kind}"
+    ]
 
 
 def test_compare_shows_a_meta_environment_that_is_not_an_object(tmp_path, capsys):
@@ -279,9 +335,11 @@ def test_compare_refuses_logs_that_share_no_metric(tmp_path, capsys):
     for extra in ([], ["--json"], ["--out", str(tmp_path / "rep")]):
         code, out, err = _main("compare", str(off), str(on), *extra, capsys=capsys)
         assert code == 2 and out == "", (extra, out)
-        assert err.strip().splitlines() == [f"rl-kernel compare: error: {off} and {on} share no metric (off.jsonl: "
-                                            "region/step, reward; other.jsonl: loss_a, loss_b): they are not two runs of "
-                                            "one kind to compare"], err
+        assert err.strip().splitlines() == [
+            f"rl-kernel compare: error: {off} and {on} share no metric (off.jsonl: "
+            "region/step, reward; other.jsonl: loss_a, loss_b): they are not two runs of "
+            "one kind to compare"
+        ], err
     assert not (tmp_path / "rep").exists()
     code, _, err = _main("compare", str(off), str(empty), capsys=capsys)
     assert code == 0 and "has no step records" in err

@@ -18,8 +18,9 @@ from rl_kernel_core.tools.consistency import chain
 from rl_kernel_core.tools.consistency.model import TinyConfig, TinyDecoder
 
 CONFIG = TinyConfig()
-GPU_CONFIG = TinyConfig(vocab_size=32000, hidden_size=512, num_layers=3, num_heads=8, num_kv_heads=4, head_dim=128,
-                        intermediate_size=1536)
+GPU_CONFIG = TinyConfig(
+    vocab_size=32000, hidden_size=512, num_layers=3, num_heads=8, num_kv_heads=4, head_dim=128, intermediate_size=1536
+)
 
 
 def _setup(seed, device="cpu", count=8, max_len=22, config=CONFIG, dtype=torch.float32):
@@ -73,11 +74,15 @@ def test_mode_off_drift_on_gpu_is_measured(seed):
     model, seqs = _setup(seed, device="cuda", count=64, max_len=200, config=GPU_CONFIG, dtype=torch.bfloat16)
     with torch.no_grad():
         ref = chain.packed_logprobs(model, seqs)
-        drift = {"batch of 1": chain.max_abs_diff(chain.packed_logprobs(model, seqs[:1]), ref[:1]),
-                 "decode": chain.max_abs_diff(chain.decode_logprobs(model, seqs[:8], prompt_len=4), ref[:8])}
+        drift = {
+            "batch of 1": chain.max_abs_diff(chain.packed_logprobs(model, seqs[:1]), ref[:1]),
+            "decode": chain.max_abs_diff(chain.decode_logprobs(model, seqs[:8], prompt_len=4), ref[:8]),
+        }
     print(f"mode off drift on GPU (bf16): {drift}")
     assert all(d == d for d in drift.values())
-    assert max(drift.values()) > 0.0, f"mode off gave bitwise equal log-probs, so the mode-on checks show nothing: {drift}"
+    assert max(drift.values()) > 0.0, (
+        f"mode off gave bitwise equal log-probs, so the mode-on checks show nothing: {drift}"
+    )
 
 
 def _grads(model, seqs, index):
@@ -96,7 +101,7 @@ def _grads(model, seqs, index):
     finally:
         hook.remove()
     start = sum(len(s) for s in seqs[:index])
-    act_grad = acts[0].grad[start:start + len(seqs[index])].clone()
+    act_grad = acts[0].grad[start : start + len(seqs[index])].clone()
     return act_grad, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

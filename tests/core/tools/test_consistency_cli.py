@@ -18,9 +18,30 @@ from rl_kernel_core.tools.consistency.probe import DriftProbe
 
 def test_cli_reports_both_modes_as_json_and_plots(tmp_path):
     png = tmp_path / "drift.png"
-    proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "consistency", "--sequences", "3", "--min-len", "6",
-                           "--max-len", "12", "--rollout-batch", "2", "--json", "--plot", str(png), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl_kernel_core.cli",
+            "consistency",
+            "--sequences",
+            "3",
+            "--min-len",
+            "6",
+            "--max-len",
+            "12",
+            "--rollout-batch",
+            "2",
+            "--json",
+            "--plot",
+            str(png),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["parity"] == "ok" and report["passed"] is True
@@ -47,14 +68,17 @@ def test_parity_accepts_the_same_sequences_padded_on_either_side():
     assert parity.check(*_batches()) is None
 
 
-@pytest.mark.parametrize("fault, check, where", [
-    (lambda b: b.input_ids.__setitem__((1, 2), 99), "token ids", "sequence 1, token 2"),
-    (lambda b: b.position_ids.__setitem__((0, 3), 4), "position ids", "sequence 0, token 3"),
-    (lambda b: b.loss_mask.__setitem__((1, 0), 0), "loss mask", "sequence 1, token 0"),
-    (lambda b: b.attention_mask.__setitem__((1, 2), 0), "attention mask", "sequence 1"),
-    (lambda b: b.special_tokens.__setitem__("pad", 3), "special token", "pad"),
-    (lambda b: setattr(b, "padding_side", "left"), "padding side", "training"),
-])
+@pytest.mark.parametrize(
+    "fault, check, where",
+    [
+        (lambda b: b.input_ids.__setitem__((1, 2), 99), "token ids", "sequence 1, token 2"),
+        (lambda b: b.position_ids.__setitem__((0, 3), 4), "position ids", "sequence 0, token 3"),
+        (lambda b: b.loss_mask.__setitem__((1, 0), 0), "loss mask", "sequence 1, token 0"),
+        (lambda b: b.attention_mask.__setitem__((1, 2), 0), "attention mask", "sequence 1"),
+        (lambda b: b.special_tokens.__setitem__("pad", 3), "special token", "pad"),
+        (lambda b: setattr(b, "padding_side", "left"), "padding side", "training"),
+    ],
+)
 def test_parity_names_the_first_mismatch(fault, check, where):
     rollout, training = _batches()
     fault(training)
@@ -77,8 +101,9 @@ def _probe_with_fault(seed, fault):
 
 
 def test_probe_names_the_operator_that_diverges(seed):
-    probe = _probe_with_fault(seed, lambda model: model.layers[1].up_proj.register_forward_hook(
-        lambda m, i, o: o + 1e-3, prepend=True))
+    probe = _probe_with_fault(
+        seed, lambda model: model.layers[1].up_proj.register_forward_hook(lambda m, i, o: o + 1e-3, prepend=True)
+    )
     first = probe.first_divergent()
     assert first["module"] == "layers.1.up_proj" and "input matches" in first["cause"]
     drifts = {d.name: d for d in probe.drifts()}
@@ -89,18 +114,25 @@ def test_probe_names_attention(seed, monkeypatch):
     from rl_kernel_core.tools.consistency import model as model_module
 
     original = model_module.F.scaled_dot_product_attention
-    probe = _probe_with_fault(seed, lambda model: monkeypatch.setattr(
-        model_module.F, "scaled_dot_product_attention", lambda *a, **k: original(*a, **k) * 1.01))
+    probe = _probe_with_fault(
+        seed,
+        lambda model: monkeypatch.setattr(
+            model_module.F, "scaled_dot_product_attention", lambda *a, **k: original(*a, **k) * 1.01
+        ),
+    )
     first = probe.first_divergent()
-    assert first["module"] == "layers.0.attn" and first["kind"] == "Attention" and "input matches" in first["cause"], first
+    assert first["module"] == "layers.0.attn" and first["kind"] == "Attention" and "input matches" in first["cause"], (
+        first
+    )
 
 
 def test_probe_blames_code_between_modules_when_the_input_already_differs(seed, monkeypatch):
     from rl_kernel_core.tools.consistency import model as model_module
 
     original = model_module._rope
-    probe = _probe_with_fault(seed, lambda model: monkeypatch.setattr(
-        model_module, "_rope", lambda *a, **k: original(*a, **k) * 1.01))
+    probe = _probe_with_fault(
+        seed, lambda model: monkeypatch.setattr(model_module, "_rope", lambda *a, **k: original(*a, **k) * 1.01)
+    )
     first = probe.first_divergent()
     assert first["module"] == "layers.0.attn" and "not a module" in first["cause"], first
     assert "layers.0.v_proj and layers.0.attn" in first["cause"], first
@@ -108,8 +140,16 @@ def test_probe_blames_code_between_modules_when_the_input_already_differs(seed, 
 
 def _tiny_qwen3():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    cfg = transformers.Qwen3Config(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     api_hf.use_mode_attention(model)
     return model
@@ -144,12 +184,13 @@ def test_hf_model_packed_row_equals_padded_batch_bitwise_with_mode_on(seed):
     ids = torch.cat(seqs)[None]
     positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
     with torch.no_grad(), rk.batch_invariant():
-        rows = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask,
-                     position_ids=padded.position_ids).logits
+        rows = model(
+            input_ids=padded.input_ids, attention_mask=padded.attention_mask, position_ids=padded.position_ids
+        ).logits
         packed = model(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False).logits[0]
         with rk.batch_invariant(False):
             packed_off = model(input_ids=ids, attention_mask=None, position_ids=positions, use_cache=False).logits[0]
-    assert torch.equal(packed, torch.cat([rows[b, :len(s)] for b, s in enumerate(seqs)]))
+    assert torch.equal(packed, torch.cat([rows[b, : len(s)] for b, s in enumerate(seqs)]))
     # mode off, sdpa on transformers' packed mask: the same sequences (within the contract)
     assert_close(packed_off, packed, "logprob", torch.float32, name="packed logits, mode off vs on")
 
@@ -210,8 +251,12 @@ def test_row_parallel_split_computes_a_two_rank_engines_sum(seed):
         assert names == [f"model.layers.{i}.{m}" for i in range(2) for m in api_hf.ROW_PARALLEL], names
         split = layer(x)
         half = layer.in_features // 2
-        ranks = [torch.nn.functional.linear(x[..., r * half:(r + 1) * half].contiguous(),
-                                            layer.weight[:, r * half:(r + 1) * half].clone()) for r in (0, 1)]
+        ranks = [
+            torch.nn.functional.linear(
+                x[..., r * half : (r + 1) * half].contiguous(), layer.weight[:, r * half : (r + 1) * half].clone()
+            )
+            for r in (0, 1)
+        ]
     assert torch.equal(split, ranks[1] + ranks[0])
     # the unsplit layer up to the halves' extra bf16 roundings (eps 2**-8 each)
     assert (split.float() - whole.float()).abs().max() <= 4 * 2**-8 * whole.float().abs().max()
@@ -245,20 +290,48 @@ def test_hf_mode_attention_packs_an_unpadded_batch_as_it_is(seed):
 
 def test_hf_mode_attention_refuses_a_sliding_window():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
-                                   sliding_window=4, max_window_layers=0, layer_types=["sliding_attention"])
+    cfg = transformers.Qwen3Config(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=0,
+        layer_types=["sliding_attention"],
+    )
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     api_hf.use_mode_attention(model)
-    with torch.no_grad(), rk.batch_invariant(), pytest.raises(ValueError, match="no sliding window; got sliding_window=4"):
+    with (
+        torch.no_grad(),
+        rk.batch_invariant(),
+        pytest.raises(ValueError, match="no sliding window; got sliding_window=4"),
+    ):
         model(input_ids=torch.ones(1, 6, dtype=torch.long))
 
 
 def _cli(monkeypatch, capsys, *extra):
     from rl_kernel_core.tools import cli
 
-    code = cli.main(["consistency", "--sequences", "3", "--min-len", "6", "--max-len", "10", "--rollout-batch", "2",
-                     "--device", "cpu", *extra])
+    code = cli.main(
+        [
+            "consistency",
+            "--sequences",
+            "3",
+            "--min-len",
+            "6",
+            "--max-len",
+            "10",
+            "--rollout-batch",
+            "2",
+            "--device",
+            "cpu",
+            *extra,
+        ]
+    )
     return code, capsys.readouterr().out
 
 
@@ -270,7 +343,8 @@ def test_cli_failure_names_the_first_divergent_module_and_exits_1(monkeypatch, c
     def faulty(settings):
         subject = original(settings)
         subject.model.layers[1].up_proj.register_forward_hook(
-            lambda m, inputs, out: out + 1e-3 if inputs[0].shape[0] <= settings.rollout_batch else out)
+            lambda m, inputs, out: out + 1e-3 if inputs[0].shape[0] <= settings.rollout_batch else out
+        )
         return subject
 
     monkeypatch.setattr(run, "load", faulty)
@@ -350,10 +424,22 @@ def test_cli_parity_of_files_that_are_not_saved_batches(tmp_path, capsys):
     expanded = {**asdict(training), "loss_mask": torch.zeros(1, 1, dtype=torch.long).expand(10**6, 10**6)}
     cases = [
         (b"not a torch file", "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save"),
-        (b"", "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save or rl_kernel_core.tools.multimodal.storage.save (torch.load with weights_only=True failed: EOFError)"),
-        ({"x": torch.nn.Linear(1, 1)}, "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save"),
-        (expanded, "training.pt: loss_mask must be a dense tensor, got shape (1000000, 1000000) over 1 stored elements"),
-        ({**asdict(training), "special_tokens": {"pad": torch.tensor([0, 1])}}, "training.pt: special_tokens['pad'] must be an int token id, got Tensor"),
+        (
+            b"",
+            "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save or rl_kernel_core.tools.multimodal.storage.save (torch.load with weights_only=True failed: EOFError)",
+        ),
+        (
+            {"x": torch.nn.Linear(1, 1)},
+            "training.pt: not a batch written by rl_kernel_core.tools.consistency.parity.save",
+        ),
+        (
+            expanded,
+            "training.pt: loss_mask must be a dense tensor, got shape (1000000, 1000000) over 1 stored elements",
+        ),
+        (
+            {**asdict(training), "special_tokens": {"pad": torch.tensor([0, 1])}},
+            "training.pt: special_tokens['pad'] must be an int token id, got Tensor",
+        ),
     ]
     for content, message in cases:
         if isinstance(content, bytes):
@@ -386,10 +472,18 @@ def test_cli_parity_refuses_sparse_and_stride_0_tensors_and_fifos(tmp_path, caps
     mask = fields["loss_mask"]
     wide = torch.zeros(mask.numel(), dtype=torch.long)[: mask.shape[1]].expand_as(mask)  # storage as large as the view
     cases = [
-        ({**fields, "loss_mask": mask.to_sparse()}, "training.pt: loss_mask must be a dense tensor, got layout sparse_coo"),
-        ({**fields, "attention_mask": fields["attention_mask"].to_sparse_csr()},
-         "training.pt: attention_mask must be a dense tensor, got layout sparse_csr"),
-        ({**fields, "loss_mask": wide}, f"training.pt: loss_mask must be a dense tensor, got shape {tuple(mask.shape)} over "),
+        (
+            {**fields, "loss_mask": mask.to_sparse()},
+            "training.pt: loss_mask must be a dense tensor, got layout sparse_coo",
+        ),
+        (
+            {**fields, "attention_mask": fields["attention_mask"].to_sparse_csr()},
+            "training.pt: attention_mask must be a dense tensor, got layout sparse_csr",
+        ),
+        (
+            {**fields, "loss_mask": wide},
+            f"training.pt: loss_mask must be a dense tensor, got shape {tuple(mask.shape)} over ",
+        ),
     ]
     for content, message in cases:
         torch.save(content, bad)
@@ -399,19 +493,29 @@ def test_cli_parity_refuses_sparse_and_stride_0_tensors_and_fifos(tmp_path, caps
     if hasattr(os, "mkfifo"):
         fifo = str(tmp_path / "fifo.pt")
         os.mkfifo(fifo)
-        proc = subprocess.run([sys.executable, "-m", "rl_kernel_core.cli", "consistency", "--parity", good, fifo],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "rl_kernel_core.cli", "consistency", "--parity", good, fifo],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"--parity {fifo}: must be a regular file holding a saved batch, got a FIFO" in proc.stderr
         with pytest.raises(ValueError, match="fifo.pt: must be a regular file holding a saved batch, got a FIFO"):
             parity.load(fifo)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--engine", "vllm"], "--engine vllm needs --model PATH"),
-    (["--engine", "vllm", "--model", "m", "--engine-args", "{bad"], "argument --engine-args: must be a JSON object"),
-    (["--engine", "vllm", "--model", "m", "--engine-args", "[1]"], "argument --engine-args: must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--engine", "vllm"], "--engine vllm needs --model PATH"),
+        (
+            ["--engine", "vllm", "--model", "m", "--engine-args", "{bad"],
+            "argument --engine-args: must be a JSON object",
+        ),
+        (["--engine", "vllm", "--model", "m", "--engine-args", "[1]"], "argument --engine-args: must be a JSON object"),
+    ],
+)
 def test_engine_mode_refuses_bad_input_in_one_line(argv, message, capsys):
     from rl_kernel_core.tools import cli
 

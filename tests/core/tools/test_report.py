@@ -15,7 +15,11 @@ def _log(path, records, tail=""):
 
 
 def _rec(step, ms=10.0, **extra):
-    return {"step": step, "regions": {"step": ms, "logprob": ms / 4, "loss": 1.0, "backward": ms / 2, "update": 0.5}, **extra}
+    return {
+        "step": step,
+        "regions": {"step": ms, "logprob": ms / 4, "loss": 1.0, "backward": ms / 2, "update": 0.5},
+        **extra,
+    }
 
 
 def test_statistics_and_actor_update(tmp_path):
@@ -39,13 +43,16 @@ def test_partial_last_line_is_skipped_and_counted(tmp_path):
     assert log.steps == 2 and log.skipped_partial == 0
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"step": 0}\n{"step": 1, "regi\n{"step": 2}\n', r"bad.jsonl:2: not valid JSON"),
-    ('[1, 2]\n', r"bad.jsonl:1: expected a JSON object \(a step record\), got list"),
-    ('{"step": "x"}\n', r"bad.jsonl:1: 'step' must be an integer"),
-    ('{"step": 0, "regions": [1]}\n', r"bad.jsonl:1: 'regions' must be an object"),
-    ("[" * 100000 + "\n", r"bad.jsonl:1: (JSON nested too deeply|not valid JSON)"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"step": 0}\n{"step": 1, "regi\n{"step": 2}\n', r"bad.jsonl:2: not valid JSON"),
+        ("[1, 2]\n", r"bad.jsonl:1: expected a JSON object \(a step record\), got list"),
+        ('{"step": "x"}\n', r"bad.jsonl:1: 'step' must be an integer"),
+        ('{"step": 0, "regions": [1]}\n', r"bad.jsonl:1: 'regions' must be an object"),
+        ("[" * 100000 + "\n", r"bad.jsonl:1: (JSON nested too deeply|not valid JSON)"),
+    ],
+)
 def test_malformed_lines_name_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
@@ -66,8 +73,10 @@ def test_invalid_utf8_missing_file_and_directory(tmp_path):
 
 def test_null_regions_nan_and_oom(tmp_path):
     path = tmp_path / "run.jsonl"
-    path.write_text('{"step": 0, "regions": null, "reward": NaN, "loss": Infinity, "kl": 0.5}\n'
-                    '{"step": 1, "oom": true, "error": "CUDA out of memory"}\n')
+    path.write_text(
+        '{"step": 0, "regions": null, "reward": NaN, "loss": Infinity, "kl": 0.5}\n'
+        '{"step": 1, "oom": true, "error": "CUDA out of memory"}\n'
+    )
     log = report.read_step_log(path)
     assert log.steps == 1 and "reward" not in log.series and "loss" not in log.series
     assert log.values("kl") == [0.5]
@@ -78,21 +87,29 @@ def test_values_that_are_not_finite_are_missing_and_said(tmp_path):
     """NaN, infinities and an integer beyond the float range (a 401-digit value) count as missing,
     and the comparison's warnings count them per field; text and booleans are not numbers."""
     path = tmp_path / "run.jsonl"
-    path.write_text('{"step": 0, "regions": {"step": 1.0}, "reward": NaN, "kl": %s, "note": "x", "flag": true}\n'
-                    '{"step": 1, "regions": {"step": Infinity}, "reward": 0.5, "kl": 0.1}\n' % ("9" * 401))
+    path.write_text(
+        '{"step": 0, "regions": {"step": 1.0}, "reward": NaN, "kl": %s, "note": "x", "flag": true}\n'
+        '{"step": 1, "regions": {"step": Infinity}, "reward": 0.5, "kl": 0.1}\n' % ("9" * 401)
+    )
     log = report.read_step_log(path)
     assert log.values("reward") == [0.5] and log.values("kl") == [0.1] and log.values("region/step") == [1.0]
     assert log.not_finite == {"reward": 1, "kl": 1, "region/step": 1}
     clean = report.read_step_log(_log(tmp_path / "clean.jsonl", [_rec(i) for i in range(2)]))
     warnings = report.step_warnings(clean, log)
-    assert warnings == [f"ON log {path} has values that are NaN, infinite or beyond the float range, counted as missing: "
-                        "kl 1, region/step 1, reward 1"]
+    assert warnings == [
+        f"ON log {path} has values that are NaN, infinite or beyond the float range, counted as missing: "
+        "kl 1, region/step 1, reward 1"
+    ]
 
 
 def test_report_files_and_valid_json(tmp_path):
     off = _log(tmp_path / "off.jsonl", [_rec(i, reward=0.1, kl=float("nan")) for i in range(3)])
-    on = _log(tmp_path / "on.jsonl", [_rec(i, reward=0.2) for i in range(2)] + [{"step": 2, "oom": True, "error": "boom"}])
-    (tmp_path / "on.meta.json").write_text(json.dumps({"command": "x", "environment": {"gpu": "G"}, "config": {"steps": 3}}))
+    on = _log(
+        tmp_path / "on.jsonl", [_rec(i, reward=0.2) for i in range(2)] + [{"step": 2, "oom": True, "error": "boom"}]
+    )
+    (tmp_path / "on.meta.json").write_text(
+        json.dumps({"command": "x", "environment": {"gpu": "G"}, "config": {"steps": 3}})
+    )
     out = tmp_path / "rep"
     path = report.write_report(off, on, out, title="T", sections=[("Extra", "body")])
     text = path.read_text()
@@ -115,7 +132,9 @@ def test_overflowing_statistics_are_null_in_json(tmp_path, monkeypatch):
     assert json.loads(text)[0]["off"]["mean"] is None
     monkeypatch.setattr(report, "write_plots", lambda *args: [])  # matplotlib cannot scale an axis to 1e308
     report.write_report(huge, huge, tmp_path / "rep")
-    doc = json.loads((tmp_path / "rep" / "comparison.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    doc = json.loads(
+        (tmp_path / "rep" / "comparison.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON")
+    )
     assert doc["rows"][0]["off"]["mean"] is None and doc["skipped_partial_lines"] == {"off": 0, "on": 0}
 
 
@@ -149,7 +168,9 @@ def test_the_reader_streams(tmp_path):
 def test_report_states_timing_noise_medians_and_step_warnings(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "write_plots", lambda *args: [])
     off = _log(tmp_path / "off.jsonl", [_rec(i, 100.0 + i, reward=0.5) for i in range(6)])
-    on = _log(tmp_path / "on.jsonl", [_rec(i, ms, reward=0.5) for i, ms in enumerate([500.0, 50.0, 51.0, 52.0, 53.0, 400.0])])
+    on = _log(
+        tmp_path / "on.jsonl", [_rec(i, ms, reward=0.5) for i, ms in enumerate([500.0, 50.0, 51.0, 52.0, 53.0, 400.0])]
+    )
     text = report.write_report(off, on, tmp_path / "rep").read_text()
     assert "| metric | off mean | off median | on mean | on median | on/off (means) | on/off (medians) |" in text
     # step: off 101..105 (median 103), on 50..53 and 400 (median 52, mean 121.2): the spreads overlap
@@ -169,21 +190,32 @@ def test_report_states_timing_noise_medians_and_step_warnings(tmp_path, monkeypa
 
 
 def test_timing_noise_counts_a_run_s_timed_steps_not_a_one_sided_region(tmp_path):
-    off = report.read_step_log(_log(tmp_path / "off.jsonl", [{"step": i, "regions": {"step": 10.0 + i, "ratio_kl": 1.0}} for i in range(5)]))
-    on = report.read_step_log(_log(tmp_path / "on.jsonl", [{"step": i, "regions": {"step": 1.0 + i}} for i in range(5)]))
+    off = report.read_step_log(
+        _log(tmp_path / "off.jsonl", [{"step": i, "regions": {"step": 10.0 + i, "ratio_kl": 1.0}} for i in range(5)])
+    )
+    on = report.read_step_log(
+        _log(tmp_path / "on.jsonl", [{"step": i, "regions": {"step": 1.0 + i}} for i in range(5)])
+    )
     assert report.timing_noise(report.compare_table(off, on, warmup_steps=1)) == []  # ratio_kl is off's only
-    short = report.read_step_log(_log(tmp_path / "short.jsonl", [{"step": i, "regions": {"step": 1.0}} for i in range(2)]))
+    short = report.read_step_log(
+        _log(tmp_path / "short.jsonl", [{"step": i, "regions": {"step": 1.0}} for i in range(2)])
+    )
     assert report.timing_noise(report.compare_table(off, short, warmup_steps=1)) == [
-        "only 1 timed step(s) in a run: too few for its spread to show the noise"]
+        "only 1 timed step(s) in a run: too few for its spread to show the noise"
+    ]
     assert report.timing_noise(report.compare_table(off, short, warmup_steps=2)) == [
-        "only 0 timed step(s) in a run: too few for its spread to show the noise"]
+        "only 0 timed step(s) in a run: too few for its spread to show the noise"
+    ]
 
 
 def test_disjoint_logs_are_refused_by_the_report_too(tmp_path):
     off, on = tmp_path / "off.jsonl", tmp_path / "on.jsonl"
     _log(off, [_rec(0), _rec(1)])
     on.write_text(json.dumps({"step": 0, "accuracy": 1.0}) + "\n")
-    with pytest.raises(report.StepLogError, match=r"off.jsonl and .*on.jsonl share no metric \(off.jsonl: region/actor_update, "
-                                                  r"region/backward, region/logprob, region/loss and 2 more; on.jsonl: accuracy\)"):
+    with pytest.raises(
+        report.StepLogError,
+        match=r"off.jsonl and .*on.jsonl share no metric \(off.jsonl: region/actor_update, "
+        r"region/backward, region/logprob, region/loss and 2 more; on.jsonl: accuracy\)",
+    ):
         report.write_report(off, on, tmp_path / "rep")
     assert not (tmp_path / "rep").exists()

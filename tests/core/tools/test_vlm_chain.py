@@ -22,20 +22,48 @@ NEW_TOKENS = 5
 def _model(seed: int, dtype: torch.dtype, family: str = "qwen2_vl", device: str = "cpu"):
     """A random tiny Qwen2-VL, or Qwen2.5-VL (its vision tower: windowed attention in block 0, full in
     block 1, RMSNorm, a gated MLP)."""
-    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=1, pad_token_id=PAD,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=PAD,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
     patches = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    tokens = dict(image_token_id=IMAGE_IDS[0], video_token_id=IMAGE_IDS[1], vision_start_token_id=IMAGE_IDS[2],
-                  vision_end_token_id=IMAGE_IDS[3])
+    tokens = dict(
+        image_token_id=IMAGE_IDS[0],
+        video_token_id=IMAGE_IDS[1],
+        vision_start_token_id=IMAGE_IDS[2],
+        vision_end_token_id=IMAGE_IDS[3],
+    )
     if family == "qwen2_vl":
-        cfg = transformers.Qwen2VLConfig(text_config=text, **tokens, vision_config=dict(
-            depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, **patches))
+        cfg = transformers.Qwen2VLConfig(
+            text_config=text,
+            **tokens,
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, **patches),
+        )
         model_class = transformers.Qwen2VLForConditionalGeneration
     else:
-        cfg = transformers.Qwen2_5_VLConfig(text_config=text, **tokens, vision_config=dict(
-            depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, window_size=16,
-            fullatt_block_indexes=[1], **patches))
+        cfg = transformers.Qwen2_5_VLConfig(
+            text_config=text,
+            **tokens,
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                out_hidden_size=64,
+                intermediate_size=64,
+                num_heads=2,
+                window_size=16,
+                fullatt_block_indexes=[1],
+                **patches,
+            ),
+        )
         model_class = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
     return model_class(cfg).eval().to(device=device, dtype=dtype), cfg
@@ -52,7 +80,9 @@ def _prompts(seed: int, cfg, dtype: torch.dtype) -> list[vlm.Sample]:
     out = []
     for grids in layouts:
         p = vlm.image_prompt([text() for _ in range(len(grids) + 1)], grids, cfg, g)
-        out.append(vlm.Sample(p.input_ids, p.mm_token_type_ids, p.pixel_values.to(dtype), p.image_grid_thw, p.prompt_len))
+        out.append(
+            vlm.Sample(p.input_ids, p.mm_token_type_ids, p.pixel_values.to(dtype), p.image_grid_thw, p.prompt_len)
+        )
     return out
 
 
@@ -61,12 +91,21 @@ def _layouts(model, prompts):
     rollout batches and in training forwards of several batch sizes, image counts and padding sides."""
     samples, rollout = vlm.generate_logprobs(model, prompts, NEW_TOKENS, PAD, IMAGE_IDS)
     others = {
-        "generate, batch of 1 (2 images)": ([1], vlm.generate_logprobs(model, prompts[1:2], NEW_TOKENS, PAD, IMAGE_IDS)[1]),
-        "generate, batch of 2 (1 + 3 images)": ([0, 3], vlm.generate_logprobs(model, [prompts[0], prompts[3]], NEW_TOKENS, PAD, IMAGE_IDS)[1]),
+        "generate, batch of 1 (2 images)": (
+            [1],
+            vlm.generate_logprobs(model, prompts[1:2], NEW_TOKENS, PAD, IMAGE_IDS)[1],
+        ),
+        "generate, batch of 2 (1 + 3 images)": (
+            [0, 3],
+            vlm.generate_logprobs(model, [prompts[0], prompts[3]], NEW_TOKENS, PAD, IMAGE_IDS)[1],
+        ),
         "training, right-padded batch of 4": ([0, 1, 2, 3], vlm.training_logprobs(model, samples, "right", PAD)),
         "training, left-padded batch of 4": ([0, 1, 2, 3], vlm.training_logprobs(model, samples, "left", PAD)),
         "training, batch of 1": ([3], vlm.training_logprobs(model, samples[3:], "right", PAD)),
-        "training, left-padded batch of 2 (3 + 1 images)": ([3, 2], vlm.training_logprobs(model, [samples[3], samples[2]], "left", PAD)),
+        "training, left-padded batch of 2 (3 + 1 images)": (
+            [3, 2],
+            vlm.training_logprobs(model, [samples[3], samples[2]], "left", PAD),
+        ),
     }
     return samples, rollout, others
 
@@ -75,8 +114,9 @@ DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=p
 
 
 @DEVICES
-@pytest.mark.parametrize("dtype, family", [(torch.float32, "qwen2_vl"), (torch.bfloat16, "qwen2_vl"),
-                                           (torch.float32, "qwen2_5_vl")])
+@pytest.mark.parametrize(
+    "dtype, family", [(torch.float32, "qwen2_vl"), (torch.bfloat16, "qwen2_vl"), (torch.float32, "qwen2_5_vl")]
+)
 def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padding(seed, dtype, family, device):
     model, cfg = _model(seed, dtype, family, device)
     assert api_vlm.use_mode_vlm(model) == ["model.visual.patch_embed.proj"]
@@ -87,8 +127,9 @@ def test_mode_on_generate_equals_training_bitwise_across_batches_images_and_padd
         off = vlm.training_logprobs(model, samples, "right", PAD)
     for what, (rows, lps) in others.items():
         for r, lp in zip(rows, lps):
-            assert lp.shape == (NEW_TOKENS,) and torch.equal(lp, rollout[r]), \
+            assert lp.shape == (NEW_TOKENS,) and torch.equal(lp, rollout[r]), (
                 f"{what}: sample {r} differs from the rollout by {float((lp - rollout[r]).abs().max()):.3g}"
+            )
     # the mode changes kernels, not meaning: the library path (sdpa, full attention in the vision
     # tower, causal in the language model) gives the same values within the contract
     for r, (a, b) in enumerate(zip(rollout, off)):
@@ -132,13 +173,18 @@ def test_mode_off_drift_is_measured(seed, device):
         if max(drift.values()) > 0.0:
             break
     print(f"mode off drift: {drift}")
-    assert max(drift.values()) > 0.0, f"mode off gave bitwise equal log-probs everywhere, so the mode-on checks show nothing: {drift}"
+    assert max(drift.values()) > 0.0, (
+        f"mode off gave bitwise equal log-probs everywhere, so the mode-on checks show nothing: {drift}"
+    )
 
 
-@pytest.mark.parametrize("conv, shape", [
-    (torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4)), (5, 3, 2, 4, 4)),  # Qwen2-VL's patch embedding
-    (torch.nn.Conv2d(3, 8, 4, stride=4, bias=False), (2, 3, 10, 13)),        # whole images, a remainder dropped
-])
+@pytest.mark.parametrize(
+    "conv, shape",
+    [
+        (torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4)), (5, 3, 2, 4, 4)),  # Qwen2-VL's patch embedding
+        (torch.nn.Conv2d(3, 8, 4, stride=4, bias=False), (2, 3, 10, 13)),  # whole images, a remainder dropped
+    ],
+)
 def test_patch_product_equals_the_convolution_and_is_batch_invariant(seed, conv, shape):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(conv)
@@ -191,5 +237,8 @@ def test_mode_attention_full_attention_needs_as_many_queries_as_keys(seed):
     reading; the mode refuses it rather than attend causally."""
     torch.manual_seed(seed)
     q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
-    with rk.batch_invariant(), pytest.raises(ValueError, match="full attention needs as many queries as keys; got Lq=3, Lk=5"):
+    with (
+        rk.batch_invariant(),
+        pytest.raises(ValueError, match="full attention needs as many queries as keys; got Lq=3, Lk=5"),
+    ):
         api_hf.mode_attention(torch.nn.Module(), q, kv, kv, None, is_causal=False)

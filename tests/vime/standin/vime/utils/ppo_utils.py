@@ -106,10 +106,14 @@ def calculate_log_probs_and_entropy(
         num_chunks = (logits.size(0) - 1) // chunk_size + 1 if chunk_size > 0 else 1
         tokens_chunks = tokens.chunk(num_chunks, dim=0)
         scored_chunks = scored.chunk(num_chunks, dim=0)
-        log_prob = torch.cat([compute_log_probs(sc.clone(), tc, tp_group) for tc, sc in zip(tokens_chunks, scored_chunks)], dim=0)
+        log_prob = torch.cat(
+            [compute_log_probs(sc.clone(), tc, tp_group) for tc, sc in zip(tokens_chunks, scored_chunks)], dim=0
+        )
         if with_entropy:
             with torch.set_grad_enabled(with_entropy_grad and torch.is_grad_enabled()):
-                entropy = torch.cat([compute_entropy_from_logits(lc.clone(), tp_group) for lc in logits.chunk(num_chunks, dim=0)], dim=0)
+                entropy = torch.cat(
+                    [compute_entropy_from_logits(lc.clone(), tp_group) for lc in logits.chunk(num_chunks, dim=0)], dim=0
+                )
     else:
         log_prob = logits.new_zeros((0,))
         if with_entropy:

@@ -53,7 +53,9 @@ class TokenLayout:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"invalid token topology: world_size={self.world_size}, rank={self.rank}")
         if (self.world_size == 1) != (self.layout == "single"):
-            raise ValueError(f"layout {self.layout!r} does not fit world_size={self.world_size} ('single' iff one rank)")
+            raise ValueError(
+                f"layout {self.layout!r} does not fit world_size={self.world_size} ('single' iff one rank)"
+            )
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,9 @@ class LinearLogpRequest:
             raise ValueError(f"linear_logp logits must be [T, V_local], got {getattr(self.logits, 'shape', None)}")
         rows = self.logits.size(0)
         if self.target_ids.shape != (rows,):
-            raise ValueError(f"linear_logp target_ids must be [T] aligned with logits; got {tuple(self.target_ids.shape)} for T={rows}")
+            raise ValueError(
+                f"linear_logp target_ids must be [T] aligned with logits; got {tuple(self.target_ids.shape)} for T={rows}"
+            )
         if self.target_ids.device != self.logits.device:
             raise ValueError("linear_logp target_ids must share the logits device")
         if self.target_ids.is_floating_point() or self.target_ids.is_complex():
@@ -258,7 +262,9 @@ def _normalize_result(result: Any) -> LinearLogpResult:
         else:
             values = {name: getattr(result, name) for name in names}
     except (AttributeError, KeyError) as exc:
-        raise TypeError("linear_logp providers must return logp, entropy, backend_id, contract_id, and provenance") from exc
+        raise TypeError(
+            "linear_logp providers must return logp, entropy, backend_id, contract_id, and provenance"
+        ) from exc
     if not isinstance(values["provenance"], Mapping):
         raise TypeError("linear_logp provider provenance must be a mapping")
     return LinearLogpResult(**values)
@@ -267,7 +273,9 @@ def _normalize_result(result: Any) -> LinearLogpResult:
 def _validate_result(result: LinearLogpResult, request: LinearLogpRequest, *, strict: bool) -> None:
     rows = request.logits.size(0)
     if result.logp.shape != (rows, 1):
-        raise ValueError(f"linear_logp provider returned invalid logp shape {tuple(result.logp.shape)}; expected {(rows, 1)}.")
+        raise ValueError(
+            f"linear_logp provider returned invalid logp shape {tuple(result.logp.shape)}; expected {(rows, 1)}."
+        )
     if result.logp.device != request.logits.device:
         raise ValueError("linear_logp provider returned logp on a different device")
     if not result.logp.is_floating_point():

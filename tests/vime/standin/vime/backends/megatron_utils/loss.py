@@ -32,17 +32,26 @@ from vime.utils.misc import load_function
 from vime.utils.ppo_utils import calculate_log_probs_and_entropy, compute_approx_kl, compute_policy_loss
 
 _UNREPRODUCED_FLAGS = (
-    "use_opsm", "use_tis", "get_mismatch_metrics", "use_score_centering", "use_unbiased_kl", "allgather_cp",
+    "use_opsm",
+    "use_tis",
+    "get_mismatch_metrics",
+    "use_score_centering",
+    "use_unbiased_kl",
+    "allgather_cp",
 )
 
 
 def _single_rank(args: Namespace) -> None:
     for name in ("tensor_model_parallel_size", "context_parallel_size"):
         if getattr(args, name, 1) > 1:
-            raise NotImplementedError(f"contract stand-in: {name} > 1 is not reproduced (needs Megatron process groups)")
+            raise NotImplementedError(
+                f"contract stand-in: {name} > 1 is not reproduced (needs Megatron process groups)"
+            )
 
 
-def _shifted_targets(num_rows: int, unconcat_tokens: list[torch.Tensor], total_lengths: list[int], device: torch.device) -> torch.Tensor:
+def _shifted_targets(
+    num_rows: int, unconcat_tokens: list[torch.Tensor], total_lengths: list[int], device: torch.device
+) -> torch.Tensor:
     """``[T]`` int64: row ``p`` of each sample holds the token at ``p + 1`` (0 at sample ends and padding)."""
     full_tokens = torch.zeros(num_rows, dtype=torch.long, device=device)
     offset = 0
@@ -107,14 +116,21 @@ def get_log_probs_and_entropy(
             real_vocab_size=context.get("real_vocab_size", getattr(args, "vocab_size", None)),
             temperature=args.rollout_temperature,
             metadata={
-                "logits_are_temperature_scaled": True, "real_vocab_size": getattr(args, "vocab_size", None),
-                "padded_vocab_size": getattr(args, "padded_vocab_size", None), "tp_rank": 0, "tp_world_size": 1,
+                "logits_are_temperature_scaled": True,
+                "real_vocab_size": getattr(args, "vocab_size", None),
+                "padded_vocab_size": getattr(args, "padded_vocab_size", None),
+                "tp_rank": 0,
+                "tp_world_size": 1,
             },
         )
-        log_prob_full, entropy_full = compute_selected_logprobs(args=args, request=selected, native=calculate_log_probs_and_entropy)
+        log_prob_full, entropy_full = compute_selected_logprobs(
+            args=args, request=selected, native=calculate_log_probs_and_entropy
+        )
     else:
         if linear_logp_context is not None:
-            raise NotImplementedError("contract stand-in: linear_logp_context goes through the selected-logprob boundary only")
+            raise NotImplementedError(
+                "contract stand-in: linear_logp_context goes through the selected-logprob boundary only"
+            )
         request = LinearLogpRequest(
             logits=logits,
             target_ids=targets,
@@ -126,7 +142,9 @@ def get_log_probs_and_entropy(
             temperature=args.rollout_temperature,
             metadata={"logits_are_temperature_scaled": True},
         )
-        log_prob_full, entropy_full = compute_linear_logp(args=args, request=request, native=calculate_log_probs_and_entropy)
+        log_prob_full, entropy_full = compute_linear_logp(
+            args=args, request=request, native=calculate_log_probs_and_entropy
+        )
     log_prob_full = log_prob_full.squeeze(-1)
     log_probs_list = []
     entropy_list = []
@@ -182,7 +200,9 @@ def policy_loss_function(
     log_probs = torch.cat(log_probs_list, dim=0)
     ppo_kl = old_log_probs - log_probs
 
-    pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, eps_clip_c=args.eps_clip_c)
+    pg_loss, pg_clipfrac = compute_policy_loss(
+        ppo_kl, advantages, args.eps_clip, args.eps_clip_high, eps_clip_c=args.eps_clip_c
+    )
 
     pg_loss = sum_of_sample_mean(pg_loss)
     pg_clipfrac = sum_of_sample_mean(pg_clipfrac)
@@ -252,7 +272,11 @@ def loss_function(
         {
             "keys": list(log.keys()),
             "values": torch.stack(
-                [torch.as_tensor(num_tokens if args.calculate_per_token_loss else 0, dtype=torch.float32, device=logits.device)]
+                [
+                    torch.as_tensor(
+                        num_tokens if args.calculate_per_token_loss else 0, dtype=torch.float32, device=logits.device
+                    )
+                ]
                 + [v.float() for v in log.values()]
             ),
         },

@@ -58,7 +58,9 @@ class ContextParallelLayout:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"invalid context-parallel topology: world_size={self.world_size}, rank={self.rank}")
         if (self.world_size == 1) != (self.layout == "single"):
-            raise ValueError(f"layout {self.layout!r} does not fit world_size={self.world_size} ('single' iff one rank)")
+            raise ValueError(
+                f"layout {self.layout!r} does not fit world_size={self.world_size} ('single' iff one rank)"
+            )
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ class SelectedLogprobRequest:
             raise ValueError(f"selected-logprob logits must be [T, V_local], got {tuple(self.logits.shape)}")
         rows = self.logits.size(0)
         if self.target_ids.shape != (rows,):
-            raise ValueError(f"selected-logprob target_ids must be [T] aligned with logits; got {tuple(self.target_ids.shape)} for T={rows}")
+            raise ValueError(
+                f"selected-logprob target_ids must be [T] aligned with logits; got {tuple(self.target_ids.shape)} for T={rows}"
+            )
         if self.target_ids.device != self.logits.device:
             raise ValueError("selected-logprob target_ids must share the logits device")
         if self.target_ids.is_floating_point() or self.target_ids.is_complex():
@@ -224,7 +228,9 @@ def _native(request: SelectedLogprobRequest, native: Callable) -> tuple[torch.Te
 
 def _is_provider_unavailable(exc: Exception) -> bool:
     """vime's class or the marker attribute, so a provider package need not import vime."""
-    return isinstance(exc, SelectedLogprobProviderUnavailable) or bool(getattr(exc, "selected_logprob_provider_unavailable", False))
+    return isinstance(exc, SelectedLogprobProviderUnavailable) or bool(
+        getattr(exc, "selected_logprob_provider_unavailable", False)
+    )
 
 
 def _normalize_result(result: Any) -> SelectedLogprobResult:
