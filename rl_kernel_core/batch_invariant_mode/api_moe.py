@@ -36,14 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from rl_kernel_core.batch_invariant_mode.api import is_batch_invariant
-from rl_kernel_core.batch_invariant_mode.reference import row_tiled
+from rl_kernel_core.batch_invariant_mode.reference import Outputs, row_tiled
 
 
 BLOCK_CLASSES: tuple[str, ...] = ("Qwen3MoeSparseMoeBlock",)
 """transformers' sparse MoE blocks whose router and experts :func:`use_mode_moe` takes over."""
 
 
-def _rows(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+def _rows(fn: Callable[..., Outputs], *tensors: torch.Tensor) -> Outputs:
     """``fn`` of row-aligned ``tensors``, on fixed row tiles on the CPU (see the module docstring)."""
     if tensors[0].device.type == "cpu":
         return row_tiled(fn, *tensors)
@@ -83,7 +83,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
             weights = weights / total[:, None]
         return weights, ids[:, :top_k]
 
-    weights, ids = row_tiled(tile, logits) if logits.device.type == "cpu" else tile(logits)
+    weights, ids = _rows(tile, logits)
     return weights, ids
 
 
