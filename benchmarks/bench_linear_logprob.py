@@ -789,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", default="", help="ours variants: name=field:value;field:value,... (LinearTuning overrides)"
     )
     p.add_argument("--memory-sizes", default="4096,16384,65536,131072")
+    p.add_argument("--memory-dv", default="4096,128256", help="D,V of the memory part (default Llama-3-8B's LM head)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
@@ -819,6 +820,12 @@ def main(argv: list[str] | None = None) -> int:
             shape_of(shape)
         except KeyError:
             p.error(f"--shapes: unknown shape {shape!r} (one of {', '.join(SHAPES)} or d<D>_v<V>_n<N>)")
+    try:
+        memory_dv = tuple(int(x) for x in args.memory_dv.split(","))
+        if len(memory_dv) != 2:
+            raise ValueError
+    except ValueError:
+        p.error(f"--memory-dv: expected D,V (two integers), got {args.memory_dv!r}")
     DEV = torch.device(args.device)
     INPUTS = regimes[0]
     os.makedirs(args.out, exist_ok=True)
@@ -837,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in (896, 2048):
             part_invariance(d, 128256, dtype, args, rec)
     if "memory" in parts and DEV.type == "cuda":
-        part_memory(4096, 128256, dtype, args, rec, [int(x) for x in args.memory_sizes.split(",")])
+        part_memory(*memory_dv, dtype, args, rec, [int(x) for x in args.memory_sizes.split(",")])
     for shape in shapes:
         n, d, v = shape_of(shape)
         if parts & {"logprob", "accuracy"}:

@@ -149,12 +149,15 @@ def _tiny_moe(seed: int, dtype: torch.dtype, top_k: int, normalize: bool):
 def test_qwen3_moe_rollout_equals_training_bitwise_and_off_is_untouched(seed, dtype, device):
     rng = random.Random(seed)
     model = _tiny_moe(seed, dtype, rng.choice([1, 2, 3]), rng.random() < 0.5).to(device)
-    shipped = copy.deepcopy(model)
     ids = torch.randint(3, 101, (3, 11), device=device)
+    # the same module before and after: transformers' grouped experts product on CUDA may round by
+    # where its operands live, so a deep copy is not a reference for the last bit
+    with torch.no_grad():
+        shipped = model(ids).logits
     api_hf.use_mode_attention(model)
     assert use_mode_moe(model) == []  # already patched by use_mode_attention; a second call changes nothing
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, shipped(ids).logits), f"seed={seed}: mode off changed the model"
+        assert torch.equal(model(ids).logits, shipped), f"seed={seed}: mode off changed the model"
         seqs = [s.to(device) for s in chain.fixed_sequences(101, 5, 7, 14, seed)]
         batch = parity.from_sequences(seqs, "right", [0] * 5, 0)
         with rk.batch_invariant():
