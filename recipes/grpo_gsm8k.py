@@ -23,19 +23,9 @@ import torch
 from grpo import data as gsm8k
 from grpo import embedded
 from grpo.model import PRESETS, build_local_model
-from grpo.runs import (
-    add_run_options,
-    device_and_output,
-    embedded_side,
-    first_step_section,
-    git_commit,
-    parse_run_options,
-    recipe_error,
-    recipe_parser,
-    run_config,
-)
+from grpo import runs
 import rl_kernel_core as rk
-from rl_kernel_core.tools import bench, report
+from rl_kernel_core.tools import report
 from rl_kernel_core.argtypes import integer, number
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +60,7 @@ PRESET_RUNS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = recipe_parser(
+    p = runs.recipe_parser(
         "grpo_gsm8k",
         PRESETS,
         "model shape and run defaults: tiny (2-core CPU, minutes) or qwen3-0.6b (one GPU)",
@@ -113,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0.1,
         help="reward in [0, 1] for an extracted but wrong answer (verl's format_score)",
     )
-    add_run_options(p)
+    runs.add_run_options(p)
     p.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -134,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None, help="override the preset"
     )
-    args = parse_run_options(p, argv)
+    args = runs.parse_run_options(p, argv)
     if args.weight_check_every and args.engine != "verl":
         p.error(
             f"--weight-check-every applies to --engine verl (the embedded engine samples from the model it "
@@ -270,10 +260,10 @@ def model_problem(model: str) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device, out = device_and_output(args, "grpo_gsm8k")
+    device, out = runs.device_and_output(args, "grpo_gsm8k")
     engine, why = resolve_engine(args.engine, device)
     if engine == "verl" and (missing := verl_engine_missing()):
-        return recipe_error(
+        return runs.recipe_error(
             "grpo_gsm8k",
             f"--engine verl needs {', '.join(VERL_ENGINE_NEEDS)} in this Python "
             f"({sys.executable}), missing: {', '.join(missing)}; recipes/grpo_gsm8k.sh "
@@ -283,12 +273,12 @@ def main(argv=None) -> int:
     if args.model:
         problem = model_problem(args.model)
         if problem:
-            return recipe_error("grpo_gsm8k", f"--model {args.model}: {problem}")
+            return runs.recipe_error("grpo_gsm8k", f"--model {args.model}: {problem}")
 
     try:
         problems, source = gsm8k.load_problems(args.data, "train", args.limit, args.seed)
     except (gsm8k.DataUnavailableError, gsm8k.DataError) as exc:
-        return recipe_error("grpo_gsm8k", str(exc))
+        return runs.recipe_error("grpo_gsm8k", str(exc))
     print(f"[grpo_gsm8k] data: {source}", flush=True)
 
     if args.model:
@@ -301,7 +291,7 @@ def main(argv=None) -> int:
         )
     print(f"[grpo_gsm8k] model: {model_desc}", flush=True)
 
-    cfg = run_config(
+    cfg = runs.run_config(
         args,
         PRESET_RUNS[args.preset],
         sampler=args.sampler,
@@ -311,17 +301,9 @@ def main(argv=None) -> int:
         weight_check_every=args.weight_check_every,
         seed=args.seed,
     )
-    meta_common = {
-        "command": " ".join(["bash recipes/grpo_gsm8k.sh", *bench.command_line().split(" ")[2:]]),
-        "engine": engine,
-        "engine_choice": why,
-        "preset": args.preset,
-        "model": model_desc,
-        "data": source,
-        "git_commit": git_commit(),
-        "config": dataclasses.asdict(cfg),
-        "environment": bench.environment(device),
-    }
+    meta_common = runs.run_meta(
+        "grpo_gsm8k", args, cfg, device, engine=engine, engine_choice=why, model=model_desc, data=source
+    )
     first, failed = {}, []
     for side in args.sides:
         if engine == "verl":
@@ -335,7 +317,7 @@ def main(argv=None) -> int:
                     flush=True,
                 )
         else:
-            result, fields = embedded_side(
+            result, fields = runs.embedded_side(
                 "grpo_gsm8k", side, model_dir, problems, cfg, out, device, not args.no_progress
             )
             first[side] = result["first_step"]
@@ -344,9 +326,6 @@ def main(argv=None) -> int:
 
     if failed or len(args.sides) < 2:
         return 1 if failed else 0
-    sections = []
-    if first.get("on"):
-        sections.append(first_step_section(first, device, out))
     rollout = (
         f"- rollout: verl's vLLM server, {cfg.group_size} samples per prompt"
         if engine == "verl"
@@ -375,17 +354,14 @@ def main(argv=None) -> int:
                 "differ)"
             )
         run_lines += filter(None, [verl_engine.vocabulary_note(model_dir)])
-    sections.append(("Run", "\n".join(run_lines)))
-    sections.append(
+    sections = [
+        ("Run", "\n".join(run_lines)),
         (
             "Known differences between the off and on paths",
             known_differences(engine, cfg, out / "off.jsonl", out / "on.jsonl"),
-        )
-    )
-    report_path = report.write_report(
-        out / "off.jsonl", out / "on.jsonl", out, title="GRPO on GSM8K: rl-kernel off vs on", sections=sections
-    )
-    print(f"[grpo_gsm8k] report: {report_path}", flush=True)
+        ),
+    ]
+    runs.write_comparison("grpo_gsm8k", "GRPO on GSM8K: rl-kernel off vs on", first, device, out, sections)
     return 0
 
 

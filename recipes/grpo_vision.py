@@ -14,27 +14,14 @@ and its plots.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from functools import partial
 from pathlib import Path
 
 from grpo import vision, vision_data
-from grpo.runs import (
-    OVERRIDES,
-    add_run_options,
-    device_and_output,
-    embedded_side,
-    first_step_section,
-    git_commit,
-    parse_run_options,
-    recipe_error,
-    recipe_parser,
-    run_config,
-)
+from grpo import runs
 from grpo.vision_model import PRESETS, CacheError, build_local_vlm
-from rl_kernel_core.tools import bench, report
 from rl_kernel_core.argtypes import integer, number
 from rl_kernel_core.tools.multimodal.parity import ParityError
 
@@ -54,7 +41,7 @@ PRESET_RUNS = {
     ),
 }
 # every override but the prompt length: a prompt's length is its image's tokens and the question
-VISION_OVERRIDES = tuple(o for o in OVERRIDES if o[0] != "max_prompt_tokens")
+VISION_OVERRIDES = tuple(o for o in runs.OVERRIDES if o[0] != "max_prompt_tokens")
 
 
 def _tasks(value: str) -> tuple[str, ...]:
@@ -68,7 +55,7 @@ def _tasks(value: str) -> tuple[str, ...]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = recipe_parser(
+    p = runs.recipe_parser(
         "grpo_vision",
         PRESETS,
         "model shape and run defaults: tiny (2-core CPU, minutes)",
@@ -110,19 +97,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the trainer's image processor resolution budget in pixels (default: the rollout's); "
         "another value lays images out with another token count, which the parity check stops",
     )
-    add_run_options(p, VISION_OVERRIDES)
+    runs.add_run_options(p, VISION_OVERRIDES)
     p.add_argument(
         "--batch-invariant",
         action="store_true",
         help="rollout and training in rl-kernel's batch-invariant mode (both runs): each token's rollout "
         "and recomputed log-probs are bitwise equal (logprob_diff 0)",
     )
-    return parse_run_options(p, argv)
+    return runs.parse_run_options(p, argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device, out = device_and_output(args, "grpo_vision")
+    device, out = runs.device_and_output(args, "grpo_vision")
     print(f"[grpo_vision] engine: embedded; device: {device}; output: {out}", flush=True)
     problems = vision_data.synthetic_problems(args.problems, args.tasks, args.seed)
     source = f"synthetic: {args.problems} problems ({', '.join(args.tasks)}), seed {args.seed}"
@@ -131,13 +118,13 @@ def main(argv=None) -> int:
             args.preset, ROOT / "runs" / "models", vision_data.vocabulary_texts(), seed=args.seed
         )
     except CacheError as exc:
-        return recipe_error("grpo_vision", str(exc))
+        return runs.recipe_error("grpo_vision", str(exc))
     model_desc = (
         f"local {args.preset} (Qwen2-VL-style, random weights, tokenizer trained on the data): {model_dir.name}"
     )
     print(f"[grpo_vision] data: {source}\n[grpo_vision] model: {model_desc}", flush=True)
 
-    cfg = run_config(
+    cfg = runs.run_config(
         args,
         PRESET_RUNS[args.preset],
         sampler=args.sampler,
@@ -146,25 +133,24 @@ def main(argv=None) -> int:
         seed=args.seed,
     )
     engine_class = partial(vision.VisionEngine, training_max_pixels=args.training_max_pixels)
-    meta_common = {
-        "command": " ".join(["bash recipes/grpo_vision.sh", *bench.command_line().split(" ")[2:]]),
-        "engine": "embedded",
-        "preset": args.preset,
-        "model": model_desc,
-        "data": source,
-        "git_commit": git_commit(),
-        "training_max_pixels": args.training_max_pixels,
-        "config": dataclasses.asdict(cfg),
-        "environment": bench.environment(device),
-    }
+    meta_common = runs.run_meta(
+        "grpo_vision",
+        args,
+        cfg,
+        device,
+        engine="embedded",
+        model=model_desc,
+        data=source,
+        training_max_pixels=args.training_max_pixels,
+    )
     first = {}
     for side in args.sides:
         try:
-            result, fields = embedded_side(
+            result, fields = runs.embedded_side(
                 "grpo_vision", side, model_dir, problems, cfg, out, device, not args.no_progress, engine_class
             )
         except ParityError as exc:
-            return recipe_error(
+            return runs.recipe_error(
                 "grpo_vision",
                 f"{side} run stopped before training: processor-layout parity failed on "
                 f"the first batch, rollout vs training: {exc}",
@@ -176,35 +162,25 @@ def main(argv=None) -> int:
 
     if len(args.sides) < 2:
         return 0
-    sections = []
-    if first.get("on"):
-        sections.append(first_step_section(first, device, out))
-    sections.append(
-        (
-            "Run",
-            "\n".join(
-                [
-                    "- engine: embedded (transformers Qwen2-VL, rollout over a KV cache)",
-                    f"- data: {source}",
-                    f"- model: {model_desc}",
-                    f"- sampler: {cfg.sampler} (the same in both runs)",
-                    f"- reward: 1 when the response's first word is the answer, {cfg.format_score:g} when it is a wrong answer of "
-                    "the right kind (a number, a colour), else 0",
-                    "- processor-layout parity (rl_kernel_core.tools.multimodal.parity) on each run's first batch, rollout vs training "
-                    "encoding: no mismatch (a mismatch stops the run before training)",
-                    f"- batch-invariant mode: {'on in both runs' if cfg.batch_invariant else 'off'}",
-                ]
-            ),
-        )
-    )
-    report_path = report.write_report(
-        out / "off.jsonl",
-        out / "on.jsonl",
+    run_lines = [
+        "- engine: embedded (transformers Qwen2-VL, rollout over a KV cache)",
+        f"- data: {source}",
+        f"- model: {model_desc}",
+        f"- sampler: {cfg.sampler} (the same in both runs)",
+        f"- reward: 1 when the response's first word is the answer, {cfg.format_score:g} when it is a wrong answer of "
+        "the right kind (a number, a colour), else 0",
+        "- processor-layout parity (rl_kernel_core.tools.multimodal.parity) on each run's first batch, rollout vs training "
+        "encoding: no mismatch (a mismatch stops the run before training)",
+        f"- batch-invariant mode: {'on in both runs' if cfg.batch_invariant else 'off'}",
+    ]
+    runs.write_comparison(
+        "grpo_vision",
+        "GRPO on generated image problems: rl-kernel off vs on",
+        first,
+        device,
         out,
-        title="GRPO on generated image problems: rl-kernel off vs on",
-        sections=sections,
+        [("Run", "\n".join(run_lines))],
     )
-    print(f"[grpo_vision] report: {report_path}", flush=True)
     return 0
 
 

@@ -1,10 +1,11 @@
 """What the GRPO recipes share: their common options and the ones that override a preset's run,
-the output directory and device, the run config, one embedded run of a side, the checkout's
-commit for the run's metadata, and the first-step off-vs-on check of the report."""
+the output directory and device, the run config, one embedded run of a side, the runs' common
+metadata, and the report with its first-step off-vs-on check."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import torch
 
 from rl_kernel_core import contract, dispatch
 from rl_kernel_core.argtypes import device_name, integer, number
-from rl_kernel_core.tools import report
+from rl_kernel_core.tools import bench, report
 
 from . import embedded
 
@@ -116,6 +117,30 @@ def first_step_section(first: dict, device: torch.device, out: Path) -> tuple[st
     )
     (out / "first_step.json").write_text(json.dumps(check, indent=2))
     return "First step, off vs on", report.first_step_markdown(check)
+
+
+def run_meta(recipe: str, args: argparse.Namespace, cfg: embedded.GRPOConfig, device: torch.device, **fields) -> dict:
+    """The meta fields both runs of ``recipes/<recipe>.sh`` share: its command line, the preset,
+    ``fields`` (engine, model, data, ...), the checkout's commit, the resolved config and the environment."""
+    return {
+        "command": " ".join([f"bash recipes/{recipe}.sh", *bench.command_line().split(" ")[2:]]),
+        "preset": args.preset,
+        **fields,
+        "git_commit": git_commit(),
+        "config": dataclasses.asdict(cfg),
+        "environment": bench.environment(device),
+    }
+
+
+def write_comparison(
+    recipe: str, title: str, first: dict, device: torch.device, out: Path, sections: list[tuple[str, str]]
+) -> None:
+    """Writes ``out/report.md`` comparing ``out/off.jsonl`` and ``out/on.jsonl``: the first-step
+    section (when the on run has a step 0 in ``first``), then ``sections`` (title, markdown)."""
+    if first.get("on"):
+        sections = [first_step_section(first, device, out), *sections]
+    report_path = report.write_report(out / "off.jsonl", out / "on.jsonl", out, title=title, sections=sections)
+    print(f"[{recipe}] report: {report_path}", flush=True)
 
 
 def recipe_parser(recipe: str, presets: Any, preset_help: str, description: str) -> argparse.ArgumentParser:
