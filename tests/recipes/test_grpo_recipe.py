@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -17,38 +16,14 @@ GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from grpo import data, scoring  # noqa: E402
+from recipe_runs import SMALL_RUN, read_records, run_recipe_script  # noqa: E402
 
 STEPS = 3
 
 
 def _run_recipe(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        "bash",
-        str(ROOT / "recipes" / "grpo_gsm8k.sh"),
-        "--preset",
-        "tiny",
-        "--steps",
-        str(STEPS),
-        "--prompts-per-step",
-        "4",
-        "--group-size",
-        "4",
-        "--out",
-        str(out),
-        "--no-progress",
-        *extra,
-    ]
-    # the interpreter running the tests is the recipe's python3, so the recipe never builds another
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    }
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    args = ("--preset", "tiny", "--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "4")
+    return run_recipe_script("grpo_gsm8k.sh", [*args, "--out", str(out), "--no-progress", *extra], timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +55,7 @@ def test_recipe_writes_logs_report_and_plots(gsm8k_run):
         assert (out / name).is_file(), name
         assert (out / name).stat().st_size > 0, name
     assert "engine: embedded" in proc.stdout
-    off, on = _records(out / "off.jsonl"), _records(out / "on.jsonl")
+    off, on = read_records(out / "off.jsonl"), read_records(out / "on.jsonl")
     assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(STEPS))
     assert {r["backend"] for r in off} == {"off"} and {r["backend"] for r in on} == {"on"}
     for rec in off + on:
@@ -93,7 +68,7 @@ def test_recipe_writes_logs_report_and_plots(gsm8k_run):
 
 def test_first_step_is_identical_off_and_on_within_contract(gsm8k_run):
     out, _ = gsm8k_run
-    off, on = _records(out / "off.jsonl")[0], _records(out / "on.jsonl")[0]
+    off, on = read_records(out / "off.jsonl")[0], read_records(out / "on.jsonl")[0]
     # the same samples: the same tokens, reward and rollout log-prob drift statistics
     assert off["tokens"] == on["tokens"] and off["response_tokens"] == on["response_tokens"]
     assert off["reward"] == on["reward"]
@@ -109,7 +84,7 @@ def test_report_numbers_match_the_logs(gsm8k_run):
     out, _ = gsm8k_run
     rows = {r["metric"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
     for side in ("off", "on"):
-        recs = _records(out / f"{side}.jsonl")
+        recs = read_records(out / f"{side}.jsonl")
         # timings leave out the first (warm-up) step, other series keep every step
         for key, values in (
             ("reward", [r["reward"] for r in recs]),
@@ -125,7 +100,7 @@ def test_report_numbers_match_the_logs(gsm8k_run):
     assert "## Per-module time" in text and "## First step, off vs on" in text and "![mean reward](reward.png)" in text
     assert "**Timing noise.**" in text and "| module | off min | off median | off max |" in text
     assert "## Known differences between the off and on paths" in text and "| reward of all 4 | off advantage" in text
-    on = _records(out / "on.jsonl")
+    on = read_records(out / "on.jsonl")
     assert all(r["equal_reward_advantage_max"] == 0.0 for r in on)  # rl-kernel's are exactly 0
     assert {r["equal_reward_groups"] for r in on} <= set(range(5))
     assert "synthetic" not in text  # real GSM8K here
@@ -135,7 +110,7 @@ def test_synthetic_data_is_announced(tmp_path):
     proc = _run_recipe(tmp_path, "--data", "synthetic", "--sides", "on")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data: synthetic GSM8K-format arithmetic" in proc.stdout
-    assert len(_records(tmp_path / "on.jsonl")) == STEPS
+    assert len(read_records(tmp_path / "on.jsonl")) == STEPS
 
 
 def test_no_data_source_is_a_clear_error(tmp_path, monkeypatch):
@@ -179,7 +154,7 @@ def test_scorer_follows_verl(text, truth, method, expected):
 
 
 def _diffs(out: Path, side: str) -> list[float]:
-    return [r["logprob_diff_max"] for r in _records(out / f"{side}.jsonl")]
+    return [r["logprob_diff_max"] for r in read_records(out / f"{side}.jsonl")]
 
 
 def test_batch_invariant_rollout_and_training_logprobs_are_bitwise_equal(tmp_path):
@@ -475,32 +450,8 @@ def test_progress_is_plain_lines_when_not_a_terminal():
 
 
 def test_recipe_progress_in_a_log_file_is_plain_lines(tmp_path):
-    cmd = [
-        "bash",
-        str(ROOT / "recipes" / "grpo_gsm8k.sh"),
-        "--preset",
-        "tiny",
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--out",
-        str(tmp_path),
-        "--data",
-        "synthetic",
-        "--sides",
-        "off",
-    ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    }
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    args = [*SMALL_RUN, "--out", str(tmp_path), "--data", "synthetic", "--sides", "off"]
+    proc = run_recipe_script("grpo_gsm8k.sh", args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stderr
     assert [line.split(":")[0] for line in proc.stderr.splitlines() if line.startswith("GRPO [")] == [

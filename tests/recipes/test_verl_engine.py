@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 from grpo import data, scoring, verl_engine  # noqa: E402
 from grpo.embedded import GRPOConfig  # noqa: E402
+from recipe_runs import SMALL_RUN, read_records  # noqa: E402
 from rl_kernel_core.tools import report  # noqa: E402
 
 HAVE_VERL = all(importlib.util.find_spec(m) is not None for m in ("verl", "vllm", "ray", "pandas"))
@@ -384,43 +385,20 @@ def verl_run(tmp_path_factory):
     control group), the on run has the adapter's batch-invariant option, the vLLM plugin's
     batch-invariant mode and the weight check on every sync."""
     out = tmp_path_factory.mktemp("grpo_verl")
-    cmd = [
-        sys.executable,
-        str(ROOT / "recipes" / "grpo_gsm8k.py"),
-        "--engine",
-        "verl",
-        "--data",
-        "synthetic",
-        "--limit",
-        "16",
-        "--preset",
-        "tiny",
-        "--steps",
-        str(STEPS),
-        "--prompts-per-step",
-        "4",
-        "--group-size",
-        "4",
-        "--max-new-tokens",
-        "8",
-        "--kl-coef",
-        "0.001",
-        "--batch-invariant",
-        "--weight-check-every",
-        "1",
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    args = ["--limit", "16", "--preset", "tiny", "--steps", str(STEPS), "--prompts-per-step", "4", "--group-size", "4"]
+    args += ["--max-new-tokens", "8", "--kl-coef", "0.001", "--batch-invariant", "--weight-check-every", "1"]
+    proc = _run_verl_recipe(out, *args)
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(out.glob("verl-*/verl.log")))
         pytest.fail(f"recipe exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}\n{logs}")
     return out, proc
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def _run_verl_recipe(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``recipes/grpo_gsm8k.py --engine verl --data synthetic <args>`` writing into ``out``, output captured."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "grpo_gsm8k.py"), "--engine", "verl", "--data", "synthetic", *args]
+    cmd += ["--out", str(out), "--no-progress"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env)
 
 
 @needs_verl
@@ -442,7 +420,7 @@ def test_verl_engine_end_to_end_off_and_batch_invariant_on(verl_run):
     ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert not (out / "first_step.json").exists()  # the embedded engine's check only
-    off, on = _records(out / "off.jsonl"), _records(out / "on.jsonl")
+    off, on = read_records(out / "off.jsonl"), read_records(out / "on.jsonl")
     assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(STEPS))
     for side, records in (("off", off), ("on", on)):
         for rec in records:
@@ -507,37 +485,10 @@ def test_weight_check_names_a_flipped_bit(tmp_path):
         VERL_USE_EXTERNAL_MODULES="verl_flip_bit",
         PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
     )
-    cmd = [
-        sys.executable,
-        str(ROOT / "recipes" / "grpo_gsm8k.py"),
-        "--engine",
-        "verl",
-        "--data",
-        "synthetic",
-        "--limit",
-        "8",
-        "--preset",
-        "tiny",
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--sides",
-        "on",
-        "--weight-check-every",
-        "1",
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env)
+    proc = _run_verl_recipe(out, "--limit", "8", *SMALL_RUN, "--sides", "on", "--weight-check-every", "1", env=env)
     log = (out / "verl-on" / "verl.log").read_text() if (out / "verl-on" / "verl.log").is_file() else ""
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}\n{log[-4000:]}"
-    records = _records(out / "on.jsonl")
+    records = read_records(out / "on.jsonl")
     assert [r["rl_kernel/weight_checks"] for r in records] == [1.0, 2.0]
     assert [r["rl_kernel/weight_bits_differ"] for r in records] == [1.0, 0.0]
     assert f"{verl_flip_bit.PARAMETER}: bits differ (first at row {verl_flip_bit.ELEMENT[0]})" in log

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,40 +14,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from grpo import vision_data  # noqa: E402
+from recipe_runs import read_records, run_recipe_script  # noqa: E402
 
 STEPS = 2
 
 
 def _run_recipe(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        "bash",
-        str(ROOT / "recipes" / "grpo_vision.sh"),
-        "--data",
-        "synthetic",
-        "--steps",
-        str(STEPS),
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "4",
-        "--problems",
-        "64",
-        "--out",
-        str(out),
-        "--no-progress",
-        *extra,
-    ]
-    # the interpreter running the tests is the recipe's python3, so the recipe never builds another
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    }
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=ROOT)
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    args = ["--data", "synthetic", "--steps", str(STEPS), "--prompts-per-step", "2", "--group-size", "4"]
+    args += ["--problems", "64", "--out", str(out), "--no-progress"]
+    return run_recipe_script("grpo_vision.sh", [*args, *extra], timeout=1200)
 
 
 def test_recipe_runs_off_and_on_with_report_and_bitwise_rollout_logprobs(tmp_path):
@@ -68,7 +42,7 @@ def test_recipe_runs_off_and_on_with_report_and_bitwise_rollout_logprobs(tmp_pat
     ):
         assert (tmp_path / name).is_file() and (tmp_path / name).stat().st_size > 0, name
     assert proc.stdout.count("processor-layout parity of the first batch: no mismatch") == 2, proc.stdout
-    off, on = _records(tmp_path / "off.jsonl"), _records(tmp_path / "on.jsonl")
+    off, on = read_records(tmp_path / "off.jsonl"), read_records(tmp_path / "on.jsonl")
     assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(STEPS))
     for rec in off + on:
         assert set(rec["regions"]) >= {"rollout", "old_logprob", "logprob", "backward", "update", "step"}
@@ -96,7 +70,7 @@ def test_a_processor_mismatch_stops_the_recipe_before_training(tmp_path):
         "rollout vs training: modality_spans[0] image 0: rollout image at 7, 16 tokens vs training image at 7, "
         "4 tokens (16 vs 4 image tokens)"
     ], proc.stderr[-2000:]
-    assert not (tmp_path / "off.jsonl").exists() or _records(tmp_path / "off.jsonl") == []
+    assert not (tmp_path / "off.jsonl").exists() or read_records(tmp_path / "off.jsonl") == []
     assert not (tmp_path / "on.jsonl").exists() and not (tmp_path / "report.md").exists()
 
 
