@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from vime_helpers import make_args, make_batch
+from vime_helpers import make_args, make_batch, upstream_generator
 from rl_kernel_core.contract import assert_close
 from rl_kernel_vime import config, hooks, patch, targets
 from vime.backends.megatron_utils import cp_utils
@@ -47,7 +47,7 @@ def test_calculate_log_probs_and_entropy(gen, with_entropy, chunk_size):
     else:
         assert got_ent is None and want_ent is None
         outputs_want, outputs_got = [want_lp], [got_lp]
-    upstream = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    upstream = upstream_generator(gen)
     (g_want,) = _grad(outputs_want, [logits], upstream.clone_state())
     (g_got,) = _grad(outputs_got, [logits], upstream)
     assert_close(g_got, g_want, "gradient", F32, "d logits")
@@ -82,7 +82,7 @@ def test_get_log_probs_and_entropy_packed(gen, temperature, with_entropy):
         assert [t.shape for t in got[key]] == [t.shape for t in want[key]] == [(r,) for r in batch["response_lengths"]]
         for i, (g, w) in enumerate(zip(got[key], want[key])):
             assert_close(g, w, "logprob", F32, f"{key}[{i}]")
-    upstream = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    upstream = upstream_generator(gen)
     flat = lambda res: [torch.cat(res[k]) for k in res]  # noqa: E731
     (g_want,) = _grad(flat(want), [logits], upstream.clone_state())
     (g_got,) = _grad(flat(got), [logits], upstream)
@@ -100,7 +100,7 @@ def test_compute_approx_kl(gen, kl_type):
         assert bool((want == 10).any()), "inputs must exercise the clamp"
     assert got.dtype == F32
     assert_close(got, want, "elementwise", F32, f"kl {kl_type}")
-    upstream = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    upstream = upstream_generator(gen)
     (g_want,) = _grad([want], [log_probs], upstream.clone_state())
     (g_got,) = _grad([got], [log_probs], upstream)
     assert_close(g_got, g_want, "gradient", F32, "d log_probs")

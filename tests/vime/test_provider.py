@@ -35,7 +35,7 @@ from vime.backends.megatron_utils import linear_logp_provider as boundary
 from vime.backends.megatron_utils import selected_logprob_provider as selected_boundary
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.utils import ppo_utils
-from vime_helpers import make_args, make_batch
+from vime_helpers import make_args, make_batch, must_not_run, random_head, upstream_generator, weighted_sum
 
 F32 = torch.float32
 PATH = targets.PROVIDER_PATH
@@ -78,16 +78,8 @@ def _native(request) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     )
 
 
-def _must_not_run(*args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("vime's native path ran where the provider should have answered or vime refused")
-
-
 def _args(path: Optional[str] = PATH, mode: str = "auto") -> Namespace:
     return Namespace(linear_logp_provider=path, linear_logp_provider_mode=mode)
-
-
-def _weighted(outputs, gen):
-    return sum((torch.randn(o.shape, generator=gen) * o).sum() for o in outputs if o is not None and o.requires_grad)
 
 
 def _logits_case(gen, rows=11, vocab=23):
@@ -113,18 +105,11 @@ def test_logits_path_matches_vime_native(gen, with_entropy, with_entropy_grad):
     assert result.backend_id == "rl_kernel:" + dispatch.explain("logprob_from_logits").backend
     assert result.contract_id == "rl_kernel_core.contract:logprob:fp32"
     assert result.provenance["op"] == "logprob_from_logits" and result.provenance["input"] == "logits"
-    upstream = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    (g_want,) = torch.autograd.grad(_weighted([want_lp, want_ent], upstream.clone_state()), [logits])
-    (g_got,) = torch.autograd.grad(_weighted([result.logp, result.entropy], upstream), [logits])
+    upstream = upstream_generator(gen)
+    (g_want,) = torch.autograd.grad(weighted_sum([want_lp, want_ent], upstream.clone_state()), [logits])
+    (g_got,) = torch.autograd.grad(weighted_sum([result.logp, result.entropy], upstream), [logits])
     assert_close(g_got, g_want, "gradient", F32, "d logits")
     assert registry.provider_calls() == {f"{result.backend_id} via logprob_from_logits": 1}
-
-
-def _hidden_case(gen, rows=9, hidden=13, vocab=29, bias=True):
-    h = torch.randn(rows, hidden, generator=gen).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5 * 3).requires_grad_()
-    b = torch.randn(vocab, generator=gen).requires_grad_() if bias else None
-    return h, w, b, torch.randint(0, vocab, (rows,), generator=gen)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -132,7 +117,7 @@ def _hidden_case(gen, rows=9, hidden=13, vocab=29, bias=True):
 @pytest.mark.parametrize("temperature", [None, 0.7, "tensor1", "tensorT"])
 def test_hidden_path_matches_vime_native_without_reading_logits(gen, bias, with_entropy, temperature):
     """With hidden states and the LM head, logits are never read: they are NaN here."""
-    h, w, b, tgt = _hidden_case(gen, bias=bias)
+    h, w, b, tgt = random_head(gen, bias=bias)
     t = {None: None, 0.7: 0.7, "tensor1": torch.tensor([1.3]), "tensorT": torch.full((9,), 0.8)}[temperature]
     scale = 1.0 if t is None else float(t) if not isinstance(t, torch.Tensor) else float(t.reshape(-1)[0])
     context = boundary.LinearLogpContext(
@@ -157,9 +142,9 @@ def test_hidden_path_matches_vime_native_without_reading_logits(gen, bias, with_
         "padded_size": 29,
     }
     leaves = [x for x in (h, w, b) if x is not None]
-    upstream = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    g_want = torch.autograd.grad(_weighted([want_lp, want_ent], upstream.clone_state()), leaves)
-    g_got = torch.autograd.grad(_weighted([result.logp, result.entropy], upstream), leaves)
+    upstream = upstream_generator(gen)
+    g_want = torch.autograd.grad(weighted_sum([want_lp, want_ent], upstream.clone_state()), leaves)
+    g_got = torch.autograd.grad(weighted_sum([result.logp, result.entropy], upstream), leaves)
     for name, got, want in zip(("d hidden", "d weight", "d bias"), g_got, g_want):
         assert_close(got, want, "gradient", F32, name)
 
@@ -168,7 +153,7 @@ def test_strict_boundary_accepts_the_result_and_cp_layout_is_recorded(gen):
     logits, tgt = _logits_case(gen)
     layout = boundary.TokenLayout(world_size=2, rank=1, layout="zigzag")
     request = _request(logits, tgt, with_entropy=True, layout=layout)
-    lp, ent = boundary.compute_linear_logp(args=_args(mode="strict"), request=request, native=_must_not_run)
+    lp, ent = boundary.compute_linear_logp(args=_args(mode="strict"), request=request, native=must_not_run)
     want_lp, want_ent = _native(request)
     assert_close(lp, want_lp, "logprob", F32, "logp")
     assert ent is not None and want_ent is not None
@@ -191,7 +176,7 @@ def _keep_mask_request(gen):
 
 
 def _per_row_temperature_request(gen):
-    h, w, b, tgt = _hidden_case(gen)
+    h, w, b, tgt = random_head(gen)
     context = boundary.LinearLogpContext(
         hidden=h,
         projection=boundary.LinearProjection(weight=w, bias=b),
@@ -202,7 +187,7 @@ def _per_row_temperature_request(gen):
 
 
 def _offset_shard_request(gen):
-    h, w, b, tgt = _hidden_case(gen)
+    h, w, b, tgt = random_head(gen)
     context = boundary.LinearLogpContext(
         hidden=h,
         projection=boundary.LinearProjection(weight=w, bias=b),
@@ -241,7 +226,7 @@ def test_auto_falls_back_to_vime_native(gen, caplog, case):
 def test_strict_refuses_in_one_line(gen, case):
     build, reason = UNSERVED[case]
     with pytest.raises(RuntimeError) as info:
-        boundary.compute_linear_logp(args=_args(mode="strict"), request=build(gen), native=_must_not_run)
+        boundary.compute_linear_logp(args=_args(mode="strict"), request=build(gen), native=must_not_run)
     message = str(info.value)
     assert message.startswith(f"linear_logp provider {PATH!r} is unavailable: rl_kernel_vime: ") and reason in message
     assert "\n" not in message
@@ -250,7 +235,7 @@ def test_strict_refuses_in_one_line(gen, case):
 def test_strict_switch_forbids_vime_native_even_in_auto(gen, monkeypatch):
     monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
     with pytest.raises(fallback.FallbackError, match="rollout top-p replay.*VIME_RL_KERNEL_STRICT=1"):
-        boundary.compute_linear_logp(args=_args(), request=_keep_mask_request(gen), native=_must_not_run)
+        boundary.compute_linear_logp(args=_args(), request=_keep_mask_request(gen), native=must_not_run)
 
 
 def test_switch_makes_it_vime_default_provider(gen):
@@ -366,7 +351,7 @@ def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
     ``SelectedLogprobRequest``'s flat ``hidden``/``lm_head_weight``/``vocab_start_index``);
     logits without hidden states are refused."""
     rows, hidden, vocab = 10, 12, 34
-    h, w, b, tgt = _hidden_case(gen, rows=rows, hidden=hidden, vocab=vocab)
+    h, w, b, tgt = random_head(gen, rows=rows, hidden=hidden, vocab=vocab)
     case = dict(
         hidden=h.detach(),
         weight=w.detach(),
@@ -441,7 +426,7 @@ def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
 
 def _well_formed(gen, rows: int = 6, hidden: int = 5, vocab: int = 11) -> dict[str, Any]:
     """One well-formed request per boundary and input (vime's own dataclasses)."""
-    h, w, b, tgt = _hidden_case(gen, rows=rows, hidden=hidden, vocab=vocab)
+    h, w, b, tgt = random_head(gen, rows=rows, hidden=hidden, vocab=vocab)
     logits = F.linear(h, w, b).detach()
     context = boundary.LinearLogpContext(
         hidden=h,
@@ -742,7 +727,7 @@ def test_an_all_nan_temperature_stops_vime_in_auto_mode(gen):
     reaches the user in ``auto`` mode too, instead of a fallback for "temperatures that differ"."""
     request = dataclasses.replace(_well_formed(gen)["linear/hidden"], temperature=torch.full((6,), math.nan))
     with pytest.raises(ValueError, match=r"^request\.temperature\[0\] must be a finite number > 0, got nan$"):
-        boundary.compute_linear_logp(args=_args(), request=request, native=_must_not_run)
+        boundary.compute_linear_logp(args=_args(), request=request, native=must_not_run)
 
 
 def _good_temperature(gen: torch.Generator, rows: int) -> tuple[Any, float]:

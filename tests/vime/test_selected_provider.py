@@ -29,7 +29,7 @@ from rl_kernel_vime.provider import ProviderUnavailable, SelectedLogprobResult, 
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.backends.megatron_utils import selected_logprob_provider as boundary
 from vime.utils import ppo_utils
-from vime_helpers import make_args, make_batch
+from vime_helpers import make_args, make_batch, must_not_run, random_head, upstream_generator, weighted_sum
 
 F32 = torch.float32
 PATH = targets.PROVIDER_PATH
@@ -65,27 +65,8 @@ def _native(
     )
 
 
-def _must_not_run(*args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("vime's native path ran where the provider should have answered or vime refused")
-
-
 def _args(path: Optional[str] = PATH, mode: str = "auto") -> Namespace:
     return Namespace(selected_logprob_provider=path, selected_logprob_provider_mode=mode)
-
-
-def _weighted(outputs, gen):
-    return sum((torch.randn(o.shape, generator=gen) * o).sum() for o in outputs if o is not None and o.requires_grad)
-
-
-def _upstream(gen) -> torch.Generator:
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-
-
-def _head(gen, rows=9, hidden=13, vocab=29, bias=True):
-    h = torch.randn(rows, hidden, generator=gen).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5 * 3).requires_grad_()
-    b = torch.randn(vocab, generator=gen).requires_grad_() if bias else None
-    return h, w, b, torch.randint(0, vocab, (rows,), generator=gen)
 
 
 @pytest.mark.parametrize("with_entropy, with_entropy_grad", [(False, False), (True, True), (True, False)])
@@ -104,7 +85,7 @@ def test_logits_request_matches_vime_native(gen, with_entropy, with_entropy_grad
         real_vocab_size=20,
         metadata={"logits_are_temperature_scaled": True},
     )
-    lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=_must_not_run)
+    lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=must_not_run)
     want_lp, want_ent = _native(logits, tgt, with_entropy=with_entropy, with_entropy_grad=with_entropy_grad)
     assert lp.shape == (11, 1) and lp.dtype == F32
     assert_close(lp, want_lp, "logprob", F32, "selected_logprobs")
@@ -121,9 +102,9 @@ def test_logits_request_matches_vime_native(gen, with_entropy, with_entropy_grad
     assert result.provenance["boundary"] == "selected_logprob" and result.provenance["op"] == "logprob_from_logits"
     assert result.provenance["temperature"] == "applied by vime"
     assert result.provenance["context_parallel"] == {"world_size": 1, "rank": 0, "layout": "single"}
-    upstream = _upstream(gen)
-    (g_want,) = torch.autograd.grad(_weighted([want_lp, want_ent], upstream.clone_state()), [logits])
-    (g_got,) = torch.autograd.grad(_weighted([lp, ent], upstream), [logits])
+    upstream = upstream_generator(gen)
+    (g_want,) = torch.autograd.grad(weighted_sum([want_lp, want_ent], upstream.clone_state()), [logits])
+    (g_got,) = torch.autograd.grad(weighted_sum([lp, ent], upstream), [logits])
     assert_close(g_got, g_want, "gradient", F32, "d logits")
 
 
@@ -134,7 +115,7 @@ def test_hidden_request_matches_vime_native_without_reading_logits(gen, bias, wi
     """With ``hidden``/``lm_head_weight``/``lm_head_bias`` the logits are never read (NaN here):
     one ``linear_logprob`` call at the request's temperature, over the padded vocabulary as vime's
     native function scores it (``real_vocab_size`` is recorded, not used to mask)."""
-    h, w, b, tgt = _head(gen, bias=bias)
+    h, w, b, tgt = random_head(gen, bias=bias)
     forms: dict[Any, Union[float, torch.Tensor]] = {
         1.0: 1.0,
         0.7: 0.7,
@@ -156,7 +137,7 @@ def test_hidden_request_matches_vime_native_without_reading_logits(gen, bias, wi
         real_vocab_size=27,
         temperature=t,
     )
-    lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=_must_not_run)
+    lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=must_not_run)
     want_lp, want_ent = _native(F.linear(h, w, b) / scale, tgt, with_entropy=with_entropy)
     assert_close(lp, want_lp, "logprob", F32, "selected_logprobs")
     if with_entropy:
@@ -167,9 +148,9 @@ def test_hidden_request_matches_vime_native_without_reading_logits(gen, bias, wi
     assert result.provenance["op"] == "linear_logprob" and result.provenance["temperature"] == pytest.approx(scale)
     assert result.provenance["vocab"] == {"vocab_start_index": 0, "global_vocab_size": 29, "real_vocab_size": 27}
     leaves = [x for x in (h, w, b) if x is not None]
-    upstream = _upstream(gen)
-    g_want = torch.autograd.grad(_weighted([want_lp, want_ent], upstream.clone_state()), leaves)
-    g_got = torch.autograd.grad(_weighted([lp, ent], upstream), leaves)
+    upstream = upstream_generator(gen)
+    g_want = torch.autograd.grad(weighted_sum([want_lp, want_ent], upstream.clone_state()), leaves)
+    g_got = torch.autograd.grad(weighted_sum([lp, ent], upstream), leaves)
     for name, got, want in zip(("d hidden", "d lm_head_weight", "d lm_head_bias"), g_got, g_want):
         assert_close(got, want, "gradient", F32, name)
 
@@ -207,7 +188,7 @@ def test_vime_loss_asks_the_provider_through_the_selected_boundary(gen, with_con
     num_rows = logits.size(1)
     context = None
     if with_context:  # the logits the model would produce from these hidden states
-        h, w, b, _ = _head(gen, rows=num_rows, hidden=rows_hidden, vocab=vocab)
+        h, w, b, _ = random_head(gen, rows=num_rows, hidden=rows_hidden, vocab=vocab)
         context = {
             "hidden": h,
             "lm_head_weight": w,
@@ -249,7 +230,7 @@ def test_the_hook_takes_vime_calls_without_a_linear_logp_context(gen):
     args = make_args(rollout_temperature=0.8, selected_logprob_provider=PATH)
     _, got = vime_loss.get_log_probs_and_entropy(logits, args=args, linear_logp_context=None, **kwargs)
     assert fallback.counts() == {} and registry.provider_calls() == {}  # the hook's own op call
-    h, w, b, _ = _head(gen, rows=logits.size(1), hidden=6, vocab=17)
+    h, w, b, _ = random_head(gen, rows=logits.size(1), hidden=6, vocab=17)
     context = {"hidden": h, "lm_head_weight": w, "lm_head_bias": b, "vocab_start_index": 0}
     _, via_boundary = vime_loss.get_log_probs_and_entropy(
         F.linear(h, w, b).detach()[None], args=args, linear_logp_context=context, **kwargs
@@ -275,7 +256,7 @@ def _keep_mask(gen):
 
 
 def _hidden_fields(gen, **fields: Any):
-    h, w, b, tgt = _head(gen)
+    h, w, b, tgt = random_head(gen)
     return _request(F.linear(h, w, b).detach(), tgt, hidden=h, lm_head_weight=w, lm_head_bias=b, **fields)
 
 
@@ -325,7 +306,7 @@ def test_auto_falls_back_to_vime_native(gen, caplog, case):
 def test_strict_refuses_in_one_line(gen, case):
     build, reason = UNSERVED[case]
     with pytest.raises(RuntimeError) as info:
-        boundary.compute_selected_logprobs(args=_args(mode="strict"), request=build(gen), native=_must_not_run)
+        boundary.compute_selected_logprobs(args=_args(mode="strict"), request=build(gen), native=must_not_run)
     message = str(info.value)
     assert (
         message.startswith(f"selected-logprob provider {PATH!r} is unavailable: rl_kernel_vime: ") and reason in message
@@ -336,7 +317,7 @@ def test_strict_refuses_in_one_line(gen, case):
 def test_strict_switch_forbids_vime_native_even_in_auto(gen, monkeypatch):
     monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
     with pytest.raises(fallback.FallbackError, match="rollout top-p replay.*VIME_RL_KERNEL_STRICT=1"):
-        boundary.compute_selected_logprobs(args=_args(), request=_keep_mask(gen), native=_must_not_run)
+        boundary.compute_selected_logprobs(args=_args(), request=_keep_mask(gen), native=must_not_run)
 
 
 def test_the_provider_needs_no_vime_to_answer(gen, monkeypatch):
@@ -345,7 +326,7 @@ def test_the_provider_needs_no_vime_to_answer(gen, monkeypatch):
     with both boundaries' markers: vime is needed only to call the provider, never by it."""
     for name in [m for m in sys.modules if m == "vime" or m.startswith("vime.")] + ["vime"]:
         monkeypatch.setitem(sys.modules, name, None)  # importing any of them now raises ImportError
-    h, w, b, tgt = _head(gen)
+    h, w, b, tgt = random_head(gen)
     logits = F.linear(h, w, b).detach()
     cp = SimpleNamespace(world_size=2, rank=1, layout="allgather")
     flat = SimpleNamespace(

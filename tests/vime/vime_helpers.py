@@ -1,7 +1,8 @@
-"""Builders shared by the vime adapter tests: vime's arguments and a packed random micro-batch."""
+"""Builders shared by the vime adapter tests: vime's arguments, a packed random micro-batch, a
+random LM head, and the random upstream gradient the gradient checks apply."""
 
 from argparse import Namespace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -62,3 +63,33 @@ def make_batch(
         k: [t.to(device) for t in v] if k not in ("total_lengths", "response_lengths") else v for k, v in batch.items()
     }
     return logits, batch
+
+
+def random_head(
+    generator: torch.Generator, rows: int = 9, hidden: int = 13, vocab: int = 29, bias: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(hidden [rows, hidden], weight [vocab, hidden], bias [vocab] or None, targets [rows])``: fp32
+    leaves requiring grad (logits of std about 3) and int64 targets."""
+    h = torch.randn(rows, hidden, generator=generator).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=generator) / hidden**0.5 * 3).requires_grad_()
+    b = torch.randn(vocab, generator=generator).requires_grad_() if bias else None
+    return h, w, b, torch.randint(0, vocab, (rows,), generator=generator)
+
+
+def upstream_generator(generator: torch.Generator) -> torch.Generator:
+    """A CPU generator seeded from ``generator``: two :func:`weighted_sum` calls from clones of its
+    state apply the same upstream gradient."""
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
+
+
+def weighted_sum(outputs, generator: torch.Generator) -> Any:
+    """The sum of each output that requires grad times N(0, 1) weights of its shape: a scalar whose
+    backward applies a random upstream gradient (None outputs are skipped)."""
+    return sum(
+        (torch.randn(o.shape, generator=generator) * o).sum() for o in outputs if o is not None and o.requires_grad
+    )
+
+
+def must_not_run(*args: Any, **kwargs: Any) -> Any:
+    """A stand-in for vime's native path where the provider must answer or vime refuse."""
+    raise AssertionError("vime's native path ran where the provider should have answered or vime refused")
