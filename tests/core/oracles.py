@@ -667,6 +667,17 @@ def as_fp64(t):
     return None if t is None else t.detach().double()
 
 
+def every_term_loss_formula(x, lp, ent, *, kl_coef, ent_coef, mode):
+    """:func:`loss_formula` with every term on, for the inputs ``x`` of :func:`make_loss_inputs`:
+    the dual clip at 3, the k3 KL to ``x["ref"]``, the entropy ``ent`` and ``x["is_w"]``. ``lp`` and
+    ``ent``: fp64 ``[S, T]``, given so that a test can take their gradients."""
+    old, adv, ref, is_w = (as_fp64(x[k]) for k in ("old", "adv", "ref", "is_w"))
+    w = x["mask"].double()
+    return loss_formula(
+        lp, old, adv, w, ref=ref, c=3.0, kl="k3", kl_coef=kl_coef, ent=ent, ent_coef=ent_coef, mode=mode, is_w=is_w
+    )
+
+
 # ============================================================== rms_norm, bi_matmul, bi_linear, bi_log_softmax, bi_mean
 
 

@@ -21,13 +21,13 @@ from rl_kernel_core.contract import assert_close
 from rl_kernel_core.loss.api import KL_TYPES, LossSettings
 from rl_kernel_core.loss import reference as reference_loss
 from oracles import (
+    every_term_loss_formula,
     AGG_MODES,
     METRICS,
     as_fp64,
     leaves,
     linear_oracle,
     linear_shapes,
-    loss_formula,
     make_inputs,
     make_loss_inputs,
     small_chunks,
@@ -315,20 +315,7 @@ def test_fused_matches_fp64_formula_values_and_gradients(seed, dtype):
 
     h64, w64, b64 = (as_fp64(t).requires_grad_() for t in (hidden, weight, bias))
     lp, ent = _logprob_entropy_fp64(h64, w64, b64, targets, temp)
-    exp_loss, exp_metrics = loss_formula(
-        lp,
-        as_fp64(x["old"]),
-        as_fp64(x["adv"]),
-        x["mask"].double(),
-        ref=as_fp64(x["ref"]),
-        c=3.0,
-        kl="k3",
-        kl_coef=0.1,
-        ent=ent,
-        ent_coef=0.02,
-        mode="seq-mean-token-mean",
-        is_w=as_fp64(x["is_w"]),
-    )
+    exp_loss, exp_metrics = every_term_loss_formula(x, lp, ent, kl_coef=0.1, ent_coef=0.02, mode="seq-mean-token-mean")
     grads = torch.autograd.grad(exp_loss, (h64, w64, b64))
     assert_close(loss, exp_loss, "logprob", dtype, "loss")
     for name in METRICS:

@@ -25,6 +25,7 @@ from rl_kernel_core.loss.api import LOSS_AGG_MODES, METRIC_NAMES
 from rl_kernel_core.switches import SwitchError
 from op_backends import Backend, on_backends
 from oracles import (
+    every_term_loss_formula,
     AGG_MODES,
     KL_TYPE_CASES,
     METRICS,
@@ -288,19 +289,8 @@ def test_policy_loss_kl_entropy_and_is_weights(seed, dtype, mode):
         rollout_is_weights=x["is_w"],
     )
     loss, metrics = rk.policy_loss(x["logprob"], x["old"], x["adv"], x["mask"], **kw)
-    exp_loss, exp_metrics = loss_formula(
-        as_fp64(x["logprob"]),
-        as_fp64(x["old"]),
-        as_fp64(x["adv"]),
-        x["mask"].double(),
-        ref=as_fp64(x["ref"]),
-        c=3.0,
-        kl="k3",
-        kl_coef=0.1,
-        ent=as_fp64(x["entropy"]),
-        ent_coef=0.01,
-        mode=mode,
-        is_w=as_fp64(x["is_w"]),
+    exp_loss, exp_metrics = every_term_loss_formula(
+        x, as_fp64(x["logprob"]), as_fp64(x["entropy"]), kl_coef=0.1, ent_coef=0.01, mode=mode
     )
     assert_close(loss, exp_loss, "reduction", dtype, "loss")
     for name in METRICS:
@@ -330,20 +320,7 @@ def test_policy_loss_gradients_match_fp64_autograd(seed, dtype, mode):
     )
     loss.backward()
     lp64, ent64 = as_fp64(lp).requires_grad_(), as_fp64(ent).requires_grad_()
-    exp_loss, _ = loss_formula(
-        lp64,
-        as_fp64(x["old"]),
-        as_fp64(x["adv"]),
-        x["mask"].double(),
-        ref=as_fp64(x["ref"]),
-        c=3.0,
-        kl="k3",
-        kl_coef=0.2,
-        ent=ent64,
-        ent_coef=0.05,
-        mode=mode,
-        is_w=as_fp64(x["is_w"]),
-    )
+    exp_loss, _ = every_term_loss_formula(x, lp64, ent64, kl_coef=0.2, ent_coef=0.05, mode=mode)
     g_lp, g_ent = torch.autograd.grad(exp_loss, (lp64, ent64))
     assert lp.grad.dtype == dtype and ent.grad.dtype == dtype
     assert_close(lp.grad, g_lp, "gradient", dtype, "d/dlogprob")
