@@ -138,17 +138,22 @@ def test_probe_blames_code_between_modules_when_the_input_already_differs(seed, 
     assert "layers.0.v_proj and layers.0.attn" in first["cause"], first
 
 
-def _tiny_qwen3():
+def _tiny_qwen3(**config):
+    """A random two-layer Qwen3 (vocab 101, hidden 64, 4 heads of 16, 2 KV heads), ``config``
+    overriding, in eval mode with the mode's attention."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3Config(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
+        **{
+            "vocab_size": 101,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 128,
+            **config,
+        }
     )
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     api_hf.use_mode_attention(model)
@@ -289,22 +294,13 @@ def test_hf_mode_attention_packs_an_unpadded_batch_as_it_is(seed):
 
 
 def test_hf_mode_attention_refuses_a_sliding_window():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=128,
+    model = _tiny_qwen3(
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         use_sliding_window=True,
         sliding_window=4,
         max_window_layers=0,
         layer_types=["sliding_attention"],
     )
-    model = transformers.Qwen3ForCausalLM(cfg).eval()
-    api_hf.use_mode_attention(model)
     with (
         torch.no_grad(),
         rk.batch_invariant(),
