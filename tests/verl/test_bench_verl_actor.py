@@ -19,6 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VARIANTS = ("verl_default", "rl_kernel", "rl_kernel_batch_invariant", "verl_fused_triton")
 HOOKED = ("rl_kernel", "rl_kernel_batch_invariant")
 LAYOUTS = ("packed", "padded")
+TINY_CPU_BATCH: tuple[str, ...] = ("--model-shape", "tiny", "--device", "cpu", "--prompts", "4", "--samples", "2")
+TINY_CPU_BATCH += ("--prompt-len", "8", "--response-len", "8", "--max-token-len", "48")
+"""The benchmark's options of both tests: the tiny model on CPU, 4 prompts x 2 samples of 8 + 8 tokens."""
 CHECKED = {"log_probs", "entropy", "actor/pg_loss", "actor/ppo_kl", "kl_loss", "loss", "grad_norm", "gradients"}
 
 
@@ -40,20 +43,7 @@ def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
     try:
         rc = bench.main(
             [
-                "--model-shape",
-                "tiny",
-                "--device",
-                "cpu",
-                "--prompts",
-                "4",
-                "--samples",
-                "2",
-                "--prompt-len",
-                "8",
-                "--response-len",
-                "8",
-                "--max-token-len",
-                "48",
+                *TINY_CPU_BATCH,
                 "--check-prompts",
                 "1",
                 "--reps",
@@ -133,20 +123,7 @@ def test_microbatch_search_steps_run_the_micro_batches_they_ask_for(tmp_path):
     bench = _load_bench()
     args = bench.parse_args(
         [
-            "--model-shape",
-            "tiny",
-            "--device",
-            "cpu",
-            "--prompts",
-            "4",
-            "--samples",
-            "2",
-            "--prompt-len",
-            "8",
-            "--response-len",
-            "8",
-            "--max-token-len",
-            "48",
+            *TINY_CPU_BATCH,
             "--check-prompts",
             "0",
             "--variants",
