@@ -16,7 +16,7 @@ GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from grpo import data, scoring  # noqa: E402
-from recipe_runs import SMALL_RUN, read_records, run_recipe_script  # noqa: E402
+from recipe_runs import RUN_FILES, SMALL_RUN, assert_written, read_records, run_recipe_script  # noqa: E402
 
 STEPS = 3
 
@@ -38,22 +38,7 @@ def gsm8k_run(tmp_path_factory):
 
 def test_recipe_writes_logs_report_and_plots(gsm8k_run):
     out, proc = gsm8k_run
-    for name in (
-        "off.jsonl",
-        "on.jsonl",
-        "off.meta.json",
-        "on.meta.json",
-        "first_step.json",
-        "report.md",
-        "comparison.json",
-        "step_time.png",
-        "reward.png",
-        "modules.png",
-        "logprob_diff.png",
-        "loss.png",
-    ):
-        assert (out / name).is_file(), name
-        assert (out / name).stat().st_size > 0, name
+    assert_written(out, [*RUN_FILES, "first_step.json", "modules.png", "logprob_diff.png", "loss.png"])
     assert "engine: embedded" in proc.stdout
     off, on = read_records(out / "off.jsonl"), read_records(out / "on.jsonl")
     assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(STEPS))

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 from grpo import data, scoring, verl_engine  # noqa: E402
 from grpo.embedded import GRPOConfig  # noqa: E402
-from recipe_runs import SMALL_RUN, read_records  # noqa: E402
+from recipe_runs import RUN_FILES, SMALL_RUN, assert_written, read_records  # noqa: E402
 from rl_kernel_core.tools import report  # noqa: E402
 
 HAVE_VERL = all(importlib.util.find_spec(m) is not None for m in ("verl", "vllm", "ray", "pandas"))
@@ -408,17 +408,7 @@ def test_verl_engine_end_to_end_off_and_batch_invariant_on(verl_run):
     in the control group; the training pass gives the old-log-prob pass's bits (``ppo_kl`` 0)."""
     out, proc = verl_run
     assert "engine: verl" in proc.stdout
-    for name in (
-        "off.jsonl",
-        "on.jsonl",
-        "off.meta.json",
-        "on.meta.json",
-        "report.md",
-        "comparison.json",
-        "step_time.png",
-        "reward.png",
-    ):
-        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert_written(out, RUN_FILES)
     assert not (out / "first_step.json").exists()  # the embedded engine's check only
     off, on = read_records(out / "off.jsonl"), read_records(out / "on.jsonl")
     assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(STEPS))

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 from grpo import vision_data  # noqa: E402
-from recipe_runs import read_records, run_recipe_script  # noqa: E402
+from recipe_runs import RUN_FILES, assert_written, read_records, run_recipe_script  # noqa: E402
 
 STEPS = 2
 
@@ -28,19 +28,7 @@ def _run_recipe(out: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_recipe_runs_off_and_on_with_report_and_bitwise_rollout_logprobs(tmp_path):
     proc = _run_recipe(tmp_path, "--batch-invariant")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in (
-        "off.jsonl",
-        "on.jsonl",
-        "off.meta.json",
-        "on.meta.json",
-        "first_step.json",
-        "report.md",
-        "comparison.json",
-        "step_time.png",
-        "reward.png",
-        "logprob_diff.png",
-    ):
-        assert (tmp_path / name).is_file() and (tmp_path / name).stat().st_size > 0, name
+    assert_written(tmp_path, [*RUN_FILES, "first_step.json", "logprob_diff.png"])
     assert proc.stdout.count("processor-layout parity of the first batch: no mismatch") == 2, proc.stdout
     off, on = read_records(tmp_path / "off.jsonl"), read_records(tmp_path / "on.jsonl")
     assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(STEPS))
