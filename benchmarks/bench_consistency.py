@@ -94,6 +94,18 @@ def forwards(model: TinyDecoder, args: argparse.Namespace, device: torch.device,
     return seq, {mode: (lambda mode=mode: forward(mode)) for mode in ("off", "on")}
 
 
+def _add_row(rows: list[dict], row: dict, label: str = "") -> None:
+    """Sets ``row``'s ``on_over_off`` (ratio of the median times), appends it to ``rows`` and prints
+    its table line, ``label`` first."""
+    row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
+    rows.append(row)
+    print(
+        f"{label}{row['batch']:>6}{row['seq']:>6}{row['tokens']:>8}{row['off']['median_ms']:>12.2f}"
+        f"{row['on']['median_ms']:>12.2f}{row['on_over_off']:>9.3f}",
+        flush=True,
+    )
+
+
 def timing_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     for batch in _ints(args.batches):
@@ -104,13 +116,7 @@ def timing_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.devi
                 **bench.time_ms(forward, device, warmup=args.warmup, reps=args.reps),
                 "peak_extra_gib": bench.peak_extra_gib(forward, device),
             }
-        row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
-        rows.append(row)
-        print(
-            f"{batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
-            f"{row['on_over_off']:>9.3f}",
-            flush=True,
-        )
+        _add_row(rows, row)
     return rows
 
 
@@ -153,13 +159,7 @@ def graph_rows(model: TinyDecoder, args: argparse.Namespace, device: torch.devic
             }
             del graph, out
             torch.cuda.empty_cache()
-        row["on_over_off"] = row["on"]["median_ms"] / row["off"]["median_ms"]
-        rows.append(row)
-        print(
-            f"graph {batch:>6}{seq:>6}{batch * seq:>8}{row['off']['median_ms']:>12.2f}{row['on']['median_ms']:>12.2f}"
-            f"{row['on_over_off']:>9.3f}",
-            flush=True,
-        )
+        _add_row(rows, row, "graph ")
     return rows
 
 

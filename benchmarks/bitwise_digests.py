@@ -34,6 +34,15 @@ def digest(t: torch.Tensor) -> str:
     return h.hexdigest()[:24]
 
 
+def loss_digests(loss: torch.Tensor, metrics: dict, **grads: torch.Tensor) -> dict[str, str]:
+    """Digests of a loss op's outputs: ``loss``, each of its ``metrics`` and each named gradient."""
+    return {
+        "loss": digest(loss),
+        **{k: digest(m) for k, m in metrics.items()},
+        **{k: digest(g) for k, g in grads.items()},
+    }
+
+
 def route_scope(route: str):
     """The ``linear_logprob`` route for the block, on this version of the code."""
     for driver in ("rl_kernel_core.linear.chunks", "rl_kernel_core.linear_chunks"):  # this layout, then the one before
@@ -107,12 +116,9 @@ def linear_cases(dev: torch.device, out: dict) -> None:
                         backend=backend,
                     )
                     dh, dw = torch.autograd.grad(loss, (h, w))
-                    out[f"fused_linear_policy_loss[{backend},{route}]"] = {
-                        "loss": digest(loss),
-                        **{k: digest(m) for k, m in metrics.items()},
-                        "dhidden": digest(dh),
-                        "dweight": digest(dw),
-                    }
+                    out[f"fused_linear_policy_loss[{backend},{route}]"] = loss_digests(
+                        loss, metrics, dhidden=dh, dweight=dw
+                    )
 
 
 def loss_cases(dev: torch.device, out: dict) -> None:
@@ -155,12 +161,7 @@ def loss_cases(dev: torch.device, out: dict) -> None:
                 backend=backend,
             )
             dlp, den = torch.autograd.grad(loss, (lp, en))
-            out[f"policy_loss[{backend},{mode}]"] = {
-                "loss": digest(loss),
-                **{k: digest(m) for k, m in metrics.items()},
-                "dlogprob": digest(dlp),
-                "dentropy": digest(den),
-            }
+            out[f"policy_loss[{backend},{mode}]"] = loss_digests(loss, metrics, dlogprob=dlp, dentropy=den)
         out[f"group_advantages[{backend}]"] = {
             "by_size": digest(rk.group_advantages(rewards, group_size=8, backend=backend)),
             "by_index": digest(rk.group_advantages(rewards, group_index=index, backend=backend)),

@@ -12,33 +12,22 @@ import argparse
 
 import torch
 
+QWEN3_RELEASED = dict(
+    vocab_size=151936,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+)
+"""What Qwen3-0.6B's and Qwen3-1.7B's configs share; they differ in the widths."""
+
 PRESETS = {
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-1.7b": dict(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-    ),
+    "qwen3-0.6b": dict(QWEN3_RELEASED, hidden_size=1024, intermediate_size=3072),
+    "qwen3-1.7b": dict(QWEN3_RELEASED, hidden_size=2048, intermediate_size=6144),
     "tiny": dict(
         vocab_size=256,
         hidden_size=64,
