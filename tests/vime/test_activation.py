@@ -242,19 +242,15 @@ def test_status_command_imports_vime_and_reports(capsys):
     assert "vime.utils.ppo_utils:compute_policy_loss" in out["not_replaced"]
 
 
-def test_a_hook_imported_by_name_elsewhere_calls_vime_after_restore(monkeypatch):
-    """A module outside vime that took the hook by name while it was live (restore cannot rebind
-    it) runs vime's function after restore(), as status() then says."""
-    import importlib
-
-    import torch
-
+def _fresh_vime_counting_ratio_kl(monkeypatch) -> list:
+    """Drops vime's modules (the next import loads them afresh) and counts rl-kernel's ``ratio_kl``
+    calls of the hooks: the returned list gets a 1 per call."""
     from rl_kernel_vime import hooks
 
     for name in list(sys.modules):
         if name == "vime" or name.startswith("vime."):
             monkeypatch.delitem(sys.modules, name)
-    calls = []
+    calls: list = []
     ratio_kl = hooks.rk.ratio_kl
 
     def counted(*a, **k):
@@ -262,6 +258,17 @@ def test_a_hook_imported_by_name_elsewhere_calls_vime_after_restore(monkeypatch)
         return ratio_kl(*a, **k)
 
     monkeypatch.setattr(hooks.rk, "ratio_kl", counted)
+    return calls
+
+
+def test_a_hook_imported_by_name_elsewhere_calls_vime_after_restore(monkeypatch):
+    """A module outside vime that took the hook by name while it was live (restore cannot rebind
+    it) runs vime's function after restore(), as status() then says."""
+    import importlib
+
+    import torch
+
+    calls = _fresh_vime_counting_ratio_kl(monkeypatch)
     rl_kernel_vime.activate()
     held = importlib.import_module("vime.utils.ppo_utils").compute_approx_kl  # `from ... import` in a user module
     lp, base = torch.randn(5), torch.randn(5)
@@ -309,17 +316,7 @@ def test_a_user_module_importing_by_name_runs_rl_kernel_only_while_live(monkeypa
 
     from rl_kernel_vime import hooks
 
-    for name in list(sys.modules):
-        if name == "vime" or name.startswith("vime."):
-            monkeypatch.delitem(sys.modules, name)
-    calls = []
-    ratio_kl = hooks.rk.ratio_kl
-
-    def counted(*a, **k):
-        calls.append(1)
-        return ratio_kl(*a, **k)
-
-    monkeypatch.setattr(hooks.rk, "ratio_kl", counted)
+    calls = _fresh_vime_counting_ratio_kl(monkeypatch)
     key = "vime.utils.ppo_utils:compute_approx_kl"
     before = _user_module(tmp_path, monkeypatch, "user_kl_before_enabling")
     rl_kernel_vime.activate()

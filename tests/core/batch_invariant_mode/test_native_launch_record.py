@@ -68,6 +68,20 @@ def _compiled(signature: dict, **metadata):
     return SimpleNamespace(function=0x1234, metadata=SimpleNamespace(**md), src=SimpleNamespace(signature=signature))
 
 
+_TMA_SIGNATURE = {
+    "a_desc": "tensordesc<bf16[128, 64]>",
+    "b_desc": "tensordesc<bf16[256, 64]>",
+    "bias_ptr": "*bf16",
+    "c_desc": "constexpr",
+    "c_ptr": "*bf16",
+    "M": "i32",
+    "N": "i32",
+    "K": "i32",
+    "stride_cm": "i32",
+}
+"""The TMA matmul kernel's signature as Triton compiles it: bf16 descriptors of 128 x 64 and 256 x 64 tiles."""
+
+
 def _pointer_signature(**overrides):
     sig = {
         "a_ptr": "*bf16",
@@ -114,23 +128,12 @@ def test_a_pointer_kernels_signature_becomes_the_argument_kinds(fake_extension):
 def test_a_tma_kernels_descriptors_take_their_layouts(fake_extension):
     from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
-    sig = {
-        "a_desc": "tensordesc<bf16[128, 64]>",
-        "b_desc": "tensordesc<bf16[256, 64]>",
-        "bias_ptr": "*bf16",
-        "c_desc": "constexpr",
-        "c_ptr": "*bf16",
-        "M": "i32",
-        "N": "i32",
-        "K": "i32",
-        "stride_cm": "i32",
-    }
     metas = [
         {"swizzle": 3, "elem_size": 2, "elem_type": 8, "block_size": [128, 64], "fp4_padded": False},
         {"swizzle": 3, "elem_size": 2, "elem_type": 8, "block_size": [256, 64], "fp4_padded": False},
     ]
     record = native_launch._launch_record(
-        "_tma_matmul_kernel", _params(tbi._tma_matmul_kernel), _compiled(sig, tensordesc_meta=metas)
+        "_tma_matmul_kernel", _params(tbi._tma_matmul_kernel), _compiled(_TMA_SIGNATURE, tensordesc_meta=metas)
     )
     assert record is not None
     _, _, _, kinds, layouts = record
@@ -166,19 +169,11 @@ def test_an_argument_type_or_descriptor_it_cannot_pack_stays_with_triton(fake_ex
         )
         is None
     )
-    sig = {
-        "a_desc": "tensordesc<bf16[128, 64]>",
-        "b_desc": "tensordesc<bf16[256, 64]>",
-        "bias_ptr": "*bf16",
-        "c_desc": "constexpr",
-        "c_ptr": "*bf16",
-        "M": "i32",
-        "N": "i32",
-        "K": "i32",
-        "stride_cm": "i32",
-    }
     # descriptors not lowered to TMA (no tensordesc_meta) are passed differently: not taken over
-    assert native_launch._launch_record("_tma_matmul_kernel", _params(tbi._tma_matmul_kernel), _compiled(sig)) is None
+    assert (
+        native_launch._launch_record("_tma_matmul_kernel", _params(tbi._tma_matmul_kernel), _compiled(_TMA_SIGNATURE))
+        is None
+    )
 
 
 def test_a_kernel_whose_arguments_drifted_from_the_cpp_plan_raises(fake_extension, monkeypatch):

@@ -352,20 +352,9 @@ def test_grid_sides_not_divisible_by_merge_size_are_refused(seed):
 # Malformed inputs for the schema's entry points: every value below is wrong for the field it is
 # drawn for (a wrong type, rank, layout, or a negative or huge size), so each call must raise
 # ValueError or TypeError with a one-line message naming that field.
-_NOT_A_LIST: list = [
-    None,
-    True,
-    3,
-    -1,
-    2**70,
-    2.5,
-    "x",
-    b"x",
-    {},
-    {"a": 1},
-    torch.tensor(3),
-    torch.zeros(2, 2, dtype=torch.long),
-]
+_PLAIN_VALUES: list = [None, True, 3, -1, 2**70, 2.5, "x", b"x", {}, {"a": 1}]
+"""Python values that are neither a list nor a tensor."""
+_NOT_A_LIST: list = [*_PLAIN_VALUES, torch.tensor(3), torch.zeros(2, 2, dtype=torch.long)]
 _NOT_AN_INT: list = [None, True, 2.5, "3", b"3", [], [1], {}, torch.tensor(3), torch.zeros(2, dtype=torch.long)]
 _NOT_A_STR: list = [None, True, 3, 2.5, b"x", [], ["x"], {}, torch.tensor(3)]
 _BAD_SIZES: list = [-1, -(2**70), 2**70, 2**63]
@@ -654,16 +643,7 @@ def test_saved_batch_with_a_malformed_field_is_refused_naming_it(tmp_path, seed)
     saved = torch.load(path, weights_only=True)
     rng = random.Random(seed)
     loadable: list[Any] = [
-        None,
-        True,
-        3,
-        -1,
-        2**70,
-        2.5,
-        "x",
-        b"x",
-        {},
-        {"a": 1},
+        *_PLAIN_VALUES,
         [],
         [[]],
         [None],
