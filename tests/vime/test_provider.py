@@ -352,7 +352,8 @@ def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
     logits without hidden states are refused."""
     rows, hidden, vocab = 10, 12, 34
     h, w, b, tgt = random_head(gen, rows=rows, hidden=hidden, vocab=vocab)
-    case = dict(
+    assert b is not None
+    case: dict[str, Any] = dict(
         hidden=h.detach(),
         weight=w.detach(),
         bias=b.detach(),
@@ -386,7 +387,7 @@ def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
         _, stderr = proc.communicate(timeout=240)
         assert proc.returncode == 0, stderr
     want_lp, want_ent = _native(_request(F.linear(h, w, b) / 0.9, tgt, with_entropy=True))
-    assert want_ent is not None and b is not None
+    assert want_ent is not None
     leaves = [h, w, b]
     g_want = torch.autograd.grad((want_lp.squeeze(-1) * case["g_lp"]).sum() + (want_ent * case["g_ent"]).sum(), leaves)
     for r in range(2):
