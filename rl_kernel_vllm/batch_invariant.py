@@ -6,7 +6,8 @@ of the whole sequence (transformers under :func:`rl_kernel_core.batch_invariant`
 In each vLLM process the hook:
 
 * turns the mode on (:func:`rl_kernel_core.set_batch_invariant_mode`): the model's ``aten``
-  matmuls, means and log-softmax run rl-kernel's fixed-reduction-order kernels;
+  matmuls, means and log-softmax run rl-kernel's fixed-reduction-order kernels, and on the CPU
+  ``silu`` (vLLM's ``SiluAndMul`` on a rank's gate half) the same vector code for every element;
 * registers :mod:`rl_kernel_vllm.attention`'s backend in place of the platform's default entry of
   vLLM's attention-backend registry (``CPU_ATTN`` / ``FLASH_ATTN``), and selects that entry;
 * makes vLLM's CPU linear layers call ``torch.nn.functional.linear`` (routed) instead of the

@@ -15,7 +15,9 @@ whether the mode is on or not.
 While the mode is on, a model's own PyTorch ops are routed onto them: ``aten`` ``mm``, ``addmm``,
 ``bmm``, ``baddbmm``, ``_log_softmax``, ``mean.dim`` and ``_fused_rms_norm`` on floating tensors,
 and the ``out=`` and in-place forms of all but the last, run the batch-invariant implementations
-(:data:`ROUTED_OPS`), and ``logsumexp``, which shares ``_log_softmax``'s lse: under the mode
+(:data:`ROUTED_OPS`); on the CPU also ``silu`` (and its ``out=`` and in-place forms), whose
+vectorised and scalar code round differently, so an element's bits would depend on its place in the
+tensor (:func:`_all_vectorised`); and ``logsumexp``, which shares ``_log_softmax``'s lse: under the mode
 ``log_softmax(z)``, ``z - logsumexp(z)`` and ``-cross_entropy(z, t)`` give a token the bits of
 :func:`rl_kernel_core.logprob_from_logits` (docs/consistency.md). ``F.linear`` and
 ``torch.matmul`` decompose into ``mm``/``addmm``/``bmm`` before they reach a kernel, and ``F.rms_norm`` (and the pow/mean/rsqrt RMSNorm of Hugging Face
@@ -167,6 +169,8 @@ def _register_routes() -> torch.library.Library:
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
             for op, route in ROUTED_OPS.items():
                 for key in ROUTED_DISPATCH_KEYS:
+                    if key != "CPU" and op in _CPU_ONLY_ROUTES:
+                        continue
                     # an op without a kernel for the key (a composite one) decomposes into routed ops above it,
                     # except those in _COMPOSITE_ROUTES, whose decomposition reaches no route
                     if op in _COMPOSITE_ROUTES or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
@@ -638,6 +642,48 @@ def _route_fused_rms_norm(x: torch.Tensor, normalized_shape, weight: Optional[to
     return out.to(x.dtype), rstd
 
 
+ELEMENTWISE_TILE: int = 16384
+"""Elements per call of a CPU elementwise route (:func:`_route_silu`): below PyTorch's parallel grain
+(``at::internal::GRAIN_SIZE``, 32768), so each call runs its whole contiguous range in one loop on one
+thread, and a multiple of :data:`ELEMENTWISE_ALIGN`."""
+ELEMENTWISE_ALIGN: int = 1024
+"""A CPU elementwise route's calls have a multiple of this many elements (the last one zero-padded):
+a multiple of every vectorised loop's step (two vectors of up to 256 bytes of 1-byte elements), so no
+element falls to the scalar tail loop."""
+
+
+def _all_vectorised(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (a CPU elementwise kernel) of ``x``, every element through the kernel's vectorised code.
+
+    PyTorch's CPU elementwise kernels compute a contiguous range in vector steps and the last
+    ``range % step`` elements with scalar code, and split a range of more than the parallel grain
+    among threads; for ``exp``-based ops (``silu``) the scalar and vector code round differently, so an
+    element's bits depend on where it sits in its tensor (its row, the tensor's width, the thread
+    split): a tensor-parallel rank's half-width MLP activations round some elements unlike the
+    trainer's full-width ones. Here every call is a contiguous :data:`ELEMENTWISE_TILE`-element piece
+    (the last zero-padded to a multiple of :data:`ELEMENTWISE_ALIGN`), so every element takes the
+    vector path; lanes of a vector are computed alike, so an element's bits depend on its value only.
+    Returns ``fn(x)`` with the strides ``torch.empty_like(x)`` gives."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, ELEMENTWISE_TILE):
+        part = flat[start : start + ELEMENTWISE_TILE]
+        m = part.numel()
+        if m % ELEMENTWISE_ALIGN:
+            padded = part.new_zeros(-(-m // ELEMENTWISE_ALIGN) * ELEMENTWISE_ALIGN)
+            padded[:m] = part
+            part = padded
+        out[start : start + m] = fn(part)[:m]
+    return torch.empty_like(x).copy_(out.view(x.shape))
+
+
+def _route_silu(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu" or x.dtype not in _checks.FLOAT_DTYPES or x.numel() == 0:
+        return NotImplemented
+    return _all_vectorised(_aten.silu.default, x)
+
+
 def _into_out(route: Callable) -> Callable:
     """The ``out=`` overload of a functional route: its result written into ``out`` as PyTorch
     writes one (``out`` resized, with PyTorch's warning where it held elements, unless it has the
@@ -661,7 +707,8 @@ def _route_mean_out(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype=N
 
 def _in_place(route: Callable) -> Callable:
     """The in-place overload (``self`` is the addend and the output) of ``addmm``/``baddbmm``'s
-    route; PyTorch's kernel, and its error, where the result does not have ``self``'s shape."""
+    route (``self`` the input and the output of ``silu_``'s); PyTorch's kernel, and its error, where
+    the result does not have ``self``'s shape."""
 
     def route_(self: torch.Tensor, *args, **kwargs):
         result = route(self, *args, **kwargs)
@@ -691,8 +738,15 @@ ROUTED_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     _aten.mean.dim: _route_mean,
     _aten.mean.out: _route_mean_out,
     _aten._fused_rms_norm.default: _route_fused_rms_norm,
+    _aten.silu.default: _route_silu,
+    _aten.silu.out: _into_out(_route_silu),
+    _aten.silu_.default: _in_place(_route_silu),
 }
 """The ``aten`` overloads routed while batch-invariant mode is on, and their implementations."""
+
+_CPU_ONLY_ROUTES = frozenset({_aten.silu.default, _aten.silu.out, _aten.silu_.default})
+"""Routed ops registered for the CPU key only: on CUDA every element of an elementwise kernel runs the
+same code wherever it sits, so PyTorch's kernel is kept there (no Python call per op)."""
 
 _COMPOSITE_ROUTES = frozenset({_aten.logsumexp.default, _aten.logsumexp.out})
 """Routed ops whose CPU/CUDA kernel is PyTorch's composite one (``CompositeExplicitAutograd``):

@@ -407,6 +407,35 @@ def test_out_in_place_and_baddbmm_forms_are_routed(monkeypatch):
     assert routed == list(forms)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_cpu_silu_bits_do_not_depend_on_the_elements_place(dtype):
+    # PyTorch's CPU silu computes a contiguous range's tail (range % vector step) and the pieces of a
+    # thread split with scalar code that rounds unlike its vector code: a tensor-parallel rank's
+    # half-width MLP gate (a strided [T, I/2] view of its gate/up output) rounded some elements unlike
+    # the trainer's full-width [B, L, I] gate (fp32 at TP 2, vLLM harness seed 1608617430 draw 6)
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(7, 168, 192, generator=gen) * 3).to(dtype)
+    gate = gate_up[..., :96]
+    with rk.batch_invariant():
+        full = torch.nn.functional.silu(gate.contiguous())
+        for lo, hi in ((0, 48), (48, 96), (5, 77), (0, 33)):
+            assert torch.equal(torch.nn.functional.silu(gate[..., lo:hi]), full[..., lo:hi]), (lo, hi)
+            assert torch.equal(torch.nn.functional.silu(gate[2:3, :5, lo:hi].contiguous()), full[2:3, :5, lo:hi])
+        in_place = gate.clone()
+        torch.nn.functional.silu(in_place, inplace=True)
+        out = torch.empty(0, dtype=dtype)
+        torch.ops.aten.silu.out(gate, out=out)
+        routed = torch.nn.functional.silu(gate)
+        big = torch.randn(5, 40000, generator=gen).to(dtype)  # a range PyTorch splits among threads
+        big_full = torch.nn.functional.silu(big)
+        big_row = torch.nn.functional.silu(big[3:4, 123:])
+    assert torch.equal(in_place, full) and torch.equal(out, full)
+    assert torch.equal(big_row, big_full[3:4, 123:])
+    plain = torch.nn.functional.silu(gate)
+    assert routed.dtype == plain.dtype and routed.shape == plain.shape and routed.stride() == plain.stride()
+    torch.testing.assert_close(routed.double(), plain.double(), rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
 # ---- torch.compile: compiled code runs eagerly inside the mode ----
 
 
