@@ -24,7 +24,7 @@ import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -245,20 +245,7 @@ def canonical_layout(t: torch.Tensor) -> torch.Tensor:
 class StatsPass(Protocol):
     """A backend's statistics pass over one chunk (see :class:`ChunkPasses`)."""
 
-    def __call__(
-        self,
-        buf: ChunkBuffers,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        targets: torch.Tensor,
-        n: int,
-        inv_temp: float,
-        ignore_index: int,
-        lp: torch.Tensor,
-        ent: Optional[torch.Tensor],
-        lse: torch.Tensor,
-    ) -> None: ...
+    def __call__(self, chunk: Chunk, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor) -> None: ...
 
 
 class GradPass(Protocol):
@@ -266,14 +253,7 @@ class GradPass(Protocol):
 
     def __call__(
         self,
-        buf: ChunkBuffers,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        targets: torch.Tensor,
-        n: int,
-        inv_temp: float,
-        ignore_index: int,
+        chunk: Chunk,
         lse: torch.Tensor,
         ent: Optional[torch.Tensor],
         g_lp: torch.Tensor,
@@ -285,12 +265,10 @@ class GradPass(Protocol):
 class ChunkPasses:
     """A backend's per-chunk passes, handed to the driver, which calls them for every chunk.
 
-    ``stats(buf, x, weight, bias, targets, n, inv_temp, ignore_index, lp, ent, lse)`` writes ``lp``,
-    ``lse`` and (unless None) ``ent`` (fp32 ``[n]`` views) for ``n`` rows of ``x`` (what
-    :meth:`ChunkBuffers.source` returned). ``grad(buf, x, weight, bias, targets, n, inv_temp,
-    ignore_index, lse, ent, g_lp, g_ent)`` returns ``dl`` of ``n`` rows on the fixed ``[rows, V]``
-    shape from the saved ``lse``/``ent`` and fp32 ``g_lp``/``g_ent``: it writes ``buf.dl[:n]`` and
-    returns :meth:`ChunkBuffers.padded_dl`. ``scratch(hidden, weight, route, rows)``: the backend's
+    ``stats(chunk, lp, ent, lse)`` writes ``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]``
+    views) for the ``n`` rows of a :class:`Chunk`. ``grad(chunk, lse, ent, g_lp, g_ent)`` returns
+    ``dl`` of ``n`` rows on the fixed ``[rows, V]`` shape from the saved ``lse``/``ent`` and fp32
+    ``g_lp``/``g_ent``: it writes ``chunk.buf.dl[:n]`` and returns :meth:`ChunkBuffers.padded_dl`. ``scratch(hidden, weight, route, rows)``: the backend's
     own work buffers, allocated once per pass (``buf.scratch``). ``stats_rows(hidden, weight,
     route)``: the rows per chunk of a forward that holds neither ``dl`` nor a logits chunk
     (:func:`chunk_rows` when None).
@@ -369,6 +347,37 @@ class ChunkBuffers:
             self.dl[n:].zero_()
         return self.dl
 
+    def chunk(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        targets: torch.Tensor,
+        r0: int,
+        n: int,
+        inv_temp: float,
+        ignore_index: int,
+    ) -> Chunk:
+        """The :class:`Chunk` of rows ``[r0, r0+n)`` of ``hidden`` and ``targets`` (all ``N`` rows)."""
+        x = self.source(hidden, weight, r0, n)
+        return Chunk(self, x, weight, bias, targets[r0 : r0 + n], n, inv_temp, ignore_index)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What a pass reads for ``n`` rows: ``x`` (what :meth:`ChunkBuffers.source` returned), ``weight``
+    ``[V, D]``, ``bias`` ``[V]`` or None, the rows' ``targets`` ``[n]``, the scale and the ignored id,
+    and the pass's buffers ``buf``."""
+
+    buf: ChunkBuffers
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    targets: torch.Tensor
+    n: int
+    inv_temp: float
+    ignore_index: int
+
 
 def forward_stats(
     hidden: torch.Tensor,
@@ -390,24 +399,13 @@ def forward_stats(
     for r0 in range(0, n_rows, buf.rows):
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
-        passes.stats(
-            buf,
-            buf.source(hidden, weight, r0, n),
-            weight,
-            bias,
-            targets[sl],
-            n,
-            inv_temp,
-            ignore_index,
-            lp[sl],
-            None if ent is None else ent[sl],
-            lse[sl],
-        )
+        chunk = buf.chunk(hidden, weight, bias, targets, r0, n, inv_temp, ignore_index)
+        passes.stats(chunk, lp[sl], None if ent is None else ent[sl], lse[sl])
     return lp, ent, lse
 
 
 class Sink(Protocol):
-    """What :func:`backward_chunks` hands each chunk's ``dl`` to: a :class:`GradSink`, or a
+    """What :func:`linear_backward` hands each chunk's ``dl`` to: a :class:`GradSink`, or a
     vocab-parallel sink that all-reduces ``dh``."""
 
     def add(self, dl: torch.Tensor, r0: int, n: int) -> None: ...
@@ -456,44 +454,6 @@ class GradSink:
         return dh, dw, db
 
 
-def backward_chunks(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    ent: Optional[torch.Tensor],
-    g_lp: torch.Tensor,
-    g_ent: Optional[torch.Tensor],
-    inv_temp: float,
-    ignore_index: int,
-    route: str,
-    sink: Sink,
-    passes: ChunkPasses,
-) -> None:
-    """Recompute each chunk's logits, form ``dl`` (``passes``' gradient pass) and hand it to ``sink``."""
-    n_rows = hidden.shape[0]
-    buf = ChunkBuffers(hidden, weight, route, passes, need_dl=True)
-    for r0 in range(0, n_rows, buf.rows):
-        n = min(buf.rows, n_rows - r0)
-        sl = slice(r0, r0 + n)
-        dl = passes.grad(
-            buf,
-            buf.source(hidden, weight, r0, n),
-            weight,
-            bias,
-            targets[sl],
-            n,
-            inv_temp,
-            ignore_index,
-            lse[sl],
-            None if ent is None else ent[sl],
-            g_lp[sl],
-            None if g_ent is None else g_ent[sl],
-        )
-        sink.add(dl, r0, n)
-
-
 def linear_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -521,45 +481,49 @@ def linear_forward(
     return lp, (lp.new_empty(0) if ent is None else ent), lse
 
 
+class BackwardArgs(NamedTuple):
+    """The arguments of ``linear_logprob``'s backward custom op, in its schema's order
+    (:data:`rl_kernel_core.linear.opdef.LINEAR_BACKWARD_SCHEMA`)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    targets: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor
+    grad_logprob: Optional[torch.Tensor]
+    grad_entropy: Optional[torch.Tensor]
+    temperature: float
+    ignore_index: int
+    tp_group: Optional[str]
+    tuning: str
+    need_hidden_grad: bool
+    need_weight_grad: bool
+    need_bias_grad: bool
+
+
 def linear_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor,
-    grad_logprob: Optional[torch.Tensor],
-    grad_entropy: Optional[torch.Tensor],
-    temperature: float,
-    ignore_index: int,
-    need_h: bool,
-    need_w: bool,
-    need_b: bool,
-    route: str,
-    passes: ChunkPasses,
-    sink: Optional[Sink] = None,
+    args: BackwardArgs, route: str, passes: ChunkPasses, sink: Optional[Sink] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``linear_logprob``'s backward custom-op body: ``(dh, dW, db)`` in the inputs' dtypes, ``[0]``
-    where not asked for. ``sink`` replaces the single-process :class:`GradSink` (vocab parallel)."""
-    hidden, weight = canonical_layout(hidden), canonical_layout(weight)
+    where not asked for. Per chunk it recomputes the logits, forms ``dl`` (``passes``' gradient pass)
+    and hands it to ``sink``, which replaces the single-process :class:`GradSink` (vocab parallel)."""
+    hidden, weight = canonical_layout(args.hidden), canonical_layout(args.weight)
+    lse, grad_logprob, grad_entropy = args.lse, args.grad_logprob, args.grad_entropy
     g_lp = torch.zeros_like(lse) if grad_logprob is None else grad_logprob.to(torch.float32).contiguous()
     g_ent = None if grad_entropy is None else grad_entropy.to(torch.float32).contiguous()
-    sink = sink or GradSink(hidden, weight, need_h, need_w, need_b)
-    backward_chunks(
-        hidden,
-        weight,
-        bias,
-        targets,
-        lse,
-        None if g_ent is None else entropy,
-        g_lp,
-        g_ent,
-        1.0 / temperature,
-        ignore_index,
-        route,
-        sink,
-        passes,
-    )
+    ent = None if g_ent is None else args.entropy
+    sink = sink or GradSink(hidden, weight, args.need_hidden_grad, args.need_weight_grad, args.need_bias_grad)
+    n_rows = hidden.shape[0]
+    buf = ChunkBuffers(hidden, weight, route, passes, need_dl=True)
+    for r0 in range(0, n_rows, buf.rows):
+        n = min(buf.rows, n_rows - r0)
+        sl = slice(r0, r0 + n)
+        chunk = buf.chunk(hidden, weight, args.bias, args.targets, r0, n, 1.0 / args.temperature, args.ignore_index)
+        dl = passes.grad(
+            chunk, lse[sl], None if ent is None else ent[sl], g_lp[sl], None if g_ent is None else g_ent[sl]
+        )
+        sink.add(dl, r0, n)
     empty = hidden.new_empty(0)
     dh, dw, db = (empty.clone() if g is None else g for g in sink.grads())
     return dh, dw, db

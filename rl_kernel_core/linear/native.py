@@ -28,19 +28,20 @@ ROUTE = "chunked"
 """The native passes read the cuBLAS fp32 logits chunk, for every pass."""
 
 
-def _stats(buf, x, weight, bias, targets, n, inv_temp, ignore_index, lp, ent, lse) -> None:
+def _stats(chunk: LC.Chunk, lp: Tensor, ent: Optional[Tensor], lse: Tensor) -> None:
     """``lp``, ``lse`` and (unless None) ``ent`` (fp32 ``[n]``) of the first ``n`` rows of the logits
-    chunk ``x``: one block per row."""
-    _ext.linear_chunk_stats(x, bias, targets, inv_temp, ignore_index, lp, ent, lse)
+    chunk ``chunk.x``: one block per row."""
+    _ext.linear_chunk_stats(chunk.x, chunk.bias, chunk.targets, chunk.inv_temp, chunk.ignore_index, lp, ent, lse)
 
 
-def _grad(buf, x, weight, bias, targets, n, inv_temp, ignore_index, lse, ent, g_lp, g_ent) -> torch.Tensor:
-    """``dl`` written in place over the logits chunk ``x`` from the saved ``lse``/``ent`` and fp32
+def _grad(chunk: LC.Chunk, lse: Tensor, ent: Optional[Tensor], g_lp: Tensor, g_ent: Optional[Tensor]) -> Tensor:
+    """``dl`` written in place over the logits chunk ``chunk.x`` from the saved ``lse``/``ent`` and fp32
     ``g_lp``/``g_ent``: one block per row."""
+    ent_used = None if g_ent is None else ent
     _ext.linear_chunk_grad(
-        x, buf.dl, bias, targets, lse, None if g_ent is None else ent, g_lp, g_ent, inv_temp, ignore_index
+        chunk.x, chunk.buf.dl, chunk.bias, chunk.targets, lse, ent_used, g_lp, g_ent, chunk.inv_temp, chunk.ignore_index
     )
-    return buf.padded_dl(n)
+    return chunk.buf.padded_dl(chunk.n)
 
 
 PASSES = LC.ChunkPasses(stats=_stats, grad=_grad)
@@ -55,42 +56,12 @@ def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_en
         )
 
 
-def _backward(
-    hidden,
-    weight,
-    bias,
-    targets,
-    lse,
-    entropy,
-    grad_logprob,
-    grad_entropy,
-    temperature,
-    ignore_index,
-    tp_group,
-    tuning,
-    need_h,
-    need_w,
-    need_b,
-):
-    """The backward custom op's body: ``(dh, dW, db)``, ``[0]`` where not asked for."""
-    with LC.tuning_of(tuning):  # autograd may run the backward on another thread: the forward's tuning, named
-        return LC.linear_backward(
-            hidden,
-            weight,
-            bias,
-            targets,
-            lse,
-            entropy,
-            grad_logprob,
-            grad_entropy,
-            temperature,
-            ignore_index,
-            need_h,
-            need_w,
-            need_b,
-            ROUTE,
-            PASSES,
-        )
+def _backward(*args):
+    """The backward custom op's body (arguments: :class:`~rl_kernel_core.linear.chunks.BackwardArgs`):
+    ``(dh, dW, db)``, ``[0]`` where not asked for."""
+    call = LC.BackwardArgs(*args)
+    with LC.tuning_of(call.tuning):  # autograd may run the backward on another thread: the forward's tuning, named
+        return LC.linear_backward(call, ROUTE, PASSES)
 
 
 def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rl_kernel_core.linear.chunks import tuning_key
+from rl_kernel_core.linear.chunks import BackwardArgs, tuning_key
 from rl_kernel_core.opdef import define_differentiable_op, none_if_empty
 
 Tensor = torch.Tensor
@@ -83,28 +83,15 @@ def linear_fake(hidden, weight, bias, targets, temperature, ignore_index, return
     return hidden.new_empty(n, **f32), hidden.new_empty(n if return_entropy else 0, **f32), hidden.new_empty(n, **f32)
 
 
-def linear_backward_fake(
-    hidden,
-    weight,
-    bias,
-    targets,
-    lse,
-    entropy,
-    grad_logprob,
-    grad_entropy,
-    temperature,
-    ignore_index,
-    tp_group,
-    tuning,
-    need_hidden_grad,
-    need_weight_grad,
-    need_bias_grad,
-):
-    """Fake backward: ``(dh, dW, db)`` in the inputs' shapes and dtypes, ``[0]`` where not asked for."""
+def linear_backward_fake(*args):
+    """Fake backward (arguments: :class:`~rl_kernel_core.linear.chunks.BackwardArgs`): ``(dh, dW, db)``
+    in the inputs' shapes and dtypes, ``[0]`` where not asked for."""
+    call = BackwardArgs(*args)
+    hidden, weight = call.hidden, call.weight
     return (
-        hidden.new_empty(hidden.shape if need_hidden_grad else (0,)),
-        weight.new_empty(weight.shape if need_weight_grad else (0,)),
-        weight.new_empty(weight.shape[0] if need_bias_grad else 0),
+        hidden.new_empty(hidden.shape if call.need_hidden_grad else (0,)),
+        weight.new_empty(weight.shape if call.need_weight_grad else (0,)),
+        weight.new_empty(weight.shape[0] if call.need_bias_grad else 0),
     )
 
 
@@ -129,22 +116,9 @@ def linear_backward(backward_op: Callable) -> Callable:
             return (None,) * 9
         if entropy.numel() == 0:
             grad_entropy = None
+        settings = (ctx.temperature, ctx.ignore_index, ctx.tp_group, ctx.tuning)
         dh, dw, db = backward_op(
-            hidden,
-            weight,
-            bias,
-            targets,
-            lse,
-            entropy,
-            grad_logprob,
-            grad_entropy,
-            ctx.temperature,
-            ctx.ignore_index,
-            ctx.tp_group,
-            ctx.tuning,
-            need_h,
-            need_w,
-            need_b,
+            hidden, weight, bias, targets, lse, entropy, grad_logprob, grad_entropy, *settings, need_h, need_w, need_b
         )
         return (
             none_if_empty(dh) if need_h else None,

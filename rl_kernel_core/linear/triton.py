@@ -63,65 +63,22 @@ def _forward(hidden, weight, bias, targets, temperature, ignore_index, return_en
         return lp, (lp.new_empty(0) if ent is None else ent), lse
 
 
-def _backward(
-    hidden,
-    weight,
-    bias,
-    targets,
-    lse,
-    entropy,
-    grad_logprob,
-    grad_entropy,
-    temperature,
-    ignore_index,
-    tp_group,
-    tuning,
-    need_h,
-    need_w,
-    need_b,
-):
-    """The backward custom op's body: ``(dh, dW, db)``, ``[0]`` where not asked for."""
-    with LC.tuning_of(tuning):  # autograd may run the backward on another thread: the forward's tuning, named
-        if tp_group is None:
-            return LC.linear_backward(
-                hidden,
-                weight,
-                bias,
-                targets,
-                lse,
-                entropy,
-                grad_logprob,
-                grad_entropy,
-                temperature,
-                ignore_index,
-                need_h,
-                need_w,
-                need_b,
-                LC.tuning().route_for(hidden),
-                PASSES,
-            )
+def _backward(*args):
+    """The backward custom op's body (arguments: :class:`~rl_kernel_core.linear.chunks.BackwardArgs`):
+    ``(dh, dW, db)``, ``[0]`` where not asked for."""
+    call = LC.BackwardArgs(*args)
+    with LC.tuning_of(call.tuning):  # autograd may run the backward on another thread: the forward's tuning, named
+        if call.tp_group is None:
+            return LC.linear_backward(call, LC.tuning().route_for(call.hidden), PASSES)
         # this rank's shard: shard-local target ids, dh summed over the group, the forward's gemm route
-        group = opdef.group_named(tp_group)
-        local = VP.local_targets(targets, ignore_index, torch.distributed.get_rank(group), weight.shape[0])
-        sink = VP.ShardGradSink(LC.canonical_layout(hidden), LC.canonical_layout(weight), need_h, need_w, need_b, group)
-        return LC.linear_backward(
-            hidden,
-            weight,
-            bias,
-            local,
-            lse,
-            entropy,
-            grad_logprob,
-            grad_entropy,
-            temperature,
-            VP.IGNORED,
-            need_h,
-            need_w,
-            need_b,
-            VP.ROUTE,
-            PASSES,
-            sink,
+        group = opdef.group_named(call.tp_group)
+        rank, vocab = torch.distributed.get_rank(group), call.weight.shape[0]
+        local = VP.local_targets(call.targets, call.ignore_index, rank, vocab)
+        hidden, weight = LC.canonical_layout(call.hidden), LC.canonical_layout(call.weight)
+        sink = VP.ShardGradSink(
+            hidden, weight, call.need_hidden_grad, call.need_weight_grad, call.need_bias_grad, group
         )
+        return LC.linear_backward(call._replace(targets=local, ignore_index=VP.IGNORED), VP.ROUTE, PASSES, sink)
 
 
 def _supports(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, tp_group) -> Optional[str]:

@@ -127,12 +127,12 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
     for r0 in range(0, n_rows, buf.rows):
         n = min(buf.rows, n_rows - r0)
         sl = slice(r0, r0 + n)
-        x = buf.source(h2d, weight, r0, n)
-        PASSES.stats(buf, x, weight, bias, t1d[sl], n, inv_temp, ignore_index, lp[sl], ent[sl], lse[sl])
+        chunk = buf.chunk(h2d, weight, bias, t1d, r0, n, inv_temp, ignore_index)
+        PASSES.stats(chunk, lp[sl], ent[sl], lse[sl])
         g_lp, g_ent = _token_grads(
             lp[sl], ent[sl], old1[sl], adv1[sl], w[sl], ref1[sl], None if rw1 is None else rw1[sl], token_sum, one
         )
-        dl = PASSES.grad(buf, x, weight, bias, t1d[sl], n, inv_temp, ignore_index, lse[sl], ent[sl], g_lp, g_ent)
+        dl = PASSES.grad(chunk, lse[sl], ent[sl], g_lp, g_ent)
         sink.add(dl, r0, n)
     del buf
     loss, metrics = reference.policy_loss(lp.view(shape), old, adv, mask_eff, ref, ent.view(shape), rw, settings)

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.linear import triton_sm90
-from rl_kernel_core.linear.chunks import ChunkBuffers
-from rl_kernel_core.linear.triton_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
+from rl_kernel_core.linear.chunks import Chunk
+from rl_kernel_core.linear.triton_tile import dummy, grid, logits_tile, row_block, tile_args, tiles
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
 
@@ -174,29 +174,16 @@ def launch_grad(
             return
     if not from_logits:
         dispatch.ran(triton_sm90.KERNELS, "triton")
-    vocab, dim = weight.shape
     cfg = tiles(weight.dtype, weight.device, from_logits, grad=True)
-    n_tiles = triton.cdiv(vocab, cfg.block_n)
+    n_tiles = triton.cdiv(weight.shape[0], cfg.block_n)
     # a narrower dl written over wider logits lands on bytes other threads have yet to read
     in_place = from_logits and dl.data_ptr() == x.data_ptr() and dl.element_size() != x.element_size()
     per_prog = n_tiles if in_place else 1
     g = grid(triton.cdiv(rows, cfg.block_m) * triton.cdiv(n_tiles, per_prog), cfg, x.device, from_logits)
     unused = dummy(x.device)
-    xs, ws, tma = operands(x[:rows], weight, cfg, from_logits)
+    args, flags = tile_args(x, weight, bias, targets, rows, inv_temp, ignore_index, cfg, from_logits)
     _grad_kernel[g](
-        xs,
-        ws,
-        bias if bias is not None else unused,
-        targets,
-        rows,
-        vocab,
-        dim,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        inv_temp,
-        ignore_index,
+        *args,
         lse,
         ent if has_gent else unused,
         g_lp,
@@ -205,38 +192,27 @@ def launch_grad(
         dl.stride(0),
         per_prog,
         g[0],
-        FROM_LOGITS=from_logits,
         HAS_GENT=has_gent,
         IN_PLACE=in_place,
-        **tile_flags(weight, bias, cfg, tma),
+        **flags,
     )
 
 
 def chunk_grad(
-    buf: ChunkBuffers,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    targets: torch.Tensor,
-    n: int,
-    inv_temp: float,
-    ignore_index: int,
-    lse: torch.Tensor,
-    ent: Optional[torch.Tensor],
-    g_lp: torch.Tensor,
-    g_ent: Optional[torch.Tensor],
+    chunk: Chunk, lse: torch.Tensor, ent: Optional[torch.Tensor], g_lp: torch.Tensor, g_ent: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """The chunk driver's gradient pass: ``buf.dl`` of ``n`` rows of ``x`` (rows past ``n`` zero); with
-    ``buf.keeps_logits``, from the logits the statistics pass of the same rows kept."""
+    """The chunk driver's gradient pass: ``buf.dl`` of the chunk's ``n`` rows (rows past ``n`` zero);
+    with ``buf.keeps_logits``, from the logits the statistics pass of the same rows kept."""
+    buf = chunk.buf
     kept = buf.logits if buf.keeps_logits else None
     launch_grad(
-        x if kept is None else kept,
-        weight,
-        bias,
-        targets,
-        n,
-        inv_temp,
-        ignore_index,
+        chunk.x if kept is None else kept,
+        chunk.weight,
+        chunk.bias,
+        chunk.targets,
+        chunk.n,
+        chunk.inv_temp,
+        chunk.ignore_index,
         lse,
         ent,
         g_lp,
@@ -244,4 +220,4 @@ def chunk_grad(
         buf.dl,
         buf.route == "chunked" or kept is not None,
     )
-    return buf.padded_dl(n)
+    return buf.padded_dl(chunk.n)

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.linear import triton_sm90
-from rl_kernel_core.linear.chunks import ChunkBuffers
-from rl_kernel_core.linear.triton_tile import dummy, grid, logits_tile, operands, row_block, tile_flags, tiles
+from rl_kernel_core.linear.chunks import Chunk
+from rl_kernel_core.linear.triton_tile import grid, logits_tile, row_block, tile_args, tiles
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
 from rl_kernel_core.triton.tuning import MERGE_BLOCK_R, MERGE_BLOCK_T, linear
@@ -233,25 +233,12 @@ def launch_stats(
             x[:rows], weight, bias, targets, rows, inv_temp, ignore_index, partials, ztgt, want_entropy, keep, group_m
         )
         return
-    vocab, dim = weight.shape
     cfg = tiles(weight.dtype, weight.device, from_logits)
-    n_tiles = triton.cdiv(vocab, cfg.block_n)
+    n_tiles = triton.cdiv(weight.shape[0], cfg.block_n)
     g = grid(triton.cdiv(rows, cfg.block_m) * n_tiles, cfg, x.device, from_logits)
-    xs, ws, tma = operands(x[:rows], weight, cfg, from_logits)
+    args, flags = tile_args(x, weight, bias, targets, rows, inv_temp, ignore_index, cfg, from_logits)
     _stats_kernel[g](
-        xs,
-        ws,
-        bias if bias is not None else dummy(x.device),
-        targets,
-        rows,
-        vocab,
-        dim,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        inv_temp,
-        ignore_index,
+        *args,
         partials[0],
         partials[1],
         partials[2],
@@ -260,10 +247,9 @@ def launch_stats(
         ztgt if keep is None else keep,
         0 if keep is None else keep.stride(0),
         g[0],
-        FROM_LOGITS=from_logits,
         WANT_ENT=want_entropy,
         KEEP=keep is not None,
-        **tile_flags(weight, bias, cfg, tma),
+        **flags,
     )
 
 
@@ -328,35 +314,24 @@ def forward_rows(hidden: torch.Tensor, weight: torch.Tensor, route: str) -> int:
     return stats_rows(_vocab_tiles(hidden, weight, route))
 
 
-def chunk_stats(
-    buf: ChunkBuffers,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    targets: torch.Tensor,
-    n: int,
-    inv_temp: float,
-    ignore_index: int,
-    lp: torch.Tensor,
-    ent: Optional[torch.Tensor],
-    lse: torch.Tensor,
-) -> None:
-    """The chunk driver's statistics pass: tile statistics of ``n`` rows of ``x`` into ``buf.scratch``
-    (with ``buf.keeps_logits``, the logits into ``buf.logits``), merged into ``lp``/``ent``/``lse``
-    (``[n]`` views; ``ent`` may be None)."""
+def chunk_stats(chunk: Chunk, lp: torch.Tensor, ent: Optional[torch.Tensor], lse: torch.Tensor) -> None:
+    """The chunk driver's statistics pass: tile statistics of the chunk's ``n`` rows into
+    ``buf.scratch`` (with ``buf.keeps_logits``, the logits into ``buf.logits``), merged into
+    ``lp``/``ent``/``lse`` (``[n]`` views; ``ent`` may be None)."""
+    buf, n = chunk.buf, chunk.n
     scratch: StatsScratch = buf.scratch
     launch_stats(
-        x,
-        weight,
-        bias,
-        targets,
+        chunk.x,
+        chunk.weight,
+        chunk.bias,
+        chunk.targets,
         n,
-        inv_temp,
-        ignore_index,
+        chunk.inv_temp,
+        chunk.ignore_index,
         scratch.partials,
         scratch.ztgt,
         buf.route == "chunked",
         ent is not None,
         buf.logits if buf.keeps_logits else None,
     )
-    launch_merge(scratch.partials, scratch.ztgt, targets, n, scratch.n_tiles, ignore_index, lp, ent, lse)
+    launch_merge(scratch.partials, scratch.ztgt, chunk.targets, n, scratch.n_tiles, chunk.ignore_index, lp, ent, lse)

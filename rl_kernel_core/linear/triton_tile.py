@@ -180,3 +180,25 @@ def tile_flags(weight: torch.Tensor, bias: Optional[torch.Tensor], cfg: TileConf
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+
+
+def tile_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    targets: torch.Tensor,
+    rows: int,
+    inv_temp: float,
+    ignore_index: int,
+    cfg: TileConfig,
+    from_logits: bool,
+) -> tuple[tuple, dict]:
+    """``(args, flags)``: the leading arguments both passes' kernels take over rows ``[0, rows)`` of
+    ``x`` (operands, bias, targets, sizes, strides, scale, ignored id) and their compile-time
+    arguments and launch options (``FROM_LOGITS`` and :func:`tile_flags`)."""
+    vocab, dim = weight.shape
+    xs, ws, tma = operands(x[:rows], weight, cfg, from_logits)
+    b = bias if bias is not None else dummy(x.device)
+    strides = (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1))
+    args = (xs, ws, b, targets, rows, vocab, dim, *strides, inv_temp, ignore_index)
+    return args, dict(FROM_LOGITS=from_logits, **tile_flags(weight, bias, cfg, tma))
