@@ -122,16 +122,7 @@ class _LinearLogprob(torch.autograd.Function):
             sl = slice(i, i + step)
             h = hidden[sl].to(acc)
             z = _scaled_logits(h, w.t(), b, ctx.temperature)
-            dl = _chunk_grad(
-                z,
-                lse[sl],
-                None if entropy is None else entropy[sl],
-                local_t[sl],
-                owned[sl],
-                None if g_lp is None else g_lp[sl],
-                None if g_ent is None else g_ent[sl],
-                ctx.temperature,
-            )
+            dl = _chunk_grad(z, sl, lse, entropy, local_t, owned, g_lp, g_ent, ctx.temperature)
             if dh is not None:
                 torch.mm(dl, w, out=dh[sl])
             if dw is not None:

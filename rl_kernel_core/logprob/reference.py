@@ -95,6 +95,7 @@ def _finish(
 
 def _chunk_grad(
     z: torch.Tensor,
+    rows: slice,
     lse: torch.Tensor,
     entropy: Optional[torch.Tensor],
     local_t: torch.Tensor,
@@ -103,10 +104,13 @@ def _chunk_grad(
     g_ent: Optional[torch.Tensor],
     temperature: float,
 ) -> torch.Tensor:
-    """dL/d(unscaled logits) for one chunk, from scaled logits ``z`` [r, V] (overwritten).
+    """dL/d(unscaled logits) for the chunk ``rows`` of the ``[N]`` vectors, from its scaled logits
+    ``z`` [r, V] (overwritten).
 
-    ``g_lp``/``g_ent`` [r] are already zero on ignored rows.
+    ``g_lp``/``g_ent`` [N] are already zero on ignored rows.
     """
+    lse, local_t, owned = lse[rows], local_t[rows], owned[rows]
+    entropy, g_lp, g_ent = (None if t is None else t[rows] for t in (entropy, g_lp, g_ent))
     logp = z.sub_(lse.unsqueeze(1))
     p = torch.exp(logp)
     ent_term = None
@@ -168,16 +172,7 @@ class _LogprobFromLogits(torch.autograd.Function):
         for i in range(0, n, step):
             sl = slice(i, i + step)
             z = _scale(logits[sl].to(acc, copy=True), ctx.temperature)
-            dl = _chunk_grad(
-                z,
-                lse[sl],
-                None if entropy is None else entropy[sl],
-                local_t[sl],
-                owned[sl],
-                None if g_lp is None else g_lp[sl],
-                None if g_ent is None else g_ent[sl],
-                ctx.temperature,
-            )
+            dl = _chunk_grad(z, sl, lse, entropy, local_t, owned, g_lp, g_ent, ctx.temperature)
             grad[sl].copy_(dl)
             del z, dl
         return grad, None, None, None, None
