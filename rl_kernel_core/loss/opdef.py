@@ -24,7 +24,7 @@ from typing import Callable, Collection, NamedTuple, Optional
 
 import torch
 
-from rl_kernel_core.opdef import fp64_reason, grad_reason, none_if_empty
+from rl_kernel_core.opdef import define_differentiable_op, fp64_reason, grad_reason, none_if_empty
 
 Tensor = torch.Tensor
 
@@ -176,6 +176,15 @@ def ratio_kl_backward(backward_op: Callable) -> Callable:
     return backward
 
 
+def define_ratio_kl(name: str, forward_fn: Callable, backward_fn: Callable) -> Callable[..., tuple[Tensor, Tensor]]:
+    """``ratio_kl``'s backend implementation over the custom ops ``rl_kernel::<name>`` and its backward,
+    whose bodies are ``forward_fn`` / ``backward_fn`` (the schemas above, inferred from their types)."""
+    op = define_differentiable_op(
+        name, forward_fn, ratio_kl_fake, backward_fn, ratio_kl_backward_fake, ratio_kl_setup, ratio_kl_backward
+    )
+    return ratio_kl_implementation(op)
+
+
 # ---------------------------------------------------------------- policy_loss
 
 
@@ -311,6 +320,53 @@ def policy_loss_backward(backward_op: Callable) -> Callable:
         return tuple(grads)
 
     return backward
+
+
+def policy_loss_grad_buffers(
+    logprob: Tensor, need_logprob_grad: bool, entropy_dtype: Optional[torch.dtype]
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Uninitialized ``d logprob`` (logprob's dtype) and ``d entropy`` (``entropy_dtype``) of logprob's
+    ``[S, T]`` shape, None where not asked for."""
+    grad_lp = torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device) if need_logprob_grad else None
+    grad_ent = (
+        torch.empty(logprob.shape, dtype=entropy_dtype, device=logprob.device) if entropy_dtype is not None else None
+    )
+    return grad_lp, grad_ent
+
+
+def define_policy_loss_op(name: str, forward_fn: Callable, grads_fn: Callable) -> Callable:
+    """The custom ops ``rl_kernel::<name>`` (:data:`POLICY_LOSS_SCHEMA`) and its backward
+    (:data:`POLICY_LOSS_BACKWARD_SCHEMA`), as :func:`rl_kernel_core.opdef.define_differentiable_op` returns them.
+
+    ``forward_fn(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights,
+    settings)`` returns ``(loss [], metrics [6], seq_weight [S], totals [2])`` fp32;
+    ``grads_fn(grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights,
+    seq_weight, totals, settings, need_logprob_grad, entropy_dtype)`` returns ``(d logprob, d
+    entropy)``, None where not asked for (the op returns ``[0]`` for it); ``settings`` a :class:`LossSettings`.
+    """
+
+    def forward(*args):
+        return forward_fn(*args[:7], LossSettings.from_args(args[7:]))
+
+    def backward(*args):
+        settings = LossSettings.from_args(args[9:-2])
+        grad_lp, grad_ent = grads_fn(*args[:9], settings, *args[-2:])
+        logprob = args[1]
+        return (logprob.new_empty(0) if grad_lp is None else grad_lp), (
+            logprob.new_empty(0) if grad_ent is None else grad_ent
+        )
+
+    return define_differentiable_op(
+        name,
+        forward,
+        policy_loss_fake,
+        backward,
+        policy_loss_backward_fake,
+        policy_loss_setup,
+        policy_loss_backward,
+        schema=POLICY_LOSS_SCHEMA,
+        backward_schema=POLICY_LOSS_BACKWARD_SCHEMA,
+    )
 
 
 # ---------------------------------------------------------------- fused_linear_policy_loss

@@ -41,7 +41,6 @@ import triton.language as tl
 
 from rl_kernel_core import dispatch
 from rl_kernel_core.loss_codes import AGG_CODES, KL_CODES, kl_code
-from rl_kernel_core.opdef import define_differentiable_op
 from rl_kernel_core.loss import opdef
 from rl_kernel_core.loss.opdef import LossSettings
 from rl_kernel_core.loss.reference import LOG_RATIO_CLAMP, LOW_VAR_KL_CLAMP
@@ -603,10 +602,7 @@ def policy_loss_bwd(
     ``grad_loss`` is the 0-d upstream gradient (read on the device); ``entropy_dtype`` is None
     when no entropy gradient is wanted; either result is None when not wanted.
     """
-    grad_lp = torch.empty(logprob.shape, dtype=logprob.dtype, device=logprob.device) if need_logprob_grad else None
-    grad_ent = (
-        torch.empty(logprob.shape, dtype=entropy_dtype, device=logprob.device) if entropy_dtype is not None else None
-    )
+    grad_lp, grad_ent = opdef.policy_loss_grad_buffers(logprob, need_logprob_grad, entropy_dtype)
     if grad_lp is not None or grad_ent is not None:
         _launch_tokens(
             logprob,
@@ -629,69 +625,10 @@ def policy_loss_bwd(
 
 # ---------------------------------------------------------------- backend registration
 
-_ratio_kl_op = define_differentiable_op(
-    "triton_ratio_kl",
-    ratio_kl_fwd,
-    opdef.ratio_kl_fake,
-    ratio_kl_bwd,
-    opdef.ratio_kl_backward_fake,
-    opdef.ratio_kl_setup,
-    opdef.ratio_kl_backward,
-)
 ratio_kl = dispatch.register("ratio_kl", "triton", supports=opdef.ratio_kl_supports("triton", kl_types=KL_CODES))(
-    opdef.ratio_kl_implementation(_ratio_kl_op)
+    opdef.define_ratio_kl("triton_ratio_kl", ratio_kl_fwd, ratio_kl_bwd)
 )
-
-
-def _policy_loss_forward(logprob, old_logprob, advantages, mask, ref_logprob, entropy, rollout_is_weights, *settings):
-    """The forward custom op's body (schema :data:`rl_kernel_core.loss.opdef.POLICY_LOSS_SCHEMA`)."""
-    return policy_loss_fwd(
-        logprob,
-        old_logprob,
-        advantages,
-        mask,
-        ref_logprob,
-        entropy,
-        rollout_is_weights,
-        LossSettings.from_args(settings),
-    )
-
-
-def _policy_loss_backward(
-    grad_loss, logprob, old_logprob, advantages, mask, ref_logprob, rollout_is_weights, seq_weight, totals, *rest
-):
-    """The backward custom op's body: ``(d logprob, d entropy)``, each ``[0]`` when not asked for."""
-    *settings, need_logprob_grad, entropy_dtype = rest
-    grad_lp, grad_ent = policy_loss_bwd(
-        grad_loss,
-        logprob,
-        old_logprob,
-        advantages,
-        mask,
-        ref_logprob,
-        rollout_is_weights,
-        seq_weight,
-        totals,
-        LossSettings.from_args(tuple(settings)),
-        need_logprob_grad,
-        entropy_dtype,
-    )
-    return (logprob.new_empty(0) if grad_lp is None else grad_lp), (
-        logprob.new_empty(0) if grad_ent is None else grad_ent
-    )
-
-
-_policy_loss_op = define_differentiable_op(
-    "triton_policy_loss",
-    _policy_loss_forward,
-    opdef.policy_loss_fake,
-    _policy_loss_backward,
-    opdef.policy_loss_backward_fake,
-    opdef.policy_loss_setup,
-    opdef.policy_loss_backward,
-    schema=opdef.POLICY_LOSS_SCHEMA,
-    backward_schema=opdef.POLICY_LOSS_BACKWARD_SCHEMA,
-)
+_policy_loss_op = opdef.define_policy_loss_op("triton_policy_loss", policy_loss_fwd, policy_loss_bwd)
 policy_loss = dispatch.register(
     "policy_loss", "triton", supports=opdef.policy_loss_supports("triton", kl_types=KL_CODES, agg_modes=AGG_CODES)
 )(opdef.policy_loss_implementation(_policy_loss_op))
