@@ -95,12 +95,15 @@ class OpSpec:
             raise ValueError(f"glue of {self.name} must be one of {list(GLUE_KINDS)}, got {self.glue!r}")
 
 
-_REFERENCE_LOSS = "rl_kernel_core.loss.reference"
 _REFERENCE_BATCH_INVARIANT = "rl_kernel_core.batch_invariant_mode.reference"
 _TRITON_BATCH_INVARIANT = "rl_kernel_core.batch_invariant_mode.triton"
-_TRITON_LOSS = "rl_kernel_core.loss.triton"
-_NATIVE_LOSS = "rl_kernel_core.loss.native"
 _TRITON_FIRST = ("triton", "native", "torch")
+_LAYER_FILES = {"torch": "reference", "triton": "triton", "native": "native", "flashinfer": "flashinfer"}
+
+
+def _family(family: str, backends: tuple[str, ...] = ("torch", "triton", "native")) -> dict[str, str]:
+    """The modules serving a family's op on ``backends``: ``rl_kernel_core.<family>.<layer file>``."""
+    return {b: f"rl_kernel_core.{family}.{_LAYER_FILES[b]}" for b in backends}
 
 
 def _batch_invariant(name: str, public_module: Optional[str] = None) -> OpSpec:
@@ -122,11 +125,7 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
             OpSpec(
                 "logprob_from_logits",
                 "rl_kernel_core.logprob.api",
-                {
-                    "torch": "rl_kernel_core.logprob.reference",
-                    "triton": "rl_kernel_core.logprob.triton",
-                    "native": "rl_kernel_core.logprob.native",
-                },
+                _family("logprob"),
                 glue="differentiable_custom_op",
                 native_group="logprob_from_logits",
                 measured_order={"9.0": ("native", "triton", "torch")},
@@ -134,7 +133,7 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
             OpSpec(
                 "ratio_kl",
                 "rl_kernel_core.loss.api",
-                {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
+                _family("loss"),
                 glue="differentiable_custom_op",
                 native_group="loss",
                 measured_order={"9.0": _TRITON_FIRST},
@@ -142,7 +141,7 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
             OpSpec(
                 "policy_loss",
                 "rl_kernel_core.loss.api",
-                {"torch": _REFERENCE_LOSS, "triton": _TRITON_LOSS, "native": _NATIVE_LOSS},
+                _family("loss"),
                 glue="differentiable_custom_op",
                 native_group="loss",
                 measured_order={"9.0": _TRITON_FIRST},
@@ -150,17 +149,13 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
             OpSpec(
                 "fused_linear_policy_loss",
                 "rl_kernel_core.loss.api",
-                {"torch": _REFERENCE_LOSS, "triton": "rl_kernel_core.linear.triton_fused_loss"},
+                {**_family("loss", ("torch",)), "triton": "rl_kernel_core.linear.triton_fused_loss"},
                 glue="differentiable_custom_op",
             ),
             OpSpec(
                 "group_advantages",
                 "rl_kernel_core.advantages.api",
-                {
-                    "torch": "rl_kernel_core.advantages.reference",
-                    "triton": "rl_kernel_core.advantages.triton",
-                    "native": "rl_kernel_core.advantages.native",
-                },
+                _family("advantages"),
                 glue="custom_op",
                 native_group="advantages",
                 measured_order={"9.0": ("native", "triton", "torch")},
@@ -168,11 +163,7 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
             OpSpec(
                 "linear_logprob",
                 "rl_kernel_core.linear.api",
-                {
-                    "torch": "rl_kernel_core.linear.reference",
-                    "triton": "rl_kernel_core.linear.triton",
-                    "native": "rl_kernel_core.linear.native",
-                },
+                _family("linear"),
                 glue="differentiable_custom_op",
                 native_group="linear_logprob",
                 auto_order=_TRITON_FIRST,
@@ -181,11 +172,7 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
             OpSpec(
                 "sample",
                 "rl_kernel_core.sampling.api",
-                {
-                    "torch": "rl_kernel_core.sampling.reference",
-                    "triton": "rl_kernel_core.sampling.triton",
-                    "flashinfer": "rl_kernel_core.sampling.flashinfer",
-                },
+                _family("sampling", ("torch", "triton", "flashinfer")),
                 glue="function",
             ),
             OpSpec(
