@@ -4,8 +4,6 @@ registered as the ``native`` backend. Importing this module builds the ``advanta
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from rl_kernel_core import dispatch
@@ -17,19 +15,10 @@ Tensor = torch.Tensor
 _ext = extension("advantages")
 
 
-@torch.library.custom_op("rl_kernel::native_group_advantages", mutates_args=())
-def group_advantages_op(
-    rewards: Tensor,
-    group_size: Optional[int],
-    group_index: Optional[Tensor],
-    estimator: str,
-    norm_by_std: bool,
-    eps: float,
-) -> Tensor:
-    """Advantages ``[N]`` (fp32; fp64 for fp64 rewards), group statistics in fp64."""
+def _group_advantages(rewards, group_size, group_index, estimator, norm_by_std, eps) -> Tensor:
+    """Advantages ``[N]`` (fp32; fp64 for fp64 rewards), group statistics in fp64 (:data:`~rl_kernel_core.advantages.opdef.SCHEMA`)."""
     return _ext.group_advantages(rewards, group_size, group_index, ESTIMATOR_CODES[estimator], norm_by_std, eps)
 
 
-group_advantages_op.register_fake(opdef.fake)
-
+group_advantages_op = opdef.define_op("native_group_advantages", _group_advantages)
 group_advantages = dispatch.register("group_advantages", "native")(opdef.implementation(group_advantages_op))

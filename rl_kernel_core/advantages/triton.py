@@ -138,10 +138,7 @@ def group_advantages_fwd(
     return out
 
 
-group_advantages_op = torch.library.custom_op(
-    "rl_kernel::triton_group_advantages", group_advantages_fwd, mutates_args=()
-)
-group_advantages_op.register_fake(opdef.fake)
+group_advantages_op = opdef.define_op("triton_group_advantages", group_advantages_fwd)
 
 
 def _supports(rewards, group_size, group_index, **kwargs) -> Optional[str]:
