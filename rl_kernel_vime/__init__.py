@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from rl_kernel_vime import fallback, registry, targets
+from rl_kernel_vime import _bootstrap
 from rl_kernel_vime._bootstrap import activate, current_config
 
 __all__ = ["activate", "restore", "status"]
@@ -26,9 +27,7 @@ def restore() -> None:
     """Turn the hooks off: vime's functions back everywhere they were bound in vime's modules, the
     import hook removed; a hook that a module elsewhere imported by name calls vime's function
     from now on, until an :func:`activate` patches that target in again."""
-    from rl_kernel_vime import patch
-
-    patch.restore()
+    _bootstrap.restore()
 
 
 def status() -> dict[str, Any]:

@@ -83,12 +83,16 @@ def activate(cfg: Optional[config.Config] = None) -> None:
             _on_imported(name, module)
 
 
-def deactivate() -> None:
-    """Forget the configuration; the import hook is taken off by ``registry.patches.restore()``
-    (:func:`rl_kernel_vime.patch.restore` does both)."""
+def restore() -> None:
+    """Turn the hooks off in this process: every original back (by-name bindings in other vime
+    modules included), the import hook off ``sys.meta_path``, the configuration forgotten."""
+    registry.patches.restore()
     _state.config = None
     _state.error = None
     _state.hooked = False
+    for key in registry.originals():
+        registry.forget(key)
+        registry.withdraw(key)
 
 
 def install_from_env() -> None:

@@ -17,7 +17,7 @@ import logging
 from types import ModuleType
 from typing import Callable, Optional
 
-from rl_kernel_vime import _bootstrap, config, fallback, hooks, registry, targets, timing
+from rl_kernel_vime import config, fallback, hooks, registry, targets, timing
 
 logger = logging.getLogger("rl_kernel.vime")
 
@@ -79,13 +79,3 @@ def apply_module(name: str, module: ModuleType, cfg: config.Config) -> None:
         name,
         {t.key: registry.states().get(t.key) for t in targets.TARGETS if t.module == name},
     )
-
-
-def restore() -> None:
-    """Turn the hooks off in this process: every original back (by-name bindings in other vime
-    modules included), the import hook off ``sys.meta_path``, the configuration forgotten."""
-    registry.patches.restore()
-    _bootstrap.deactivate()
-    for key in registry.originals():
-        registry.forget(key)
-        registry.withdraw(key)

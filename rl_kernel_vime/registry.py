@@ -12,7 +12,7 @@ from rl_kernel_core.adapters import Patches
 
 patches = Patches()
 """Every attribute replaced in vime's modules (by-name bindings included) and the import hook:
-:func:`rl_kernel_vime.patch.restore` undoes them all."""
+:func:`rl_kernel_vime.restore` undoes them all."""
 
 _originals: dict[str, Callable] = {}
 _states: dict[str, str] = {}

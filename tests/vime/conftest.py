@@ -14,7 +14,8 @@ STANDIN = Path(__file__).parent / "standin"
 if str(STANDIN) not in sys.path:
     sys.path.insert(0, str(STANDIN))
 
-from rl_kernel_vime import fallback, patch, registry  # noqa: E402
+import rl_kernel_vime  # noqa: E402
+from rl_kernel_vime import fallback, registry  # noqa: E402
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def _clean_state(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     fallback.reset()
     yield
-    patch.restore()
+    rl_kernel_vime.restore()
     registry.reset_states()
     registry.reset_provider_calls()
     fallback.reset()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rl_kernel_core.contract import assert_close
+import rl_kernel_vime
 from rl_kernel_vime import config, fallback, hooks, patch, registry, targets
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.utils import ppo_utils
@@ -191,6 +192,6 @@ def test_patching_is_idempotent_and_restorable(monkeypatch):
     assert vime_loss.compute_approx_kl is hooks.compute_approx_kl  # the by-name import too
     assert actor.get_log_probs_and_entropy is hooks.get_log_probs_and_entropy
     assert registry.original(f"{targets.PPO_UTILS}:compute_approx_kl") is original
-    patch.restore()
+    rl_kernel_vime.restore()
     assert ppo_utils.compute_approx_kl is original and vime_loss.compute_approx_kl is original
     assert actor.get_log_probs_and_entropy is original_logprob
