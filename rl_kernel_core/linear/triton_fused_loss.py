@@ -52,6 +52,7 @@ from rl_kernel_core.loss import opdef
 from rl_kernel_core.loss.opdef import METRIC_NAMES, FusedLossInputs, LossSettings
 from rl_kernel_core.loss import reference as reference
 from rl_kernel_core.loss.triton import policy_loss_bwd
+from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton.tuning import linear
 
 
@@ -146,7 +147,7 @@ def _forward(hidden, weight, bias, targets, old, adv, mask_eff, ref, rw, tempera
     )
 
 
-@triton.jit
+@launch_time_jit
 def _scale_kernel(x_ptr, out_ptr, g_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < n

@@ -511,11 +511,11 @@ def fused_linear_policy_loss(
         _as_sequences(rollout_is_weights, num_seqs, seq_len),
     )
     kwargs = {"temperature": temperature, "ignore_index": ignore_index, "settings": settings}
-    if targets.numel() == 0:
-        loss, metrics = _reference.fused_linear_policy_loss(inputs, **kwargs)
-    else:
-        fn = dispatch.select("fused_linear_policy_loss", backend, hidden.device, inputs, **kwargs)
-        loss, metrics = fn(inputs, **kwargs)
+    # no token: the reference's empty sums, whatever backend was asked for
+    chosen = "torch" if targets.numel() == 0 else backend
+    loss, metrics = dispatch.select("fused_linear_policy_loss", chosen, hidden.device, inputs, **kwargs)(
+        inputs, **kwargs
+    )
     if factor == 1.0:
         return loss, metrics
     return _scaled(loss, metrics, factor)

@@ -1,4 +1,5 @@
-"""Plain-PyTorch reference for ratio/KL, the PPO policy loss and its fused-from-hidden variant.
+"""Plain-PyTorch reference for ratio/KL and the PPO policy loss (the fused-from-hidden variant
+composes it with ``linear_logprob`` in :mod:`rl_kernel_core.linear.reference_fused_loss`).
 
 The semantics oracle and the CPU path. Inputs arrive validated and normalised by
 :mod:`rl_kernel_core.loss.api` (shapes, ``ref_logprob`` resolved, the settings as one
@@ -18,8 +19,7 @@ from typing import Optional
 import torch
 
 from rl_kernel_core import dispatch
-from rl_kernel_core.loss.opdef import FusedLossInputs, LossSettings
-from rl_kernel_core.linear.reference import linear_logprob_torch
+from rl_kernel_core.loss.opdef import LossSettings
 
 LOG_RATIO_CLAMP = 20.0
 """``|log ratio|`` bound before ``exp``, in the PPO ratio and in the k3 estimator (verl)."""
@@ -198,38 +198,3 @@ def scored_mask(mask: torch.Tensor, targets: torch.Tensor, ignore_index: int) ->
     """``mask`` (bool or float ``[S, T]``, kept in its dtype) with the tokens whose ``targets`` equal ``ignore_index`` removed."""
     scored = targets != ignore_index
     return mask & scored if mask.dtype == torch.bool else mask * scored
-
-
-@dispatch.register("fused_linear_policy_loss", "torch")
-def fused_linear_policy_loss(
-    inputs: FusedLossInputs,
-    *,
-    temperature: float,
-    ignore_index: int,
-    settings: LossSettings,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``linear_logprob`` (reference, with entropy) composed with :func:`policy_loss`.
-
-    ``hidden [S, T, D]``; tokens whose target is ``ignore_index`` leave the mask, whatever it says.
-    """
-    hidden, weight, targets, old_logprob, advantages, mask, bias, ref_logprob, rollout_is_weights = inputs
-    num_seqs, seq_len, dim = hidden.shape
-    logprob, entropy = linear_logprob_torch(
-        hidden.reshape(num_seqs * seq_len, dim).contiguous(),
-        weight.contiguous(),
-        targets.reshape(-1).contiguous(),
-        None if bias is None else bias.contiguous(),
-        temperature,
-        ignore_index,
-        True,
-    )
-    return policy_loss(
-        logprob.view(num_seqs, seq_len),
-        old_logprob,
-        advantages,
-        scored_mask(mask, targets, ignore_index),
-        ref_logprob,
-        entropy.view(num_seqs, seq_len),
-        rollout_is_weights,
-        settings,
-    )

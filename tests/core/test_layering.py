@@ -236,3 +236,15 @@ def test_no_test_module_imports_a_test_module():
         if set(name.split(".")) & test_modules or name.split(".")[0] == "tests"
     ]
     assert not violations, "\n".join(violations)
+
+
+def test_kernels_choose_compiled_or_interpreted_at_launch():
+    """``triton.jit`` binds a kernel to the compiler or the interpreter when its module is imported;
+    a kernel module imported before a CPU test sets ``TRITON_INTERPRET=1`` would then ask for a GPU
+    driver. Kernels use ``rl_kernel_core.triton._jit``'s ``launch_time_jit`` / ``helper_jit``."""
+    bound = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", None) == "triton":
+                bound.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not bound, f"triton.jit at {bound}: use launch_time_jit or helper_jit"
