@@ -149,7 +149,10 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
             OpSpec(
                 "fused_linear_policy_loss",
                 "rl_kernel_core.loss.api",
-                {"torch": "rl_kernel_core.linear.reference_fused_loss", "triton": "rl_kernel_core.linear.triton_fused_loss"},
+                {
+                    "torch": "rl_kernel_core.linear.reference_fused_loss",
+                    "triton": "rl_kernel_core.linear.triton_fused_loss",
+                },
                 glue="differentiable_custom_op",
             ),
             OpSpec(
