@@ -112,17 +112,20 @@ def _grads(q, k, v, cu_q, cu_k, causal, w):
     return torch.autograd.grad((out.float() * w).sum(), leaves)
 
 
+def _dense_grads(q, k, v, cu_q, cu_k, causal, w):
+    """What ``_grads`` should give: the same weighted sum through the dense formula in fp64."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = dense_attention(*leaves, cu_q.tolist(), cu_k.tolist(), causal)
+    return torch.autograd.grad((out * w.double()).sum(), leaves)
+
+
 @pytest.mark.parametrize("kind", ["packed", "kv_cache"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_match_dense_formula(seed, device, kind, causal, dtype):
     q, k, v, cu_q, cu_k, w = _inputs(device, kind, dtype)
     got = _grads(q, k, v, cu_q, cu_k, causal, w)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    q64, k64, v64 = leaves
-    expected = torch.autograd.grad(
-        (dense_attention(q64, k64, v64, cu_q.tolist(), cu_k.tolist(), causal) * w.double()).sum(), leaves
-    )
+    expected = _dense_grads(q, k, v, cu_q, cu_k, causal, w)
     for name, g, e in zip("qkv", got, expected):
         assert g.dtype == dtype
         contract.assert_close(g, e, "gradient", dtype, name=f"d{name}")
@@ -139,11 +142,7 @@ def test_gradients_at_other_head_dims_and_groups(seed, device):
         q, k, v = (torch.randn(sum(lengths), h, d, device=device).to(torch.bfloat16) for h in (hq, hkv, hkv))
         w = torch.randn(q.shape, device=device).to(torch.bfloat16).float()
         got = _grads(q, k, v, cu, cu, True, w)
-        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        q64, k64, v64 = leaves
-        expected = torch.autograd.grad(
-            (dense_attention(q64, k64, v64, cu.tolist(), cu.tolist(), True) * w.double()).sum(), leaves
-        )
+        expected = _dense_grads(q, k, v, cu, cu, True, w)
         for name, g, e in zip("qkv", got, expected):
             contract.assert_close(g, e, "gradient", torch.bfloat16, name=f"D={d} d{name}")
 
