@@ -265,6 +265,18 @@ def copy_bandwidth_gbs(args: argparse.Namespace, device: torch.device) -> dict:
     return {"bytes_moved": moved, **timing, "gbs": moved / (timing["median_ms"] * 1e-3) / 1e9}
 
 
+def result_head(benchmark: str, args: argparse.Namespace, env: dict, bandwidth: dict) -> dict:
+    """The first fields of a loss benchmark's JSON result: what ran, where, and how it was timed."""
+    return {
+        "benchmark": benchmark,
+        "command": bench.command_line(),
+        "environment": env,
+        "copy_bandwidth": bandwidth,
+        "warmup": args.warmup,
+        "reps": args.reps,
+    }
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """The options every loss benchmark takes: ``--out``, the shapes, ``--warmup`` and ``--reps``."""
     parser.add_argument("--out", required=True, help="directory for the JSON result")
@@ -310,14 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(0)
     env = bench.environment(device)
     bandwidth = copy_bandwidth_gbs(args, device)
-    result = {
-        "benchmark": "bench_losses",
-        "command": bench.command_line(),
-        "environment": env,
-        "copy_bandwidth": bandwidth,
-        "warmup": args.warmup,
-        "reps": args.reps,
-    }
+    result = result_head("bench_losses", args, env, bandwidth)
     if args.only in (None, "logprob"):
         result["logprob_from_logits"] = bench_logprob(args, device, bandwidth["gbs"])
         if device.type == "cuda":

@@ -46,6 +46,7 @@ from bench_losses import (  # noqa: E402
     add_common_args,
     copy_bandwidth_gbs,
     eager_logprob,
+    result_head,
     write_result,
 )
 
@@ -297,14 +298,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = bench.environment(device)
     env["native"] = dispatch.backend_status()["native"] or "available"
     bandwidth = copy_bandwidth_gbs(args, device)
-    result = {
-        "benchmark": "bench_native",
-        "command": bench.command_line(),
-        "environment": env,
-        "copy_bandwidth": bandwidth,
-        "warmup": args.warmup,
-        "reps": args.reps,
-    }
+    result = result_head("bench_native", args, env, bandwidth)
     result["logprob_from_logits"] = bench_logprob(args, device, bandwidth["gbs"])
     torch.cuda.empty_cache()
     result["policy_loss"] = bench_policy_loss(args, device, bandwidth["gbs"])
