@@ -82,6 +82,15 @@ def _args(path: Optional[str] = PATH, mode: str = "auto") -> Namespace:
     return Namespace(linear_logp_provider=path, linear_logp_provider_mode=mode)
 
 
+def _head_context(h, w, b, **vocab_partition: int) -> boundary.LinearLogpContext:
+    """The hidden-state input of a request: ``h``, the LM head ``w``/``b``, and its vocabulary shard."""
+    return boundary.LinearLogpContext(
+        hidden=h,
+        projection=boundary.LinearProjection(weight=w, bias=b),
+        vocab_partition=boundary.VocabPartition(**vocab_partition),
+    )
+
+
 def _logits_case(gen, rows=11, vocab=23):
     logits = (3 * torch.randn(rows, vocab, generator=gen)).requires_grad_()
     return logits, torch.randint(0, vocab, (rows,), generator=gen)
@@ -120,11 +129,7 @@ def test_hidden_path_matches_vime_native_without_reading_logits(gen, bias, with_
     h, w, b, tgt = random_head(gen, bias=bias)
     t = {None: None, 0.7: 0.7, "tensor1": torch.tensor([1.3]), "tensorT": torch.full((9,), 0.8)}[temperature]
     scale = 1.0 if t is None else float(t) if not isinstance(t, torch.Tensor) else float(t.reshape(-1)[0])
-    context = boundary.LinearLogpContext(
-        hidden=h,
-        projection=boundary.LinearProjection(weight=w, bias=b),
-        vocab_partition=boundary.VocabPartition(local_start=0, local_size=29, real_size=27, padded_size=29),
-    )
+    context = _head_context(h, w, b, local_start=0, local_size=29, real_size=27, padded_size=29)
     poisoned = torch.full((9, 29), float("nan"), requires_grad=True)
     result = provider(_request(poisoned, tgt, context=context, with_entropy=with_entropy, temperature=t))
     true_logits = F.linear(h, w, b) / scale
@@ -177,22 +182,14 @@ def _keep_mask_request(gen):
 
 def _per_row_temperature_request(gen):
     h, w, b, tgt = random_head(gen)
-    context = boundary.LinearLogpContext(
-        hidden=h,
-        projection=boundary.LinearProjection(weight=w, bias=b),
-        vocab_partition=boundary.VocabPartition(local_start=0, local_size=29, real_size=29, padded_size=29),
-    )
+    context = _head_context(h, w, b, local_start=0, local_size=29, real_size=29, padded_size=29)
     temperature = torch.rand(9, generator=gen) + 0.5
     return _request(F.linear(h, w, b) / temperature[:, None], tgt, context=context, temperature=temperature)
 
 
 def _offset_shard_request(gen):
     h, w, b, tgt = random_head(gen)
-    context = boundary.LinearLogpContext(
-        hidden=h,
-        projection=boundary.LinearProjection(weight=w, bias=b),
-        vocab_partition=boundary.VocabPartition(local_start=3, local_size=29, real_size=32, padded_size=32),
-    )
+    context = _head_context(h, w, b, local_start=3, local_size=29, real_size=32, padded_size=32)
     return _request(F.linear(h, w, b), tgt, context=context)
 
 
@@ -429,13 +426,7 @@ def _well_formed(gen, rows: int = 6, hidden: int = 5, vocab: int = 11) -> dict[s
     """One well-formed request per boundary and input (vime's own dataclasses)."""
     h, w, b, tgt = random_head(gen, rows=rows, hidden=hidden, vocab=vocab)
     logits = F.linear(h, w, b).detach()
-    context = boundary.LinearLogpContext(
-        hidden=h,
-        projection=boundary.LinearProjection(weight=w, bias=b),
-        vocab_partition=boundary.VocabPartition(
-            local_start=0, local_size=vocab, real_size=vocab - 2, padded_size=vocab
-        ),
-    )
+    context = _head_context(h, w, b, local_start=0, local_size=vocab, real_size=vocab - 2, padded_size=vocab)
     cp = selected_boundary.ContextParallelLayout(world_size=1, rank=0, layout="single")
 
     def flat(**fields: Any) -> selected_boundary.SelectedLogprobRequest:
