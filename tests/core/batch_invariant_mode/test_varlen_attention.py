@@ -115,7 +115,8 @@ def _grads(q, k, v, cu_q, cu_k, causal, w):
 def _dense_grads(q, k, v, cu_q, cu_k, causal, w):
     """What ``_grads`` should give: the same weighted sum through the dense formula in fp64."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out = dense_attention(*leaves, cu_q.tolist(), cu_k.tolist(), causal)
+    q64, k64, v64 = leaves
+    out = dense_attention(q64, k64, v64, cu_q.tolist(), cu_k.tolist(), causal)
     return torch.autograd.grad((out * w.double()).sum(), leaves)
 
 
