@@ -44,6 +44,12 @@ SWITCHES = {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"}
 TIMEOUT_S = 1800
 
 
+def environment_without_switches() -> dict[str, str]:
+    """This process's environment less the plugin's and vLLM's batch-invariant switches: a child
+    process started with it has the mode off unless the caller turns it on."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+
+
 def _divisors(n: int, among: Sequence[int]) -> list[int]:
     return [d for d in among if n % d == 0]
 
@@ -254,7 +260,7 @@ def run_many(work_dirs: Sequence[Path], on: bool, device: str, deadline: Optiona
 def _run_setting(work_dirs: list[Path], on: bool, device: str, log: Path, deadline: Optional[float]) -> None:
     """:func:`run_many` in fresh processes (the plugin reads its switches once per process): draws at
     tensor parallel size 1 in one process with the engine in-process, each other draw in its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env = environment_without_switches()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if on:
         env.update(SWITCHES)

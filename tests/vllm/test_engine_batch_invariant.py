@@ -21,6 +21,8 @@ from typing import Optional
 import pytest
 import torch
 
+from rl_kernel_vllm import harness
+
 import vllm_tiny_model
 
 TIMEOUT_S = 600
@@ -40,7 +42,7 @@ def _run(
     extra: tuple[str, ...] = (),
     env_extra: Optional[dict] = None,
 ) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env = harness.environment_without_switches()
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", **(env_extra or {}))
     if on:
         env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1")
@@ -142,7 +144,7 @@ def test_chunked_prefill_and_prefix_cache_hits_bitwise(model_dir: Path, tmp_path
 def test_cli_engine_mode_off_and_on(model_dir: Path, tmp_path: Path):
     """``rl-kernel consistency --engine vllm`` (bf16): the control group shows a gap (so the
     assertion is not vacuous on this machine), the mode closes it, the chart is written."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env = harness.environment_without_switches()
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     chart = tmp_path / "gap.png"
     cmd = [
@@ -200,7 +202,7 @@ os._exit(0)
 
 def test_weight_check_sees_one_flipped_bit(model_dir: Path, tmp_path: Path):
     """With the mode on (vLLM's CPU build otherwise repacks linear weights for oneDNN and empties them)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env = harness.environment_without_switches()
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",

@@ -11,12 +11,13 @@ process). Runs where vLLM and CUDA are present (``gpu`` marker).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from rl_kernel_vllm import harness
 
 import vllm_tiny_model
 from vllm_engine_requests import KV_CACHE_BYTES, skip_without_vllm
@@ -38,7 +39,7 @@ def report(tmp_path_factory, module_seed) -> dict:
         )
     root = tmp_path_factory.mktemp("vllm_gpu_bi")
     vllm_tiny_model.build(root / "model", module_seed)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env = harness.environment_without_switches()
     env.update(
         RL_KERNEL_VLLM="1",
         RL_KERNEL_VLLM_BATCH_INVARIANT="1",

@@ -12,7 +12,6 @@ drift probe names no module where the switches are on and one where they are off
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -92,7 +91,7 @@ def test_drift_probe_names_the_first_divergent_module(tmp_path, seed, on):
     )
     harness.write_model(spec, tmp_path / "model", "cpu")
     ids = harness.prompts(spec)[0][:40]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env = harness.environment_without_switches()
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     if on:
         env.update(harness.SWITCHES)

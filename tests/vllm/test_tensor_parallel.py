@@ -10,7 +10,6 @@ everything else to vLLM; the engine-configuration refusals and the passes turned
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -158,7 +157,7 @@ def test_tp3_or_tp4_rollout_equals_a_one_process_trainer_bitwise(tmp_path: Path,
     print(f"seed={seed} tp={tp} model={spec['model']}")
     harness.write_model(spec, tmp_path / "model", "cpu")
     (tmp_path / "spec.json").write_text(json.dumps({"engine": {"tensor_parallel_size": tp}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env = harness.environment_without_switches()
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
