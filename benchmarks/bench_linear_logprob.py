@@ -92,7 +92,7 @@ import torch
 import rl_kernel_core as rk
 from rl_kernel_core.tools import bench
 from rl_kernel_core.linear import chunks as LC
-from rl_kernel_core.triton import tuning as triton_tuning
+from rl_kernel_core.linear import triton_tile
 
 DEV = torch.device("cuda")
 SHAPES = {  # name -> (N, D, V); "tiny" is a CPU smoke test of this script under TRITON_INTERPRET=1
@@ -171,7 +171,7 @@ FLOPS = {
 
 def _tuning_dict() -> dict:
     """The tuning in force, with the Triton backend's table values where it leaves a field None."""
-    return {**dataclasses.asdict(LC.tuning()), **dataclasses.asdict(triton_tuning.linear())}
+    return {**dataclasses.asdict(LC.tuning()), **dataclasses.asdict(triton_tile.linear())}
 
 
 def _free() -> None:
@@ -891,7 +891,7 @@ def _parse_variant(spec: str) -> tuple[str, dict]:
         key, _, val = item.partition(":")
         if "." in key:  # one field of a tile shape, e.g. gemm_tiles.tma:true
             tiles, sub = key.split(".", 1)
-            base = over.get(tiles, getattr(triton_tuning.linear(), tiles))
+            base = over.get(tiles, getattr(triton_tile.linear(), tiles))
             sub_type = {f.name: f.type for f in dataclasses.fields(LC.TileConfig)}[sub]
             over[tiles] = dataclasses.replace(base, **{sub: convert[sub_type](val)})
             continue

@@ -29,32 +29,14 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol
 import torch
 
 from rl_kernel_core.switches import env_flag
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Tile shape of the Triton logits pass; part of the numerical result (fixed per device kind)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-    tma: bool = False
-    """Load the gemm route's operands through TMA tensor descriptors where supported (others take
-    pointer loads with the same tiles)."""
-    persistent: bool = False
-    """Launch one program per SM that walks the tiles (flattened loop nest: the next tile's loads
-    overlap this tile's epilogue) instead of one program per tile. The tile partition and each
-    tile's arithmetic are the same either way."""
+from rl_kernel_core.tiles import TileConfig
 
 
 @dataclass(frozen=True)
 class LinearTuning:
     """The choices of the chunked linear ops in force; a field left None takes the Triton backend's
     default from ``rl_kernel_core/triton/tuning.py`` (its ``LINEAR_*`` tables, read through
-    :func:`rl_kernel_core.triton.tuning.linear`).
+    :func:`rl_kernel_core.linear.triton_tile.linear`).
 
     Both backends: ``route``, where every pass (forward, backward, loss) takes its logits from:
     ``"gemm"`` (a Triton ``tl.dot`` pass: the logits stay in registers) or ``"chunked"`` (cuBLAS

@@ -47,13 +47,13 @@ from rl_kernel_core import dispatch
 from rl_kernel_core.linear import chunks as LC
 from rl_kernel_core.linear import triton_sm90
 from rl_kernel_core.linear.triton import PASSES
+from rl_kernel_core.linear.triton_tile import linear
 from rl_kernel_core.opdef import define_differentiable_op
 from rl_kernel_core.loss import opdef
 from rl_kernel_core.loss.opdef import METRIC_NAMES, FusedLossInputs, LossSettings
 from rl_kernel_core.loss import reference as reference
 from rl_kernel_core.loss.triton import policy_loss_bwd
 from rl_kernel_core.triton._jit import launch_time_jit
-from rl_kernel_core.triton.tuning import linear
 
 
 def _token_grads(

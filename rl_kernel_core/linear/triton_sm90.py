@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from rl_kernel_core.linear.triton_tile import tiles
+from rl_kernel_core.linear.triton_tile import linear, tiles
 from rl_kernel_core.triton._jit import interpreting
-from rl_kernel_core.triton.tuning import LINEAR_SM90_TILE, linear
+from rl_kernel_core.triton.tuning import LINEAR_SM90_TILE
 
 KERNELS = "linear_passes"
 """The name under which the statistics and gradient passes record their route

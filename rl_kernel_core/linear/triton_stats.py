@@ -26,10 +26,10 @@ import triton.language as tl
 from rl_kernel_core import dispatch
 from rl_kernel_core.linear import triton_sm90
 from rl_kernel_core.linear.chunks import Chunk
-from rl_kernel_core.linear.triton_tile import grid, logits_tile, row_block, tile_args, tiles
+from rl_kernel_core.linear.triton_tile import grid, linear, logits_tile, row_block, tile_args, tiles
 from rl_kernel_core.triton._jit import launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import grouped_tile
-from rl_kernel_core.triton.tuning import MERGE_BLOCK_R, MERGE_BLOCK_T, linear
+from rl_kernel_core.triton.tuning import MERGE_BLOCK_R, MERGE_BLOCK_T
 
 
 @launch_time_jit

@@ -19,16 +19,55 @@ from typing import Optional
 import torch
 import triton.language as tl
 
-from rl_kernel_core.linear.chunks import TileConfig
+from rl_kernel_core.linear.chunks import LinearTuning, tuning
+from rl_kernel_core.tiles import TileConfig
 from rl_kernel_core.triton._jit import helper_jit, interpreting
 from rl_kernel_core.triton._matmul_helpers import dot_acc
 from rl_kernel_core.triton.tuning import (
     LINEAR_FP32_TILES,
+    LINEAR_GEMM_GRAD_TILES,
+    LINEAR_GEMM_TILES,
     LINEAR_INTERPRETER_PROGRAMS,
     LINEAR_INTERPRETER_TILES,
+    LINEAR_LOSS_KEEPS_LOGITS_FROM_DIM,
     LINEAR_MEMORY_PASS_TILES,
-    linear,
+    LINEAR_SM90,
+    LINEAR_STATS_BYTES,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearChoices:
+    """The Triton passes' choices under a :class:`~rl_kernel_core.linear.chunks.LinearTuning`: its
+    field where set, else the ``LINEAR_*`` table of :mod:`rl_kernel_core.triton.tuning` (fields as
+    ``LinearTuning``'s)."""
+
+    stats_bytes: int
+    gemm_tiles: TileConfig
+    gemm_grad_tiles: TileConfig
+    loss_keeps_logits_from_dim: int
+    sm90: str
+
+
+_resolved: Optional[tuple[LinearTuning, LinearChoices]] = None
+
+
+def linear() -> LinearChoices:
+    """The :class:`LinearChoices` of the :func:`~rl_kernel_core.linear.chunks.tuning` in force."""
+    global _resolved
+    t = tuning()
+    kept = _resolved
+    if kept is not None and kept[0] is t:
+        return kept[1]
+    choices = LinearChoices(
+        LINEAR_STATS_BYTES if t.stats_bytes is None else t.stats_bytes,
+        LINEAR_GEMM_TILES if t.gemm_tiles is None else t.gemm_tiles,
+        LINEAR_GEMM_GRAD_TILES if t.gemm_grad_tiles is None else t.gemm_grad_tiles,
+        LINEAR_LOSS_KEEPS_LOGITS_FROM_DIM if t.loss_keeps_logits_from_dim is None else t.loss_keeps_logits_from_dim,
+        LINEAR_SM90 if t.sm90 is None else t.sm90,
+    )
+    _resolved = (t, choices)
+    return choices
 
 
 @helper_jit

@@ -1,7 +1,8 @@
 """The Triton backend's tile and tuning tables, in one place: block sizes, warps and stages of every
 kernel launch that the kernel modules take from a named table or constant, and the defaults of the
 chunked linear ops' Triton choices (the ``LINEAR_*`` tables, which a
-:class:`~rl_kernel_core.linear.chunks.LinearTuning` field replaces at run time: :func:`linear`).
+:class:`~rl_kernel_core.linear.chunks.LinearTuning` field replaces at run time:
+:func:`rl_kernel_core.linear.triton_tile.linear`).
 
 A tile is part of a kernel's numerical result wherever it sets a summation order (the attention and
 matmul tiles, the vocab blocks of the log-prob and sampling passes): changing a value here changes
@@ -12,12 +13,10 @@ call shape. A value chosen by measurement names the committed measurement under
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from rl_kernel_core.linear.chunks import LinearTuning, TileConfig, tuning
+from rl_kernel_core.tiles import TileConfig
 
 # --- varlen_attention (triton/attention.py) -------------------------------------------------------
 
@@ -166,39 +165,6 @@ LINEAR_FP32_TILES = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
 LINEAR_MEMORY_PASS_TILES = TileConfig(1, 2048, 16, group_m=1, num_warps=8, num_stages=1)
 """Tile of the chunked route's passes on a GPU, which read an fp32 logits chunk (one row,
 ``BLOCK_N`` vocab columns per program)."""
-
-
-@dataclass(frozen=True)
-class LinearChoices:
-    """The Triton passes' choices under a :class:`~rl_kernel_core.linear.chunks.LinearTuning`: its
-    field where set, else the ``LINEAR_*`` table above (fields as ``LinearTuning``'s)."""
-
-    stats_bytes: int
-    gemm_tiles: TileConfig
-    gemm_grad_tiles: TileConfig
-    loss_keeps_logits_from_dim: int
-    sm90: str
-
-
-_resolved: Optional[tuple[LinearTuning, LinearChoices]] = None
-
-
-def linear() -> LinearChoices:
-    """The :class:`LinearChoices` of the :func:`~rl_kernel_core.linear.chunks.tuning` in force."""
-    global _resolved
-    t = tuning()
-    kept = _resolved
-    if kept is not None and kept[0] is t:
-        return kept[1]
-    choices = LinearChoices(
-        LINEAR_STATS_BYTES if t.stats_bytes is None else t.stats_bytes,
-        LINEAR_GEMM_TILES if t.gemm_tiles is None else t.gemm_tiles,
-        LINEAR_GEMM_GRAD_TILES if t.gemm_grad_tiles is None else t.gemm_grad_tiles,
-        LINEAR_LOSS_KEEPS_LOGITS_FROM_DIM if t.loss_keeps_logits_from_dim is None else t.loss_keeps_logits_from_dim,
-        LINEAR_SM90 if t.sm90 is None else t.sm90,
-    )
-    _resolved = (t, choices)
-    return choices
 
 
 MERGE_BLOCK_R: int = 16

@@ -30,7 +30,19 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "rl_kernel_core"
 TESTS = PACKAGE.parent / "tests"
 LAYERS: list[tuple[str, ...]] = [
-    ("ops", "switches", "adapters", "loss_codes", "_checks", "contract", "native_build", "digest", "spans", "argtypes"),
+    (
+        "ops",
+        "switches",
+        "adapters",
+        "loss_codes",
+        "_checks",
+        "contract",
+        "native_build",
+        "digest",
+        "spans",
+        "argtypes",
+        "tiles",
+    ),
     ("opdef",),
     ("dispatch", "profiling"),
     ("reference",),

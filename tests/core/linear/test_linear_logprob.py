@@ -27,7 +27,7 @@ from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.logprob import reference as reference  # CHUNK_ELEMENTS: the row chunk both log-prob references take
 from rl_kernel_core.linear import chunks as linear_chunks
-from rl_kernel_core.triton import tuning as triton_tuning
+from rl_kernel_core.linear import triton_tile
 from rl_kernel_core.linear.triton import linear_logprob as linear_logprob_triton
 from op_backends import Backend, on_backends
 from oracles import (
@@ -170,8 +170,8 @@ def test_tile_variants_agree(seed, device, tune):
     g_lp, g_ent = upstream(shape["n"], device), upstream(shape["n"], device)
     outs = {}
     for name, fields in TILE_VARIANTS.items():
-        tiles = dataclasses.replace(triton_tuning.linear().gemm_tiles, **fields)
-        grad_tiles = dataclasses.replace(triton_tuning.linear().gemm_grad_tiles, **fields)
+        tiles = dataclasses.replace(triton_tile.linear().gemm_tiles, **fields)
+        grad_tiles = dataclasses.replace(triton_tile.linear().gemm_grad_tiles, **fields)
         with linear_chunks.tuned(route="gemm", gemm_tiles=tiles, gemm_grad_tiles=grad_tiles):
             lp, ent, grads = run_linear(hidden, weight, bias, targets, 0.8, g_lp, g_ent)
         outs[name] = (lp, ent) + tuple(grads)
