@@ -1,8 +1,9 @@
 """verl's FSDP2 actor on one device: verl's default head, verl's fused kernels and rl-kernel's switch.
 
 One process, world size 1 (nccl on CUDA, gloo on CPU with verl's CPU platform from
-``recipes/grpo/verl_cpu.py``). A random-weight Qwen3 checkpoint at the chosen shapes
-(``make_random_model.write_random_model``, bf16 weights) is loaded by verl's own
+``recipes/grpo/verl_cpu.py``). A random-weight Qwen3 or Qwen3-MoE checkpoint at the chosen shapes
+(``make_random_model.write_random_model``, bf16 weights; ``qwen3-30b-a3b-8l``: Qwen3-30B-A3B's widths
+at 8 layers) is loaded by verl's own
 ``ActorRolloutRefWorker`` from verl's ``ppo_trainer`` Hydra config, as ``main_ppo`` builds it:
 FSDP2, bf16 mixed precision (verl's default), gradient checkpointing, no tokenizer. Per layout
 
@@ -84,7 +85,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from make_random_model import PRESETS, write_random_model  # noqa: E402
+from make_random_model import PRESETS, architecture, write_random_model  # noqa: E402
 
 from rl_kernel_core import contract  # noqa: E402
 from rl_kernel_core.tools import bench  # noqa: E402
@@ -109,7 +110,7 @@ TEMPERATURE = 1.0
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--model-shape", choices=sorted(PRESETS), default="qwen3-0.6b", help="Qwen3 shapes of the random model"
+        "--model-shape", choices=sorted(PRESETS), default="qwen3-0.6b", help="shapes of the random model (Qwen3, or Qwen3-MoE for the presets with experts)"
     )
     p.add_argument("--model-dir", help="where to write (or reuse) the random checkpoint; default a temporary directory")
     p.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")), help="directory of the JSON")
@@ -777,6 +778,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "environment": {**bench.environment(device), **versions},
         "settings": {
             "model_shape": args.model_shape,
+            "architecture": architecture(args.model_shape),
             "model_config": PRESETS[args.model_shape],
             "weights": "random N(0, 0.02), bf16",
             "compute_dtype": "bfloat16 (verl's FSDP2 mixed precision default)",

@@ -4,6 +4,8 @@
 of the preset, weights drawn N(0, 0.02) from a seeded generator (norm weights 1), no tokenizer
 (engines run with token ids: ``skip_tokenizer_init=True``). Other scripts call
 :func:`write_random_model`. ``tiny`` is a two-layer Qwen3 for CPU smoke runs of those scripts.
+A preset with ``num_experts`` is a ``Qwen3MoeForCausalLM``: ``qwen3-30b-a3b-8l`` has Qwen3-30B-A3B's
+widths (128 experts, top-8) at 8 of its 48 layers; ``tiny-moe`` is its CPU smoke size.
 """
 
 from __future__ import annotations
@@ -28,6 +30,36 @@ QWEN3_RELEASED = dict(
 PRESETS = {
     "qwen3-0.6b": dict(QWEN3_RELEASED, hidden_size=1024, intermediate_size=3072),
     "qwen3-1.7b": dict(QWEN3_RELEASED, hidden_size=2048, intermediate_size=6144),
+    "qwen3-30b-a3b-8l": dict(
+        QWEN3_RELEASED,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "tiny-moe": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
     "tiny": dict(
         vocab_size=256,
         hidden_size=64,
@@ -44,8 +76,13 @@ PRESETS = {
 }
 
 
+def architecture(preset: str) -> str:
+    """The model class of ``preset``: ``Qwen3MoeForCausalLM`` where it has experts, else ``Qwen3ForCausalLM``."""
+    return "Qwen3MoeForCausalLM" if "num_experts" in PRESETS[preset] else "Qwen3ForCausalLM"
+
+
 def write_random_model(preset: str, out: str, *, dtype: str = "bfloat16", seed: int = 0) -> str:
-    """Save a random ``Qwen3ForCausalLM`` with ``PRESETS[preset]``'s config to ``out``; return ``out``.
+    """Save a random :func:`architecture` model with ``PRESETS[preset]``'s config to ``out``; return ``out``.
 
     Matrices (every parameter of 2 or more dims) are N(0, 0.02) from a generator seeded with
     ``seed``; norm weights are 1. Built on the GPU when there is one. ``dtype``: a torch dtype name
@@ -53,19 +90,21 @@ def write_random_model(preset: str, out: str, *, dtype: str = "bfloat16", seed: 
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
-    config = Qwen3Config(**PRESETS[preset], bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    arch = architecture(preset)
+    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_class(**PRESETS[preset], bos_token_id=0, eos_token_id=1, pad_token_id=2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device).manual_seed(seed)
     with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+        model = getattr(transformers, arch)(config).to(getattr(torch, dtype))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
     model.save_pretrained(out)
-    print(f"wrote {preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) to {out}")
+    print(f"wrote {preset} ({arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) to {out}")
     return out
 
 

@@ -35,7 +35,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rl_kernel_core import adapters, dispatch, invariance, profiling
+from rl_kernel_core import adapters, dispatch, profiling
+from rl_kernel_core.batch_invariant_mode.api import batch_invariant
 from rl_kernel_verl import forward, loss, targets
 
 logger = logging.getLogger("rl_kernel.verl")
@@ -308,7 +309,7 @@ def _add_metrics(state: EngineState, outputs: Any, pass_name: str) -> None:
 
 def _mode(state: EngineState):
     """Batch-invariant mode for a switched-on engine's call under the option; else nothing."""
-    return invariance.batch_invariant() if state.batch_invariant else contextlib.nullcontext()
+    return batch_invariant() if state.batch_invariant else contextlib.nullcontext()
 
 
 def _hook_train_batch(state: EngineState, original: Callable) -> Callable:

@@ -38,13 +38,15 @@ def process_group():
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    """``{"tied": path, "untied": path}``: tiny random Qwen2 causal LMs."""
+    """``{"tied": path, "untied": path, "moe": path}``: tiny random Qwen2 causal LMs and a tiny Qwen3-MoE."""
     import verl_cpu
 
-    return {
+    dirs = {
         name: verl_cpu.save_tiny_qwen2(str(tmp_path_factory.mktemp(f"qwen2_{name}")), tied=name == "tied")
         for name in ("tied", "untied")
     }
+    dirs["moe"] = verl_cpu.save_tiny_qwen3_moe(str(tmp_path_factory.mktemp("qwen3_moe")))
+    return dirs
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@ log-probs of the old-log-prob pass and of the training pass are, bit for bit, th
 definition (the model under ``rl_kernel_core.batch_invariant`` with the mode's attention, its
 logits in the model dtype, ``logprob_from_logits`` at the temperature), computed here one
 sequence at a time as a reference; padded and packed (``use_remove_padding``) layouts alike,
-entropy asked or not, over the tokenizer's ids when the tokenizer covers fewer than the model's.
+entropy asked or not, over the tokenizer's ids when the tokenizer covers fewer than the model's;
+tiny Qwen2 models tied and untied, and a tiny Qwen3-MoE (its sparse blocks run the mode's router,
+experts and combine in verl's engine as in the rollout).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _log_probs(worker, rollout: dict, temperature: float, entropy: bool) -> torc
     return tu.get(worker.compute_log_prob(batch), "log_probs").values()
 
 
-@pytest.mark.parametrize("model", ["tied", "untied"])
+@pytest.mark.parametrize("model", ["tied", "untied", "moe"])
 def test_old_log_prob_pass_is_the_rollout_definition_bitwise(build_worker, model_dirs, seed, model):
     padded = build_worker(model, "actor", BATCH_INVARIANT)
     packed = build_worker(model, "actor", BATCH_INVARIANT, PACKED)
@@ -73,6 +75,9 @@ def test_old_log_prob_pass_is_the_rollout_definition_bitwise(build_worker, model
     rollout = random_rollout(g, batch=6)
     temperature = float(torch.empty(()).uniform_(0.5, 1.5, generator=g))
 
+    if model == "moe":  # the engine's sparse blocks run the mode's router, experts and combine
+        blocks = [m for m in engine_of(padded).module.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+        assert len(blocks) == 2 and all(getattr(b, "_rl_kernel_mode_moe", False) for b in blocks), blocks
     lp, entropy, metrics = infer(padded, rollout, temperature)
     lp_packed, entropy_packed, _ = infer(packed, rollout, temperature)
     lp_alone = _log_probs(padded, rollout, temperature, entropy=False)

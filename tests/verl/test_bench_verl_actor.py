@@ -1,4 +1,5 @@
-"""``benchmarks/bench_verl_actor.py`` end to end on CPU at the tiny shape, so the GPU benchmark cannot rot.
+"""``benchmarks/bench_verl_actor.py`` end to end on CPU at the tiny shapes (Qwen3 and Qwen3-MoE), so the GPU
+benchmark cannot rot.
 
 The script's ``main`` runs in this process (on the tier's gloo group of world size 1), on verl
 0.9.1's FSDP2 actor; its JSON must hold every variant on both layouts, the fp32 off-vs-on checks
@@ -13,15 +14,16 @@ import importlib.util
 import json
 import os
 
+import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("verl_default", "rl_kernel", "rl_kernel_batch_invariant", "verl_fused_triton")
 HOOKED = ("rl_kernel", "rl_kernel_batch_invariant")
 LAYOUTS = ("packed", "padded")
-TINY_CPU_BATCH: tuple[str, ...] = ("--model-shape", "tiny", "--device", "cpu", "--prompts", "4", "--samples", "2")
+TINY_CPU_BATCH: tuple[str, ...] = ("--device", "cpu", "--prompts", "4", "--samples", "2")
 TINY_CPU_BATCH += ("--prompt-len", "8", "--response-len", "8", "--max-token-len", "48")
-"""The benchmark's options of both tests: the tiny model on CPU, 4 prompts x 2 samples of 8 + 8 tokens."""
+"""The benchmark's options of both tests: on CPU, 4 prompts x 2 samples of 8 + 8 tokens."""
 CHECKED = {"log_probs", "entropy", "actor/pg_loss", "actor/ppo_kl", "kl_loss", "loss", "grad_norm", "gradients"}
 
 
@@ -35,14 +37,17 @@ def _load_bench():
     return bench
 
 
-def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
-    from transformers import Qwen3ForCausalLM
+def _run_bench(tmp_path, seed: int, shape: str) -> tuple[int, dict]:
+    import transformers
 
     bench = _load_bench()
-    forward = Qwen3ForCausalLM.forward
+    model_class = getattr(transformers, bench.architecture(shape))
+    forward = model_class.forward
     try:
         rc = bench.main(
             [
+                "--model-shape",
+                shape,
                 *TINY_CPU_BATCH,
                 "--check-prompts",
                 "1",
@@ -59,16 +64,18 @@ def _run_bench(tmp_path, seed: int) -> tuple[int, dict]:
             ]
         )
     finally:  # verl's use_fused_kernels replaced the class's forward for the whole process
-        Qwen3ForCausalLM.forward = forward  # type: ignore[method-assign]
-    with open(tmp_path / "out" / "bench_verl_actor_tiny_packed-padded.json", encoding="utf-8") as f:
+        model_class.forward = forward
+    with open(tmp_path / "out" / f"bench_verl_actor_{shape}_packed-padded.json", encoding="utf-8") as f:
         return rc, json.load(f)
 
 
-def test_bench_verl_actor_tiny_cpu(tmp_path):
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
+def test_bench_verl_actor_tiny_cpu(tmp_path, shape):
     seed = int(torch.randint(0, 2**16, ()))
-    rc, doc = _run_bench(tmp_path, seed)
+    rc, doc = _run_bench(tmp_path, seed, shape)
     assert rc == 0, f"seed {seed}: {json.dumps(doc['results'])[:3000]}"
-    assert doc["environment"]["verl"] == "0.9.1" and doc["settings"]["model_shape"] == "tiny"
+    assert doc["environment"]["verl"] == "0.9.1" and doc["settings"]["model_shape"] == shape
+    assert doc["settings"]["architecture"] == ("Qwen3MoeForCausalLM" if shape == "tiny-moe" else "Qwen3ForCausalLM")
     rows = {(r["layout"], r["variant"]): r for r in doc["results"]}
     assert set(rows) == {(layout, variant) for layout in LAYOUTS for variant in VARIANTS}
     for layout in LAYOUTS:
@@ -123,6 +130,8 @@ def test_microbatch_search_steps_run_the_micro_batches_they_ask_for(tmp_path):
     bench = _load_bench()
     args = bench.parse_args(
         [
+            "--model-shape",
+            "tiny",
             *TINY_CPU_BATCH,
             "--check-prompts",
             "0",

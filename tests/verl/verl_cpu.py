@@ -89,6 +89,37 @@ def save_tiny_qwen2(path: str, *, tied: bool, seed: int = 0) -> str:
     return path
 
 
+def save_tiny_qwen3_moe(path: str, *, seed: int = 0) -> str:
+    """A tiny random Qwen3-MoE causal LM (vocab 96, hidden 64, 2 layers of 8 experts, top-2,
+    renormalised) saved to ``path``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # spread the router and the head so routing and log-probs vary by token
+        model.lm_head.weight.normal_(0.0, 0.5)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
 def compose_config(model_dir: str, *overrides: str):
     """verl's ``ppo_trainer`` Hydra config with the CPU test overrides, then ``overrides`` (which win)."""
     from hydra import compose, initialize_config_dir
