@@ -110,7 +110,10 @@ TEMPERATURE = 1.0
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--model-shape", choices=sorted(PRESETS), default="qwen3-0.6b", help="shapes of the random model (Qwen3, or Qwen3-MoE for the presets with experts)"
+        "--model-shape",
+        choices=sorted(PRESETS),
+        default="qwen3-0.6b",
+        help="shapes of the random model (Qwen3, or Qwen3-MoE for the presets with experts)",
     )
     p.add_argument("--model-dir", help="where to write (or reuse) the random checkpoint; default a temporary directory")
     p.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")), help="directory of the JSON")

@@ -104,7 +104,9 @@ def write_random_model(preset: str, out: str, *, dtype: str = "bfloat16", seed: 
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
     model.save_pretrained(out)
-    print(f"wrote {preset} ({arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) to {out}")
+    print(
+        f"wrote {preset} ({arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) to {out}"
+    )
     return out
 
 

@@ -94,7 +94,8 @@ def save_tiny_qwen3_moe(path: str, *, seed: int = 0) -> str:
     renormalised) saved to ``path``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
+    # transformers types a config's __init__ without the keyword arguments it also accepts (head_dim)
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
