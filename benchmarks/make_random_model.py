@@ -27,52 +27,34 @@ QWEN3_RELEASED = dict(
 )
 """What Qwen3-0.6B's and Qwen3-1.7B's configs share; they differ in the widths."""
 
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
+"""A two-layer Qwen3 for CPU smoke runs."""
+
+QWEN3_30B_A3B_WIDTHS = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4)
+QWEN3_30B_A3B_EXPERTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+TINY_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
 PRESETS = {
     "qwen3-0.6b": dict(QWEN3_RELEASED, hidden_size=1024, intermediate_size=3072),
     "qwen3-1.7b": dict(QWEN3_RELEASED, hidden_size=2048, intermediate_size=6144),
+    # Qwen3-30B-A3B at 8 of its 48 layers
     "qwen3-30b-a3b-8l": dict(
-        QWEN3_RELEASED,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=8,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        norm_topk_prob=True,
+        QWEN3_RELEASED, **QWEN3_30B_A3B_WIDTHS, **QWEN3_30B_A3B_EXPERTS, num_hidden_layers=8, tie_word_embeddings=False
     ),
-    "tiny-moe": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-    ),
-    "tiny": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    ),
+    "tiny-moe": dict(TINY, **TINY_EXPERTS, tie_word_embeddings=False),
+    "tiny": TINY,
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 os.environ["VERL_PLATFORM"] = "cpu"
 os.environ["VERL_ENGINE_DEVICE"] = "cuda"
@@ -66,57 +67,39 @@ BASE_OVERRIDES = (
 SWITCH_ON = "+actor_rollout_ref.model.fused_kernel_options.use_rl_kernel_backend=True"
 
 
+TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=64
+)
+"""What the tiny models share."""
+
+
 def save_tiny_qwen2(path: str, *, tied: bool, seed: int = 0) -> str:
     """A tiny random Qwen2 causal LM (vocab 96, hidden 64, 2 layers) saved to ``path``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        architectures=["Qwen2ForCausalLM"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # spread the head so log-probs and their gradients are not all alike
-        model.lm_head.weight.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    return path
+    config = Qwen2Config(**TINY, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    return _save_random(Qwen2ForCausalLM, config, path, seed)
 
 
 def save_tiny_qwen3_moe(path: str, *, seed: int = 0) -> str:
     """A tiny random Qwen3-MoE causal LM (vocab 96, hidden 64, 2 layers of 8 experts, top-2,
-    renormalised) saved to ``path``."""
+    renormalised; its routers spread like the head) saved to ``path``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    # transformers types a config's __init__ without the keyword arguments it also accepts (head_dim)
-    config = Qwen3MoeConfig(  # type: ignore[call-arg]
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        architectures=["Qwen3MoeForCausalLM"],
-    )
+    experts: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    attention: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = Qwen3MoeConfig(**TINY, **attention, **experts, tie_word_embeddings=False)
+    return _save_random(Qwen3MoeForCausalLM, config, path, seed)
+
+
+def _save_random(model_class, config, path: str, seed: int) -> str:
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # spread the router and the head so routing and log-probs vary by token
+    model = model_class(config)
+    with torch.no_grad():  # spread the head (and MoE routers) so log-probs, gradients and routing vary by token
         model.lm_head.weight.normal_(0.0, 0.5)
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
+        for module in model.modules():
+            if type(module).__name__ == "Qwen3MoeTopKRouter":
+                module.weight.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return path
 
