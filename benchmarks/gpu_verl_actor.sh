@@ -5,8 +5,8 @@
 # are installed from the wheels of benchmarks/gpu_verl_wheels.txt (fetched here with
 # `python3 benchmarks/fetch_verl_wheels.py`, into .verl-wheels, which the call carries), each checked by sha256.
 #   bash benchmarks/gpu_verl_actor.sh [OUT] [JOB...]
-# JOB: SHAPE or SHAPE:PART, SHAPE in qwen3-0.6b qwen3-1.7b tiny, PART in all (default: both layouts, then the search),
-# packed, padded, search. Default jobs: qwen3-0.6b qwen3-1.7b. Per job OUT gets bench_verl_actor_<shape>_<parts>.json
+# JOB: SHAPE or SHAPE:PART, SHAPE a make_random_model preset (qwen3-0.6b, qwen3-1.7b, qwen3-30b-a3b-8l, tiny,
+# tiny-moe), PART in all (default: both layouts, then the search), packed, padded, search. Default jobs: qwen3-0.6b qwen3-1.7b. Per job OUT gets bench_verl_actor_<shape>_<parts>.json
 # and a log. Environment: VERL_WHEELS (default .verl-wheels), VERL_SITE (install target, default /tmp/verl-site;
 # benchmarks/gpu_verl_install.sh),
 # BENCH_ARGS (more arguments for every job, e.g. "--reps 5"); for search jobs SEARCH_VARIANTS (default: all four, each
