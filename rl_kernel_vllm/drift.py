@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from rl_kernel_vllm.switches import environment_without_switches
 
 _captured: dict[str, list[torch.Tensor]] = {}  # point name -> rows of each forward call, in order
 
@@ -204,7 +205,7 @@ def first_divergent_for_draw(
         return None
     ids = mismatch["prompt"] + mismatch["tokens"][:-1]
     out = work / "drift.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
+    env = environment_without_switches()
     env.update(RL_KERNEL_VLLM="1", RL_KERNEL_VLLM_BATCH_INVARIANT="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [

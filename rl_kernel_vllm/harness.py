@@ -38,17 +38,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from rl_kernel_vllm.switches import environment_without_switches
+
 ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 MOE = "Qwen3MoeForCausalLM"
 ROPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 SWITCHES = {"RL_KERNEL_VLLM": "1", "RL_KERNEL_VLLM_BATCH_INVARIANT": "1"}
 TIMEOUT_S = 1800
-
-
-def environment_without_switches() -> dict[str, str]:
-    """This process's environment less the plugin's and vLLM's batch-invariant switches: a child
-    process started with it has the mode off unless the caller turns it on."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
 
 
 def _divisors(n: int, among: Sequence[int]) -> list[int]:

@@ -108,3 +108,9 @@ def read(environ: Optional[Mapping[str, str]] = None) -> Switches:
         )
     strict = values.pop("strict")
     return Switches(enabled=True, strict=strict, hooks=values)
+
+
+def environment_without_switches() -> dict[str, str]:
+    """This process's environment less the plugin's and vLLM's batch-invariant switches: a child
+    process started with it has the mode off unless the caller turns it on."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RL_KERNEL_VLLM", "VLLM_BATCH_INVARIANT"))}
