@@ -67,10 +67,20 @@ def refuse_model_runner_v2(original: Callable) -> Callable:
     def init(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             "RL_KERNEL_VLLM_SAMPLER=1: rl-kernel's sampler hook covers vLLM's V1 model runner, and this engine "
-            "builds Model Runner V2's sampler; set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner) or RL_KERNEL_VLLM_SAMPLER=0"
+            f"builds Model Runner V2's sampler; set {_ways_out()}"
         )
 
     return init
+
+
+def _ways_out() -> str:
+    """The settings that let an engine start: the V1 runner where this vLLM still has it (vLLM 0.34
+    removed it and ``VLLM_USE_V2_MODEL_RUNNER``), else the hook off."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.sample.sampler") is None:
+        return "RL_KERNEL_VLLM_SAMPLER=0 (this vLLM has no V1 runner)"
+    return "VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner) or RL_KERNEL_VLLM_SAMPLER=0"
 
 
 def _min_p(logitsprocs: Any) -> tuple[bool, Optional[torch.Tensor]]:

@@ -148,6 +148,21 @@ def test_the_sampler_hook_refuses_model_runner_v2(probes, on):
     assert on["v2_sampler"].startswith("TypeError"), on["v2_sampler"]
 
 
+def test_the_refusal_names_only_settings_this_vllm_has(monkeypatch):
+    """Where vLLM has no V1 runner (0.34 removed it and ``VLLM_USE_V2_MODEL_RUNNER``), the refusal
+    says to turn the hook off instead of naming the runner switch."""
+    import importlib.util
+
+    from rl_kernel_vllm import sampler
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm.v1.sample.sampler" else find_spec(name, *a)
+    )
+    with pytest.raises(RuntimeError, match=r"set RL_KERNEL_VLLM_SAMPLER=0 \(this vLLM has no V1 runner\)$"):
+        sampler.refuse_model_runner_v2(lambda self: None)(object())
+
+
 def test_moved_target_is_logged_and_left_alone(probes):
     report = probes["moved"]
     v1 = logprobs.V1_TARGETS[0]
