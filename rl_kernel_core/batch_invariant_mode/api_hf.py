@@ -7,7 +7,7 @@ the real tokens of every row (from the padding mask), or takes the sequences alr
 row (from the position ids), and runs :func:`rl_kernel_core.varlen_attention` (fixed KV split
 order, so a decode step over a KV cache, a full forward, left or right padding, packing and any
 batch size give the same bits); while the mode is off it runs transformers' own ``sdpa``
-implementation on the same mask, so the control group is the library default. The dense ops
+implementation on the mask transformers builds for it, so the control group is the library default. The dense ops
 (projections, RMSNorm, MLP, LM head, log-softmax) are covered by the mode's ``aten`` routing.
 :func:`use_row_parallel_split` makes a one-process trainer compute what an engine at tensor
 parallel size N computes. Trainers call these at run time; the consistency report's forwards over
@@ -27,11 +27,16 @@ from rl_kernel_core.batch_invariant_mode.api_row_parallel import check_split, ra
 ATTN_IMPLEMENTATION = "rl_kernel_varlen"
 
 
-def _bool_mask(*args, **kwargs):
-    """transformers' sdpa mask, always materialised as a 4-D boolean ``[B, 1, Lq, Lk]``."""
+def _mode_mask(*args, **kwargs):
+    """transformers' sdpa mask. While the mode is on, always materialised as a 4-D boolean ``[B, 1,
+    Lq, Lk]`` (:func:`mode_attention` reads each row's real tokens from it); while it is off, exactly
+    as transformers builds it for ``sdpa`` (None where the causal mask may be skipped), so that
+    ``sdpa`` picks the kernels it picks for the unpatched model: on CUDA a materialised mask selects
+    another kernel, whose last bits differ."""
     from transformers.masking_utils import sdpa_mask
 
-    kwargs["allow_is_causal_skip"] = False
+    if is_batch_invariant():
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
@@ -177,7 +182,7 @@ def use_mode_attention(model) -> None:
     use_cpu_rope_frequencies(model)
     use_mode_moe(model)
     AttentionInterface.register(ATTN_IMPLEMENTATION, mode_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _bool_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mode_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
