@@ -337,6 +337,10 @@ def passed(row: dict[str, Any]) -> bool:
     return "error" not in on and on["max"] == 0.0 and on.get("prompt_max", 0.0) == 0.0
 
 
+DISK_GB = 20.0
+"""The checkpoints :func:`sweep` keeps on disk at once, in GiB (real-dim draws: 1-12 GiB each)."""
+
+
 def sweep(
     draws: int,
     seed: int,
@@ -349,46 +353,87 @@ def sweep(
     budget_s: Optional[float] = None,
     architecture: Optional[str] = None,
     tensor_parallel: Optional[int] = None,
+    disk_gb: float = DISK_GB,
 ) -> list[dict[str, Any]]:
     """Run ``draws`` draws of :func:`draw` (of ``architecture`` and at ``tensor_parallel`` when given)
     from ``random.Random(seed)``; returns one row per draw (its spec, the mode-on summary, with
-    ``control`` the mode-off one, and for a failing draw the drift probe's first divergent module)."""
+    ``control`` the mode-off one, and for a failing draw the drift probe's first divergent module).
+
+    Draws run in groups whose checkpoints together stay within ``disk_gb`` (:func:`checkpoint_bytes`;
+    a larger draw runs alone): a group's models are written, run with the switches on (one process),
+    then off, probed where they fail and deleted before the next group's are written. A draw is
+    rewritten bit for bit from its spec (:func:`write_model`), so its seed reproduces it."""
     device = device or ("cuda" if where == "gpu" else "cpu")
     rng = random.Random(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    works = []
-    for i in range(draws):
-        spec = draw(rng, where, architecture, tensor_parallel)
-        work = out_dir / f"draw{i}"
-        work.mkdir(exist_ok=True)
-        (work / "spec.json").write_text(json.dumps(spec, indent=1))
-        write_model(spec, work / "model", device)
-        works.append(work)
+    specs = [draw(rng, where, architecture, tensor_parallel) for _ in range(draws)]
     log = out_dir / "engines.log"
     deadline = None if budget_s is None else time.time() + budget_s
-    _run_setting(works, True, device, log, deadline)
-    if control:
-        _run_setting(works, False, device, log, deadline)
     rows = []
-    for i, work in enumerate(works):
-        spec = json.loads((work / "spec.json").read_text())
-        on = _result(work, "on")
-        if "skipped" in on:
-            rows.append({"draw": i, "seed": seed, "spec": spec, "skipped": on["skipped"]})
-            print(f"draw {i:2d}: skipped ({on['skipped']})", flush=True)
-            continue
-        row: dict[str, Any] = {"draw": i, "seed": seed, "spec": spec, "on": _summary(on)}
-        if control:
-            row["off"] = _summary(_result(work, "off"))
-        if probe and not passed(row) and "error" not in row["on"]:
-            from rl_kernel_vllm import drift
-
-            row["first_divergent"] = drift.first_divergent_for_draw(spec, str(work / "model"), on, device, work)
-        rows.append(row)
-        print(line(row), flush=True)
-        if passed(row):
+    for group in _groups(specs, disk_gb * 2**30):
+        works = []
+        for i in group:
+            work = out_dir / f"draw{i}"
+            work.mkdir(exist_ok=True)
+            (work / "spec.json").write_text(json.dumps(specs[i], indent=1))
+            works.append(work)
+        if deadline is None or time.time() <= deadline:
+            for i, work in zip(group, works):
+                write_model(specs[i], work / "model", device)
+            _run_setting(works, True, device, log, deadline)
+            if control:
+                _run_setting(works, False, device, log, deadline)
+        for i, work in zip(group, works):
+            rows.append(_row(i, seed, specs[i], work, control, probe, device))
             _remove(work / "model")
     return rows
+
+
+def checkpoint_bytes(spec: dict[str, Any]) -> int:
+    """The size of the draw's checkpoint (weights of its dtype; norms and biases left out)."""
+    m = spec["model"]
+    h, layers, vocab = m["hidden_size"], m["num_hidden_layers"], m["vocab_size"]
+    q, kv = m["num_attention_heads"] * m["head_dim"], m["num_key_value_heads"] * m["head_dim"]
+    if "num_experts" in m:
+        mlp = m["num_experts"] * (3 * h * m["moe_intermediate_size"] + h)
+    else:
+        mlp = 3 * h * m["intermediate_size"]
+    params = layers * (2 * h * q + 2 * h * kv + mlp) + vocab * h * (1 if m["tie_word_embeddings"] else 2)
+    return params * {"float32": 4}.get(m["dtype"], 2)
+
+
+def _groups(specs: list[dict[str, Any]], limit: float) -> list[list[int]]:
+    """Consecutive draw indices, each group's checkpoints within ``limit`` bytes (or one draw)."""
+    groups: list[list[int]] = []
+    size = 0.0
+    for i, spec in enumerate(specs):
+        b = checkpoint_bytes(spec)
+        if groups and size + b <= limit:
+            groups[-1].append(i)
+            size += b
+        else:
+            groups.append([i])
+            size = b
+    return groups
+
+
+def _row(
+    i: int, seed: int, spec: dict[str, Any], work: Path, control: bool, probe: bool, device: str
+) -> dict[str, Any]:
+    """Draw ``i``'s table row, printed; a failing draw's is probed for its first divergent module."""
+    on = _result(work, "on")
+    if "skipped" in on:
+        print(f"draw {i:2d}: skipped ({on['skipped']})", flush=True)
+        return {"draw": i, "seed": seed, "spec": spec, "skipped": on["skipped"]}
+    row: dict[str, Any] = {"draw": i, "seed": seed, "spec": spec, "on": _summary(on)}
+    if control:
+        row["off"] = _summary(_result(work, "off"))
+    if probe and not passed(row) and "error" not in row["on"]:
+        from rl_kernel_vllm import drift
+
+        row["first_divergent"] = drift.first_divergent_for_draw(spec, str(work / "model"), on, device, work)
+    print(line(row), flush=True)
+    return row
 
 
 def _remove(path: Path) -> None:
@@ -436,7 +481,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run.add_argument("--device", required=True)
     run.add_argument("--on", action="store_true")
     run.add_argument("--deadline", type=float, default=None)
-    from rl_kernel_core.argtypes import integer
+    from rl_kernel_core.argtypes import integer, number
 
     for p in (parser,):
         p.add_argument(
@@ -454,6 +499,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             default=None,
             help="run every dense draw whose heads and MLP split over this many ranks at this size, the others "
             "at 1 (default: drawn, CPU only); the seed draws the same models and workloads either way",
+        )
+        p.add_argument(
+            "--disk-gb",
+            type=number(0.0, low_open=True),
+            default=DISK_GB,
+            help=f"checkpoints kept on disk at once, in GiB (default {DISK_GB:g}): draws run in groups within it",
         )
         p.add_argument(
             "--budget-s",
@@ -479,6 +530,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         budget_s=args.budget_s,
         architecture=args.architecture,
         tensor_parallel=args.tensor_parallel,
+        disk_gb=args.disk_gb,
     )
     from rl_kernel_vllm.consistency import _versions
 

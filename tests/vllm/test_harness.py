@@ -150,3 +150,23 @@ def test_drift_probe_names_the_first_divergent_module(tmp_path, seed, on):
         assert result["first_divergent"] is not None and result["first_divergent"]["point"].startswith("layers.0."), (
             result
         )
+
+
+def test_draws_run_in_groups_within_the_disk_limit(seed):
+    rng = random.Random(seed)
+    for where in ("cpu", "gpu"):
+        specs = [harness.draw(rng, where) for _ in range(40)]
+        limit = rng.uniform(0.5, 30) * 2**30
+        groups = harness._groups(specs, limit)
+        assert [i for g in groups for i in g] == list(range(40)), f"seed={seed}"
+        for g in groups:
+            size = sum(harness.checkpoint_bytes(specs[i]) for i in g)
+            assert len(g) == 1 or size <= limit, f"seed={seed} {where}: group {g} holds {size} bytes over {limit}"
+
+
+def test_checkpoint_bytes_is_the_written_checkpoints_size(tmp_path, seed):
+    spec = harness.draw(random.Random(seed), "cpu")
+    harness.write_model(spec, tmp_path / "model", "cpu")
+    written = sum(f.stat().st_size for f in (tmp_path / "model").glob("*.safetensors"))
+    estimate = harness.checkpoint_bytes(spec)
+    assert 0.9 * written <= estimate <= written, f"seed={seed}: estimated {estimate} bytes, wrote {written}"
