@@ -5,7 +5,8 @@
 #   2. python -m rl_kernel_vllm.harness --where gpu: DRAWS (default 8) random real-dim models and workloads,
 #      each with both switches on and off (--control), seed SEED (default: random, printed), no engine started
 #      after BUDGET_S seconds (default 420; later draws reported as skipped); ARCHITECTURE (e.g.
-#      Qwen3MoeForCausalLM) draws that architecture only.
+#      Qwen3MoeForCausalLM) draws that architecture only; DISK_GB (default 8) bounds the checkpoints on
+#      disk at once (a GPU machine's free disk, after vLLM's install, can be well under its size).
 #   bash benchmarks/gpu_harness.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ python3 benchmarks/rope_tables.py --out "$out/rope_tables.json" 2>&1 | grep -v "
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 work=${HARNESS_DIR:-/tmp/rl-kernel-harness}
 python3 -m rl_kernel_vllm.harness --where gpu --draws "${DRAWS:-8}" ${SEED:+--seed "$SEED"} --budget-s "${BUDGET_S:-420}" \
-  ${ARCHITECTURE:+--architecture "$ARCHITECTURE"} \
+  ${ARCHITECTURE:+--architecture "$ARCHITECTURE"} --disk-gb "${DISK_GB:-8}" \
   --control --out "$work" 2>&1 | grep -v "Writing model" | tee "$out/harness.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 cp "$work/harness.json" "$out/" 2>/dev/null
