@@ -54,6 +54,7 @@ CHUNK_BYTES = 16 * (V // 4) * 4  # 16 to 32 rows per backward chunk, whatever th
 
 _WORKER = textwrap.dedent(
     """
+    import os
     import sys
     import torch
     import torch.distributed as dist
@@ -99,6 +100,9 @@ _WORKER = textwrap.dedent(
     torch.save(results, out)
     dist.barrier()  # no rank tears gloo down while its peer still talks to it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a rank once aborted (std::terminate) after its work: interpreter teardown is skipped
     """
 )
 
@@ -280,6 +284,7 @@ REFERENCE_WORLD = 2
 
 _REFERENCE_WORKER = textwrap.dedent(
     """
+    import os
     import sys
     import torch
     import torch.distributed as dist
@@ -304,6 +309,9 @@ _REFERENCE_WORKER = textwrap.dedent(
     torch.save(results, out)
     dist.barrier()  # no rank tears gloo down while its peer still talks to it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a rank once aborted (std::terminate) after its work: interpreter teardown is skipped
     """
 )
 
