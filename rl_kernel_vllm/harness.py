@@ -473,6 +473,75 @@ def line(row: dict[str, Any]) -> str:
     return text
 
 
+def _model_text(spec: dict[str, Any]) -> str:
+    m = spec["model"]
+    rope = m["rope_parameters"]
+    scaling = "" if rope["rope_type"] == "default" else f"`{rope['rope_type']}` x{rope['factor']:g}, "
+    moe = f", {m['num_experts']} experts top-{m['num_experts_per_tok']}" if "num_experts" in m else ""
+    return (
+        f"{m['architecture'][:-11]}{moe}, {m['dtype'].replace('float', 'fp').replace('bfp', 'bf')}, "
+        f"hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']}/"
+        f"{m['num_key_value_heads']} heads of {m['head_dim']}, {'tied' if m['tie_word_embeddings'] else 'untied'}, "
+        f"V={m['vocab_size']}, {scaling}theta {rope['rope_theta']:g}"
+    )
+
+
+def _workload_text(spec: dict[str, Any]) -> str:
+    e, lengths = spec["engine"], spec["prompt_lengths"]
+    parts = [
+        f"{len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens (max_model_len {e['max_model_len']})",
+        f"shared prefix {spec['shared_prefix']}" + (", prefix caching" if e["enable_prefix_caching"] else ""),
+    ]
+    if e.get("enable_chunked_prefill"):
+        parts.append(f"chunked prefill {e['max_num_batched_tokens']}")
+    parts.append(f"n={spec['n']}, T={spec['temperature']:g}" + (", seeds" if spec["request_seeds"] else ""))
+    parts.append(f"max_tokens {min(spec['max_tokens'])}-{max(spec['max_tokens'])}")
+    if spec["prompt_logprobs"]:
+        parts.append("prompt log-probs")
+    parts.append(f"max_num_seqs {e['max_num_seqs']}")
+    sizes = e.get("compilation_config", {}).get("cudagraph_capture_sizes")
+    if sizes:
+        parts.append(f"graphs {sizes[0]}-{sizes[-1]}")
+    parts.append(f"TP {e.get('tensor_parallel_size', 1)}")
+    return ", ".join(parts)
+
+
+def _gap_text(summary: dict[str, Any], bold: bool) -> str:
+    if "error" in summary:
+        return "error: " + summary["error"].strip().splitlines()[-1][:120].replace("|", "/")
+    if "skipped" in summary:
+        return "skipped"
+    if bold and summary["max"] == 0.0 and summary.get("prompt_max", 0.0) == 0.0:
+        prompt = f" and 0 of {summary['prompt_tokens']:,} prompt" if "prompt_tokens" in summary else ""
+        return f"**0 of {summary['tokens']:,} sampled{prompt} tokens differ**"
+    prompt = f", prompt {summary['prompt_max']:.2g}" if "prompt_max" in summary else ""
+    return f"max {summary['max']:.2g}{prompt}; {100 * summary['equal_fraction']:.1f}% equal"
+
+
+def table(reports: Sequence[dict[str, Any]]) -> str:
+    """A markdown table of every draw that ran in ``reports`` (each a ``harness.json``), one row a
+    draw (its seed and index, model, workload, the mode's gap and the control's), and a count."""
+    lines = [
+        "| seed / draw | model | workload | switches on: rollout vs training | control (switches off) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    ran = failed = 0
+    for report in reports:
+        for row in report["rows"]:
+            if "skipped" in row:
+                continue
+            ran += 1
+            failed += not passed(row)
+            off = _gap_text(row["off"], False) if "off" in row else "not run"
+            lines.append(
+                f"| {row['seed']} / {row['draw']} | {_model_text(row['spec'])} | {_workload_text(row['spec'])} "
+                f"| {_gap_text(row['on'], True)} | {off} |"
+            )
+    lines.append("")
+    lines.append(f"{ran - failed} of {ran} draws bitwise equal.")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rl_kernel_vllm.harness", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -481,6 +550,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run.add_argument("--device", required=True)
     run.add_argument("--on", action="store_true")
     run.add_argument("--deadline", type=float, default=None)
+    show = sub.add_parser("table", help="print one markdown table of the draws in the given harness.json files")
+    show.add_argument("reports", nargs="+")
     from rl_kernel_core.argtypes import integer, number
 
     for p in (parser,):
@@ -515,6 +586,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         run_many([Path(w) for w in args.work], args.on, args.device, args.deadline)
+        return 0
+    if args.command == "table":
+        print(table([json.loads(Path(r).read_text()) for r in args.reports]))
         return 0
     seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(31)
     only = f" --architecture {args.architecture}" if args.architecture else ""

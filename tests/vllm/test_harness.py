@@ -170,3 +170,32 @@ def test_checkpoint_bytes_is_the_written_checkpoints_size(tmp_path, seed):
     written = sum(f.stat().st_size for f in (tmp_path / "model").glob("*.safetensors"))
     estimate = harness.checkpoint_bytes(spec)
     assert 0.9 * written <= estimate <= written, f"seed={seed}: estimated {estimate} bytes, wrote {written}"
+
+
+def test_table_has_a_row_per_draw_that_ran_and_counts_the_failures(tmp_path, seed):
+    rng = random.Random(seed)
+    reports, ran, failed = [], 0, 0
+    for r in range(rng.randint(1, 3)):
+        rows = []
+        for i in range(rng.randint(1, 6)):
+            spec = harness.draw(rng, rng.choice(["cpu", "gpu"]))
+            fate = rng.choice(["equal", "differs", "error", "skipped"])
+            if fate == "skipped":
+                rows.append({"draw": i, "seed": r, "spec": spec, "skipped": "not run"})
+                continue
+            gap = {"max": 0.0 if fate == "equal" else rng.uniform(1e-6, 1.0), "equal_fraction": 1.0, "tokens": 99}
+            on = {"error": "RuntimeError: boom | here"} if fate == "error" else gap
+            rows.append({"draw": i, "seed": r, "spec": spec, "on": on, "off": {**gap, "max": 0.5}})
+            ran, failed = ran + 1, failed + (fate != "equal")
+        reports.append({"rows": rows})
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(reports[0]))
+    text = harness.table(reports)
+    body = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| seed", "| ---"))]
+    assert len(body) == ran, f"seed={seed}: {text}"
+    assert all(line.count(" | ") == 4 for line in body), f"seed={seed}: a cell holds a '|': {text}"
+    assert text.splitlines()[-1] == f"{ran - failed} of {ran} draws bitwise equal.", f"seed={seed}"
+    cli = subprocess.run(
+        [sys.executable, "-m", "rl_kernel_vllm.harness", "table", str(path)], capture_output=True, text=True
+    )
+    assert cli.returncode == 0 and cli.stdout.strip() == harness.table(reports[:1]), f"seed={seed}: {cli.stderr}"
