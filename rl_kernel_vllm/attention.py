@@ -16,8 +16,10 @@ step, in any batch: exactly what a trainer running ``varlen_attention`` over the
 * CUDA: :func:`rl_kernel_core.batch_invariant_mode.api_attention.paged_attention` reads the keys and values through vLLM's
   block table with ``varlen_attention``'s Triton tiles and arithmetic, and
   :func:`~rl_kernel_core.batch_invariant_mode.api_attention.write_paged_kv` writes the cache; both read every size from
-  device memory, so vLLM can capture the step in a CUDA graph (the hook runs uniform decode batches
-  as full CUDA graphs).
+  device memory, and under a CUDA-graph capture the attention launch covers any mix of query counts
+  (no ``max_query_len``), so vLLM can capture a step of any batch kind in a full CUDA graph: the
+  metadata builder reports ``AttentionCGSupport.ALWAYS`` (the hook runs every batch up to vLLM's
+  largest capture size as a full CUDA graph).
 * CPU: every running sequence's keys and values are gathered from its cache blocks in position order
   (exact copies) and its queries, the last ``Lq`` positions of the sequence, attend to them with
   ``varlen_attention``'s torch backend (the trainer's on CPU).
@@ -195,13 +197,15 @@ def _make_impl(base_impl: type) -> type:
                 return output.fill_(0)
             if kv_cache.is_cuda:
                 out = output if output.dim() == 3 else output.view(output.shape[0], self.num_heads, self.head_size)
+                # a captured graph is replayed for other batches than the capture's: no host bound then
+                capturing = torch.cuda.is_current_stream_capturing()
                 paged_attention(
                     query,
                     kv_cache,
                     attn_metadata.block_table,
                     attn_metadata.query_start_loc,
                     attn_metadata.seq_lens,
-                    attn_metadata.max_query_len,
+                    None if capturing else attn_metadata.max_query_len,
                     scale=self.scale,
                     out=out,
                 )
@@ -225,6 +229,9 @@ def _backend(name: str) -> type:
     module, cls_name = BASES[name]
     base = getattr(importlib.import_module(module), cls_name)
     impl = _make_impl(base.get_impl_cls())
+    builder = base.get_builder_cls()
+    if name == "FlashAttentionBackend":
+        builder = _graph_builder(builder)
 
     class Backend(base):  # type: ignore[misc,valid-type]
         rl_kernel = True
@@ -233,6 +240,10 @@ def _backend(name: str) -> type:
         def get_impl_cls() -> type:
             return impl
 
+        @staticmethod
+        def get_builder_cls() -> type:
+            return builder
+
         @classmethod
         def supports_sliding_window(cls) -> bool:
             return False
@@ -240,6 +251,20 @@ def _backend(name: str) -> type:
     Backend.__name__ = Backend.__qualname__ = name
     Backend.__module__ = __name__
     return Backend
+
+
+def _graph_builder(base_builder: type) -> type:
+    """vLLM's FlashAttention metadata builder, reporting full CUDA-graph support for every batch kind
+    (``AttentionCGSupport.ALWAYS``, whatever FlashAttention version the base builder would report
+    for its own kernels): the paged attention's launch, captured without a host bound, serves any
+    mix of prefills, chunks and decodes."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    class Builder(base_builder):
+        _cudagraph_support = AttentionCGSupport.ALWAYS
+
+    Builder.__name__ = Builder.__qualname__ = "RLKernel" + base_builder.__name__
+    return Builder
 
 
 def __getattr__(name: str) -> Callable[..., Any]:

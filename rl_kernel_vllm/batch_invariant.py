@@ -26,9 +26,11 @@ In each vLLM process the hook:
 * configures the engine so that no other arithmetic sneaks in: compilation mode ``NONE`` (no
   ``torch.compile`` fusion), ``custom_ops=["none"]`` (vLLM's native PyTorch RMSNorm, rotary and
   SiLU-and-mul instead of its fused kernels) and no cascade attention; on CUDA, unless the user
-  asked for ``enforce_eager``, uniform decode batches run as full CUDA graphs
-  (``cudagraph_mode=FULL_DECODE_ONLY``: a replay launches the kernels the eager step does, on the
-  same inputs; prefill and mixed batches run eagerly), announced once per process.
+  asked for ``enforce_eager`` or no graphs, every batch up to vLLM's largest capture size (decode,
+  prefill or mixed) runs as a full CUDA graph (``cudagraph_mode=FULL``: a replay launches the
+  kernels the eager step does, on the step's inputs padded to the captured size, and every kernel
+  of the mode gives a row the same bits whatever the other rows; larger steps run eagerly; a
+  Qwen3-MoE runs eagerly), announced once per process.
 
 Refused with an error naming the setting (at engine configuration): a model architecture outside
 :data:`ARCHITECTURES`, a rope type outside
@@ -57,7 +59,7 @@ ones with :mod:`rl_kernel_vllm.moe`'s blocks)."""
 
 OVERRIDES: tuple[str, ...] = (
     "batch-invariant mode: compilation mode NONE, compilation_config.custom_ops=['none'], no cascade attention, "
-    "CUDA graphs for uniform decode batches only (CUDA), attention through rl-kernel's fixed-order attention "
+    "full CUDA graphs for every batch kind (CUDA, dense models), attention through rl-kernel's fixed-order attention "
     "over the paged KV cache, matmuls/means/log-softmax through rl-kernel's batch-invariant kernels, "
     "rotary tables from the model's transformers rope, tensor-parallel sums (3+ ranks) in rank order",
 )
@@ -132,11 +134,7 @@ def check_config(vllm_config: Any, entry: str) -> list[str]:
         compilation.mode = CompilationMode.NONE
         changed.append("compilation mode NONE (no torch.compile)")
     if compilation.cudagraph_mode != CUDAGraphMode.NONE:  # NONE: enforce_eager or the user's choice, kept
-        graphs = (
-            CUDAGraphMode.FULL_DECODE_ONLY
-            if entry == BACKENDS["cuda"][0] and not moe.is_moe(archs)
-            else CUDAGraphMode.NONE
-        )
+        graphs = CUDAGraphMode.FULL if entry == BACKENDS["cuda"][0] and not moe.is_moe(archs) else CUDAGraphMode.NONE
         if compilation.cudagraph_mode != graphs:
             compilation.cudagraph_mode = graphs
             if graphs == CUDAGraphMode.NONE:

@@ -181,7 +181,7 @@ def paged_attention(
     block_table: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
-    max_query_len: int,
+    max_query_len: Optional[int] = None,
     *,
     causal: bool = True,
     scale: Optional[float] = None,
@@ -204,7 +204,10 @@ def paged_attention(
             ``Lq`` positions (causal bottom-right alignment, as ``varlen_attention``).
         seq_lens: ``[B]`` int32/int64: sequence b's key count ``Lk >= Lq`` (cached + new tokens;
             those must already be in the cache). A sequence with ``Lq = 0`` is skipped (padding).
-        max_query_len: a host int ``>= max(Lq)`` (a larger value only launches idle programs).
+        max_query_len: a host int ``>= max(Lq)``, which narrows the launch where ``B * cdiv(max_query_len,
+            BLOCK_M)`` is fewer programs than ``cdiv(T, BLOCK_M) + B``; or None (default): the launch
+            covers any query counts summing to at most T, so a CUDA graph captured once replays any
+            mix of prefills, chunks and decodes of up to T queries.
         causal, scale: as :func:`varlen_attention`.
         out: optional ``[T, Hq, D]`` in q's dtype to write into (rows may be strided).
 
@@ -229,8 +232,10 @@ def paged_attention(
         raise ValueError(f"cu_seqlens_q must have seq_lens' length + 1 = {b + 1} entries, got {cu_seqlens_q.shape[0]}")
     if block_table.shape[0] < b:
         raise ValueError(f"block_table must have a row per sequence (>= {b}), got shape {tuple(block_table.shape)}")
-    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
-        raise ValueError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
+    if max_query_len is not None and (
+        isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0
+    ):
+        raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     scale = d**-0.5 if scale is None else _checks.positive("scale", scale)

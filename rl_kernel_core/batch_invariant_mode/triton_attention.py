@@ -14,9 +14,9 @@ kernel argument, so every call runs the same compiled kernel. Tile sizes are fix
 
 Paged forward (:func:`paged_forward`): the same tiles and the same online softmax
 (:func:`_attend_keys`), with the keys and values read through a block table from a paged cache and
-the tile of a program derived from its id (no tile table: ``tiles_per_seq`` programs per sequence,
-those past its queries idle), so a query gets the forward's bits and the launch reads nothing from
-the host.
+the tile of a program found in the kernel from the query offsets (no tile table: the sequences'
+tile counts summed in registers, programs past the last tile idle), so a query gets the forward's
+bits, the launch reads nothing from the host and its size does not depend on the query counts.
 
 Backward (FlashAttention-2 style, from the forward's ``out`` and log-sum-exp), two launches of
 :func:`_attention_bwd_kernel`. Per sequence and query head, with ``S = Q K^T`` over the head's KV
@@ -300,7 +300,7 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + (q0 + rows).to(tl.int64) * HQ + head, m + tl.log(l), mask=row_ok)
 
 
-@launch_time_jit(do_not_specialize=["scale", "tiles_per_seq"])
+@launch_time_jit(do_not_specialize=["scale", "num_seqs"])
 def _paged_attention_fwd_kernel(
     q_ptr,
     cache_ptr,
@@ -308,7 +308,7 @@ def _paged_attention_fwd_kernel(
     cu_q_ptr,
     seq_lens_ptr,
     block_table_ptr,
-    tiles_per_seq,
+    num_seqs,
     scale,
     stride_qt,
     stride_qh,
@@ -328,15 +328,26 @@ def _paged_attention_fwd_kernel(
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """The forward over a paged KV cache: program ``(s * tiles_per_seq + t, head)`` holds query tile
-    ``t`` of sequence ``s`` (tiles past its queries do nothing). Sizes and offsets are read from
-    device memory only, so a launch can be captured in a CUDA graph and replayed with new ones."""
+    """The forward over a paged KV cache: program ``(p, head)`` holds the ``p``-th query tile of the
+    call, counting sequence 0's ``cdiv(Lq, BLOCK_M)`` tiles first, then sequence 1's, ... (each tile
+    ``BLOCK_M`` queries from the sequence's first; programs past the last tile do nothing). The
+    tile counts are summed here from ``cu_q`` (``BLOCK_S >= num_seqs + 1``), so sizes and offsets
+    are read from device memory only: a launch can be captured in a CUDA graph and replayed with
+    new ones, as long as it has a program per tile (``cdiv(T, BLOCK_M) + num_seqs`` always do)."""
     tile = tl.program_id(0)
-    seq = tile // tiles_per_seq
-    start = (tile % tiles_per_seq) * BLOCK_M
+    seqs = tl.arange(0, BLOCK_S)
+    bounds = tl.load(cu_q_ptr + seqs, mask=seqs <= num_seqs, other=0)
+    lengths = tl.where(seqs < num_seqs, tl.load(cu_q_ptr + seqs + 1, mask=seqs < num_seqs, other=0) - bounds, 0)
+    ends = tl.cumsum((lengths + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of sequences 0..s
+    seq_found = tl.sum((ends <= tile).to(tl.int32), 0)  # the sequence whose tiles hold this one
+    idle = seq_found >= num_seqs
+    seq = tl.where(idle, 0, seq_found)
+    first_tile = tl.sum(tl.where(seqs == seq, ends - (lengths + BLOCK_M - 1) // BLOCK_M, 0), 0)
+    start = (tile - first_tile) * BLOCK_M
     q0 = tl.load(cu_q_ptr + seq)
-    lq = tl.load(cu_q_ptr + seq + 1) - q0
+    lq = tl.where(idle, 0, tl.load(cu_q_ptr + seq + 1) - q0)
     lk = tl.load(seq_lens_ptr + seq)
     head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
         q_ptr, stride_qt, stride_qh, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
@@ -659,27 +670,31 @@ def paged_forward(
     block_table: torch.Tensor,
     cu_q: torch.Tensor,
     seq_lens: torch.Tensor,
-    max_query_len: int,
+    max_query_len: Optional[int],
     causal: bool,
     scale: float,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """:func:`rl_kernel_core.batch_invariant_mode.api_attention.paged_attention` (arguments checked there) on the forward's
-    tiles and arithmetic: writes ``out`` and returns it. One launch, no host read."""
+    tiles and arithmetic: writes ``out`` and returns it. One launch, no host read: a program per
+    possible query tile, ``cdiv(T, BLOCK_M) + B`` (``T`` query rows, ``B`` sequences), or
+    ``B * cdiv(max_query_len, BLOCK_M)`` where that is fewer."""
     hq = q.shape[1]
     launch = _forward_launch(q.dtype, hq, kv_cache.shape[1], q.shape[2], causal)
     num_seqs = seq_lens.shape[0]
-    tiles_per_seq = triton.cdiv(max_query_len, launch["BLOCK_M"])
-    if num_seqs == 0 or tiles_per_seq == 0:
+    programs = triton.cdiv(q.shape[0], launch["BLOCK_M"]) + num_seqs
+    if max_query_len is not None:
+        programs = min(programs, num_seqs * triton.cdiv(max_query_len, launch["BLOCK_M"]))
+    if num_seqs == 0 or programs == 0:
         return out
-    _paged_attention_fwd_kernel[(num_seqs * tiles_per_seq, hq)](
+    _paged_attention_fwd_kernel[(programs, hq)](
         q,
         kv_cache,
         out,
         cu_q,
         seq_lens,
         block_table,
-        tiles_per_seq,
+        num_seqs,
         float(scale),
         q.stride(0),
         q.stride(1),
@@ -690,6 +705,7 @@ def paged_forward(
         kv_cache.stride(2),
         block_table.stride(0),
         CACHE_BLOCK=kv_cache.shape[2],
+        BLOCK_S=triton.next_power_of_2(num_seqs + 1),
         **launch,
     )
     return out

@@ -309,3 +309,26 @@ def test_an_uncovered_row_split_is_refused_before_the_rollout(monkeypatch, model
             train_batch_size=1,
             engine={"tensor_parallel_size": 4},
         )
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("asked", ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY", "NONE"])
+def test_cuda_graph_mode_is_full_for_dense_models(model_dir: Path, monkeypatch, moe, asked):
+    """On CUDA (``FLASH_ATTN`` replaced) the mode runs every batch kind as full CUDA graphs for a dense
+    model, none for a Qwen3-MoE, and keeps a user's ``NONE`` (``enforce_eager``)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rl_kernel_vllm import batch_invariant
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=64).create_engine_config()
+    if moe:
+        config.model_config.model_arch_config.architectures = ["Qwen3MoeForCausalLM"]
+        monkeypatch.setattr(batch_invariant.moe, "refusals", lambda *_: [])
+    config.compilation_config.cudagraph_mode = CUDAGraphMode[asked]
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4]
+    changed = batch_invariant.check_config(config, "FLASH_ATTN")
+    expected = CUDAGraphMode.NONE if moe or asked == "NONE" else CUDAGraphMode.FULL
+    assert config.compilation_config.cudagraph_mode == expected, changed
+    assert (f"cudagraph_mode={expected.name}" in changed) == (asked != expected.name), changed

@@ -2,7 +2,7 @@
 CUDA graphs allowed (``enforce_eager=False``), vLLM's returned log-probs, sampled and prompt tokens,
 equal the trainer's recomputation (transformers under rl-kernel's batch-invariant mode, on the
 GPU) bit for bit, in bf16, with more requests than ``max_num_seqs`` (requests join and leave running
-batches: prefills eager, uniform decode batches replayed as full CUDA graphs) and prefix-cache hits.
+batches: prefill, mixed and decode steps replayed as full CUDA graphs) and prefix-cache hits.
 
 ``python -m rl_kernel_vllm.consistency`` runs in a subprocess (the plugin reads its switches once per
 process). Runs where vLLM and CUDA are present (``gpu`` marker).
@@ -11,6 +11,7 @@ process). Runs where vLLM and CUDA are present (``gpu`` marker).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -53,6 +54,10 @@ def report(tmp_path_factory, module_seed) -> dict:
         "gpu_memory_utilization": 0.2,
         "kv_cache_memory_bytes": KV_CACHE_BYTES,
         "enable_prefix_caching": True,
+        # every step (prefill chunks, mixed, decode) within the largest captured graph
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": 64,
+        "compilation_config": {"max_cudagraph_capture_size": 64},
     }
     cmd = [
         sys.executable,
@@ -95,9 +100,9 @@ def report(tmp_path_factory, module_seed) -> dict:
     return result
 
 
-def test_runs_with_full_cuda_graphs_for_decode(report):
+def test_runs_every_batch_kind_as_full_cuda_graphs(report):
     assert report["plugin"]["hooks"]["batch_invariant"]["live"], report["plugin"]
-    assert "cudagraph_mode=FULL_DECODE_ONLY" in report["log"], report["log"][-3000:]
+    assert re.search(r"cudagraph_mode=FULL(?!_)", report["log"]), report["log"][-3000:]
 
 
 def test_rollout_logprobs_equal_training_bitwise(report):

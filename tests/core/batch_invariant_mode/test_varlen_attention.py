@@ -287,6 +287,57 @@ def test_paged_attention_strided_rows_padding_and_untouched_rows(seed, device):
     assert torch.all(out_store[q.shape[0] :] == 7.0) and torch.all(out_store[:, hq:] == 7.0)
 
 
+def _mixed_step(gen, lengths, cu, slots, max_rows):
+    """A random engine step over the packed sequences of ``cu``: up to ``slots`` of them, each with
+    ``Lq`` queries, the last of its first ``Lk`` positions (a prefill, a chunk or a decode), their
+    queries at most ``max_rows`` in all, the other slots padding (``Lq = Lk = 0``): ``(the
+    sequences, Lq per slot, Lk per slot, the packed rows of the step's queries)``."""
+    order = torch.randperm(len(lengths), generator=gen).tolist()[
+        : int(torch.randint(1, slots + 1, (1,), generator=gen))
+    ]
+    lq, lk, rows, used = [], [], [], 0
+    for b in order:
+        k_count = int(torch.randint(1, lengths[b] + 1, (1,), generator=gen))
+        q_count = min(k_count, max_rows - used, int(torch.randint(1, k_count + 1, (1,), generator=gen)))
+        q_count = q_count if torch.rand(1, generator=gen) < 0.5 else min(1, q_count)
+        lq.append(q_count)
+        lk.append(k_count if q_count else 0)
+        rows += [cu[b] + p for p in range(k_count - q_count, k_count)]
+        used += q_count
+    pad = slots - len(order)
+    return order, lq + [0] * pad, lk + [0] * pad, rows
+
+
+def test_paged_attention_launch_size_does_not_change_the_bits(seed, device):
+    """Random mixed steps (prefills, chunks, decodes, padded slots): the launch sized by
+    ``max_query_len``, by a larger bound and by none (a program per possible tile of T rows) give
+    the same bits, and each query the whole-sequence prefill's (bitwise on CUDA, to the contract
+    under the interpreter)."""
+    lengths = _lengths(device)
+    q, k, v, cu = _packed(device, lengths, torch.bfloat16)
+    full = rk.varlen_attention(q, k, v, cu, backend="triton")
+    cache, table, _ = _paged_cache(device, k, v, cu, 16)
+    gen = torch.Generator().manual_seed(seed)
+    c = cu.tolist()
+    for _ in range(4):
+        order, lq, lk, rows = _mixed_step(gen, lengths, c, len(lengths) + 2, sum(lengths))
+        step_q = torch.randn(len(rows) + 3, q.shape[1], q.shape[2], device=device).to(q.dtype)
+        step_q[: len(rows)] = q[torch.tensor(rows, device=device)]
+        step_table = torch.cat(
+            [table[order], torch.zeros(len(lq) - len(order), table.shape[1], dtype=table.dtype, device=device)]
+        )
+        cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        seq_lens = torch.tensor(lk, dtype=torch.int32, device=device)
+        outs = [
+            paged_attention(step_q, cache, step_table, cu_q, seq_lens, bound)
+            for bound in (max(lq), max(lq) + int(torch.randint(1, 90, (1,), generator=gen)), None)
+        ]
+        what = f"seed={seed} step Lq={lq} Lk={lk}"
+        assert torch.equal(outs[0][: len(rows)], outs[1][: len(rows)]), f"{what}: a larger bound changed the bits"
+        assert torch.equal(outs[0][: len(rows)], outs[2][: len(rows)]), f"{what}: no bound changed the bits"
+        _equal_or_close(device, outs[2][: len(rows)], full[torch.tensor(rows, device=device)], torch.bfloat16, what)
+
+
 def test_write_paged_kv_copies_exactly_and_skips_padding(seed, device):
     k, v = (torch.randn(6, 2, 8, device=device).to(torch.bfloat16) for _ in range(2))
     cache = torch.zeros(3, 2, 4, 16, device=device, dtype=torch.bfloat16)
@@ -342,7 +393,7 @@ def test_paged_attention_bad_input_names_the_argument(device, monkeypatch):
         paged_attention(q, cache, table, cu[:2], lens, 4)
     with pytest.raises(ValueError, match="block_table must have a row per sequence"):
         paged_attention(q, cache, table[:1], cu, lens, 4)
-    with pytest.raises(ValueError, match="max_query_len must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="max_query_len must be None or an int >= 0, got -1"):
         paged_attention(q, cache, table, cu, lens, -1)
     with pytest.raises(TypeError, match="kv_cache"):
         paged_attention(q, cache.double(), table, cu, lens, 4)
@@ -452,3 +503,42 @@ def test_sequence_without_queries_may_have_no_keys(seed):
     cu_k = torch.tensor([0, 4, 4, 8])
     out = rk.varlen_attention(q, k, v, cu_q, cu_k, causal=False)
     torch.testing.assert_close(out, rk.varlen_attention(q, k, v, cu, causal=False), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_paged_attention_replays_mixed_steps_in_one_cuda_graph(seed):
+    """Captured once without ``max_query_len`` over buffers of T rows and B slots (as an engine's
+    full CUDA graph for mixed batches), replayed after random mixed steps (prefills, chunks,
+    decodes, padded slots) were written into the buffers: every query gets the whole-sequence
+    prefill's bits."""
+    device = torch.device("cuda")
+    lengths = [300, 45, 129, 1, 700, 64]
+    q, k, v, cu = _packed(device, lengths, torch.bfloat16)
+    full = rk.varlen_attention(q, k, v, cu, backend="triton")
+    cache, table, _ = _paged_cache(device, k, v, cu, 16)
+    rows_cap, slots = 512, len(lengths) + 2
+    q_buf = torch.zeros(rows_cap, q.shape[1], q.shape[2], device=device, dtype=q.dtype)
+    out_buf = torch.empty_like(q_buf)
+    table_buf = torch.zeros(slots, table.shape[1], dtype=table.dtype, device=device)
+    cu_buf = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+    lens_buf = torch.zeros(slots, dtype=torch.int32, device=device)
+    run = lambda: paged_attention(q_buf, cache, table_buf, cu_buf, lens_buf, None, out=out_buf)  # noqa: E731
+    run()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    gen = torch.Generator().manual_seed(seed)
+    c = cu.tolist()
+    for _ in range(6):
+        order, lq, lk, rows = _mixed_step(gen, lengths, c, slots, rows_cap)
+        q_buf.zero_()
+        q_buf[: len(rows)] = q[torch.tensor(rows, device=device)]
+        table_buf.zero_()
+        table_buf[: len(order)] = table[order]
+        cu_buf.copy_(torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32))
+        lens_buf.copy_(torch.tensor(lk, dtype=torch.int32))
+        graph.replay()
+        expected = full[torch.tensor(rows, device=device)]
+        assert torch.equal(out_buf[: len(rows)], expected), (
+            f"seed={seed}: replay of Lq={lq} Lk={lk} differs from the prefill"
+        )
