@@ -17,6 +17,7 @@ then both switches on) and is what ``rl-kernel consistency --engine vllm`` print
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -58,6 +59,7 @@ def rollout(
     reps: int = 1,
     prompt_logprobs: bool = False,
     logprobs: bool = True,
+    profile: bool = False,
 ) -> tuple[list[Sample], dict[str, Any]]:
     """Sample ``n`` completions per prompt with vLLM (one ``generate`` call, so requests share steps),
     ``max_tokens`` new tokens each (an int, or one per prompt).
@@ -75,6 +77,10 @@ def rollout(
     call), ``seconds_each``, ``tokens``, ``tokens_per_s`` of the median call,
     ``cached_prompt_tokens`` (prompt tokens vLLM served from its prefix cache) and the
     scheduler's ``chunked_prefill`` and ``max_num_batched_tokens`` (a longer prompt is chunked).
+    With ``profile`` (CUDA, the engine in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) one
+    more identical call runs under ``torch.profiler``: ``profile`` holds its kernels' device ms,
+    grouped by name, most time first (:func:`rl_kernel_core.tools.bench.kernel_table`), and its
+    wall seconds (the profiler's own cost included).
     """
     from vllm import LLM, SamplingParams
 
@@ -105,6 +111,15 @@ def rollout(
         outputs = llm.generate(inputs, params, use_tqdm=False)
         each.append(time.perf_counter() - start)
     seconds = statistics.median(each)
+    profiled = None
+    if profile:
+        from rl_kernel_core.tools import bench
+
+        start = time.perf_counter()
+        device_ms, kernels = bench.kernel_table(
+            functools.partial(llm.generate, inputs, params, use_tqdm=False), warmup=0
+        )
+        profiled = {"wall_s": time.perf_counter() - start, "device_ms": device_ms, "kernels": kernels[:40]}
     samples = []
     for out in outputs:
         prompt = list(out.prompt_token_ids)
@@ -127,6 +142,8 @@ def rollout(
         "chunked_prefill": scheduler.enable_chunked_prefill,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
     }
+    if profiled is not None:
+        record["profile"] = profiled
     del llm
     return samples, record
 
@@ -226,6 +243,7 @@ def compare(
     prompt_logprobs: bool = False,
     row_split: Optional[int] = None,
     logprobs: bool = True,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Roll out with vLLM (:func:`rollout`), recompute with transformers; returns the report (gaps
     of the sampled tokens, and ``prompt_gap`` of the prompt tokens with ``prompt_logprobs``;
@@ -233,7 +251,7 @@ def compare(
     log-probs, and no trainer (the report has no ``gap``). ``row_split``: the trainer's
     row-parallel linears computed as that many ranks' sum
     (:func:`rl_kernel_core.batch_invariant_mode.api_hf.use_row_parallel_split`); None: the engine's
-    ``tensor_parallel_size`` when ``batch_invariant``, else 1."""
+    ``tensor_parallel_size`` when ``batch_invariant``, else 1. ``profile``: see :func:`rollout`."""
     import rl_kernel_vllm
 
     if row_split is None:  # the mode's trainer follows the rollout's row-parallel split
@@ -260,6 +278,7 @@ def compare(
         reps=reps,
         prompt_logprobs=prompt_logprobs,
         logprobs=logprobs,
+        profile=profile,
     )
     report: dict[str, Any] = {
         "rollout": timing,
@@ -327,15 +346,23 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def random_prompts(count: int, length: int, vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
-    """``count`` prompts of ``length`` ids drawn uniformly from ``[3, vocab)`` (ids 0-2 are often
-    special); the first ``shared_prefix`` ids are the same in every prompt."""
+def random_prompts(
+    count: int, length: int, vocab: int, seed: int, shared_prefix: int = 0, max_length: Optional[int] = None
+) -> list[list[int]]:
+    """``count`` prompts of ``length`` ids (with ``max_length``: of lengths drawn uniformly from
+    ``[length, max_length]``) drawn uniformly from ``[3, vocab)`` (ids 0-2 are often special); the
+    first ``shared_prefix`` ids are the same in every prompt."""
     if not 0 <= shared_prefix <= length:
         raise ValueError(f"shared_prefix: expected 0..{length} (the prompt length), got {shared_prefix}")
+    if max_length is not None and max_length < length:
+        raise ValueError(f"max_length: expected None or at least length ({length}), got {max_length}")
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (count, length), generator=gen)
+    ids = torch.randint(3, vocab, (count, max_length or length), generator=gen)
     ids[:, :shared_prefix] = ids[0, :shared_prefix]
-    return ids.tolist()
+    if max_length is None:
+        return ids.tolist()
+    lengths = torch.randint(length, max_length + 1, (count,), generator=gen).tolist()
+    return [row[:n] for row, n in zip(ids.tolist(), lengths)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -359,6 +386,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu", help="trainer device")
     add("--batch-invariant", action="store_true", help="trainer forward in rl-kernel's batch-invariant mode")
     add("--engine", type=json_object, default={}, help="extra vllm.LLM keyword arguments, a JSON object")
+    add(
+        "--prompt-len-max",
+        type=integer(1),
+        default=None,
+        help="prompt lengths drawn uniformly from --prompt-len to this (default: every prompt --prompt-len long)",
+    )
+    add(
+        "--profile",
+        action="store_true",
+        help="one more generate call under torch.profiler, its kernels in the report's rollout.profile "
+        "(CUDA; runs the engine in this process)",
+    )
     add(
         "--shared-prefix",
         type=integer(0),
@@ -397,12 +436,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.prompt_logprobs and args.no_logprobs:
         parser.error("--prompt-logprobs: not with --no-logprobs (nothing to compare)")
+    if args.prompt_len_max is not None and args.prompt_len_max < args.prompt_len:
+        parser.error(f"--prompt-len-max: expected at least --prompt-len ({args.prompt_len}), got {args.prompt_len_max}")
+    if args.profile and not torch.cuda.is_available():
+        parser.error("--profile: needs CUDA (it times the engine's CUDA kernels)")
+    if args.profile:  # the engine's kernels run in this process, where the profiler sees them
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.shared_prefix > args.prompt_len:
         parser.error(f"--shared-prefix: expected at most --prompt-len ({args.prompt_len}), got {args.shared_prefix}")
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    prompts = random_prompts(args.prompts, args.prompt_len, vocab, args.seed, args.shared_prefix)
+    prompts = random_prompts(args.prompts, args.prompt_len, vocab, args.seed, args.shared_prefix, args.prompt_len_max)
     report = compare(
         args.model,
         prompts=prompts,
@@ -421,6 +466,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prompt_logprobs=args.prompt_logprobs,
         row_split=args.trainer_row_split,
         logprobs=not args.no_logprobs,
+        profile=args.profile,
     )
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)

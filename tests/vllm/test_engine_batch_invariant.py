@@ -286,6 +286,39 @@ def test_prompt_logprobs_without_logprobs_is_refused(capsys):
     assert "--prompt-logprobs: not with --no-logprobs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt-len", "9", "--prompt-len-max", "8"], "--prompt-len-max: expected at least --prompt-len (9), got 8"),
+        (["--profile"], "--profile: needs CUDA"),
+    ],
+)
+def test_bad_workload_flags_are_refused_by_name(capsys, argv, message):
+    from rl_kernel_vllm import consistency
+
+    with pytest.raises(SystemExit):
+        consistency.main(["--model", "unused", "--out", "unused.json", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_random_prompts_of_drawn_lengths_share_their_prefix(seed):
+    from rl_kernel_vllm import consistency
+
+    gen = torch.Generator().manual_seed(seed)
+    count, low = int(torch.randint(1, 20, (1,), generator=gen)), int(torch.randint(1, 50, (1,), generator=gen))
+    high, shared = (
+        low + int(torch.randint(0, 200, (1,), generator=gen)),
+        int(torch.randint(0, low + 1, (1,), generator=gen)),
+    )
+    prompts = consistency.random_prompts(count, low, 1000, seed, shared, high)
+    assert prompts == consistency.random_prompts(count, low, 1000, seed, shared, high), f"seed={seed}"
+    assert len(prompts) == count and all(low <= len(p) <= high for p in prompts), f"seed={seed}"
+    assert all(p[:shared] == prompts[0][:shared] for p in prompts), f"seed={seed}"
+    assert all(3 <= i < 1000 for p in prompts for i in p), f"seed={seed}"
+    fixed = consistency.random_prompts(count, low, 1000, seed, shared)
+    assert all(len(p) == low for p in fixed), f"seed={seed}"
+
+
 def test_an_uncovered_row_split_is_refused_before_the_rollout(monkeypatch, model_dir: Path):
     from rl_kernel_vllm import consistency
 
