@@ -21,7 +21,12 @@
 # with requests that ask for no log-probs (--no-logprobs: no trainer, throughput only):
 #   rollout_v1 / rollout_sampler_v1 - default_v1 / plugin_sampler_v1 without log-probs
 #   bash benchmarks/gpu_vllm_consistency.sh [OUT] [SETTINGS...]   (default: default vllm_bi rl_kernel)
-# Each setting takes about 2.5 minutes on an H200 at these sizes (engine start, warm-up, timed calls, trainer pass).
+# The workload: PROMPTS (64) prompts of PROMPT_LEN (64) tokens, or of lengths drawn from PROMPT_LEN to PROMPT_LEN_MAX,
+# the first SHARED_PREFIX (0) shared, SAMPLES (8) samples of MAX_TOKENS (256) new tokens each; MAX_MODEL_LEN (1024);
+# ENGINE_EXTRA: more vllm.LLM arguments as JSON members without braces or spaces
+# ('"enable_chunked_prefill":true,"max_num_batched_tokens":2048'); PROFILE=1: the report's rollout.profile holds one
+# more call's kernels (torch.profiler); TRAIN_BATCH (32): sequences per trainer forward.
+# Each setting takes about 2.5 minutes on an H200 at the default sizes (engine start, warm-up, timed calls, trainer pass).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_preamble.sh gpu-results "${1:-}"
@@ -29,9 +34,10 @@ shift || true
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
 model=${MODEL_DIR:-/tmp/rl-kernel-qwen3-0.6b}
 [ -f "$model/config.json" ] || python3 benchmarks/make_random_model.py --preset qwen3-0.6b --out "$model" || exit 1
-engine='"max_model_len":1024,"skip_tokenizer_init":true,"gpu_memory_utilization":0.45,"jit_monitor_verbose":true'  # no spaces: word-split in run()
+engine="\"max_model_len\":${MAX_MODEL_LEN:-1024},\"skip_tokenizer_init\":true,\"gpu_memory_utilization\":0.45,\"jit_monitor_verbose\":true${ENGINE_EXTRA:+,$ENGINE_EXTRA}"  # no spaces: word-split in run()
 args=(--model "$model" --prompts ${PROMPTS:-64} --prompt-len ${PROMPT_LEN:-64} --n ${SAMPLES:-8} --max-tokens ${MAX_TOKENS:-256}
-      --dtype bfloat16 --train-batch-size 32 --warmup ${WARMUP:-1} --reps ${REPS:-3} --engine "{$engine}")
+      --dtype bfloat16 --train-batch-size ${TRAIN_BATCH:-32} --warmup ${WARMUP:-1} --reps ${REPS:-3} --engine "{$engine}"
+      ${PROMPT_LEN_MAX:+--prompt-len-max "$PROMPT_LEN_MAX"} ${SHARED_PREFIX:+--shared-prefix "$SHARED_PREFIX"} ${PROFILE:+--profile})
 run() {  # NAME TRAINER_FLAGS ENV_ASSIGNMENTS...
   local name=$1 flags=$2; shift 2
   echo "== $name"
