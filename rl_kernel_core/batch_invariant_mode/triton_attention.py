@@ -12,11 +12,13 @@ read from device memory (copied once per layout, see :func:`_tables`), and no pe
 kernel argument, so every call runs the same compiled kernel. Tile sizes are fixed per dtype
 (:data:`rl_kernel_core.triton.tuning.TILES`).
 
-Paged forward (:func:`paged_forward`): the same tiles and the same online softmax
-(:func:`_attend_keys`), with the keys and values read through a block table from a paged cache and
-the tile of a program found in the kernel from the query offsets (no tile table: the sequences'
-tile counts summed in registers, programs past the last tile idle), so a query gets the forward's
-bits, the launch reads nothing from the host and its size does not depend on the query counts.
+Paged forward (:func:`paged_forward`): the same tile shape and the same online softmax
+(:func:`_attend_keys`), with the keys and values read through a block table from a paged cache, the
+query heads of a GQA group in one tile (a decode step fills a row per head, not one row of a tile
+per head; a row's bits do not depend on the other rows of its tile), and the tile of a program
+found in the kernel from the query offsets (no tile table: the sequences' tile counts summed in
+registers, programs past the last tile idle), so a query gets the forward's bits, the launch reads
+nothing from the host and its size does not depend on the query counts.
 
 Backward (FlashAttention-2 style, from the forward's ``out`` and log-sum-exp), two launches of
 :func:`_attention_bwd_kernel`. Per sequence and query head, with ``S = Q K^T`` over the head's KV
@@ -84,6 +86,7 @@ def _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr):
 
 @helper_jit
 def _query_tile(
+    head,
     q_ptr,
     stride_qt,
     stride_qh,
@@ -101,11 +104,10 @@ def _query_tile(
     BLOCK_N: tl.constexpr,
 ):
     """The query tile of a sequence (first query row ``q0``, ``lq`` queries, ``lk`` keys) whose first
-    row is query ``start``, at query head ``program_id(1)``, from queries with row stride
+    row is query ``start``, at query head ``head``, from queries with row stride
     ``stride_qt`` and head stride ``stride_qh``: ``(head, KV head, the tile's rows (query indices in
     the sequence), which exist, dims, which exist, the queries [BLOCK_M, BLOCK_D] (zero where
     absent), their key positions, how many key blocks the tile visits)``."""
-    head = tl.program_id(1)
     kv_head = head // GROUP
     offset = lk - lq
     rows = start + tl.arange(0, BLOCK_M)
@@ -125,6 +127,52 @@ def _query_tile(
         last = offset + tl.minimum(start + BLOCK_M, lq) - 1
         n_blocks = tl.minimum(n_blocks, last // BLOCK_N + 1)
     return head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks
+
+
+@helper_jit
+def _packed_query_tile(
+    head0,
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    start,
+    q0,
+    lq,
+    lk,
+    PACK: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """:func:`_query_tile` with ``PACK`` query heads (``head0`` and the next) in one tile: row ``r``
+    is query ``start + r // PACK`` of the sequence at head ``head0 + r % PACK``, so the tile holds
+    ``BLOCK_M // PACK`` queries (rows past ``PACK`` times that are absent): ``(each row's head, its
+    query index in the sequence, which rows exist, dims, which exist, the queries [BLOCK_M,
+    BLOCK_D] (zero where absent), their key positions, how many key blocks the tile visits)``.
+    ``PACK = 1`` is :func:`_query_tile`'s tile."""
+    r = tl.arange(0, BLOCK_M)
+    offset = lk - lq
+    rows = start + r // PACK
+    heads = head0 + r % PACK
+    row_ok = (r < (BLOCK_M // PACK) * PACK) & (rows < lq)
+    dims = tl.arange(0, BLOCK_D)
+    d_ok = dims < D
+    q = tl.load(
+        q_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST_DOT:  # as in _query_tile
+        q = q.to(tl.float32)
+    qpos = offset + rows
+    n_blocks = tl.cdiv(lk, BLOCK_N)
+    if CAUSAL:
+        last = offset + tl.minimum(start + BLOCK_M // PACK, lq) - 1
+        n_blocks = tl.minimum(n_blocks, last // BLOCK_N + 1)
+    return heads, rows, row_ok, dims, d_ok, q, qpos, n_blocks
 
 
 @helper_jit
@@ -260,7 +308,22 @@ def _attention_fwd_kernel(
 ):
     start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
     head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-        q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
+        tl.program_id(1),
+        q_ptr,
+        HQ * D,
+        D,
+        start,
+        q0,
+        lq,
+        lk,
+        HQ,
+        GROUP,
+        D,
+        BLOCK_D,
+        CAUSAL,
+        UPCAST_DOT,
+        BLOCK_M,
+        BLOCK_N,
     )
     # packed keys (PAGED=False): the paged-cache arguments are placeholders the compiler drops
     m, l, acc = _attend_keys(
@@ -320,6 +383,7 @@ def _paged_attention_fwd_kernel(
     stride_bt,
     HQ: tl.constexpr,
     GROUP: tl.constexpr,
+    PACK: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
@@ -330,27 +394,49 @@ def _paged_attention_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """The forward over a paged KV cache: program ``(p, head)`` holds the ``p``-th query tile of the
-    call, counting sequence 0's ``cdiv(Lq, BLOCK_M)`` tiles first, then sequence 1's, ... (each tile
-    ``BLOCK_M`` queries from the sequence's first; programs past the last tile do nothing). The
-    tile counts are summed here from ``cu_q`` (``BLOCK_S >= num_seqs + 1``), so sizes and offsets
-    are read from device memory only: a launch can be captured in a CUDA graph and replayed with
-    new ones, as long as it has a program per tile (``cdiv(T, BLOCK_M) + num_seqs`` always do)."""
-    tile = tl.program_id(0)
+    """The forward over a paged KV cache: program ``p * (HQ // PACK) + b`` holds the ``p``-th query
+    tile of the call at the query heads ``b * PACK`` to ``b * PACK + PACK - 1`` (``PACK`` divides the
+    GQA group: they share a KV head, whose blocks the program reads once for all of them), counting
+    sequence 0's ``cdiv(Lq, BLOCK_M // PACK)`` tiles first, then sequence 1's, ... (each tile
+    ``BLOCK_M // PACK`` queries from the sequence's first, at each of its heads: a decode step fills
+    ``PACK`` rows; programs past the last tile do nothing). A row's arithmetic is a row of
+    :func:`_attend_keys` whichever rows share its tile. The tile counts are summed here from ``cu_q``
+    (``BLOCK_S >= num_seqs + 1``), so sizes and offsets are read from device memory only: a launch
+    can be captured in a CUDA graph and replayed with new ones, as long as it has a program per tile
+    (``cdiv(T, BLOCK_M // PACK) + num_seqs`` tiles always do)."""
+    tile = tl.program_id(0) // (HQ // PACK)
+    head0 = (tl.program_id(0) % (HQ // PACK)) * PACK
+    kv_head = head0 // GROUP
+    per_tile = BLOCK_M // PACK
     seqs = tl.arange(0, BLOCK_S)
     bounds = tl.load(cu_q_ptr + seqs, mask=seqs <= num_seqs, other=0)
     lengths = tl.where(seqs < num_seqs, tl.load(cu_q_ptr + seqs + 1, mask=seqs < num_seqs, other=0) - bounds, 0)
-    ends = tl.cumsum((lengths + BLOCK_M - 1) // BLOCK_M, 0)  # tiles of sequences 0..s
+    tiles = (lengths + per_tile - 1) // per_tile
+    ends = tl.cumsum(tiles, 0)  # tiles of sequences 0..s
     seq_found = tl.sum((ends <= tile).to(tl.int32), 0)  # the sequence whose tiles hold this one
     idle = seq_found >= num_seqs
     seq = tl.where(idle, 0, seq_found)
-    first_tile = tl.sum(tl.where(seqs == seq, ends - (lengths + BLOCK_M - 1) // BLOCK_M, 0), 0)
-    start = (tile - first_tile) * BLOCK_M
+    first_tile = tl.sum(tl.where(seqs == seq, ends - tiles, 0), 0)
+    start = (tile - first_tile) * per_tile
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.where(idle, 0, tl.load(cu_q_ptr + seq + 1) - q0)
     lk = tl.load(seq_lens_ptr + seq)
-    head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-        q_ptr, stride_qt, stride_qh, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
+    heads, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _packed_query_tile(
+        head0,
+        q_ptr,
+        stride_qt,
+        stride_qh,
+        start,
+        q0,
+        lq,
+        lk,
+        PACK,
+        D,
+        BLOCK_D,
+        CAUSAL,
+        UPCAST_DOT,
+        BLOCK_M,
+        BLOCK_N,
     )
     n_blocks = tl.where(start < lq, n_blocks, 0)
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -384,7 +470,7 @@ def _paged_attention_fwd_kernel(
     )
     out = acc / l[:, None]
     tl.store(
-        o_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
+        o_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
     )
@@ -454,7 +540,22 @@ def _attention_bwd_kernel(
         # dq of one query tile and head, and its delta; the tile's key blocks in ascending order.
         start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
         head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-            q_ptr, HQ * D, D, start, q0, lq, lk, HQ, GROUP, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
+            tl.program_id(1),
+            q_ptr,
+            HQ * D,
+            D,
+            start,
+            q0,
+            lq,
+            lk,
+            HQ,
+            GROUP,
+            D,
+            BLOCK_D,
+            CAUSAL,
+            UPCAST_DOT,
+            BLOCK_M,
+            BLOCK_N,
         )
         io_off = ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :]
         io_mask = row_ok[:, None] & d_ok[None, :]
@@ -677,17 +778,20 @@ def paged_forward(
 ) -> torch.Tensor:
     """:func:`rl_kernel_core.batch_invariant_mode.api_attention.paged_attention` (arguments checked there) on the forward's
     tiles and arithmetic: writes ``out`` and returns it. One launch, no host read: a program per
-    possible query tile, ``cdiv(T, BLOCK_M) + B`` (``T`` query rows, ``B`` sequences), or
-    ``B * cdiv(max_query_len, BLOCK_M)`` where that is fewer."""
+    possible query tile and group of ``PACK`` query heads (the GQA group, where it fits a tile),
+    ``cdiv(T, BLOCK_M // PACK) + B`` tiles (``T`` query rows, ``B`` sequences), or ``B *
+    cdiv(max_query_len, BLOCK_M // PACK)`` where that is fewer."""
     hq = q.shape[1]
     launch = _forward_launch(q.dtype, hq, kv_cache.shape[1], q.shape[2], causal)
+    pack = launch["GROUP"] if launch["GROUP"] <= launch["BLOCK_M"] else 1
+    per_tile = launch["BLOCK_M"] // pack
     num_seqs = seq_lens.shape[0]
-    programs = triton.cdiv(q.shape[0], launch["BLOCK_M"]) + num_seqs
+    tiles = triton.cdiv(q.shape[0], per_tile) + num_seqs
     if max_query_len is not None:
-        programs = min(programs, num_seqs * triton.cdiv(max_query_len, launch["BLOCK_M"]))
-    if num_seqs == 0 or programs == 0:
+        tiles = min(tiles, num_seqs * triton.cdiv(max_query_len, per_tile))
+    if num_seqs == 0 or tiles == 0:
         return out
-    _paged_attention_fwd_kernel[(programs, hq)](
+    _paged_attention_fwd_kernel[(tiles * (hq // pack),)](
         q,
         kv_cache,
         out,
@@ -706,6 +810,7 @@ def paged_forward(
         block_table.stride(0),
         CACHE_BLOCK=kv_cache.shape[2],
         BLOCK_S=triton.next_power_of_2(num_seqs + 1),
+        PACK=pack,
         **launch,
     )
     return out

@@ -338,6 +338,34 @@ def test_paged_attention_launch_size_does_not_change_the_bits(seed, device):
         _equal_or_close(device, outs[2][: len(rows)], full[torch.tensor(rows, device=device)], torch.bfloat16, what)
 
 
+@pytest.mark.parametrize("hq, hkv", [(3, 3), (6, 2), (7, 1), (8, 1)])
+def test_paged_attention_packs_any_gqa_group(seed, device, hq, hkv):
+    """Query heads per KV head 1, 3, 7 (not a divisor of the tile's rows) and 8 share a tile per KV
+    head: a whole-sequence prefill and decode steps over the paged cache give every query
+    ``varlen_attention``'s bits (bitwise on CUDA, to the contract under the interpreter)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [int(n) for n in torch.randint(1, 40 if device.type == "cpu" else 400, (3,), generator=gen)]
+    d = 8 if device.type == "cpu" else 64
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(sum(lengths), h, d, device=device).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    full = rk.varlen_attention(q, k, v, cu, backend="triton")
+    cache, table, seq_lens = _paged_cache(device, k, v, cu, 16)
+    what = f"seed={seed} Hq={hq} Hkv={hkv} lengths={lengths}"
+    _equal_or_close(device, paged_attention(q, cache, table, cu, seq_lens), full, torch.bfloat16, what)
+    c = cu.tolist()
+    t = min(lengths) - 1  # every sequence decodes its query t
+    rows = torch.tensor([c[b] + t for b in range(len(lengths))], device=device)
+    step = paged_attention(
+        q[rows],
+        cache,
+        table,
+        torch.arange(len(lengths) + 1, dtype=torch.int32, device=device),
+        torch.full((len(lengths),), t + 1, dtype=torch.int32, device=device),
+        1,
+    )
+    _equal_or_close(device, step, full[rows], torch.bfloat16, f"{what}: decode of query {t}")
+
+
 def test_write_paged_kv_copies_exactly_and_skips_padding(seed, device):
     k, v = (torch.randn(6, 2, 8, device=device).to(torch.bfloat16) for _ in range(2))
     cache = torch.zeros(3, 2, 4, 16, device=device, dtype=torch.bfloat16)
