@@ -86,51 +86,6 @@ def _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr):
 
 @helper_jit
 def _query_tile(
-    head,
-    q_ptr,
-    stride_qt,
-    stride_qh,
-    start,
-    q0,
-    lq,
-    lk,
-    HQ: tl.constexpr,
-    GROUP: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """The query tile of a sequence (first query row ``q0``, ``lq`` queries, ``lk`` keys) whose first
-    row is query ``start``, at query head ``head``, from queries with row stride
-    ``stride_qt`` and head stride ``stride_qh``: ``(head, KV head, the tile's rows (query indices in
-    the sequence), which exist, dims, which exist, the queries [BLOCK_M, BLOCK_D] (zero where
-    absent), their key positions, how many key blocks the tile visits)``."""
-    kv_head = head // GROUP
-    offset = lk - lq
-    rows = start + tl.arange(0, BLOCK_M)
-    row_ok = rows < lq
-    dims = tl.arange(0, BLOCK_D)
-    d_ok = dims < D
-    q = tl.load(
-        q_ptr + (q0 + rows)[:, None].to(tl.int64) * stride_qt + head * stride_qh + dims[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if UPCAST_DOT:  # the CPU interpreter multiplies 16-bit floats as integers; the upcast is exact
-        q = q.to(tl.float32)
-    qpos = offset + rows
-    n_blocks = tl.cdiv(lk, BLOCK_N)
-    if CAUSAL:
-        last = offset + tl.minimum(start + BLOCK_M, lq) - 1
-        n_blocks = tl.minimum(n_blocks, last // BLOCK_N + 1)
-    return head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks
-
-
-@helper_jit
-def _packed_query_tile(
     head0,
     q_ptr,
     stride_qt,
@@ -147,12 +102,13 @@ def _packed_query_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """:func:`_query_tile` with ``PACK`` query heads (``head0`` and the next) in one tile: row ``r``
-    is query ``start + r // PACK`` of the sequence at head ``head0 + r % PACK``, so the tile holds
-    ``BLOCK_M // PACK`` queries (rows past ``PACK`` times that are absent): ``(each row's head, its
-    query index in the sequence, which rows exist, dims, which exist, the queries [BLOCK_M,
-    BLOCK_D] (zero where absent), their key positions, how many key blocks the tile visits)``.
-    ``PACK = 1`` is :func:`_query_tile`'s tile."""
+    """The query tile of a sequence (first query row ``q0``, ``lq`` queries, ``lk`` keys) whose first
+    query is ``start``, at ``PACK`` query heads (``head0`` and the next), from queries with row
+    stride ``stride_qt`` and head stride ``stride_qh``: row ``r`` is query ``start + r // PACK`` at
+    head ``head0 + r % PACK``, so the tile holds ``BLOCK_M // PACK`` queries (rows past ``PACK``
+    times that are absent). Returns ``(each row's head, its query index in the sequence, which rows
+    exist, dims, which exist, the queries [BLOCK_M, BLOCK_D] (zero where absent), their key
+    positions, how many key blocks the tile visits)``."""
     r = tl.arange(0, BLOCK_M)
     offset = lk - lq
     rows = start + r // PACK
@@ -165,7 +121,7 @@ def _packed_query_tile(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    if UPCAST_DOT:  # as in _query_tile
+    if UPCAST_DOT:  # the CPU interpreter multiplies 16-bit floats as integers; the upcast is exact
         q = q.to(tl.float32)
     qpos = offset + rows
     n_blocks = tl.cdiv(lk, BLOCK_N)
@@ -307,23 +263,10 @@ def _attention_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
-    head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-        tl.program_id(1),
-        q_ptr,
-        HQ * D,
-        D,
-        start,
-        q0,
-        lq,
-        lk,
-        HQ,
-        GROUP,
-        D,
-        BLOCK_D,
-        CAUSAL,
-        UPCAST_DOT,
-        BLOCK_M,
-        BLOCK_N,
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    _, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
+        head, q_ptr, HQ * D, D, start, q0, lq, lk, 1, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
     )
     # packed keys (PAGED=False): the paged-cache arguments are placeholders the compiler drops
     m, l, acc = _attend_keys(
@@ -421,22 +364,8 @@ def _paged_attention_fwd_kernel(
     q0 = tl.load(cu_q_ptr + seq)
     lq = tl.where(idle, 0, tl.load(cu_q_ptr + seq + 1) - q0)
     lk = tl.load(seq_lens_ptr + seq)
-    heads, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _packed_query_tile(
-        head0,
-        q_ptr,
-        stride_qt,
-        stride_qh,
-        start,
-        q0,
-        lq,
-        lk,
-        PACK,
-        D,
-        BLOCK_D,
-        CAUSAL,
-        UPCAST_DOT,
-        BLOCK_M,
-        BLOCK_N,
+    heads, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
+        head0, q_ptr, stride_qt, stride_qh, start, q0, lq, lk, PACK, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
     )
     n_blocks = tl.where(start < lq, n_blocks, 0)
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
@@ -539,23 +468,10 @@ def _attention_bwd_kernel(
     if not DKDV:
         # dq of one query tile and head, and its delta; the tile's key blocks in ascending order.
         start, q0, lq, k0, lk = _tile(tile_seq_ptr, tile_start_ptr, cu_q_ptr, cu_k_ptr)
-        head, kv_head, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
-            tl.program_id(1),
-            q_ptr,
-            HQ * D,
-            D,
-            start,
-            q0,
-            lq,
-            lk,
-            HQ,
-            GROUP,
-            D,
-            BLOCK_D,
-            CAUSAL,
-            UPCAST_DOT,
-            BLOCK_M,
-            BLOCK_N,
+        head = tl.program_id(1)
+        kv_head = head // GROUP
+        _, rows, row_ok, dims, d_ok, q, qpos, n_blocks = _query_tile(
+            head, q_ptr, HQ * D, D, start, q0, lq, lk, 1, D, BLOCK_D, CAUSAL, UPCAST_DOT, BLOCK_M, BLOCK_N
         )
         io_off = ((q0 + rows)[:, None].to(tl.int64) * HQ + head) * D + dims[None, :]
         io_mask = row_ok[:, None] & d_ok[None, :]
