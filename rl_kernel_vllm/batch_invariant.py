@@ -35,7 +35,8 @@ In each vLLM process the hook:
 Refused with an error naming the setting (at engine configuration): a model architecture outside
 :data:`ARCHITECTURES`, a rope type outside
 :data:`~rl_kernel_core.batch_invariant_mode.api_rope.COVERED_ROPE_TYPES`, quantization, speculative decoding, LoRA, a KV-cache dtype other than the
-model's, and an ``attention_backend`` other than the platform's default entry. Attention layers
+model's, an ``attention_backend`` other than the platform's default entry, and on CUDA a
+``max_num_seqs`` above :data:`~rl_kernel_core.batch_invariant_mode.api_attention.PAGED_MAX_SEQS`. Attention layers
 the backend does not cover are refused when built (:mod:`rl_kernel_vllm.attention`). Prefix
 caching stays on: a cached block holds the bits a recomputation would give (not separately tested).
 """
@@ -48,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from rl_kernel_core import adapters
+from rl_kernel_core.batch_invariant_mode.api_attention import PAGED_MAX_SEQS
 from rl_kernel_core.batch_invariant_mode.api_rope import COVERED_ROPE_TYPES, cos_sin_table, rope_type
 from rl_kernel_core.batch_invariant_mode.api import set_batch_invariant_mode
 from rl_kernel_vllm import moe, tensor_parallel
@@ -111,6 +113,9 @@ def check_config(vllm_config: Any, entry: str) -> list[str]:
         kind = rope_type(_text_config(model))
         if kind not in COVERED_ROPE_TYPES:
             refusals.append(f"rope_type={kind!r} (covered: {', '.join(COVERED_ROPE_TYPES)})")
+    max_seqs = getattr(vllm_config.scheduler_config, "max_num_seqs", None)
+    if entry == BACKENDS["cuda"][0] and max_seqs is not None and max_seqs > PAGED_MAX_SEQS:
+        refusals.append(f"max_num_seqs={max_seqs} (at most {PAGED_MAX_SEQS} on CUDA: the paged attention's limit)")
     if vllm_config.speculative_config is not None:
         refusals.append("speculative decoding (speculative_config is set)")
     if vllm_config.lora_config is not None:

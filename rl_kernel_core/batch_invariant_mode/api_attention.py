@@ -175,6 +175,11 @@ def _paged_kernels(device: torch.device):
     return kernels
 
 
+PAGED_MAX_SEQS = 4095
+"""The most sequences one :func:`paged_attention` call takes: each program sums the sequences' tile
+counts in registers (``BLOCK_S = next_power_of_2(B + 1)`` lanes)."""
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -228,6 +233,8 @@ def paged_attention(
     _checks.tensor("seq_lens", seq_lens, dtypes=_INDEX_DTYPES, ndim=1)
     _checks.same_device("q", q, block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
     b = seq_lens.shape[0]
+    if b > PAGED_MAX_SEQS:
+        raise ValueError(f"seq_lens: at most {PAGED_MAX_SEQS} sequences a call, got {b}")
     if cu_seqlens_q.shape[0] != b + 1:
         raise ValueError(f"cu_seqlens_q must have seq_lens' length + 1 = {b + 1} entries, got {cu_seqlens_q.shape[0]}")
     if block_table.shape[0] < b:

@@ -382,3 +382,16 @@ def test_cuda_graph_mode_is_full_for_dense_models(model_dir: Path, monkeypatch, 
     expected = CUDAGraphMode.NONE if moe or asked == "NONE" else CUDAGraphMode.FULL
     assert config.compilation_config.cudagraph_mode == expected, changed
     assert (f"cudagraph_mode={expected.name}" in changed) == (asked != expected.name), changed
+
+
+def test_more_sequences_than_the_paged_attention_takes_are_refused_on_cuda(model_dir: Path, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rl_kernel_vllm import batch_invariant
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=64).create_engine_config()
+    config.scheduler_config.max_num_seqs = 4096
+    with pytest.raises(ValueError, match=r"does not cover: .*max_num_seqs=4096 \(at most 4095 on CUDA"):
+        batch_invariant.check_config(config, "FLASH_ATTN")
+    batch_invariant.check_config(config, "CPU_ATTN")  # the CPU backend gathers instead: no limit

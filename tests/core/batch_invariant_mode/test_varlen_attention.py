@@ -419,6 +419,9 @@ def test_paged_attention_bad_input_names_the_argument(device, monkeypatch):
         paged_attention(q, cache[..., :-1], table, cu, lens, 4)
     with pytest.raises(ValueError, match="cu_seqlens_q must have seq_lens' length \\+ 1 = 3 entries, got 2"):
         paged_attention(q, cache, table, cu[:2], lens, 4)
+    with pytest.raises(ValueError, match="seq_lens: at most 4095 sequences a call, got 4096"):
+        big = torch.zeros(4096, dtype=torch.int32, device=device)
+        paged_attention(q, cache, table, torch.zeros(4097, dtype=torch.int32, device=device), big, 4)
     with pytest.raises(ValueError, match="block_table must have a row per sequence"):
         paged_attention(q, cache, table[:1], cu, lens, 4)
     with pytest.raises(ValueError, match="max_query_len must be None or an int >= 0, got -1"):
