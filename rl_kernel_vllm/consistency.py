@@ -389,7 +389,7 @@ def random_prompts(
         raise ValueError(f"max_length: expected None or at least length ({length}), got {max_length}")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (count, max_length or length), generator=gen)
-    ids[:, :shared_prefix] = ids[0, :shared_prefix]
+    ids[1:, :shared_prefix] = ids[0, :shared_prefix]
     if max_length is None:
         return ids.tolist()
     lengths = torch.randint(length, max_length + 1, (count,), generator=gen).tolist()
