@@ -260,7 +260,9 @@ def run_many(work_dirs: Sequence[Path], on: bool, device: str, deadline: Optiona
             return
         spec = json.loads((work / "spec.json").read_text())
         try:
+            start = time.perf_counter()
             report = run_one(spec, str(work / "model"), on, device)
+            report["seconds"] = time.perf_counter() - start  # engine start, rollout and trainer
             (work / f"{name}.json").write_text(json.dumps(report, indent=1))
         except Exception:  # the draw fails with its traceback; the others still run
             (work / f"{name}_error.txt").write_text(traceback.format_exc())
@@ -325,6 +327,8 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
         return dict(report)
     out = {k: report["gap"][k] for k in ("max", "equal_fraction", "tokens")}
     out["tokens_per_s"] = report["rollout"]["tokens_per_s"]
+    if "seconds" in report:
+        out["seconds"] = report["seconds"]
     if "prompt_gap" in report:
         out["prompt_max"] = report["prompt_gap"]["max"]
         out["prompt_tokens"] = report["prompt_gap"]["tokens"]

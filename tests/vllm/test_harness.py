@@ -27,6 +27,7 @@ def test_harness_draws_are_bitwise_equal(tmp_path, seed):
     rows = harness.sweep(DRAWS, seed, "cpu", tmp_path)
     failed = [harness.line(r) for r in rows if not harness.passed(r)]
     assert not failed, f"seed={seed} (rerun: python -m rl_kernel_vllm.harness --seed {seed}):\n" + "\n".join(failed)
+    assert all(r["on"]["seconds"] > 0 for r in rows), f"seed={seed}: a draw without its wall time"
 
 
 def test_draws_are_valid_and_cover_every_setting(seed):
