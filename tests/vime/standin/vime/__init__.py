@@ -17,7 +17,8 @@ documented interface (the rl-kernel adapter issue) and slime's public sources
 * ``vime.backends.megatron_utils.selected_logprob_provider``: the other provider boundary
   (``--selected-logprob-provider``, ``--selected-logprob-provider-mode``; a flat request with
   optional hidden states and LM head), as at RL-Align/vime commit
-  e0d231806e06a3000b9ba4f5be4bd7ba235dfcdc.
+  e0d231806e06a3000b9ba4f5be4bd7ba235dfcdc. What the two boundaries share is written once in
+  ``vime.backends.megatron_utils._provider_boundary`` (the stand-in's own module; vime repeats it).
 * ``vime.backends.megatron_utils.cp_utils``: ``get_sum_of_sample_mean``.
 * ``vime.backends.megatron_utils.model``: ``train_one_step`` (simplified: one process, no
   pipeline, the same return convention).

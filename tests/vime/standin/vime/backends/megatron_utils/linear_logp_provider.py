@@ -16,12 +16,13 @@ pull requests 423/424): the same names, fields, signatures, request checks and t
   attached to autograd when the logits (or, with ``with_entropy_grad``, the entropy) need it;
 * a provider may return :class:`LinearLogpResult`, a mapping or any object with its fields.
 
-Left out: vime's one-time log lines naming the native or provider backend.
+Left out: vime's one-time log lines naming the native or provider backend. The machinery this
+module shares with ``selected_logprob_provider`` (vime repeats it there) is written once in
+:mod:`vime.backends.megatron_utils._provider_boundary`, a stand-in module.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,9 +30,11 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from vime.backends.megatron_utils import _provider_boundary as shared
+from vime.backends.megatron_utils._provider_boundary import ProviderMode
+
 logger = logging.getLogger(__name__)
 
-ProviderMode = Literal["auto", "strict"]
 TokenLayoutKind = Literal["single", "zigzag", "allgather"]
 
 
@@ -50,12 +53,7 @@ class TokenLayout:
     layout: TokenLayoutKind
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"invalid token topology: world_size={self.world_size}, rank={self.rank}")
-        if (self.world_size == 1) != (self.layout == "single"):
-            raise ValueError(
-                f"layout {self.layout!r} does not fit world_size={self.world_size} ('single' iff one rank)"
-            )
+        shared.check_topology("token", self.world_size, self.rank, self.layout)
 
 
 @dataclass(frozen=True)
@@ -135,16 +133,7 @@ class LinearLogpRequest:
         if not isinstance(self.logits, torch.Tensor) or self.logits.ndim != 2:
             raise ValueError(f"linear_logp logits must be [T, V_local], got {getattr(self.logits, 'shape', None)}")
         rows = self.logits.size(0)
-        if self.target_ids.shape != (rows,):
-            raise ValueError(
-                f"linear_logp target_ids must be [T] aligned with logits; got {tuple(self.target_ids.shape)} for T={rows}"
-            )
-        if self.target_ids.device != self.logits.device:
-            raise ValueError("linear_logp target_ids must share the logits device")
-        if self.target_ids.is_floating_point() or self.target_ids.is_complex():
-            raise TypeError("linear_logp target_ids must use an integer dtype")
-        if self.log_prob_keep_mask is not None and self.log_prob_keep_mask.shape != self.logits.shape:
-            raise ValueError("linear_logp log_prob_keep_mask must match logits shape")
+        shared.check_targets("linear_logp", self.logits, self.target_ids, self.log_prob_keep_mask)
         if self.context is not None:
             if self.context.hidden.size(0) != rows:
                 raise ValueError("linear_logp context rows must match local logits rows")
@@ -152,14 +141,7 @@ class LinearLogpRequest:
                 raise ValueError("linear_logp projection rows must match local logits width")
             if self.context.hidden.device != self.logits.device:
                 raise ValueError("linear_logp context must share the logits device")
-        if self.temperature is not None:  # as vime: "<= 0" is refused, so NaN passes
-            if isinstance(self.temperature, torch.Tensor):
-                if self.temperature.numel() not in (1, rows):
-                    raise ValueError("linear_logp temperature must be scalar or [T]")
-                if bool((self.temperature <= 0).any().item()):
-                    raise ValueError("linear_logp temperature must be positive")
-            elif float(self.temperature) <= 0:
-                raise ValueError("linear_logp temperature must be positive")
+        shared.check_temperature(self.temperature, rows)
 
 
 @dataclass(frozen=True)
@@ -178,21 +160,19 @@ class LinearLogpProvider(Protocol):
     def __call__(self, request: LinearLogpRequest) -> LinearLogpResult: ...
 
 
+_BOUNDARY = shared.Boundary(
+    flag="linear_logp_provider", label="linear_logp", logp_field="logp", result_class=LinearLogpResult, logger=logger
+)
+
+
 def linear_logp_provider_path(args: Any) -> str | None:
     """``args.linear_logp_provider`` stripped, or None when unset or blank."""
-    path = getattr(args, "linear_logp_provider", None)
-    if path is None:
-        return None
-    return str(path).strip() or None
+    return shared.provider_path(_BOUNDARY, args)
 
 
 def linear_logp_provider_mode(args: Any) -> ProviderMode:
     """``args.linear_logp_provider_mode`` (default ``auto``), lower-cased; anything else is an error."""
-    raw = getattr(args, "linear_logp_provider_mode", "auto")
-    mode = str(raw).strip().lower()
-    if mode not in ("auto", "strict"):
-        raise ValueError(f"linear_logp_provider_mode must be 'auto' or 'strict', got {raw!r}.")
-    return mode  # type: ignore[return-value]
+    return shared.provider_mode(_BOUNDARY, args)
 
 
 def compute_linear_logp(
@@ -202,97 +182,4 @@ def compute_linear_logp(
     native: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logp [T, 1], entropy [T] or None)`` from the configured provider, or from ``native``."""
-    path = linear_logp_provider_path(args)
-    if path is None:
-        return _native(request, native)
-    mode = linear_logp_provider_mode(args)
-    try:
-        provider = _load_provider(path)
-    except (ImportError, AttributeError) as exc:
-        return _unavailable(path, mode, exc, request, native)
-    try:
-        result = provider(request)
-    except Exception as exc:
-        if not bool(getattr(exc, "linear_logp_provider_unavailable", False)):
-            raise
-        return _unavailable(path, mode, exc, request, native)
-    normalized = _normalize_result(result)
-    _validate_result(normalized, request, strict=mode == "strict")
-    return normalized.logp, normalized.entropy
-
-
-def _unavailable(
-    path: str, mode: ProviderMode, exc: Exception, request: LinearLogpRequest, native: Callable
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if mode == "strict":
-        raise RuntimeError(f"linear_logp provider {path!r} is unavailable: {exc}") from exc
-    logger.warning("linear_logp provider %s is unavailable; using native path: %s", path, exc)
-    return _native(request, native)
-
-
-def _load_provider(path: str) -> LinearLogpProvider:
-    module_path, dot, attribute = path.rpartition(".")
-    if not dot or not module_path or not attribute:
-        raise ImportError("provider must use the import path 'package.module.callable'")
-    provider = getattr(importlib.import_module(module_path), attribute)
-    if not callable(provider):
-        raise TypeError(f"linear_logp provider {path!r} is not callable")
-    return provider
-
-
-def _native(request: LinearLogpRequest, native: Callable) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return native(
-        request.logits,
-        request.target_ids,
-        request.tensor_parallel_group,
-        with_entropy=request.with_entropy,
-        with_entropy_grad=request.with_entropy_grad,
-        chunk_size=request.chunk_size,
-        log_prob_keep_mask=request.log_prob_keep_mask,
-    )
-
-
-def _normalize_result(result: Any) -> LinearLogpResult:
-    if isinstance(result, LinearLogpResult):
-        return result
-    names = ("logp", "entropy", "backend_id", "contract_id", "provenance")
-    try:
-        if isinstance(result, Mapping):
-            values = {name: result[name] for name in names}
-        else:
-            values = {name: getattr(result, name) for name in names}
-    except (AttributeError, KeyError) as exc:
-        raise TypeError(
-            "linear_logp providers must return logp, entropy, backend_id, contract_id, and provenance"
-        ) from exc
-    if not isinstance(values["provenance"], Mapping):
-        raise TypeError("linear_logp provider provenance must be a mapping")
-    return LinearLogpResult(**values)
-
-
-def _validate_result(result: LinearLogpResult, request: LinearLogpRequest, *, strict: bool) -> None:
-    rows = request.logits.size(0)
-    if result.logp.shape != (rows, 1):
-        raise ValueError(
-            f"linear_logp provider returned invalid logp shape {tuple(result.logp.shape)}; expected {(rows, 1)}."
-        )
-    if result.logp.device != request.logits.device:
-        raise ValueError("linear_logp provider returned logp on a different device")
-    if not result.logp.is_floating_point():
-        raise TypeError("linear_logp provider must return floating-point logp")
-    if request.with_entropy:
-        if result.entropy is None or result.entropy.shape != (rows,):
-            raise ValueError("linear_logp provider must return [T] entropy when with_entropy=True")
-        if result.entropy.device != request.logits.device:
-            raise ValueError("linear_logp provider returned entropy on a different device")
-        if not result.entropy.is_floating_point():
-            raise TypeError("linear_logp provider must return floating-point entropy")
-    elif result.entropy is not None:
-        raise ValueError("linear_logp provider returned entropy when with_entropy=False")
-    if strict:
-        if not result.backend_id or not result.contract_id:
-            raise ValueError("strict linear_logp runs require non-empty backend_id and contract_id")
-        if request.logits.requires_grad and not result.logp.requires_grad:
-            raise ValueError("strict linear_logp result is detached from autograd")
-        if request.with_entropy_grad and result.entropy is not None and not result.entropy.requires_grad:
-            raise ValueError("strict linear_logp entropy is detached from autograd")
+    return shared.compute(_BOUNDARY, args, request, native, linear_logp_provider_path, linear_logp_provider_mode)

@@ -24,12 +24,13 @@ signatures, request checks and ``auto``/``strict`` decisions, written anew. What
 * a provider may return :class:`SelectedLogprobResult`, a mapping or any object with its fields
   (``selected_logprobs [T, 1]``, ``entropy``, ``backend_id``, ``contract_id``, ``provenance``).
 
-Left out: vime's one-time log line naming the provider backend.
+Left out: vime's one-time log line naming the provider backend. The machinery this module shares
+with ``linear_logp_provider`` (vime repeats it there) is written once in
+:mod:`vime.backends.megatron_utils._provider_boundary`, a stand-in module.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,9 +38,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-logger = logging.getLogger(__name__)
+from vime.backends.megatron_utils import _provider_boundary as shared
+from vime.backends.megatron_utils._provider_boundary import ProviderMode
 
-ProviderMode = Literal["auto", "strict"]
+logger = logging.getLogger(__name__)
 
 
 class SelectedLogprobProviderUnavailable(RuntimeError):
@@ -55,12 +57,7 @@ class ContextParallelLayout:
     layout: Literal["single", "zigzag", "allgather"]
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"invalid context-parallel topology: world_size={self.world_size}, rank={self.rank}")
-        if (self.world_size == 1) != (self.layout == "single"):
-            raise ValueError(
-                f"layout {self.layout!r} does not fit world_size={self.world_size} ('single' iff one rank)"
-            )
+        shared.check_topology("context-parallel", self.world_size, self.rank, self.layout)
 
 
 @dataclass(frozen=True)
@@ -88,16 +85,7 @@ class SelectedLogprobRequest:
         if self.logits.ndim != 2:
             raise ValueError(f"selected-logprob logits must be [T, V_local], got {tuple(self.logits.shape)}")
         rows = self.logits.size(0)
-        if self.target_ids.shape != (rows,):
-            raise ValueError(
-                f"selected-logprob target_ids must be [T] aligned with logits; got {tuple(self.target_ids.shape)} for T={rows}"
-            )
-        if self.target_ids.device != self.logits.device:
-            raise ValueError("selected-logprob target_ids must share the logits device")
-        if self.target_ids.is_floating_point() or self.target_ids.is_complex():
-            raise TypeError("selected-logprob target_ids must use an integer dtype")
-        if self.log_prob_keep_mask is not None and self.log_prob_keep_mask.shape != self.logits.shape:
-            raise ValueError("selected-logprob log_prob_keep_mask must match logits shape")
+        shared.check_targets("selected-logprob", self.logits, self.target_ids, self.log_prob_keep_mask)
         if self.hidden is None and self.lm_head_weight is None:
             if self.lm_head_bias is not None:
                 raise ValueError("linear_logp structural request fields must be supplied together")
@@ -126,14 +114,7 @@ class SelectedLogprobRequest:
         for name, value in (("global_vocab_size", self.global_vocab_size), ("real_vocab_size", self.real_vocab_size)):
             if value is not None and (isinstance(value, bool) or int(value) <= 0):
                 raise ValueError(f"linear_logp {name} must be positive")
-        if self.temperature is not None:
-            if isinstance(self.temperature, torch.Tensor):
-                if self.temperature.numel() not in (1, rows):
-                    raise ValueError("linear_logp temperature must be scalar or [T]")
-                if bool((self.temperature <= 0).any().item()):
-                    raise ValueError("linear_logp temperature must be positive")
-            elif float(self.temperature) <= 0:
-                raise ValueError("linear_logp temperature must be positive")
+        shared.check_temperature(self.temperature, rows)
 
 
 @dataclass(frozen=True)
@@ -152,21 +133,26 @@ class SelectedLogprobProvider(Protocol):
     def __call__(self, request: SelectedLogprobRequest) -> SelectedLogprobResult: ...
 
 
+_BOUNDARY = shared.Boundary(
+    flag="selected_logprob_provider",
+    label="selected-logprob",
+    logp_field="selected_logprobs",
+    result_class=SelectedLogprobResult,
+    logger=logger,
+    unavailable_class=SelectedLogprobProviderUnavailable,
+    strict_label="selected-logprob provider",
+    warning_label="Selected-logprob",
+)
+
+
 def selected_logprob_provider_path(args: Any) -> str | None:
     """``args.selected_logprob_provider`` stripped, or None when unset or blank."""
-    path = getattr(args, "selected_logprob_provider", None)
-    if path is None:
-        return None
-    return str(path).strip() or None
+    return shared.provider_path(_BOUNDARY, args)
 
 
 def selected_logprob_provider_mode(args: Any) -> ProviderMode:
     """``args.selected_logprob_provider_mode`` (default ``auto``), lower-cased; anything else is an error."""
-    raw = getattr(args, "selected_logprob_provider_mode", "auto")
-    mode = str(raw).strip().lower()
-    if mode not in ("auto", "strict"):
-        raise ValueError(f"selected_logprob_provider_mode must be 'auto' or 'strict', got {raw!r}.")
-    return mode  # type: ignore[return-value]
+    return shared.provider_mode(_BOUNDARY, args)
 
 
 def compute_selected_logprobs(
@@ -176,104 +162,6 @@ def compute_selected_logprobs(
     native: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(selected log-probs [T, 1], entropy [T] or None)`` from the configured provider, or from ``native``."""
-    path = selected_logprob_provider_path(args)
-    if path is None:
-        return _native(request, native)
-    mode = selected_logprob_provider_mode(args)
-    try:
-        provider = _load_provider(path)
-    except (ImportError, AttributeError) as exc:
-        return _unavailable(path, mode, exc, request, native)
-    try:
-        result = provider(request)
-    except Exception as exc:
-        if not _is_provider_unavailable(exc):
-            raise
-        return _unavailable(path, mode, exc, request, native)
-    normalized = _normalize_result(result)
-    _validate_result(normalized, request, strict=mode == "strict")
-    return normalized.selected_logprobs, normalized.entropy
-
-
-def _unavailable(
-    path: str, mode: ProviderMode, exc: Exception, request: SelectedLogprobRequest, native: Callable
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if mode == "strict":
-        raise RuntimeError(f"selected-logprob provider {path!r} is unavailable: {exc}") from exc
-    logger.warning("Selected-logprob provider %s is unavailable; using native path: %s", path, exc)
-    return _native(request, native)
-
-
-def _load_provider(path: str) -> SelectedLogprobProvider:
-    module_path, dot, attribute = path.rpartition(".")
-    if not dot or not module_path or not attribute:
-        raise ImportError("provider must use the import path 'package.module.callable'")
-    provider = getattr(importlib.import_module(module_path), attribute)
-    if not callable(provider):
-        raise TypeError(f"selected-logprob provider {path!r} is not callable")
-    return provider
-
-
-def _native(request: SelectedLogprobRequest, native: Callable) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return native(
-        request.logits,
-        request.target_ids,
-        request.tensor_parallel_group,
-        with_entropy=request.with_entropy,
-        with_entropy_grad=request.with_entropy_grad,
-        chunk_size=request.chunk_size,
-        log_prob_keep_mask=request.log_prob_keep_mask,
+    return shared.compute(
+        _BOUNDARY, args, request, native, selected_logprob_provider_path, selected_logprob_provider_mode
     )
-
-
-def _is_provider_unavailable(exc: Exception) -> bool:
-    """vime's class or the marker attribute, so a provider package need not import vime."""
-    return isinstance(exc, SelectedLogprobProviderUnavailable) or bool(
-        getattr(exc, "selected_logprob_provider_unavailable", False)
-    )
-
-
-def _normalize_result(result: Any) -> SelectedLogprobResult:
-    if isinstance(result, SelectedLogprobResult):
-        return result
-    names = ("provenance", "selected_logprobs", "entropy", "backend_id", "contract_id")
-    try:
-        if isinstance(result, Mapping):
-            values = {name: result[name] for name in names}
-        else:
-            values = {name: getattr(result, name) for name in names}
-    except (AttributeError, KeyError) as exc:
-        raise TypeError(
-            "selected-logprob providers must return selected_logprobs, entropy, backend_id, contract_id, and provenance"
-        ) from exc
-    if not isinstance(values["provenance"], Mapping):
-        raise TypeError("selected-logprob provider provenance must be a mapping")
-    return SelectedLogprobResult(**values)
-
-
-def _validate_result(result: SelectedLogprobResult, request: SelectedLogprobRequest, *, strict: bool) -> None:
-    rows = request.logits.size(0)
-    if result.selected_logprobs.shape != (rows, 1):
-        raise ValueError(
-            f"selected-logprob provider returned invalid selected_logprobs shape {tuple(result.selected_logprobs.shape)}; expected {(rows, 1)}."
-        )
-    if result.selected_logprobs.device != request.logits.device:
-        raise ValueError("selected-logprob provider returned selected_logprobs on a different device")
-    if not result.selected_logprobs.is_floating_point():
-        raise TypeError("selected-logprob provider must return floating-point selected_logprobs")
-    if request.with_entropy:
-        if result.entropy is None or result.entropy.shape != (rows,):
-            raise ValueError("selected-logprob provider must return [T] entropy when with_entropy=True")
-        if result.entropy.device != request.logits.device:
-            raise ValueError("selected-logprob provider returned entropy on a different device")
-        if not result.entropy.is_floating_point():
-            raise TypeError("selected-logprob provider must return floating-point entropy")
-    elif result.entropy is not None:
-        raise ValueError("selected-logprob provider returned entropy when with_entropy=False")
-    if strict:
-        if not result.backend_id or not result.contract_id:
-            raise ValueError("strict selected-logprob provider runs require non-empty backend_id and contract_id")
-        if request.logits.requires_grad and not result.selected_logprobs.requires_grad:
-            raise ValueError("strict selected-logprob provider result is detached from autograd")
-        if request.with_entropy_grad and result.entropy is not None and not result.entropy.requires_grad:
-            raise ValueError("strict selected-logprob provider entropy is detached from autograd")
