@@ -13,7 +13,7 @@ import rl_kernel_vime
 from rl_kernel_vime import config, fallback, hooks, patch, registry, targets
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.utils import ppo_utils
-from vime_helpers import make_args, make_batch
+from vime_helpers import make_args, make_batch, packed_fields
 
 
 class Spy:
@@ -60,9 +60,7 @@ def _logprob_call(gen, args, **extra):
     return lambda: hooks.get_log_probs_and_entropy(
         logits,
         args=args,
-        unconcat_tokens=batch["unconcat_tokens"],
-        total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"],
+        **packed_fields(batch),
         with_entropy=True,
         **extra,
     )

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from vime_helpers import make_args, make_batch, upstream_generator
+from vime_helpers import assert_same_gradients, make_args, make_batch, packed_fields
 from rl_kernel_core.contract import assert_close
 from rl_kernel_vime import config, hooks, patch, targets
 from vime.backends.megatron_utils import cp_utils
@@ -18,13 +18,6 @@ from vime.backends.megatron_utils import loss as vime_loss
 from vime.utils import ppo_utils
 
 F32 = torch.float32
-
-
-def _grad(outputs, inputs, gen):
-    """Gradient of a random weighted sum of ``outputs`` (random upstream, never ones)."""
-    weights = [torch.randn(o.shape, generator=gen) for o in outputs]
-    total = sum((w * o).sum() for w, o in zip(weights, outputs))
-    return torch.autograd.grad(total, inputs)
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
@@ -43,14 +36,9 @@ def test_calculate_log_probs_and_entropy(gen, with_entropy, chunk_size):
     if with_entropy:
         assert got_ent is not None and want_ent is not None
         assert_close(got_ent, want_ent, "logprob", F32, "entropy")
-        outputs_want, outputs_got = [want_lp, want_ent], [got_lp, got_ent]
     else:
         assert got_ent is None and want_ent is None
-        outputs_want, outputs_got = [want_lp], [got_lp]
-    upstream = upstream_generator(gen)
-    (g_want,) = _grad(outputs_want, [logits], upstream.clone_state())
-    (g_got,) = _grad(outputs_got, [logits], upstream)
-    assert_close(g_got, g_want, "gradient", F32, "d logits")
+    assert_same_gradients([got_lp, got_ent], [want_lp, want_ent], [logits], ["d logits"], gen)
 
 
 def test_calculate_log_probs_and_entropy_empty(gen):
@@ -67,13 +55,7 @@ def test_calculate_log_probs_and_entropy_empty(gen):
 def test_get_log_probs_and_entropy_packed(gen, temperature, with_entropy):
     logits, batch = make_batch(gen)
     args = make_args(rollout_temperature=temperature)
-    kwargs = dict(
-        args=args,
-        unconcat_tokens=batch["unconcat_tokens"],
-        total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"],
-        with_entropy=with_entropy,
-    )
+    kwargs = dict(args=args, **packed_fields(batch), with_entropy=with_entropy)
     empty_want, want = vime_loss.get_log_probs_and_entropy(logits, **kwargs)
     empty_got, got = hooks.get_log_probs_and_entropy(logits, **kwargs)
     assert empty_got.shape == empty_want.shape == (0,)
@@ -82,11 +64,8 @@ def test_get_log_probs_and_entropy_packed(gen, temperature, with_entropy):
         assert [t.shape for t in got[key]] == [t.shape for t in want[key]] == [(r,) for r in batch["response_lengths"]]
         for i, (g, w) in enumerate(zip(got[key], want[key])):
             assert_close(g, w, "logprob", F32, f"{key}[{i}]")
-    upstream = upstream_generator(gen)
     flat = lambda res: [torch.cat(res[k]) for k in res]  # noqa: E731
-    (g_want,) = _grad(flat(want), [logits], upstream.clone_state())
-    (g_got,) = _grad(flat(got), [logits], upstream)
-    assert_close(g_got, g_want, "gradient", F32, "d logits")
+    assert_same_gradients(flat(got), flat(want), [logits], ["d logits"], gen)
 
 
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "low_var_kl"])
@@ -100,10 +79,7 @@ def test_compute_approx_kl(gen, kl_type):
         assert bool((want == 10).any()), "inputs must exercise the clamp"
     assert got.dtype == F32
     assert_close(got, want, "elementwise", F32, f"kl {kl_type}")
-    upstream = upstream_generator(gen)
-    (g_want,) = _grad([want], [log_probs], upstream.clone_state())
-    (g_got,) = _grad([got], [log_probs], upstream)
-    assert_close(g_got, g_want, "gradient", F32, "d log_probs")
+    assert_same_gradients([got], [want], [log_probs], ["d log_probs"], gen)
 
 
 LOSS_CONFIGS: dict[str, dict[str, Any]] = {
@@ -235,10 +211,4 @@ def test_policy_loss_function_refuses_settings_beyond_float_naming_them(gen, set
 def test_get_log_probs_and_entropy_refuses_a_temperature_beyond_float(gen):
     logits, batch = make_batch(gen)
     with pytest.raises(ValueError, match="^temperature must be a finite number > 0, got an int of"):
-        hooks.get_log_probs_and_entropy(
-            logits,
-            args=make_args(rollout_temperature=10**400),
-            unconcat_tokens=batch["unconcat_tokens"],
-            total_lengths=batch["total_lengths"],
-            response_lengths=batch["response_lengths"],
-        )
+        hooks.get_log_probs_and_entropy(logits, args=make_args(rollout_temperature=10**400), **packed_fields(batch))

@@ -35,7 +35,7 @@ from vime.backends.megatron_utils import linear_logp_provider as boundary
 from vime.backends.megatron_utils import selected_logprob_provider as selected_boundary
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.utils import ppo_utils
-from vime_helpers import make_args, make_batch, must_not_run, random_head, upstream_generator, weighted_sum
+from vime_helpers import assert_same_gradients, make_args, make_batch, must_not_run, packed_fields, random_head
 
 F32 = torch.float32
 PATH = targets.PROVIDER_PATH
@@ -114,10 +114,7 @@ def test_logits_path_matches_vime_native(gen, with_entropy, with_entropy_grad):
     assert result.backend_id == "rl_kernel:" + dispatch.explain("logprob_from_logits").backend
     assert result.contract_id == "rl_kernel_core.contract:logprob:fp32"
     assert result.provenance["op"] == "logprob_from_logits" and result.provenance["input"] == "logits"
-    upstream = upstream_generator(gen)
-    (g_want,) = torch.autograd.grad(weighted_sum([want_lp, want_ent], upstream.clone_state()), [logits])
-    (g_got,) = torch.autograd.grad(weighted_sum([result.logp, result.entropy], upstream), [logits])
-    assert_close(g_got, g_want, "gradient", F32, "d logits")
+    assert_same_gradients([result.logp, result.entropy], [want_lp, want_ent], [logits], ["d logits"], gen)
     assert registry.provider_calls() == {f"{result.backend_id} via logprob_from_logits": 1}
 
 
@@ -147,11 +144,8 @@ def test_hidden_path_matches_vime_native_without_reading_logits(gen, bias, with_
         "padded_size": 29,
     }
     leaves = [x for x in (h, w, b) if x is not None]
-    upstream = upstream_generator(gen)
-    g_want = torch.autograd.grad(weighted_sum([want_lp, want_ent], upstream.clone_state()), leaves)
-    g_got = torch.autograd.grad(weighted_sum([result.logp, result.entropy], upstream), leaves)
-    for name, got, want in zip(("d hidden", "d weight", "d bias"), g_got, g_want):
-        assert_close(got, want, "gradient", F32, name)
+    names = ["d hidden", "d weight", "d bias"]
+    assert_same_gradients([result.logp, result.entropy], [want_lp, want_ent], leaves, names, gen)
 
 
 def test_strict_boundary_accepts_the_result_and_cp_layout_is_recorded(gen):
@@ -248,13 +242,7 @@ def test_switch_makes_it_vime_default_provider(gen):
     )  # the user's flag wins
     logits, batch = make_batch(gen)
     args = make_args(rollout_temperature=0.8)  # no linear_logp_provider attribute: the flag is absent
-    kwargs = dict(
-        args=args,
-        unconcat_tokens=batch["unconcat_tokens"],
-        total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"],
-        with_entropy=True,
-    )
+    kwargs = dict(args=args, **packed_fields(batch), with_entropy=True)
     _, got = vime_get(logits, **kwargs)
     calls = rl_kernel_vime.status()["provider"]["calls"]
     assert calls == {f"rl_kernel:{dispatch.explain('logprob_from_logits').backend} via logprob_from_logits": 1}

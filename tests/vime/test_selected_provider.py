@@ -29,7 +29,7 @@ from rl_kernel_vime.provider import ProviderUnavailable, SelectedLogprobResult, 
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.backends.megatron_utils import selected_logprob_provider as boundary
 from vime.utils import ppo_utils
-from vime_helpers import make_args, make_batch, must_not_run, random_head, upstream_generator, weighted_sum
+from vime_helpers import assert_same_gradients, make_args, make_batch, must_not_run, packed_fields, random_head
 
 F32 = torch.float32
 PATH = targets.PROVIDER_PATH
@@ -102,10 +102,7 @@ def test_logits_request_matches_vime_native(gen, with_entropy, with_entropy_grad
     assert result.provenance["boundary"] == "selected_logprob" and result.provenance["op"] == "logprob_from_logits"
     assert result.provenance["temperature"] == "applied by vime"
     assert result.provenance["context_parallel"] == {"world_size": 1, "rank": 0, "layout": "single"}
-    upstream = upstream_generator(gen)
-    (g_want,) = torch.autograd.grad(weighted_sum([want_lp, want_ent], upstream.clone_state()), [logits])
-    (g_got,) = torch.autograd.grad(weighted_sum([lp, ent], upstream), [logits])
-    assert_close(g_got, g_want, "gradient", F32, "d logits")
+    assert_same_gradients([lp, ent], [want_lp, want_ent], [logits], ["d logits"], gen)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -148,11 +145,8 @@ def test_hidden_request_matches_vime_native_without_reading_logits(gen, bias, wi
     assert result.provenance["op"] == "linear_logprob" and result.provenance["temperature"] == pytest.approx(scale)
     assert result.provenance["vocab"] == {"vocab_start_index": 0, "global_vocab_size": 29, "real_vocab_size": 27}
     leaves = [x for x in (h, w, b) if x is not None]
-    upstream = upstream_generator(gen)
-    g_want = torch.autograd.grad(weighted_sum([want_lp, want_ent], upstream.clone_state()), leaves)
-    g_got = torch.autograd.grad(weighted_sum([lp, ent], upstream), leaves)
-    for name, got, want in zip(("d hidden", "d lm_head_weight", "d lm_head_bias"), g_got, g_want):
-        assert_close(got, want, "gradient", F32, name)
+    names = ["d hidden", "d lm_head_weight", "d lm_head_bias"]
+    assert_same_gradients([lp, ent], [want_lp, want_ent], leaves, names, gen)
 
 
 def test_an_earlier_request_without_structural_fields_is_served(gen):
@@ -198,12 +192,7 @@ def test_vime_loss_asks_the_provider_through_the_selected_boundary(gen, with_con
             "real_vocab_size": vocab,
         }
         logits = F.linear(h, w, b).detach()[None].requires_grad_()
-    kwargs = dict(
-        unconcat_tokens=batch["unconcat_tokens"],
-        total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"],
-        with_entropy=True,
-    )
+    kwargs = dict(**packed_fields(batch), with_entropy=True)
     args = make_args(rollout_temperature=0.8, selected_logprob_provider=PATH, selected_logprob_provider_mode="strict")
     _, got = vime_loss.get_log_probs_and_entropy(logits, args=args, linear_logp_context=context, **kwargs)
     op = "linear_logprob" if with_context else "logprob_from_logits"
@@ -221,12 +210,7 @@ def test_the_hook_takes_vime_calls_without_a_linear_logp_context(gen):
     fallback), which hands them to the provider named by ``--selected-logprob-provider``."""
     rl_kernel_vime.activate()
     logits, batch = make_batch(gen, vocab=17)
-    kwargs = dict(
-        unconcat_tokens=batch["unconcat_tokens"],
-        total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"],
-        with_entropy=True,
-    )
+    kwargs = dict(**packed_fields(batch), with_entropy=True)
     args = make_args(rollout_temperature=0.8, selected_logprob_provider=PATH)
     _, got = vime_loss.get_log_probs_and_entropy(logits, args=args, linear_logp_context=None, **kwargs)
     assert fallback.counts() == {} and registry.provider_calls() == {}  # the hook's own op call

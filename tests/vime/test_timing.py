@@ -11,7 +11,7 @@ from rl_kernel_vime import config, hooks, patch, targets
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.backends.megatron_utils import model as vime_model
 from vime.utils import ppo_utils
-from vime_helpers import make_args, make_batch
+from vime_helpers import make_args, make_batch, packed_fields
 
 VOCAB = 17
 
@@ -49,13 +49,7 @@ def _run_steps(model_state, batches, args, with_between_step_work, device="cpu")
             # what vime does between steps: old log-probs without grad, KL for the advantages
             b = batches[2 * step]
             with torch.no_grad():
-                _, res = vime_loss.get_log_probs_and_entropy(
-                    model(b["tokens"]),
-                    args=args,
-                    unconcat_tokens=b["unconcat_tokens"],
-                    total_lengths=b["total_lengths"],
-                    response_lengths=b["response_lengths"],
-                )
+                _, res = vime_loss.get_log_probs_and_entropy(model(b["tokens"]), args=args, **packed_fields(b))
             ppo_utils.compute_approx_kl(torch.cat(res["log_probs"]), torch.cat(b["ref_log_probs"]), "low_var_kl")
         results.append(vime_model.train_one_step(args, 7, step, it, model, optimizer, None, 2, 8))
     return results, model

@@ -1,10 +1,14 @@
-"""Builders shared by the vime adapter tests: vime's arguments, a packed random micro-batch, a
-random LM head, and the random upstream gradient the gradient checks apply."""
+"""Builders shared by the vime adapter tests: vime's arguments, a packed random micro-batch (and
+its per-sample fields as ``get_log_probs_and_entropy`` takes them), a random LM head; and the
+gradient comparison under a random upstream gradient."""
 
 from argparse import Namespace
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
+
+from rl_kernel_core.contract import assert_close
 
 
 def make_args(**overrides) -> Namespace:
@@ -65,6 +69,12 @@ def make_batch(
     return logits, batch
 
 
+def packed_fields(batch: dict) -> dict[str, Any]:
+    """``batch``'s per-sample fields that vime's ``get_log_probs_and_entropy`` takes as keywords:
+    ``unconcat_tokens``, ``total_lengths``, ``response_lengths``."""
+    return {name: batch[name] for name in ("unconcat_tokens", "total_lengths", "response_lengths")}
+
+
 def random_head(
     generator: torch.Generator, rows: int = 9, hidden: int = 13, vocab: int = 29, bias: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -76,18 +86,28 @@ def random_head(
     return h, w, b, torch.randint(0, vocab, (rows,), generator=generator)
 
 
-def upstream_generator(generator: torch.Generator) -> torch.Generator:
-    """A CPU generator seeded from ``generator``: two :func:`weighted_sum` calls from clones of its
-    state apply the same upstream gradient."""
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
+def assert_same_gradients(
+    got: Sequence[Optional[torch.Tensor]],
+    want: Sequence[Optional[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    names: Sequence[str],
+    generator: torch.Generator,
+) -> None:
+    """``got``'s gradients in ``inputs`` equal ``want``'s (the contract's fp32 ``gradient`` row),
+    each input named by ``names``, under one random upstream gradient drawn from ``generator``: every
+    output that requires grad is weighted by N(0, 1) values of its shape, the same for both sides
+    (None outputs and outputs without grad are skipped)."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=generator))
 
+    def grads(outputs: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        upstream = torch.Generator().manual_seed(seed)
+        terms = [
+            (torch.randn(o.shape, generator=upstream) * o).sum() for o in outputs if o is not None and o.requires_grad
+        ]
+        return torch.autograd.grad(torch.stack(terms).sum(), inputs)
 
-def weighted_sum(outputs, generator: torch.Generator) -> Any:
-    """The sum of each output that requires grad times N(0, 1) weights of its shape: a scalar whose
-    backward applies a random upstream gradient (None outputs are skipped)."""
-    return sum(
-        (torch.randn(o.shape, generator=generator) * o).sum() for o in outputs if o is not None and o.requires_grad
-    )
+    for name, g, w in zip(names, grads(got), grads(want)):
+        assert_close(g, w, "gradient", torch.float32, name)
 
 
 def must_not_run(*args: Any, **kwargs: Any) -> Any:
