@@ -130,21 +130,16 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
                 native_group="logprob_from_logits",
                 measured_order={"9.0": ("native", "triton", "torch")},
             ),
-            OpSpec(
-                "ratio_kl",
-                "rl_kernel_core.loss.api",
-                _family("loss"),
-                glue="differentiable_custom_op",
-                native_group="loss",
-                measured_order={"9.0": _TRITON_FIRST},
-            ),
-            OpSpec(
-                "policy_loss",
-                "rl_kernel_core.loss.api",
-                _family("loss"),
-                glue="differentiable_custom_op",
-                native_group="loss",
-                measured_order={"9.0": _TRITON_FIRST},
+            *(
+                OpSpec(
+                    name,
+                    "rl_kernel_core.loss.api",
+                    _family("loss"),
+                    glue="differentiable_custom_op",
+                    native_group="loss",
+                    measured_order={"9.0": _TRITON_FIRST},
+                )
+                for name in ("ratio_kl", "policy_loss")
             ),
             OpSpec(
                 "fused_linear_policy_loss",
