@@ -242,6 +242,20 @@ def _policy_loss_tokens_kernel(
             tl.store(grad_ent_ptr + offs, -entropy_coef * tok_scale, mask=valid)
 
 
+@helper_jit
+def _sequence_sum(q_ptr, rows, row_ok, NB, BLOCK_S: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """``[BLOCK_S]`` fp32: each of ``rows``' sum of its ``NB`` block partials of one quantity
+    (``q_ptr``: that quantity's ``[S, NB]`` slice of the partials), blocks in ascending order; 0 where
+    not ``row_ok``."""
+    nbs_in = tl.arange(0, BLOCK_NB)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for b0 in range(0, NB, BLOCK_NB):
+        nbs = b0 + nbs_in
+        ok = row_ok[:, None] & (nbs[None, :] < NB)
+        total += tl.sum(tl.load(q_ptr + rows[:, None].to(tl.int64) * NB + nbs[None, :], mask=ok, other=0.0), axis=1)
+    return total
+
+
 @launch_time_jit
 def _policy_loss_finish_kernel(
     partials_ptr,
@@ -262,7 +276,6 @@ def _policy_loss_finish_kernel(
 ):
     """Fixed-order reduction of the partials into the loss, metrics and backward totals."""
     rows_in = tl.arange(0, BLOCK_S)
-    nbs_in = tl.arange(0, BLOCK_NB)
     stride_q = S * NB
     # token-level totals of the 7 partials, and sequence-level sums of pg, kl, entropy and count
     tok_pg = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -279,24 +292,13 @@ def _policy_loss_finish_kernel(
     for s0 in range(0, S, BLOCK_S):
         rows = s0 + rows_in
         row_ok = rows < S
-        r_pg = tl.zeros([BLOCK_S], dtype=tl.float32)
-        r_kl = tl.zeros([BLOCK_S], dtype=tl.float32)
-        r_ent = tl.zeros([BLOCK_S], dtype=tl.float32)
-        r_w = tl.zeros([BLOCK_S], dtype=tl.float32)
-        r_clip = tl.zeros([BLOCK_S], dtype=tl.float32)
-        r_dual = tl.zeros([BLOCK_S], dtype=tl.float32)
-        r_nkl = tl.zeros([BLOCK_S], dtype=tl.float32)
-        for b0 in range(0, NB, BLOCK_NB):
-            nbs = b0 + nbs_in
-            ptrs = partials_ptr + rows[:, None].to(tl.int64) * NB + nbs[None, :]
-            ok = row_ok[:, None] & (nbs[None, :] < NB)
-            r_pg += tl.sum(tl.load(ptrs, mask=ok, other=0.0), axis=1)
-            r_kl += tl.sum(tl.load(ptrs + stride_q, mask=ok, other=0.0), axis=1)
-            r_ent += tl.sum(tl.load(ptrs + 2 * stride_q, mask=ok, other=0.0), axis=1)
-            r_w += tl.sum(tl.load(ptrs + 3 * stride_q, mask=ok, other=0.0), axis=1)
-            r_clip += tl.sum(tl.load(ptrs + 4 * stride_q, mask=ok, other=0.0), axis=1)
-            r_dual += tl.sum(tl.load(ptrs + 5 * stride_q, mask=ok, other=0.0), axis=1)
-            r_nkl += tl.sum(tl.load(ptrs + 6 * stride_q, mask=ok, other=0.0), axis=1)
+        r_pg = _sequence_sum(partials_ptr, rows, row_ok, NB, BLOCK_S, BLOCK_NB)
+        r_kl = _sequence_sum(partials_ptr + stride_q, rows, row_ok, NB, BLOCK_S, BLOCK_NB)
+        r_ent = _sequence_sum(partials_ptr + 2 * stride_q, rows, row_ok, NB, BLOCK_S, BLOCK_NB)
+        r_w = _sequence_sum(partials_ptr + 3 * stride_q, rows, row_ok, NB, BLOCK_S, BLOCK_NB)
+        r_clip = _sequence_sum(partials_ptr + 4 * stride_q, rows, row_ok, NB, BLOCK_S, BLOCK_NB)
+        r_dual = _sequence_sum(partials_ptr + 5 * stride_q, rows, row_ok, NB, BLOCK_S, BLOCK_NB)
+        r_nkl = _sequence_sum(partials_ptr + 6 * stride_q, rows, row_ok, NB, BLOCK_S, BLOCK_NB)
         tl.store(seq_weight_ptr + rows, r_w, mask=row_ok)
         tok_pg += r_pg
         tok_kl += r_kl
