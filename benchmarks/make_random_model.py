@@ -14,6 +14,8 @@ import argparse
 
 import torch
 
+from rl_kernel_core.tools.random_model import random_causal_lm
+
 QWEN3_RELEASED = dict(
     vocab_size=151936,
     num_hidden_layers=28,
@@ -72,19 +74,9 @@ def write_random_model(preset: str, out: str, *, dtype: str = "bfloat16", seed: 
     """
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    import transformers
-
     arch = architecture(preset)
-    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_class(**PRESETS[preset], bos_token_id=0, eos_token_id=1, pad_token_id=2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device).manual_seed(seed)
-    with torch.device(device):
-        model = getattr(transformers, arch)(config).to(getattr(torch, dtype))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02)
+    model = random_causal_lm(arch, PRESETS[preset], dtype=getattr(torch, dtype), device=device, seed=seed, std=0.02)
     model.save_pretrained(out)
     print(
         f"wrote {preset} ({arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {dtype}) to {out}"

@@ -61,10 +61,11 @@ MAX_POSITIONS = 32768
 
 
 def config_of(arch: str, theta: float, head_dim: int, params: dict, dtype: torch.dtype):
-    import transformers
+    from rl_kernel_core.tools.random_model import hf_config
 
     heads = 16
-    kwargs = dict(
+    return hf_config(
+        arch,
         hidden_size=heads * head_dim,
         num_attention_heads=heads,
         num_key_value_heads=8,
@@ -74,12 +75,8 @@ def config_of(arch: str, theta: float, head_dim: int, params: dict, dtype: torch
         max_position_embeddings=MAX_POSITIONS,
         rope_parameters={**params, "rope_theta": theta},
         dtype=dtype,
+        head_dim=head_dim,
     )
-    if arch != "Qwen2ForCausalLM":
-        kwargs["head_dim"] = head_dim
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**kwargs)
-    config.architectures = [arch]
-    return config
 
 
 def compare(arch: str, theta: float, head_dim: int, params: dict, dtype: torch.dtype, device: str) -> dict:

@@ -197,23 +197,13 @@ def write_model(spec: dict[str, Any], path: Path, device: str) -> None:
     """A random checkpoint of ``spec["model"]`` in ``path`` (matrices N(0, 0.02) on real dims, wider on
     tiny dims so that the next-token distribution is not flat; norm weights 1)."""
     import torch
-    import transformers
+
+    from rl_kernel_core.tools.random_model import random_causal_lm
 
     m = dict(spec["model"])
     arch, dtype = m.pop("architecture"), getattr(torch, m.pop("dtype"))
-    if arch == "Qwen2ForCausalLM":
-        m.pop("head_dim")  # Qwen2's head_dim is hidden_size // num_attention_heads
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
-        **m, bos_token_id=0, eos_token_id=1, pad_token_id=2
-    )
-    gen = torch.Generator(device).manual_seed(spec["seed"])
     std = 0.5 if m["hidden_size"] <= 512 else 0.02
-    with torch.device(device):
-        model = getattr(transformers, arch)(config).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * std)
+    model = random_causal_lm(arch, m, dtype=dtype, device=device, seed=spec["seed"], std=std)
     model.save_pretrained(path)
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from rl_kernel_core.tools.random_model import randomize_matrices_
+
 CORPUS = (
     "the quick brown fox jumps over the lazy dog",
     "reinforcement learning from verifiable rewards needs exact log probabilities",
@@ -48,10 +50,7 @@ def build(path: Path, seed: int) -> int:
     )
     gen = torch.Generator().manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # PreTrainedModel.to typed without self
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:  # matrices: wide enough that the next-token distribution is not flat
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    randomize_matrices_(model, 0.5, gen)  # wide enough that the next-token distribution is not flat
     model.save_pretrained(path)
     return vocab
 

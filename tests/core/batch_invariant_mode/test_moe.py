@@ -17,6 +17,7 @@ from rl_kernel_core import contract
 from rl_kernel_core.batch_invariant_mode import api_hf
 from rl_kernel_core.batch_invariant_mode.api_moe import route, router_logits, sparse_moe, use_mode_moe
 from rl_kernel_core.tools.consistency import chain, hf, parity
+from rl_kernel_core.tools.random_model import randomize_matrices_
 
 transformers = pytest.importorskip("transformers")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -136,11 +137,7 @@ def _tiny_moe(seed: int, dtype: torch.dtype, top_k: int, normalize: bool):
         max_position_embeddings=128,
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape) * 0.3)
+    model = randomize_matrices_(transformers.Qwen3MoeForCausalLM(cfg).eval(), 0.3)
     return model.to(dtype)
 
 

@@ -20,6 +20,7 @@ from rl_kernel_core.batch_invariant_mode.api_rope import (
     rope_type,
     use_cpu_rope_frequencies,
 )
+from rl_kernel_core.tools.random_model import hf_config
 
 
 def _config(rng: random.Random):
@@ -33,7 +34,8 @@ def _config(rng: random.Random):
         params.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
     elif kind == "yarn":
         params.update(factor=4.0, original_max_position_embeddings=64)
-    kwargs = dict(
+    config = hf_config(
+        arch,
         hidden_size=heads * head_dim,
         num_attention_heads=heads,
         num_key_value_heads=1,
@@ -42,11 +44,8 @@ def _config(rng: random.Random):
         vocab_size=64,
         max_position_embeddings=256,
         rope_parameters=params,
+        head_dim=head_dim,
     )
-    if arch != "Qwen2ForCausalLM":
-        kwargs["head_dim"] = head_dim
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**kwargs)
-    config.architectures = [arch]
     return arch, config
 
 

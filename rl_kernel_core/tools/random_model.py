@@ -1,0 +1,57 @@
+"""Random-weight ``transformers`` causal LMs built locally (nothing is downloaded), for benchmarks,
+engine sweeps and tests.
+
+:func:`hf_config` makes an architecture's config from keyword arguments, :func:`randomize_matrices_`
+redraws a model's matrices from a generator, and :func:`random_causal_lm` does both for a whole
+model. ``transformers`` is imported on first use, so importing this module needs only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+def hf_config(architecture: str, **kwargs: Any):
+    """The config of ``architecture`` (a ``transformers`` class name such as ``Qwen3ForCausalLM``)
+    built from ``kwargs``, with ``architectures`` set to it.
+
+    Qwen2's config has no ``head_dim`` (it is ``hidden_size // num_attention_heads`` there), so a
+    ``head_dim`` in ``kwargs`` is dropped for ``Qwen2ForCausalLM``: one set of keyword arguments
+    serves every architecture.
+    """
+    import transformers
+
+    if architecture == "Qwen2ForCausalLM":
+        kwargs.pop("head_dim", None)
+    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**kwargs)
+    config.architectures = [architecture]
+    return config
+
+
+def randomize_matrices_(model: torch.nn.Module, std: float, generator: Optional[torch.Generator] = None):
+    """Redraw every matrix of ``model`` (each parameter of two or more dims, in parameter order) as
+    fp32 N(0, std^2) from ``generator`` (torch's global one when None), rounded to the parameter's
+    dtype; vectors (norm weights, biases) keep their values. Returns ``model``."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float32) * std)
+    return model
+
+
+def random_causal_lm(
+    architecture: str, config: dict[str, Any], *, dtype: torch.dtype, device: str, seed: int, std: float
+):
+    """A ``transformers`` ``architecture`` model of ``config`` (keyword arguments of
+    :func:`hf_config`; special ids bos 0, eos 1, pad 2) built on ``device`` in ``dtype``, its
+    matrices N(0, std^2) from a ``device`` generator seeded with ``seed``
+    (:func:`randomize_matrices_`): the same seed gives the same bits on the same device."""
+    import transformers
+
+    hf = hf_config(architecture, **config, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.device(device):
+        model = getattr(transformers, architecture)(hf).to(dtype)
+    return randomize_matrices_(model, std, gen)
