@@ -98,11 +98,6 @@ _WORKER = textwrap.dedent(
                 )
         results.append(per_size)
     torch.save(results, out)
-    dist.barrier()  # no rank tears gloo down while its peer still talks to it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # a rank once aborted (std::terminate) after its work: interpreter teardown is skipped
     """
 )
 
@@ -173,9 +168,21 @@ def _fp64(case):
     return dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=None if b is None else b.grad)
 
 
+_RANK_EXIT = textwrap.dedent(
+    """
+    dist.barrier()  # no rank tears gloo down while its peer still talks to it
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a rank once aborted (std::terminate) after its work: interpreter teardown is skipped
+    """
+)
+"""How every worker's rank ends, after saving its results (the worker imports os, sys and torch.distributed as dist)."""
+
+
 def _run_world(worker, world, cases, tmp_path, *args, interpret=False, timeout=150):
-    """Run ``worker`` (argv: rank, world, store, inputs, output, ``args``) on ``world`` processes over
-    the saved ``cases``; each rank's saved results."""
+    """Run ``worker`` (argv: rank, world, store, inputs, output, ``args``), then :data:`_RANK_EXIT`, on
+    ``world`` processes over the saved ``cases``; each rank's saved results."""
     torch.save(cases, tmp_path / "inputs.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if interpret:
@@ -185,7 +192,7 @@ def _run_world(worker, world, cases, tmp_path, *args, interpret=False, timeout=1
             [
                 sys.executable,
                 "-c",
-                worker,
+                worker + _RANK_EXIT,
                 str(r),
                 str(world),
                 str(tmp_path / "store"),
@@ -307,11 +314,6 @@ _REFERENCE_WORKER = textwrap.dedent(
         ((lp * case["g_lp"]).sum() + (ent * case["g_ent"]).sum()).backward()
         results.append(dict(lp=lp.detach(), ent=ent.detach(), dh=h.grad, dw=w.grad, db=b.grad))
     torch.save(results, out)
-    dist.barrier()  # no rank tears gloo down while its peer still talks to it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # a rank once aborted (std::terminate) after its work: interpreter teardown is skipped
     """
 )
 

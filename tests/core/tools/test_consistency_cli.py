@@ -15,6 +15,9 @@ from rl_kernel_core.contract import assert_close
 from rl_kernel_core.tools.consistency.model import TinyConfig, TinyDecoder
 from rl_kernel_core.tools.consistency.probe import DriftProbe
 
+_SMALL_RUN = ("consistency", "--sequences", "3", "--min-len", "6", "--rollout-batch", "2", "--device", "cpu")
+"""The command of the CLI runs here, less ``--max-len``: three short sequences on the CPU."""
+
 
 def test_cli_reports_both_modes_as_json_and_plots(tmp_path):
     png = tmp_path / "drift.png"
@@ -23,20 +26,12 @@ def test_cli_reports_both_modes_as_json_and_plots(tmp_path):
             sys.executable,
             "-m",
             "rl_kernel_core.cli",
-            "consistency",
-            "--sequences",
-            "3",
-            "--min-len",
-            "6",
+            *_SMALL_RUN,
             "--max-len",
             "12",
-            "--rollout-batch",
-            "2",
             "--json",
             "--plot",
             str(png),
-            "--device",
-            "cpu",
         ],
         capture_output=True,
         text=True,
@@ -312,22 +307,7 @@ def test_hf_mode_attention_refuses_a_sliding_window():
 def _cli(monkeypatch, capsys, *extra):
     from rl_kernel_core.tools import cli
 
-    code = cli.main(
-        [
-            "consistency",
-            "--sequences",
-            "3",
-            "--min-len",
-            "6",
-            "--max-len",
-            "10",
-            "--rollout-batch",
-            "2",
-            "--device",
-            "cpu",
-            *extra,
-        ]
-    )
+    code = cli.main([*_SMALL_RUN, "--max-len", "10", *extra])
     return code, capsys.readouterr().out
 
 
