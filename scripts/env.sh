@@ -21,9 +21,13 @@ key=$( { cat "$req"; [ ! -f "$post" ] || cat "$post"; printf 'checkout %s\n' "$c
 cache=${RL_KERNEL_ENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rl-kernel/envs}
 env="$cache/$tier-$key"
 if [ -n "$path_only" ]; then echo "$env"; exit 0; fi
+mkdir -p "$cache"
+# One build at a time per environment: a second caller (a parallel test run, another shell) waits
+# for the first instead of deleting its half-built environment.
+exec 9>"$env.lock"
+flock 9
 if [ ! -f "$env/.complete" ]; then
   rm -rf "$env"
-  mkdir -p "$cache"
   python3 -m venv "$env"
   "$env/bin/python" -m pip install -q --upgrade pip >&2
   "$env/bin/python" -m pip install -q -r "$req" >&2
