@@ -35,7 +35,8 @@ from vime.backends.megatron_utils import linear_logp_provider as boundary
 from vime.backends.megatron_utils import selected_logprob_provider as selected_boundary
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.utils import ppo_utils
-from vime_helpers import assert_same_gradients, make_args, make_batch, must_not_run, packed_fields, random_head
+from vime_helpers import assert_auto_falls_back, assert_same_gradients, assert_same_logprobs, assert_strict_refuses
+from vime_helpers import make_args, make_batch, must_not_run, native_path, packed_fields, random_head, request_fields
 
 F32 = torch.float32
 PATH = targets.PROVIDER_PATH
@@ -53,28 +54,16 @@ def _request(
     layout=None,
 ):
     return boundary.LinearLogpRequest(
-        logits=logits,
-        target_ids=targets_,
-        tensor_parallel_group=None,
-        token_layout=layout or boundary.TokenLayout(world_size=1, rank=0, layout="single"),
-        with_entropy=with_entropy,
-        with_entropy_grad=with_entropy if with_entropy_grad is None else with_entropy_grad,
-        chunk_size=-1,
-        log_prob_keep_mask=keep,
-        context=context,
-        temperature=temperature,
-    )
-
-
-def _native(request) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    return ppo_utils.calculate_log_probs_and_entropy(
-        request.logits,
-        request.target_ids,
-        None,
-        with_entropy=request.with_entropy,
-        with_entropy_grad=request.with_entropy_grad,
-        chunk_size=-1,
-        log_prob_keep_mask=request.log_prob_keep_mask,
+        **request_fields(
+            logits,
+            targets_,
+            with_entropy=with_entropy,
+            with_entropy_grad=with_entropy_grad,
+            token_layout=layout or boundary.TokenLayout(world_size=1, rank=0, layout="single"),
+            log_prob_keep_mask=keep,
+            context=context,
+            temperature=temperature,
+        )
     )
 
 
@@ -102,15 +91,10 @@ def test_logits_path_matches_vime_native(gen, with_entropy, with_entropy_grad):
     request = _request(logits, tgt, with_entropy=with_entropy, with_entropy_grad=with_entropy_grad)
     result = provider(request)
     assert isinstance(result, LinearLogpResult)  # structural: vime's boundary takes any object with its fields
-    want_lp, want_ent = _native(request)
+    want_lp, want_ent = native_path(request)
     assert result.logp.shape == (11, 1) and result.logp.dtype == F32
-    assert_close(result.logp, want_lp, "logprob", F32, "logp")
-    if with_entropy:
-        assert result.entropy is not None and want_ent is not None
-        assert_close(result.entropy, want_ent, "logprob", F32, "entropy")
-        assert result.entropy.requires_grad == with_entropy_grad
-    else:
-        assert result.entropy is None
+    assert_same_logprobs((result.logp, result.entropy), (want_lp, want_ent), "logp")
+    assert result.entropy is None or result.entropy.requires_grad == with_entropy_grad
     assert result.backend_id == "rl_kernel:" + dispatch.explain("logprob_from_logits").backend
     assert result.contract_id == "rl_kernel_core.contract:logprob:fp32"
     assert result.provenance["op"] == "logprob_from_logits" and result.provenance["input"] == "logits"
@@ -130,11 +114,8 @@ def test_hidden_path_matches_vime_native_without_reading_logits(gen, bias, with_
     poisoned = torch.full((9, 29), float("nan"), requires_grad=True)
     result = provider(_request(poisoned, tgt, context=context, with_entropy=with_entropy, temperature=t))
     true_logits = F.linear(h, w, b) / scale
-    want_lp, want_ent = _native(_request(true_logits, tgt, with_entropy=with_entropy))
-    assert_close(result.logp, want_lp, "logprob", F32, "logp")
-    if with_entropy:
-        assert result.entropy is not None and want_ent is not None
-        assert_close(result.entropy, want_ent, "logprob", F32, "entropy")
+    want_lp, want_ent = native_path(_request(true_logits, tgt, with_entropy=with_entropy))
+    assert_same_logprobs((result.logp, result.entropy), (want_lp, want_ent), "logp")
     assert result.backend_id == "rl_kernel:" + dispatch.explain("linear_logprob").backend
     assert result.provenance["op"] == "linear_logprob" and result.provenance["temperature"] == pytest.approx(scale)
     assert result.provenance["vocab_partition"] == {
@@ -152,11 +133,8 @@ def test_strict_boundary_accepts_the_result_and_cp_layout_is_recorded(gen):
     logits, tgt = _logits_case(gen)
     layout = boundary.TokenLayout(world_size=2, rank=1, layout="zigzag")
     request = _request(logits, tgt, with_entropy=True, layout=layout)
-    lp, ent = boundary.compute_linear_logp(args=_args(mode="strict"), request=request, native=must_not_run)
-    want_lp, want_ent = _native(request)
-    assert_close(lp, want_lp, "logprob", F32, "logp")
-    assert ent is not None and want_ent is not None
-    assert_close(ent, want_ent, "logprob", F32, "entropy")
+    got = boundary.compute_linear_logp(args=_args(mode="strict"), request=request, native=must_not_run)
+    assert_same_logprobs(got, native_path(request), "logp")
     assert provider(request).provenance["token_layout"] == {"world_size": 2, "rank": 1, "layout": "zigzag"}
 
 
@@ -197,18 +175,7 @@ UNSERVED = {
 @pytest.mark.parametrize("case", list(UNSERVED))
 def test_auto_falls_back_to_vime_native(gen, caplog, case):
     build, reason = UNSERVED[case]
-    request = build(gen)
-    calls = []
-
-    def native(*args: Any, **kwargs: Any):
-        calls.append(1)
-        return ppo_utils.calculate_log_probs_and_entropy(*args, **kwargs)
-
-    lp, ent = boundary.compute_linear_logp(args=_args(), request=request, native=native)
-    want_lp, want_ent = _native(request)
-    assert calls == [1]
-    assert torch.equal(lp, want_lp) and (ent is None) == (want_ent is None)
-    assert any(reason in r.getMessage() for r in caplog.records), caplog.text  # vime's warning names our reason
+    assert_auto_falls_back(boundary.compute_linear_logp, _args(), build(gen), reason, caplog)
     ((outcome, count),) = registry.provider_calls().items()
     assert outcome.startswith("unavailable: ") and reason in outcome and count == 1
 
@@ -216,11 +183,8 @@ def test_auto_falls_back_to_vime_native(gen, caplog, case):
 @pytest.mark.parametrize("case", list(UNSERVED))
 def test_strict_refuses_in_one_line(gen, case):
     build, reason = UNSERVED[case]
-    with pytest.raises(RuntimeError) as info:
-        boundary.compute_linear_logp(args=_args(mode="strict"), request=build(gen), native=must_not_run)
-    message = str(info.value)
-    assert message.startswith(f"linear_logp provider {PATH!r} is unavailable: rl_kernel_vime: ") and reason in message
-    assert "\n" not in message
+    start = f"linear_logp provider {PATH!r} is unavailable: rl_kernel_vime: "
+    assert_strict_refuses(boundary.compute_linear_logp, _args(mode="strict"), build(gen), start, reason)
 
 
 def test_strict_switch_forbids_vime_native_even_in_auto(gen, monkeypatch):
@@ -371,7 +335,7 @@ def test_vocab_parallel_hidden_path_on_two_gloo_ranks(gen, tmp_path):
     for proc in procs:
         _, stderr = proc.communicate(timeout=240)
         assert proc.returncode == 0, stderr
-    want_lp, want_ent = _native(_request(F.linear(h, w, b) / 0.9, tgt, with_entropy=True))
+    want_lp, want_ent = native_path(_request(F.linear(h, w, b) / 0.9, tgt, with_entropy=True))
     assert want_ent is not None
     leaves = [h, w, b]
     g_want = torch.autograd.grad((want_lp.squeeze(-1) * case["g_lp"]).sum() + (want_ent * case["g_ent"]).sum(), leaves)
@@ -419,14 +383,7 @@ def _well_formed(gen, rows: int = 6, hidden: int = 5, vocab: int = 11) -> dict[s
 
     def flat(**fields: Any) -> selected_boundary.SelectedLogprobRequest:
         return selected_boundary.SelectedLogprobRequest(
-            logits=logits,
-            target_ids=tgt,
-            tensor_parallel_group=None,
-            context_parallel=cp,
-            with_entropy=True,
-            with_entropy_grad=True,
-            chunk_size=-1,
-            **fields,
+            **request_fields(logits, tgt, with_entropy=True, context_parallel=cp, **fields)
         )
 
     return {
@@ -736,9 +693,9 @@ def test_good_temperatures_are_served(gen, kind):
         result = provider(_structural(request, temperature=value))
         logp = result.logp if kind.startswith("linear") else result.selected_logprobs
         if kind.endswith("hidden"):
-            want_lp, _ = _native(_request(request.logits / scale, request.target_ids))
+            want_lp, _ = native_path(_request(request.logits / scale, request.target_ids))
             assert result.provenance["temperature"] == pytest.approx(scale, rel=1e-12)
         else:
-            want_lp, _ = _native(_request(request.logits, request.target_ids))
+            want_lp, _ = native_path(_request(request.logits, request.target_ids))
             assert result.provenance["temperature"] == "applied by vime"
         assert_close(logp, want_lp, "logprob", F32, f"{kind} logp at temperature {value}")

@@ -28,8 +28,8 @@ from rl_kernel_vime import fallback, registry, targets
 from rl_kernel_vime.provider import ProviderUnavailable, SelectedLogprobResult, provider
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.backends.megatron_utils import selected_logprob_provider as boundary
-from vime.utils import ppo_utils
-from vime_helpers import assert_same_gradients, make_args, make_batch, must_not_run, packed_fields, random_head
+from vime_helpers import assert_auto_falls_back, assert_same_gradients, assert_same_logprobs, assert_strict_refuses
+from vime_helpers import make_args, make_batch, must_not_run, native_path, packed_fields, random_head, request_fields
 
 F32 = torch.float32
 PATH = targets.PROVIDER_PATH
@@ -38,31 +38,21 @@ SINGLE = boundary.ContextParallelLayout(world_size=1, rank=0, layout="single")
 
 def _request(logits, targets_, *, with_entropy=False, with_entropy_grad=None, keep=None, layout=SINGLE, **fields: Any):
     return boundary.SelectedLogprobRequest(
-        logits=logits,
-        target_ids=targets_,
-        tensor_parallel_group=None,
-        context_parallel=layout,
-        with_entropy=with_entropy,
-        with_entropy_grad=with_entropy if with_entropy_grad is None else with_entropy_grad,
-        chunk_size=-1,
-        log_prob_keep_mask=keep,
-        **fields,
+        **request_fields(
+            logits,
+            targets_,
+            with_entropy=with_entropy,
+            with_entropy_grad=with_entropy_grad,
+            context_parallel=layout,
+            log_prob_keep_mask=keep,
+            **fields,
+        )
     )
 
 
-def _native(
-    logits, targets_, *, with_entropy=False, with_entropy_grad=None, keep=None
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    grad = with_entropy if with_entropy_grad is None else with_entropy_grad
-    return ppo_utils.calculate_log_probs_and_entropy(
-        logits,
-        targets_,
-        None,
-        with_entropy=with_entropy,
-        with_entropy_grad=grad,
-        chunk_size=-1,
-        log_prob_keep_mask=keep,
-    )
+def _native(logits, targets_, **flags: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """vime's native path on ``logits`` and ``targets_`` (``with_entropy``, ``with_entropy_grad``)."""
+    return native_path(SimpleNamespace(**request_fields(logits, targets_, **flags)))
 
 
 def _args(path: Optional[str] = PATH, mode: str = "auto") -> Namespace:
@@ -88,13 +78,8 @@ def test_logits_request_matches_vime_native(gen, with_entropy, with_entropy_grad
     lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=must_not_run)
     want_lp, want_ent = _native(logits, tgt, with_entropy=with_entropy, with_entropy_grad=with_entropy_grad)
     assert lp.shape == (11, 1) and lp.dtype == F32
-    assert_close(lp, want_lp, "logprob", F32, "selected_logprobs")
-    if with_entropy:
-        assert ent is not None and want_ent is not None
-        assert_close(ent, want_ent, "logprob", F32, "entropy")
-        assert ent.requires_grad == with_entropy_grad
-    else:
-        assert ent is None
+    assert_same_logprobs((lp, ent), (want_lp, want_ent), "selected_logprobs")
+    assert ent is None or ent.requires_grad == with_entropy_grad
     result = provider(request)
     assert isinstance(result, SelectedLogprobResult) and not hasattr(result, "logp")
     assert result.backend_id == "rl_kernel:" + dispatch.explain("logprob_from_logits").backend
@@ -136,10 +121,7 @@ def test_hidden_request_matches_vime_native_without_reading_logits(gen, bias, wi
     )
     lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=must_not_run)
     want_lp, want_ent = _native(F.linear(h, w, b) / scale, tgt, with_entropy=with_entropy)
-    assert_close(lp, want_lp, "logprob", F32, "selected_logprobs")
-    if with_entropy:
-        assert ent is not None and want_ent is not None
-        assert_close(ent, want_ent, "logprob", F32, "entropy")
+    assert_same_logprobs((lp, ent), (want_lp, want_ent), "selected_logprobs")
     result = provider(request)
     assert result.backend_id == "rl_kernel:" + dispatch.explain("linear_logprob").backend
     assert result.provenance["op"] == "linear_logprob" and result.provenance["temperature"] == pytest.approx(scale)
@@ -154,22 +136,11 @@ def test_an_earlier_request_without_structural_fields_is_served(gen):
     ``temperature`` fields at all): served through the logits."""
     logits = 3 * torch.randn(7, 13, generator=gen)
     tgt = torch.randint(0, 13, (7,), generator=gen)
-    request = SimpleNamespace(
-        logits=logits,
-        target_ids=tgt,
-        tensor_parallel_group=None,
-        context_parallel=SINGLE,
-        with_entropy=True,
-        with_entropy_grad=False,
-        chunk_size=-1,
-        log_prob_keep_mask=None,
-        metadata={"logits_are_temperature_scaled": True},
-    )
-    result = provider(request)
-    want_lp, want_ent = _native(logits, tgt, with_entropy=True)
-    assert_close(result.selected_logprobs, want_lp, "logprob", F32, "selected_logprobs")
-    assert want_ent is not None and result.entropy is not None
-    assert_close(result.entropy, want_ent, "logprob", F32, "entropy")
+    metadata = {"logits_are_temperature_scaled": True}
+    fields = request_fields(logits, tgt, with_entropy=True, with_entropy_grad=False, context_parallel=SINGLE)
+    result = provider(SimpleNamespace(**fields, metadata=metadata))
+    want = _native(logits, tgt, with_entropy=True)
+    assert_same_logprobs((result.selected_logprobs, result.entropy), want, "selected_logprobs")
 
 
 @pytest.mark.parametrize("with_context", [False, True])
@@ -271,31 +242,14 @@ def test_auto_falls_back_to_vime_native(gen, caplog, case):
         provider(request)
     assert not isinstance(info.value, boundary.SelectedLogprobProviderUnavailable)
     assert info.value.selected_logprob_provider_unavailable is True
-    calls = []
-
-    def native(*args: Any, **kwargs: Any):
-        calls.append(1)
-        return ppo_utils.calculate_log_probs_and_entropy(*args, **kwargs)
-
-    lp, ent = boundary.compute_selected_logprobs(args=_args(), request=request, native=native)
-    want_lp, want_ent = _native(
-        request.logits, request.target_ids, with_entropy=request.with_entropy, keep=request.log_prob_keep_mask
-    )
-    assert calls == [1]
-    assert torch.equal(lp, want_lp) and (ent is None) == (want_ent is None)
-    assert any(reason in r.getMessage() for r in caplog.records), caplog.text
+    assert_auto_falls_back(boundary.compute_selected_logprobs, _args(), request, reason, caplog)
 
 
 @pytest.mark.parametrize("case", list(UNSERVED))
 def test_strict_refuses_in_one_line(gen, case):
     build, reason = UNSERVED[case]
-    with pytest.raises(RuntimeError) as info:
-        boundary.compute_selected_logprobs(args=_args(mode="strict"), request=build(gen), native=must_not_run)
-    message = str(info.value)
-    assert (
-        message.startswith(f"selected-logprob provider {PATH!r} is unavailable: rl_kernel_vime: ") and reason in message
-    )
-    assert "\n" not in message
+    start = f"selected-logprob provider {PATH!r} is unavailable: rl_kernel_vime: "
+    assert_strict_refuses(boundary.compute_selected_logprobs, _args(mode="strict"), build(gen), start, reason)
 
 
 def test_strict_switch_forbids_vime_native_even_in_auto(gen, monkeypatch):
@@ -313,41 +267,15 @@ def test_the_provider_needs_no_vime_to_answer(gen, monkeypatch):
     h, w, b, tgt = random_head(gen)
     logits = F.linear(h, w, b).detach()
     cp = SimpleNamespace(world_size=2, rank=1, layout="allgather")
-    flat = SimpleNamespace(
-        logits=logits,
-        target_ids=tgt,
-        tensor_parallel_group=None,
-        context_parallel=cp,
-        with_entropy=False,
-        with_entropy_grad=False,
-        chunk_size=-1,
-        log_prob_keep_mask=None,
-        metadata={},
+    common = request_fields(logits, tgt, temperature=0.9, metadata={})
+    vocab = {"vocab_start_index": 0, "global_vocab_size": 29, "real_vocab_size": 29}
+    flat = SimpleNamespace(**common, context_parallel=cp, hidden=h, lm_head_weight=w, lm_head_bias=b, **vocab)
+    context = SimpleNamespace(
         hidden=h,
-        lm_head_weight=w,
-        lm_head_bias=b,
-        vocab_start_index=0,
-        global_vocab_size=29,
-        real_vocab_size=29,
-        temperature=0.9,
+        projection=SimpleNamespace(weight=w, bias=b),
+        vocab_partition=SimpleNamespace(local_start=0, local_size=29, real_size=29, padded_size=29),
     )
-    structural = SimpleNamespace(
-        logits=logits,
-        target_ids=tgt,
-        tensor_parallel_group=None,
-        token_layout=cp,
-        with_entropy=False,
-        with_entropy_grad=False,
-        chunk_size=-1,
-        log_prob_keep_mask=None,
-        context=SimpleNamespace(
-            hidden=h,
-            projection=SimpleNamespace(weight=w, bias=b),
-            vocab_partition=SimpleNamespace(local_start=0, local_size=29, real_size=29, padded_size=29),
-        ),
-        temperature=0.9,
-        metadata={},
-    )
+    structural = SimpleNamespace(**common, token_layout=cp, context=context)
     want_lp, _ = _native(F.linear(h, w, b) / 0.9, tgt)
     selected = provider(flat)
     assert_close(selected.selected_logprobs, want_lp, "logprob", F32, "selected_logprobs")

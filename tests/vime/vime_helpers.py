@@ -1,14 +1,20 @@
-"""Builders shared by the vime adapter tests: vime's arguments, a packed random micro-batch (and
-its per-sample fields as ``get_log_probs_and_entropy`` takes them), a random LM head; and the
-gradient comparison under a random upstream gradient."""
+"""Builders and checks shared by the vime adapter tests: vime's arguments, a packed random
+micro-batch (and its per-sample fields as ``get_log_probs_and_entropy`` takes them), a random LM
+head, the fields of vime's log-prob requests and its native path on them; the comparisons of
+log-probs and of gradients under a random upstream gradient, and what either provider boundary
+does in ``auto`` and ``strict`` mode when the provider refuses."""
 
 from argparse import Namespace
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import pytest
 import torch
 
 from rl_kernel_core.contract import assert_close
+from vime.utils import ppo_utils
+
+LogProbs = tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
 def make_args(**overrides) -> Namespace:
@@ -84,6 +90,84 @@ def random_head(
     w = (torch.randn(vocab, hidden, generator=generator) / hidden**0.5 * 3).requires_grad_()
     b = torch.randn(vocab, generator=generator).requires_grad_() if bias else None
     return h, w, b, torch.randint(0, vocab, (rows,), generator=generator)
+
+
+def request_fields(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    with_entropy: bool = False,
+    with_entropy_grad: Optional[bool] = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """The fields both of vime's request classes have, as its loss fills them on one tensor-parallel
+    rank (no group, ``chunk_size`` -1, no keep mask; ``with_entropy_grad`` defaults to
+    ``with_entropy``), then ``fields``: the boundary's own, or replacements."""
+    return {
+        "logits": logits,
+        "target_ids": target_ids,
+        "tensor_parallel_group": None,
+        "with_entropy": with_entropy,
+        "with_entropy_grad": with_entropy if with_entropy_grad is None else with_entropy_grad,
+        "chunk_size": -1,
+        "log_prob_keep_mask": None,
+        **fields,
+    }
+
+
+def native_path(request: Any) -> LogProbs:
+    """vime's native function (the stand-in's ``calculate_log_probs_and_entropy``) on a request, as
+    its boundary calls it on one tensor-parallel rank: ``(log-probs [T, 1], entropy [T] or None)``."""
+    return ppo_utils.calculate_log_probs_and_entropy(
+        request.logits,
+        request.target_ids,
+        None,
+        with_entropy=request.with_entropy,
+        with_entropy_grad=request.with_entropy_grad,
+        chunk_size=-1,
+        log_prob_keep_mask=request.log_prob_keep_mask,
+    )
+
+
+def assert_same_logprobs(got: LogProbs, want: LogProbs, name: str) -> None:
+    """``(log-probs, entropy or None)`` pairs agree within the contract's fp32 ``logprob`` row; an
+    entropy on both sides or on neither."""
+    (lp, ent), (want_lp, want_ent) = got, want
+    assert_close(lp, want_lp, "logprob", torch.float32, name)
+    assert (ent is None) == (want_ent is None)
+    if ent is not None and want_ent is not None:
+        assert_close(ent, want_ent, "logprob", torch.float32, "entropy")
+
+
+def assert_auto_falls_back(
+    compute: Callable[..., LogProbs], args: Namespace, request: Any, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A boundary's ``compute`` (``compute_linear_logp``, ``compute_selected_logprobs``) in ``auto``
+    mode, its provider refusing ``request``: vime's native path answers, called once, and vime's
+    warning names ``reason``."""
+    calls = []
+
+    def native(*args: Any, **kwargs: Any) -> LogProbs:
+        calls.append(1)
+        return ppo_utils.calculate_log_probs_and_entropy(*args, **kwargs)
+
+    lp, ent = compute(args=args, request=request, native=native)
+    want_lp, want_ent = native_path(request)
+    assert calls == [1]
+    assert torch.equal(lp, want_lp) and (ent is None) == (want_ent is None)
+    assert any(reason in r.getMessage() for r in caplog.records), caplog.text
+
+
+def assert_strict_refuses(
+    compute: Callable[..., LogProbs], args: Namespace, request: Any, start: str, reason: str
+) -> None:
+    """A boundary's ``compute`` in ``strict`` mode, its provider refusing ``request``: one line that
+    starts with ``start`` and names ``reason``, and vime's native path never runs."""
+    with pytest.raises(RuntimeError) as info:
+        compute(args=args, request=request, native=must_not_run)
+    message = str(info.value)
+    assert message.startswith(start) and reason in message, message
+    assert "\n" not in message
 
 
 def assert_same_gradients(
