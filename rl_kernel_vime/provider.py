@@ -99,6 +99,13 @@ class SelectedLogprobResult:
     provenance: Mapping[str, Any] = field(default_factory=dict)
 
 
+_RESULTS: dict[str, tuple[type, str]] = {
+    LINEAR_LOGP: (LinearLogpResult, "logp"),
+    SELECTED_LOGPROB: (SelectedLogprobResult, "selected_logprobs"),
+}
+"""Each boundary's result class and the name of its log-prob field."""
+
+
 class _Unavailable(Exception):
     """A request the ops cannot serve; :func:`provider` turns it into vime's signal."""
 
@@ -478,19 +485,11 @@ def provider(request: Any) -> Any:
         req.cp_field: req.cp,
         "rl_kernel_version": rk.__version__,
     }
-    contract_id = f"rl_kernel_core.contract:logprob:{facts['input_dtype']}"
-    if req.boundary == LINEAR_LOGP:
-        return LinearLogpResult(
-            logp=logp.unsqueeze(-1),
-            entropy=entropy,
-            backend_id=backend_id,
-            contract_id=contract_id,
-            provenance=provenance,
-        )
-    return SelectedLogprobResult(
-        selected_logprobs=logp.unsqueeze(-1),
+    result_class, logp_field = _RESULTS[req.boundary]
+    return result_class(
+        **{logp_field: logp.unsqueeze(-1)},
         entropy=entropy,
         backend_id=backend_id,
-        contract_id=contract_id,
+        contract_id=f"rl_kernel_core.contract:logprob:{facts['input_dtype']}",
         provenance=provenance,
     )
