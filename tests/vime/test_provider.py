@@ -29,13 +29,14 @@ import torch.nn.functional as F
 import rl_kernel_vime
 from rl_kernel_core import dispatch
 from rl_kernel_core.contract import assert_close
-from rl_kernel_vime import fallback, registry, targets
+from rl_kernel_vime import registry, targets
 from rl_kernel_vime.provider import LinearLogpResult, provider
 from vime.backends.megatron_utils import linear_logp_provider as boundary
 from vime.backends.megatron_utils import selected_logprob_provider as selected_boundary
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.utils import ppo_utils
 from vime_helpers import assert_auto_falls_back, assert_same_gradients, assert_same_logprobs, assert_strict_refuses
+from vime_helpers import assert_strict_switch_refuses
 from vime_helpers import make_args, make_batch, must_not_run, native_path, packed_fields, random_head, request_fields
 
 F32 = torch.float32
@@ -173,24 +174,19 @@ UNSERVED = {
 
 
 @pytest.mark.parametrize("case", list(UNSERVED))
-def test_auto_falls_back_to_vime_native(gen, caplog, case):
+def test_a_refusal_falls_back_in_auto_and_stops_strict_runs(gen, caplog, monkeypatch, case):
+    """A request the provider refuses: vime's native path in ``auto`` mode (the provider's call
+    recorded as unavailable), one line in ``strict`` mode, and under ``VIME_RL_KERNEL_STRICT=1``
+    an error even in ``auto``."""
     build, reason = UNSERVED[case]
-    assert_auto_falls_back(boundary.compute_linear_logp, _args(), build(gen), reason, caplog)
+    request = build(gen)
+    compute = boundary.compute_linear_logp
+    assert_auto_falls_back(compute, _args(), request, reason, caplog)
     ((outcome, count),) = registry.provider_calls().items()
     assert outcome.startswith("unavailable: ") and reason in outcome and count == 1
-
-
-@pytest.mark.parametrize("case", list(UNSERVED))
-def test_strict_refuses_in_one_line(gen, case):
-    build, reason = UNSERVED[case]
     start = f"linear_logp provider {PATH!r} is unavailable: rl_kernel_vime: "
-    assert_strict_refuses(boundary.compute_linear_logp, _args(mode="strict"), build(gen), start, reason)
-
-
-def test_strict_switch_forbids_vime_native_even_in_auto(gen, monkeypatch):
-    monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
-    with pytest.raises(fallback.FallbackError, match="rollout top-p replay.*VIME_RL_KERNEL_STRICT=1"):
-        boundary.compute_linear_logp(args=_args(), request=_keep_mask_request(gen), native=must_not_run)
+    assert_strict_refuses(compute, _args(mode="strict"), request, start, reason)
+    assert_strict_switch_refuses(compute, _args(), request, reason, monkeypatch)
 
 
 def test_switch_makes_it_vime_default_provider(gen):

@@ -29,6 +29,7 @@ from rl_kernel_vime.provider import ProviderUnavailable, SelectedLogprobResult, 
 from vime.backends.megatron_utils import loss as vime_loss
 from vime.backends.megatron_utils import selected_logprob_provider as boundary
 from vime_helpers import assert_auto_falls_back, assert_same_gradients, assert_same_logprobs, assert_strict_refuses
+from vime_helpers import assert_strict_switch_refuses
 from vime_helpers import make_args, make_batch, must_not_run, native_path, packed_fields, random_head, request_fields
 
 F32 = torch.float32
@@ -233,29 +234,22 @@ UNSERVED = {
 
 
 @pytest.mark.parametrize("case", list(UNSERVED))
-def test_auto_falls_back_to_vime_native(gen, caplog, case):
+def test_a_refusal_falls_back_in_auto_and_stops_strict_runs(gen, caplog, monkeypatch, case):
     """vime recognises the refusal by its ``selected_logprob_provider_unavailable`` marker (the
-    provider never imports vime's exception class) and runs its native function, logging why."""
+    provider never imports vime's exception class): it runs its native function in ``auto`` mode,
+    logging why, stops in one line in ``strict`` mode, and under ``VIME_RL_KERNEL_STRICT=1`` stops
+    even in ``auto``."""
     build, reason = UNSERVED[case]
     request = build(gen)
     with pytest.raises(ProviderUnavailable) as info:
         provider(request)
     assert not isinstance(info.value, boundary.SelectedLogprobProviderUnavailable)
     assert info.value.selected_logprob_provider_unavailable is True
-    assert_auto_falls_back(boundary.compute_selected_logprobs, _args(), request, reason, caplog)
-
-
-@pytest.mark.parametrize("case", list(UNSERVED))
-def test_strict_refuses_in_one_line(gen, case):
-    build, reason = UNSERVED[case]
+    compute = boundary.compute_selected_logprobs
+    assert_auto_falls_back(compute, _args(), request, reason, caplog)
     start = f"selected-logprob provider {PATH!r} is unavailable: rl_kernel_vime: "
-    assert_strict_refuses(boundary.compute_selected_logprobs, _args(mode="strict"), build(gen), start, reason)
-
-
-def test_strict_switch_forbids_vime_native_even_in_auto(gen, monkeypatch):
-    monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
-    with pytest.raises(fallback.FallbackError, match="rollout top-p replay.*VIME_RL_KERNEL_STRICT=1"):
-        boundary.compute_selected_logprobs(args=_args(), request=_keep_mask(gen), native=must_not_run)
+    assert_strict_refuses(compute, _args(mode="strict"), request, start, reason)
+    assert_strict_switch_refuses(compute, _args(), request, reason, monkeypatch)
 
 
 def test_the_provider_needs_no_vime_to_answer(gen, monkeypatch):

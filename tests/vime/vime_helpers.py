@@ -2,8 +2,10 @@
 micro-batch (and its per-sample fields as ``get_log_probs_and_entropy`` takes them), a random LM
 head, the fields of vime's log-prob requests and its native path on them; the comparisons of
 log-probs and of gradients under a random upstream gradient, and what either provider boundary
-does in ``auto`` and ``strict`` mode when the provider refuses."""
+does in ``auto`` and ``strict`` mode and under ``VIME_RL_KERNEL_STRICT=1`` when the provider
+refuses."""
 
+import re
 from argparse import Namespace
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from rl_kernel_core.contract import assert_close
+from rl_kernel_vime.fallback import FallbackError
 from vime.utils import ppo_utils
 
 LogProbs = tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -168,6 +171,17 @@ def assert_strict_refuses(
     message = str(info.value)
     assert message.startswith(start) and reason in message, message
     assert "\n" not in message
+
+
+def assert_strict_switch_refuses(
+    compute: Callable[..., LogProbs], args: Namespace, request: Any, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``VIME_RL_KERNEL_STRICT=1`` a boundary's ``compute``, its provider refusing ``request``,
+    stops even in ``auto`` mode: a ``FallbackError`` naming ``reason`` and the switch, and vime's
+    native path never runs."""
+    monkeypatch.setenv("VIME_RL_KERNEL_STRICT", "1")
+    with pytest.raises(FallbackError, match=f"{re.escape(reason)}.*VIME_RL_KERNEL_STRICT=1"):
+        compute(args=args, request=request, native=must_not_run)
 
 
 def assert_same_gradients(
