@@ -108,25 +108,16 @@ def test_hidden_request_matches_vime_native_without_reading_logits(gen, bias, wi
     t = forms[temperature]
     scale = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
     poisoned = torch.full((9, 29), float("nan"), requires_grad=True)
-    request = _request(
-        poisoned,
-        tgt,
-        with_entropy=with_entropy,
-        hidden=h,
-        lm_head_weight=w,
-        lm_head_bias=b,
-        vocab_start_index=0,
-        global_vocab_size=29,
-        real_vocab_size=27,
-        temperature=t,
-    )
+    vocab = {"vocab_start_index": 0, "global_vocab_size": 29, "real_vocab_size": 27}
+    head = {"hidden": h, "lm_head_weight": w, "lm_head_bias": b}
+    request = _request(poisoned, tgt, with_entropy=with_entropy, temperature=t, **head, **vocab)
     lp, ent = boundary.compute_selected_logprobs(args=_args(mode="strict"), request=request, native=must_not_run)
     want_lp, want_ent = _native(F.linear(h, w, b) / scale, tgt, with_entropy=with_entropy)
     assert_same_logprobs((lp, ent), (want_lp, want_ent), "selected_logprobs")
     result = provider(request)
     assert result.backend_id == "rl_kernel:" + dispatch.explain("linear_logprob").backend
     assert result.provenance["op"] == "linear_logprob" and result.provenance["temperature"] == pytest.approx(scale)
-    assert result.provenance["vocab"] == {"vocab_start_index": 0, "global_vocab_size": 29, "real_vocab_size": 27}
+    assert result.provenance["vocab"] == vocab
     leaves = [x for x in (h, w, b) if x is not None]
     names = ["d hidden", "d lm_head_weight", "d lm_head_bias"]
     assert_same_gradients([lp, ent], [want_lp, want_ent], leaves, names, gen)

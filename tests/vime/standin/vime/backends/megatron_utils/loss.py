@@ -98,16 +98,20 @@ def get_log_probs_and_entropy(
         logits = logits / args.rollout_temperature
     logits = logits.contiguous()
     targets = _shifted_targets(logits.size(0), unconcat_tokens, total_lengths, logits.device)
+    # the fields both request classes have, as vime fills them on one tensor-parallel rank
+    common: dict[str, Any] = {
+        "logits": logits,
+        "target_ids": targets,
+        "tensor_parallel_group": None,
+        "with_entropy": with_entropy,
+        "with_entropy_grad": with_entropy,
+        "chunk_size": args.log_probs_chunk_size,
+    }
     if getattr(args, "selected_logprob_provider", None) is not None:
         context = linear_logp_context or {}
         selected = SelectedLogprobRequest(
-            logits=logits,
-            target_ids=targets,
-            tensor_parallel_group=None,
+            **common,
             context_parallel=ContextParallelLayout(world_size=1, rank=0, layout="single"),
-            with_entropy=with_entropy,
-            with_entropy_grad=with_entropy,
-            chunk_size=args.log_probs_chunk_size,
             hidden=context.get("hidden"),
             lm_head_weight=context.get("lm_head_weight"),
             lm_head_bias=context.get("lm_head_bias"),
@@ -132,13 +136,8 @@ def get_log_probs_and_entropy(
                 "contract stand-in: linear_logp_context goes through the selected-logprob boundary only"
             )
         request = LinearLogpRequest(
-            logits=logits,
-            target_ids=targets,
-            tensor_parallel_group=None,
+            **common,
             token_layout=TokenLayout(world_size=1, rank=0, layout="single"),
-            with_entropy=with_entropy,
-            with_entropy_grad=with_entropy,
-            chunk_size=args.log_probs_chunk_size,
             temperature=args.rollout_temperature,
             metadata={"logits_are_temperature_scaled": True},
         )
