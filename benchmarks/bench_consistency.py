@@ -41,27 +41,23 @@ script, not a measurement).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 
-from rl_kernel_core import dispatch
-from rl_kernel_core.tools import bench
-from rl_kernel_core.batch_invariant_mode.api import batch_invariant
-from rl_kernel_core.tools.consistency import chain
-from rl_kernel_core.tools.consistency.model import TinyConfig, TinyDecoder
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_random_model import PRESETS  # noqa: E402
 
-QWEN3_06B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    rope_theta=1_000_000.0,
-    rms_eps=1e-6,
-)
+from rl_kernel_core import dispatch  # noqa: E402
+from rl_kernel_core.tools import bench  # noqa: E402
+from rl_kernel_core.batch_invariant_mode.api import batch_invariant  # noqa: E402
+from rl_kernel_core.tools.consistency import chain  # noqa: E402
+from rl_kernel_core.tools.consistency.model import HF_NAMES, TinyConfig, TinyDecoder  # noqa: E402
+
+# Qwen3-0.6B's shapes in TinyConfig's names, all but its layer count (``--layers``)
+QWEN3_06B = {ours: PRESETS["qwen3-0.6b"][hf] for ours, hf in HF_NAMES.items() if ours != "num_layers"}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -284,7 +280,11 @@ def main(argv=None) -> int:
         "benchmark": "consistency chain forward, batch-invariant mode on vs off",
         "command": bench.command_line(),
         "environment": bench.environment(device),
-        "model": {"layers": args.layers, "of_real_model_layers": 28, **QWEN3_06B},
+        "model": {
+            "layers": args.layers,
+            "of_real_model_layers": PRESETS["qwen3-0.6b"]["num_hidden_layers"],
+            **QWEN3_06B,
+        },
         "dtype": args.dtype,
         "baseline": "mode off: cuBLAS, SDPA, PyTorch reductions",
         "timing": {"warmup": args.warmup, "reps": args.reps, "statistic": "median"},

@@ -41,6 +41,20 @@ class TinyConfig:
     rms_eps: float = 1e-6
 
 
+HF_NAMES: dict[str, str] = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "rms_eps": "rms_norm_eps",
+}
+"""Each :class:`TinyConfig` field's name in a ``transformers`` Qwen3 config, in field order."""
+
+
 class RMSNorm(nn.Module):
     """Hugging Face's Llama/Qwen3 RMSNorm: fp32 ``x * rsqrt(mean(x^2) + eps)``, rounded to x's dtype, times weight."""
 
