@@ -32,18 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # preset -> defaults of the run (every one overridable on the command line)
 PRESET_RUNS = {
-    "tiny": dict(
-        steps=60,
-        prompts_per_step=16,
-        group_size=8,
-        max_new_tokens=8,
-        micro_batch=32,
-        lr=1e-2,
-        temperature=1.0,
-        kl_coef=0.0,
-        gradient_checkpointing=False,
-        max_prompt_tokens=160,
-    ),
+    "tiny": dict(runs.TINY_RUN, steps=60, prompts_per_step=16, group_size=8, max_new_tokens=8, max_prompt_tokens=160),
     "qwen3-0.6b": dict(
         steps=12,
         prompts_per_step=16,

@@ -28,17 +28,7 @@ from rl_kernel_core.tools.multimodal.parity import ParityError
 ROOT = Path(__file__).resolve().parent.parent
 
 PRESET_RUNS = {
-    "tiny": dict(
-        steps=30,
-        prompts_per_step=8,
-        group_size=4,
-        max_new_tokens=3,
-        micro_batch=32,
-        lr=1e-2,
-        temperature=1.0,
-        kl_coef=0.0,
-        gradient_checkpointing=False,
-    ),
+    "tiny": dict(runs.TINY_RUN, steps=30, prompts_per_step=8, group_size=4, max_new_tokens=3),
 }
 # every override but the prompt length: a prompt's length is its image's tokens and the question
 VISION_OVERRIDES = tuple(o for o in runs.OVERRIDES if o[0] != "max_prompt_tokens")

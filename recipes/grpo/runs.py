@@ -52,6 +52,12 @@ OVERRIDES = (
     ("entropy_coef", number(0.0), "coefficient of the entropy bonus, >= 0"),
 )
 
+TINY_RUN = dict(micro_batch=32, lr=1e-2, temperature=1.0, kl_coef=0.0, gradient_checkpointing=False)
+"""What every recipe's ``tiny`` preset runs with (each adds its steps, group sizes and lengths): a model
+small enough for a 2-core CPU takes 32 sequences a forward and a learning rate large enough for its
+reward to move within minutes, with no reference model. Each key stays a ``--<key>`` override
+(:data:`OVERRIDES`; :func:`run_config` overrides only a preset's keys)."""
+
 
 def git_commit() -> str:
     """The checkout's commit (``+uncommitted`` when the tree differs from it).
