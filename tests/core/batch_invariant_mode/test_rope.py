@@ -38,13 +38,13 @@ def _config(rng: random.Random):
         arch,
         hidden_size=heads * head_dim,
         num_attention_heads=heads,
+        head_dim=head_dim,
         num_key_value_heads=1,
         num_hidden_layers=1,
         intermediate_size=32,
         vocab_size=64,
         max_position_embeddings=256,
         rope_parameters=params,
-        head_dim=head_dim,
     )
     return arch, config
 
