@@ -17,15 +17,19 @@ def hf_config(architecture: str, **kwargs: Any):
     """The config of ``architecture`` (a ``transformers`` class name such as ``Qwen3ForCausalLM``)
     built from ``kwargs``, with ``architectures`` set to it.
 
-    Qwen2's config has no ``head_dim`` (it is ``hidden_size // num_attention_heads`` there), so a
-    ``head_dim`` in ``kwargs`` is dropped for ``Qwen2ForCausalLM``: one set of keyword arguments
-    serves every architecture.
+    Qwen2's config has no ``head_dim`` (it is ``hidden_size // num_attention_heads`` there): for
+    ``Qwen2ForCausalLM`` a ``head_dim`` in ``kwargs`` must equal that and is then left out, so one
+    set of keyword arguments serves every architecture; another value raises ``ValueError``.
     """
     import transformers
 
-    if architecture == "Qwen2ForCausalLM":
-        kwargs.pop("head_dim", None)
+    head_dim = kwargs.pop("head_dim", None) if architecture == "Qwen2ForCausalLM" else None
     config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**kwargs)
+    if head_dim is not None and head_dim != config.hidden_size // config.num_attention_heads:
+        raise ValueError(
+            f"hf_config: head_dim={head_dim} for Qwen2ForCausalLM, whose head_dim is hidden_size // "
+            f"num_attention_heads = {config.hidden_size} // {config.num_attention_heads}"
+        )
     config.architectures = [architecture]
     return config
 
