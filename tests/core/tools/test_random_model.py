@@ -9,15 +9,8 @@ from rl_kernel_core.tools.random_model import hf_config, random_causal_lm
 
 pytest.importorskip("transformers")
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-)
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, intermediate_size=48, **HEADS)
 
 
 def test_qwen2_takes_the_head_dim_its_sizes_imply():
