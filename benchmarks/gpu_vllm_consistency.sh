@@ -14,12 +14,13 @@
 # timed ones (WARMUP, default 1), then REPS (default 3) timed calls, median reported; PROMPT_LOGPROBS=1 also compares
 # the prompt tokens' log-probs (prompt_gap); vLLM's JIT monitor lists every kernel compiled after its warm-up:
 #   plugin_default - RL_KERNEL_VLLM=1: the default hook set (returned log-probs only)
-# The sampler hook covers the V1 model runner (on Model Runner V2, where vLLM 0.26 runs Qwen3, it stops the engine
-# at start), so its cost is measured against vLLM's V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) in the same job:
+#   plugin_sampler - RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1: the sampler hook on Model Runner V2
+# and the same on vLLM's V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), against that runner in the same job:
 #   default_v1 / plugin_default_v1 / plugin_sampler_v1 - the settings above on the V1 runner
 # and, since the sampler hook leaves batches that return processed log-probs to vLLM's sampler, the sampler's own cost
 # with requests that ask for no log-probs (--no-logprobs: no trainer, throughput only):
-#   rollout_v1 / rollout_sampler_v1 - default_v1 / plugin_sampler_v1 without log-probs
+#   rollout / rollout_sampler, rollout_v1 / rollout_sampler_v1 - default / plugin_sampler (and their V1 settings)
+#   without log-probs
 #   bash benchmarks/gpu_vllm_consistency.sh [OUT] [SETTINGS...]   (default: default vllm_bi rl_kernel)
 # The workload: PROMPTS (64) prompts of PROMPT_LEN (64) tokens, or of lengths drawn from PROMPT_LEN to PROMPT_LEN_MAX,
 # the first SHARED_PREFIX (0) shared, SAMPLES (8) samples of MAX_TOKENS (256) new tokens each; MAX_MODEL_LEN (1024);
@@ -59,12 +60,15 @@ for s in ${@:-default vllm_bi rl_kernel}; do
     rl_kernel_tp[0-9]*) run "$s" "--batch-invariant --engine {$engine,\"tensor_parallel_size\":${s#rl_kernel_tp}}" \
       RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_BATCH_INVARIANT=1;;
     plugin_default) run plugin_default '' RL_KERNEL_VLLM=1;;
+    plugin_sampler) run plugin_sampler '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1;;
+    rollout) run rollout --no-logprobs RL_KERNEL_VLLM=0;;
+    rollout_sampler) run rollout_sampler --no-logprobs RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1;;
     default_v1) run default_v1 '' RL_KERNEL_VLLM=0 VLLM_USE_V2_MODEL_RUNNER=0;;
     plugin_default_v1) run plugin_default_v1 '' RL_KERNEL_VLLM=1 VLLM_USE_V2_MODEL_RUNNER=0;;
     plugin_sampler_v1) run plugin_sampler_v1 '' RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1 VLLM_USE_V2_MODEL_RUNNER=0;;
     rollout_v1) run rollout_v1 --no-logprobs RL_KERNEL_VLLM=0 VLLM_USE_V2_MODEL_RUNNER=0;;
     rollout_sampler_v1) run rollout_sampler_v1 --no-logprobs RL_KERNEL_VLLM=1 RL_KERNEL_VLLM_SAMPLER=1 VLLM_USE_V2_MODEL_RUNNER=0;;
-    *) echo "unknown setting $s: default vllm_bi rl_kernel rl_kernel_eager default_tpN rl_kernel_tpN plugin_default default_v1 plugin_default_v1 plugin_sampler_v1 rollout_v1 rollout_sampler_v1"; status=1;;
+    *) echo "unknown setting $s: default vllm_bi rl_kernel rl_kernel_eager default_tpN rl_kernel_tpN plugin_default plugin_sampler rollout rollout_sampler default_v1 plugin_default_v1 plugin_sampler_v1 rollout_v1 rollout_sampler_v1"; status=1;;
   esac
 done
 echo "gpu_vllm_consistency status=$status"

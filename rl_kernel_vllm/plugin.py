@@ -70,11 +70,11 @@ def _install_runner_families(
     return results, live, problems
 
 
-def install_logprobs(patches: adapters.Patches) -> dict[str, Any]:
-    """Hook (a): patch every model-runner family of :mod:`rl_kernel_vllm.logprobs` found in this vLLM."""
-    from rl_kernel_vllm import logprobs
-
-    results, live, problems = _install_runner_families(patches, logprobs.RUNNERS, logprobs.WRAPPERS)
+def _install_runner_hook(patches: adapters.Patches, module_name: str) -> dict[str, Any]:
+    """Patch every model-runner family of the hook module ``module_name`` (its ``RUNNERS``,
+    ``WRAPPERS`` and ``OVERRIDES``) found in this vLLM; the hook's status entry."""
+    hook = importlib.import_module(module_name)
+    results, live, problems = _install_runner_families(patches, hook.RUNNERS, hook.WRAPPERS)
     if not live:
         problems.append("no model-runner target found: " + "; ".join(results.values()))
     return {
@@ -82,31 +82,19 @@ def install_logprobs(patches: adapters.Patches) -> dict[str, Any]:
         "runners": live,
         "targets": results,
         "problems": problems,
-        "overrides": list(logprobs.OVERRIDES),
+        "overrides": list(hook.OVERRIDES),
     }
+
+
+def install_logprobs(patches: adapters.Patches) -> dict[str, Any]:
+    """Hook (a): the returned log-probs, on every model-runner family (:mod:`rl_kernel_vllm.logprobs`)."""
+    return _install_runner_hook(patches, "rl_kernel_vllm.logprobs")
 
 
 def install_sampler(patches: adapters.Patches) -> dict[str, Any]:
-    """Hook (c): the V1 runner's sampler draws with ``rl_kernel_core.sample`` (:mod:`rl_kernel_vllm.sampler`);
-    Model Runner V2's sampler refuses to be built."""
-    from rl_kernel_vllm import sampler
-
-    results, live, problems = _install_runner_families(
-        patches, {"v1": sampler.TARGETS}, {sampler.TARGETS[0]: sampler.wrap_v1_sample}
-    )
-    if not live:
-        problems.append("sampler: no model-runner target found: " + "; ".join(results.values()))
-    try:  # an engine on Model Runner V2 would sample with vLLM's sampler: refuse it at start
-        results[sampler.V2_SAMPLER_INIT] = patches.install(sampler.V2_SAMPLER_INIT, sampler.refuse_model_runner_v2)
-    except adapters.TargetMissing as exc:  # this vLLM has no Model Runner V2
-        results[sampler.V2_SAMPLER_INIT] = f"missing: {exc}"
-    return {
-        "live": bool(live),
-        "runners": live,
-        "targets": results,
-        "problems": problems,
-        "overrides": list(sampler.OVERRIDES),
-    }
+    """Hook (c): the sampler draws with ``rl_kernel_core.sample``, on every model-runner family
+    (:mod:`rl_kernel_vllm.sampler`)."""
+    return _install_runner_hook(patches, "rl_kernel_vllm.sampler")
 
 
 # hook -> "module:function(patches)" returning its status entry; imported only when the hook is

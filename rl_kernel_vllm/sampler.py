@@ -1,30 +1,37 @@
-"""Hook (c): vLLM's V1 sampler draws tokens with :func:`rl_kernel_core.sample` and per-row seeds.
+"""Hook (c): vLLM's sampler draws tokens with :func:`rl_kernel_core.sample` and per-row seeds, on
+the V1 model runner and on Model Runner V2.
 
-Target: ``vllm.v1.sample.sampler:Sampler.sample(self, logits, sampling_metadata, ...)``, which
-receives the fp32 logits after vLLM's non-argmax-invariant processing (allowed-token mask, bad
-words, min-tokens, logit bias, penalties) and before temperature. The replacement passes them,
-with each row's temperature (greedy rows as 0), top-k, top-p and min-p, to ``sample``.
+Both targets receive the logits after vLLM's own non-argmax-invariant processing (allowed-token
+mask, bad words, min-tokens, logit bias, penalties; on MRV2 also its custom logits processors and
+thinking budget) and before temperature, and pass them, with each row's temperature (greedy rows
+as 0), top-k, top-p and min-p, to ``sample``, which applies those itself.
 
-Seeds: a request with ``SamplingParams.seed`` has its own ``torch.Generator`` in vLLM; each step
-draws one 62-bit seed from it (:func:`row_seeds`), so a row's token depends only on its logits,
-parameters, request seed and step, never on the batch it shares or its position there, and
-``rl_kernel_core.sample`` reproduces it offline from the same seed. Unseeded rows draw their seed
-from the global RNG, as vLLM's own unseeded sampling does.
+* V1 runner, ``vllm.v1.sample.sampler:Sampler.sample(self, logits, sampling_metadata, ...)``: a
+  request with ``SamplingParams.seed`` has its own ``torch.Generator`` in vLLM; each step draws one
+  62-bit seed from it (:func:`row_seeds`), so a row's token depends only on its logits,
+  parameters, request seed and step, never on the batch it shares or its position there.
+  Unseeded rows draw their seed from the global RNG, as vLLM's own unseeded sampling does.
+* Model Runner V2, ``vllm.v1.worker.gpu.sample.sampler:Sampler.sample(self, logits,
+  expanded_idx_mapping, ...)``: MRV2 keeps one int64 seed per request (the request's
+  ``SamplingParams.seed``, else one vLLM draws when the request arrives) and keys each draw on
+  ``(seed, position)``; the hook passes the same pair to ``sample`` (``seeds``, ``positions``: the
+  position of the row's last input token), so ``rl_kernel_core.sample(logits, ..., seeds=seed,
+  positions=position)`` reproduces a seeded request's token offline. vLLM's ``apply_sampling_params``
+  runs as usual with its temperature and min-p steps skipped for the call
+  (:func:`_temperature_and_min_p_left_to_sample`), since ``sample`` applies them.
 
 Left to vLLM (logged once): batches that must return *processed* log-probs or logits (vLLM builds
-those from its own filtered logits), and batches with argmax-invariant logits processors other
-than vLLM's min-p (custom processors whose effect ``sample`` cannot reproduce).
-
-Model Runner V2 is not covered: with the hook on, building MRV2's sampler raises
-(:func:`refuse_model_runner_v2`), so an engine on that runner stops at start with the setting to
-change instead of sampling with vLLM's sampler while the switch says otherwise.
+those from its own filtered logits); on V1, batches with argmax-invariant logits processors other
+than vLLM's min-p (custom processors whose effect ``sample`` cannot reproduce); on MRV2, a sampler
+built to return its sampling mask.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -33,12 +40,13 @@ from rl_kernel_vllm._device_copy import to_device_async
 from rl_kernel_vllm._log import log_once
 from rl_kernel_vllm._v1_sampler_call import sampler_call_arguments
 
-TARGETS: tuple[str, ...] = ("vllm.v1.sample.sampler:Sampler.sample",)
-V2_SAMPLER_INIT = "vllm.v1.worker.gpu.sample.sampler:Sampler.__init__"
-"""Model Runner V2's sampler, which the hook refuses (:func:`refuse_model_runner_v2`)."""
+V1_TARGET = "vllm.v1.sample.sampler:Sampler.sample"
+V2_TARGET = "vllm.v1.worker.gpu.sample.sampler:Sampler.sample"
+RUNNERS: dict[str, tuple[str, ...]] = {"v1": (V1_TARGET,), "v2": (V2_TARGET,)}
+"""Model-runner family -> its targets (patched where every one of them resolves)."""
 OVERRIDES: tuple[str, ...] = (
-    "the V1 runner's tokens are drawn by rl_kernel_core.sample with one seed per row and step "
-    "(in place of vLLM's sampler; processed-log-prob batches and custom logits processors stay vLLM's)",
+    "tokens are drawn by rl_kernel_core.sample with one seed per row and step (in place of vLLM's sampler, "
+    "V1 runner and Model Runner V2; processed-log-prob batches and V1's custom logits processors stay vLLM's)",
 )
 """The vLLM settings this hook changes, announced once per process when it is live."""
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS
@@ -58,29 +66,6 @@ def row_seeds(num_rows: int, generators: dict[int, torch.Generator], device: tor
         ]
         seeds[to_device_async(torch.tensor(rows, dtype=torch.int64), device)] = torch.cat([d.to(device) for d in drawn])
     return seeds
-
-
-def refuse_model_runner_v2(original: Callable) -> Callable:
-    """Replace MRV2 ``Sampler.__init__`` by a clear error: the hook covers the V1 runner only."""
-
-    @functools.wraps(original)
-    def init(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            "RL_KERNEL_VLLM_SAMPLER=1: rl-kernel's sampler hook covers vLLM's V1 model runner, and this engine "
-            f"builds Model Runner V2's sampler; set {_ways_out()}"
-        )
-
-    return init
-
-
-def _ways_out() -> str:
-    """The settings that let an engine start: the V1 runner where this vLLM still has it (vLLM 0.34
-    removed it and ``VLLM_USE_V2_MODEL_RUNNER``), else the hook off."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm.v1.sample.sampler") is None:
-        return "RL_KERNEL_VLLM_SAMPLER=0 (this vLLM has no V1 runner)"
-    return "VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner) or RL_KERNEL_VLLM_SAMPLER=0"
 
 
 def _min_p(logitsprocs: Any) -> tuple[bool, Optional[torch.Tensor]]:
@@ -130,3 +115,67 @@ def wrap_v1_sample(original: Callable) -> Callable:
         return tokens, None
 
     return sample
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _temperature_and_min_p_left_to_sample(states: Any) -> Iterator[None]:
+    """Within the block, MRV2 ``SamplingStates.apply_temperature`` and ``apply_min_p`` of this one
+    ``states`` object do nothing (instance attributes shadowing the class's methods, removed on
+    exit, also when the block raises); the class and every other sampler are untouched."""
+    states.apply_temperature = _skip
+    states.apply_min_p = _skip
+    try:
+        yield
+    finally:
+        del states.apply_temperature, states.apply_min_p
+
+
+def _row_values(values: Any, rows: torch.Tensor, slots: Any, unset: float) -> Optional[torch.Tensor]:
+    """One MRV2 per-request parameter for the batch's rows, ``values.gpu[rows]``, or None when no
+    request of the batch (``slots``, their host-side indices) sets it (all hold ``unset``)."""
+    return values.gpu[rows] if bool((values.np[slots] != unset).any()) else None
+
+
+def wrap_v2_sample(original: Callable) -> Callable:
+    """Wrap MRV2 ``Sampler.sample``: returns ``(tokens [N] int64, logits [N, V])`` with the tokens
+    from ``rl_kernel_core.sample`` keyed on each request's MRV2 seed and the row's position, and the
+    logits as vLLM processed them short of temperature and min-p (the caller reads them only for
+    processed log-probs or a sampling mask, which this wrapper leaves to vLLM)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def sample(self, *args: Any, **kwargs: Any):
+        call = signature.bind(self, *args, **kwargs).arguments
+        call.pop("self")
+        return_logprobs = call.pop("return_logprobs", False)
+        if return_logprobs and self.logprobs_mode.startswith("processed"):
+            log_once(
+                "sampler:processed", "rl_kernel_vllm: logprobs_mode=%s batches are sampled by vLLM", self.logprobs_mode
+            )
+            return original(self, *args, **kwargs)
+        if getattr(self, "return_sampling_mask", False):
+            log_once("sampler:mask", "rl_kernel_vllm: a sampler that returns its sampling mask samples with vLLM")
+            return original(self, *args, **kwargs)
+        states = self.sampling_states
+        rows, slots = call["expanded_idx_mapping"], call["idx_mapping_np"]
+        with _temperature_and_min_p_left_to_sample(states):
+            logits = self.apply_sampling_params(**call, skip_top_k_top_p=True)
+        tokens, _ = rl_kernel_core.sample(
+            logits,
+            temperature=states.temperature.gpu[rows],
+            top_k=_row_values(states.top_k, rows, slots, unset=states.vocab_size),
+            top_p=_row_values(states.top_p, rows, slots, unset=1.0),
+            min_p=_row_values(states.min_p, rows, slots, unset=0.0),
+            seeds=states.seeds.gpu[rows],
+            positions=call["pos"],
+        )
+        return tokens, logits
+
+    return sample
+
+
+WRAPPERS: dict[str, Callable[[Any], Any]] = {V1_TARGET: wrap_v1_sample, V2_TARGET: wrap_v2_sample}

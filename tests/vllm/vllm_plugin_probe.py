@@ -31,12 +31,7 @@ def main(scenario: str) -> None:
 
     if scenario == "moved":
         logprobs.RUNNERS["v1"] = logprobs.V1_TARGETS + ("vllm.v1.sample.sampler:Sampler.no_such_method",)
-    targets = [*logprobs.WRAPPERS, *sampler.TARGETS]
-    try:  # Model Runner V2's sampler (refused by the sampler hook), where this vLLM has it
-        adapters.locate(sampler.V2_SAMPLER_INIT)
-        targets.append(sampler.V2_SAMPLER_INIT)
-    except adapters.TargetMissing:
-        pass
+    targets = [*logprobs.WRAPPERS, *sampler.WRAPPERS]
     from vllm.platforms import current_platform
 
     # the batch-invariant hook covers the CPU and CUDA platforms (the GPU release imported on a
@@ -65,7 +60,6 @@ def main(scenario: str) -> None:
         and set(op_registry_oot) == set(oot_before),
         "oot_added": sorted(set(op_registry_oot) - set(oot_before)),
         "bi_platform": bi_platform,
-        "v2_sampler": _build_v2_sampler() if sampler.V2_SAMPLER_INIT in targets else "absent",
     }
     report["restored"] = None
     during = {"attention_override": _attention_overrides(), "mode_on": _mode_on()}
@@ -80,17 +74,6 @@ def main(scenario: str) -> None:
         }
         report["during"] = during
     print("PROBE " + json.dumps(report))
-
-
-def _build_v2_sampler() -> str:
-    """What building Model Runner V2's sampler without arguments raises (its type and message)."""
-    from vllm.v1.worker.gpu.sample.sampler import Sampler
-
-    try:
-        Sampler()
-    except Exception as exc:  # noqa: BLE001 - reported, not handled
-        return f"{type(exc).__name__}: {exc}"
-    return "built"
 
 
 def _attention_overrides() -> dict[str, str]:
