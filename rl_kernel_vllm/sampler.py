@@ -140,6 +140,29 @@ def _row_values(values: Any, rows: torch.Tensor, slots: Any, unset: float) -> Op
     return values.gpu[rows] if bool((values.np[slots] != unset).any()) else None
 
 
+_warmed: set[tuple] = set()
+
+
+def warm_up_v2(logits: torch.Tensor) -> None:
+    """Compile, once per process, device, logits dtype and vocabulary size, the kernels ``sample``
+    launches for filtered, unfiltered and greedy rows, by running it on ``logits`` (``[N, V]``) with
+    fixed parameters (V1's dummy sampler run's: temperature 0.5, top-k V - 1, top-p 0.9; then
+    temperature 1 unfiltered; then greedy). MRV2's dummy sampler run, vLLM's warm-up, hands the
+    sampler rows in its default state (greedy), so without this the first sampled batch would
+    compile kernels after vLLM's warm-up."""
+    key = (logits.device, logits.dtype, logits.shape[-1])
+    if key in _warmed or logits.shape[0] == 0:
+        return
+    _warmed.add(key)
+    n, v = logits.shape
+    rows = torch.ones(n, dtype=torch.float32, device=logits.device)
+    seeds = torch.zeros(n, dtype=torch.int64, device=logits.device)
+    filters = {"top_k": (rows * max(v - 1, 1)).to(torch.int32), "top_p": rows * 0.9, "min_p": rows * 0.05}
+    rl_kernel_core.sample(logits, temperature=rows * 0.5, seeds=seeds, positions=seeds, **filters)
+    rl_kernel_core.sample(logits, temperature=rows, seeds=seeds, positions=seeds)
+    rl_kernel_core.sample(logits, temperature=rows * 0.0, seeds=seeds, positions=seeds)
+
+
 def wrap_v2_sample(original: Callable) -> Callable:
     """Wrap MRV2 ``Sampler.sample``: returns ``(tokens [N] int64, logits [N, V])`` with the tokens
     from ``rl_kernel_core.sample`` keyed on each request's MRV2 seed and the row's position, and the
@@ -164,6 +187,7 @@ def wrap_v2_sample(original: Callable) -> Callable:
         rows, slots = call["expanded_idx_mapping"], call["idx_mapping_np"]
         with _temperature_and_min_p_left_to_sample(states):
             logits = self.apply_sampling_params(**call, skip_top_k_top_p=True)
+        warm_up_v2(logits)
         tokens, _ = rl_kernel_core.sample(
             logits,
             temperature=states.temperature.gpu[rows],

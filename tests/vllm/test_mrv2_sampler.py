@@ -53,3 +53,25 @@ def test_processed_logprobs_batches_are_sampled_by_vllm(probe):
     hook_tokens, hook_logits = processed["hook"]
     assert torch.equal(hook_tokens, vllm_tokens) and torch.equal(hook_logits, vllm_logits)
     assert processed["hook_tokens_no_logprobs"].tolist() == processed["offline"]
+
+
+def test_the_first_call_warms_up_every_filter_kind(monkeypatch):
+    """MRV2's dummy sampler run (greedy rows) must compile what a filtered batch launches: the hook's
+    first call per logits kind runs ``sample`` with filters, without and greedy; later calls do not."""
+    import rl_kernel_core
+    from rl_kernel_vllm import sampler
+
+    monkeypatch.setattr(sampler, "_warmed", set())
+    calls: list[dict] = []
+    monkeypatch.setattr(rl_kernel_core, "sample", lambda logits, **kw: calls.append(kw))
+    logits = torch.randn(3, 17)
+    sampler.warm_up_v2(logits)
+    sampler.warm_up_v2(logits.clone())
+    assert [sorted(k for k in kw if k in ("top_k", "top_p", "min_p")) for kw in calls] == [
+        ["min_p", "top_k", "top_p"],
+        [],
+        [],
+    ]
+    assert calls[2]["temperature"].eq(0).all() and calls[0]["top_k"].eq(16).all()
+    sampler.warm_up_v2(logits.double())
+    assert len(calls) == 6
