@@ -146,8 +146,8 @@ _warmed: set[tuple] = set()
 def warm_up_v2(logits: torch.Tensor) -> None:
     """Compile, once per process, device, logits dtype and vocabulary size, the kernels ``sample``
     launches for filtered, unfiltered and greedy rows, by running it on ``logits`` (``[N, V]``) with
-    fixed parameters (V1's dummy sampler run's: temperature 0.5, top-k V - 1, top-p 0.9; then
-    temperature 1 unfiltered; then greedy). MRV2's dummy sampler run, vLLM's warm-up, hands the
+    fixed parameters (V1's dummy sampler run's temperature 0.5, top-k V - 1 and top-p 0.9, with
+    min-p 0.05; then temperature 1 unfiltered; then greedy). MRV2's dummy sampler run, vLLM's warm-up, hands the
     sampler rows in its default state (greedy), so without this the first sampled batch would
     compile kernels after vLLM's warm-up."""
     key = (logits.device, logits.dtype, logits.shape[-1])
