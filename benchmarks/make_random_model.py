@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from rl_kernel_core.tools.random_model import random_causal_lm
+from rl_kernel_core.tools.random_model import random_causal_lm, tiny_text_config
 
 QWEN3_RELEASED = dict(
     vocab_size=151936,
@@ -29,19 +29,7 @@ QWEN3_RELEASED = dict(
 )
 """What Qwen3-0.6B's and Qwen3-1.7B's configs share; they differ in the widths."""
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
+TINY = tiny_text_config(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 """A two-layer Qwen3 for CPU smoke runs."""
 
 QWEN3_30B_A3B_WIDTHS = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4)

@@ -1,9 +1,10 @@
 """Random-weight ``transformers`` causal LMs built locally (nothing is downloaded), for benchmarks,
 engine sweeps and tests.
 
-:func:`hf_config` makes an architecture's config from keyword arguments, :func:`randomize_matrices_`
-redraws a model's matrices from a generator, and :func:`random_causal_lm` does both for a whole
-model. ``transformers`` is imported on first use, so importing this module needs only torch.
+:func:`hf_config` makes an architecture's config from keyword arguments (:func:`tiny_text_config`
+gives those of a tiny text model), :func:`randomize_matrices_` redraws a model's matrices from a
+generator, and :func:`random_causal_lm` does both for a whole model. ``transformers`` is imported
+on first use, so importing this module needs only torch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,22 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+
+
+def tiny_text_config(**overrides: Any) -> dict[str, Any]:
+    """Config keyword arguments of a tiny Qwen-shaped text model (hidden 64, intermediate 128, 2 layers,
+    4 query heads of 16 dims over 2 key-value heads, vocab 256, 1024 positions), updated with ``overrides``."""
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 256,
+        "max_position_embeddings": 1024,
+        **overrides,
+    }
 
 
 def hf_config(architecture: str, **kwargs: Any):

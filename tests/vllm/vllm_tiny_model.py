@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from rl_kernel_core.tools.random_model import randomize_matrices_
+from rl_kernel_core.tools.random_model import randomize_matrices_, tiny_text_config
 
 CORPUS = (
     "the quick brown fox jumps over the lazy dog",
@@ -33,16 +33,11 @@ def build(path: Path, seed: int) -> int:
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
     hf_tok.save_pretrained(path)
     vocab = len(hf_tok)
-    # transformers types a config's __init__ without the keyword arguments it also accepts (head_dim, torch_dtype)
+    # transformers types a config's __init__ without the keyword arguments it also accepts (torch_dtype)
     config = Qwen2Config(  # type: ignore[call-arg]
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
+        **tiny_text_config(
+            vocab_size=vocab, num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256
+        ),
         tie_word_embeddings=False,
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,

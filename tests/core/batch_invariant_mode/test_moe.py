@@ -17,7 +17,7 @@ from rl_kernel_core import contract
 from rl_kernel_core.batch_invariant_mode import api_hf
 from rl_kernel_core.batch_invariant_mode.api_moe import route, router_logits, sparse_moe, use_mode_moe
 from rl_kernel_core.tools.consistency import chain, hf, parity
-from rl_kernel_core.tools.random_model import randomize_matrices_
+from rl_kernel_core.tools.random_model import randomize_matrices_, tiny_text_config
 
 transformers = pytest.importorskip("transformers")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -123,18 +123,11 @@ def test_rows_are_bitwise_independent_of_the_batch_at_qwen3_30b_a3b_widths(seed)
 
 def _tiny_moe(seed: int, dtype: torch.dtype, top_k: int, normalize: bool):
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
+        **tiny_text_config(vocab_size=101, intermediate_size=96, max_position_embeddings=128),
         moe_intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         num_experts=8,
         num_experts_per_tok=top_k,
         norm_topk_prob=normalize,
-        max_position_embeddings=128,
     )
     torch.manual_seed(seed)
     model = randomize_matrices_(transformers.Qwen3MoeForCausalLM(cfg).eval(), 0.3)

@@ -14,6 +14,7 @@ from rl_kernel_core.tools.consistency import chain, hf, parity, run
 from rl_kernel_core.contract import assert_close
 from rl_kernel_core.tools.consistency.model import TinyConfig, TinyDecoder
 from rl_kernel_core.tools.consistency.probe import DriftProbe
+from rl_kernel_core.tools.random_model import tiny_text_config
 
 _SMALL_RUN = ("consistency", "--sequences", "3", "--min-len", "6", "--rollout-batch", "2", "--device", "cpu")
 """The command of the CLI runs here, less ``--max-len``: three short sequences on the CPU."""
@@ -137,19 +138,7 @@ def _tiny_qwen3(**config):
     """A random two-layer Qwen3 (vocab 101, hidden 64, 4 heads of 16, 2 KV heads), ``config``
     overriding, in eval mode with the mode's attention."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(
-        **{
-            "vocab_size": 101,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 128,
-            **config,
-        }
-    )
+    cfg = transformers.Qwen3Config(**(tiny_text_config(vocab_size=101, max_position_embeddings=128) | config))
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     api_hf.use_mode_attention(model)
     return model

@@ -11,6 +11,7 @@ import rl_kernel_core as rk
 from rl_kernel_core import contract
 from rl_kernel_core.batch_invariant_mode import api_hf, api_vlm
 from rl_kernel_core.tools.consistency import chain, vlm
+from rl_kernel_core.tools.random_model import tiny_text_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,13 +23,8 @@ NEW_TOKENS = 5
 def _model(seed: int, dtype: torch.dtype, family: str = "qwen2_vl", device: str = "cpu"):
     """A random tiny Qwen2-VL, or Qwen2.5-VL (its vision tower: windowed attention in block 0, full in
     block 1, RMSNorm, a gated MLP)."""
-    text = dict(
+    text = tiny_text_config(
         vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         bos_token_id=1,
         eos_token_id=1,
