@@ -185,6 +185,12 @@ OPS: Mapping[str, OpSpec] = MappingProxyType(
             _batch_invariant("rms_norm", "rl_kernel_core.batch_invariant_mode.api"),
             _batch_invariant("bi_matmul"),
             _batch_invariant("bi_linear"),
+            OpSpec(
+                "bi_grouped_linear",
+                None,
+                {"torch": _REFERENCE_BATCH_INVARIANT, "triton": "rl_kernel_core.batch_invariant_mode.triton_moe"},
+                glue="autograd_function",
+            ),
             _batch_invariant("bi_log_softmax"),
             _batch_invariant("bi_logsumexp"),
             _batch_invariant("bi_mean"),

@@ -15,8 +15,8 @@ Refused at engine configuration (:func:`refusals`): expert parallelism, EPLB, te
 pipeline parallelism above 1 for an MoE model, returning routed experts, shared experts, an
 activation other than SiLU (quantized experts are refused with every quantization); when a block
 runs, experts laid out otherwise than the checkpoint (a padding MoE backend). On CUDA an MoE
-model's steps run eagerly (no CUDA graphs): the experts read their token counts to the host each
-layer.
+model's steps run eagerly (no CUDA graphs; the experts' grouped products read nothing to the host,
+but graph capture of the MoE path has not been run on a GPU).
 """
 
 from __future__ import annotations

@@ -30,11 +30,12 @@ where it sits in the batch; on CUDA every element is computed by the same code w
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from rl_kernel_core import _checks, dispatch
 from rl_kernel_core.batch_invariant_mode.api import is_batch_invariant
 from rl_kernel_core.batch_invariant_mode.reference import Outputs, row_tiled
 
@@ -92,6 +93,35 @@ def _gated(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def bi_grouped_linear(
+    rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, *, backend: Optional[str] = "auto"
+) -> torch.Tensor:
+    """Each expert's batch-invariant ``F.linear`` over its rows, all experts in one call.
+
+    Args:
+        rows: ``[R, K]`` float32/bfloat16/float16/float64, sorted by expert: ``counts[0]`` rows of
+            expert 0, then expert 1's, and so on.
+        weight: ``[E, N, K]`` in ``rows``' dtype, any strides.
+        counts: ``[E]`` int64 on ``rows``' device, summing to R (not checked: that would read it
+            to the host).
+        backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
+
+    Returns:
+        ``[R, N]`` in ``rows``' dtype: row ``r`` of expert ``e`` is bitwise
+        ``bi_linear(rows[r:r + 1], weight[e])`` on the same backend. The ``triton`` backend runs
+        every expert in one launch and reads nothing to the host; ``torch`` runs one product per expert.
+        Differentiable in ``rows`` and ``weight``.
+    """
+    _checks.tensor("rows", rows, dtypes=_checks.FLOAT_DTYPES, ndim=2)
+    _checks.tensor("weight", weight, dtypes=(rows.dtype,), ndim=3)
+    _checks.tensor("counts", counts, dtypes=(torch.int64,), ndim=1)
+    _checks.same_device("rows", rows, weight=weight, counts=counts)
+    e, n, k = weight.shape
+    _checks.shape("weight", weight, (e, n, rows.shape[1]), f"[E, N, K={rows.shape[1]}]")
+    _checks.shape("counts", counts, (e,), f"[E={e}]")
+    return dispatch.select("bi_grouped_linear", backend, rows.device, rows, weight, counts)(rows, weight, counts)
+
+
 def experts(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -107,7 +137,8 @@ def experts(
         ``[N, H]`` in ``x``'s dtype: ``sum_j weights[:, j] * down_e(silu(gate_e x) * up_e x)`` with
         ``e = ids[:, j]``, each expert's products in ``x``'s dtype, the sum in fp32 from slot 0 on,
         rounded once. Each row depends only on its own inputs. Differentiable in ``x``, the weights
-        and both expert tensors. Reads the per-expert token counts to the host once.
+        and both expert tensors. The products are :func:`bi_grouped_linear`'s: on CUDA nothing is
+        read to the host.
     """
     n, hidden = x.shape
     k = ids.shape[1]
@@ -120,22 +151,16 @@ def experts(
         )
     if ids.shape != weights.shape or ids.shape[0] != n:
         raise ValueError(f"ids, weights: expected both [N={n}, k], got {tuple(ids.shape)} and {tuple(weights.shape)}")
-    flat = ids.reshape(-1)
-    # (token, slot) pairs grouped by expert, in token order within an expert
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
-    segments = []  # (expert, first row, rows) of the experts that have tokens
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            segments.append((e, start, count))
-        start += count
-    if not segments:  # no tokens
+    if n == 0:
         return x.new_zeros(x.shape)
-    # two products per routed expert; the activation once over all of them
-    act = _rows(_gated, torch.cat([F.linear(rows[s : s + c], gate_up[e]) for e, s, c in segments]))
-    grouped = torch.cat([F.linear(act[s : s + c], down[e]) for e, s, c in segments])
+    flat = ids.reshape(-1)
+    # (token, slot) pairs grouped by expert, in token order within an expert; counts without a host read
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    # two grouped products (every routed expert's rows); the activation once over all of them
+    act = _rows(_gated, bi_grouped_linear(rows, gate_up, counts))
+    grouped = bi_grouped_linear(act, down, counts)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     per_slot = grouped.index_select(0, inverse).view(n, k, hidden)

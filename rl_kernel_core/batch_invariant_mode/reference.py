@@ -99,6 +99,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) 
     return row_tiled(_product(weight, bias), x.contiguous())
 
 
+@dispatch.register("bi_grouped_linear", "torch")
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``rows [R, K]`` sorted by expert (``counts [E]``: expert 0's rows first) times each row's
+    expert's ``weight [E, N, K]`` transposed -> ``[R, N]``: :func:`linear` over each expert's rows
+    (reads the counts to the host)."""
+    parts, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        if count:
+            parts.append(linear(rows[start : start + count], weight[e], None))
+        start += count
+    return torch.cat(parts) if parts else rows.new_empty((rows.shape[0], weight.shape[1]))
+
+
 @dispatch.register("bi_log_softmax", "torch")
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise log-softmax of ``x [N, L]`` (over L): ``x - lse`` with :func:`logsumexp`'s lse,

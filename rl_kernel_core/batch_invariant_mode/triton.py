@@ -51,7 +51,7 @@ from rl_kernel_core import dispatch
 from rl_kernel_core.batch_invariant_mode import triton_launch as native_launch
 from rl_kernel_core.triton._autograd import records_graph
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
-from rl_kernel_core.triton._matmul_helpers import dot_acc, grouped_tile
+from rl_kernel_core.triton._matmul_helpers import dot_acc, grouped_tile, tile_product
 from rl_kernel_core.triton.tuning import (
     COMPACT_MATMUL_TILES,
     INTERPRETED_ROW_BLOCK,
@@ -108,21 +108,24 @@ def _persistent_matmul_kernel(
         # int64 rows and columns: an [M, N] output (the LM head's logits) passes 2**31 elements
         rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            a = tl.load(
-                a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                mask=(rm[:, None] < M) & (kk[None, :] < K),
-                other=0.0,
-            )
-            b = tl.load(
-                b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                mask=(kk[:, None] < K) & (rn[None, :] < N),
-                other=0.0,
-            )
-            acc = dot_acc(a, b, acc, IEEE, UPCAST_DOT)
+        acc = tile_product(
+            a_ptr,
+            b_ptr,
+            rm,
+            rn,
+            M,
+            N,
+            K,
+            stride_am,
+            stride_ak,
+            stride_bk,
+            stride_bn,
+            IEEE,
+            UPCAST_DOT,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(

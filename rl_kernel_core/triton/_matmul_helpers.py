@@ -32,3 +32,43 @@ def dot_acc(a, b, acc, IEEE: tl.constexpr, UPCAST_DOT: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@helper_jit
+def tile_product(
+    a_ptr,
+    b_ptr,
+    rm,
+    rn,
+    rows_end,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The fp32 ``[BLOCK_M, BLOCK_N]`` tile ``a[rm, :] @ b[:, rn]``, accumulated over K in
+    ascending ``BLOCK_K`` steps (:func:`dot_acc`); rows from ``rows_end``, columns from ``N`` and
+    k from ``K`` read as zeros."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+            mask=(rm[:, None] < rows_end) & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+            mask=(kk[:, None] < K) & (rn[None, :] < N),
+            other=0.0,
+        )
+        acc = dot_acc(a, b, acc, IEEE, UPCAST_DOT)
+    return acc
