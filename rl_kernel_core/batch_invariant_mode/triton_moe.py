@@ -18,11 +18,14 @@ the expert's first row). A GPU test asserts the equality
 (``tests/core/batch_invariant_mode/test_bi_grouped_linear.py``).
 
 Gradients: the input gradient is the same grouped product with each expert's matrix transposed;
-the weight gradient is one plain product per expert (it reads the counts to the host), correct but
-not batch-invariant, as the matmul's is.
+the weight gradient is one launch too (:func:`grouped_weight_grad`: a program per block of one
+expert's gradient, summing that expert's rows), correct but not batch-invariant, as the matmul's
+weight gradient is not. Nothing in the forward or the backward is read to the host.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton.language as tl
@@ -32,7 +35,11 @@ from rl_kernel_core.batch_invariant_mode.triton import _supports, matmul_tile
 from rl_kernel_core.triton._autograd import records_graph
 from rl_kernel_core.triton._jit import interpreting, launch_time_jit
 from rl_kernel_core.triton._matmul_helpers import tile_product
-from rl_kernel_core.triton.tuning import MATMUL_INTERPRETED_TILES
+from rl_kernel_core.triton.tuning import (
+    GROUPED_WEIGHT_GRAD_INTERPRETED_TILE,
+    GROUPED_WEIGHT_GRAD_TILE,
+    MATMUL_INTERPRETED_TILES,
+)
 
 
 @launch_time_jit(do_not_specialize=["R"])
@@ -92,6 +99,62 @@ def _grouped_matmul_kernel(
         )
 
 
+@launch_time_jit
+def _grouped_weight_grad_kernel(
+    g_ptr,
+    a_ptr,
+    dw_ptr,
+    rows_end_ptr,
+    counts_ptr,
+    N,
+    K,
+    stride_gm,
+    stride_gn,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    IEEE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """``dw[e] = g[rows of e].T @ a[rows of e]`` for the ``[BLOCK_N, BLOCK_K]`` block
+    ``program_id(1)`` of expert ``program_id(0)`` (zeros for an expert without rows)."""
+    expert = tl.program_id(0).to(tl.int64)
+    blocks_k = tl.cdiv(K, BLOCK_K)
+    rn = (tl.program_id(1) // blocks_k).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = (tl.program_id(1) % blocks_k).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    end = tl.load(rows_end_ptr + expert)
+    first = end - tl.load(counts_ptr + expert)
+    # g.T [N, rows] @ a [rows, K] over this expert's rows: the rows are the product's reduction
+    acc = tile_product(
+        g_ptr + first * stride_gm,
+        a_ptr + first * stride_am,
+        rn,
+        rk,
+        N,
+        K,
+        end - first,
+        stride_gn,
+        stride_gm,
+        stride_am,
+        stride_ak,
+        IEEE,
+        UPCAST_DOT,
+        BLOCK_N,
+        BLOCK_K,
+        BLOCK_R,
+    )
+    tl.store(
+        dw_ptr + expert * stride_we + rn[:, None] * stride_wn + rk[None, :] * stride_wk,
+        acc.to(dw_ptr.dtype.element_ty),
+        mask=(rn[:, None] < N) & (rk[None, :] < K),
+    )
+
+
 def tile_bound(rows: int, experts: int, block_m: int) -> int:
     """The most ``block_m``-row tiles ``rows`` rows split among ``experts`` experts can take (each
     expert with rows adds at most one partial tile): the grid's row blocks, known on the host."""
@@ -122,6 +185,20 @@ def tile_map(counts: torch.Tensor, block_m: int, blocks: int) -> tuple[torch.Ten
     return expert, first, end
 
 
+def _options(
+    dtype: torch.dtype, tile: Callable[[], tuple[int, ...]], interpreted_blocks: tuple[int, int, int]
+) -> tuple[tuple[int, ...], dict]:
+    """A kernel's three block sizes and its launch options: ``interpreted_blocks`` under the
+    interpreter, else ``tile()``'s blocks with its warps and stages; IEEE fp32 products for fp32
+    inputs and under the interpreter, whose 16-bit operands are upcast."""
+    interpreted = interpreting()
+    flags = {"IEEE": dtype == torch.float32 or interpreted, "UPCAST_DOT": interpreted}
+    if interpreted:
+        return interpreted_blocks, flags
+    *blocks, warps, stages = tile()
+    return tuple(blocks), {**flags, "num_warps": warps, "num_stages": stages}
+
+
 def grouped_forward(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``rows [R, K]`` (sorted by expert: ``counts[0]`` rows of expert 0, then expert 1's, ...)
     times each row's expert's ``weight [E, N, K]`` transposed: ``[R, N]`` in ``rows``' dtype, no
@@ -131,12 +208,7 @@ def grouped_forward(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tens
     out = torch.empty((r, n), dtype=rows.dtype, device=rows.device)
     if r == 0 or n == 0:
         return out
-    interpreted = interpreting()
-    if interpreted:
-        (bm, bn, bk), extra = MATMUL_INTERPRETED_TILES, {}
-    else:
-        bm, bn, bk, warps, stages = matmul_tile(rows.dtype, rows.device)
-        extra = {"num_warps": warps, "num_stages": stages}
+    (bm, bn, bk), options = _options(rows.dtype, lambda: matmul_tile(rows.dtype, rows.device), MATMUL_INTERPRETED_TILES)
     blocks = tile_bound(r, experts, bm)
     expert, first, end = tile_map(counts, bm, blocks)
     _grouped_matmul_kernel[(blocks, -(-n // bn))](
@@ -148,21 +220,44 @@ def grouped_forward(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tens
         end,
         n,
         k,
-        rows.stride(0),
-        rows.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        weight.stride(2),
-        out.stride(0),
-        out.stride(1),
-        IEEE=rows.dtype == torch.float32 or interpreted,
-        UPCAST_DOT=interpreted,
+        *rows.stride(),
+        *weight.stride(),
+        *out.stride(),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        **extra,
+        **options,
     )
     return out
+
+
+def grouped_weight_grad(grad: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each expert's weight gradient ``grad[rows of e].T @ rows[rows of e]`` for ``grad [R, N]``
+    and ``rows [R, K]`` sorted by expert (``counts [E]``): ``[E, N, K]`` in ``rows``' dtype,
+    accumulated in fp32, one launch, nothing read to the host. Not batch-invariant (a sum over
+    the batch's rows), as the matmul's weight gradient is not."""
+    n, k = grad.shape[1], rows.shape[1]
+    dw = torch.empty((experts, n, k), dtype=rows.dtype, device=rows.device)
+    if n == 0 or k == 0:
+        return dw
+    (bn, bk, br), options = _options(rows.dtype, lambda: GROUPED_WEIGHT_GRAD_TILE, GROUPED_WEIGHT_GRAD_INTERPRETED_TILE)
+    _grouped_weight_grad_kernel[(experts, -(-n // bn) * -(-k // bk))](
+        grad,
+        rows,
+        dw,
+        torch.cumsum(counts, 0),
+        counts,
+        n,
+        k,
+        *grad.stride(),
+        *rows.stride(),
+        *dw.stride(),
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        BLOCK_R=br,
+        **options,
+    )
+    return dw
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -176,14 +271,7 @@ class _GroupedLinear(torch.autograd.Function):
         rows, weight, counts = ctx.saved_tensors
         grad = grad.contiguous()
         drows = grouped_forward(grad, weight.transpose(1, 2), counts) if ctx.needs_input_grad[0] else None
-        dweight = None
-        if ctx.needs_input_grad[1]:
-            dweight = torch.zeros_like(weight)
-            start = 0
-            for e, count in enumerate(counts.tolist()):
-                if count:
-                    dweight[e] = grad[start : start + count].t() @ rows[start : start + count]
-                start += count
+        dweight = grouped_weight_grad(grad, rows, counts, weight.shape[0]) if ctx.needs_input_grad[1] else None
         return drows, dweight, None
 
 

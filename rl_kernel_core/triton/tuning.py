@@ -112,6 +112,14 @@ MATMUL_GROUP_M: int = 8
 """``GROUP_M`` of the persistent matmul: row blocks that sweep the columns together (grouped order,
 ``grouped_tile``)."""
 
+GROUPED_WEIGHT_GRAD_TILE: tuple[int, int, int, int, int] = (64, 64, 32, 4, 3)
+"""``(BLOCK_N, BLOCK_K, BLOCK_R, num_warps, num_stages)`` of ``bi_grouped_linear``'s weight-gradient
+kernel: one program per ``BLOCK_N x BLOCK_K`` block of one expert's gradient, summing that expert's
+rows ``BLOCK_R`` at a time. Not measured against other tiles yet."""
+
+GROUPED_WEIGHT_GRAD_INTERPRETED_TILE: tuple[int, int, int] = (16, 16, 16)
+""":data:`GROUPED_WEIGHT_GRAD_TILE`'s blocks under the Triton interpreter (CPU tests)."""
+
 ROW_BLOCK: int = 1024
 """Columns per step of the batch-invariant row reductions (``_row_stats_kernel``: ``bi_mean``,
 ``bi_log_softmax``, ``rms_norm``); the same for every row count."""

@@ -60,17 +60,18 @@ def test_each_experts_rows_match_fp64_and_its_own_bi_linear_bitwise(seed, backen
 
 
 @op_backends.on_backends("bi_grouped_linear")
-def test_gradients_match_the_per_expert_products(seed, backend):
-    rows, weight, counts = _draw(seed, backend.device, torch.float32)
-    grad = torch.randn(rows.shape[0], weight.shape[1], device=rows.device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_match_the_per_expert_products(seed, backend, dtype):
+    rows, weight, counts = _draw(seed, backend.device, dtype)
+    grad = torch.randn(rows.shape[0], weight.shape[1], device=rows.device).to(dtype)
     r1, w1 = rows.clone().requires_grad_(), weight.clone().requires_grad_()
     (bi_grouped_linear(r1, w1, counts, backend=backend.name) * grad).sum().backward()
     r2, w2 = rows.double().requires_grad_(), weight.double().requires_grad_()
     per_expert = [r2[s : s + c] @ w2[e].t() for e, s, c in _segments(counts) if c]
     (torch.cat(per_expert) * grad.double()).sum().backward()
     assert r1.grad is not None and w1.grad is not None and r2.grad is not None and w2.grad is not None
-    close_in_dtype(r1.grad, r2.grad, "attention", torch.float32, f"rows' gradient (seed={seed})")
-    close_in_dtype(w1.grad, w2.grad, "attention", torch.float32, f"weight's gradient (seed={seed})")
+    close_in_dtype(r1.grad, r2.grad, "attention", dtype, f"rows' gradient (seed={seed})")
+    close_in_dtype(w1.grad, w2.grad, "attention", dtype, f"weight's gradient (seed={seed})")
 
 
 def test_the_reference_gradients_pass_gradcheck(seed):
@@ -117,15 +118,21 @@ def test_bad_input_is_refused_naming_the_argument(change, message):
 
 @pytest.mark.gpu
 def test_cuda_reads_nothing_to_the_host_and_replays_in_a_cuda_graph(seed, monkeypatch):
-    """The Triton backend builds its tile map on the device: no synchronisation in a call, and a
-    graph captured for one routing replays another (same row count) with the eager bits."""
+    """The Triton backend builds its tile map on the device: no synchronisation in a forward and
+    backward, and a graph captured for one routing replays another (same row count) with the eager bits."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rows, weight, counts = _draw(seed, "cuda", torch.bfloat16)
-    bi_grouped_linear(rows, weight, counts, backend="triton")  # compile outside the capture
+    grad = torch.randn(rows.shape[0], weight.shape[1], device="cuda", dtype=torch.bfloat16)
+
+    def forward_and_backward():
+        r, w = rows.clone().requires_grad_(), weight.clone().requires_grad_()
+        bi_grouped_linear(r, w, counts, backend="triton").backward(grad)
+
+    forward_and_backward()  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        bi_grouped_linear(rows, weight, counts, backend="triton")
+        forward_and_backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
