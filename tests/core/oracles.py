@@ -714,3 +714,15 @@ def rows_invariant(fn, x, sizes, move_rows=True):
         return
     perm = torch.randperm(x.shape[0], device=x.device)
     assert torch.equal(fn(x[perm]), full[perm]), "rows changed when moved to other positions"
+
+
+def assert_no_host_sync(step):
+    """Run ``step()`` once to compile and warm up, then again with CUDA's sync debug mode set to
+    ``"error"``: any host synchronisation in the second run raises."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -17,7 +17,7 @@ from rl_kernel_core import dispatch
 from rl_kernel_core.batch_invariant_mode.api import bi_linear
 from rl_kernel_core.batch_invariant_mode.api_moe import bi_grouped_linear
 from rl_kernel_core.batch_invariant_mode.triton_moe import tile_bound, tile_map
-from oracles import close_in_dtype
+from oracles import assert_no_host_sync, close_in_dtype
 import op_backends
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # the interpreter's masked lanes
@@ -128,13 +128,7 @@ def test_cuda_reads_nothing_to_the_host_and_replays_in_a_cuda_graph(seed, monkey
         r, w = rows.clone().requires_grad_(), weight.clone().requires_grad_()
         bi_grouped_linear(r, w, counts, backend="triton").backward(grad)
 
-    forward_and_backward()  # compile outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        forward_and_backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(forward_and_backward)
     graph = torch.cuda.CUDAGraph()
     static_counts = counts.clone()
     with torch.cuda.graph(graph):

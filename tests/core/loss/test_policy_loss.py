@@ -25,6 +25,7 @@ from rl_kernel_core.loss.api import LOSS_AGG_MODES, METRIC_NAMES
 from rl_kernel_core.switches import SwitchError
 from op_backends import Backend, on_backends
 from oracles import (
+    assert_no_host_sync,
     every_term_loss_formula,
     AGG_MODES,
     KL_TYPE_CASES,
@@ -225,13 +226,7 @@ def test_losses_never_sync_with_the_host(seed, backend: Backend):
         rk.group_advantages(rewards, group_size=8, backend=backend.name)
         rk.ratio_kl(t["lp"], t["old"], t["ref"], backend=backend.name)
 
-    step()  # compile and warm up outside the guarded region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(step)
 
 
 # ============================================================== the reference (torch) on CPU
