@@ -18,8 +18,8 @@ batch-invariant mode is on (the engine side: :mod:`rl_kernel_vllm.moe`; the trai
   taken; the weights are ``exp`` of their log-probabilities (fp32) and, with ``normalize``,
   divided by their sum, added left to right in that order.
 * :func:`experts`: each (token, slot) pair's expert MLP ``down(silu(gate(x)) * up(x))`` through
-  the mode's row-invariant matmuls in the model dtype (the tokens of one expert in one product),
-  then the combine ``sum_j w_j * y_j`` in fp32, slot 0 first (descending routing weight), rounded
+  the mode's row-invariant matmuls in the model dtype (:func:`bi_grouped_linear`: every expert's
+  product over its tokens, one launch for all experts on CUDA), then the combine ``sum_j w_j * y_j`` in fp32, slot 0 first (descending routing weight), rounded
   once to the model dtype.
 
 On the CPU the elementwise steps whose vectorised and scalar code paths may round differently
