@@ -42,7 +42,7 @@ from rl_kernel_core.triton.tuning import (
 )
 
 
-@launch_time_jit(do_not_specialize=["R"])
+@launch_time_jit
 def _grouped_matmul_kernel(
     a_ptr,
     w_ptr,
