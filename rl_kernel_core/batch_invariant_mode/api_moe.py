@@ -107,8 +107,8 @@ def bi_grouped_linear(
         backend: ``"auto"`` (or None: ``RL_KERNEL_BACKEND``, default auto) or a backend name.
 
     Returns:
-        ``[R, N]`` in ``rows``' dtype: row ``r`` of expert ``e`` is bitwise
-        ``bi_linear(rows[r:r + 1], weight[e])`` on the same backend. The ``triton`` backend runs
+        ``[R, N]`` in ``rows``' dtype: expert ``e``'s rows are bitwise ``bi_linear`` of those rows
+        and ``weight[e]`` on the same backend. The ``triton`` backend runs
         every expert in one launch and reads nothing to the host; ``torch`` runs one product per expert.
         Differentiable in ``rows`` and ``weight``.
     """

@@ -1,4 +1,5 @@
-"""Device functions shared by the Triton matrix-product kernels (the linear log-prob passes, the batch-invariant matmul and attention)."""
+"""Device functions shared by the Triton matrix-product kernels (the linear log-prob passes, the batch-invariant
+matmul, its grouped MoE products and attention)."""
 
 from __future__ import annotations
 
